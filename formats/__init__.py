@@ -1,0 +1,1 @@
+"""The contract between training and runtime: op registry, model description, `.bin` format."""

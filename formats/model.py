@@ -1,0 +1,301 @@
+"""The JSON model description: parsing, checking, shape inference and per-layer cost.
+
+A description looks like
+    {"name": "mnist_cnn", "input_shape": [1, 28, 28],
+     "layers": [{"type": "conv2d", "out_channels": 32, "kernel_size": 3, "padding": 1, "activation": "relu"},
+                {"type": "maxpool2d", "kernel_size": 2}, {"type": "flatten"},
+                {"type": "linear", "out_features": 10}],
+     "loss": "cross_entropy", "optimizer": {"type": "sgd", "lr": 0.01, "momentum": 0.9},
+     "preprocess": {"color": "gray", "scale": 0.00392156862745098, "mean": [0.1307], "std": [0.3081]},
+     "labels": ["zero", "one", ...]}
+
+`parse_model` turns it into a `Model`: every layer's attributes completed and checked, input and
+output shapes, parameter shapes. `Model.to_description()` gives back the complete, normalized
+description; parsing that again gives the same model (the `.bin` stores it as its graph).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lnn.formats.errors import ModelSpecError
+from lnn.formats.ops import REQUIRED, SpecProblem, get_op, normalize_activation
+
+TOP_LEVEL_FIELDS = {"name", "description", "input_shape", "layers", "loss", "optimizer", "preprocess",
+                    "labels", "training", "model_card"}
+LOSSES = ("cross_entropy", "mse")
+OPTIMIZERS = {
+    "sgd": {"lr": 0.01, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
+    "adam": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
+    "adamw": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+}
+COLORS = ("rgb", "bgr", "gray")
+FLOAT_BYTES = 4
+
+
+@dataclass
+class Node:
+    """One layer of a parsed model, with its shapes (per sample, no batch dimension)."""
+
+    index: int
+    op: str
+    name: str
+    attrs: dict
+    in_shape: tuple
+    out_shape: tuple
+    param_shapes: dict
+
+    def param_key(self, param: str) -> str:
+        return f"{self.name}.{param}"
+
+    @property
+    def flops(self) -> int:
+        return get_op(self.op).flops(self.attrs, self.in_shape, self.out_shape)
+
+    @property
+    def elementwise_ops(self) -> int:
+        return get_op(self.op).elementwise_ops(self.attrs, self.in_shape, self.out_shape)
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(s) for s in self.param_shapes.values())
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of this layer's float32 output for one sample."""
+        return math.prod(self.out_shape) * FLOAT_BYTES
+
+
+@dataclass
+class Model:
+    name: str
+    input_shape: tuple
+    nodes: list
+    preprocess: dict | None
+    labels: list
+    loss: str
+    optimizer: dict
+    extra: dict = field(default_factory=dict)   # description, training, model_card: carried as given
+
+    @property
+    def output_shape(self) -> tuple:
+        return self.nodes[-1].out_shape if self.nodes else self.input_shape
+
+    def param_shapes(self) -> dict[str, tuple]:
+        """Every parameter key (`<layer name>.<param>`) and its shape, in layer order."""
+        return {node.param_key(p): shape for node in self.nodes for p, shape in node.param_shapes.items()}
+
+    @property
+    def num_params(self) -> int:
+        return sum(node.num_params for node in self.nodes)
+
+    def to_description(self) -> dict:
+        """The complete normalized description (every attribute written out)."""
+        layers = []
+        for node in self.nodes:
+            layer = {"type": node.op, "name": node.name}
+            for key, value in node.attrs.items():
+                layer[key] = list(value) if isinstance(value, tuple) else value
+            layers.append(layer)
+        out = {"name": self.name, "input_shape": list(self.input_shape), "layers": layers,
+               "loss": self.loss, "optimizer": self.optimizer, "labels": self.labels}
+        if self.preprocess is not None:
+            out["preprocess"] = self.preprocess
+        out.update(self.extra)
+        return out
+
+
+def load_description(path: str | Path) -> dict:
+    """Read a JSON description file; a missing file or bad JSON becomes a one-line ModelSpecError."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ModelSpecError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModelSpecError(f"{path}: cannot read the model description ({err})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ModelSpecError(f"{path}: not valid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+
+
+def parse_model(desc: dict) -> Model:
+    if not isinstance(desc, dict):
+        raise ModelSpecError("the model description must be a JSON object")
+    unknown = set(desc) - TOP_LEVEL_FIELDS
+    if unknown:
+        raise ModelSpecError(f"unknown top-level field {sorted(unknown)[0]!r}; known: {', '.join(sorted(TOP_LEVEL_FIELDS))}")
+    name = desc.get("name", "model")
+    if not isinstance(name, str) or not name:
+        raise ModelSpecError("name must be a non-empty string")
+    input_shape = _parse_input_shape(desc.get("input_shape"))
+    layers = desc.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise ModelSpecError("layers must be a non-empty list of layer objects")
+
+    nodes, shape, names = [], input_shape, set()
+    for index, layer in enumerate(layers):
+        node = _parse_layer(index, layer, shape)
+        if node.name in names:
+            raise ModelSpecError(f"layer {index} ({node.op}): name {node.name!r} is used by an earlier layer")
+        names.add(node.name)
+        nodes.append(node)
+        shape = node.out_shape
+
+    extra = {key: desc[key] for key in ("description", "training", "model_card") if key in desc}
+    return Model(
+        name=name, input_shape=input_shape, nodes=nodes,
+        preprocess=_parse_preprocess(desc.get("preprocess"), input_shape),
+        labels=_parse_labels(desc.get("labels"), shape),
+        loss=_parse_loss(desc.get("loss", "cross_entropy")),
+        optimizer=_parse_optimizer(desc.get("optimizer", {"type": "sgd"})),
+        extra=extra,
+    )
+
+
+def load_model(path: str | Path) -> Model:
+    return parse_model(load_description(path))
+
+
+def _parse_input_shape(value) -> tuple:
+    if (not isinstance(value, list) or not value or len(value) > 4
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ModelSpecError(f"input_shape must be a list of 1 to 4 positive integers without the batch, e.g. [3, 128, 128]; got {value!r}")
+    return tuple(value)
+
+
+def _parse_layer(index: int, layer, in_shape: tuple) -> Node:
+    if not isinstance(layer, dict) or not isinstance(layer.get("type"), str):
+        raise ModelSpecError(f"layer {index}: must be an object with a \"type\" field, got {layer!r}")
+    try:
+        op = get_op(layer["type"])
+    except ModelSpecError as err:
+        raise ModelSpecError(f"layer {index}: {err}") from None
+    where = f"layer {index} ({op.name})"
+    name = layer.get("name", f"{op.name}_{index}")
+    if not isinstance(name, str) or not name:
+        raise ModelSpecError(f"{where}: name must be a non-empty string")
+    given = {k: v for k, v in layer.items() if k not in ("type", "name")}
+    unknown = set(given) - set(op.attr_defaults)
+    if unknown:
+        known = ", ".join(["type", "name", *op.attr_defaults]) if op.attr_defaults else "type, name"
+        raise ModelSpecError(f"{where}: unknown field {sorted(unknown)[0]!r}; known: {known}")
+    attrs = {}
+    for key, default in op.attr_defaults.items():
+        if key in given:
+            attrs[key] = given[key]
+        elif default is REQUIRED:
+            raise ModelSpecError(f"{where}: missing required field {key!r}")
+        else:
+            attrs[key] = default
+    try:
+        if op.has_activation_field:
+            attrs["activation"] = normalize_activation(attrs["activation"])
+        attrs = op.normalize(attrs, in_shape)
+        out_shape = tuple(op.infer(attrs, in_shape))
+        param_shapes = {k: tuple(v) for k, v in op.param_shapes(attrs, in_shape).items()}
+    except SpecProblem as problem:
+        field_part = f"{problem.field}: " if problem.field and not problem.message.startswith(problem.field) else ""
+        raise ModelSpecError(f"{where}: {field_part}{problem.message}") from None
+    return Node(index, op.name, name, attrs, tuple(in_shape), out_shape, param_shapes)
+
+
+def _parse_preprocess(value, input_shape: tuple) -> dict | None:
+    if len(input_shape) != 3:
+        if value is not None:
+            raise ModelSpecError(f"preprocess: only image models (input_shape [C, H, W]) take image preprocessing; input_shape is {list(input_shape)}")
+        return None
+    value = {} if value is None else value
+    if not isinstance(value, dict):
+        raise ModelSpecError("preprocess must be an object")
+    channels, height, width = input_shape
+    known = {"color", "resize", "scale", "mean", "std", "layout"}
+    unknown = set(value) - known
+    if unknown:
+        raise ModelSpecError(f"preprocess: unknown field {sorted(unknown)[0]!r}; known: {', '.join(sorted(known))}")
+    if value.get("layout", "NCHW") != "NCHW":
+        raise ModelSpecError(f"preprocess: layout must be \"NCHW\", not {value['layout']!r}")
+    color = value.get("color", "gray" if channels == 1 else "rgb")
+    if color not in COLORS:
+        raise ModelSpecError(f"preprocess: color must be one of {', '.join(COLORS)}, not {color!r}")
+    if (color == "gray") != (channels == 1):
+        raise ModelSpecError(f"preprocess: color {color!r} does not fit {channels} input channel(s)")
+    resize = value.get("resize", [height, width])
+    if resize != [height, width]:
+        raise ModelSpecError(f"preprocess: resize must equal the input size [{height}, {width}], got {resize!r}")
+    scale = value.get("scale", 1 / 255)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+        raise ModelSpecError(f"preprocess: scale must be a positive number, not {scale!r}")
+    out = {"color": color, "resize": [height, width], "scale": float(scale), "layout": "NCHW"}
+    for key, default in (("mean", 0.0), ("std", 1.0)):
+        numbers = value.get(key, [default] * channels)
+        if not isinstance(numbers, list) or len(numbers) != channels or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+            raise ModelSpecError(f"preprocess: {key} must be a list of {channels} numbers (one per channel), got {numbers!r}")
+        if key == "std" and min(numbers) <= 0:
+            raise ModelSpecError(f"preprocess: std values must be positive, got {numbers!r}")
+        out[key] = [float(v) for v in numbers]
+    return out
+
+
+def _display_name(name: str) -> str:
+    return name.replace("_", " ").strip().capitalize()
+
+
+def _parse_labels(value, output_shape: tuple) -> list:
+    classes = output_shape[0] if len(output_shape) == 1 else None
+    if value is None:
+        return [{"name": str(i), "display": f"class {i}"} for i in range(classes or 0)]
+    if not isinstance(value, list):
+        raise ModelSpecError("labels must be a list of names or of {\"name\", \"display\", \"advice\"} objects")
+    labels = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            item = {"name": item}
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            raise ModelSpecError(f"labels[{i}]: must be a name or an object with a \"name\" string, got {item!r}")
+        unknown = set(item) - {"name", "display", "advice"}
+        if unknown:
+            raise ModelSpecError(f"labels[{i}]: unknown field {sorted(unknown)[0]!r}; known: name, display, advice")
+        label = {"name": item["name"], "display": item.get("display", _display_name(item["name"]))}
+        if "advice" in item:
+            label["advice"] = item["advice"]
+        if not all(isinstance(v, str) for v in label.values()):
+            raise ModelSpecError(f"labels[{i}]: display and advice must be strings")
+        labels.append(label)
+    if classes is not None and len(labels) != classes:
+        raise ModelSpecError(f"labels: {len(labels)} given, but the last layer outputs {classes} values")
+    if len({label["name"] for label in labels}) != len(labels):
+        raise ModelSpecError("labels: names must be unique")
+    return labels
+
+
+def _parse_loss(value) -> str:
+    if value not in LOSSES:
+        raise ModelSpecError(f"loss must be one of {', '.join(LOSSES)}, not {value!r}")
+    return value
+
+
+def _parse_optimizer(value) -> dict:
+    if isinstance(value, str):
+        value = {"type": value}
+    if not isinstance(value, dict) or value.get("type") not in OPTIMIZERS:
+        raise ModelSpecError(f"optimizer must be an object whose type is one of {', '.join(OPTIMIZERS)}, got {value!r}")
+    defaults = OPTIMIZERS[value["type"]]
+    unknown = set(value) - {"type"} - set(defaults)
+    if unknown:
+        raise ModelSpecError(f"optimizer ({value['type']}): unknown field {sorted(unknown)[0]!r}; known: {', '.join(defaults)}")
+    out = {"type": value["type"]}
+    for key, default in defaults.items():
+        given = value.get(key, default)
+        if not isinstance(given, type(default)) and not (isinstance(default, float) and isinstance(given, int)
+                                                          and not isinstance(given, bool)):
+            raise ModelSpecError(f"optimizer ({value['type']}): {key} must be like {default!r}, not {given!r}")
+        out[key] = float(given) if isinstance(default, float) else given
+    if out["lr"] <= 0:
+        raise ModelSpecError(f"optimizer ({value['type']}): lr must be positive, not {out['lr']}")
+    return out

@@ -1,0 +1,104 @@
+"""Load a `.bin` model and run it: `lnn.load(path, device=...)` returns a Session.
+
+Backends are found by name and imported only when asked for:
+    "numpy" -> lnn.runtime.reference  (pure NumPy; the oracle and the fallback)
+    "cpu"   -> lnn.runtime.cpu        (Numba kernels, compiled lazily, cached per user)
+    "cuda"  -> lnn.runtime.cuda       (CuPy)
+    "auto"  -> "cpu" when Numba is installed, else "numpy"
+Importing this module imports neither CuPy, Numba, OpenCV nor the training side.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from lnn.formats.binfile import BinModel, read_bin
+from lnn.formats.errors import LnnInputError
+
+BACKENDS = {"numpy": "lnn.runtime.reference", "cpu": "lnn.runtime.cpu", "cuda": "lnn.runtime.cuda"}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cpu" if importlib.util.find_spec("numba") is not None else "numpy"
+    if device not in BACKENDS:
+        raise ValueError(f"device must be one of auto, {', '.join(BACKENDS)}; not {device!r}")
+    return device
+
+
+def backend_class(device: str):
+    module = importlib.import_module(BACKENDS[device])
+    return module.BACKEND
+
+
+def load(path, device: str = "auto", **backend_options) -> "Session":
+    """Load and validate a `.bin` (raises LnnFormatError when it is bad) and prepare a backend."""
+    return Session(read_bin(path), device, **backend_options)
+
+
+class Session:
+    """A loaded model on one backend. run() gives raw outputs, predict() probabilities."""
+
+    def __init__(self, bin_model: BinModel, device: str = "auto", **backend_options):
+        self.bin = bin_model
+        self.model = bin_model.model
+        self.metadata = bin_model.metadata
+        self.labels = self.model.labels
+        self.device = resolve_device(device)
+        self.backend = backend_class(self.device)(self.model, bin_model.weights_fp32(), **backend_options)
+
+    @property
+    def input_shape(self) -> tuple:
+        return self.model.input_shape
+
+    def _check_batch(self, batch) -> np.ndarray:
+        batch = np.asarray(batch)
+        if batch.shape[1:] != self.model.input_shape or batch.ndim != len(self.model.input_shape) + 1:
+            raise LnnInputError(f"expected a batch of shape [N, {', '.join(map(str, self.model.input_shape))}], "
+                                f"got {list(batch.shape)}")
+        if batch.shape[0] == 0:
+            raise LnnInputError("the batch is empty")
+        return np.ascontiguousarray(batch, dtype=np.float32)
+
+    def run(self, batch) -> np.ndarray:
+        """[N, *input_shape] float32 (already preprocessed) -> the last layer's outputs (e.g. logits)."""
+        return np.array(self.backend.run(self._check_batch(batch)), copy=True)
+
+    @property
+    def outputs_probabilities(self) -> bool:
+        last = self.model.nodes[-1]
+        activation = last.attrs if last.op in ("softmax", "sigmoid") else last.attrs.get("activation")
+        return bool(activation) and activation.get("type") in ("softmax", "sigmoid")
+
+    def predict(self, batch) -> np.ndarray:
+        """Class probabilities: a softmax of the outputs unless the model already ends in one."""
+        out = self.run(batch)
+        if self.outputs_probabilities:
+            return out
+        shifted = np.exp(out - out.max(axis=1, keepdims=True))
+        return shifted / shifted.sum(axis=1, keepdims=True)
+
+    def prepare_image(self, image, color: str = "bgr") -> np.ndarray:
+        """A path, encoded bytes or an HxW[x3] array -> [C, H, W] float32 with the model's preprocessing."""
+        from lnn.runtime.preprocess import preprocess_image, read_image
+
+        if self.model.preprocess is None:
+            raise LnnInputError(f"model {self.model.name!r} takes no images (input shape {list(self.model.input_shape)})")
+        if isinstance(image, (str, Path, bytes, bytearray)):
+            image, color = read_image(image), "bgr"
+        return preprocess_image(image, self.model.preprocess, color)
+
+    def predict_image(self, image, top_k: int | None = None, color: str = "bgr") -> list:
+        """[(label, probability), ...] best first, using the model's own preprocessing.
+
+        `image` is a path, encoded bytes, or an array (BGR as OpenCV decodes it, or pass color="rgb")."""
+        probabilities = self.predict(self.prepare_image(image, color)[None])[0]
+        return self.ranked(probabilities, top_k)
+
+    def ranked(self, probabilities: np.ndarray, top_k: int | None = None) -> list:
+        order = np.argsort(-probabilities, kind="stable")[:top_k]
+        return [(self.labels[i]["display"], float(probabilities[i])) for i in order]
