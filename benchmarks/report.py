@@ -1,0 +1,50 @@
+"""Shared by every benchmark script: machine/version facts and writing one section of docs/BENCHMARKS.md.
+
+Each script owns one section, fenced by `<!-- begin NAME -->` / `<!-- end NAME -->`, and rewrites only
+that section, so scripts run in any order and a figure is always the last one its script measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import re
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+HEADER = "# Benchmarks\n\nEvery figure below was written by the script named in its section; rerun it to refresh.\n"
+
+
+def machine_line(packages=("numpy", "numba", "onnxruntime")) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = []
+    for name in packages:
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return (f"{datetime.date.today().isoformat()}, {cpu}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}, {', '.join(versions)}")
+
+
+def markdown_table(headers: list, rows: list) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def update_section(name: str, body: str, doc: Path = DOC) -> None:
+    """Replace (or append) the section called `name` in docs/BENCHMARKS.md."""
+    text = doc.read_text() if doc.exists() else HEADER
+    block = f"<!-- begin {name} -->\n{body.strip()}\n<!-- end {name} -->"
+    pattern = re.compile(rf"<!-- begin {re.escape(name)} -->.*?<!-- end {re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)

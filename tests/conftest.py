@@ -1,0 +1,24 @@
+"""Shared test fixtures: where ../shared lies, and skipping cleanly when it does not."""
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+REFERENCE_MODELS = SHARED / "reference_models"
+DATA = SHARED / "data"
+REFERENCE_NAMES = ["mnist_mlp", "mnist_cnn", "leaf_cnn", "leaf_cnn224"]
+EXAMPLES = REPO / "examples"
+
+
+def need(path: Path) -> Path:
+    """Skip the calling test when a file or folder of ../shared is absent (a user's clone)."""
+    if not path.exists():
+        pytest.skip(f"{path} is absent (../shared is only beside the project's own checkouts)")
+    return path
+
+
+@pytest.fixture
+def reference_models() -> Path:
+    return need(REFERENCE_MODELS)
