@@ -1,0 +1,206 @@
+"""lnn model + weights -> ONNX (opset >= 17), for onnxruntime and every other ONNX consumer.
+
+The graph takes `input` [N, *input_shape] float32 (N is a dynamic dimension named "N") and gives
+`logits` [N, *output_shape] (`output` when the model ends in softmax or sigmoid). Layer by layer:
+
+    conv2d          Conv (pads written as [top, left, bottom, right])
+    linear          Gemm(transB=1): y = x @ W.T + b, W kept as lnn stores it ([out, in])
+    batchnorm       folded into the conv2d / linear just before it when that layer has no activation;
+                    otherwise a BatchNormalization node
+    maxpool2d       MaxPool;  avgpool2d: AveragePool with count_include_pad
+    global_avg_pool GlobalAveragePool, then Flatten(axis=1) unless keepdims
+    flatten         Flatten(axis=1)
+    dropout         removed (inference graph)
+    activations     (fused or stand-alone) Relu, Clip(0, 6), LeakyRelu(alpha), Sigmoid, Tanh, Softmax(axis=1)
+
+The model's labels and preprocessing travel in the ONNX metadata_props as JSON (keys `lnn.labels`,
+`lnn.preprocess`, `lnn.name`), so `lnn-import` gives the same model back.
+
+onnx is an optional extra: it is imported inside the functions here, never at module import.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from lnn.formats.errors import LnnError
+from lnn.formats.model import Model
+from lnn.formats.ops import ACTIVATIONS, get_op
+from lnn.version import __version__
+
+MIN_OPSET = 17
+BATCH_DIM = "N"
+INPUT_NAME = "input"
+METADATA_KEYS = {"labels": "lnn.labels", "preprocess": "lnn.preprocess", "name": "lnn.name"}
+
+
+def require_onnx(module: str = "onnx"):
+    """Import onnx (or onnxruntime) on demand; a missing package becomes a one-line LnnError."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise LnnError("ONNX support needs the onnx extra: pip install 'lnn[onnx]'") from None
+
+
+def fold_batchnorm(weight: np.ndarray, bias: np.ndarray | None, bn: dict, eps: float) -> tuple:
+    """Fold y = BN(W x + b) into one layer: W' = W * s (per output channel), b' = (b - mean) * s + beta,
+    with s = gamma / sqrt(var + eps). Works for conv [O, I, KH, KW] and linear [O, I] weights."""
+    scale = bn["weight"].astype(np.float64) / np.sqrt(bn["running_var"].astype(np.float64) + eps)
+    bias = np.zeros(weight.shape[0]) if bias is None else bias.astype(np.float64)
+    folded_weight = weight.astype(np.float64) * scale.reshape((-1,) + (1,) * (weight.ndim - 1))
+    folded_bias = (bias - bn["running_mean"]) * scale + bn["bias"]
+    return folded_weight.astype(np.float32), folded_bias.astype(np.float32)
+
+
+def _inference_layers(model: Model, weights: dict) -> list:
+    """The model's layers as (node, params, fused activation or None), dropout removed and batch norm folded
+    into the conv2d / linear before it where that layer has no activation of its own."""
+    layers = []
+    for node in model.nodes:
+        if node.op == "dropout":
+            continue
+        params = {p: np.asarray(weights[node.param_key(p)], dtype=np.float32) for p in node.param_shapes}
+        previous = layers[-1] if layers else None
+        if (node.op == "batchnorm" and previous is not None and previous[0].op in ("conv2d", "linear")
+                and previous[2] is None):
+            prev_node, prev_params, _ = previous
+            weight, bias = fold_batchnorm(prev_params["weight"], prev_params.get("bias"), params, node.attrs["eps"])
+            layers[-1] = (prev_node, {"weight": weight, "bias": bias}, node.attrs.get("activation"))
+            continue
+        fused = node.attrs["activation"] if get_op(node.op).has_activation_field else None
+        layers.append((node, params, fused))
+    return layers
+
+
+class _GraphBuilder:
+    """Collects nodes and initializers while walking the layer chain; `current` is the tensor flowing through."""
+
+    def __init__(self, onnx):
+        self.onnx = onnx
+        self.nodes, self.initializers = [], []
+        self.current = INPUT_NAME
+
+    def constant(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(self.onnx.numpy_helper.from_array(np.ascontiguousarray(array, dtype=np.float32), name))
+        return name
+
+    def add(self, op_type: str, name: str, extra_inputs=(), **attributes) -> None:
+        output = name
+        self.nodes.append(self.onnx.helper.make_node(op_type, [self.current, *extra_inputs], [output], name=name,
+                                                     **attributes))
+        self.current = output
+
+    def activation(self, activation: dict, name: str) -> None:
+        kind = activation["type"]
+        if kind == "relu":
+            self.add("Relu", name)
+        elif kind == "relu6":
+            self.add("Clip", name, [self.constant(f"{name}.min", np.array(0.0)), self.constant(f"{name}.max", np.array(6.0))])
+        elif kind == "leaky_relu":
+            self.add("LeakyRelu", name, alpha=activation["negative_slope"])
+        elif kind == "sigmoid":
+            self.add("Sigmoid", name)
+        elif kind == "tanh":
+            self.add("Tanh", name)
+        elif kind == "softmax":
+            self.add("Softmax", name, axis=1)
+        else:
+            raise LnnError(f"activation {kind!r} has no ONNX export")
+
+
+def _pads(padding) -> list:
+    return [padding[0], padding[1], padding[0], padding[1]]
+
+
+def _emit_layer(graph: _GraphBuilder, node, params: dict) -> None:
+    name, attrs = node.name, node.attrs
+    if node.op == "conv2d":
+        inputs = [graph.constant(f"{name}.weight", params["weight"])]
+        if "bias" in params:
+            inputs.append(graph.constant(f"{name}.bias", params["bias"]))
+        graph.add("Conv", name, inputs, kernel_shape=list(attrs["kernel_size"]), strides=list(attrs["stride"]),
+                  pads=_pads(attrs["padding"]), dilations=list(attrs["dilation"]), group=attrs["groups"])
+    elif node.op == "linear":
+        inputs = [graph.constant(f"{name}.weight", params["weight"])]
+        if "bias" in params:
+            inputs.append(graph.constant(f"{name}.bias", params["bias"]))
+        graph.add("Gemm", name, inputs, transB=1)
+    elif node.op == "batchnorm":
+        inputs = [graph.constant(f"{name}.{p}", params[p]) for p in ("weight", "bias", "running_mean", "running_var")]
+        graph.add("BatchNormalization", name, inputs, epsilon=attrs["eps"])
+    elif node.op == "maxpool2d":
+        graph.add("MaxPool", name, kernel_shape=list(attrs["kernel_size"]), strides=list(attrs["stride"]),
+                  pads=_pads(attrs["padding"]))
+    elif node.op == "avgpool2d":
+        graph.add("AveragePool", name, kernel_shape=list(attrs["kernel_size"]), strides=list(attrs["stride"]),
+                  pads=_pads(attrs["padding"]), count_include_pad=int(attrs["count_include_pad"]))
+    elif node.op == "global_avg_pool":
+        graph.add("GlobalAveragePool", name)
+        if not attrs["keepdims"]:
+            graph.add("Flatten", f"{name}/flatten", axis=1)
+    elif node.op == "flatten":
+        graph.add("Flatten", name, axis=1)
+    elif node.op in ACTIVATIONS:
+        graph.activation(attrs, name)
+    else:
+        raise LnnError(f"layer {node.index} ({node.op}): no ONNX export for this op")
+
+
+def build_onnx(model: Model, weights: dict, opset: int = MIN_OPSET):
+    """The ONNX ModelProto of an lnn model (checked with onnx.checker)."""
+    onnx = require_onnx()
+    if opset < MIN_OPSET:
+        raise LnnError(f"ONNX export needs opset {MIN_OPSET} or newer, not {opset}")
+    graph = _GraphBuilder(onnx)
+    last_activation = None
+    for node, params, fused in _inference_layers(model, weights):
+        _emit_layer(graph, node, params)
+        if fused is not None:
+            graph.activation(fused, f"{node.name}/{fused['type']}")
+        last_activation = node.attrs if node.op in ACTIVATIONS else fused
+    ends_in_probabilities = last_activation is not None and last_activation["type"] in ("softmax", "sigmoid")
+    output = "output" if ends_in_probabilities else "logits"
+    if graph.nodes:
+        graph.nodes[-1].output[0] = output
+    else:
+        graph.add("Identity", output)
+
+    float32 = onnx.TensorProto.FLOAT
+    graph_proto = onnx.helper.make_graph(
+        graph.nodes, model.name,
+        inputs=[onnx.helper.make_tensor_value_info(INPUT_NAME, float32, [BATCH_DIM, *model.input_shape])],
+        outputs=[onnx.helper.make_tensor_value_info(output, float32, [BATCH_DIM, *model.output_shape])],
+        initializer=graph.initializers)
+    opset_imports = [onnx.helper.make_opsetid("", opset)]
+    proto = onnx.helper.make_model(graph_proto, opset_imports=opset_imports, producer_name="lnn",
+                                   producer_version=__version__,
+                                   ir_version=onnx.helper.find_min_ir_version_for(opset_imports))
+    onnx.helper.set_model_props(proto, {
+        METADATA_KEYS["name"]: model.name,
+        METADATA_KEYS["labels"]: json.dumps(model.labels, ensure_ascii=False),
+        METADATA_KEYS["preprocess"]: json.dumps(model.preprocess, ensure_ascii=False),
+    })
+    onnx.checker.check_model(proto)
+    return proto
+
+
+def export_onnx(model: Model, weights: dict, path, opset: int = MIN_OPSET):
+    """Write the model as ONNX to `path`; returns the ModelProto."""
+    onnx = require_onnx()
+    proto = build_onnx(model, weights, opset)
+    path = Path(path)
+    try:
+        onnx.save_model(proto, str(path))
+    except OSError as err:
+        raise LnnError(f"{path}: cannot write the ONNX file ({err.strerror or err})") from None
+    return proto
+
+
+def export_bin_to_onnx(bin_model, path, opset: int = MIN_OPSET):
+    """The same for a loaded `.bin` (lnn.formats.binfile.BinModel); fp16 weights are widened to float32."""
+    return export_onnx(bin_model.model, bin_model.weights_fp32(), path, opset)
