@@ -1,0 +1,168 @@
+"""lnn-export: reference models reproduce PyTorch's outputs after export, re-export is byte-identical,
+--fp16 halves the weights and stays close, and every bad input is one line on stderr."""
+
+import json
+
+import numpy as np
+import pytest
+
+import lnn
+from cli_helpers import assert_one_line_error, reference_bin, run_command  # noqa: F401 (reference_bin: fixture)
+from conftest import EXAMPLES, REFERENCE_MODELS, REFERENCE_NAMES, need
+from lnn.formats.binfile import read_bin
+from lnn.tools.export import main
+
+MNIST_JSON = EXAMPLES / "reference" / "mnist_cnn.json"
+
+
+def mnist_weights():
+    return need(REFERENCE_MODELS / "mnist_cnn.weights.npz")
+
+
+def error_of(capsys, argv) -> str:
+    assert main([str(a) for a in argv]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert_one_line_error(captured.err, "lnn-export")
+    return captured.err
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+def test_exported_reference_model_reproduces_pytorch(reference_bin, name):
+    samples = np.load(need(REFERENCE_MODELS / f"{name}.samples.npz"))
+    session = lnn.load(reference_bin(name), device="numpy")
+    np.testing.assert_allclose(session.run(samples["input"]), samples["expected"], rtol=0, atol=1e-4)
+
+
+def test_export_prints_size_tensors_and_parameters(tmp_path, capsys):
+    out = tmp_path / "m.bin"
+    assert main([str(MNIST_JSON), "--weights", str(mnist_weights()), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{out.stat().st_size:,} bytes" in printed
+    assert "8 tensors (8 float32)" in printed and "421,642 parameters" in printed
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_export_load_export_is_byte_identical(reference_bin, tmp_path, fp16):
+    first = reference_bin("mnist_cnn")
+    if fp16:
+        assert main([str(first), "-o", str(tmp_path / "half.bin"), "--fp16"]) == 0
+        first = tmp_path / "half.bin"
+    assert main([str(first), "-o", str(tmp_path / "again.bin")]) == 0
+    assert (tmp_path / "again.bin").read_bytes() == first.read_bytes()
+
+
+def test_fp16_stores_weight_matrices_as_half_and_predicts_close(reference_bin, tmp_path):
+    full = reference_bin("leaf_cnn")
+    half = tmp_path / "leaf_fp16.bin"
+    assert main([str(full), "-o", str(half), "--fp16"]) == 0
+    stored = read_bin(half).stored_dtypes
+    assert {k for k, d in stored.items() if d == "float16"} == {"conv1.weight", "conv2.weight", "conv3.weight",
+                                                                "conv4.weight", "fc.weight"}
+    assert half.stat().st_size < 0.6 * full.stat().st_size
+    batch = np.load(need(REFERENCE_MODELS / "leaf_cnn.samples.npz"))["input"]
+    expected = lnn.load(full, device="numpy").predict(batch)
+    got = lnn.load(half, device="numpy").predict(batch)
+    np.testing.assert_allclose(got, expected, atol=2e-3)
+    assert (got.argmax(1) == expected.argmax(1)).all()
+
+
+def batchnorm_model(tmp_path):
+    desc = {"name": "bn", "input_shape": [2, 4, 4], "layers": [
+        {"type": "conv2d", "name": "conv", "out_channels": 3, "kernel_size": 3, "padding": 1},
+        {"type": "batchnorm", "name": "bn", "activation": "relu"},
+        {"type": "global_avg_pool"}, {"type": "linear", "name": "fc", "out_features": 2}]}
+    path = tmp_path / "bn.json"
+    path.write_text(json.dumps(desc))
+    return path
+
+
+def test_pytorch_num_batches_tracked_is_ignored(tmp_path):
+    rng = np.random.default_rng(0)
+    weights = {"conv.weight": rng.normal(size=(3, 2, 3, 3)), "conv.bias": rng.normal(size=3),
+               "bn.weight": rng.normal(size=3), "bn.bias": rng.normal(size=3),
+               "bn.running_mean": rng.normal(size=3), "bn.running_var": rng.uniform(0.5, 2, size=3),
+               "bn.num_batches_tracked": np.array(100, dtype=np.int64),
+               "fc.weight": rng.normal(size=(2, 3)), "fc.bias": rng.normal(size=2)}
+    np.savez(tmp_path / "w.npz", **weights)
+    assert main([str(batchnorm_model(tmp_path)), "--weights", str(tmp_path / "w.npz"), "-o", str(tmp_path / "bn.bin")]) == 0
+    tensors = read_bin(tmp_path / "bn.bin").tensors
+    assert "bn.num_batches_tracked" not in tensors
+    np.testing.assert_array_equal(tensors["bn.running_var"], weights["bn.running_var"].astype(np.float32))
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("missing_weights", "no such weights file"),
+    ("text_as_npz", "not a NumPy .npz archive"),
+    ("npy_not_npz", "single array"),
+    ("wrong_shape", "fc1.weight has shape [3136, 128], the model expects [128, 3136]"),
+    ("missing_key", "missing 'fc2.bias'"),
+    ("extra_key", "'fc3.weight' is not a parameter"),
+    ("no_weights_flag", "give its weights with --weights"),
+    ("bad_json", "not valid JSON at line"),
+    ("wrong_description", "layer 5 (linear): in_features is 3136 from the previous layer, not 6272"),
+    ("missing_model", "no such file"),
+    ("weights_for_bin", "carries its own weights"),
+    ("output_folder_missing", "cannot write"),
+    ("fp16_overflow", "beyond float16's range"),
+])
+def test_bad_input_is_one_line(tmp_path, capsys, reference_bin, case, fragment):
+    good = dict(np.load(mnist_weights()))
+    model, weights, extra = MNIST_JSON, tmp_path / "w.npz", []
+    out = tmp_path / "out.bin"
+    if case == "missing_weights":
+        weights = tmp_path / "absent.npz"
+    elif case == "text_as_npz":
+        weights.write_text("these are not weights\n")
+    elif case == "npy_not_npz":
+        weights = tmp_path / "w.npy"
+        np.save(weights, good["fc1.weight"])
+    else:
+        if case == "wrong_shape":
+            good["fc1.weight"] = good["fc1.weight"].T
+        elif case == "missing_key":
+            del good["fc2.bias"]
+        elif case == "extra_key":
+            good["fc3.weight"] = good["fc2.weight"]
+        elif case == "fp16_overflow":
+            good["fc2.weight"] = good["fc2.weight"] * 1e6
+            extra = ["--fp16"]
+        np.savez(weights, **good)
+    if case == "no_weights_flag":
+        argv = [model, "-o", out]
+    else:
+        if case == "bad_json":
+            model = tmp_path / "bad.json"
+            model.write_text('{"name": "x", "layers": [')
+        elif case == "wrong_description":
+            desc = json.loads(MNIST_JSON.read_text())
+            desc["layers"][5]["in_features"] = 6272
+            model = tmp_path / "wrong.json"
+            model.write_text(json.dumps(desc))
+        elif case == "missing_model":
+            model = tmp_path / "absent.json"
+        elif case == "weights_for_bin":
+            model = reference_bin("mnist_cnn")
+        elif case == "output_folder_missing":
+            out = tmp_path / "no" / "such" / "out.bin"
+        argv = [model, "--weights", weights, "-o", out, *extra]
+    assert fragment in error_of(capsys, argv)
+    assert not out.exists()
+
+
+def test_errors_from_a_process_are_one_line_with_status_1_and_usage_errors_status_2(tmp_path):
+    (tmp_path / "w.npz").write_bytes(b"PK\x03\x04 truncated zip")
+    result = run_command("export", MNIST_JSON, "--weights", tmp_path / "w.npz", "-o", tmp_path / "o.bin")
+    assert result.returncode == 1 and result.stdout == ""
+    assert_one_line_error(result.stderr, "lnn-export", "w.npz")
+
+    result = run_command("export", MNIST_JSON)                        # no -o
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, "lnn-export", "-o/--output")
+
+
+def test_help_and_version():
+    result = run_command("export", "--help")
+    assert result.returncode == 0 and "--fp16" in result.stdout and "--weights" in result.stdout
+    result = run_command("export", "--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"lnn-export (lnn) {lnn.__version__}"
