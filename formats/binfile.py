@@ -1,12 +1,15 @@
 """The `.bin` model file, version 1: writer and validating, zero-copy reader.
 
-formats/SPEC.md is the normative description; this module implements it and nothing else.
+formats/SPEC.md is the normative description; this module implements it and nothing else. The
+reader's checks carry the number of the SPEC rule they enforce (`# rule 17`), and
+tests/formats/test_binfile.py crafts one bad file per rule.
+
 Layout: a 128-byte header, the tensor table, the string table (tensor names), the graph JSON,
 the metadata JSON, zero padding up to the alignment, then the data section with every tensor
 starting on an `alignment`-byte boundary. All integers little-endian.
 
-`read_bin(path)` checks every rule of SPEC.md in one linear pass and raises LnnFormatError with a
-message saying what is wrong; tensors come back as read-only NumPy views into one mmap.
+`read_bin(path)` checks every rule in one linear pass and raises LnnFormatError with a message
+saying what is wrong; tensors come back as read-only NumPy views into one mmap.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from lnn.version import __version__
 MAGIC = b"\x89LNN\r\n\x1a\n"
 VERSION_MAJOR, VERSION_MINOR = 1, 0
 HEADER_SIZE = 128
+HEADER_CRC_OFFSET = 124
 ENDIAN_TAG = 0x01020304
 DEFAULT_ALIGNMENT = 64
+MIN_ALIGNMENT, MAX_ALIGNMENT = 8, 65536
 
 # flags_required: a reader that does not know a set bit must refuse the file.
 FLAG_FP16 = 1 << 0
@@ -53,6 +58,8 @@ MAX_TENSOR_ELEMENTS = 1 << 31
 MAX_JSON_BYTES = 16 << 20
 MAX_JSON_DEPTH = 64
 REQUIRED_METADATA = ("input", "preprocess", "labels", "producer", "producer_version")
+OPTIONAL_METADATA = ("description", "model_card")
+LAYOUTS = {1: "NC", 2: "NCL", 3: "NCHW", 4: "NCDHW"}   # by the rank of input_shape (no batch)
 
 
 @dataclass
@@ -78,17 +85,20 @@ class BinModel:
 
 # --------------------------------------------------------------------------- writing
 
+def input_layout(input_shape) -> str:
+    return LAYOUTS[len(input_shape)]
+
+
 def build_metadata(model: Model, extra: dict | None = None) -> dict:
     """The metadata JSON for a model: input, preprocessing, labels, producer (plus `extra`)."""
     meta = {
-        "input": {"shape": list(model.input_shape), "layout": "NCHW" if len(model.input_shape) == 3 else "NC",
-                  "dtype": "float32"},
+        "input": {"shape": list(model.input_shape), "layout": input_layout(model.input_shape), "dtype": "float32"},
         "preprocess": model.preprocess,
         "labels": model.labels,
         "producer": "lnn",
         "producer_version": __version__,
     }
-    for key in ("description", "model_card"):
+    for key in OPTIONAL_METADATA:
         if key in model.extra:
             meta[key] = model.extra[key]
     meta.update(extra or {})
@@ -101,7 +111,17 @@ def graph_of(model: Model) -> dict:
     return {key: desc[key] for key in ("name", "input_shape", "layers", "loss", "optimizer", "training") if key in desc}
 
 
+def fp16_dtypes(model: Model) -> dict:
+    """The `--fp16` policy: multi-dimensional `weight` tensors (linear and conv kernels) as float16.
+
+    Biases and batch-norm tensors (weight, bias, running_mean, running_var: all 1-D) stay float32:
+    they are a tiny share of the bytes, and a variance near eps loses its meaning in fp16."""
+    return {node.param_key(param): "float16" for node in model.nodes
+            for param, shape in node.param_shapes.items() if param == "weight" and len(shape) >= 2}
+
+
 def _json_bytes(obj) -> bytes:
+    """The canonical JSON encoding: sorted keys, compact separators, UTF-8, no NaN or infinity."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
@@ -109,29 +129,52 @@ def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None = None,
-               alignment: int = DEFAULT_ALIGNMENT) -> bytes:
-    """Serialize; `weights` must hold exactly the model's parameters; `dtypes` maps key -> 'float16'."""
-    dtypes = dtypes or {}
+def _stored_arrays(model: Model, weights: dict, dtypes: dict) -> list:
+    """(key, little-endian contiguous array) in the model's parameter order, converted to `dtypes`."""
     expected = model.param_shapes()
     check_weights(expected, weights)
-    names, arrays = [], []
+    unknown = sorted(set(dtypes) - set(expected))
+    if unknown:
+        raise ValueError(f"dtypes: {unknown[0]!r} is not a parameter of the model")
+    out = []
     for key in expected:                                    # layer order, as the model lists them
-        array = np.ascontiguousarray(weights[key], dtype=np.dtype(dtypes.get(key, "float32")).newbyteorder("<"))
-        names.append(key.encode("utf-8"))
-        arrays.append(array)
+        dtype_name = dtypes.get(key, "float32")
+        if np.dtype(dtype_name) not in DTYPE_CODES:
+            raise ValueError(f"dtypes: {key} as {dtype_name!r}; a .bin v1 stores float32 or float16")
+        array = np.ascontiguousarray(weights[key], dtype=np.dtype(dtype_name).newbyteorder("<"))
+        if not np.all(np.isfinite(array)):
+            raise ModelSpecError(f"weights: {key} has values beyond the float16 range (±65504); keep it float32")
+        out.append((key, array))
+    return out
 
+
+def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None = None,
+               alignment: int = DEFAULT_ALIGNMENT) -> bytes:
+    """Serialize a model into .bin v1 bytes.
+
+    `weights` must hold exactly the model's parameters (keys `<layer name>.<param>`), finite.
+    `dtypes` maps a key to "float16" or "float32" (default float32); `fp16_dtypes(model)` is the
+    `--fp16` choice. The metadata is checked by the reader's own rules, so what this writes loads."""
+    if alignment < MIN_ALIGNMENT or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
+        raise ValueError(f"alignment {alignment} is not a power of two between {MIN_ALIGNMENT} and {MAX_ALIGNMENT}")
+    stored = _stored_arrays(model, weights, dtypes or {})
+    graph_value = graph_of(model)
+    try:
+        _model_from(graph_value, metadata)
+    except LnnFormatError as err:
+        raise ModelSpecError(str(err)) from None
+    names = [key.encode("utf-8") for key, _ in stored]
     table_offset = HEADER_SIZE
-    string_offset = table_offset + TENSOR_ENTRY_SIZE * len(arrays)
+    string_offset = table_offset + TENSOR_ENTRY_SIZE * len(stored)
     strings = b"".join(names)
-    graph = _json_bytes(graph_of(model))
+    graph = _json_bytes(graph_value)
     meta = _json_bytes(metadata)
     graph_offset = string_offset + len(strings)
     meta_offset = graph_offset + len(graph)
     data_offset = _align(meta_offset + len(meta), alignment)
 
     entries, chunks, running, name_running, flags = [], [], 0, 0, 0
-    for name, array in zip(names, arrays):
+    for name, (_, array) in zip(names, stored):
         code = DTYPE_CODES[array.dtype]
         if code == 2:
             flags |= FLAG_FP16
@@ -146,14 +189,14 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
             + b"".join(chunks))
     file_size = HEADER_SIZE + len(body)
     fields = [MAGIC, VERSION_MAJOR, VERSION_MINOR, HEADER_SIZE, flags, 0, ENDIAN_TAG, alignment,
-              len(arrays), TENSOR_ENTRY_SIZE, graph_offset, len(graph), meta_offset, len(meta), table_offset,
+              len(stored), TENSOR_ENTRY_SIZE, graph_offset, len(graph), meta_offset, len(meta), table_offset,
               string_offset, len(strings), data_offset, running, file_size, zlib.crc32(body), 0]
     fields[-1] = zlib.crc32(HEADER.pack(*fields))
     return HEADER.pack(*fields) + body
 
 
 def check_weights(expected: dict, weights: dict) -> None:
-    """Raise ModelSpecError unless `weights` has exactly the expected keys and shapes."""
+    """Raise ModelSpecError unless `weights` has exactly the expected keys and shapes, all finite."""
     missing = [k for k in expected if k not in weights]
     if missing:
         raise ModelSpecError(f"weights: missing {missing[0]!r} (shape {list(expected[missing[0]])})"
@@ -185,6 +228,7 @@ def write_atomic(path: str | Path, data: bytes) -> None:
 
 
 def write_bin(path, model: Model, weights: dict, metadata: dict | None = None, dtypes: dict | None = None) -> int:
+    """encode_bin, then write atomically; returns the file size. Metadata defaults to build_metadata(model)."""
     data = encode_bin(model, weights, metadata if metadata is not None else build_metadata(model), dtypes)
     write_atomic(path, data)
     return len(data)
@@ -193,80 +237,90 @@ def write_bin(path, model: Model, weights: dict, metadata: dict | None = None, d
 # --------------------------------------------------------------------------- reading
 
 def read_bin(path: str | Path) -> BinModel:
+    """Map and validate a .bin file; any problem raises LnnFormatError("<path>: <what is wrong>")."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size < HEADER_SIZE:
-                raise LnnFormatError(f"{path}: {size} bytes is too short for an lnn model (the header alone is {HEADER_SIZE}); the file is truncated or not a model")
+            if size < HEADER_SIZE:                                                   # rule 2
+                raise LnnFormatError(f"{path}: {size} bytes is too short for an lnn model (the header alone is "
+                                     f"{HEADER_SIZE}); the file is truncated or not a model{_sniff(f.read(16))}")
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except FileNotFoundError:
+    except FileNotFoundError:                                                        # rule 1
         raise LnnFormatError(f"{path}: no such model file") from None
     except IsADirectoryError:
         raise LnnFormatError(f"{path}: is a folder, not a model file") from None
     except OSError as err:
         raise LnnFormatError(f"{path}: cannot read the model file ({err.strerror or err})") from None
     try:
-        return _parse(path, mapped)
+        return _parse(path, memoryview(mapped), mapped)
     except LnnFormatError as err:
-        mapped.close()
-        raise LnnFormatError(f"{path}: {err}") from None
+        problem = str(err)
+    # Out of the except block the failed parse's frames (and any view into the map) are gone.
+    mapped.close()
+    raise LnnFormatError(f"{path}: {problem}")
 
 
 def parse_bin_bytes(data: bytes, name: str = "<bytes>") -> BinModel:
-    """Validate and load from memory (tests and tools that hold the bytes)."""
-    if len(data) < HEADER_SIZE:
-        raise LnnFormatError(f"{name}: {len(data)} bytes is too short for an lnn model (the header alone is {HEADER_SIZE})")
+    """Validate and load from memory (tests and tools that hold the bytes); views into `data`."""
+    if len(data) < HEADER_SIZE:                                                      # rule 2
+        raise LnnFormatError(f"{name}: {len(data)} bytes is too short for an lnn model (the header alone is "
+                             f"{HEADER_SIZE}){_sniff(bytes(data[:16]))}")
     try:
-        return _parse(Path(name), memoryview(data))
+        return _parse(Path(name), memoryview(data), None)
     except LnnFormatError as err:
         raise LnnFormatError(f"{name}: {err}") from None
 
 
 def _sniff(head: bytes) -> str:
-    if head[:4] == b"\xff\xd8\xff\xe0" or head[:3] == b"\xff\xd8\xff":
+    """A hint about what a non-model file is, from its first bytes."""
+    if head[:3] == b"\xff\xd8\xff":
         return " (it is a JPEG image)"
     if head[:8] == b"\x89PNG\r\n\x1a\n":
         return " (it is a PNG image)"
-    if head[:1] == b"{":
+    if head.lstrip()[:1] in (b"{", b"["):
         return " (it looks like JSON: pass a model description to lnn-export first)"
-    if head[:2] == b"\x08\x07" or head[:2] == b"\x08\x08" or head[:2] == b"\x08\x09":
-        return " (it looks like an ONNX file: convert it with lnn-import)"
+    if head[:1] == b"\x08" and head[1:2] in (b"\x03", b"\x04", b"\x05", b"\x06", b"\x07", b"\x08", b"\x09", b"\x0a"):
+        return " (it looks like an ONNX file)"
     return ""
 
 
-def _parse(path: Path, buf) -> BinModel:
+def _parse(path: Path, buf: memoryview, keep_alive) -> BinModel:
     size = len(buf)
     head = bytes(buf[:HEADER_SIZE])
     (magic, major, minor, header_size, flags_required, flags_optional, endian, alignment, count, entry_size,
      graph_offset, graph_size, meta_offset, meta_size, table_offset, string_offset, string_size,
      data_offset, data_size, file_size, body_crc, header_crc) = HEADER.unpack(head)
-    if magic != MAGIC:
+    if magic != MAGIC:                                                               # rule 3
         raise LnnFormatError(f"not an lnn model file: wrong magic bytes{_sniff(head)}")
-    if endian != ENDIAN_TAG:
-        raise LnnFormatError(f"endian tag is {endian:#010x}, not 0x01020304: the header is damaged or the file was not written little-endian")
-    if major != VERSION_MAJOR:
+    if endian != ENDIAN_TAG:                                                         # rule 4
+        raise LnnFormatError(f"endian tag is {endian:#010x}, not 0x01020304: the header is damaged or "
+                             "the file was not written little-endian")
+    if major != VERSION_MAJOR:                                                       # rule 5
         newer = major > VERSION_MAJOR
-        raise LnnFormatError(f"format version {major}.{minor} " + ("is newer than this lnn reads (1.x): upgrade lnn" if newer
-                                                                    else "is not a version lnn ever wrote"))
-    if header_size < HEADER_SIZE or header_size % 8 or header_size > size:
-        raise LnnFormatError(f"header_size {header_size} is invalid (at least {HEADER_SIZE}, a multiple of 8, within the file)")
+        raise LnnFormatError(f"format version {major}.{minor} " + (
+            f"is newer than this lnn reads ({VERSION_MAJOR}.x): upgrade lnn" if newer
+            else "is not a version lnn ever wrote"))
+    if header_size < HEADER_SIZE or header_size % 8 or header_size > size:          # rule 6
+        raise LnnFormatError(f"header_size {header_size} is invalid (at least {HEADER_SIZE}, "
+                             f"a multiple of 8, within the file)")
     full_header = bytearray(buf[:header_size])
-    full_header[124:128] = bytes(4)
-    if zlib.crc32(full_header) != header_crc:
+    full_header[HEADER_CRC_OFFSET:HEADER_CRC_OFFSET + 4] = bytes(4)
+    if zlib.crc32(full_header) != header_crc:                                        # rule 7
         raise LnnFormatError("header checksum mismatch: the file is damaged; export or copy it again")
-    if file_size != size:
-        raise LnnFormatError(f"the header says the file is {file_size} bytes but it is {size}: the file is truncated or has bytes appended; copy it again")
-    if zlib.crc32(buf[header_size:]) != body_crc:
+    if file_size != size:                                                            # rule 8
+        raise LnnFormatError(f"the header says the file is {file_size} bytes but it is {size}: "
+                             "the file is truncated or has bytes appended; copy it again")
+    if zlib.crc32(buf[header_size:]) != body_crc:                                    # rule 9
         raise LnnFormatError("data checksum mismatch: the file is damaged; export or copy it again")
     unknown = flags_required & ~KNOWN_REQUIRED_FLAGS
-    if unknown:
+    if unknown:                                                                      # rule 10
         raise LnnFormatError(f"requires features this lnn does not know (flags_required bits {unknown:#x}): upgrade lnn")
-    if alignment < 8 or alignment > 65536 or alignment & (alignment - 1):
-        raise LnnFormatError(f"alignment {alignment} is not a power of two between 8 and 65536")
-    if entry_size < TENSOR_ENTRY_SIZE or entry_size % 8:
+    if alignment < MIN_ALIGNMENT or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):  # rule 11
+        raise LnnFormatError(f"alignment {alignment} is not a power of two between {MIN_ALIGNMENT} and {MAX_ALIGNMENT}")
+    if entry_size < TENSOR_ENTRY_SIZE or entry_size % 8:                             # rule 12
         raise LnnFormatError(f"tensor_entry_size {entry_size} is invalid (at least {TENSOR_ENTRY_SIZE}, a multiple of 8)")
-    if count > MAX_TENSORS:
+    if count > MAX_TENSORS:                                                          # rule 13
         raise LnnFormatError(f"tensor_count {count} is over the limit of {MAX_TENSORS}")
 
     # Sections lie back to back in a fixed order; anything else is refused.
@@ -277,148 +331,193 @@ def _parse(path: Path, buf) -> BinModel:
     position = None
     for name, offset, must_be, length in expected_layout:
         must_be = position if must_be is None else must_be
-        if offset != must_be:
+        if offset != must_be:                                                        # rule 14
             raise LnnFormatError(f"{name} starts at offset {offset}, expected {must_be} (sections must follow each other)")
-        if length > size - offset:
+        if length > size - offset:                                                   # rule 15
             raise LnnFormatError(f"{name} ({length} bytes at offset {offset}) runs past the end of the file")
         position = offset + length
-    if data_offset != _align(position, alignment):
-        raise LnnFormatError(f"data section starts at {data_offset}, expected {_align(position, alignment)} (after the metadata, aligned to {alignment})")
-    if any(buf[position:data_offset]):
-        raise LnnFormatError("padding before the data section is not zero")
-    if data_size != size - data_offset:
+    if data_offset != _align(position, alignment):                                   # rule 16
+        raise LnnFormatError(f"data section starts at {data_offset}, expected {_align(position, alignment)} "
+                             f"(after the metadata, aligned to {alignment})")
+    if data_offset > size or any(bytes(buf[position:data_offset])):                  # rule 17
+        raise LnnFormatError("padding before the data section is not zero or runs past the end of the file")
+    if data_size != size - data_offset:                                              # rule 18
         raise LnnFormatError(f"data section is {data_size} bytes, but {size - data_offset} bytes follow its start")
 
     graph = _read_json(buf, graph_offset, graph_size, "graph JSON")
     metadata = _read_json(buf, meta_offset, meta_size, "metadata JSON")
-    tensors = _read_tensors(buf, count, entry_size, table_offset, string_offset, string_size,
-                            data_offset, data_size, alignment)
-    if any(t.dtype == np.float16 for t in tensors.values()) != bool(flags_required & FLAG_FP16):
-        raise LnnFormatError("the fp16 flag does not match the stored tensor types")
+    entries = _read_tensor_table(buf, count, entry_size, table_offset, string_offset, string_size,
+                                 data_offset, data_size, alignment)
+    if any(entry.dtype == np.float16 for entry in entries) != bool(flags_required & FLAG_FP16):   # rule 39
+        raise LnnFormatError("the fp16 flag in flags_required does not match the stored tensor types")
     model = _model_from(graph, metadata)
-    _check_tensors_match(model, tensors)
-    return BinModel(path, model, tensors, metadata, (major, minor), alignment, buf if isinstance(buf, mmap.mmap) else None)
+    _check_entries_match(model, entries)
+    tensors = {}
+    for entry in entries:
+        array = np.frombuffer(buf, dtype=entry.dtype, count=math.prod(entry.shape), offset=entry.start)
+        if not np.isfinite(array).all():                                             # rule 51
+            raise LnnFormatError(f"tensor {entry.name!r} contains NaN or infinity")
+        array = array.reshape(entry.shape)
+        array.flags.writeable = False
+        tensors[entry.name] = array
+    return BinModel(path, model, tensors, metadata, (major, minor), alignment, keep_alive)
 
 
-def _json_depth_ok(raw: bytes) -> bool:
-    """True when brackets nest at most MAX_JSON_DEPTH deep (strings skipped), so json.loads cannot recurse away."""
-    depth, in_string, escaped = 0, False, False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:      # backslash
-                escaped = True
-            elif byte == 0x22:      # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                return False
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return True
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not allowed")
 
 
-def _read_json(buf, offset: int, size: int, what: str) -> dict:
-    if size > MAX_JSON_BYTES:
-        raise LnnFormatError(f"{what} is {size} bytes, over the limit of {MAX_JSON_BYTES}")
-    raw = bytes(buf[offset:offset + size])
-    if not _json_depth_ok(raw):
-        raise LnnFormatError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        value = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise LnnFormatError(f"{what} is not valid UTF-8 JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise LnnFormatError(f"{what} must be a JSON object")
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of range")
     return value
 
 
-def _read_tensors(buf, count, entry_size, table_offset, string_offset, string_size, data_offset, data_size,
-                  alignment) -> dict:
-    tensors, running, name_running = {}, 0, 0
+def _depth(value) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _read_json(buf, offset: int, size: int, what: str) -> dict:
+    if size > MAX_JSON_BYTES:                                                        # rule 19
+        raise LnnFormatError(f"{what} is {size} bytes, over the limit of {MAX_JSON_BYTES}")
+    raw = bytes(buf[offset:offset + size])
+    try:                                                                             # rule 20
+        value = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise LnnFormatError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except (UnicodeDecodeError, ValueError) as err:
+        raise LnnFormatError(f"{what} is not valid UTF-8 JSON ({err})") from None
+    if _depth(value) > MAX_JSON_DEPTH:                                               # rule 21
+        raise LnnFormatError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    if not isinstance(value, dict):                                                  # rule 22
+        raise LnnFormatError(f"{what} must be a JSON object, not {type(value).__name__}")
+    if _json_bytes(value) != raw:                                                    # rule 23
+        raise LnnFormatError(f"{what} is not in canonical form (sorted keys, compact separators, "
+                             "UTF-8 without escapes, each key once)")
+    return value
+
+
+@dataclass
+class _Entry:
+    """One validated tensor table entry: where its data lies in the buffer."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple
+    start: int
+
+
+def _read_tensor_table(buf, count, entry_size, table_offset, string_offset, string_size, data_offset, data_size,
+                       alignment) -> list:
+    entries, names, running, name_running = [], set(), 0, 0
     for i in range(count):
-        entry = bytes(buf[table_offset + i * entry_size: table_offset + i * entry_size + TENSOR_ENTRY_SIZE])
-        (name_off, name_len, dtype_code, quant, ndim, reserved8, *rest) = TENSOR_ENTRY.unpack(entry)
+        entry_start = table_offset + i * entry_size
+        (name_off, name_len, dtype_code, quant, ndim, reserved8, *rest) = TENSOR_ENTRY.unpack(
+            bytes(buf[entry_start:entry_start + TENSOR_ENTRY_SIZE]))
         shape_slots, (offset, nbytes, reserved64) = rest[:MAX_NDIM], rest[MAX_NDIM:]
         where = f"tensor {i}"
-        if name_off != name_running or name_len == 0 or name_len > MAX_NAME_BYTES or name_off + name_len > string_size:
-            raise LnnFormatError(f"{where}: name at {name_off} (+{name_len}) is not the next name in the string table")
-        try:
-            name = bytes(buf[string_offset + name_off: string_offset + name_off + name_len]).decode("utf-8")
+        if (name_off != name_running or name_len == 0 or name_len > MAX_NAME_BYTES
+                or name_off + name_len > string_size):                               # rule 24
+            raise LnnFormatError(f"{where}: name at {name_off} (+{name_len} bytes) is not the next name in the "
+                                 f"string table (names are 1 to {MAX_NAME_BYTES} bytes, packed in table order)")
+        try:                                                                         # rule 25
+            name = bytes(buf[string_offset + name_off:string_offset + name_off + name_len]).decode("utf-8")
         except UnicodeDecodeError:
             raise LnnFormatError(f"{where}: name is not valid UTF-8") from None
         name_running += name_len
         where = f"tensor {i} ({name})"
-        if name in tensors:
+        if name in names:                                                            # rule 26
             raise LnnFormatError(f"{where}: the name appears twice")
-        if dtype_code not in DTYPES:
-            raise LnnFormatError(f"{where}: unknown dtype code {dtype_code}")
-        if quant != QUANT_NONE:
+        names.add(name)
+        if dtype_code not in DTYPES:                                                 # rule 27
+            raise LnnFormatError(f"{where}: unknown dtype code {dtype_code} (1 is float32, 2 is float16)")
+        if quant != QUANT_NONE:                                                      # rule 28
             raise LnnFormatError(f"{where}: unknown quantization code {quant}")
-        if reserved8 or reserved64 or entry[TENSOR_ENTRY_SIZE:] or any(buf[table_offset + i * entry_size + TENSOR_ENTRY_SIZE: table_offset + (i + 1) * entry_size]):
+        if reserved8 or reserved64 or any(bytes(buf[entry_start + TENSOR_ENTRY_SIZE:entry_start + entry_size])):  # rule 29
             raise LnnFormatError(f"{where}: reserved fields are not zero")
-        if ndim > MAX_NDIM:
-            raise LnnFormatError(f"{where}: {ndim} dimensions, more than {MAX_NDIM}")
+        if not 1 <= ndim <= MAX_NDIM:                                                # rule 30
+            raise LnnFormatError(f"{where}: {ndim} dimensions; a tensor has 1 to {MAX_NDIM}")
         shape = tuple(shape_slots[:ndim])
-        if any(shape_slots[ndim:]) or 0 in shape:
-            raise LnnFormatError(f"{where}: shape slots {list(shape_slots)} do not match ndim {ndim}")
+        if any(shape_slots[ndim:]) or 0 in shape:                                    # rule 31
+            raise LnnFormatError(f"{where}: shape slots {list(shape_slots)} do not match ndim {ndim} "
+                                 "(the first ndim are positive, the rest zero)")
         elements = math.prod(shape)
-        if elements > MAX_TENSOR_ELEMENTS:
+        if elements > MAX_TENSOR_ELEMENTS:                                           # rule 32
             raise LnnFormatError(f"{where}: {elements} elements, over the limit of {MAX_TENSOR_ELEMENTS}")
         dtype = DTYPES[dtype_code]
-        if nbytes != elements * dtype.itemsize:
+        if nbytes != elements * dtype.itemsize:                                      # rule 33
             raise LnnFormatError(f"{where}: {nbytes} bytes do not match shape {list(shape)} of {dtype.name}")
-        if offset != running:
-            raise LnnFormatError(f"{where}: data offset {offset}, expected {running} (tensors are packed in table order)")
+        if offset != running:                                                        # rule 34
+            raise LnnFormatError(f"{where}: data offset {offset}, expected {running} "
+                                 "(tensors are packed in table order, each padded to the alignment)")
         padded = _align(nbytes, alignment)
-        if running + padded > data_size:
+        if running + padded > data_size:                                             # rule 35
             raise LnnFormatError(f"{where}: data ({nbytes} bytes at {offset}) runs past the data section")
         start = data_offset + offset
-        if any(buf[start + nbytes: start + padded]):
+        if any(bytes(buf[start + nbytes:start + padded])):                           # rule 36
             raise LnnFormatError(f"{where}: padding after the data is not zero")
-        array = np.frombuffer(buf, dtype=dtype, count=elements, offset=start).reshape(shape)
-        array.flags.writeable = False
-        tensors[name] = array
+        entries.append(_Entry(name, dtype, shape, start))
         running += padded
-    if name_running != string_size:
+    if name_running != string_size:                                                  # rule 37
         raise LnnFormatError(f"string table is {string_size} bytes but the names use {name_running}")
-    if running != data_size:
+    if running != data_size:                                                         # rule 38
         raise LnnFormatError(f"data section is {data_size} bytes but the tensors use {running}")
-    return tensors
+    return entries
 
 
 def _model_from(graph: dict, metadata: dict) -> Model:
+    """Parse the graph with the metadata's labels and preprocessing; check both are complete and agree."""
     missing = [key for key in REQUIRED_METADATA if key not in metadata]
-    if missing:
+    if missing:                                                                      # rule 40
         raise LnnFormatError(f"metadata lacks the required field {missing[0]!r}")
     desc = dict(graph)
     desc["labels"] = metadata["labels"]
     if metadata["preprocess"] is not None:
         desc["preprocess"] = metadata["preprocess"]
-    try:
+    for key in OPTIONAL_METADATA:
+        if key in metadata:
+            desc[key] = metadata[key]
+    try:                                                                             # rule 41
         model = parse_model(desc)
     except ModelSpecError as err:
         raise LnnFormatError(f"graph: {err}") from None
-    input_meta = metadata["input"]
-    if not isinstance(input_meta, dict) or input_meta.get("shape") != list(model.input_shape):
-        raise LnnFormatError(f"metadata: input shape {input_meta.get('shape') if isinstance(input_meta, dict) else input_meta!r} "
-                             f"does not match the graph's {list(model.input_shape)}")
+    if _json_bytes(graph_of(model)) != _json_bytes(graph):                           # rule 42
+        raise LnnFormatError("graph: not the normalized model description (every layer attribute written out, "
+                             "nothing else); re-export the model")
+    input_meta = {"shape": list(model.input_shape), "layout": input_layout(model.input_shape), "dtype": "float32"}
+    if metadata["input"] != input_meta:                                              # rule 43
+        raise LnnFormatError(f"metadata: input is {metadata['input']!r}, the graph needs {input_meta!r}")
+    if metadata["preprocess"] != model.preprocess:                                   # rule 44
+        need = "null (not an image model)" if model.preprocess is None else f"complete: {model.preprocess!r}"
+        raise LnnFormatError(f"metadata: preprocess must be {need}")
+    if metadata["labels"] != model.labels:                                           # rule 45
+        raise LnnFormatError("metadata: labels must be complete objects {name, display[, advice]}, "
+                             "one per output")
+    for key in ("producer", "producer_version"):
+        if not isinstance(metadata[key], str) or not metadata[key]:                  # rule 46
+            raise LnnFormatError(f"metadata: {key} must be a non-empty string")
     return model
 
 
-def _check_tensors_match(model: Model, tensors: dict) -> None:
+def _check_entries_match(model: Model, entries: list) -> None:
     expected = model.param_shapes()
+    stored = {entry.name: entry for entry in entries}
     for key, shape in expected.items():
-        if key not in tensors:
+        if key not in stored:                                                        # rule 47
             raise LnnFormatError(f"the graph needs tensor {key!r} (shape {list(shape)}) but the file has none")
-        if tensors[key].shape != tuple(shape):
-            raise LnnFormatError(f"tensor {key!r} has shape {list(tensors[key].shape)}, its layer expects {list(shape)}")
-    extra = [key for key in tensors if key not in expected]
-    if extra:
+        if stored[key].shape != tuple(shape):                                        # rule 48
+            raise LnnFormatError(f"tensor {key!r} has shape {list(stored[key].shape)}, its layer expects {list(shape)}")
+    extra = [name for name in stored if name not in expected]
+    if extra:                                                                        # rule 49
         raise LnnFormatError(f"tensor {extra[0]!r} belongs to no layer of the graph")
-    if list(tensors) != list(expected):
+    if list(stored) != list(expected):                                               # rule 50
         raise LnnFormatError("tensors are not stored in the graph's layer order")

@@ -118,9 +118,15 @@ def load_description(path: str | Path) -> dict:
     except (OSError, UnicodeDecodeError) as err:
         raise ModelSpecError(f"{path}: cannot read the model description ({err})") from None
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as err:
         raise ModelSpecError(f"{path}: not valid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+    except ValueError as err:
+        raise ModelSpecError(f"{path}: not valid JSON: {err}") from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number; write a finite number")
 
 
 def parse_model(desc: dict) -> Model:
@@ -283,7 +289,7 @@ def _parse_loss(value) -> str:
 def _parse_optimizer(value) -> dict:
     if isinstance(value, str):
         value = {"type": value}
-    if not isinstance(value, dict) or value.get("type") not in OPTIMIZERS:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str) or value["type"] not in OPTIMIZERS:
         raise ModelSpecError(f"optimizer must be an object whose type is one of {', '.join(OPTIMIZERS)}, got {value!r}")
     defaults = OPTIMIZERS[value["type"]]
     unknown = set(value) - {"type"} - set(defaults)

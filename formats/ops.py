@@ -91,7 +91,10 @@ def normalize_activation(value) -> dict | None:
         raise SpecProblem("activation", f"activation {kind} has no field {sorted(unknown)[0]!r}")
     out = {"type": kind}
     for key, default in defaults.items():
-        out[key] = float(value.get(key, default))
+        number = value.get(key, default)
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise SpecProblem("activation", f"activation {kind}: {key} must be a number, not {number!r}")
+        out[key] = float(number)
     return out
 
 
@@ -123,6 +126,12 @@ def _pair(field: str, value, minimum: int) -> tuple[int, int]:
 def _positive_int(field: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise SpecProblem(field, f"{field} must be a positive integer, not {value!r}")
+    return value
+
+
+def _flag(field: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise SpecProblem(field, f"{field} must be true or false, not {value!r}")
     return value
 
 
@@ -212,7 +221,7 @@ class Linear(Op):
         if attrs["in_features"] is not None and attrs["in_features"] != in_shape[0]:
             raise SpecProblem("in_features", f"in_features is {in_shape[0]} from the previous layer, not {attrs['in_features']}")
         out["in_features"] = in_shape[0]
-        out["bias"] = bool(attrs["bias"])
+        out["bias"] = _flag("bias", attrs["bias"])
         return out
 
     def param_shapes(self, attrs, in_shape):
@@ -261,7 +270,7 @@ class Conv2d(Op):
         if cin % groups or out["out_channels"] % groups:
             raise SpecProblem("groups", f"groups {groups} must divide in_channels {cin} and out_channels {out['out_channels']}")
         out["groups"] = groups
-        out["bias"] = bool(attrs["bias"])
+        out["bias"] = _flag("bias", attrs["bias"])
         if attrs["algorithm"] not in self.algorithms:
             raise SpecProblem("algorithm", f"algorithm must be one of {', '.join(self.algorithms)}, not {attrs['algorithm']!r}")
         return out
@@ -345,7 +354,7 @@ class AvgPool2d(_Pool2d):
 
     def normalize(self, attrs, in_shape):
         out = super().normalize(attrs, in_shape)
-        out["count_include_pad"] = bool(attrs["count_include_pad"])
+        out["count_include_pad"] = _flag("count_include_pad", attrs["count_include_pad"])
         return out
 
     def elementwise_ops(self, attrs, in_shape, out_shape):
@@ -370,7 +379,7 @@ class GlobalAvgPool(Op):
 
     def normalize(self, attrs, in_shape):
         _require_rank(in_shape, (3,), "a [C, H, W]")
-        return {"keepdims": bool(attrs["keepdims"])}
+        return {"keepdims": _flag("keepdims", attrs["keepdims"])}
 
     def infer(self, attrs, in_shape):
         return (in_shape[0], 1, 1) if attrs["keepdims"] else (in_shape[0],)
