@@ -1,5 +1,7 @@
 """Helpers shared by the command tests: run a command as a process, check one-line errors, export reference models."""
 
+import contextlib
+import io
 import subprocess
 import sys
 
@@ -35,8 +37,9 @@ def reference_bin(tmp_path_factory):
         if name not in made:
             weights = need(REFERENCE_MODELS / f"{name}.weights.npz")
             out = tmp_path_factory.mktemp("bins") / f"{name}.bin"
-            assert export_main([str(EXAMPLES / "reference" / f"{name}.json"), "--weights", str(weights),
-                                "-o", str(out)]) == 0
+            with contextlib.redirect_stdout(io.StringIO()):      # keep its summary out of the tests' capsys
+                assert export_main([str(EXAMPLES / "reference" / f"{name}.json"), "--weights", str(weights),
+                                    "-o", str(out)]) == 0
             made[name] = out
         return made[name]
 

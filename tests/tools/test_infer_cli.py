@@ -1,0 +1,228 @@
+"""lnn-infer: answers agree with Session.predict_image, batch mode skips and reports bad files, the
+uncertainty threshold and advice come from the model's metadata, and a single image never imports Numba."""
+
+import csv
+import io
+import json
+import subprocess
+import sys
+
+import cv2
+import numpy as np
+import pytest
+
+import lnn
+from cli_helpers import assert_one_line_error, reference_bin, run_command  # noqa: F401 (reference_bin: fixture)
+from conftest import EXAMPLES, REFERENCE_MODELS, need
+from lnn.formats.binfile import read_bin, write_bin
+from lnn.runtime import resolve_device
+from lnn.tools import infer
+from lnn.tools.infer import main
+
+LEAF_PHOTO = REFERENCE_MODELS / "leaf_256.jpg"
+
+
+def digit_images(folder, count=4):
+    """The reference digit samples written back as PNG files (real-looking inputs, not zeros)."""
+    samples = np.load(need(REFERENCE_MODELS / "mnist_cnn.samples.npz"))["input"]
+    folder.mkdir(exist_ok=True)
+    paths = []
+    for i in range(count):
+        digit = samples[i % len(samples), 0] * 0.3081 + 0.1307
+        pixels = np.clip(np.roll(digit, i // len(samples), axis=1) * 255, 0, 255).astype(np.uint8)
+        paths.append(folder / f"digit_{i:02d}.png")
+        assert cv2.imwrite(str(paths[-1]), pixels)
+    return paths
+
+
+def run_json(capsys, argv) -> tuple:
+    status = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return status, [json.loads(line) for line in captured.out.splitlines()], captured.err
+
+
+def assert_matches_session(answer, session, image, top_k=3):
+    expected = session.predict_image(image, top_k=top_k)
+    assert [entry["display"] for entry in answer["top_k"]] == [label for label, _ in expected]
+    np.testing.assert_allclose([entry["probability"] for entry in answer["top_k"]], [p for _, p in expected], atol=1e-6)
+    assert answer["confidence"] == answer["top_k"][0]["probability"]
+
+
+def test_mnist_json_matches_predict_image(reference_bin, tmp_path, capsys):
+    model = reference_bin("mnist_cnn")
+    images = digit_images(tmp_path / "digits")
+    status, answers, err = run_json(capsys, ["--model", model, "--json", "--top-k", "4", *images])
+    assert status == 0 and err == ""
+    session = lnn.load(model, device="numpy")
+    assert [a["file"] for a in answers] == [str(p) for p in images]
+    for answer, image in zip(answers, images):
+        assert_matches_session(answer, session, image, top_k=4)
+
+
+def test_leaf_photo_json_matches_predict_image(reference_bin, capsys):
+    model = reference_bin("leaf_cnn")
+    status, answers, _ = run_json(capsys, ["--model", model, "--json", need(LEAF_PHOTO)])
+    assert status == 0 and len(answers) == 1
+    assert_matches_session(answers[0], lnn.load(model, device="numpy"), LEAF_PHOTO)
+
+
+def test_human_output_names_the_best_label_with_percent_then_top_k(reference_bin, tmp_path, capsys):
+    model = reference_bin("mnist_cnn")
+    image = digit_images(tmp_path / "digits", 1)[0]
+    assert main(["--model", str(model), str(image)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (best, p), *_ = lnn.load(model, device="numpy").predict_image(image)
+    assert lines[0] == f"{image}: {best} ({p:.1%})"
+    assert len(lines) == 4 and lines[1].lstrip().startswith(f"1. {best}")
+
+
+def test_csv_has_one_row_per_image_and_rank(reference_bin, tmp_path, capsys):
+    images = digit_images(tmp_path / "digits", 2)
+    assert main(["--model", str(reference_bin("mnist_cnn")), "--csv", "--top-k", "2", *map(str, images)]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [(r["file"], r["rank"]) for r in rows] == [(str(p), str(k)) for p in images for k in (1, 2)]
+    assert float(rows[0]["probability"]) >= float(rows[1]["probability"])
+
+
+def model_with_metadata(source, out, uncertain_below):
+    """A copy of `source` whose metadata carries an uncertainty threshold and advice per label."""
+    original = read_bin(source)
+    metadata = dict(original.metadata)
+    metadata["thresholds"] = {"uncertain_below": uncertain_below}
+    metadata["labels"] = [dict(label, advice=f"advice for {label['name']}") for label in metadata["labels"]]
+    write_bin(out, original.model, original.tensors, metadata)
+    return out
+
+
+def test_confident_answer_shows_advice_and_uncertain_one_asks_for_a_clearer_photo(reference_bin, tmp_path, capsys):
+    image = digit_images(tmp_path / "digits", 1)[0]
+    confident = model_with_metadata(reference_bin("mnist_cnn"), tmp_path / "low.bin", 0.01)
+    assert main(["--model", str(confident), str(image)]) == 0
+    out = capsys.readouterr().out
+    best = lnn.load(confident, device="numpy").predict_image(image)[0][0]
+    assert f"advice: advice for {best}" in out and "uncertain" not in out
+
+    doubtful = model_with_metadata(reference_bin("mnist_cnn"), tmp_path / "high.bin", 1.0)
+    assert main(["--model", str(doubtful), str(image)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith(f"{image}: uncertain (best guess")
+    assert "clearer photo of a single leaf" in out and "advice" not in out
+    status, answers, _ = run_json(capsys, ["--model", doubtful, "--json", image])
+    assert answers[0]["uncertain"] is True and "advice" not in answers[0]
+
+
+def test_folder_expands_to_its_images_sorted_case_insensitively(tmp_path):
+    for name in ("b.JPG", "a.png", "c.WebP", "notes.txt", "d.jpeg"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "sub.png").mkdir()
+    paths, failures = infer.expand_inputs([str(tmp_path), "loose.jpg"])
+    assert [p.name for p in paths] == ["a.png", "b.JPG", "c.WebP", "d.jpeg", "loose.jpg"] and failures == 0
+
+
+def test_device_policy_few_images_numpy_many_numba():
+    assert infer.choose_device("auto", 1) == "numpy"
+    assert infer.choose_device("auto", infer.FEW_IMAGES) == "numpy"
+    assert infer.choose_device("auto", infer.FEW_IMAGES + 1) == resolve_device("auto")
+    assert infer.choose_device("numpy", 100) == "numpy"
+    assert infer.choose_device("cpu", 1) == "cpu"
+
+
+def test_many_images_are_batched_and_agree_with_one_at_a_time(reference_bin, tmp_path, capsys):
+    model = reference_bin("mnist_cnn")
+    images = digit_images(tmp_path / "digits", infer.BATCH_SIZE + 3)       # two batches, the last partial
+    status, answers, _ = run_json(capsys, ["--model", model, "--json", "--device", "numpy", tmp_path / "digits"])
+    assert status == 0 and [a["file"] for a in answers] == [str(p) for p in images]
+    session = lnn.load(model, device="numpy")
+    for i in (0, infer.BATCH_SIZE - 1, infer.BATCH_SIZE + 2):
+        assert_matches_session(answers[i], session, images[i])
+
+
+def bad_images(folder):
+    """A non-image named .jpg and a JPEG cut in half (from a real photo when ../shared has one)."""
+    (folder / "text.jpg").write_text("not a picture\n")
+    photo = LEAF_PHOTO.read_bytes() if LEAF_PHOTO.exists() else cv2.imencode(
+        ".jpg", np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))[1].tobytes()
+    (folder / "truncated.jpg").write_bytes(photo[:len(photo) // 2])
+    return folder / "text.jpg", folder / "truncated.jpg"
+
+
+def test_batch_mode_reports_bad_files_skips_them_and_fails_at_the_end(reference_bin, tmp_path):
+    folder = tmp_path / "mixed"
+    good = digit_images(folder, 3)
+    text, truncated = bad_images(folder)
+    result = run_command("infer", "--model", reference_bin("mnist_cnn"), "--json", folder, tmp_path / "absent.png")
+    assert result.returncode == 1
+    assert [json.loads(line)["file"] for line in result.stdout.splitlines()] == [str(p) for p in good]
+    errors = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and len(errors) == 3
+    for line, path, why in zip(errors, (text, truncated, tmp_path / "absent.png"),
+                               ("not an image", "truncated", "no such file")):
+        assert line.startswith(f"lnn-infer: error: {path}: ") and why in line
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("missing_model", "no such model file"),
+    ("corrupt_model", "checksum mismatch"),
+    ("json_as_model", "looks like JSON"),
+    ("missing_image", "no such file"),
+    ("text_named_jpg", "not an image"),
+    ("truncated_jpeg", "truncated"),
+    ("empty_folder", "holds no image files"),
+])
+def test_bad_input_is_one_line_on_stderr_and_a_failure(reference_bin, tmp_path, case, fragment):
+    model = reference_bin("mnist_cnn")
+    image = digit_images(tmp_path / "digits", 1)[0]
+    text, truncated = bad_images(tmp_path)
+    if case == "missing_model":
+        model = tmp_path / "absent.bin"
+    elif case == "corrupt_model":
+        data = bytearray(model.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        model = tmp_path / "corrupt.bin"
+        model.write_bytes(bytes(data))
+    elif case == "json_as_model":
+        model = EXAMPLES / "reference" / "mnist_cnn.json"
+    elif case == "missing_image":
+        image = tmp_path / "absent.jpg"
+    elif case == "text_named_jpg":
+        image = text
+    elif case == "truncated_jpeg":
+        image = truncated
+    elif case == "empty_folder":
+        image = tmp_path / "empty"
+        image.mkdir()
+    result = run_command("infer", "--model", model, image)
+    assert result.returncode == 1 and result.stdout == ""
+    assert_one_line_error(result.stderr, "lnn-infer", fragment)
+
+
+def test_missing_default_model_says_pass_model(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(infer, "DEFAULT_MODEL", tmp_path / "models" / "tomato_leaf.bin")
+    assert main([str(tmp_path / "leaf.jpg")]) == 1
+    assert_one_line_error(capsys.readouterr().err, "lnn-infer", "no bundled default model found", "--model")
+
+
+def test_bad_options_are_usage_errors():
+    result = run_command("infer", "--device", "gpu", "x.jpg")
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, "lnn-infer", "--device")
+    result = run_command("infer", "--json", "--csv", "x.jpg")
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, "lnn-infer", "--csv")
+
+
+def test_one_image_answers_without_importing_numba_or_tqdm(reference_bin, tmp_path):
+    image = digit_images(tmp_path / "digits", 1)[0]
+    code = ("import sys; from lnn.tools.infer import main; status = main(['--model', sys.argv[1], sys.argv[2]]); "
+            "print(sorted(m for m in ('numba', 'tqdm') if m in sys.modules)); sys.exit(status)")
+    result = subprocess.run([sys.executable, "-c", code, str(reference_bin("mnist_cnn")), str(image)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
+def test_help_and_version():
+    result = run_command("infer", "--help")
+    assert result.returncode == 0 and "--top-k" in result.stdout and "--device" in result.stdout
+    result = run_command("infer", "--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"lnn-infer (lnn) {lnn.__version__}"
