@@ -1,0 +1,104 @@
+"""lnn-summary: mnist_cnn's parameter and FLOP counts (PyTorch's count and a hand count), the memory
+estimates against sizes written out by hand, .bin metadata, and one-line errors."""
+
+import json
+
+import pytest
+
+import lnn
+from cli_helpers import assert_one_line_error, reference_bin, run_command  # noqa: F401 (reference_bin: fixture)
+from conftest import EXAMPLES
+from lnn.formats.model import load_model
+from lnn.tools.summary import main, memory_estimates
+
+MNIST_CNN = EXAMPLES / "reference" / "mnist_cnn.json"
+# mnist_cnn by hand: conv1 28*28*32*(1*9)*2, conv2 14*14*64*(32*9)*2, fc1 3136*128*2, fc2 128*10*2
+MNIST_CNN_FLOPS = 28 * 28 * 32 * 9 * 2 + 14 * 14 * 64 * 32 * 9 * 2 + 3136 * 128 * 2 + 128 * 10 * 2
+MNIST_CNN_PARAMS = (32 * 9 + 32) + (64 * 32 * 9 + 64) + (128 * 3136 + 128) + (10 * 128 + 10)   # 421,642 in PyTorch
+# floats per image: input, conv1, pool, conv2, pool, flatten, fc1, fc2
+MNIST_CNN_ACTIVATIONS = [784, 32 * 28 * 28, 32 * 14 * 14, 64 * 14 * 14, 64 * 7 * 7, 3136, 128, 10]
+
+
+def summary_of(capsys, *argv) -> str:
+    assert main([str(a) for a in argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_mnist_cnn_counts(capsys):
+    assert MNIST_CNN_PARAMS == 421_642 and MNIST_CNN_FLOPS == 8_482_304
+    out = summary_of(capsys, MNIST_CNN)
+    assert "parameters:  421,642 (1.6 MiB as float32)" in out
+    assert "FLOPs:       8,482,304 per image (8.48 MFLOPs)" in out
+    conv2 = next(line for line in out.splitlines() if line.split()[:2] == ["2", "conv2"])
+    assert conv2.split()[2:9] == ["conv2d+relu", "[64,", "14,", "14]", "18,496", "7,225,344", "49.0"]
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_memory_estimates_follow_the_stated_formula(batch, capsys):
+    params = MNIST_CNN_PARAMS * 4
+    activations = [n * 4 * batch for n in MNIST_CNN_ACTIVATIONS]
+    live_pair = (32 * 28 * 28 + 32 * 14 * 14) * 4 * batch         # conv1 output + pool output: the largest pair
+    saved = sum(activations)
+    expected = {"inference": params + live_pair,
+                "training, SGD (momentum)": params * 3 + saved + live_pair,
+                "training, Adam": params * 4 + saved + live_pair}
+    assert memory_estimates(load_model(MNIST_CNN), batch) == expected
+    out = summary_of(capsys, MNIST_CNN, "--batch", batch)
+    for what, size in expected.items():
+        assert f"({size:,} bytes)" in out
+    assert "inference = P + max_i(A[i-1] + A[i])" in out
+
+
+def test_batchnorm_statistics_get_no_gradient_or_optimizer_state(tmp_path):
+    desc = {"name": "bn", "input_shape": [8], "layers": [{"type": "batchnorm", "name": "bn"},
+                                                         {"type": "linear", "name": "fc", "out_features": 2}]}
+    path = tmp_path / "bn.json"
+    path.write_text(json.dumps(desc))
+    estimates = memory_estimates(load_model(path), 1)
+    trainable = (8 + 8 + 2 * 8 + 2) * 4                            # bn weight, bias; fc weight, bias
+    assert estimates["training, Adam"] - estimates["training, SGD (momentum)"] == trainable
+
+
+def test_bin_shows_metadata(reference_bin, tmp_path, capsys):
+    from lnn.tools.export import main as export_main
+
+    half = tmp_path / "half.bin"
+    assert export_main([str(reference_bin("mnist_cnn")), "-o", str(half), "--fp16"]) == 0
+    capsys.readouterr()
+    out = summary_of(capsys, half)
+    assert "file: " in out and f"({half.stat().st_size:,} bytes)" in out
+    assert "stored: 8 tensors (4 float16, 4 float32)" in out
+    assert "labels: 10 (0, 1, 2, 3, 4, 5, ...)" in out
+    assert "preprocess: gray, resize to 28x28" in out
+    assert "parameters:  421,642" in out
+
+
+@pytest.mark.parametrize("case, fragment, status", [
+    ("missing", "no such file", 1),
+    ("bad_json", "not valid JSON", 1),
+    ("image", "cannot read the model description", 1),
+    ("batch_zero", "--batch must be at least 1", 1),
+    ("batch_text", "invalid int value", 2),
+])
+def test_bad_input_is_one_line(tmp_path, case, fragment, status):
+    source, extra = tmp_path / "absent.json", []
+    if case == "bad_json":
+        source = tmp_path / "bad.json"
+        source.write_text("{nope")
+    elif case == "image":
+        source = tmp_path / "photo.png"
+        source.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    elif case == "batch_zero":
+        source, extra = MNIST_CNN, ["--batch", "0"]
+    elif case == "batch_text":
+        source, extra = MNIST_CNN, ["--batch", "many"]
+    result = run_command("summary", source, *extra)
+    assert result.returncode == status and result.stdout == ""
+    assert_one_line_error(result.stderr, "lnn-summary", fragment)
+
+
+def test_help_and_version():
+    result = run_command("summary", "--help")
+    assert result.returncode == 0 and "--batch" in result.stdout
+    result = run_command("summary", "--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"lnn-summary (lnn) {lnn.__version__}"
