@@ -2,11 +2,13 @@
 
     lnn-export examples/reference/mnist_cnn.json --weights mnist_cnn.weights.npz -o mnist_cnn.bin
     lnn-export mnist_cnn.bin -o mnist_cnn_fp16.bin --fp16
+    lnn-export mnist_cnn.bin --onnx mnist_cnn.onnx
 
 Weights are keyed `<layer name>.<param>` as in a PyTorch state_dict (weight, bias, running_mean,
 running_var); batch norm's `num_batches_tracked` is ignored. Re-exporting a .bin keeps its metadata
 and stored dtypes, so export -> load -> export gives a byte-identical file. --fp16 stores the conv
-and linear weight matrices as float16 (biases and batch-norm statistics stay float32).
+and linear weight matrices as float16 (biases and batch-norm statistics stay float32). --onnx also
+(or instead) writes an ONNX file (opset 17, float32, batch norm folded; needs the onnx extra).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lnn.formats.binfile import build_metadata, write_bin
+from lnn.formats.binfile import build_metadata, check_weights, fp16_dtypes, write_bin
 from lnn.formats.errors import LnnInputError
 from lnn.formats.model import Model
 from lnn.tools.cli import command_parser, human_bytes, read_model_source, run_command
@@ -32,8 +34,9 @@ def build_parser():
     parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("source", metavar="MODEL", help="a JSON model description (with --weights) or a .bin to re-export")
     parser.add_argument("--weights", metavar="W.npz", help="NumPy .npz of the weights, keyed <layer name>.<param>")
-    parser.add_argument("-o", "--output", metavar="OUT.bin", required=True, help="the .bin file to write (atomically)")
-    parser.add_argument("--fp16", action="store_true", help="store conv and linear weights as float16 (about half the size)")
+    parser.add_argument("-o", "--output", metavar="OUT.bin", help="the .bin file to write (atomically)")
+    parser.add_argument("--fp16", action="store_true", help="in the .bin, store conv and linear weights as float16 (about half the size)")
+    parser.add_argument("--onnx", metavar="OUT.onnx", help="also (or only) write the model as ONNX")
     return parser
 
 
@@ -66,11 +69,6 @@ def load_weights(path: str | Path, model: Model) -> dict:
     return weights
 
 
-def fp16_dtypes(model: Model) -> dict:
-    """Which tensors --fp16 stores as float16: the weight matrices of conv2d and linear layers."""
-    return {node.param_key("weight"): "float16" for node in model.nodes if node.op in ("conv2d", "linear")}
-
-
 def check_fp16_range(weights: dict, dtypes: dict) -> None:
     for key, dtype in dtypes.items():
         if dtype == "float16":
@@ -89,23 +87,44 @@ def export(args) -> int:
         if not args.weights:
             raise LnnInputError(f"{args.source} is a model description: give its weights with --weights W.npz")
         weights, metadata, dtypes = load_weights(args.weights, model), build_metadata(model), {}
-    if args.fp16:
-        dtypes = {**dtypes, **fp16_dtypes(model)}
-        check_fp16_range(weights, dtypes)
-    try:
-        size = write_bin(args.output, model, weights, metadata, dtypes)
-    except OSError as err:
-        raise LnnInputError(f"cannot write {args.output}: {err.strerror or err}") from None
+    if args.output:
+        write_bin_and_report(args.output, model, weights, metadata, dtypes, args.fp16)
+    if args.onnx:
+        from lnn.formats.onnx_export import export_onnx
 
-    stored = Counter(dtypes.get(key, "float32") for key in model.param_shapes())
-    kinds = ", ".join(f"{count} {dtype}" for dtype, count in sorted(stored.items()))
-    print(f"wrote {args.output}: {human_bytes(size)} ({size:,} bytes), {sum(stored.values())} tensors ({kinds}), "
-          f"{model.num_params:,} parameters")
+        check_weights(model.param_shapes(), weights)
+        export_onnx(model, {key: np.asarray(value, np.float32) for key, value in weights.items()}, args.onnx)
+        size = Path(args.onnx).stat().st_size
+        print(f"wrote {args.onnx}: {human_bytes(size)} ({size:,} bytes), ONNX, float32, {model.num_params:,} parameters")
     return 0
 
 
+def write_bin_and_report(output, model: Model, weights: dict, metadata: dict, dtypes: dict, fp16: bool) -> None:
+    if fp16:
+        dtypes = {**dtypes, **fp16_dtypes(model)}
+        check_fp16_range(weights, dtypes)
+    try:
+        size = write_bin(output, model, weights, metadata, dtypes)
+    except OSError as err:
+        raise LnnInputError(f"cannot write {output}: {err.strerror or err}") from None
+
+    stored = Counter(dtypes.get(key, "float32") for key in model.param_shapes())
+    kinds = ", ".join(f"{count} {dtype}" for dtype, count in sorted(stored.items()))
+    print(f"wrote {output}: {human_bytes(size)} ({size:,} bytes), {sum(stored.values())} tensors ({kinds}), "
+          f"{model.num_params:,} parameters")
+
+
 def main(argv=None) -> int:
-    return run_command(build_parser(), export, argv)
+    parser = build_parser()
+
+    def checked_export(args) -> int:
+        if not (args.output or args.onnx):
+            parser.error("give the output: -o OUT.bin, --onnx OUT.onnx, or both")
+        if args.fp16 and not args.output:
+            parser.error("--fp16 applies to the .bin: add -o OUT.bin")
+        return export(args)
+
+    return run_command(parser, checked_export, argv)
 
 
 if __name__ == "__main__":

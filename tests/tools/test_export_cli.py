@@ -67,6 +67,19 @@ def test_fp16_stores_weight_matrices_as_half_and_predicts_close(reference_bin, t
     assert (got.argmax(1) == expected.argmax(1)).all()
 
 
+@pytest.mark.parametrize("from_bin", [False, True])
+def test_onnx_output_reproduces_pytorch_in_onnxruntime(reference_bin, tmp_path, capsys, from_bin):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    source = [reference_bin("leaf_cnn")] if from_bin else [EXAMPLES / "reference" / "leaf_cnn.json", "--weights",
+                                                           need(REFERENCE_MODELS / "leaf_cnn.weights.npz")]
+    assert main([*map(str, source), "--onnx", str(tmp_path / "leaf.onnx")]) == 0
+    assert "ONNX, float32, 97,956 parameters" in capsys.readouterr().out
+    samples = np.load(need(REFERENCE_MODELS / "leaf_cnn.samples.npz"))
+    ort = onnxruntime.InferenceSession(str(tmp_path / "leaf.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = ort.run(None, {ort.get_inputs()[0].name: samples["input"]})
+    np.testing.assert_allclose(got, samples["expected"], rtol=0, atol=1e-4)
+
+
 def batchnorm_model(tmp_path):
     desc = {"name": "bn", "input_shape": [2, 4, 4], "layers": [
         {"type": "conv2d", "name": "conv", "out_channels": 3, "kernel_size": 3, "padding": 1},
@@ -156,9 +169,12 @@ def test_errors_from_a_process_are_one_line_with_status_1_and_usage_errors_statu
     assert result.returncode == 1 and result.stdout == ""
     assert_one_line_error(result.stderr, "lnn-export", "w.npz")
 
-    result = run_command("export", MNIST_JSON)                        # no -o
+    result = run_command("export", MNIST_JSON, "--weights", tmp_path / "w.npz")   # no output named
     assert result.returncode == 2
-    assert_one_line_error(result.stderr, "lnn-export", "-o/--output")
+    assert_one_line_error(result.stderr, "lnn-export", "-o OUT.bin, --onnx OUT.onnx")
+    result = run_command("export", MNIST_JSON, "--onnx", tmp_path / "o.onnx", "--fp16")
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, "lnn-export", "--fp16 applies to the .bin")
 
 
 def test_help_and_version():
