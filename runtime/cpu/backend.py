@@ -1,0 +1,149 @@
+"""The Numba CPU backend: turns a Model into a list of layers, then into a fixed plan per batch size.
+
+Load time (once):
+  - dropout is dropped (identity at inference);
+  - a batch norm right after a conv2d / linear layer without an activation is folded into its weight
+    and bias; an activation layer right after a layer with an epilogue and no activation of its own
+    becomes that epilogue's activation;
+  - a conv2d whose activation is monotone, followed by a max-pool, hands its bias + activation to
+    the pool (pool.py explains why that is exact).
+First call per batch size: every buffer is allocated and every kernel call is bound to its buffers
+(`steps`, argument-free callables). Later calls with that batch size copy the input into the plan's
+input buffer and run the steps: no allocation. run() returns the plan's output buffer itself, which
+the next call overwrites (Session.run copies it). A backend object is not safe to share between threads.
+
+Adding an op: one file here with a layer class (`__init__(node, weights)`, `out_shape`,
+`plan(src, new_buffer) -> (dst, steps)`) and one line in LAYERS.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from lnn.formats.model import Model
+from lnn.formats.ops import ACTIVATIONS
+from lnn.runtime.cpu import cache
+from lnn.runtime.cpu.activations import NONE, ActivationLayer, is_monotone
+from lnn.runtime.cpu.batchnorm import BatchNormLayer, scale_and_shift
+from lnn.runtime.cpu.conv2d import Conv2dLayer
+from lnn.runtime.cpu.flatten import FlattenLayer
+from lnn.runtime.cpu.jit import CACHE_ENABLED
+from lnn.runtime.cpu.linear import LinearLayer
+from lnn.runtime.cpu.pool import AvgPool2dLayer, GlobalAvgPoolLayer, MaxPool2dLayer
+
+LAYERS = {
+    "linear": LinearLayer,
+    "conv2d": Conv2dLayer,
+    "maxpool2d": MaxPool2dLayer,
+    "avgpool2d": AvgPool2dLayer,
+    "global_avg_pool": GlobalAvgPoolLayer,
+    "flatten": FlattenLayer,
+    "batchnorm": BatchNormLayer,
+    **{kind: ActivationLayer for kind in ACTIVATIONS},
+}
+IDENTITY_AT_INFERENCE = {"dropout"}
+PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
+
+
+class Plan:
+    def __init__(self, layers: list, input_shape: tuple, batch: int):
+        self.input = np.empty((batch, *input_shape), np.float32)
+        self.steps = []
+        x = self.input
+        for layer in layers:
+            x, steps = layer.plan(x, self._new_buffer)
+            self.steps += steps
+        self.output = x
+
+    @staticmethod
+    def _new_buffer(shape) -> np.ndarray:
+        return np.empty(shape, np.float32)
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        np.copyto(self.input, x)
+        for step in self.steps:
+            step()
+        return self.output
+
+
+def build_layers(model: Model, weights: dict) -> list:
+    layers = []
+    for node in model.nodes:
+        previous = layers[-1] if layers else None
+        owner_of_epilogue = isinstance(previous, (Conv2dLayer, LinearLayer, BatchNormLayer, ActivationLayer))
+        if node.op in IDENTITY_AT_INFERENCE:
+            continue
+        if (node.op == "batchnorm" and isinstance(previous, (Conv2dLayer, LinearLayer))
+                and previous.epilogue.code == NONE):
+            previous.fold(*scale_and_shift(node, weights))
+            previous.epilogue.set_activation(node.attrs["activation"])
+            continue
+        if node.op in ACTIVATIONS and owner_of_epilogue and previous.epilogue.code == NONE:
+            previous.epilogue.set_activation(node.attrs)
+            continue
+        layer = LAYERS[node.op](node, weights)
+        if (isinstance(layer, MaxPool2dLayer) and isinstance(previous, Conv2dLayer)
+                and is_monotone(previous.epilogue.code)):
+            layer.take_epilogue(previous)
+        layers.append(layer)
+    return layers
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, model: Model, weights: dict, threads: int | None = None):
+        self.model = model
+        self.threads = threads
+        self.layers = build_layers(model, weights)
+        self._plans: OrderedDict[int, Plan] = OrderedDict()
+        self._blas_limit = _blas_thread_limit(threads)
+        self.compile_seconds: float | None = None     # set by warmup(): first-call compile or cache load
+
+    def _plan(self, batch: int) -> Plan:
+        plan = self._plans.get(batch)
+        if plan is None:
+            plan = self._plans[batch] = Plan(self.layers, self.model.input_shape, batch)
+            if len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(batch)
+        return plan
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        """x: C-contiguous float32 [N, *input_shape] -> the plan's output buffer [N, *output_shape]."""
+        plan = self._plan(x.shape[0])
+        if self._blas_limit is None:
+            return plan.run(x)
+        with self._blas_limit():
+            return plan.run(x)
+
+    def warmup(self, batch: int = 1) -> float:
+        """Compile (or load from the cache) every kernel this model uses; return and record the seconds it took.
+
+        Measured as the first run minus a second, warm run, so it excludes the inference itself."""
+        x = np.random.default_rng(0).standard_normal((batch, *self.model.input_shape)).astype(np.float32)
+        start = time.perf_counter()
+        self.run(x)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        self.run(x)
+        self.compile_seconds = max(0.0, first - (time.perf_counter() - start))
+        if CACHE_ENABLED:
+            cache.mark_cached(self.model)
+        return self.compile_seconds
+
+
+def _blas_thread_limit(threads: int | None):
+    """A context-manager factory limiting BLAS to `threads` (None: leave BLAS alone)."""
+    if threads is None:
+        return None
+    if threads < 1:
+        raise ValueError(f"threads must be a positive integer, not {threads!r}")
+    from threadpoolctl import ThreadpoolController
+
+    controller = ThreadpoolController()
+    return lambda: controller.limit(limits=threads, user_api="blas")

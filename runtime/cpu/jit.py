@@ -1,0 +1,45 @@
+"""The one place Numba is configured and imported; every kernel file takes `kernel` from here.
+
+Before `import numba`:
+  - NUMBA_CACHE_DIR is pointed at a writable per-user folder (see cache.py) unless the user set
+    it; when no writable folder can be had, kernels compile without a cache and one warning says so.
+  - NUMBA_THREADING_LAYER is set to "workqueue" unless the user set it (the OpenMP layer was seen
+    stalling whole processes on 2 cores).
+The same values are also written into numba.config, in case Numba was imported earlier.
+
+Kernels are serial (`parallel=True` doubles compile time and pays only for large work that BLAS
+does not already thread). Numba compiles each kernel on its first call, so a model compiles only
+the kernels it uses.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from lnn.runtime.cpu.cache import ensure_writable, numba_cache_dir
+
+CACHE_DIR = numba_cache_dir()
+_problem = ensure_writable(CACHE_DIR)
+CACHE_ENABLED = _problem is None
+if CACHE_ENABLED:
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(CACHE_DIR))
+else:
+    warnings.warn(f"lnn: cannot write the Numba kernel cache: {_problem}; kernels will be compiled "
+                  f"again in every process (set LNN_CACHE_DIR to a writable folder)", RuntimeWarning, stacklevel=2)
+THREADING_LAYER = os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+
+import numba  # noqa: E402  (must follow the environment set-up above)
+
+if CACHE_ENABLED:
+    numba.config.CACHE_DIR = str(CACHE_DIR)
+numba.config.THREADING_LAYER = THREADING_LAYER
+
+
+def kernel(function):
+    """@kernel: a serial, cached (when the cache is writable), nopython Numba function that releases the GIL."""
+    return numba.njit(cache=CACHE_ENABLED, nogil=True)(function)
+
+
+def set_numba_threads(threads: int) -> None:
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))

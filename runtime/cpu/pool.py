@@ -1,0 +1,138 @@
+"""Pooling: maxpool2d, avgpool2d [N, C, H, W] -> [N, C, OH, OW]; global_avg_pool [N, C, H, W] -> [N, C(, 1, 1)].
+
+Reference: formats/ops.py MaxPool2d / AvgPool2d / GlobalAvgPool.forward.
+  maxpool2d  max over the window (the input is padded with -inf, padding.py), then the epilogue
+             act(max + shift[c]): a conv's bias and monotone activation commute with the max, so
+             conv -> [act] -> maxpool runs as GEMM -> pool-with-epilogue and the full-size conv
+             output is never passed over a second time.
+  avgpool2d  sum over the window (the input is padded with 0), divided by KH*KW (count_include_pad)
+             or by the number of the window's cells inside the input (precomputed per output position).
+  global_avg_pool  mean over H*W.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from lnn.runtime.cpu.activations import RELU, Epilogue, activate, as_channels_positions
+from lnn.runtime.cpu.jit import kernel
+from lnn.runtime.cpu.padding import padded
+
+
+@kernel
+def maxpool2d(src, kh, kw, sh, sw, scale, shift, code, slope, dst):
+    """src [N, C, H, W] (already padded with -inf) -> dst [N, C, OH, OW], then act(max * scale + shift)."""
+    batch, channels = src.shape[:2]
+    out_h, out_w = dst.shape[2:]
+    for n in range(batch):
+        for c in range(channels):
+            a = scale[c]
+            b = shift[c]
+            for oy in range(out_h):
+                target = dst[n, c, oy]
+                first = src[n, c, oy * sh]
+                for ox in range(out_w):
+                    target[ox] = first[ox * sw]
+                for ky in range(kh):
+                    source = src[n, c, oy * sh + ky]
+                    for kx in range(kw):
+                        if sw == 2:     # the common 2x2/2 pool: a constant stride LLVM vectorizes
+                            for ox in range(out_w):
+                                target[ox] = max(target[ox], source[2 * ox + kx])
+                        else:
+                            for ox in range(out_w):
+                                target[ox] = max(target[ox], source[ox * sw + kx])
+                if code == RELU:
+                    for ox in range(out_w):
+                        target[ox] = max(target[ox] * a + b, np.float32(0))
+                else:
+                    for ox in range(out_w):
+                        target[ox] = activate(target[ox] * a + b, code, slope)
+
+
+@kernel
+def avgpool2d(src, kh, kw, sh, sw, divisors, dst):
+    """src [N, C, H, W] (already padded with 0) -> dst [N, C, OH, OW] = window sum / divisors [OH, OW]."""
+    batch, channels = src.shape[:2]
+    out_h, out_w = dst.shape[2:]
+    for n in range(batch):
+        for c in range(channels):
+            for oy in range(out_h):
+                target = dst[n, c, oy]
+                target[:] = 0
+                for ky in range(kh):
+                    source = src[n, c, oy * sh + ky]
+                    for kx in range(kw):
+                        for ox in range(out_w):
+                            target[ox] += source[ox * sw + kx]
+                for ox in range(out_w):
+                    target[ox] /= divisors[oy, ox]
+
+
+def window_cells(size: int, kernel: int, stride: int, pad: int, out_size: int) -> np.ndarray:
+    """How many cells of each output's window lie inside the unpadded input, along one axis."""
+    starts = np.arange(out_size) * stride - pad
+    return np.minimum(starts + kernel, size) - np.maximum(starts, 0)
+
+
+@kernel
+def global_avg_pool(src, dst):
+    """src [N, C, P] -> dst [N, C]: the mean of each row."""
+    batch, channels, positions = src.shape
+    for n in range(batch):
+        for c in range(channels):
+            total = np.float64(0)
+            for p in range(positions):
+                total += src[n, c, p]
+            dst[n, c] = total / positions
+
+
+class MaxPool2dLayer:
+    def __init__(self, node, weights):
+        self.attrs = node.attrs
+        self.out_shape = node.out_shape
+        self.epilogue = Epilogue.identity(node.in_shape[0])
+
+    def take_epilogue(self, conv) -> None:
+        """Apply `conv`'s bias + activation after the max instead of before it (see the header)."""
+        self.epilogue = conv.epilogue
+        conv.epilogue_fused = True
+
+    def plan(self, src, new_buffer):
+        a, e = self.attrs, self.epilogue
+        dst = new_buffer((src.shape[0], *self.out_shape))
+        image, steps = padded(src, *a["padding"], -np.inf, new_buffer)
+        steps.append(partial(maxpool2d, image, *a["kernel_size"], *a["stride"], e.scale, e.shift, e.code, e.slope, dst))
+        return dst, steps
+
+
+class AvgPool2dLayer:
+    def __init__(self, node, weights):
+        a = self.attrs = node.attrs
+        self.out_shape = node.out_shape
+        (kh, kw), (sh, sw), (ph, pw) = a["kernel_size"], a["stride"], a["padding"]
+        _, out_h, out_w = node.out_shape
+        if a["count_include_pad"]:
+            self.divisors = np.full((out_h, out_w), kh * kw, np.float32)
+        else:
+            rows = window_cells(node.in_shape[1], kh, sh, ph, out_h)
+            cols = window_cells(node.in_shape[2], kw, sw, pw, out_w)
+            self.divisors = np.outer(rows, cols).astype(np.float32)
+
+    def plan(self, src, new_buffer):
+        a = self.attrs
+        dst = new_buffer((src.shape[0], *self.out_shape))
+        image, steps = padded(src, *a["padding"], 0.0, new_buffer)
+        steps.append(partial(avgpool2d, image, *a["kernel_size"], *a["stride"], self.divisors, dst))
+        return dst, steps
+
+
+class GlobalAvgPoolLayer:
+    def __init__(self, node, weights):
+        self.out_shape = node.out_shape
+
+    def plan(self, src, new_buffer):
+        dst = new_buffer((src.shape[0], *self.out_shape))
+        return dst, [partial(global_avg_pool, as_channels_positions(src), dst.reshape(dst.shape[:2]))]
