@@ -11,12 +11,14 @@ Errors reach a person as ONE line on stderr, `lnn-<cmd>: error: <message>`, neve
     LnnError (bad model, weights, image)   -> exit 1
     OSError (cannot read or write a file)  -> exit 1
     Ctrl-C                                 -> exit 130, quietly
+    a closed output pipe (`... | head`)    -> exit 1, quietly
 This module imports only the standard library and lnn's errors, so `--help` stays cheap.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -54,6 +56,9 @@ def run_command(parser: CommandParser, body, argv=None) -> int:
         return body(args)
     except LnnError as err:
         error_line(prog, str(err))
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:                           # the reader went away (`lnn-infer ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the exit flush cannot fail again
         return EXIT_BAD_INPUT
     except OSError as err:                            # e.g. the output folder does not exist, a full disk
         where = f"{err.filename}: " if err.filename else ""

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
 import lnn
-from lnn.formats.errors import LnnInputError
+from lnn.formats.errors import LnnError, LnnInputError
 from lnn.tools.cli import command_parser, error_line, run_command
 
 PROG = "lnn-infer"
@@ -49,7 +48,8 @@ def build_parser():
     formats.add_argument("--csv", action="store_true", help="CSV: one row per image and rank")
     parser.add_argument("--device", choices=("auto", "cpu", "numpy", "cuda"), default="auto",
                         help="backend: auto (NumPy for up to 8 images, else Numba), cpu (Numba), numpy, cuda")
-    parser.add_argument("--threads", type=int, metavar="N", help="threads for the Numba backend (NUMBA_NUM_THREADS)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="threads for the Numba backend (device cpu); the NumPy backend keeps BLAS's default")
     return parser
 
 
@@ -154,12 +154,16 @@ def progress_bar(total: int):
     return tqdm(total=total, unit="img", disable=None, file=sys.stderr)
 
 
-def load_session(model: str | None, device: str):
+def load_session(model: str | None, device: str, threads: int | None):
     if model is None:
         if not DEFAULT_MODEL.exists():
             raise LnnInputError(f"no bundled default model found ({DEFAULT_MODEL}); pass --model M.bin")
         model = DEFAULT_MODEL
-    session = lnn.load(model, device=device)
+    backend_options = {"threads": threads} if threads is not None and device == "cpu" else {}
+    try:
+        session = lnn.load(model, device=device, **backend_options)
+    except ImportError as err:
+        raise LnnError(f"the {device} backend is not available here ({err}); try --device numpy") from None
     if session.model.preprocess is None:
         raise LnnInputError(f"{model}: model {session.model.name!r} takes no images "
                             f"(input shape {list(session.input_shape)})")
@@ -169,14 +173,12 @@ def load_session(model: str | None, device: str):
 def infer(args) -> int:
     if args.top_k < 1:
         raise LnnInputError(f"--top-k must be at least 1, not {args.top_k}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise LnnInputError(f"--threads must be at least 1, not {args.threads}")
-        os.environ["NUMBA_NUM_THREADS"] = str(args.threads)    # read when the Numba backend imports numba
+    if args.threads is not None and args.threads < 1:
+        raise LnnInputError(f"--threads must be at least 1, not {args.threads}")
     paths, failures = expand_inputs(args.inputs)
     if not paths:
         return 1
-    session = load_session(args.model, choose_device(args.device, len(paths)))
+    session = load_session(args.model, choose_device(args.device, len(paths)), args.threads)
     top_k = min(args.top_k, len(session.labels))
     uncertain_below = (session.metadata.get("thresholds") or {}).get("uncertain_below")
 

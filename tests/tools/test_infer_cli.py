@@ -226,3 +226,22 @@ def test_help_and_version():
     assert result.returncode == 0 and "--top-k" in result.stdout and "--device" in result.stdout
     result = run_command("infer", "--version")
     assert result.returncode == 0 and result.stdout.strip() == f"lnn-infer (lnn) {lnn.__version__}"
+
+
+def test_ctrl_c_exits_130_quietly(monkeypatch, capsys):
+    def interrupted(inputs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(infer, "expand_inputs", interrupted)
+    assert main(["x.jpg"]) == 130
+    assert capsys.readouterr().err.strip() == ""
+
+
+def test_a_backend_that_cannot_load_is_one_line(reference_bin, monkeypatch, tmp_path, capsys):
+    def no_cupy(path, device, **options):
+        raise ModuleNotFoundError("No module named 'cupy'")
+
+    monkeypatch.setattr(lnn, "load", no_cupy)
+    image = digit_images(tmp_path / "digits", 1)[0]
+    assert main(["--model", str(reference_bin("mnist_cnn")), "--device", "cuda", str(image)]) == 1
+    assert_one_line_error(capsys.readouterr().err, "lnn-infer", "the cuda backend is not available", "cupy")
