@@ -86,7 +86,7 @@ class _GraphBuilder:
         self.current = INPUT_NAME
 
     def constant(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(self.onnx.numpy_helper.from_array(np.ascontiguousarray(array, dtype=np.float32), name))
+        self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(array, dtype=np.float32, order="C"), name))
         return name
 
     def add(self, op_type: str, name: str, extra_inputs=(), **attributes) -> None:

@@ -342,8 +342,10 @@ def _clip(node, chain):
     else:
         node.attributes()
         low, high = (node.const(i, name, optional=True) for i, name in ((1, "min"), (2, "max")))
-        low = -np.inf if low is None else float(low)
-        high = np.inf if high is None else float(high)
+        if any(bound is not None and bound.size != 1 for bound in (low, high)):
+            raise node.error("min and max must be scalars")
+        low = -np.inf if low is None else float(low.reshape(-1)[0])
+        high = np.inf if high is None else float(high.reshape(-1)[0])
     if low == 0 and high == 6:
         _activation(node, chain, {"type": "relu6"})
     elif low == 0 and high >= FLOAT_LIMIT:
