@@ -245,3 +245,10 @@ def test_a_backend_that_cannot_load_is_one_line(reference_bin, monkeypatch, tmp_
     image = digit_images(tmp_path / "digits", 1)[0]
     assert main(["--model", str(reference_bin("mnist_cnn")), "--device", "cuda", str(image)]) == 1
     assert_one_line_error(capsys.readouterr().err, "lnn-infer", "the cuda backend is not available", "cupy")
+
+
+def test_importing_the_commands_loads_no_opencv_numba_or_tqdm():
+    code = ("import sys, lnn.tools.export, lnn.tools.infer, lnn.tools.summary; "
+            "print(sorted(m for m in ('cv2', 'numba', 'tqdm', 'onnx') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
