@@ -141,7 +141,8 @@ def _stored_arrays(model: Model, weights: dict, dtypes: dict) -> list:
         dtype_name = dtypes.get(key, "float32")
         if np.dtype(dtype_name) not in DTYPE_CODES:
             raise ValueError(f"dtypes: {key} as {dtype_name!r}; a .bin v1 stores float32 or float16")
-        array = np.ascontiguousarray(weights[key], dtype=np.dtype(dtype_name).newbyteorder("<"))
+        with np.errstate(over="ignore"):                    # overflow to fp16 infinity is refused just below
+            array = np.ascontiguousarray(weights[key], dtype=np.dtype(dtype_name).newbyteorder("<"))
         if not np.all(np.isfinite(array)):
             raise ModelSpecError(f"weights: {key} has values beyond the float16 range (±65504); keep it float32")
         out.append((key, array))
@@ -489,7 +490,8 @@ def _model_from(graph: dict, metadata: dict) -> Model:
     try:                                                                             # rule 41
         model = parse_model(desc)
     except ModelSpecError as err:
-        raise LnnFormatError(f"graph: {err}") from None
+        section = "metadata" if str(err).startswith(("labels", "preprocess")) else "graph"
+        raise LnnFormatError(f"{section}: {err}") from None
     if _json_bytes(graph_of(model)) != _json_bytes(graph):                           # rule 42
         raise LnnFormatError("graph: not the normalized model description (every layer attribute written out, "
                              "nothing else); re-export the model")
@@ -497,8 +499,7 @@ def _model_from(graph: dict, metadata: dict) -> Model:
     if metadata["input"] != input_meta:                                              # rule 43
         raise LnnFormatError(f"metadata: input is {metadata['input']!r}, the graph needs {input_meta!r}")
     if metadata["preprocess"] != model.preprocess:                                   # rule 44
-        need = "null (not an image model)" if model.preprocess is None else f"complete: {model.preprocess!r}"
-        raise LnnFormatError(f"metadata: preprocess must be {need}")
+        raise LnnFormatError(f"metadata: preprocess must be complete: {model.preprocess!r}")
     if metadata["labels"] != model.labels:                                           # rule 45
         raise LnnFormatError("metadata: labels must be complete objects {name, display[, advice]}, "
                              "one per output")
