@@ -1,0 +1,261 @@
+"""The Numba CPU backend against the NumPy reference backend and PyTorch-made golden outputs.
+
+The parity cases are driven by the op registry: every op in formats/ops.py OPS must appear in
+some case (a new op without a case fails `test_every_op_has_a_case`). Shapes are odd on purpose
+(13 and 24 channels, odd H and W, stride 2, dilation 2, groups 3, depthwise, pool padding) to hit
+loop tails and borders, at batch sizes 1 and 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from conftest import EXAMPLES, REFERENCE_MODELS, REFERENCE_NAMES, need
+from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes
+from lnn.formats.model import load_model, parse_model
+from lnn.formats.ops import OPS
+from lnn.runtime import Session
+from lnn.runtime.reference import NumpyBackend
+
+TOLERANCE = 1e-4
+
+
+def conv(out_channels, kernel_size=3, **attrs):
+    return {"type": "conv2d", "out_channels": out_channels, "kernel_size": kernel_size, **attrs}
+
+
+# id -> (input_shape, layers)
+CASES = {
+    "conv_pad_relu": ([13, 9, 11], [conv(24, padding=1, activation="relu")]),
+    "conv_stride2_dilation2": ([24, 13, 11], [conv(13, stride=2, padding=2, dilation=2, activation="tanh")]),
+    "conv_groups3_gemm": ([24, 9, 7], [conv(12, groups=3, padding=1, activation={"type": "leaky_relu", "negative_slope": 0.2})]),
+    "conv_depthwise_direct": ([13, 11, 9], [conv(13, groups=13, stride=2, padding=1, activation="relu6")]),
+    "conv_pointwise": ([13, 7, 9], [conv(24, kernel_size=1, activation="sigmoid")]),
+    "conv_pointwise_groups_direct": ([24, 5, 7], [conv(12, kernel_size=1, groups=3, bias=False)]),
+    "conv_rect_kernel_stride": ([3, 15, 13], [conv(13, kernel_size=[3, 5], stride=[2, 1], padding=[1, 2])]),
+    "conv_softmax_channels": ([5, 6, 7], [conv(7, padding=1, activation="softmax")]),
+    "conv_relu_maxpool_fused": ([13, 11, 13], [conv(24, padding=1, activation="relu"),
+                                               {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
+    "conv_then_activation_layer_then_pool": ([3, 12, 10], [conv(13, padding=1), {"type": "leaky_relu"},
+                                                           {"type": "maxpool2d", "kernel_size": 2}]),
+    "maxpool_odd": ([13, 11, 9], [{"type": "maxpool2d", "kernel_size": 3, "stride": 1}]),
+    "maxpool_default_stride": ([13, 11, 9], [{"type": "maxpool2d", "kernel_size": 2}]),
+    "avgpool_include_pad": ([13, 11, 9], [{"type": "avgpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
+    "avgpool_exclude_pad": ([13, 11, 9], [{"type": "avgpool2d", "kernel_size": 3, "stride": 2, "padding": 1,
+                                           "count_include_pad": False}]),
+    "avgpool_no_pad": ([24, 10, 7], [{"type": "avgpool2d", "kernel_size": [2, 3], "stride": [2, 1]}]),
+    "global_avg_pool": ([24, 7, 5], [{"type": "global_avg_pool"}]),
+    "global_avg_pool_keepdims": ([13, 7, 5], [{"type": "global_avg_pool", "keepdims": True}, {"type": "flatten"}]),
+    "batchnorm2d_folded_into_conv": ([13, 9, 7], [conv(24, padding=1), {"type": "dropout", "p": 0.3},
+                                                  {"type": "batchnorm", "activation": "relu"}]),
+    "batchnorm2d_standalone": ([13, 9, 7], [{"type": "batchnorm"}, {"type": "relu"},
+                                            {"type": "maxpool2d", "kernel_size": 2}, {"type": "batchnorm", "activation": "tanh"}]),
+    "batchnorm2d_after_conv_with_activation": ([5, 7, 9], [conv(13, activation="relu"), {"type": "batchnorm"}]),
+    "mlp_activations": ([13, 3, 5], [{"type": "flatten"}, {"type": "linear", "out_features": 24, "activation": "relu6"},
+                                     {"type": "dropout"}, {"type": "linear", "out_features": 13, "bias": False},
+                                     {"type": "batchnorm"}, {"type": "tanh"},
+                                     {"type": "linear", "out_features": 7, "activation": "softmax"}]),
+    "batchnorm1d_standalone_and_layers": ([24], [{"type": "batchnorm", "activation": "sigmoid"}, {"type": "relu"},
+                                                 {"type": "relu6"}, {"type": "sigmoid"}, {"type": "tanh"},
+                                                 {"type": "leaky_relu", "negative_slope": 0.3}, {"type": "softmax"}]),
+    "linear_then_softmax_layer": ([13], [{"type": "linear", "out_features": 5}, {"type": "softmax"}]),
+}
+
+
+def random_weights(model, rng) -> dict:
+    weights = {}
+    for key, shape in model.param_shapes().items():
+        if key.endswith("running_var"):
+            weights[key] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+        else:
+            weights[key] = (rng.standard_normal(shape) * 0.5).astype(np.float32)
+    return weights
+
+
+def cpu_backend(model, weights, **options):
+    from lnn.runtime.cpu import BACKEND
+
+    return BACKEND(model, weights, **options)
+
+
+def test_every_op_has_a_case():
+    used = {layer["type"] for _, layers in CASES.values() for layer in layers}
+    used |= {layer["activation"] if isinstance(layer.get("activation"), str) else layer["activation"]["type"]
+             for _, layers in CASES.values() for layer in layers if layer.get("activation")}
+    assert set(OPS) - used == set()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_numpy_reference(case):
+    input_shape, layers = CASES[case]
+    model = parse_model({"name": case, "input_shape": input_shape, "layers": layers})
+    rng = np.random.default_rng(sorted(CASES).index(case))
+    weights = random_weights(model, rng)
+    backend = cpu_backend(model, weights)
+    reference = NumpyBackend(model, weights)
+    for batch in (1, 3):
+        x = rng.standard_normal((batch, *input_shape)).astype(np.float32)
+        got = backend.run(x)
+        expected = reference.run(x)
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE, err_msg=f"{case}, batch {batch}")
+
+
+def test_fusions_happen():
+    """Batch norm folds into the conv (through a dropout), the activation layer joins the conv, and the
+    conv's bias + activation move into the max-pool; a batch norm after an activation stays a layer."""
+    def layer_types(case):
+        input_shape, layers = CASES[case]
+        model = parse_model({"input_shape": input_shape, "layers": layers})
+        return [type(layer).__name__ for layer in cpu_backend(model, random_weights(model, np.random.default_rng(0))).layers]
+
+    assert layer_types("batchnorm2d_folded_into_conv") == ["Conv2dLayer"]
+    assert layer_types("conv_then_activation_layer_then_pool") == ["Conv2dLayer", "MaxPool2dLayer"]
+    assert layer_types("batchnorm2d_after_conv_with_activation") == ["Conv2dLayer", "BatchNormLayer"]
+    input_shape, layers = CASES["conv_relu_maxpool_fused"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    conv_layer, pool_layer = cpu_backend(model, random_weights(model, np.random.default_rng(0))).layers
+    assert conv_layer.epilogue_fused and pool_layer.epilogue is conv_layer.epilogue
+
+
+def test_does_not_modify_weights_or_input():
+    input_shape, layers = CASES["batchnorm2d_folded_into_conv"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(7))
+    frozen = {k: v.copy() for k, v in weights.items()}
+    x = np.random.default_rng(8).standard_normal((2, *input_shape)).astype(np.float32)
+    x_before = x.copy()
+    cpu_backend(model, weights).run(x)
+    assert all(np.array_equal(weights[k], frozen[k]) for k in weights)
+    assert np.array_equal(x, x_before)
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+def test_reference_model_through_bin(name):
+    folder = need(REFERENCE_MODELS)
+    model = load_model(EXAMPLES / "reference" / f"{name}.json")
+    weights = dict(np.load(folder / f"{name}.weights.npz"))
+    samples = np.load(folder / f"{name}.samples.npz")
+    session = Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), "cpu")
+    assert session.backend.name == "cpu"
+    np.testing.assert_allclose(session.run(samples["input"]), samples["expected"], rtol=0, atol=TOLERANCE)
+    np.testing.assert_allclose(session.run(samples["input"][:1]), samples["expected"][:1], rtol=0, atol=TOLERANCE)
+
+
+def test_no_allocation_after_first_call_per_batch_size():
+    """tracemalloc sees every NumPy buffer; the kernels create no arrays (Numba's only per-call allocations
+    are the small wrappers it makes for each array argument, which tracemalloc does not see)."""
+    input_shape = [13, 41, 45]
+    model = parse_model({"input_shape": input_shape, "layers": [
+        conv(24, padding=1, activation="relu"), {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1},
+        conv(24, kernel_size=1), {"type": "batchnorm"},
+        conv(24, kernel_size=3, groups=24, padding=1, activation="tanh"), {"type": "avgpool2d", "kernel_size": 2},
+        {"type": "flatten"}, {"type": "linear", "out_features": 10, "activation": "softmax"}]})
+    backend = cpu_backend(model, random_weights(model, np.random.default_rng(3)), threads=1)
+    batch = 8
+    x = np.random.default_rng(4).standard_normal((batch, *input_shape)).astype(np.float32)
+    limit = 64 * 1024       # Python's own small objects (threadpoolctl's, the GC's) come and go below this
+    assert all(np.prod(node.out_shape) * batch * 4 > limit for node in model.nodes[:-1])
+
+    first = backend.run(x)
+    expected = first.copy()
+    tracemalloc.start()
+    for _ in range(50):
+        out = backend.run(x)
+    after, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+
+    assert out is first                  # the same planned output buffer every call
+    np.testing.assert_array_equal(out, expected)
+    assert peak < limit                  # no intermediate buffer was allocated, even briefly
+    assert after < limit                 # and nothing accumulates
+
+
+def test_threads_option_limits_blas_during_run():
+    from threadpoolctl import threadpool_info
+
+    model = parse_model({"input_shape": [13], "layers": [{"type": "linear", "out_features": 5}]})
+    backend = cpu_backend(model, random_weights(model, np.random.default_rng(0)), threads=1)
+    seen = []
+    backend.layers[0].plan = _spy_plan(backend.layers[0].plan, lambda: seen.append(
+        [info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"]))
+    backend.run(np.ones((2, 13), np.float32))
+    assert seen and all(n == 1 for n in seen[0])
+    with pytest.raises(ValueError):
+        cpu_backend(model, random_weights(model, np.random.default_rng(0)), threads=0)
+
+
+def _spy_plan(plan, spy):
+    def spied(src, new_buffer):
+        dst, steps = plan(src, new_buffer)
+        return dst, [spy, *steps]
+    return spied
+
+
+def test_warmup_records_compile_time():
+    model = parse_model({"input_shape": [3, 8, 8], "layers": [conv(4, padding=1, activation="relu")]})
+    backend = cpu_backend(model, random_weights(model, np.random.default_rng(0)))
+    assert backend.compile_seconds is None
+    assert backend.warmup() == backend.compile_seconds >= 0
+
+
+def _python(code: str, env_changes: dict, timeout=120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "LNN_CACHE_DIR")}
+    env.update(env_changes)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+SMALL_MODEL = {"input_shape": [3, 6, 5], "layers": [conv(4, padding=1, activation="relu"), {"type": "flatten"},
+                                                      {"type": "linear", "out_features": 3}]}
+RUN_SMALL_MODEL = f"""
+import json, warnings, numpy as np
+warnings.simplefilter("always")
+from lnn.formats.model import parse_model
+from lnn.runtime.reference import NumpyBackend
+from lnn.runtime.cpu import cache
+model = parse_model(json.loads({json.dumps(json.dumps(SMALL_MODEL))}))
+rng = np.random.default_rng(0)
+weights = {{k: rng.standard_normal(s).astype(np.float32) for k, s in model.param_shapes().items()}}
+x = rng.standard_normal((2, 3, 6, 5)).astype(np.float32)
+print("cached before:", cache.kernels_cached(model))
+from lnn.runtime.cpu import BACKEND
+backend = BACKEND(model, weights)
+backend.warmup()
+print("max error:", float(np.abs(backend.run(x) - NumpyBackend(model, weights).run(x)).max()))
+print("cached after:", cache.kernels_cached(model))
+"""
+
+
+def test_unwritable_cache_falls_back_with_one_warning(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    result = _python(RUN_SMALL_MODEL, {"LNN_CACHE_DIR": str(blocker / "cache")})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("cannot write the Numba kernel cache") == 1, result.stderr
+    assert float(result.stdout.split("max error:")[1].split()[0]) <= TOLERANCE
+    assert "cached after: False" in result.stdout
+
+
+def test_cache_folder_and_warm_marker(tmp_path):
+    result = _python(RUN_SMALL_MODEL, {"LNN_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "cannot write" not in result.stderr
+    assert "cached before: False" in result.stdout and "cached after: True" in result.stdout
+    assert list((tmp_path / "numba").rglob("*.nbi")), "numba wrote no cache index in the chosen folder"
+    again = _python(RUN_SMALL_MODEL, {"LNN_CACHE_DIR": str(tmp_path)})
+    assert "cached before: True" in again.stdout
+
+
+def test_importing_the_runtime_does_not_import_numba():
+    code = ("import sys, lnn.runtime, lnn.runtime.cpu, lnn.runtime.cpu.cache; "
+            "print('numba' in sys.modules)")
+    result = _python(code, {})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
