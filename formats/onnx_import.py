@@ -14,7 +14,8 @@ ONNX nodes map to lnn layers as follows:
     Relu, Clip, LeakyRelu,     relu, relu6 (Clip 0..6; Clip 0..inf is relu), leaky_relu, sigmoid, tanh,
     Sigmoid, Tanh, Softmax     softmax (over the last axis of [N, K]); folded into the conv2d / linear /
                                batchnorm before them as its `activation` when that has none yet
-    Dropout, Identity          nothing (inference)
+    Dropout                    dropout (the identity at inference; lnn-export drops it again)
+    Identity                   nothing
     Constant                   a constant for the nodes after it
 
 Initializers become weights keyed `<layer name>.weight` etc. A layer's name comes from its weight's
@@ -346,6 +347,8 @@ def _clip(node, chain):
             raise node.error("min and max must be scalars")
         low = -np.inf if low is None else float(low.reshape(-1)[0])
         high = np.inf if high is None else float(high.reshape(-1)[0])
+    if low == -np.inf and high == np.inf:
+        return                                  # no bounds: the identity
     if low == 0 and high == 6:
         _activation(node, chain, {"type": "relu6"})
     elif low == 0 and high >= FLOAT_LIMIT:
@@ -365,10 +368,16 @@ def _softmax(node, chain):
 
 
 def _dropout(node, chain):
-    node.attributes(ratio=0.5, seed=0, is_test=1)
-    training = node.const(2, "training_mode", optional=True) if node.opset >= 12 else None
-    if training is not None and bool(training):
-        raise node.error("training_mode=true is not supported; export the model in eval mode")
+    attrs = node.attributes(ratio=0.5, seed=0, is_test=1)
+    if node.opset >= 12:
+        ratio = node.const(1, "ratio", optional=True)
+        ratio = 0.5 if ratio is None else float(ratio)
+        training = node.const(2, "training_mode", optional=True)
+        if training is not None and bool(training):
+            raise node.error("training_mode=true is not supported; export the model in eval mode")
+    else:
+        ratio = float(attrs["ratio"])
+    chain.append({"type": "dropout", "p": ratio})         # the identity at inference, as in lnn
 
 
 def _identity(node, chain):
@@ -483,7 +492,7 @@ def convert_graph(proto) -> tuple[dict, list]:
         raise OnnxImportError(f"the graph's outputs are {graph_outputs}; lnn needs exactly one, the end of the chain "
                               f'("{current}")')
     if not chain.layers:
-        raise OnnxImportError("the graph has no layer lnn runs (only Identity / Dropout nodes)")
+        raise OnnxImportError("the graph has no layer lnn runs (only Identity nodes)")
     description = {"name": graph.name or "model", "input_shape": list(input_shape), "layers": chain.layers}
     return description, chain.params
 

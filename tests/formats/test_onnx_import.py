@@ -123,9 +123,9 @@ def test_foreign_graph_shapes_match_onnxruntime():
         helper.make_node("Reshape", ["p", "flat"], ["f"], name="flatten"),
         helper.make_node("MatMul", ["f", "mm_w"], ["m"], name="matmul"),
         helper.make_node("Add", ["mm_b", "m"], ["a"], name="bias"),
-        helper.make_node("Dropout", ["a"], ["d"], name="dropout"),
-        helper.make_node("LeakyRelu", ["d"], ["l"], name="leaky", alpha=0.3),
-        helper.make_node("Gemm", ["l", "g_w", "g_c"], ["g"], name="gemm", alpha=0.5, beta=2.0),
+        helper.make_node("LeakyRelu", ["a"], ["l"], name="leaky", alpha=0.3),
+        helper.make_node("Dropout", ["l"], ["d"], name="dropout"),
+        helper.make_node("Gemm", ["d", "g_w", "g_c"], ["g"], name="gemm", alpha=0.5, beta=2.0),
         helper.make_node("Identity", ["g"], ["i"]),
         helper.make_node("Softmax", ["i"], ["y"], name="softmax"),
     ]
@@ -139,7 +139,7 @@ def test_foreign_graph_shapes_match_onnxruntime():
     imported = assert_matches_onnxruntime(make_model(nodes, inits, [2, 9, 9], "y", output_rank=2), [2, 9, 9])
     assert [(n.op, (n.attrs.get("activation") or {}).get("type")) for n in imported.nodes] == [
         ("conv2d", None), ("batchnorm", "relu6"), ("conv2d", "relu"), ("avgpool2d", None), ("flatten", None),
-        ("linear", "leaky_relu"), ("linear", "softmax")]
+        ("linear", "leaky_relu"), ("dropout", None), ("linear", "softmax")]
     assert imported.nodes[3].attrs["count_include_pad"] is False      # ONNX's default, unlike lnn's
 
 
