@@ -16,6 +16,7 @@ description; parsing that again gives the same model (the `.bin` stores it as it
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from dataclasses import dataclass, field
@@ -134,7 +135,8 @@ def parse_model(desc: dict) -> Model:
         raise ModelSpecError("the model description must be a JSON object")
     unknown = set(desc) - TOP_LEVEL_FIELDS
     if unknown:
-        raise ModelSpecError(f"unknown top-level field {sorted(unknown)[0]!r}; known: {', '.join(sorted(TOP_LEVEL_FIELDS))}")
+        raise ModelSpecError(f"unknown top-level field {sorted(unknown)[0]!r}{_did_you_mean(sorted(unknown)[0], TOP_LEVEL_FIELDS)}; "
+                             f"known: {', '.join(sorted(TOP_LEVEL_FIELDS))}")
     name = desc.get("name", "model")
     if not isinstance(name, str) or not name:
         raise ModelSpecError("name must be a non-empty string")
@@ -167,6 +169,11 @@ def load_model(path: str | Path) -> Model:
     return parse_model(load_description(path))
 
 
+def _did_you_mean(word: str, known) -> str:
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _parse_input_shape(value) -> tuple:
     if (not isinstance(value, list) or not value or len(value) > 4
             or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
@@ -189,7 +196,7 @@ def _parse_layer(index: int, layer, in_shape: tuple) -> Node:
     unknown = set(given) - set(op.attr_defaults)
     if unknown:
         known = ", ".join(["type", "name", *op.attr_defaults]) if op.attr_defaults else "type, name"
-        raise ModelSpecError(f"{where}: unknown field {sorted(unknown)[0]!r}; known: {known}")
+        raise ModelSpecError(f"{where}: unknown field {sorted(unknown)[0]!r}{_did_you_mean(sorted(unknown)[0], op.attr_defaults)}; known: {known}")
     attrs = {}
     for key, default in op.attr_defaults.items():
         if key in given:
@@ -241,7 +248,8 @@ def _parse_preprocess(value, input_shape: tuple) -> dict | None:
         numbers = value.get(key, [default] * channels)
         if not isinstance(numbers, list) or len(numbers) != channels or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
-            raise ModelSpecError(f"preprocess: {key} must be a list of {channels} numbers (one per channel), got {numbers!r}")
+            raise ModelSpecError(f"preprocess: {key} must be a list of {channels} number{'s' if channels > 1 else ''} "
+                                 f"(one per channel), got {numbers!r}")
         if key == "std" and min(numbers) <= 0:
             raise ModelSpecError(f"preprocess: std values must be positive, got {numbers!r}")
         out[key] = [float(v) for v in numbers]
