@@ -1,0 +1,167 @@
+"""Every op's hand-written backward against central finite differences, in float64.
+
+Each case is a one-layer (or two-layer) model compiled into a float64 plan that also computes the
+input gradient; the scalar checked is sum(output * R) for a fixed random R, so dL/d(output) = R.
+Shapes are small and odd (tails), convolutions strided, dilated, grouped and padded, pools padded.
+"""
+
+import numpy as np
+import pytest
+
+from lnn.formats.model import parse_model
+from lnn.train import kernels as K
+from lnn.train.plan import Plan
+
+EPS = 1e-6
+TOLERANCE = 1e-6
+
+
+def _model(input_shape, layers, loss="mse"):
+    return parse_model({"input_shape": list(input_shape), "layers": layers, "loss": loss})
+
+
+def _plan(model, n, seed=0):
+    plan = Plan(model, n, dtype="float64", input_gradient=True)
+    plan.allocate(np)
+    rng = np.random.default_rng(seed)
+    plan.params[...] = rng.normal(0, 0.5, plan.params.shape)
+    plan.stats[...] = rng.uniform(0.5, 1.5, plan.stats.shape)
+    return plan
+
+
+def _loss(plan, x, r, keys):
+    n = len(x)
+    plan.input_buffer(n)[...] = x
+    return float((plan.forward(n, training=True, dropout_keys=keys) * r).sum())
+
+
+def _check(input_shape, layers, n=3, seed=0, samples=12):
+    model = _model(input_shape, layers)
+    plan = _plan(model, n, seed)
+    rng = np.random.default_rng(seed + 1)
+    x = rng.normal(0, 1, (n,) + tuple(input_shape))
+    r = rng.normal(0, 1, (n,) + tuple(model.output_shape))
+    keys = {i: 12345 + i for i in range(len(model.nodes))}
+
+    _loss(plan, x, r, keys)
+    plan.grads.fill(0)
+    plan.output_grad_buffer(n)[...] = r
+    plan.backward(n, dropout_keys=keys)
+    analytic_dx = plan.views(n)["grad:-1"].copy()
+    analytic_params = plan.grads.copy()
+
+    def numeric(vector, index, evaluate):
+        old = vector[index]
+        vector[index] = old + EPS
+        up = evaluate()
+        vector[index] = old - EPS
+        down = evaluate()
+        vector[index] = old
+        return (up - down) / (2 * EPS)
+
+    flat_x = x.reshape(-1)
+    for index in rng.choice(flat_x.size, min(samples, flat_x.size), replace=False):
+        expected = numeric(flat_x, index, lambda: _loss(plan, x, r, keys))
+        assert analytic_dx.reshape(-1)[index] == pytest.approx(expected, abs=TOLERANCE, rel=TOLERANCE), \
+            f"d input[{index}]"
+    for key, slot in plan.param_slots.items():
+        for local in rng.choice(slot.size, min(samples, slot.size), replace=False):
+            index = slot.offset + local
+            expected = numeric(plan.params, index, lambda: _loss(plan, x, r, keys))
+            assert analytic_params[index] == pytest.approx(expected, abs=TOLERANCE, rel=TOLERANCE), f"d {key}[{local}]"
+    return model
+
+
+ACTIVATIONS = ["relu", "relu6", {"type": "leaky_relu", "negative_slope": 0.1}, "sigmoid", "tanh", "softmax"]
+
+CASES = {
+    "linear": ((7,), [{"type": "linear", "out_features": 5}]),
+    "linear_no_bias_relu": ((7,), [{"type": "linear", "out_features": 5, "bias": False, "activation": "relu"}]),
+    "conv_plain": ((3, 7, 6), [{"type": "conv2d", "out_channels": 4, "kernel_size": 3}]),
+    "conv_stride_pad": ((3, 9, 8), [{"type": "conv2d", "out_channels": 5, "kernel_size": [3, 2], "stride": [2, 3],
+                                     "padding": [1, 2], "activation": "tanh"}]),
+    "conv_dilated": ((2, 9, 9), [{"type": "conv2d", "out_channels": 3, "kernel_size": 3, "dilation": 2,
+                                  "padding": 1}]),
+    "conv_grouped": ((4, 7, 7), [{"type": "conv2d", "out_channels": 6, "kernel_size": 3, "groups": 2,
+                                  "padding": 1, "stride": 2}]),
+    "conv_depthwise": ((3, 6, 5), [{"type": "conv2d", "out_channels": 3, "kernel_size": 3, "groups": 3,
+                                    "bias": False}]),
+    "maxpool": ((3, 7, 7), [{"type": "maxpool2d", "kernel_size": 2}]),
+    "maxpool_overlap_pad": ((2, 7, 6), [{"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
+    "avgpool": ((2, 7, 7), [{"type": "avgpool2d", "kernel_size": 3, "stride": 2}]),
+    "avgpool_pad": ((2, 6, 7), [{"type": "avgpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
+    "avgpool_pad_exclude": ((2, 6, 7), [{"type": "avgpool2d", "kernel_size": 3, "stride": 2, "padding": 1,
+                                         "count_include_pad": False}]),
+    "global_avg_pool": ((3, 5, 4), [{"type": "global_avg_pool"}]),
+    "global_avg_pool_keepdims": ((3, 5, 4), [{"type": "global_avg_pool", "keepdims": True}]),
+    "flatten_linear": ((2, 3, 3), [{"type": "flatten"}, {"type": "linear", "out_features": 4}]),
+    "batchnorm2d_train": ((3, 5, 4), [{"type": "batchnorm", "activation": "relu"}]),
+    "batchnorm1d_train": ((6,), [{"type": "batchnorm"}]),
+    "dropout": ((13,), [{"type": "dropout", "p": 0.3}]),
+    "dropout_2d": ((2, 3, 5), [{"type": "dropout", "p": 0.5}]),
+    "conv_bn_pool_linear": ((2, 8, 8), [{"type": "conv2d", "out_channels": 3, "kernel_size": 3, "padding": 1},
+                                        {"type": "batchnorm", "activation": "relu"},
+                                        {"type": "maxpool2d", "kernel_size": 2}, {"type": "flatten"},
+                                        {"type": "dropout", "p": 0.2},
+                                        {"type": "linear", "out_features": 3, "activation": "softmax"}]),
+}
+for act in ACTIVATIONS:
+    name = act if isinstance(act, str) else act["type"]
+    CASES[f"activation_{name}"] = ((9,), [act if isinstance(act, dict) else {"type": act}])
+    CASES[f"linear_fused_{name}"] = ((6,), [{"type": "linear", "out_features": 5, "activation": act}])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_backward_matches_finite_differences(case):
+    input_shape, layers = CASES[case]
+    _check(input_shape, layers, n=3 if "batchnorm" not in case else 4)
+
+
+def test_every_op_of_the_registry_is_checked():
+    from lnn.formats.ops import OPS
+
+    checked = {parse_model({"input_shape": list(s), "layers": layers, "loss": "mse"}).nodes[i].op
+               for s, layers in CASES.values() for i in range(len(layers))}
+    assert set(OPS) <= checked
+
+
+def test_softmax_cross_entropy_gradient():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 3, (5, 7))
+    labels = rng.integers(0, 7, 5)
+    grad = np.empty_like(logits)
+    loss_sum, _ = K.softmax_cross_entropy_forward_backward(np, logits, labels, 1 / 5, grad)
+    assert float(loss_sum) == pytest.approx(float(K.softmax_cross_entropy_forward(np, logits, labels)[0]))
+    for index in range(logits.size):
+        flat = logits.reshape(-1)
+        old = flat[index]
+        flat[index] = old + EPS
+        up = float(K.softmax_cross_entropy_forward(np, logits, labels)[0]) / 5
+        flat[index] = old - EPS
+        down = float(K.softmax_cross_entropy_forward(np, logits, labels)[0]) / 5
+        flat[index] = old
+        assert grad.reshape(-1)[index] == pytest.approx((up - down) / (2 * EPS), abs=1e-7)
+
+
+def test_softmax_cross_entropy_is_stable_for_huge_logits():
+    logits = np.array([[1000.0, 0.0, -1000.0], [-5e4, 5e4, 0.0]], np.float32)
+    grad = np.empty_like(logits)
+    loss_sum, correct = K.softmax_cross_entropy_forward_backward(np, logits, np.array([0, 0]), 1.0, grad)
+    assert np.isfinite(float(loss_sum)) and float(loss_sum) == pytest.approx(1e5)
+    assert np.all(np.isfinite(grad)) and int(correct) == 1
+
+
+def test_mse_gradient():
+    rng = np.random.default_rng(4)
+    pred, target = rng.normal(size=(4, 3)), rng.normal(size=(4, 3))
+    grad = np.empty_like(pred)
+    K.mse_forward_backward(np, pred, target, 1 / 12, grad)
+    for index in range(pred.size):
+        flat = pred.reshape(-1)
+        old = flat[index]
+        flat[index] = old + EPS
+        up = float(K.mse_forward(np, pred, target)) / 12
+        flat[index] = old - EPS
+        down = float(K.mse_forward(np, pred, target)) / 12
+        flat[index] = old
+        assert grad.reshape(-1)[index] == pytest.approx((up - down) / (2 * EPS), abs=1e-7)

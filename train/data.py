@@ -1,0 +1,301 @@
+"""Training data: MNIST IDX files, in-memory and memory-mapped uint8 datasets, a prefetch thread.
+
+Images are kept as uint8 [N, C, H, W] with integer labels [N]; the trainer normalizes them
+inside the step (scale, mean, std of the description's preprocess block), so a small dataset
+costs one byte per pixel and is moved to the device once.
+  - `load_mnist(folder)` -> (train, test) ArrayDatasets from the four IDX files (gzipped or raw).
+  - `ArrayDataset(images, labels)`: in memory.
+  - `MemmapDataset.create(path, count, shape)` / `.open(path)`: a uint8 cache on disk for data that
+    does not fit in memory (filled once, e.g. from decoded images), read batch by batch.
+  - `Prefetcher(batches, load, to_device)`: a background thread that reads the next batches while
+    the current one trains; on the GPU it copies through pinned memory on a second stream.
+"""
+
+from __future__ import annotations
+
+import gzip
+import queue
+import struct
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from lnn.formats.errors import LnnInputError
+
+IDX_IMAGES, IDX_LABELS = 2051, 2049
+MNIST_FILES = {
+    "train_images": ("train-images-idx3-ubyte", "train-images.idx3-ubyte"),
+    "train_labels": ("train-labels-idx1-ubyte", "train-labels.idx1-ubyte"),
+    "test_images": ("t10k-images-idx3-ubyte", "t10k-images.idx3-ubyte"),
+    "test_labels": ("t10k-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"),
+}
+
+
+# --------------------------------------------------------------------------- datasets
+
+class ArrayDataset:
+    """uint8 images [N, C, H, W] (or float [N, ...] already preprocessed) and labels [N]."""
+
+    in_memory = True
+
+    def __init__(self, images, labels, name: str = "data"):
+        images, labels = np.asarray(images), np.asarray(labels)
+        if images.ndim < 2:
+            raise LnnInputError(f"{name}: images must be [N, ...], got shape {list(images.shape)}")
+        if len(labels) != len(images):
+            raise LnnInputError(f"{name}: {len(images)} images but {len(labels)} labels")
+        if len(images) == 0:
+            raise LnnInputError(f"{name}: the dataset is empty")
+        self.images, self.labels, self.name = images, labels, name
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def sample_shape(self) -> tuple:
+        return tuple(self.images.shape[1:])
+
+    def limit(self, count: int | None) -> "ArrayDataset":
+        """The first `count` samples (all when None)."""
+        if count is None or count >= len(self):
+            return self
+        return type(self)(self.images[:count], self.labels[:count], self.name)
+
+    def batch(self, indices: np.ndarray):
+        return self.images[indices], self.labels[indices]
+
+
+class MemmapDataset(ArrayDataset):
+    """A uint8 image cache in `<path>.images.npy` / `<path>.labels.npy`, memory-mapped, not loaded."""
+
+    in_memory = False
+
+    @classmethod
+    def create(cls, path, count: int, sample_shape: tuple, name: str = "cache") -> "MemmapDataset":
+        """An empty writable cache; fill `.images[i]` and `.labels[i]`, then `.flush()`."""
+        path = Path(path)
+        images = np.lib.format.open_memmap(f"{path}.images.npy", mode="w+", dtype=np.uint8,
+                                           shape=(count,) + tuple(sample_shape))
+        labels = np.lib.format.open_memmap(f"{path}.labels.npy", mode="w+", dtype=np.int32, shape=(count,))
+        return cls(images, labels, name)
+
+    @classmethod
+    def open(cls, path, name: str | None = None) -> "MemmapDataset":
+        path = Path(path)
+        try:
+            images = np.load(f"{path}.images.npy", mmap_mode="r")
+            labels = np.load(f"{path}.labels.npy", mmap_mode="r")
+        except FileNotFoundError as err:
+            raise LnnInputError(f"{err.filename}: no such cache file") from None
+        except ValueError as err:
+            raise LnnInputError(f"{path}: not a readable dataset cache ({err})") from None
+        if images.dtype != np.uint8:
+            raise LnnInputError(f"{path}.images.npy: holds {images.dtype}, a cache holds uint8")
+        return cls(images, labels, name or path.name)
+
+    def flush(self):
+        self.images.flush()
+        self.labels.flush()
+
+    def batch(self, indices: np.ndarray):
+        order = np.argsort(indices, kind="stable")        # read the file forwards, then restore order
+        images = np.empty((len(indices),) + self.sample_shape, np.uint8)
+        images[order] = self.images[indices[order]]
+        return images, np.asarray(self.labels[indices])
+
+
+def epoch_order(count: int, seed: int, epoch: int) -> np.ndarray:
+    """The sample order of an epoch: a permutation drawn from (seed, epoch), so a resumed run repeats it."""
+    return np.random.default_rng([seed, epoch]).permutation(count)
+
+
+# --------------------------------------------------------------------------- MNIST IDX
+
+def read_idx(path, expected_magic: int) -> np.ndarray:
+    """An IDX file (gzip or raw) of unsigned bytes -> uint8 array of its declared shape."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise LnnInputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise LnnInputError(f"{path}: is a folder, not an IDX file") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, ValueError) as err:
+            raise LnnInputError(f"{path}: damaged gzip data ({err})") from None
+    kind = "images" if expected_magic == IDX_IMAGES else "labels"
+    if len(raw) < 8:
+        raise LnnInputError(f"{path}: {len(raw)} bytes is too short for an IDX {kind} file")
+    (magic,) = struct.unpack(">I", raw[:4])
+    if magic != expected_magic:
+        raise LnnInputError(f"{path}: not an IDX {kind} file (magic number {magic}, expected {expected_magic})")
+    ndim = magic & 0xFF
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise LnnInputError(f"{path}: truncated IDX header")
+    shape = struct.unpack(f">{ndim}I", raw[4:header])
+    size = int(np.prod(shape, dtype=np.int64))
+    if len(raw) - header != size:
+        raise LnnInputError(f"{path}: the header declares {list(shape)} ({size} bytes) but {len(raw) - header} "
+                            f"bytes follow: the file is truncated or damaged")
+    return np.frombuffer(raw, np.uint8, offset=header).reshape(shape)
+
+
+def _find(folder: Path, names: tuple) -> Path:
+    for name in names:
+        for candidate in (folder / name, folder / f"{name}.gz"):
+            if candidate.is_file():
+                return candidate
+    raise LnnInputError(f"{folder}: no {names[0]}[.gz] file (an MNIST folder holds train-images-idx3-ubyte.gz, "
+                        f"train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz)")
+
+
+def load_mnist(folder) -> tuple[ArrayDataset, ArrayDataset]:
+    """(train, test): images uint8 [N, 1, 28, 28], labels uint8 [N]."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise LnnInputError(f"{folder}: no such folder (pass --data mnist:FOLDER with the MNIST IDX files)")
+    parts = {key: read_idx(_find(folder, names), IDX_IMAGES if key.endswith("images") else IDX_LABELS)
+             for key, names in MNIST_FILES.items()}
+    out = []
+    for split in ("train", "test"):
+        images, labels = parts[f"{split}_images"], parts[f"{split}_labels"]
+        if images.ndim != 3:
+            raise LnnInputError(f"{folder}: {split} images have shape {list(images.shape)}, expected [N, H, W]")
+        if labels.max(initial=0) > 9:
+            raise LnnInputError(f"{folder}: {split} labels hold {labels.max()}, MNIST labels are 0-9")
+        out.append(ArrayDataset(images[:, None], labels, f"mnist {split}"))
+    return out[0], out[1]
+
+
+# --------------------------------------------------------------------------- prefetching
+
+class Prefetcher:
+    """Iterate over `load(indices)` for every index array in `batches`, `depth` batches ahead.
+
+    `load` runs in a background thread (reading a memory-mapped cache, decoding images, ...).
+    `to_device(images, labels)` is applied in that thread too; with cupy, pass
+    `cuda_transfer(cupy)` to copy through pinned host memory on a separate stream, and the
+    consumer's stream waits on each copy's event. Errors in the thread surface in the consumer.
+    Use as an iterator; `close()` (or leaving a `with` block) stops the thread early.
+    """
+
+    _DONE = object()
+
+    def __init__(self, batches, load, to_device=None, depth: int = 2):
+        self._queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(list(batches), load, to_device), daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, batches, load, to_device):
+        try:
+            for indices in batches:
+                item = load(indices)
+                if to_device is not None:
+                    item = to_device(*item)
+                if not self._put(("item", item)):
+                    return
+            self._put(("done", None))
+        except BaseException as err:                    # handed to the consumer, raised there
+            self._put(("error", err))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        kind, value = self._queue.get()
+        if kind == "item":
+            return value
+        self._stop.set()
+        if kind == "error":
+            raise value
+        raise StopIteration
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class PinnedSlots:
+    """A `to_device`-stage for Prefetcher on the GPU: copies each host batch into page-locked memory.
+
+    `count` slots rotate; a slot is reused only after the consumer released it (its copy to the
+    device finished), so the thread never overwrites memory a copy is still reading."""
+
+    def __init__(self, cupy, count: int = 4):
+        self.cupy = cupy
+        self.free = queue.Queue()
+        for slot in range(count):
+            self.free.put(slot)
+        self.buffers = {}
+
+    def __call__(self, images, labels):
+        slot = self.free.get()
+        out = []
+        for part, array in (("images", np.asarray(images)), ("labels", np.asarray(labels, np.int32))):
+            key = (slot, part)
+            if key not in self.buffers or self.buffers[key][0] < array.nbytes:
+                self.buffers[key] = (array.nbytes, self.cupy.cuda.alloc_pinned_memory(array.nbytes))
+            host = np.frombuffer(self.buffers[key][1], array.dtype, array.size).reshape(array.shape)
+            host[...] = array
+            out.append(host)
+        return out[0], out[1], slot
+
+    def release(self, slot: int):
+        self.free.put(slot)
+
+
+class DeviceFeeder:
+    """Consumer side on the GPU: pinned batch -> one of two device slots, copied on a side stream.
+
+    The copy of batch k+1 overlaps the compute of batch k: the side stream waits until the compute
+    stream finished with the slot it overwrites (an event), and the compute stream waits for the
+    copy (another event). Device slots are allocated once, at the largest batch size."""
+
+    def __init__(self, cupy, pinned: PinnedSlots, batch_size: int, sample_shape: tuple):
+        self.cupy, self.pinned = cupy, pinned
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.images = [cupy.empty((batch_size,) + tuple(sample_shape), cupy.uint8) for _ in range(2)]
+        self.labels = [cupy.empty(batch_size, cupy.int32) for _ in range(2)]
+        self.released = [None, None]          # compute-stream events: slot free again
+        self.turn = 0
+
+    def put(self, host_images, host_labels, pinned_slot):
+        """Start the copy; returns (device images, device labels) valid on the compute stream."""
+        cupy, slot = self.cupy, self.turn
+        self.turn ^= 1
+        n = len(host_images)
+        images, labels = self.images[slot][:n], self.labels[slot][:n]
+        if self.released[slot] is not None:
+            self.stream.wait_event(self.released[slot])
+        images.set(host_images, stream=self.stream)
+        labels.set(host_labels, stream=self.stream)
+        copied = self.stream.record()
+        cupy.cuda.get_current_stream().wait_event(copied)
+        copied.synchronize()                 # the pinned slot may be refilled once its copy is done
+        self.pinned.release(pinned_slot)
+        return images, labels, slot
+
+    def done(self, slot: int):
+        """Call after the compute for a batch was issued: its device slot may be overwritten after it."""
+        self.released[slot] = self.cupy.cuda.get_current_stream().record()

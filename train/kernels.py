@@ -1,0 +1,417 @@
+"""Forward and backward of every op, side by side, written by hand (llm.c style, no autograd).
+
+Every function takes the array namespace `xp` (numpy or cupy) first and uses only functions both
+provide, so the same code runs on the CPU and the GPU. Per backend, a kernel can be swapped for a
+faster one with the same signature (issue 5: fused CUDA kernels).
+
+Conventions (PyTorch's, and formats/ops.py's reference forward, which these must reproduce):
+  images are NCHW, flat data NC; linear weight [O, I] with y = x @ W.T + b;
+  conv weight [O, I/groups, KH, KW]; batch norm y = (x - mean) / sqrt(var + eps) * w + b.
+Contract:
+  `*_forward(xp, x, ..., out)` writes the result into the pre-allocated `out` and returns it.
+  `*_backward(xp, dy, ...)` ADDS parameter gradients into the gradient views it is given (so
+  gradient accumulation over micro-batches is free) and WRITES the input gradient into `dx`;
+  `dx=None` skips it (nothing before the layer learns).
+Window ops (conv im2col, col2im, pools) loop over the KH*KW kernel offsets and move one strided
+slice per offset: no np.add.at, no as_strided, and the same code on numpy and cupy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# --------------------------------------------------------------------------- window helpers
+
+
+def padded_size(size: int, pad: int) -> int:
+    return size + 2 * pad
+
+
+def offset_slice(offset: int, dilation: int, stride: int, count: int) -> slice:
+    """Rows (or columns) of the padded input that kernel offset `offset` reads for `count` outputs."""
+    start = offset * dilation
+    return slice(start, start + stride * (count - 1) + 1, stride)
+
+
+def window_slices(attrs: dict, out_hw: tuple):
+    """Yield (k, kh_index, kw_index, row slice, column slice) for every kernel offset."""
+    kh, kw = attrs["kernel_size"]
+    sh, sw = attrs["stride"]
+    dh, dw = attrs.get("dilation", (1, 1))
+    oh, ow = out_hw
+    for i in range(kh):
+        for j in range(kw):
+            yield i * kw + j, i, j, offset_slice(i, dh, sh, oh), offset_slice(j, dw, sw, ow)
+
+
+def pad_into(xp, x, padding: tuple, value, padded):
+    """Copy x [N, C, H, W] into the middle of `padded` [N, C, H+2ph, W+2pw], border = value."""
+    ph, pw = padding
+    if ph == 0 and pw == 0:
+        return x
+    padded.fill(value)
+    padded[:, :, ph:ph + x.shape[2], pw:pw + x.shape[3]] = x
+    return padded
+
+
+def unpad_into(xp, padded, padding: tuple, dx):
+    """The middle of `padded` -> dx (the inverse of pad_into for gradients)."""
+    ph, pw = padding
+    dx[...] = padded[:, :, ph:ph + dx.shape[2], pw:pw + dx.shape[3]]
+    return dx
+
+
+# --------------------------------------------------------------------------- activations
+# y = f(x) element-wise (softmax: over axis 1). Backward works from the OUTPUT y, so the
+# activation can run in place on the layer's output buffer. leaky_relu needs negative_slope >= 0
+# for that (the plan refuses a negative slope).
+
+def activation_forward(xp, activation: dict, x, out):
+    kind = activation["type"]
+    if kind == "relu":
+        return xp.maximum(x, 0, out=out)
+    if kind == "relu6":
+        return xp.clip(x, 0, 6, out=out)
+    if kind == "leaky_relu":
+        slope = activation["negative_slope"]
+        out[...] = xp.where(x >= 0, x, x * x.dtype.type(slope))
+        return out
+    if kind == "sigmoid":
+        e = xp.exp(-xp.abs(x))
+        out[...] = xp.where(x >= 0, 1 / (1 + e), e / (1 + e))
+        return out
+    if kind == "tanh":
+        return xp.tanh(x, out=out)
+    if kind == "softmax":
+        shifted = x - x.max(axis=1, keepdims=True)
+        xp.exp(shifted, out=out)
+        out /= out.sum(axis=1, keepdims=True)
+        return out
+    raise ValueError(f"unknown activation {kind!r}")
+
+
+def activation_backward(xp, activation: dict, dy, y, dx):
+    """dx = dL/dx from dy = dL/dy and the output y. dx may be dy itself (in place)."""
+    kind = activation["type"]
+    if kind == "relu":
+        return xp.multiply(dy, y > 0, out=dx)
+    if kind == "relu6":
+        return xp.multiply(dy, (y > 0) & (y < 6), out=dx)
+    if kind == "leaky_relu":
+        slope = y.dtype.type(activation["negative_slope"])
+        dx[...] = xp.where(y > 0, dy, dy * slope)
+        return dx
+    if kind == "sigmoid":
+        dx[...] = dy * y * (1 - y)
+        return dx
+    if kind == "tanh":
+        dx[...] = dy * (1 - y * y)
+        return dx
+    if kind == "softmax":
+        dx[...] = y * (dy - (dy * y).sum(axis=1, keepdims=True))
+        return dx
+    raise ValueError(f"unknown activation {kind!r}")
+
+
+# --------------------------------------------------------------------------- linear
+# x [N, I], weight [O, I], bias [O] -> y [N, O];  y = x @ W.T + b
+
+def linear_forward(xp, x, weight, bias, out):
+    xp.matmul(x, weight.T, out=out)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def linear_backward(xp, dy, x, weight, dweight, dbias, dx):
+    dweight += dy.T @ x
+    if dbias is not None:
+        dbias += dy.sum(axis=0)
+    if dx is not None:
+        xp.matmul(dy, weight, out=dx)
+    return dx
+
+
+# --------------------------------------------------------------------------- conv2d (im2col + GEMM)
+# x [N, C, H, W], weight [O, C/g, KH, KW], bias [O] -> y [N, O, OH, OW].
+# cols [C, KH, KW, N, OH, OW] holds every input window (batch folded into the GEMM's columns), so
+# y[g] = W[g] (O/g x C/g*KH*KW) @ cols[g] (C/g*KH*KW x N*OH*OW): one GEMM per group, whole batch.
+# Workspaces: `padded` [N, C, H+2ph, W+2pw] (None without padding), `cols`, `gemm_out` [O, N, OH, OW].
+# The backward recomputes cols from x (cheaper in memory than keeping them) and reuses `cols` for
+# d(cols), then scatters it back (col2im) with one strided add per kernel offset.
+
+def im2col(xp, x, attrs, padded, cols):
+    source = pad_into(xp, x, attrs["padding"], 0, padded)
+    for _, i, j, rows, columns in window_slices(attrs, cols.shape[4:]):
+        cols[:, i, j] = source[:, :, rows, columns].transpose(1, 0, 2, 3)
+    return cols
+
+
+def col2im(xp, cols, attrs, padded, dx):
+    target = padded if padded is not None else dx
+    target.fill(0)
+    for _, i, j, rows, columns in window_slices(attrs, cols.shape[4:]):
+        target[:, :, rows, columns] += cols[:, i, j].transpose(1, 0, 2, 3)
+    if padded is not None:
+        unpad_into(xp, padded, attrs["padding"], dx)
+    return dx
+
+
+def _grouped(weight, groups):
+    """[O, C/g, KH, KW] -> [g, O/g, C/g*KH*KW]."""
+    return weight.reshape(groups, weight.shape[0] // groups, -1)
+
+
+def conv2d_forward(xp, x, weight, bias, attrs, out, padded, cols, gemm_out):
+    groups = attrs["groups"]
+    im2col(xp, x, attrs, padded, cols)
+    n, o = out.shape[:2]
+    columns = cols.reshape(groups, -1, cols[0, 0, 0].size)                 # [g, C/g*KH*KW, N*OH*OW]
+    xp.matmul(_grouped(weight, groups), columns, out=gemm_out.reshape(groups, o // groups, -1))
+    out[...] = gemm_out.transpose(1, 0, 2, 3)
+    if bias is not None:
+        out += bias.reshape(1, -1, 1, 1)
+    return out
+
+
+def conv2d_backward(xp, dy, x, weight, attrs, dweight, dbias, dx, padded, cols, gemm_out):
+    groups = attrs["groups"]
+    o = dy.shape[1]
+    gemm_out[...] = dy.transpose(1, 0, 2, 3)                               # dy as [O, N, OH, OW]
+    dy_grouped = gemm_out.reshape(groups, o // groups, -1)                 # [g, O/g, N*OH*OW]
+    if dbias is not None:
+        dbias += gemm_out.reshape(o, -1).sum(axis=1)
+    im2col(xp, x, attrs, padded, cols)
+    columns = cols.reshape(groups, -1, cols[0, 0, 0].size)
+    dweight += xp.matmul(dy_grouped, columns.transpose(0, 2, 1)).reshape(dweight.shape)
+    if dx is not None:
+        xp.matmul(_grouped(weight, groups).transpose(0, 2, 1), dy_grouped, out=columns)   # d(cols)
+        col2im(xp, cols, attrs, padded, dx)
+    return dx
+
+
+# --------------------------------------------------------------------------- max pool
+# x [N, C, H, W] -> y [N, C, OH, OW], padding counts as -inf. `argmax` [N, C, OH, OW] (uint8 or
+# int32) records which kernel offset won (the first on ties, as PyTorch), kept for the backward.
+
+def maxpool2d_forward(xp, x, attrs, out, padded, argmax):
+    source = pad_into(xp, x, attrs["padding"], -np.inf, padded)
+    for k, _, _, rows, columns in window_slices(attrs, out.shape[2:]):
+        window = source[:, :, rows, columns]
+        if k == 0:
+            out[...] = window
+            argmax.fill(0)
+            continue
+        better = window > out
+        xp.copyto(out, window, where=better)
+        xp.copyto(argmax, xp.asarray(k, dtype=argmax.dtype), where=better)
+    return out
+
+
+def maxpool2d_backward(xp, dy, attrs, argmax, dx, padded):
+    target = padded if padded is not None else dx
+    target.fill(0)
+    for k, _, _, rows, columns in window_slices(attrs, dy.shape[2:]):
+        target[:, :, rows, columns] += dy * (argmax == k)
+    if padded is not None:
+        unpad_into(xp, padded, attrs["padding"], dx)
+    return dx
+
+
+# --------------------------------------------------------------------------- average pool
+# x [N, C, H, W] -> y [N, C, OH, OW]; `divisor` is KH*KW (count_include_pad) or an [OH, OW] array
+# of the real (unpadded) cells per window.
+
+def avgpool_divisor(xp, attrs, in_hw: tuple, out_hw: tuple, dtype):
+    kh, kw = attrs["kernel_size"]
+    if attrs["count_include_pad"]:
+        return dtype.type(kh * kw)
+    ph, pw = attrs["padding"]
+    ones = np.zeros((1, 1, in_hw[0] + 2 * ph, in_hw[1] + 2 * pw), dtype)
+    ones[:, :, ph:ph + in_hw[0], pw:pw + in_hw[1]] = 1
+    counts = np.zeros((1, 1) + tuple(out_hw), dtype)
+    for _, _, _, rows, columns in window_slices(attrs, out_hw):
+        counts += ones[:, :, rows, columns]
+    return xp.asarray(counts)
+
+
+def avgpool2d_forward(xp, x, attrs, divisor, out, padded):
+    source = pad_into(xp, x, attrs["padding"], 0, padded)
+    out.fill(0)
+    for _, _, _, rows, columns in window_slices(attrs, out.shape[2:]):
+        out += source[:, :, rows, columns]
+    out /= divisor
+    return out
+
+
+def avgpool2d_backward(xp, dy, attrs, divisor, dx, padded):
+    target = padded if padded is not None else dx
+    target.fill(0)
+    share = dy / divisor
+    for _, _, _, rows, columns in window_slices(attrs, dy.shape[2:]):
+        target[:, :, rows, columns] += share
+    if padded is not None:
+        unpad_into(xp, padded, attrs["padding"], dx)
+    return dx
+
+
+# --------------------------------------------------------------------------- global average pool
+# x [N, C, H, W] -> y [N, C] (or [N, C, 1, 1]); dx = dy / (H*W) everywhere.
+
+def global_avg_pool_forward(xp, x, out):
+    out[...] = x.mean(axis=(2, 3)).reshape(out.shape)
+    return out
+
+
+def global_avg_pool_backward(xp, dy, dx):
+    n, c, h, w = dx.shape
+    dx[...] = dy.reshape(n, c, 1, 1) / dx.dtype.type(h * w)
+    return dx
+
+
+# --------------------------------------------------------------------------- batch norm
+# x [N, C] or [N, C, H, W]; statistics per channel over N (and H, W), m values each.
+# Training: y = (x - mean) / sqrt(var + eps) * w + b with the batch's biased var; the running
+# statistics move by `momentum` towards the batch's mean and UNBIASED var (PyTorch semantics).
+# `saved` [2, C] float32 keeps mean and 1/sqrt(var + eps) for the backward, which recomputes
+# x_hat from x. Statistics are computed in float32 even when x is float16.
+
+def _channel_axes(x):
+    return (0,) if x.ndim == 2 else (0, 2, 3)
+
+
+def _per_channel(v, x):
+    return v.reshape((1, -1) + (1,) * (x.ndim - 2))
+
+
+def batchnorm_train_forward(xp, x, weight, bias, running_mean, running_var, attrs, out, saved):
+    axes = _channel_axes(x)
+    stat_dtype = np.float64 if x.dtype == np.float64 else np.float32
+    mean = x.mean(axis=axes, dtype=stat_dtype)
+    var = x.var(axis=axes, dtype=stat_dtype)
+    inv_std = 1 / xp.sqrt(var + attrs["eps"])
+    saved[0] = mean
+    saved[1] = inv_std
+    count = x.size // x.shape[1]
+    momentum = attrs["momentum"]
+    running_mean *= 1 - momentum
+    running_mean += momentum * mean
+    running_var *= 1 - momentum
+    running_var += (momentum * count / max(count - 1, 1)) * var
+    scale = (weight * inv_std).astype(x.dtype)
+    shift = (bias - mean * weight * inv_std).astype(x.dtype)
+    out[...] = x * _per_channel(scale, x) + _per_channel(shift, x)
+    return out
+
+
+def batchnorm_eval_forward(xp, x, weight, bias, running_mean, running_var, attrs, out):
+    scale = weight / xp.sqrt(running_var + attrs["eps"])
+    shift = bias - running_mean * scale
+    out[...] = x * _per_channel(scale.astype(x.dtype), x) + _per_channel(shift.astype(x.dtype), x)
+    return out
+
+
+def batchnorm_backward(xp, dy, x, weight, saved, dweight, dbias, dx):
+    axes = _channel_axes(x)
+    stat_dtype = saved.dtype
+    mean, inv_std = saved[0], saved[1]
+    x_hat = (x - _per_channel(mean, x).astype(x.dtype)) * _per_channel(inv_std, x).astype(x.dtype)
+    sum_dy = dy.sum(axis=axes, dtype=stat_dtype)
+    sum_dy_xhat = (dy * x_hat).sum(axis=axes, dtype=stat_dtype)
+    dweight += sum_dy_xhat.astype(dweight.dtype)
+    dbias += sum_dy.astype(dbias.dtype)
+    if dx is not None:
+        count = x.size // x.shape[1]
+        # dx = w * inv_std / m * (m * dy - sum(dy) - x_hat * sum(dy * x_hat))
+        k = weight * inv_std
+        dx[...] = (_per_channel(k, x) * (dy - _per_channel(sum_dy / count, x)
+                                        - x_hat * _per_channel(sum_dy_xhat / count, x))).astype(dx.dtype)
+    return dx
+
+
+# --------------------------------------------------------------------------- dropout
+# Training: y = x * keep / (1 - p), keep ~ Bernoulli(1 - p). The mask comes from a counter-based
+# hash of (key, element index), so it is the same on numpy and cupy, needs no stored mask (the
+# backward recomputes it) and its whole RNG state is the key the trainer derives from its seed
+# and a call counter.
+
+def _hash32(xp, h):
+    """lowbias32 (C. Wellons): a well-mixing bijection on uint32, in place on h."""
+    h ^= h >> xp.uint32(16)
+    h *= xp.uint32(0x7FEB352D)
+    h ^= h >> xp.uint32(15)
+    h *= xp.uint32(0x846CA68B)
+    h ^= h >> xp.uint32(16)
+    return h
+
+
+def dropout_keep_mask(xp, shape, p: float, key: int, index):
+    """Boolean mask of `shape`; `index` is a preallocated uint32 arange of at least prod(shape)."""
+    size = math.prod(shape)
+    h = index[:size] + xp.uint32(key & 0xFFFFFFFF)
+    threshold = min(int(p * 2.0 ** 32), 2 ** 32 - 1)
+    return (_hash32(xp, h) >= xp.uint32(threshold)).reshape(shape)
+
+
+def dropout_forward(xp, x, p: float, key: int, index, out):
+    keep = dropout_keep_mask(xp, x.shape, p, key, index)
+    xp.multiply(x, keep, out=out)
+    out *= x.dtype.type(1 / (1 - p))
+    return out
+
+
+def dropout_backward(xp, dy, p: float, key: int, index, dx):
+    keep = dropout_keep_mask(xp, dy.shape, p, key, index)
+    xp.multiply(dy, keep, out=dx)
+    dx *= dy.dtype.type(1 / (1 - p))
+    return dx
+
+
+# --------------------------------------------------------------------------- losses
+# Cross-entropy over logits [N, K] with integer labels [N]: one fused, numerically stable
+# softmax + CE (log-sum-exp with the max subtracted). d(logits) = (softmax - onehot) * scale,
+# where scale = (loss scale) / (rows in the whole optimizer step): mean over the batch, and the
+# same update for k accumulated micro-batches as for one k-times larger batch.
+# Computed in float32 (float64 in a float64 plan) whatever the logits' dtype.
+
+def softmax_cross_entropy_forward(xp, logits, labels):
+    """-> (sum of per-row losses, number of rows whose argmax is the label), both 0-d arrays."""
+    z = logits.astype(np.float64 if logits.dtype == np.float64 else np.float32)
+    top = z.max(axis=1, keepdims=True)
+    lse = xp.log(xp.exp(z - top).sum(axis=1)) + top[:, 0]
+    picked = xp.take_along_axis(z, labels.reshape(-1, 1), axis=1)[:, 0]
+    correct = (z.argmax(axis=1) == labels).sum()
+    return (lse - picked).sum(), correct
+
+
+def softmax_cross_entropy_forward_backward(xp, logits, labels, scale: float, dlogits):
+    z = logits.astype(np.float64 if logits.dtype == np.float64 else np.float32)
+    top = z.max(axis=1, keepdims=True)
+    e = xp.exp(z - top)
+    total = e.sum(axis=1, keepdims=True)
+    lse = xp.log(total[:, 0]) + top[:, 0]
+    rows = xp.arange(z.shape[0])
+    loss_sum = (lse - z[rows, labels]).sum()
+    correct = (z.argmax(axis=1) == labels).sum()
+    e /= total                                   # softmax
+    e[rows, labels] -= 1
+    e *= scale
+    dlogits[...] = e
+    return loss_sum, correct
+
+
+# Mean squared error over predictions [N, ...] and targets of the same shape, mean over every
+# element (PyTorch's reduction="mean"): d(pred) = 2 (pred - target) * scale, scale = (loss scale)
+# / (elements in the whole optimizer step).
+
+def mse_forward(xp, pred, target):
+    diff = pred.astype(np.float64 if pred.dtype == np.float64 else np.float32) - target
+    return (diff * diff).sum()
+
+
+def mse_forward_backward(xp, pred, target, scale: float, dpred):
+    diff = pred.astype(np.float64 if pred.dtype == np.float64 else np.float32) - target
+    dpred[...] = diff * (2 * scale)
+    return (diff * diff).sum()

@@ -1,0 +1,222 @@
+"""One class per op of formats/ops.py: which buffers its kernels need and how the plan calls them.
+
+A layer states, for a batch of n samples,
+  - its workspaces: (name, shape, dtype, phase) with phase "forward" (scratch of the forward),
+    "backward" (scratch of the backward) or "saved" (written by the forward, read by the backward);
+  - whether its backward reads its input (`needs_input`) or its output (`needs_output`);
+  - `alias`: the output is the input reshaped (flatten): no buffer, no work.
+The plan (train/plan.py) places every buffer in one pool and hands each call a `Call` holding
+views: x, y, dy, dx, params, grads, stats, ws. Fused activations ("activation": "relu" on a
+linear, conv or batch norm layer) run in place on the output and are undone in place on dy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from lnn.formats.errors import ModelSpecError
+from lnn.formats.ops import ACTIVATIONS
+from lnn.train import kernels as K
+
+COMPUTE = "compute"        # a workspace dtype meaning: the plan's activation dtype
+
+
+class Call:
+    """The views one layer call works on (a plain bag of attributes)."""
+
+    def __init__(self, xp, **views):
+        self.xp = xp
+        self.__dict__.update(views)
+
+
+class Layer:
+    needs_input = False
+    needs_output = False
+    alias = False
+
+    def __init__(self, node):
+        self.node = node
+        self.attrs = node.attrs
+        self.name = node.name
+        self.activation = node.attrs.get("activation") if isinstance(node.attrs.get("activation"), dict) else None
+        if self.activation and self.activation["type"] == "leaky_relu" and self.activation["negative_slope"] < 0:
+            raise ModelSpecError(f"layer {node.index} ({node.op}): training needs leaky_relu negative_slope >= 0, "
+                                 f"not {self.activation['negative_slope']}")
+        self.needs_output = self.activation is not None
+
+    def workspaces(self, n: int) -> list:
+        return []
+
+    def run_forward(self, c, training: bool, activate: bool = True):
+        self.forward(c, training)
+        if self.activation is not None and activate:
+            K.activation_forward(c.xp, self.activation, c.y, c.y)
+
+    def run_backward(self, c, activate: bool = True):
+        if self.activation is not None and activate:
+            K.activation_backward(c.xp, self.activation, c.dy, c.y, c.dy)
+        self.backward(c)
+
+    def forward(self, c, training):
+        raise NotImplementedError
+
+    def backward(self, c):
+        raise NotImplementedError
+
+
+def _padded_shape(n, in_shape, padding):
+    c, h, w = in_shape
+    return (n, c, h + 2 * padding[0], w + 2 * padding[1])
+
+
+class LinearLayer(Layer):
+    needs_input = True
+
+    def forward(self, c, training):
+        K.linear_forward(c.xp, c.x, c.params["weight"], c.params.get("bias"), c.y)
+
+    def backward(self, c):
+        K.linear_backward(c.xp, c.dy, c.x, c.params["weight"], c.grads["weight"], c.grads.get("bias"), c.dx)
+
+
+class Conv2dLayer(Layer):
+    needs_input = True
+
+    def workspaces(self, n):
+        cin = self.node.in_shape[0]
+        cout, oh, ow = self.node.out_shape
+        kh, kw = self.attrs["kernel_size"]
+        spaces = [("cols", (cin, kh, kw, n, oh, ow), COMPUTE, "forward"),
+                  ("cols_b", (cin, kh, kw, n, oh, ow), COMPUTE, "backward"),
+                  ("gemm", (cout, n, oh, ow), COMPUTE, "forward"),
+                  ("gemm_b", (cout, n, oh, ow), COMPUTE, "backward")]
+        if any(self.attrs["padding"]):
+            padded = _padded_shape(n, self.node.in_shape, self.attrs["padding"])
+            spaces += [("padded", padded, COMPUTE, "forward"), ("padded_b", padded, COMPUTE, "backward")]
+        return spaces
+
+    def forward(self, c, training):
+        K.conv2d_forward(c.xp, c.x, c.params["weight"], c.params.get("bias"), self.attrs, c.y,
+                         c.ws.get("padded"), c.ws["cols"], c.ws["gemm"])
+
+    def backward(self, c):
+        K.conv2d_backward(c.xp, c.dy, c.x, c.params["weight"], self.attrs, c.grads["weight"], c.grads.get("bias"),
+                          c.dx, c.ws.get("padded_b"), c.ws["cols_b"], c.ws["gemm_b"])
+
+
+class MaxPoolLayer(Layer):
+    def workspaces(self, n):
+        index_dtype = np.uint8 if math.prod(self.attrs["kernel_size"]) <= 255 else np.int32
+        spaces = [("argmax", (n,) + tuple(self.node.out_shape), index_dtype, "saved")]
+        if any(self.attrs["padding"]):
+            padded = _padded_shape(n, self.node.in_shape, self.attrs["padding"])
+            spaces += [("padded", padded, COMPUTE, "forward"), ("padded_b", padded, COMPUTE, "backward")]
+        return spaces
+
+    def forward(self, c, training):
+        K.maxpool2d_forward(c.xp, c.x, self.attrs, c.y, c.ws.get("padded"), c.ws["argmax"])
+
+    def backward(self, c):
+        K.maxpool2d_backward(c.xp, c.dy, self.attrs, c.ws["argmax"], c.dx, c.ws.get("padded_b"))
+
+
+class AvgPoolLayer(Layer):
+    def __init__(self, node):
+        super().__init__(node)
+        self._divisor = {}
+
+    def divisor(self, xp, dtype):
+        key = (xp.__name__, np.dtype(dtype).name)
+        if key not in self._divisor:
+            self._divisor[key] = K.avgpool_divisor(xp, self.attrs, self.node.in_shape[1:], self.node.out_shape[1:],
+                                                   np.dtype(dtype))
+        return self._divisor[key]
+
+    def workspaces(self, n):
+        if not any(self.attrs["padding"]):
+            return []
+        padded = _padded_shape(n, self.node.in_shape, self.attrs["padding"])
+        return [("padded", padded, COMPUTE, "forward"), ("padded_b", padded, COMPUTE, "backward")]
+
+    def forward(self, c, training):
+        K.avgpool2d_forward(c.xp, c.x, self.attrs, self.divisor(c.xp, c.y.dtype), c.y, c.ws.get("padded"))
+
+    def backward(self, c):
+        K.avgpool2d_backward(c.xp, c.dy, self.attrs, self.divisor(c.xp, c.dy.dtype), c.dx, c.ws.get("padded_b"))
+
+
+class GlobalAvgPoolLayer(Layer):
+    def forward(self, c, training):
+        K.global_avg_pool_forward(c.xp, c.x, c.y)
+
+    def backward(self, c):
+        K.global_avg_pool_backward(c.xp, c.dy, c.dx)
+
+
+class FlattenLayer(Layer):
+    alias = True
+
+
+class BatchNormLayer(Layer):
+    needs_input = True
+
+    def workspaces(self, n):
+        return [("saved", (2, self.attrs["num_features"]), "float32", "saved")]
+
+    def forward(self, c, training):
+        p, s = c.params, c.stats
+        if training:
+            K.batchnorm_train_forward(c.xp, c.x, p["weight"], p["bias"], s["running_mean"], s["running_var"],
+                                      self.attrs, c.y, c.ws["saved"])
+        else:
+            K.batchnorm_eval_forward(c.xp, c.x, p["weight"], p["bias"], s["running_mean"], s["running_var"],
+                                     self.attrs, c.y)
+
+    def backward(self, c):
+        K.batchnorm_backward(c.xp, c.dy, c.x, c.params["weight"], c.ws["saved"], c.grads["weight"],
+                             c.grads["bias"], c.dx)
+
+
+class DropoutLayer(Layer):
+    """Needs the key the forward used (the plan passes it as c.key) and the uint32 index buffer."""
+
+    def forward(self, c, training):
+        if training and self.attrs["p"] > 0:
+            K.dropout_forward(c.xp, c.x, self.attrs["p"], c.key, c.index, c.y)
+        else:
+            c.y[...] = c.x
+
+    def backward(self, c):
+        if self.attrs["p"] > 0:
+            K.dropout_backward(c.xp, c.dy, self.attrs["p"], c.key, c.index, c.dx)
+        else:
+            c.dx[...] = c.dy
+
+
+class ActivationLayer(Layer):
+    """A stand-alone activation layer: its attrs are the activation itself."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.function = dict(node.attrs, type=node.op)
+        if node.op == "leaky_relu" and self.function["negative_slope"] < 0:
+            raise ModelSpecError(f"layer {node.index} (leaky_relu): training needs negative_slope >= 0, "
+                                 f"not {self.function['negative_slope']}")
+        self.needs_output = True
+
+    def forward(self, c, training):
+        K.activation_forward(c.xp, self.function, c.x, c.y)
+
+    def backward(self, c):
+        K.activation_backward(c.xp, self.function, c.dy, c.y, c.dx)
+
+
+LAYERS = {"linear": LinearLayer, "conv2d": Conv2dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
+          "global_avg_pool": GlobalAvgPoolLayer, "flatten": FlattenLayer, "batchnorm": BatchNormLayer,
+          "dropout": DropoutLayer, **{kind: ActivationLayer for kind in ACTIVATIONS}}
+
+
+def make_layer(node) -> Layer:
+    return LAYERS[node.op](node)

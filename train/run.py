@@ -1,0 +1,126 @@
+"""A training run's folder: checkpoints, metrics, curves, the best model and the exported .bin.
+
+    RUN_DIR/checkpoint.npz   the last completed epoch (weights, optimizer, epoch, lr, RNG), atomic
+    RUN_DIR/best.npz         the epoch with the best validation result so far (same format)
+    RUN_DIR/metrics.jsonl    one JSON object per epoch (rewritten from the checkpoint on resume)
+    RUN_DIR/curves.png       loss and accuracy per epoch (matplotlib)
+    RUN_DIR/model.bin        at the end: the best epoch's model, with preprocessing and labels
+"Best" is the highest validation accuracy (cross_entropy), else the lowest validation loss, else
+the lowest training loss. Killing the process at any moment leaves every file either the old or
+the new version (binfile.write_atomic): --resume restarts after the last checkpointed epoch and,
+since shuffling derives from (seed, epoch) and dropout from (seed, call counter), repeats
+exactly what the uninterrupted run would have done.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lnn.formats.binfile import write_atomic
+from lnn.formats.errors import LnnError
+from lnn.train.checkpoint import export_checkpoint, read_checkpoint, save_checkpoint
+
+CHECKPOINT, BEST, METRICS, CURVES, MODEL = "checkpoint.npz", "best.npz", "metrics.jsonl", "curves.png", "model.bin"
+
+
+def _score(entry: dict) -> float:
+    """Higher is better."""
+    if "val_accuracy" in entry:
+        return entry["val_accuracy"]
+    if "val_loss" in entry:
+        return -entry["val_loss"]
+    return -entry["train_loss"]
+
+
+def _same_network(a: dict, b: dict) -> bool:
+    keys = ("input_shape", "layers", "loss")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+class RunDirectory:
+    def __init__(self, folder, trainer, resume: bool):
+        self.folder = Path(folder)
+        self.trainer = trainer
+        self.history, self.best = [], None
+        checkpoint = self.folder / CHECKPOINT
+        if self.folder.exists() and not self.folder.is_dir():
+            raise LnnError(f"{self.folder}: exists and is not a folder")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if checkpoint.exists():
+            if not resume:
+                raise LnnError(f"{self.folder} already holds a run ({CHECKPOINT}); pass --resume to continue it "
+                               f"or choose another --out folder")
+            self._resume(checkpoint)
+        elif resume:
+            trainer.log(f"--resume: {checkpoint} does not exist yet; starting a new run")
+
+    def _resume(self, checkpoint: Path):
+        meta, weights, optimizer_state = read_checkpoint(checkpoint)
+        mine = self.trainer.model.to_description()
+        if not _same_network(meta.get("description", {}), mine):
+            raise LnnError(f"{checkpoint} was trained from a different model than this description; "
+                           f"use another --out folder")
+        self.trainer.load_state(meta, weights, optimizer_state)
+        self.history = list(meta["history"])
+        self.best = meta.get("best")
+        self._write_metrics()
+        self.trainer.log(f"resumed {self.folder} after epoch {len(self.history)} (step {meta['step']})")
+
+    def _meta(self) -> dict:
+        return {**self.trainer.state_meta(), "epoch": len(self.history), "history": self.history, "best": self.best}
+
+    def end_epoch(self, entry: dict):
+        if self.best is None or _score(entry) > self.best["score"]:
+            self.best = {"epoch": entry["epoch"], "score": _score(entry)}
+            self._save(BEST)
+        self._save(CHECKPOINT)
+        with open(self.folder / METRICS, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+        self._plot()
+
+    def _save(self, name: str):
+        save_checkpoint(self.folder / name, self._meta(), self.trainer.weights(), self.trainer.optimizer_arrays())
+
+    def _write_metrics(self):
+        text = "".join(json.dumps(entry) + "\n" for entry in self.history)
+        write_atomic(self.folder / METRICS, text.encode("utf-8"))
+
+    def stopped_early(self, patience: int | None) -> bool:
+        if patience is None or self.best is None or not self.history:
+            return False
+        return self.history[-1]["epoch"] - self.best["epoch"] >= patience
+
+    def _plot(self):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        epochs = [e["epoch"] for e in self.history]
+        accuracy_keys = [k for k in ("train_accuracy", "val_accuracy") if k in self.history[-1]]
+        figure, axes = plt.subplots(1, 2 if accuracy_keys else 1, figsize=(10 if accuracy_keys else 5, 3.8),
+                                    squeeze=False)
+        for key in ("train_loss", "val_loss"):
+            if key in self.history[-1]:
+                axes[0][0].plot(epochs, [e.get(key) for e in self.history], marker="o", label=key.replace("_", " "))
+        axes[0][0].set(xlabel="epoch", ylabel="loss", title=f"{self.trainer.model.name}: loss")
+        axes[0][0].legend()
+        for key in accuracy_keys:
+            axes[0][1].plot(epochs, [e.get(key) for e in self.history], marker="o", label=key.replace("_", " "))
+        if accuracy_keys:
+            axes[0][1].set(xlabel="epoch", ylabel="accuracy", title="accuracy")
+            axes[0][1].legend()
+        figure.tight_layout()
+        temporary = self.folder / f".{CURVES}.tmp.png"
+        figure.savefig(temporary, dpi=100)
+        plt.close(figure)
+        temporary.replace(self.folder / CURVES)
+
+    def finish(self, export: bool):
+        if not export or not self.history:
+            return
+        source = self.folder / (BEST if (self.folder / BEST).exists() else CHECKPOINT)
+        size = export_checkpoint(source, self.folder / MODEL)
+        best = f" (epoch {self.best['epoch']})" if self.best else ""
+        self.trainer.log(f"wrote {self.folder / MODEL} ({size} bytes) from {source.name}{best}")

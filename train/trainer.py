@@ -1,0 +1,452 @@
+"""The Trainer: a compiled plan, an optimizer, a loss and the training loop (the lnn-train engine).
+
+    trainer = Trainer("examples/reference/mnist_mlp.json", device="auto", seed=0, batch_size=64)
+    result = trainer.step(x, y)            # one optimizer step: result.loss, result.grad_norm
+    trainer.gradients["fc1.weight"]        # views of the flat gradient buffer, by parameter name
+    history = trainer.fit(train, test, epochs=2, out_dir="runs/mlp")
+
+`step(x, y)`: x is uint8 images [R, C, H, W] (normalized inside the step with the description's
+preprocess block) or float inputs already preprocessed; y integer labels (cross_entropy) or
+targets (mse). R rows are run as micro-batches of at most batch_size rows, their gradients summed
+with the loss normalized over all R rows, so `accumulate: k` with R = k * batch_size gives the
+update of one batch of R rows. Then: global gradient norm, clipping, one optimizer step.
+Mixed precision (amp, CUDA only): float16 activations and gradients, float32 master weights and
+optimizer; the loss is multiplied by a dynamic scale (start 2^16, halved on an overflow, doubled
+after 2000 clean steps); a step whose gradients overflow is skipped and counted.
+Inspection: `trainer.gradients`, `trainer.weights()` always; `trainer.activations["conv1"]`
+(each layer's output of the last forward) only with inspect=True, because buffers are otherwise
+shared by liveness and later buffers overwrite earlier ones within the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lnn.formats.errors import LnnError, ModelSpecError
+from lnn.formats.model import Model, load_description, parse_model
+from lnn.train import kernels as K
+from lnn.train.config import TrainingConfig, learning_rate
+from lnn.train.data import ArrayDataset, DeviceFeeder, PinnedSlots, Prefetcher, epoch_order
+from lnn.train.device import cuda_info, is_cupy, select_device, to_numpy
+from lnn.train.optim import clip_by_global_norm, global_norm, make_optimizer
+from lnn.train.plan import Plan
+
+LOSS_SCALE_START, LOSS_SCALE_GROWTH_INTERVAL = 2.0 ** 16, 2000
+
+
+@dataclass
+class StepResult:
+    loss: float          # mean loss over the step's rows
+    grad_norm: float     # global L2 norm of the gradients (before clipping)
+    correct: int         # rows whose argmax is the label (cross_entropy), else 0
+    rows: int
+    skipped: bool = False   # amp: the gradients overflowed, no update
+
+
+def as_model(spec) -> Model:
+    if isinstance(spec, Model):
+        return spec
+    if isinstance(spec, (str, Path)):
+        description = load_description(spec)
+        try:
+            return parse_model(description)
+        except ModelSpecError as err:
+            raise ModelSpecError(f"{spec}: {err}") from None
+    return parse_model(spec)
+
+
+def hash32(value: int) -> int:
+    """lowbias32 on a Python int (the dropout keys)."""
+    value &= 0xFFFFFFFF
+    value ^= value >> 16
+    value = (value * 0x7FEB352D) & 0xFFFFFFFF
+    value ^= value >> 15
+    value = (value * 0x846CA68B) & 0xFFFFFFFF
+    return value ^ (value >> 16)
+
+
+def initial_weights(model: Model, seed: int) -> dict:
+    """PyTorch's default initialization: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases
+    of linear and conv layers; batch norm weight 1, bias 0, running mean 0, running var 1."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for node in model.nodes:
+        for name, shape in node.param_shapes.items():
+            if node.op == "batchnorm":
+                value = np.ones(shape) if name in ("weight", "running_var") else np.zeros(shape)
+            else:
+                fan_in = math.prod(node.param_shapes["weight"][1:])
+                bound = 1 / math.sqrt(fan_in)
+                value = rng.uniform(-bound, bound, shape)
+            weights[node.param_key(name)] = value
+    return weights
+
+
+class Trainer:
+    def __init__(self, spec, device: str = "auto", seed: int | None = None, batch_size: int | None = None,
+                 accumulate: int | None = None, grad_clip: float | None = None, lr: float | None = None,
+                 amp: bool = False, dtype: str = "float32", inspect: bool = False, log=print):
+        self.model = as_model(spec)
+        self.log = log
+        config = TrainingConfig.parse(self.model.extra.get("training"))
+        for field_name, value in (("seed", seed), ("batch_size", batch_size), ("accumulate", accumulate),
+                                  ("grad_clip", grad_clip)):
+            if value is not None:
+                setattr(config, field_name, value)
+        self.config = config
+        self.xp, self.device = select_device(device)
+        self.amp = self._amp_possible(amp)
+        self.plan = Plan(self.model, config.batch_size, dtype=dtype, amp=self.amp, inspect=inspect)
+        self.plan.allocate(self.xp)
+        self.optimizer_config = dict(self.model.optimizer)
+        if lr is not None:
+            if not lr > 0:
+                raise LnnError(f"the learning rate must be positive, not {lr}")
+            self.optimizer_config["lr"] = float(lr)
+        self.base_lr = self.lr = self.optimizer_config["lr"]
+        self.optimizer = make_optimizer(self.xp, self.plan.params, self.optimizer_config)
+        self.set_weights(initial_weights(self.model, config.seed))
+        self.step_count = 0
+        self.dropout_calls = 0
+        self.loss_scale = LOSS_SCALE_START if self.amp else 1.0
+        self.overflow_steps = 0
+        self._clean_steps = 0
+        self._normalizer = self._make_normalizer()
+        self._device_data = {}
+        self.gradients = self.plan.param_views(self.plan.grads)
+
+    # ------------------------------------------------------------------ setup
+
+    def _amp_possible(self, amp: bool) -> bool:
+        if not amp:
+            return False
+        if self.device != "cuda":
+            self.log("amp: mixed precision needs a CUDA GPU; training in float32 on the CPU")
+            return False
+        info = cuda_info(self.xp)
+        if not info["fast_fp16"]:
+            self.log(f"amp: {info['name']} (compute capability {info['compute_capability']}) has no fast "
+                     f"float16 (needs 7.0 or newer); training in float32")
+            return False
+        return True
+
+    def _make_normalizer(self):
+        pre = self.model.preprocess
+        if pre is None:
+            return None
+        dtype = self.plan.compute_dtype
+        channels = self.model.input_shape[0]
+        std = np.asarray(pre["std"], np.float64)
+        multiplier = (pre["scale"] / std).reshape(1, channels, 1, 1)
+        offset = (np.asarray(pre["mean"], np.float64) / std).reshape(1, channels, 1, 1)
+        return self.xp.asarray(multiplier, dtype=dtype), self.xp.asarray(offset, dtype=dtype)
+
+    # ------------------------------------------------------------------ weights
+
+    def set_weights(self, weights: dict) -> None:
+        """Load weights keyed like the .bin (`fc1.weight`, `bn.running_mean`, ...)."""
+        xp, plan = self.xp, self.plan
+        targets = {**plan.param_views(plan.params), **plan.stat_views()}
+        for key, view in targets.items():
+            if key not in weights:
+                raise LnnError(f"weights: missing {key!r}")
+            value = np.asarray(weights[key])
+            if value.shape != view.shape:
+                raise LnnError(f"weights: {key} has shape {list(value.shape)}, the model expects {list(view.shape)}")
+            view[...] = xp.asarray(value, dtype=view.dtype)
+        self._sync_compute_params()
+
+    def _sync_compute_params(self):
+        if self.amp:
+            self.plan.params_compute[...] = self.plan.params
+
+    def weights(self) -> dict:
+        """Every weight as a float32 NumPy array keyed like the .bin."""
+        plan = self.plan
+        views = {**plan.param_views(plan.params), **plan.stat_views()}
+        return {key: to_numpy(views[key]).astype(np.float32) for key in self.model.param_shapes()}
+
+    @property
+    def activations(self) -> dict:
+        """Layer name -> output of the last forward (NumPy). Needs Trainer(..., inspect=True)."""
+        if not self.plan.inspect:
+            raise LnnError("activations share memory by liveness; create the Trainer with inspect=True to keep them")
+        n = self._last_rows
+        views = self.plan.views(n)
+        return {node.name: to_numpy(views[f"act:{i}"]).copy() for i, node in enumerate(self.model.nodes)}
+
+    # ------------------------------------------------------------------ one step
+
+    def _load_input(self, x, n: int):
+        buffer = self.plan.input_buffer(n)
+        x = x if is_cupy(self.xp) and not isinstance(x, np.ndarray) else self.xp.asarray(x)
+        if x.dtype == np.uint8:
+            if self._normalizer is None:
+                raise LnnError("uint8 inputs need an image model with a preprocess block")
+            multiplier, offset = self._normalizer
+            self.xp.multiply(x, multiplier, out=buffer)
+            buffer -= offset
+        else:
+            buffer[...] = x
+
+    def _targets(self, y, n: int):
+        xp = self.xp
+        y = xp.asarray(y)
+        if self.model.loss == "cross_entropy":
+            return y.astype(np.int64) if y.dtype.kind != "i" else y
+        out_shape = (n,) + tuple(self.model.output_shape)
+        if y.ndim == 1 and len(out_shape) == 2 and y.dtype.kind in "iu":
+            one_hot = xp.zeros(out_shape, np.float32)
+            one_hot[xp.arange(n), y] = 1
+            return one_hot
+        return y.astype(np.float64 if self.plan.param_dtype == np.float64 else np.float32).reshape(out_shape)
+
+    def _dropout_keys(self) -> dict:
+        keys = {}
+        for i, node in enumerate(self.model.nodes):
+            if node.op == "dropout":
+                self.dropout_calls += 1
+                keys[i] = hash32(hash32(self.config.seed) ^ hash32(self.dropout_calls + 0x9E3779B9))
+        return keys
+
+    def step(self, x, y) -> StepResult:
+        xp, plan = self.xp, self.plan
+        rows = len(x)
+        if rows == 0:
+            raise LnnError("step: the batch is empty")
+        if len(y) != rows:
+            raise LnnError(f"step: {rows} inputs but {len(y)} targets")
+        plan.grads_compute.fill(0)
+        outputs = math.prod(self.model.output_shape)
+        scale = self.loss_scale / (rows if self.model.loss == "cross_entropy" else rows * outputs)
+        loss_sum, correct = 0.0, 0
+        for start in range(0, rows, plan.batch_size):
+            n = min(plan.batch_size, rows - start)
+            self._load_input(x[start:start + n], n)
+            targets = self._targets(y[start:start + n], n)
+            keys = self._dropout_keys()
+            out = plan.forward(n, training=True, dropout_keys=keys)
+            dout = plan.output_grad_buffer(n)
+            if self.model.loss == "cross_entropy":
+                part, right = K.softmax_cross_entropy_forward_backward(xp, out, targets, scale, dout)
+                correct = correct + right
+            else:
+                part = K.mse_forward_backward(xp, out, targets, scale, dout)
+            loss_sum = loss_sum + part
+            plan.backward(n, dropout_keys=keys)
+        self._last_rows = n
+        loss = float(loss_sum) / (rows if self.model.loss == "cross_entropy" else rows * outputs)
+        if self.amp:
+            plan.grads[...] = plan.grads_compute
+            plan.grads *= plan.grads.dtype.type(1 / self.loss_scale)
+        norm = global_norm(xp, plan.grads)
+        result = StepResult(loss, norm, int(correct), rows)
+        if not math.isfinite(norm):
+            if not self.amp:
+                raise LnnError(f"training diverged at step {self.step_count + 1} (loss {loss}, gradient norm "
+                               f"{norm}); lower the learning rate or set training.grad_clip")
+            self.overflow_steps += 1
+            self.loss_scale /= 2
+            self._clean_steps = 0
+            result.skipped = True
+            return result
+        if self.config.grad_clip is not None:
+            clip_by_global_norm(xp, plan.grads, norm, self.config.grad_clip)
+        self.optimizer.update(plan.grads, self.lr)
+        self._sync_compute_params()
+        self.step_count += 1
+        if self.amp:
+            self._clean_steps += 1
+            if self._clean_steps == LOSS_SCALE_GROWTH_INTERVAL:
+                self.loss_scale *= 2
+                self._clean_steps = 0
+        return result
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _as_dataset(self, data, name: str) -> ArrayDataset:
+        if data is None or isinstance(data, ArrayDataset):
+            return data
+        images, labels = data
+        return ArrayDataset(images, labels, name)
+
+    def _on_device(self, dataset: ArrayDataset):
+        """(images, labels) on the device, moved once per dataset (in-memory datasets only)."""
+        key = id(dataset)
+        if key not in self._device_data:
+            self._device_data[key] = (dataset, self.xp.asarray(dataset.images), self.xp.asarray(dataset.labels))
+        return self._device_data[key][1:]
+
+    def _batches(self, dataset: ArrayDataset, order: np.ndarray, rows: int):
+        """Yield (images, labels, done) on the device for consecutive `rows`-sized slices of `order`.
+
+        In-memory data is gathered on the device; other data is read by a prefetch thread (and on
+        the GPU copied through pinned memory on a side stream). Call done() after using a batch."""
+        slices = [order[i:i + rows] for i in range(0, len(order), rows)]
+        if dataset.in_memory:
+            images, labels = self._on_device(dataset)
+            for indices in slices:
+                device_indices = self.xp.asarray(indices)
+                yield images.take(device_indices, axis=0), labels.take(device_indices, axis=0), (lambda: None)
+            return
+        if not is_cupy(self.xp):
+            with Prefetcher(slices, dataset.batch) as prefetcher:
+                for images, labels in prefetcher:
+                    yield images, labels, (lambda: None)
+            return
+        pinned = PinnedSlots(self.xp)
+        feeder = DeviceFeeder(self.xp, pinned, rows, dataset.sample_shape)
+        with Prefetcher(slices, dataset.batch, to_device=pinned) as prefetcher:
+            for host_images, host_labels, pinned_slot in prefetcher:
+                images, labels, slot = feeder.put(host_images, host_labels, pinned_slot)
+                yield images, labels, (lambda s=slot: feeder.done(s))
+
+    def evaluate(self, data) -> dict:
+        """Mean loss and accuracy (cross_entropy) over a dataset, in eval mode (running BN stats, no dropout)."""
+        dataset = self._as_dataset(data, "evaluation data")
+        xp, plan = self.xp, self.plan
+        loss_sum, correct = 0.0, 0
+        for images, labels, done in self._batches(dataset, np.arange(len(dataset)), plan.batch_size):
+            n = len(images)
+            self._load_input(images, n)
+            out = plan.forward(n, training=False)
+            targets = self._targets(labels, n)
+            if self.model.loss == "cross_entropy":
+                part, right = K.softmax_cross_entropy_forward(xp, out, targets)
+                correct = correct + right
+            else:
+                part = K.mse_forward(xp, out, targets)
+            loss_sum = loss_sum + part
+            done()
+        rows = len(dataset)
+        outputs = 1 if self.model.loss == "cross_entropy" else math.prod(self.model.output_shape)
+        result = {"loss": float(loss_sum) / (rows * outputs)}
+        if self.model.loss == "cross_entropy":
+            result["accuracy"] = int(correct) / rows
+        return result
+
+    def predict(self, x) -> np.ndarray:
+        """The model's outputs (with its final softmax, if any) for inputs x, in eval mode, as NumPy."""
+        plan = self.plan
+        outputs = []
+        for start in range(0, len(x), plan.batch_size):
+            part = x[start:start + plan.batch_size]
+            self._load_input(part, len(part))
+            outputs.append(to_numpy(plan.forward(len(part), training=False, predict=True)).copy())
+        return np.concatenate(outputs)
+
+    # ------------------------------------------------------------------ state for checkpoints
+
+    def state_meta(self) -> dict:
+        return {"description": self.model.to_description(), "step": self.step_count, "lr": self.lr,
+                "base_lr": self.base_lr, "loss_scale": self.loss_scale, "overflow_steps": self.overflow_steps,
+                "clean_steps": self._clean_steps, "device": self.device, "amp": self.amp,
+                "rng": {"seed": self.config.seed, "dropout_calls": self.dropout_calls}}
+
+    def optimizer_arrays(self) -> dict:
+        state = self.optimizer.state_dict()
+        return {key: (to_numpy(value) if not isinstance(value, int) else np.asarray(value))
+                for key, value in state.items()}
+
+    def load_state(self, meta: dict, weights: dict, optimizer_state: dict) -> None:
+        self.set_weights(weights)
+        self.optimizer.load_state_dict({key: np.asarray(v) for key, v in optimizer_state.items()})
+        self.step_count = int(meta["step"])
+        self.lr = float(meta["lr"])
+        self.loss_scale = float(meta["loss_scale"]) if self.amp else 1.0
+        self.overflow_steps = int(meta["overflow_steps"])
+        self._clean_steps = int(meta["clean_steps"])
+        self.dropout_calls = int(meta["rng"]["dropout_calls"])
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self, train_data, val_data=None, epochs: int | None = None, out_dir=None, resume: bool = False,
+            patience: int | None = None, progress: bool = True, export: bool = True) -> list:
+        """Train for `epochs`; evaluate on val_data each epoch. With out_dir: checkpoints, metrics.jsonl,
+        curves.png, best.npz and (export=True) model.bin there. Returns the per-epoch history."""
+        from lnn.train.run import RunDirectory
+
+        train = self._as_dataset(train_data, "training data")
+        val = self._as_dataset(val_data, "validation data")
+        epochs = epochs or self.config.epochs
+        patience = patience if patience is not None else self.config.patience
+        run = RunDirectory(out_dir, self, resume) if out_dir is not None else None
+        history = run.history if run else []
+        first_epoch = len(history) + 1
+        rows_per_step = self.plan.batch_size * self.config.accumulate
+        steps_per_epoch = math.ceil(len(train) / rows_per_step)
+        if run and run.stopped_early(patience):
+            self.log(f"the run in {out_dir} already stopped early (patience {patience})")
+            first_epoch = epochs + 1
+        for epoch in range(first_epoch, epochs + 1):
+            entry = self._train_epoch(train, epoch, epochs, steps_per_epoch, rows_per_step, progress)
+            if val is not None:
+                entry.update({f"val_{k}": v for k, v in self.evaluate(val).items()})
+            history.append(entry)
+            self.log(_epoch_line(entry, epochs))
+            if run:
+                run.end_epoch(entry)
+                if run.stopped_early(patience):
+                    self.log(f"early stop: no better validation result for {patience} epochs")
+                    break
+        if run:
+            run.finish(export)
+        return history
+
+    def _train_epoch(self, train, epoch, epochs, steps_per_epoch, rows_per_step, progress) -> dict:
+        from tqdm import tqdm
+
+        order = epoch_order(len(train), self.config.seed, epoch)
+        loss_sum = correct = rows_done = 0
+        norms = []
+        started = time.perf_counter()
+        bar = tqdm(total=len(train), desc=f"epoch {epoch}/{epochs}", unit="img", disable=None if progress else True,
+                   leave=False, dynamic_ncols=True)
+        with bar:
+            batches = self._batches(train, order, rows_per_step)
+            for index, (images, labels, done) in enumerate(batches):
+                self.lr = learning_rate(self.base_lr, self.config.lr_schedule, self.step_count + self.overflow_steps,
+                                        steps_per_epoch, epochs)
+                result = self.step(images, labels)
+                done()
+                loss_sum += result.loss * result.rows
+                correct += result.correct
+                rows_done += result.rows
+                norms.append(result.grad_norm)
+                bar.update(result.rows)
+                if index % 10 == 0 or rows_done == len(train):
+                    postfix = {"loss": f"{loss_sum / rows_done:.4f}", "img/s": f"{rows_done / (time.perf_counter() - started):.0f}"}
+                    if self.model.loss == "cross_entropy":
+                        postfix["acc"] = f"{correct / rows_done:.4f}"
+                    if self.amp:
+                        postfix["overflows"] = self.overflow_steps
+                    bar.set_postfix(postfix)
+        seconds = time.perf_counter() - started
+        entry = {"epoch": epoch, "train_loss": loss_sum / rows_done, "lr": self.lr, "epoch_s": round(seconds, 3),
+                 "images_per_s": round(rows_done / seconds, 1), "grad_norm": float(np.mean(norms))}
+        if self.model.loss == "cross_entropy":
+            entry["train_accuracy"] = correct / rows_done
+        if self.amp:
+            entry.update(overflow_steps=self.overflow_steps, loss_scale=self.loss_scale)
+        return entry
+
+
+def _epoch_line(entry: dict, epochs: int) -> str:
+    parts = [f"epoch {entry['epoch']}/{epochs}", f"loss {entry['train_loss']:.4f}"]
+    if "train_accuracy" in entry:
+        parts.append(f"acc {entry['train_accuracy']:.4f}")
+    if "val_loss" in entry:
+        parts.append(f"val_loss {entry['val_loss']:.4f}")
+    if "val_accuracy" in entry:
+        parts.append(f"val_acc {entry['val_accuracy']:.4f}")
+    parts.append(f"{entry['images_per_s']:.0f} img/s")
+    parts.append(f"{entry['epoch_s']:.1f} s")
+    if "overflow_steps" in entry:
+        parts.append(f"overflow steps {entry['overflow_steps']}")
+    return "  ".join(parts)
+
