@@ -119,6 +119,8 @@ class _Chain:
 
     def reshape_after(self, node: _Node) -> None:
         """Re-run lnn's shape inference; an lnn-side refusal is reported against the ONNX node."""
+        if not self.layers:
+            return
         try:
             model = parse_model({"input_shape": list(self.input_shape), "layers": self.layers})
         except ModelSpecError as err:
