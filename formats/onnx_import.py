@@ -46,15 +46,20 @@ class OnnxImportError(LnnError):
 FLOAT_LIMIT = 3.0e38          # Clip's defaults before opset 11 were -FLT_MAX / FLT_MAX
 
 
+def _where(proto, index: int) -> str:
+    """How an error names a node: `node 7 "Resize_3" (Resize)`, or `node 7 (Resize)` when it has no name."""
+    return f'node {index} "{proto.name}" ({proto.op_type})' if proto.name else f"node {index} ({proto.op_type})"
+
+
 class _Node:
     """One ONNX node being converted: its attributes, its constant inputs, the shape flowing in."""
 
     def __init__(self, proto, index: int, consts: dict, in_shape: tuple, opset: int, batch: int | None):
         from onnx.helper import get_attribute_value
 
-        self.proto, self.index, self.consts, self.in_shape, self.opset, self.batch = proto, index, consts, in_shape, opset, batch
+        self.proto, self.consts, self.in_shape, self.opset, self.batch = proto, consts, in_shape, opset, batch
         self.op = proto.op_type
-        self.where = f'node {index} "{proto.name}" ({self.op})'
+        self.where = _where(proto, index)
         self.given = {}
         for attribute in proto.attribute:
             value = get_attribute_value(attribute)
@@ -117,7 +122,7 @@ class _Chain:
             return stem
         return f"{op}_{len(self.layers)}"
 
-    def reshape_after(self, node: _Node) -> None:
+    def infer_shape(self, node: _Node) -> None:
         """Re-run lnn's shape inference; an lnn-side refusal is reported against the ONNX node."""
         if not self.layers:
             return
@@ -403,7 +408,8 @@ def load_onnx(path):
     onnx = require_onnx()
     path = Path(path)
     try:
-        head = path.open("rb").read(8)
+        with path.open("rb") as f:
+            head = f.read(8)
     except FileNotFoundError:
         raise LnnInputError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -462,7 +468,7 @@ def convert_graph(proto) -> tuple[dict, list]:
     graph_outputs = [value.name for value in graph.output]
 
     for index, proto_node in enumerate(graph.node):
-        where = f'node {index} "{proto_node.name}" ({proto_node.op_type})'
+        where = _where(proto_node, index)
         if proto_node.domain not in ("", "ai.onnx"):
             raise OnnxImportError(f"{where}: op {proto_node.domain}.{proto_node.op_type} is not a standard ONNX op; "
                                   f"lnn supports: {', '.join(SUPPORTED_OPS)}")
@@ -487,7 +493,7 @@ def convert_graph(proto) -> tuple[dict, list]:
                 raise OnnxImportError(f'{where}: its second output "{extra}" is used; lnn gives only the first')
         node = _Node(proto_node, index, consts, chain.shape, opset, batch)
         converter(node, chain)
-        chain.reshape_after(node)
+        chain.infer_shape(node)
         current = proto_node.output[0]
 
     if graph_outputs != [current]:
