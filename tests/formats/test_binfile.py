@@ -477,6 +477,12 @@ def test_other_alignments_load(tiny):
         assert parse_bin_bytes(data).alignment == alignment
 
 
+def test_brackets_inside_strings_do_not_count_as_nesting(tiny):
+    model, weights = tiny
+    metadata = build_metadata(model, {"note": "[" * 100 + '\\"{' * 100, "deep": [[[[[[[[1]]]]]]]]})
+    assert parse_bin_bytes(encode_bin(model, weights, metadata)).metadata["note"].startswith("[[[")
+
+
 def test_model_without_parameters_loads():
     model = parse_model({"name": "probe", "input_shape": [4], "layers": [{"type": "softmax"}]})
     data = encode_bin(model, {}, build_metadata(model))
