@@ -8,7 +8,8 @@ Before `import numba`:
 The same values are also written into numba.config, in case Numba was imported earlier.
 
 Kernels are serial (`parallel=True` doubles compile time and pays only for large work that BLAS
-does not already thread). Numba compiles each kernel on its first call, so a model compiles only
+does not already thread), so the backend's `threads` option sets BLAS's threads only and Numba's
+thread pool is never started. Numba compiles each kernel on its first call, so a model compiles only
 the kernels it uses.
 """
 
@@ -39,7 +40,3 @@ numba.config.THREADING_LAYER = THREADING_LAYER
 def kernel(function):
     """@kernel: a serial, cached (when the cache is writable), nopython Numba function that releases the GIL."""
     return numba.njit(cache=CACHE_ENABLED, nogil=True)(function)
-
-
-def set_numba_threads(threads: int) -> None:
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
