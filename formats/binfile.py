@@ -19,6 +19,7 @@ import math
 import mmap
 import os
 import re
+import stat
 import struct
 import tempfile
 import zlib
@@ -242,16 +243,19 @@ def read_bin(path: str | Path) -> BinModel:
     """Map and validate a .bin file; any problem raises LnnFormatError("<path>: <what is wrong>")."""
     path = Path(path)
     try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):                                                       # rule 1
+            raise LnnFormatError(f"{path}: is a folder, not a model file")
+        if not stat.S_ISREG(mode):
+            raise LnnFormatError(f"{path}: is not a regular file (a device, pipe or socket), not a model file")
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < HEADER_SIZE:                                                   # rule 2
                 raise LnnFormatError(f"{path}: {size} bytes is too short for an lnn model (the header alone is "
                                      f"{HEADER_SIZE}); the file is truncated or not a model{_sniff(f.read(16))}")
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except FileNotFoundError:                                                        # rule 1
+    except FileNotFoundError:
         raise LnnFormatError(f"{path}: no such model file") from None
-    except IsADirectoryError:
-        raise LnnFormatError(f"{path}: is a folder, not a model file") from None
     except OSError as err:
         raise LnnFormatError(f"{path}: cannot read the model file ({err.strerror or err})") from None
     try:

@@ -600,6 +600,8 @@ def test_read_bin_refuses_what_is_not_a_model_file(tmp_path):
              (jpeg, r"leaf.jpg: not an lnn model file: wrong magic bytes \(it is a JPEG image\)"),
              (png, r"leaf.png: not an lnn model file: wrong magic bytes \(it is a PNG image\)"),
              (description, r"not an lnn model file: wrong magic bytes \(it looks like JSON")]
+    if Path("/dev/null").exists():
+        cases.append((Path("/dev/null"), r"/dev/null: is not a regular file"))                 # rule 1
     for path, pattern in cases:
         with pytest.raises(LnnFormatError) as info:
             read_bin(path)
