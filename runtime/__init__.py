@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.binfile import BinModel, read_bin
-from lnn.formats.errors import LnnInputError
+from lnn.formats.errors import LnnError, LnnInputError
 
 BACKENDS = {"numpy": "lnn.runtime.reference", "cpu": "lnn.runtime.cpu", "cuda": "lnn.runtime.cuda"}
 
@@ -30,9 +30,19 @@ def resolve_device(device: str) -> str:
     return device
 
 
+INSTALL_HINTS = {"cpu": "pip install numba", "cuda": "pip install 'lnn[cuda]' on a machine with an NVIDIA GPU"}
+
+
 def backend_class(device: str):
-    module = importlib.import_module(BACKENDS[device])
-    return module.BACKEND
+    """The backend class for a device name; an unavailable backend is one LnnError saying why."""
+    try:
+        module = importlib.import_module(BACKENDS[device])
+    except ImportError as err:
+        raise LnnError(f"the {device} backend cannot load ({err}); {INSTALL_HINTS.get(device, '')}") from None
+    backend = getattr(module, "BACKEND", None)
+    if backend is None:
+        raise LnnError(f"the {device} backend is not part of this lnn version")
+    return backend
 
 
 def load(path, device: str = "auto", **backend_options) -> "Session":
