@@ -26,7 +26,6 @@ from lnn.formats.model import Model
 from lnn.tools.cli import command_parser, human_bytes, read_model_source, run_command
 
 PROG = "lnn-export"
-FP16_MAX = float(np.finfo(np.float16).max)
 IGNORED_BATCHNORM_KEYS = ("num_batches_tracked",)     # a PyTorch counter, not a parameter
 
 
@@ -69,14 +68,6 @@ def load_weights(path: str | Path, model: Model) -> dict:
     return weights
 
 
-def check_fp16_range(weights: dict, dtypes: dict) -> None:
-    for key, dtype in dtypes.items():
-        if dtype == "float16":
-            largest = float(np.max(np.abs(weights[key]))) if np.size(weights[key]) else 0.0
-            if largest > FP16_MAX:
-                raise LnnInputError(f"weights: {key} holds {largest:g}, beyond float16's range (±{FP16_MAX:g}); export without --fp16")
-
-
 def export(args) -> int:
     model, bin_model = read_model_source(args.source)
     if bin_model is not None:
@@ -102,7 +93,6 @@ def export(args) -> int:
 def write_bin_and_report(output, model: Model, weights: dict, metadata: dict, dtypes: dict, fp16: bool) -> None:
     if fp16:
         dtypes = {**dtypes, **fp16_dtypes(model)}
-        check_fp16_range(weights, dtypes)
     try:
         size = write_bin(output, model, weights, metadata, dtypes)
     except OSError as err:

@@ -117,7 +117,7 @@ def test_pytorch_num_batches_tracked_is_ignored(tmp_path):
     ("missing_model", "no such file"),
     ("weights_for_bin", "carries its own weights"),
     ("output_folder_missing", "cannot write"),
-    ("fp16_overflow", "beyond float16's range"),
+    ("fp16_overflow", "beyond the float16 range"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, reference_bin, case, fragment):
     good = dict(np.load(mnist_weights()))
