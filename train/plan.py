@@ -295,7 +295,7 @@ class Plan:
                 x=out[f"act:{i - 1}"], y=out[f"act:{i}"], dy=out.get(f"grad:{i}"),
                 dx=out.get(f"grad:{i - 1}") if self.computes_dx[i] else None,
                 params=p_views[i], grads=g_views[i], stats=s_views[i],
-                ws={w: out[full] for w, full in self.workspace_names[i].items()}))
+                ws={w: out[full] for w, full in self.workspace_names[i].items() if full in out}))
         out["calls"] = layer_calls
         if len(self._views) >= 2:
             self._views.pop(next(iter(self._views)))

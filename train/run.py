@@ -47,6 +47,8 @@ class RunDirectory:
         if self.folder.exists() and not self.folder.is_dir():
             raise LnnError(f"{self.folder}: exists and is not a folder")
         self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.glob(".*.tmp"):       # a temp file left by a run killed mid-write
+            stale.unlink()
         if checkpoint.exists():
             if not resume:
                 raise LnnError(f"{self.folder} already holds a run ({CHECKPOINT}); pass --resume to continue it "

@@ -90,9 +90,9 @@ def initial_weights(model: Model, seed: int) -> dict:
 class Trainer:
     def __init__(self, spec, device: str = "auto", seed: int | None = None, batch_size: int | None = None,
                  accumulate: int | None = None, grad_clip: float | None = None, lr: float | None = None,
-                 amp: bool = False, dtype: str = "float32", inspect: bool = False, log=print):
+                 amp: bool = False, dtype: str = "float32", inspect: bool = False, log=None):
         self.model = as_model(spec)
-        self.log = log
+        self.log = log or (lambda message: print(message, flush=True))
         config = TrainingConfig.parse(self.model.extra.get("training"))
         for field_name, value in (("seed", seed), ("batch_size", batch_size), ("accumulate", accumulate),
                                   ("grad_clip", grad_clip)):

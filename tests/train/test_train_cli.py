@@ -1,0 +1,127 @@
+"""lnn-train end to end on real MNIST (skipped without ../shared): accuracy through the exported .bin,
+kill -9 then --resume, checkpoints always loadable, one-line errors; and the IDX reader's errors."""
+
+import gzip
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import lnn
+from conftest import DATA, EXAMPLES, need
+from lnn.formats.errors import LnnFormatError, LnnInputError
+from lnn.train.checkpoint import load_checkpoint, read_checkpoint
+from lnn.train.data import IDX_IMAGES, load_mnist, read_idx
+
+MLP = EXAMPLES / "reference" / "mnist_mlp.json"
+
+
+def _train_command(out, *extra):
+    return [sys.executable, "-m", "lnn.tools.train", str(MLP), "--data", f"mnist:{DATA / 'mnist'}", "--out", str(out),
+            "--device", "cpu", "--quiet", *map(str, extra)]
+
+
+def _bin_accuracy(path) -> float:
+    """Accuracy on the 10,000 test images through the CPU NumPy runtime, with the model's own preprocessing."""
+    session = lnn.load(path, device="numpy")
+    _, test = load_mnist(DATA / "mnist")
+    pre = session.model.preprocess
+    x = ((test.images * pre["scale"] - pre["mean"][0]) / pre["std"][0]).astype(np.float32)
+    return float((session.run(x).argmax(axis=1) == test.labels).mean())
+
+
+@pytest.mark.slow
+def test_mnist_mlp_on_10000_images_reaches_94_percent(tmp_path):
+    need(DATA / "mnist")
+    done = subprocess.run(_train_command(tmp_path / "run", "--epochs", 2, "--batch", 64, "--limit-train", 10000,
+                                         "--lr-schedule", "cosine"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2]
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+    accuracy = _bin_accuracy(tmp_path / "run" / "model.bin")
+    assert accuracy >= 0.94
+    assert accuracy == pytest.approx(max(m["val_accuracy"] for m in metrics), abs=1e-4)   # the best epoch is exported
+    model, weights, state = load_checkpoint(tmp_path / "run" / "checkpoint.npz")
+    assert state["epoch"] == 2 and model.name == "mnist_mlp" and weights["fc1.weight"].shape == (256, 784)
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_finishes_like_an_uninterrupted_run(tmp_path):
+    need(DATA / "mnist")
+    settings = ("--epochs", 4, "--batch", 16, "--limit-train", 6000)
+    reference = subprocess.run(_train_command(tmp_path / "straight", *settings), capture_output=True, text=True,
+                               timeout=300)
+    assert reference.returncode == 0, reference.stderr
+
+    run = tmp_path / "killed"
+    checkpoint = run / "checkpoint.npz"
+    process = subprocess.Popen(_train_command(run, *settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    loads = 0
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        if checkpoint.exists():
+            read_checkpoint(checkpoint)               # never half-written: loadable whenever it exists
+            loads += 1
+            if read_checkpoint(checkpoint)[0]["epoch"] >= 1:
+                break
+        time.sleep(0.005)
+    assert process.poll() is None, "the run ended before it could be killed; make it longer"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert loads >= 1
+    meta = read_checkpoint(checkpoint)[0]
+    assert 1 <= meta["epoch"] < 4
+
+    resumed = subprocess.run(_train_command(run, *settings, "--resume"), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed {run} after epoch {meta['epoch']}" in resumed.stdout
+    assert not list(run.glob(".*.tmp"))
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]
+    straight, after_kill = _bin_accuracy(tmp_path / "straight" / "model.bin"), _bin_accuracy(run / "model.bin")
+    assert after_kill == pytest.approx(straight, abs=0.005)
+
+
+def test_command_errors_are_one_line(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "lnn.tools.train", *map(str, args)], capture_output=True,
+                              text=True, timeout=60)
+
+    for args, fragment in [((MLP, "--data", "cifar:x", "--out", tmp_path / "a"), "--data must look like KIND:PATH"),
+                           ((MLP, "--data", f"mnist:{tmp_path / 'none'}", "--out", tmp_path / "a"), "no such folder"),
+                           ((tmp_path / "missing.json", "--data", "mnist:x", "--out", tmp_path / "a"), "no such file"),
+                           ((MLP, "--data", "mnist:x", "--out", tmp_path / "a", "--epochs", 0), "--epochs must be")]:
+        done = run(*args)
+        assert done.returncode != 0
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("lnn-train: error: ") and fragment in lines[0], done.stderr
+
+
+def test_idx_reader_errors(tmp_path):
+    good = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    raw = (IDX_IMAGES).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in good.shape) + good.tobytes()
+    (tmp_path / "ok").write_bytes(raw)
+    (tmp_path / "ok.gz").write_bytes(gzip.compress(raw))
+    np.testing.assert_array_equal(read_idx(tmp_path / "ok", IDX_IMAGES), good)
+    np.testing.assert_array_equal(read_idx(tmp_path / "ok.gz", IDX_IMAGES), good)
+    (tmp_path / "short").write_bytes(raw[:-5])
+    (tmp_path / "labels").write_bytes((2049).to_bytes(4, "big") + (2).to_bytes(4, "big") + b"\x01\x02")
+    (tmp_path / "bad.gz").write_bytes(gzip.compress(raw)[:-12])
+    for name, message in [("short", "truncated or damaged"), ("labels", "not an IDX images file"),
+                          ("bad.gz", "damaged gzip data"), ("missing", "no such file")]:
+        with pytest.raises(LnnInputError, match=message):
+            read_idx(tmp_path / name, IDX_IMAGES)
+
+
+def test_checkpoint_errors(tmp_path):
+    (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not really")
+    np.savez(tmp_path / "foreign.npz", a=np.zeros(3))
+    for name, message in [("junk.npz", "not an lnn checkpoint"), ("foreign.npz", "no meta entry"),
+                          ("missing.npz", "no such checkpoint")]:
+        with pytest.raises(LnnFormatError, match=message):
+            load_checkpoint(tmp_path / name)

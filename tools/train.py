@@ -1,0 +1,108 @@
+"""lnn-train: train a JSON model description on a dataset, on the GPU (CuPy) or the CPU (NumPy).
+
+    lnn-train examples/reference/mnist_mlp.json --data mnist:data/mnist --epochs 5 --batch 64 --out runs/mlp
+    lnn-train model.json --data mnist:data/mnist --out runs/mlp --resume      # after an interruption
+
+Writes into the --out folder: checkpoint.npz (every epoch, atomically), best.npz, metrics.jsonl,
+curves.png and, at the end, model.bin (the best epoch, with preprocessing and labels). Settings
+come from the description's "training" block (see lnn.train.config); options given here win.
+Data: mnist:FOLDER (the four MNIST IDX files, gzipped or raw); training uses the 60,000 training
+images (--limit-train keeps the first N), evaluation the 10,000 test images after every epoch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
+from lnn.formats.model import load_description, parse_model
+from lnn.tools.cli import command_parser, human_bytes, run_command
+
+PROG = "lnn-train"
+DATA_KINDS = ("mnist",)
+
+
+def build_parser():
+    parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("model", metavar="MODEL.json", help="the JSON model description to train")
+    parser.add_argument("--data", required=True, metavar="KIND:PATH", help="the dataset, e.g. mnist:data/mnist")
+    parser.add_argument("--out", required=True, metavar="RUN_DIR", help="folder for checkpoints, metrics and model.bin")
+    parser.add_argument("--epochs", type=int, help="passes over the training data (training.epochs)")
+    parser.add_argument("--batch", type=int, help="rows per forward/backward (training.batch_size)")
+    parser.add_argument("--lr", type=float, help="base learning rate (the optimizer block's lr)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine", "step"),
+                        help="learning-rate schedule type, with its default settings (training.lr_schedule)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                        help="cuda (CuPy), cpu (NumPy) or auto: cuda when CuPy sees a GPU (default)")
+    parser.add_argument("--amp", action="store_true", help="mixed precision on the GPU (float16 activations)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR after its last checkpoint")
+    parser.add_argument("--seed", type=int, help="seed of weights, shuffling and dropout (training.seed)")
+    parser.add_argument("--patience", type=int, help="stop after this many epochs without a better test accuracy")
+    parser.add_argument("--limit-train", type=int, metavar="N", help="train on the first N training images only")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (one line per epoch stays)")
+    return parser
+
+
+def load_data(spec: str):
+    """`mnist:FOLDER` -> (train, test) datasets."""
+    kind, sep, path = spec.partition(":")
+    if not sep or not path or kind not in DATA_KINDS:
+        raise LnnInputError(f"--data must look like KIND:PATH with KIND one of {', '.join(DATA_KINDS)}, not {spec!r}")
+    from lnn.train.data import load_mnist
+
+    return load_mnist(path)
+
+
+def mnist_description(description: dict) -> dict:
+    """MNIST's labels ("0".."9", shown as "digit 0"...) unless the description names its own."""
+    description = copy.deepcopy(description)
+    description.setdefault("labels", [{"name": str(i), "display": f"digit {i}"} for i in range(10)])
+    return description
+
+
+def _positive(name, value):
+    if value is not None and value < 1:
+        raise LnnError(f"{name} must be at least 1, not {value}")
+
+
+def body(args) -> int:
+    for name in ("epochs", "batch", "patience", "limit_train"):
+        _positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    if args.seed is not None and args.seed < 0:
+        raise LnnError(f"--seed must be non-negative, not {args.seed}")
+    description = load_description(args.model)
+    if args.lr_schedule:
+        description = copy.deepcopy(description)
+        training = dict(description.get("training") or {})
+        training["lr_schedule"] = {"type": args.lr_schedule}
+        description["training"] = training
+    train, test = load_data(args.data)
+    description = mnist_description(description)
+    try:
+        model = parse_model(description)
+    except ModelSpecError as err:
+        raise ModelSpecError(f"{args.model}: {err}") from None
+    if tuple(train.sample_shape) != tuple(model.input_shape):
+        raise LnnInputError(f"{args.model}: the model takes inputs of shape {list(model.input_shape)} but the "
+                            f"{args.data} images are {list(train.sample_shape)}")
+
+    from lnn.train.trainer import Trainer
+
+    trainer = Trainer(model, device=args.device, seed=args.seed, batch_size=args.batch, lr=args.lr, amp=args.amp)
+    memory = trainer.plan.memory_report()
+    print(f"{model.name}: {model.num_params:,} parameters on {trainer.device}"
+          f"{' (amp)' if trainer.amp else ''}, batch {trainer.plan.batch_size}"
+          f" x {trainer.config.accumulate} accumulated; plan memory {human_bytes(memory['peak'])} "
+          f"(activations pooled {human_bytes(memory['activations_pooled'])}, naive "
+          f"{human_bytes(memory['activations_naive'])})", flush=True)
+    trainer.fit(train.limit(args.limit_train), test, epochs=args.epochs, out_dir=args.out, resume=args.resume,
+                patience=args.patience, progress=not args.quiet)
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser(), body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
