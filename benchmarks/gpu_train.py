@@ -1,0 +1,176 @@
+"""Train on MNIST with lnn (CuPy) and with PyTorch eager, side by side, on one GPU.
+
+    python benchmarks/gpu_train.py --mnist DIR [--epochs-mlp 10 --epochs-cnn 12 --batch 128] [--out DIR]
+
+For each model (mnist_mlp, mnist_cnn from examples/reference) and each side, in a fresh process:
+the same architecture, optimizer settings, batch size, epochs and data (uint8 on the GPU, normalized
+inside the step, shuffled per epoch). Reported: median epoch time (60,000 images, data handling
+included), peak device memory (lnn: CuPy's pool high-water mark; PyTorch: max_memory_allocated),
+and test accuracy. lnn's accuracy is measured by loading the exported model.bin with the CPU
+runtime on the 10,000 test images. Writes the `gpu_train` section of docs/BENCHMARKS.md.
+PyTorch is the peer here only; lnn never depends on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def lnn_side(args) -> dict:
+    import cupy
+
+    from lnn.train.data import load_mnist
+    from lnn.train.trainer import Trainer
+
+    train, test = load_mnist(args.mnist)
+    spec = REPO / "examples" / "reference" / f"{args.model}.json"
+    trainer = Trainer(str(spec), device="cuda", seed=0, batch_size=args.batch, log=lambda m: print(m, file=sys.stderr))
+    out_dir = Path(args.run_dir)
+    history = trainer.fit(train, test, epochs=args.epochs, out_dir=out_dir, progress=False)
+    cupy.cuda.Device().synchronize()
+    pool = cupy.get_default_memory_pool()
+    report = trainer.plan.memory_report()
+
+    import numpy as np
+    import lnn
+    session = lnn.load(out_dir / "model.bin", device="cpu")
+    scale = np.float32(1 / 255)
+    pre = session.model.preprocess
+    x = ((test.images.astype(np.float32) * scale - pre["mean"][0]) / pre["std"][0]).astype(np.float32)
+    predictions = np.concatenate([session.run(x[i:i + 500]).argmax(1) for i in range(0, len(x), 500)])
+    accuracy = float((predictions == test.labels).mean())
+    times = [entry["seconds"] for entry in history if "seconds" in entry]
+    return {"epoch_seconds": sorted(times)[len(times) // 2] if times else None, "epoch_times": times,
+            "peak_bytes": int(pool.total_bytes()), "planned": report, "accuracy": accuracy,
+            "history": history}
+
+
+def torch_side(args) -> dict:
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from lnn.formats.model import load_model
+    from lnn.train.data import load_mnist
+
+    torch.manual_seed(0)
+    model = load_model(REPO / "examples" / "reference" / f"{args.model}.json")
+    layers = []
+    for node in model.nodes:
+        a = node.attrs
+        if node.op == "conv2d":
+            layers.append(nn.Conv2d(a["in_channels"], a["out_channels"], a["kernel_size"], a["stride"], a["padding"]))
+        elif node.op == "linear":
+            layers.append(nn.Linear(a["in_features"], a["out_features"]))
+        elif node.op == "maxpool2d":
+            layers.append(nn.MaxPool2d(a["kernel_size"], a["stride"]))
+        elif node.op == "flatten":
+            layers.append(nn.Flatten())
+        else:
+            raise SystemExit(f"torch peer: op {node.op} not mapped")
+        if a.get("activation"):
+            layers.append(nn.ReLU())
+    net = nn.Sequential(*layers).cuda()
+    opt = model.optimizer
+    optimizer = torch.optim.SGD(net.parameters(), lr=opt["lr"], momentum=opt["momentum"], nesterov=opt["nesterov"],
+                                weight_decay=opt["weight_decay"])
+    train, test = load_mnist(args.mnist)
+    pre = model.preprocess
+    x_train = torch.from_numpy(np.ascontiguousarray(train.images)).cuda()
+    y_train = torch.from_numpy(train.labels.astype(np.int64)).cuda()
+    x_test = torch.from_numpy(np.ascontiguousarray(test.images)).cuda()
+    y_test = torch.from_numpy(test.labels.astype(np.int64)).cuda()
+    torch.cuda.reset_peak_memory_stats()
+
+    def normalize(images):
+        return (images.float() * (1 / 255) - pre["mean"][0]) / pre["std"][0]
+
+    times, generator = [], torch.Generator(device="cuda").manual_seed(0)
+    for epoch in range(args.epochs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        order = torch.randperm(len(x_train), device="cuda", generator=generator)
+        net.train()
+        for i in range(0, len(order), args.batch):
+            index = order[i:i + args.batch]
+            loss = nn.functional.cross_entropy(net(normalize(x_train[index])), y_train[index])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    net.eval()
+    with torch.no_grad():
+        correct = sum(int((net(normalize(x_test[i:i + 1000])).argmax(1) == y_test[i:i + 1000]).sum())
+                      for i in range(0, len(x_test), 1000))
+    return {"epoch_seconds": sorted(times)[len(times) // 2], "epoch_times": times,
+            "peak_bytes": int(torch.cuda.max_memory_allocated()), "accuracy": correct / len(x_test),
+            "torch": torch.__version__}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mnist", required=True)
+    parser.add_argument("--epochs-mlp", type=int, default=10)
+    parser.add_argument("--epochs-cnn", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--out", default=str(REPO / "runs" / "gpu_train"))
+    parser.add_argument("--side", choices=("lnn", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        print(json.dumps(lnn_side(args) if args.side == "lnn" else torch_side(args), default=str))
+        return
+
+    from report import machine_line, markdown_table, update_section
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, rows = {}, []
+    for model, epochs in (("mnist_mlp", args.epochs_mlp), ("mnist_cnn", args.epochs_cnn)):
+        for side in ("lnn", "torch"):
+            command = [sys.executable, __file__, "--mnist", args.mnist, "--side", side, "--model", model,
+                       "--epochs", str(epochs), "--batch", str(args.batch), "--run-dir", str(out / model)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            sys.stderr.write(done.stderr[-3000:])
+            if done.returncode != 0:
+                raise SystemExit(f"{side} {model} failed")
+            results[(model, side)] = json.loads(done.stdout.strip().splitlines()[-1])
+        lnn_r, torch_r = results[(model, "lnn")], results[(model, "torch")]
+        rows.append([model, args.batch, epochs,
+                     f"{lnn_r['epoch_seconds']:.2f}", f"{torch_r['epoch_seconds']:.2f}",
+                     f"{lnn_r['epoch_seconds'] / torch_r['epoch_seconds']:.2f}",
+                     f"{lnn_r['peak_bytes'] / 2**20:.0f}", f"{torch_r['peak_bytes'] / 2**20:.0f}",
+                     f"{100 * lnn_r['accuracy']:.2f}", f"{100 * torch_r['accuracy']:.2f}"])
+    (out / "gpu_train.json").write_text(json.dumps({f"{m}/{s}": r for (m, s), r in results.items()}, indent=1, default=str))
+    table = markdown_table(["model", "batch", "epochs", "lnn s/epoch", "torch eager s/epoch", "lnn ÷ torch",
+                            "lnn peak MiB", "torch peak MiB", "lnn test acc %", "torch test acc %"], rows)
+    print(table)
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    update_section("gpu_train", f"""## MNIST training on the GPU: lnn (CuPy) vs PyTorch eager
+
+Command: `python benchmarks/gpu_train.py --mnist DIR --epochs-mlp {args.epochs_mlp} --epochs-cnn {args.epochs_cnn} --batch {args.batch}`
+(run by `benchmarks/gpu_check.sh`). Machine: {gpu}; {machine_line(("numpy", "cupy-cuda13x", "torch"))}.
+
+Each side in a fresh process, same architecture, SGD settings of the description, batch and epochs;
+data as uint8 on the GPU, normalized in the step. Epoch time is the median over epochs of a full
+60,000-image pass including shuffling and batching. Peak memory: CuPy pool high-water mark vs
+torch.cuda.max_memory_allocated. lnn's accuracy is of its exported model.bin run by the CPU runtime
+on the 10,000 test images; PyTorch's is its own eval.
+
+{table}
+""")
+
+
+if __name__ == "__main__":
+    main()
