@@ -8,7 +8,8 @@ costs one byte per pixel and is moved to the device once.
   - `MemmapDataset.create(path, count, shape)` / `.open(path)`: a uint8 cache on disk for data that
     does not fit in memory (filled once, e.g. from decoded images), read batch by batch.
   - `Prefetcher(batches, load, to_device)`: a background thread that reads the next batches while
-    the current one trains; on the GPU it copies through pinned memory on a second stream.
+    the current one trains (generic: any `load(indices)`); on the GPU, `PinnedSlots` stages them in
+    page-locked memory in that thread and `DeviceFeeder` copies them on a second stream.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class ArrayDataset:
     in_memory = True
 
     def __init__(self, images, labels, name: str = "data"):
-        images, labels = np.asarray(images), np.asarray(labels)
+        images = images if isinstance(images, np.ndarray) else np.asarray(images)     # keeps a np.memmap
+        labels = labels if isinstance(labels, np.ndarray) else np.asarray(labels)
         if images.ndim < 2:
             raise LnnInputError(f"{name}: images must be [N, ...], got shape {list(images.shape)}")
         if len(labels) != len(images):
@@ -178,9 +180,8 @@ class Prefetcher:
     """Iterate over `load(indices)` for every index array in `batches`, `depth` batches ahead.
 
     `load` runs in a background thread (reading a memory-mapped cache, decoding images, ...).
-    `to_device(images, labels)` is applied in that thread too; with cupy, pass
-    `cuda_transfer(cupy)` to copy through pinned host memory on a separate stream, and the
-    consumer's stream waits on each copy's event. Errors in the thread surface in the consumer.
+    `to_device(images, labels)` is applied in that thread too (on the GPU: a PinnedSlots).
+    Errors in the thread surface in the consumer.
     Use as an iterator; `close()` (or leaving a `with` block) stops the thread early.
     """
 

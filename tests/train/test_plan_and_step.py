@@ -253,3 +253,26 @@ def test_batchnorm_running_stats_follow_pytorch():
     expected = ((x[:1] - w["batchnorm_0.running_mean"][channel]) / np.sqrt(w["batchnorm_0.running_var"][channel] + 1e-5)
                 * w["batchnorm_0.weight"][channel] + w["batchnorm_0.bias"][channel])
     np.testing.assert_allclose(trainer.predict(x[:1]), expected.reshape(1, -1), rtol=1e-6)   # eval: running stats
+
+
+def test_memmap_cache_and_prefetch_thread_train_like_in_memory(tmp_path):
+    from lnn.train import ArrayDataset, MemmapDataset
+    from lnn.train.data import Prefetcher
+
+    rng = np.random.default_rng(8)
+    cache = MemmapDataset.create(tmp_path / "cache", 200, (1, 28, 28))
+    cache.images[...] = rng.integers(0, 256, cache.images.shape, dtype=np.uint8)
+    cache.labels[...] = rng.integers(0, 10, 200)
+    cache.flush()
+    streamed = MemmapDataset.open(tmp_path / "cache")
+    in_memory = ArrayDataset(np.array(streamed.images), np.array(streamed.labels))
+    model = load_model(EXAMPLES / "reference" / "mnist_mlp.json")
+    a = Trainer(model, device="cpu", batch_size=32, log=lambda *a: None).fit(streamed, in_memory, epochs=2, progress=False)
+    b = Trainer(model, device="cpu", batch_size=32, log=lambda *a: None).fit(in_memory, in_memory, epochs=2, progress=False)
+    assert a[-1]["train_loss"] == b[-1]["train_loss"] and a[-1]["val_accuracy"] == b[-1]["val_accuracy"]
+
+    def failing(indices):
+        raise OSError("disk went away")
+
+    with pytest.raises(OSError, match="disk went away"):
+        list(Prefetcher([np.arange(3)], failing))

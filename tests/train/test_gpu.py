@@ -1,0 +1,109 @@
+"""The CuPy path of the trainer against its NumPy path (skipped without CuPy and a GPU).
+
+Run on a GPU machine with:  pytest tests/train/test_gpu.py
+Every op's forward and backward (the gradient-check cases), a full training step, mixed precision,
+and the pinned-memory prefetch path for data that is not held on the device.
+"""
+
+import numpy as np
+import pytest
+
+from lnn.formats.model import load_model, parse_model
+from lnn.train import MemmapDataset, Trainer
+from lnn.train.plan import Plan
+
+from conftest import EXAMPLES
+from test_gradients import CASES
+
+cupy = pytest.importorskip("cupy")
+try:
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        pytest.skip("CuPy sees no GPU", allow_module_level=True)
+except Exception as err:                                   # noqa: BLE001 - any CUDA failure means: no GPU here
+    pytest.skip(f"CuPy sees no GPU ({err})", allow_module_level=True)
+
+
+def _run_plan(xp, model, params, stats, x, r, keys):
+    plan = Plan(model, len(x), dtype="float32", input_gradient=True)
+    plan.allocate(xp)
+    plan.params[...] = xp.asarray(params)
+    plan.stats[...] = xp.asarray(stats)
+    n = len(x)
+    plan.input_buffer(n)[...] = xp.asarray(x)
+    out = plan.forward(n, training=True, dropout_keys=keys).copy()
+    plan.grads.fill(0)
+    plan.output_grad_buffer(n)[...] = xp.asarray(r)
+    plan.backward(n, dropout_keys=keys)
+    to_host = (lambda a: a.get()) if xp is cupy else np.asarray
+    return to_host(out), to_host(plan.views(n)["grad:-1"]), to_host(plan.grads), to_host(plan.stats)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cupy_forward_and_backward_match_numpy(case):
+    input_shape, layers = CASES[case]
+    model = parse_model({"input_shape": list(input_shape), "layers": layers, "loss": "mse"})
+    n = 5
+    probe = Plan(model, n, input_gradient=True)
+    rng = np.random.default_rng(0)
+    params = rng.normal(0, 0.5, probe.params_size).astype(np.float32)
+    stats = rng.uniform(0.5, 1.5, probe.stats_size).astype(np.float32)
+    x = rng.normal(size=(n,) + tuple(input_shape)).astype(np.float32)
+    r = rng.normal(size=(n,) + tuple(model.output_shape)).astype(np.float32)
+    keys = {i: 777 + i for i in range(len(layers))}
+    expected = _run_plan(np, model, params, stats, x, r, keys)
+    got = _run_plan(cupy, model, params, stats, x, r, keys)
+    for name, a, b in zip(("output", "input gradient", "parameter gradients", "running stats"), got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["mnist_mlp", "mnist_cnn"])
+def test_cupy_training_steps_match_numpy(name):
+    model = load_model(EXAMPLES / "reference" / f"{name}.json")
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (64,) + model.input_shape, dtype=np.uint8)
+    y = rng.integers(0, 10, 64)
+    cpu = Trainer(model, device="cpu", batch_size=32, log=lambda *a: None)
+    gpu = Trainer(model, device="cuda", batch_size=32, log=lambda *a: None)
+    for _ in range(3):
+        a, b = cpu.step(x, y), gpu.step(cupy.asarray(x), cupy.asarray(y))
+        assert b.loss == pytest.approx(a.loss, rel=1e-4)
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-3)
+    for key, value in cpu.weights().items():
+        np.testing.assert_allclose(gpu.weights()[key], value, rtol=1e-3, atol=1e-5, err_msg=key)
+
+
+def test_amp_trains_and_counts_overflows():
+    model = load_model(EXAMPLES / "reference" / "mnist_cnn.json")
+    rng = np.random.default_rng(2)
+    x = cupy.asarray(rng.integers(0, 256, (128, 1, 28, 28), dtype=np.uint8))
+    y = cupy.asarray(np.arange(128) % 10)
+    trainer = Trainer(model, device="cuda", batch_size=64, amp=True, log=lambda *a: None)
+    assert trainer.amp and trainer.plan.compute_dtype == np.float16
+    assert trainer.plan.memory_report()["amp_copies"] > 0
+    losses = [trainer.step(x, y) for _ in range(30)]
+    applied = [r for r in losses if not r.skipped]
+    assert trainer.overflow_steps == len(losses) - len(applied)
+    assert applied[-1].loss < applied[0].loss
+    assert trainer.loss_scale == 2.0 ** 16 / 2 ** trainer.overflow_steps
+    reference = Trainer(model, device="cpu", batch_size=64, log=lambda *a: None)
+    reference.set_weights(trainer.weights())
+    x_host = x.get()
+    np.testing.assert_allclose(trainer.predict(x[:8]), reference.predict(x_host[:8]), rtol=0.05, atol=0.05)
+
+
+def test_memmap_data_through_pinned_prefetch(tmp_path):
+    model = load_model(EXAMPLES / "reference" / "mnist_mlp.json")
+    rng = np.random.default_rng(3)
+    cache = MemmapDataset.create(tmp_path / "cache", 300, (1, 28, 28))
+    cache.images[...] = rng.integers(0, 256, cache.images.shape, dtype=np.uint8)
+    cache.labels[...] = rng.integers(0, 10, 300)
+    cache.flush()
+    streamed = MemmapDataset.open(tmp_path / "cache")
+    gpu = Trainer(model, device="cuda", batch_size=64, log=lambda *a: None)
+    cpu = Trainer(model, device="cpu", batch_size=64, log=lambda *a: None)
+    from lnn.train import ArrayDataset
+
+    in_memory = ArrayDataset(np.array(streamed.images), np.array(streamed.labels))
+    a, b = gpu.fit(streamed, in_memory, epochs=2, progress=False), cpu.fit(in_memory, in_memory, epochs=2, progress=False)
+    assert a[-1]["train_loss"] == pytest.approx(b[-1]["train_loss"], rel=1e-3)
+    assert a[-1]["val_accuracy"] == pytest.approx(b[-1]["val_accuracy"], abs=0.01)

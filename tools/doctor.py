@@ -1,0 +1,131 @@
+"""lnn-doctor: check each backend by computing something on it, and say PASS, FAIL or SKIP.
+
+    lnn-doctor
+
+  numpy  the reference runtime runs a small CNN; the trainer's NumPy forward and one training
+         step agree with it
+  numba  the Numba CPU backend (lnn.runtime.cpu) runs the same CNN and matches the reference
+  cuda   CuPy sees a GPU (name, compute capability, memory, fast fp16 or not); the trainer's
+         CuPy forward matches the reference, and a float16 matrix product matches float32
+Exit status 0 when numpy passes (lnn works everywhere it must), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import traceback
+
+import numpy as np
+
+from lnn.tools.cli import command_parser, human_bytes, run_command
+
+PROG = "lnn-doctor"
+CHECK_MODEL = {
+    "name": "doctor", "input_shape": [3, 9, 9], "loss": "cross_entropy",
+    "layers": [{"type": "conv2d", "name": "conv", "out_channels": 4, "kernel_size": 3, "padding": 1},
+               {"type": "batchnorm", "name": "bn", "activation": "relu"},
+               {"type": "maxpool2d", "kernel_size": 2}, {"type": "flatten"},
+               {"type": "linear", "name": "fc", "out_features": 5}],
+}
+
+
+def _model_and_weights():
+    from lnn.formats.model import parse_model
+    from lnn.train.trainer import initial_weights
+
+    model = parse_model(CHECK_MODEL)
+    weights = {k: v.astype(np.float32) for k, v in initial_weights(model, 0).items()}
+    x = np.random.default_rng(0).normal(size=(6, 3, 9, 9)).astype(np.float32)
+    return model, weights, x
+
+
+def _reference(model, weights, x):
+    from lnn.runtime.reference import NumpyBackend
+
+    return NumpyBackend(model, weights).run(x)
+
+
+def _close(a, b, tolerance=1e-4) -> bool:
+    return bool(np.allclose(a, b, rtol=tolerance, atol=tolerance))
+
+
+def check_numpy() -> tuple[str, str]:
+    from lnn.train.trainer import Trainer
+
+    model, weights, x = _model_and_weights()
+    expected = _reference(model, weights, x)
+    trainer = Trainer(model, device="cpu", batch_size=6, log=lambda *a: None)
+    trainer.set_weights(weights)
+    if not _close(trainer.predict(x), expected):
+        return "FAIL", "the trainer's forward differs from the reference runtime"
+    result = trainer.step(x, np.arange(6) % 5)
+    if not np.isfinite(result.loss) or result.grad_norm <= 0:
+        return "FAIL", f"a training step gave loss {result.loss}, gradient norm {result.grad_norm}"
+    return "PASS", f"numpy {np.__version__}: reference forward, trainer forward and a training step agree"
+
+
+def check_numba() -> tuple[str, str]:
+    if importlib.util.find_spec("numba") is None:
+        return "SKIP", "numba is not installed (pip install numba)"
+    try:
+        from lnn.runtime.cpu import BACKEND
+    except (ImportError, AttributeError) as err:
+        return "SKIP", f"the Numba backend is not available ({err})"
+    model, weights, x = _model_and_weights()
+    got = BACKEND(model, weights).run(x)
+    if not _close(got, _reference(model, weights, x)):
+        return "FAIL", "the Numba backend's output differs from the reference"
+    import numba
+
+    return "PASS", f"numba {numba.__version__}: the CPU backend matches the reference"
+
+
+def check_cuda() -> tuple[str, str]:
+    from lnn.train.device import _cupy_with_gpu, cuda_info
+
+    cupy, reason = _cupy_with_gpu()
+    if cupy is None:
+        return "SKIP", reason
+    from lnn.train.trainer import Trainer
+
+    info = cuda_info(cupy)
+    where = (f"{info['name']}, compute capability {info['compute_capability']}, "
+             f"{human_bytes(info['memory_free'])} free of {human_bytes(info['memory_total'])}, "
+             f"fast fp16: {'yes' if info['fast_fp16'] else 'no'}")
+    model, weights, x = _model_and_weights()
+    trainer = Trainer(model, device="cuda", batch_size=6, log=lambda *a: None)
+    trainer.set_weights(weights)
+    if not _close(trainer.predict(x), _reference(model, weights, x)):
+        return "FAIL", f"{where}; the CuPy forward differs from the reference"
+    a = cupy.random.standard_normal((256, 256), dtype=cupy.float32)
+    full = a @ a
+    half = (a.astype(cupy.float16) @ a.astype(cupy.float16)).astype(cupy.float32)
+    error = float(cupy.abs(full - half).max() / cupy.abs(full).max())
+    if error > 1e-2:
+        return "FAIL", f"{where}; a float16 matrix product is off by {error:.2g} relative"
+    return "PASS", f"cupy {cupy.__version__}: {where}; forward matches the reference, fp16 product ok"
+
+
+CHECKS = {"numpy": check_numpy, "numba": check_numba, "cuda": check_cuda}
+
+
+def body(args) -> int:
+    results = {}
+    for name, check in CHECKS.items():
+        try:
+            status, detail = check()
+        except Exception as err:                 # a broken backend is a finding, reported in one line
+            frame = traceback.extract_tb(err.__traceback__)[-1]
+            status, detail = "FAIL", f"{type(err).__name__}: {err} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
+        results[name] = status
+        print(f"{name:6} {status:4}  {' '.join(str(detail).split())}", flush=True)
+    return 0 if results["numpy"] == "PASS" else 1
+
+
+def main(argv=None) -> int:
+    parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    return run_command(parser, body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
