@@ -25,10 +25,6 @@ import numpy as np
 # --------------------------------------------------------------------------- window helpers
 
 
-def padded_size(size: int, pad: int) -> int:
-    return size + 2 * pad
-
-
 def offset_slice(offset: int, dilation: int, stride: int, count: int) -> slice:
     """Rows (or columns) of the padded input that kernel offset `offset` reads for `count` outputs."""
     start = offset * dilation

@@ -263,10 +263,10 @@ class Plan:
 
     def param_views(self, flat) -> dict:
         """key -> view of a flat parameter-shaped buffer (params, grads, or optimizer state)."""
-        return {key: flat[s.offset:s.offset + s.size].reshape(s.shape) for key, s in self.param_slots.items()}
+        return self._slot_views(flat, self.param_slots)
 
     def stat_views(self) -> dict:
-        return {key: self.stats[s.offset:s.offset + s.size].reshape(s.shape) for key, s in self.stat_slots.items()}
+        return self._slot_views(self.stats, self.stat_slots)
 
     def views(self, n: int) -> dict:
         """name -> view of the pool for a batch of n rows (cached for the last two n seen)."""

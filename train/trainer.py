@@ -118,6 +118,7 @@ class Trainer:
         self._clean_steps = 0
         self._normalizer = self._make_normalizer()
         self._device_data = {}
+        self._last_rows = None
         self.gradients = self.plan.param_views(self.plan.grads)
 
     # ------------------------------------------------------------------ setup
@@ -176,6 +177,8 @@ class Trainer:
         """Layer name -> output of the last forward (NumPy). Needs Trainer(..., inspect=True)."""
         if not self.plan.inspect:
             raise LnnError("activations share memory by liveness; create the Trainer with inspect=True to keep them")
+        if self._last_rows is None:
+            raise LnnError("no forward has run yet: call step() first")
         n = self._last_rows
         views = self.plan.views(n)
         return {node.name: to_numpy(views[f"act:{i}"]).copy() for i, node in enumerate(self.model.nodes)}

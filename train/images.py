@@ -1,0 +1,312 @@
+"""Image-folder datasets: one sub-folder per class, decoded once into a memory-mapped uint8 cache.
+
+    folder = ImageFolder.load("data/tomato", input_shape=(3, 128, 128), color="rgb")
+    train, val = folder.datasets(augmenter=Augmenter(color="rgb"))     # for Trainer.fit(train, val)
+    train, val, description = folder_datasets("data/tomato", description)   # what lnn-train does
+
+Classes are the sorted names of the sub-folders holding images; files other than images
+(by extension) and hidden files are ignored. Every image is decoded with
+lnn.runtime.preprocess.read_image and brought to the model's colour order and size with
+preprocess_image (so training sees exactly the pixels `lnn-infer` would), kept as uint8
+[N, C, H, W] in a MemmapDataset. A file that cannot be decoded is reported, counted and skipped.
+
+Cache: `<cache root>/datasets/<key>/` where the cache root is $LNN_CACHE_DIR, else the per-user
+cache folder (~/.cache/lnn on Linux; see lnn.runtime.cpu.cache.default_cache_root). The key
+hashes every source file's relative path, size and mtime with the image size and colour order,
+so an edited, added or removed photo makes a new cache. It is built in a temporary folder beside
+it and renamed into place, so a killed run never leaves a half-written cache; the next run with
+the same files and size opens it at once without decoding anything.
+
+Split (`split_by_leaf`): deterministic from a seed, stratified per class (the validation share
+of every class is at most, and with small groups left exactly, `val_fraction` of its images,
+rounded), and all photos of one leaf fall on one side. PlantVillage file names carry the leaf: photos whose names hold the same
+`Leaf <number>` within a class are one leaf (`..._GH_HL_Leaf_259.jpg` and `..._Leaf_259.1.jpg`;
+`GHLB_PS_Leaf_24_Day_13` and `..._Day_16`), the rule ../shared/data/tomato/README.md states;
+any other file is its own group.
+
+Unequal classes (`balanced_rows`): the training rows are resampled so every class appears as
+often as the largest one (the smaller classes' images repeated, each repeat a different
+augmentation), which the Trainer then shuffles per epoch as usual. No loss weights are needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lnn.formats.errors import LnnInputError
+from lnn.runtime import preprocess as image_io
+from lnn.train.data import ArrayDataset, MemmapDataset
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
+CACHE_VERSION = 1                 # bump when the cached pixels would change for the same files
+DEFAULT_VAL_FRACTION = 0.2
+DEFAULT_SPLIT_SEED = 0
+LEAF_NUMBER = re.compile(r"leaf[ _]+(\d+)", re.IGNORECASE)
+
+
+# --------------------------------------------------------------------------- finding the files
+
+def scan_folder(folder) -> tuple[list, list, list]:
+    """(class names, files as paths relative to folder, class index per file), in a fixed order."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise LnnInputError(f"{folder}: no such folder (pass --data folder:DIR with one sub-folder per class)")
+    classes, files, labels = [], [], []
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        images = sorted(p for p in sub.iterdir()
+                        if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".") and p.is_file())
+        if not images:
+            continue
+        for path in images:
+            files.append(path.relative_to(folder).as_posix())
+            labels.append(len(classes))
+        classes.append(sub.name)
+    if not classes:
+        raise LnnInputError(f"{folder}: holds no class sub-folders with images (expected DIR/<class>/<photo>.jpg)")
+    return classes, files, labels
+
+
+def default_cache_root() -> Path:
+    from lnn.runtime.cpu.cache import default_cache_root as lnn_cache_root   # no Numba import
+
+    return lnn_cache_root() / "datasets"
+
+
+def cache_key(folder: Path, files: list, size: tuple, color: str) -> str:
+    stamps = []
+    for name in files:
+        stat = (folder / name).stat()
+        stamps.append([name, stat.st_size, stat.st_mtime_ns])
+    blob = json.dumps([CACHE_VERSION, list(size), color, stamps])
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+# --------------------------------------------------------------------------- decoding
+
+def decode_for_model(path: Path, size: tuple, color: str) -> np.ndarray:
+    """A file -> uint8 [C, H, W] in the model's colour order and size, as lnn-infer would see it."""
+    height, width = size
+    channels = 1 if color == "gray" else 3
+    identity = {"color": color, "resize": [height, width], "scale": 1.0,
+                "mean": [0.0] * channels, "std": [1.0] * channels}
+    pixels = image_io.preprocess_image(image_io.read_image(path), identity)   # integer values in float32
+    return pixels.astype(np.uint8)
+
+
+def _build_cache(folder: Path, files: list, labels: list, size: tuple, color: str, target: Path,
+                 workers: int, log, progress: bool) -> None:
+    """Decode every file into a new cache folder, then rename it to `target` (atomic)."""
+    from tqdm import tqdm
+
+    channels = 1 if color == "gray" else 3
+    target.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        data = MemmapDataset.create(building / "all", len(files), (channels,) + tuple(size))
+        decoded = np.zeros(len(files), bool)
+        skipped = []
+
+        def decode(i):
+            try:
+                data.images[i] = decode_for_model(folder / files[i], size, color)
+                decoded[i] = True
+            except LnnInputError as err:
+                skipped.append((files[i], str(err)))
+
+        with ThreadPoolExecutor(max_workers=workers) as pool, \
+                tqdm(total=len(files), desc=f"decoding {folder.name}", unit="img", disable=None if progress else True,
+                     leave=False, dynamic_ncols=True) as bar:
+            for _ in pool.map(decode, range(len(files))):
+                bar.update(1)
+        kept = np.flatnonzero(decoded)
+        if len(kept) == 0:
+            raise LnnInputError(f"{folder}: none of its {len(files)} image files could be decoded")
+        data.labels[...] = labels
+        data.flush()
+        if len(kept) < len(files):                  # compact: the cache holds decoded images only
+            compact = MemmapDataset.create(building / "images", len(kept), data.sample_shape)
+            compact.images[...] = data.images[kept]
+            compact.labels[...] = data.labels[kept]
+            compact.flush()
+            del data, compact                       # unmap before removing (Windows keeps mapped files)
+            for part in ("images", "labels"):
+                (building / f"all.{part}.npy").unlink()
+        else:
+            del data
+            for part in ("images", "labels"):
+                os.replace(building / f"all.{part}.npy", building / f"images.{part}.npy")
+        index = {"files": [files[i] for i in kept], "skipped": sorted(skipped), "size": list(size), "color": color}
+        (building / "index.json").write_text(json.dumps(index))
+        for problem in sorted(skipped):
+            log(f"skipped {problem[1]}")
+        try:
+            os.rename(building, target)
+        except OSError:
+            if not (target / "index.json").exists():       # not "another process finished first"
+                raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- leaves and the split
+
+def leaf_group(file_name: str) -> str:
+    """The group of a photo within its class: `leaf <number>` when the name carries one, else the file itself."""
+    name = Path(file_name).name
+    name = name.split("___", 1)[-1]              # PlantVillage: <uuid>___<session and leaf>
+    match = LEAF_NUMBER.search(name)
+    return f"leaf {int(match.group(1))}" if match else f"file {Path(file_name).name}"
+
+
+def split_by_leaf(files: list, labels, val_fraction: float = DEFAULT_VAL_FRACTION,
+                  seed: int = DEFAULT_SPLIT_SEED) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, validation rows), sorted. Per class the leaf groups are shuffled from (seed, class)
+    and, in that order, each group that still fits goes to validation, up to round(val_fraction *
+    class size) images (exactly that many when small groups remain to fill up)."""
+    if not 0 < val_fraction < 1:
+        raise LnnInputError(f"the validation fraction must be between 0 and 1, not {val_fraction}")
+    labels = np.asarray(labels)
+    val = []
+    for label in np.unique(labels):
+        rows = np.flatnonzero(labels == label)
+        groups = {}
+        for row in rows:
+            groups.setdefault(leaf_group(files[row]), []).append(row)
+        keys = sorted(groups)
+        order = np.random.default_rng([seed, int(label)]).permutation(len(keys))
+        want, taken = round(val_fraction * len(rows)), 0
+        for k in order:
+            if taken + len(groups[keys[k]]) <= want:
+                val.extend(groups[keys[k]])
+                taken += len(groups[keys[k]])
+    is_val = np.zeros(len(labels), bool)
+    is_val[val] = True
+    return np.flatnonzero(~is_val), np.flatnonzero(is_val)
+
+
+def balanced_rows(rows: np.ndarray, labels, seed: int = DEFAULT_SPLIT_SEED) -> np.ndarray:
+    """`rows` resampled so every class has as many as the largest: each class's rows once, then a
+    seeded draw without repeats (as far as possible) of its rows to fill up. Sorted by row."""
+    labels = np.asarray(labels)[rows]
+    classes, counts = np.unique(labels, return_counts=True)
+    largest = counts.max()
+    out = []
+    for label, count in zip(classes, counts):
+        mine = rows[labels == label]
+        rng = np.random.default_rng([seed, int(label), 1])
+        extra = np.concatenate([rng.permutation(mine) for _ in range(-(-(largest - count) // count))] or [mine[:0]])
+        out.append(np.concatenate([mine, extra[:largest - count]]))
+    return np.sort(np.concatenate(out))
+
+
+# --------------------------------------------------------------------------- the folder
+
+@dataclass
+class ImageFolder:
+    """A decoded image folder: `data` (uint8 [N, C, H, W] and labels, memory-mapped), its classes and files."""
+
+    folder: Path
+    classes: list
+    files: list
+    skipped: list
+    data: MemmapDataset
+    cache_dir: Path
+
+    @classmethod
+    def load(cls, folder, input_shape, color: str, cache_root=None, workers: int | None = None,
+             log=None, progress: bool = True) -> "ImageFolder":
+        """Open the cache for (folder, size, colour), building it first when it does not exist."""
+        log = log or (lambda message: print(message, flush=True))
+        folder = Path(folder)
+        channels, height, width = input_shape
+        if channels != (1 if color == "gray" else 3):
+            raise LnnInputError(f"a {color} model needs {1 if color == 'gray' else 3} input channels, "
+                                f"the model takes {channels}")
+        classes, files, labels = scan_folder(folder)
+        root = Path(cache_root) if cache_root is not None else default_cache_root()
+        target = root / cache_key(folder, files, (height, width), color)
+        if not (target / "index.json").exists():
+            log(f"{folder}: decoding {len(files)} images of {len(classes)} classes at {height}x{width} "
+                f"into {target} (once)")
+            _build_cache(folder, files, labels, (height, width), color, target,
+                         workers or min(8, os.cpu_count() or 1), log, progress)
+        index = json.loads((target / "index.json").read_text())
+        if index["skipped"]:
+            log(f"{folder}: {len(index['skipped'])} of {len(files)} image files could not be decoded and are "
+                f"left out (first: {index['skipped'][0][1]})")
+        data = MemmapDataset.open(target / "images", name=folder.name)
+        return cls(folder, classes, index["files"], index["skipped"], data, target)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return np.asarray(self.data.labels)
+
+    def split(self, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = DEFAULT_SPLIT_SEED):
+        """(train rows, validation rows) of this folder; see split_by_leaf."""
+        return split_by_leaf(self.files, self.labels, val_fraction, seed)
+
+    def subset(self, rows: np.ndarray, name: str) -> ArrayDataset:
+        """The given rows, read into memory (a training set on the GPU is then moved there once)."""
+        return ArrayDataset(np.asarray(self.data.images[rows]), self.labels[rows], name)
+
+    def datasets(self, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = DEFAULT_SPLIT_SEED,
+                 augmenter=None, balance: bool = True, augment_seed: int = 0):
+        """(training, validation) datasets for Trainer.fit. Training rows are class-balanced (balance=True)
+        and, with an Augmenter, augmented on worker threads as the trainer's prefetch thread reads them."""
+        from lnn.train.augment import AugmentedDataset
+
+        train_rows, val_rows = self.split(val_fraction, seed)
+        if balance:
+            train_rows = balanced_rows(train_rows, self.labels, seed)
+        val = self.subset(val_rows, f"{self.folder.name} validation")
+        if augmenter is None:
+            return self.subset(train_rows, f"{self.folder.name} training"), val
+        return AugmentedDataset(self.data, train_rows, augmenter, augment_seed, f"{self.folder.name} training"), val
+
+    def model_labels(self, described=None) -> list:
+        """The label list for a model of these classes: the description's (checked against the folder),
+        else the folder names (display names are then made from them by the model description)."""
+        if not described:
+            return list(self.classes)
+        names = [item if isinstance(item, str) else item.get("name") for item in described]
+        if names != self.classes:
+            missing = [c for c in self.classes if c not in names]
+            extra = [n for n in names if n not in self.classes]
+            detail = (f"folder classes missing from the labels: {', '.join(missing)}" if missing else
+                      f"labels without a folder: {', '.join(map(str, extra))}" if extra else
+                      "the labels must list the classes in sorted folder order: " + ", ".join(self.classes))
+            raise LnnInputError(f"{self.folder}: the description's labels do not match the class folders ({detail})")
+        return described
+
+
+def folder_datasets(folder, description: dict, augment: bool = True, val_fraction: float = DEFAULT_VAL_FRACTION,
+                    seed: int = DEFAULT_SPLIT_SEED, log=None, progress: bool = True):
+    """lnn-train's `--data folder:DIR`: (training, validation, the description with the folder's labels).
+
+    The images are decoded at the description's input size and colour order (its preprocess block);
+    training rows are class-balanced and, with augment=True, augmented on worker threads."""
+    from lnn.formats.model import parse_model
+    from lnn.train.augment import Augmenter
+
+    model = parse_model({key: value for key, value in description.items() if key != "labels"})
+    if model.preprocess is None:
+        raise LnnInputError("an image folder needs an image model: give the description a preprocess block "
+                            "and an input_shape [C, H, W]")
+    color = model.preprocess["color"]
+    images = ImageFolder.load(folder, model.input_shape, color, log=log, progress=progress)
+    described = dict(description, labels=images.model_labels(description.get("labels")))
+    train, val = images.datasets(val_fraction, seed, Augmenter(color=color) if augment else None)
+    (log or print)(f"{images.folder}: {len(images.classes)} classes, {len(train)} training rows (classes balanced), "
+                   f"{len(val)} validation images (split seed {seed}, leaves kept on one side)"
+                   f"{', augmented' if augment else ''}")
+    return train, val, described
