@@ -8,6 +8,9 @@ curves.png and, at the end, model.bin (the best epoch, with preprocessing and la
 come from the description's "training" block (see lnn.train.config); options given here win.
 Data: mnist:FOLDER (the four MNIST IDX files, gzipped or raw); training uses the 60,000 training
 images (--limit-train keeps the first N), evaluation the 10,000 test images after every epoch.
+folder:DIR (one sub-folder of photos per class; see lnn.train.images): decoded once into a cache at
+the model's input size, split by leaf into training and validation (--val-fraction, seed 0, the
+split lnn-eval --split val uses), classes balanced, training images augmented (--no-augment: not).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from lnn.formats.model import load_description, parse_model
 from lnn.tools.cli import command_parser, human_bytes, run_command
 
 PROG = "lnn-train"
-DATA_KINDS = ("mnist",)
+DATA_KINDS = ("mnist", "folder")
 
 
 def build_parser():
@@ -40,17 +43,26 @@ def build_parser():
     parser.add_argument("--patience", type=int, help="stop after this many epochs without a better test accuracy")
     parser.add_argument("--limit-train", type=int, metavar="N", help="train on the first N training images only")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (one line per epoch stays)")
+    parser.add_argument("--val-fraction", type=float, default=0.2, help="folder: share of each class kept for validation")
+    parser.add_argument("--no-augment", action="store_true", help="folder: train on the photos as they are")
     return parser
 
 
-def load_data(spec: str):
-    """`mnist:FOLDER` -> (train, test) datasets."""
+def load_data(spec: str, description: dict, args):
+    """`mnist:FOLDER` -> (train, test, description with MNIST's labels);
+    `folder:DIR` -> (train, validation, description with the class folders as labels)."""
     kind, sep, path = spec.partition(":")
     if not sep or not path or kind not in DATA_KINDS:
         raise LnnInputError(f"--data must look like KIND:PATH with KIND one of {', '.join(DATA_KINDS)}, not {spec!r}")
+    if kind == "folder":
+        from lnn.train.images import folder_datasets
+
+        return folder_datasets(path, description, augment=not args.no_augment, val_fraction=args.val_fraction,
+                               progress=not args.quiet)
     from lnn.train.data import load_mnist
 
-    return load_mnist(path)
+    train, test = load_mnist(path)
+    return train, test, mnist_description(description)
 
 
 def mnist_description(description: dict) -> dict:
@@ -76,8 +88,7 @@ def body(args) -> int:
         training = dict(description.get("training") or {})
         training["lr_schedule"] = {"type": args.lr_schedule}
         description["training"] = training
-    train, test = load_data(args.data)
-    description = mnist_description(description)
+    train, test, description = load_data(args.data, description, args)
     try:
         model = parse_model(description)
     except ModelSpecError as err:
