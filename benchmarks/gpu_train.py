@@ -1,10 +1,11 @@
 """Train on MNIST with lnn (CuPy) and with PyTorch eager, side by side, on one GPU.
 
-    python benchmarks/gpu_train.py --mnist DIR [--epochs-mlp 10 --epochs-cnn 12 --batch 128] [--out DIR]
+    python benchmarks/gpu_train.py --mnist DIR [--out DIR]
 
 For each model (mnist_mlp, mnist_cnn from examples/reference) and each side, in a fresh process:
-the same architecture, optimizer settings, batch size, epochs and data (uint8 on the GPU, normalized
-inside the step, shuffled per epoch). Reported: median epoch time (60,000 images, data handling
+the same architecture, optimizer settings, learning-rate schedule, batch size and epochs (the
+description's "training" block) and data (uint8 on the GPU, normalized inside the step, shuffled
+per epoch). Reported: median epoch time (60,000 images, data handling
 included), peak device memory (lnn: CuPy's pool high-water mark; PyTorch: max_memory_allocated),
 and test accuracy. lnn's accuracy is measured by loading the exported model.bin with the CPU
 runtime on the 10,000 test images. Writes the `gpu_train` section of docs/BENCHMARKS.md.
@@ -32,9 +33,9 @@ def lnn_side(args) -> dict:
 
     train, test = load_mnist(args.mnist)
     spec = REPO / "examples" / "reference" / f"{args.model}.json"
-    trainer = Trainer(str(spec), device="cuda", seed=0, batch_size=args.batch, log=lambda m: print(m, file=sys.stderr))
+    trainer = Trainer(str(spec), device="cuda", seed=0, log=lambda m: print(m, file=sys.stderr))
     out_dir = Path(args.run_dir)
-    history = trainer.fit(train, test, epochs=args.epochs, out_dir=out_dir, progress=False)
+    history = trainer.fit(train, test, out_dir=out_dir, progress=False)
     cupy.cuda.Device().synchronize()
     pool = cupy.get_default_memory_pool()
     report = trainer.plan.memory_report()
@@ -47,7 +48,7 @@ def lnn_side(args) -> dict:
     x = ((test.images.astype(np.float32) * scale - pre["mean"][0]) / pre["std"][0]).astype(np.float32)
     predictions = np.concatenate([session.run(x[i:i + 500]).argmax(1) for i in range(0, len(x), 500)])
     accuracy = float((predictions == test.labels).mean())
-    times = [entry["seconds"] for entry in history if "seconds" in entry]
+    times = [entry["epoch_s"] for entry in history]
     return {"epoch_seconds": sorted(times)[len(times) // 2] if times else None, "epoch_times": times,
             "peak_bytes": int(pool.total_bytes()), "planned": report, "accuracy": accuracy,
             "history": history}
@@ -59,10 +60,12 @@ def torch_side(args) -> dict:
     from torch import nn
 
     from lnn.formats.model import load_model
+    from lnn.train.config import TrainingConfig, learning_rate
     from lnn.train.data import load_mnist
 
     torch.manual_seed(0)
     model = load_model(REPO / "examples" / "reference" / f"{args.model}.json")
+    config = TrainingConfig.parse(model.extra.get("training"))
     layers = []
     for node in model.nodes:
         a = node.attrs
@@ -93,14 +96,18 @@ def torch_side(args) -> dict:
     def normalize(images):
         return (images.float() * (1 / 255) - pre["mean"][0]) / pre["std"][0]
 
-    times, generator = [], torch.Generator(device="cuda").manual_seed(0)
-    for epoch in range(args.epochs):
+    times, generator, step = [], torch.Generator(device="cuda").manual_seed(0), 0
+    steps_per_epoch = -(-len(x_train) // config.batch_size)
+    for epoch in range(config.epochs):
         torch.cuda.synchronize()
         start = time.perf_counter()
         order = torch.randperm(len(x_train), device="cuda", generator=generator)
         net.train()
-        for i in range(0, len(order), args.batch):
-            index = order[i:i + args.batch]
+        for i in range(0, len(order), config.batch_size):
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(opt["lr"], config.lr_schedule, step, steps_per_epoch, config.epochs)
+            step += 1
+            index = order[i:i + config.batch_size]
             loss = nn.functional.cross_entropy(net(normalize(x_train[index])), y_train[index])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -119,13 +126,9 @@ def torch_side(args) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mnist", required=True)
-    parser.add_argument("--epochs-mlp", type=int, default=10)
-    parser.add_argument("--epochs-cnn", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--out", default=str(REPO / "runs" / "gpu_train"))
     parser.add_argument("--side", choices=("lnn", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--epochs", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
@@ -137,17 +140,21 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results, rows = {}, []
-    for model, epochs in (("mnist_mlp", args.epochs_mlp), ("mnist_cnn", args.epochs_cnn)):
+    from lnn.formats.model import load_model
+    from lnn.train.config import TrainingConfig
+
+    for model in ("mnist_mlp", "mnist_cnn"):
+        config = TrainingConfig.parse(load_model(REPO / "examples" / "reference" / f"{model}.json").extra["training"])
         for side in ("lnn", "torch"):
             command = [sys.executable, __file__, "--mnist", args.mnist, "--side", side, "--model", model,
-                       "--epochs", str(epochs), "--batch", str(args.batch), "--run-dir", str(out / model)]
+                       "--run-dir", str(out / model)]
             done = subprocess.run(command, capture_output=True, text=True)
             sys.stderr.write(done.stderr[-3000:])
             if done.returncode != 0:
                 raise SystemExit(f"{side} {model} failed")
             results[(model, side)] = json.loads(done.stdout.strip().splitlines()[-1])
         lnn_r, torch_r = results[(model, "lnn")], results[(model, "torch")]
-        rows.append([model, args.batch, epochs,
+        rows.append([model, config.batch_size, config.epochs,
                      f"{lnn_r['epoch_seconds']:.2f}", f"{torch_r['epoch_seconds']:.2f}",
                      f"{lnn_r['epoch_seconds'] / torch_r['epoch_seconds']:.2f}",
                      f"{lnn_r['peak_bytes'] / 2**20:.0f}", f"{torch_r['peak_bytes'] / 2**20:.0f}",
@@ -159,10 +166,11 @@ def main():
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     update_section("gpu_train", f"""## MNIST training on the GPU: lnn (CuPy) vs PyTorch eager
 
-Command: `python benchmarks/gpu_train.py --mnist DIR --epochs-mlp {args.epochs_mlp} --epochs-cnn {args.epochs_cnn} --batch {args.batch}`
+Command: `python benchmarks/gpu_train.py --mnist DIR`
 (run by `benchmarks/gpu_check.sh`). Machine: {gpu}; {machine_line(("numpy", "cupy-cuda13x", "torch"))}.
 
-Each side in a fresh process, same architecture, SGD settings of the description, batch and epochs;
+Each side in a fresh process, same architecture, SGD settings, learning-rate schedule, batch and epochs
+(the descriptions in examples/reference);
 data as uint8 on the GPU, normalized in the step. Epoch time is the median over epochs of a full
 60,000-image pass including shuffling and batching. Peak memory: CuPy pool high-water mark vs
 torch.cuda.max_memory_allocated. lnn's accuracy is of its exported model.bin run by the CPU runtime

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: every GPU test, then the GPU benchmarks. Results go under $OUT.
+#   bash benchmarks/gpu_check.sh            (MNIST read from $MNIST, default .devdata/mnist)
+# The package is put on the path through a symlink named lnn (no install, no network needed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_check}
+MNIST=${MNIST:-.devdata/mnist}
+mkdir -p "$OUT"
+pkg=$(mktemp -d) && ln -s "$(pwd)" "$pkg/lnn"
+export PYTHONPATH="$pkg" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv > "$OUT/nvidia-smi.csv"
+python3 -m pytest -q -p no:cacheprovider tests/train/test_gpu.py tests/runtime 2>&1 | tee "$OUT/gpu_tests.log"
+python3 benchmarks/gpu_train.py --mnist "$MNIST" --out runs/gpu_train 2>&1 | tee "$OUT/gpu_train.log"
+cp docs/BENCHMARKS.md runs/gpu_train/gpu_train.json "$OUT/"
+cp runs/gpu_train/mnist_cnn/model.bin "$OUT/mnist_cnn.bin"; cp runs/gpu_train/mnist_mlp/model.bin "$OUT/mnist_mlp.bin"
