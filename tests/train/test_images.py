@@ -331,3 +331,18 @@ def test_lnn_train_refuses_labels_that_do_not_match_the_folders(tmp_path, monkey
     code = main([str(description), "--data", f"folder:{folder}", "--out", str(tmp_path / "run"), "--quiet"])
     assert code == 1
     assert "missing from the labels: late_blight" in capsys.readouterr().err
+
+
+def test_bundled_sample_leaves_are_on_the_validation_side():
+    import csv
+    import hashlib
+
+    manifest = {row["sha256"]: row["path"] for row in csv.DictReader(open(need(TOMATO / "manifest.csv")))}
+    classes, files, labels = scan_folder(TOMATO)
+    validation = {files[i] for i in split_by_leaf(files, labels)[1]}
+    samples = sorted((EXAMPLES / "leaves").glob("*.jpg"))
+    assert len(samples) >= 6
+    for sample in samples:
+        source = manifest[hashlib.sha256(sample.read_bytes()).hexdigest()]      # unchanged bytes
+        assert source.split("/")[0] == sample.stem
+        assert source in validation, sample.name

@@ -1,0 +1,178 @@
+"""lnn-eval: metrics and confusion matrix against hand counts and Session.predict_image, the validation
+split is lnn-train's, the uncertainty threshold follows its rule and travels in a copy of the .bin,
+and bad input is one line."""
+
+import csv
+import json
+
+import cv2
+import numpy as np
+import pytest
+
+import lnn
+from cli_helpers import assert_one_line_error, run_command
+from lnn.formats.binfile import read_bin, write_bin
+from lnn.formats.model import parse_model
+from lnn.tools.eval import choose_threshold, main
+from lnn.train.images import scan_folder, split_by_leaf
+
+COLOURS = ("blue", "green", "red")          # sorted, as the class folders are
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LNN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def colour_model(path, input_shape=(3, 8, 8)):
+    """A tiny exported model: logits = 20 * mean of each RGB channel (0..1), so the dominant colour wins."""
+    model = parse_model({
+        "name": "colours", "input_shape": list(input_shape),
+        "preprocess": {"color": "rgb", "scale": 1 / 255, "mean": [0, 0, 0], "std": [1, 1, 1]},
+        "layers": [{"type": "global_avg_pool"}, {"type": "linear", "name": "fc", "out_features": 3}],
+        "labels": [{"name": c, "display": c.capitalize() + " leaf"} for c in COLOURS],
+    })
+    rgb_index = {"red": 0, "green": 1, "blue": 2}
+    weight = np.zeros((3, 3), np.float32)
+    for row, colour in enumerate(COLOURS):
+        weight[row, rgb_index[colour]] = 20.0
+    write_bin(path, model, {"fc.weight": weight, "fc.bias": np.zeros(3, np.float32)})
+    return path
+
+
+def colour_folder(root, per_class=10):
+    """Photos dominated by their folder's colour (random strength, random size); red/ holds 2 green ones."""
+    rng = np.random.default_rng(1)
+    bgr_channel = {"blue": 0, "green": 1, "red": 2}
+    for colour in COLOURS:
+        (root / colour).mkdir(parents=True)
+        for i in range(per_class):
+            shown = "green" if colour == "red" and i < 2 else colour
+            h, w = rng.integers(10, 40, 2)
+            image = rng.integers(0, 80, (h, w, 3), dtype=np.uint8)
+            image[:, :, bgr_channel[shown]] = rng.integers(90, 255)
+            cv2.imwrite(str(root / colour / f"photo_{i:02d}.png"), image)
+    return root
+
+
+def run_eval(capsys, *args):
+    code = main([str(a) for a in args] + ["--device", "numpy", "--quiet"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_all_photos_metrics_and_files(tmp_path, capsys):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos")
+    code, out, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--split", "all", "--out", tmp_path / "ev")
+    assert code == 0, err
+    assert "30 photos, accuracy 93.33%" in out
+    # hand count: rows true (blue, green, red), columns predicted; two red-folder photos are green
+    want = [[10, 0, 0], [0, 10, 0], [0, 2, 8]]
+    rows = list(csv.reader(open(tmp_path / "ev" / "confusion.csv")))
+    assert rows[0] == ["true \\ predicted", "Blue leaf", "Green leaf", "Red leaf"]
+    assert [[int(v) for v in row[1:]] for row in rows[1:]] == want
+    metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    assert metrics["accuracy"] == pytest.approx(28 / 30)
+    assert metrics["classes"]["green"] == pytest.approx({"precision": 10 / 12, "recall": 1.0,
+                                                         "f1": 2 * 10 / 22, "support": 10})
+    assert metrics["classes"]["red"]["recall"] == pytest.approx(0.8) and metrics["classes"]["red"]["precision"] == 1
+    assert "Green leaf" in out and "83.3%" in out
+    # every prediction agrees with the runtime reading the file itself
+    session = lnn.load(model, device="numpy")
+    predictions = list(csv.DictReader(open(tmp_path / "ev" / "predictions.csv")))
+    assert len(predictions) == 30
+    for row in predictions:
+        best, probability = session.predict_image(folder / row["file"], top_k=1)[0]
+        assert best == row["predicted"].capitalize() + " leaf"
+        assert float(row["confidence"]) == pytest.approx(probability, abs=1e-5)
+    picture = cv2.imread(str(tmp_path / "ev" / "confusion.png"))
+    assert picture is not None and picture.shape[0] > 200 and picture.shape[1] > 200
+
+
+def test_validation_split_is_the_one_lnn_train_uses(tmp_path, capsys):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos")
+    code, out, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--out", tmp_path / "ev", "--seed", "3")
+    assert code == 0, err
+    _, files, labels = scan_folder(folder)
+    validation = sorted(files[i] for i in split_by_leaf(files, labels, 0.2, seed=3)[1])
+    assert sorted(r["file"] for r in csv.DictReader(open(tmp_path / "ev" / "predictions.csv"))) == validation
+    assert "6 photos" in out and "seed 3" in out
+
+
+def brute_force_threshold(confidence, correct, keep):
+    """The largest candidate t (a confidence value, rounded down to 4 places) keeping >= keep of the correct."""
+    best = 0.0
+    for candidate in np.unique(np.floor(confidence * 1e4) / 1e4):
+        if np.mean(confidence[correct] >= candidate) >= keep:
+            best = max(best, candidate)
+    return best
+
+
+def test_threshold_rule_against_brute_force():
+    rng = np.random.default_rng(0)
+    for keep in (0.9, 0.95, 0.99, 1.0):
+        confidence = rng.uniform(0.3, 1.0, 500)
+        correct = rng.random(500) < confidence
+        chosen = choose_threshold(confidence, correct, keep)
+        assert chosen["uncertain_below"] == pytest.approx(brute_force_threshold(confidence, correct, keep))
+        assert chosen["correct_kept"] >= keep
+        accepted = confidence >= chosen["uncertain_below"]
+        assert chosen["coverage"] == pytest.approx(accepted.mean())
+        assert chosen["accuracy_of_accepted"] == pytest.approx(correct[accepted].mean())
+    with pytest.raises(lnn.LnnError, match="no photo"):
+        choose_threshold(np.array([0.5]), np.array([False]))
+
+
+def test_threshold_is_written_into_a_copy_that_lnn_infer_reads(tmp_path, capsys):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos")
+    copy = tmp_path / "with_threshold.bin"
+    code, out, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--split", "all", "--keep", "0.9",
+                              "--write-threshold", copy, "--out", tmp_path / "ev")
+    assert code == 0, err
+    predictions = list(csv.DictReader(open(tmp_path / "ev" / "predictions.csv")))
+    confidence = np.array([float(r["confidence"]) for r in predictions])
+    correct = np.array([r["true"] == r["predicted"] for r in predictions])
+    want = brute_force_threshold(confidence, correct, 0.9)
+    assert f"uncertainty threshold: {want:.4f}" in out
+    original, written = read_bin(model), read_bin(copy)
+    assert written.metadata["thresholds"]["uncertain_below"] == pytest.approx(want)
+    assert {k: v for k, v in written.metadata.items() if k != "thresholds"} == original.metadata
+    for key, tensor in original.tensors.items():
+        assert np.array_equal(written.tensors[key], tensor)
+    # the least confident correct photo now falls under it in lnn-infer
+    from lnn.tools.infer import main as infer_main
+
+    lowest = min((r for r in predictions if r["true"] == r["predicted"]), key=lambda r: float(r["confidence"]))
+    assert infer_main(["--model", str(copy), "--json", "--device", "numpy", str(folder / lowest["file"])]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert float(lowest["confidence"]) < want and answer["uncertain"] is True
+
+
+def test_bad_input_is_one_line(tmp_path):
+    folder = colour_folder(tmp_path / "photos", per_class=2)
+    model = colour_model(tmp_path / "m.bin")
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(b"\x89LNN\r\n\x1a\n" + bytes(40))
+    result = run_command("eval", garbage, "--data", f"folder:{folder}")
+    assert result.returncode == 1
+    assert_one_line_error(result.stderr, "lnn-eval", "garbage.bin")
+    result = run_command("eval", model, "--data", f"folder:{tmp_path / 'nowhere'}")
+    assert result.returncode == 1
+    assert_one_line_error(result.stderr, "lnn-eval", "nowhere", "no such folder")
+    result = run_command("eval", model, "--data", str(folder))
+    assert result.returncode == 1
+    assert_one_line_error(result.stderr, "lnn-eval", "folder:DIR")
+
+
+def test_unknown_class_folder_and_non_image_model(tmp_path, capsys):
+    folder = colour_folder(tmp_path / "photos", per_class=2)
+    (folder / "purple").mkdir()
+    cv2.imwrite(str(folder / "purple" / "p.png"), np.full((9, 9, 3), 200, np.uint8))
+    code, _, err = run_eval(capsys, colour_model(tmp_path / "m.bin"), "--data", f"folder:{folder}")
+    assert code == 1 and "class folders the model does not know: purple" in err and len(err.splitlines()) == 1
+    flat = parse_model({"name": "flat", "input_shape": [4], "layers": [{"type": "linear", "out_features": 3}],
+                        "labels": list(COLOURS)})
+    write_bin(tmp_path / "flat.bin", flat, {"linear_0.weight": np.ones((3, 4), np.float32),
+                                             "linear_0.bias": np.zeros(3, np.float32)})
+    code, _, err = run_eval(capsys, tmp_path / "flat.bin", "--data", f"folder:{folder}")
+    assert code == 1 and "takes no images" in err

@@ -1,0 +1,271 @@
+"""lnn-eval: accuracy, per-class precision, recall and F1, and a confusion matrix of a .bin model on an image folder.
+
+    lnn-eval models/tomato_leaf.bin --data folder:data/tomato               # the validation side of lnn-train's split
+    lnn-eval model.bin --data folder:field_photos --split all --out eval/   # every photo; files in eval/
+    lnn-eval model.bin --data folder:data/tomato --choose-threshold --write-threshold model_with_threshold.bin
+
+The folder holds one sub-folder per class, named like the model's labels (their `name`). With
+--split val (the default) only the validation side of the split lnn-train made is evaluated: the
+same leaf-grouped, per-class split of the same files (--seed and --val-fraction must match the
+training run; both default to lnn-train's). --split all evaluates every photo (a separate test folder).
+Images come from the same decoded cache lnn-train uses, with the model's own preprocessing.
+
+--out DIR writes confusion.csv and confusion.png (rows: true class, columns: predicted; counts),
+predictions.csv (one row per photo) and metrics.json.
+
+--choose-threshold picks the confidence below which lnn-infer answers "uncertain" instead of
+guessing. Rule: the largest threshold that keeps at least --keep (default 99%) of the correctly
+classified evaluated photos at or above it, i.e. at most 1% of right answers are turned into
+"uncertain". Choose it on validation photos (the default split), never on training photos.
+--write-threshold OUT.bin writes a copy of the model whose metadata carries it as
+{"thresholds": {"uncertain_below": t, "rule": "..."}} (lnn-infer reads uncertain_below).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from lnn.formats.errors import LnnError, LnnInputError
+from lnn.tools.cli import command_parser, run_command
+
+PROG = "lnn-eval"
+DEFAULT_KEEP = 0.99
+
+
+def build_parser():
+    parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("model", metavar="MODEL.bin", help="the model to evaluate")
+    parser.add_argument("--data", required=True, metavar="folder:DIR", help="an image folder, one sub-folder per class")
+    parser.add_argument("--split", choices=("val", "all"), default="val",
+                        help="val: the validation side of lnn-train's split (default); all: every photo")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the split (lnn-train's: 0)")
+    parser.add_argument("--val-fraction", type=float, default=None, help="validation share per class (lnn-train's: 0.2)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda"),
+                        help="backend: cpu (Numba), numpy, cuda; auto: cpu when Numba is installed")
+    parser.add_argument("--batch", type=int, default=64, help="images per forward pass")
+    parser.add_argument("--out", metavar="DIR", help="write confusion.csv, confusion.png, predictions.csv, metrics.json")
+    parser.add_argument("--choose-threshold", action="store_true", help="choose the uncertainty threshold (see below)")
+    parser.add_argument("--keep", type=float, default=DEFAULT_KEEP,
+                        help="share of correct answers the threshold keeps (default 0.99)")
+    parser.add_argument("--write-threshold", metavar="OUT.bin", help="write a copy of the model with the threshold")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+# --------------------------------------------------------------------------- metrics
+
+def confusion_matrix(true: np.ndarray, predicted: np.ndarray, classes: int) -> np.ndarray:
+    """[classes, classes] counts: row = true class, column = predicted class."""
+    matrix = np.zeros((classes, classes), np.int64)
+    np.add.at(matrix, (true, predicted), 1)
+    return matrix
+
+
+def per_class_scores(matrix: np.ndarray) -> list:
+    """[{precision, recall, f1, support}] per class; a ratio with nothing to count is None
+    (F1 is 2 TP / (2 TP + FP + FN), so 0 for a class that was never predicted)."""
+    scores = []
+    for k in range(len(matrix)):
+        hits, predicted, actual = matrix[k, k], matrix[:, k].sum(), matrix[k].sum()
+        precision = hits / predicted if predicted else None
+        recall = hits / actual if actual else None
+        f1 = 2 * hits / (predicted + actual) if predicted + actual else None     # = 2PR / (P + R)
+        scores.append({"precision": precision, "recall": recall, "f1": f1, "support": int(actual)})
+    return scores
+
+
+def choose_threshold(confidence: np.ndarray, correct: np.ndarray, keep: float = DEFAULT_KEEP) -> dict:
+    """The largest t with at least `keep` of the correct answers at confidence >= t (see the module doc),
+    and what it does on these photos: coverage, accuracy of the accepted, share of the wrong ones caught."""
+    if not 0 < keep <= 1:
+        raise LnnError(f"--keep must be in (0, 1], not {keep}")
+    right = np.sort(confidence[correct])
+    if len(right) == 0:
+        raise LnnError("no photo was classified correctly, so no threshold can be chosen")
+    may_drop = math.floor((1 - keep) * len(right) + 1e-9)
+    threshold = math.floor(float(right[may_drop]) * 1e4) / 1e4       # rounded down: the kept ones stay kept
+    accepted = confidence >= threshold
+    wrong = ~correct
+    return {
+        "uncertain_below": threshold,
+        "rule": f"largest threshold keeping >= {keep:.0%} of the correct validation answers",
+        "correct_kept": float(np.mean(confidence[correct] >= threshold)),
+        "coverage": float(np.mean(accepted)),
+        "accuracy_of_accepted": float(np.mean(correct[accepted])) if accepted.any() else None,
+        "wrong_flagged": float(np.mean(confidence[wrong] < threshold)) if wrong.any() else None,
+        "photos": int(len(confidence)),
+    }
+
+
+# --------------------------------------------------------------------------- running the model
+
+def class_columns(folder_classes: list, labels: list, folder) -> np.ndarray:
+    """For each folder class, the model output index of the label with that name."""
+    names = [label["name"] for label in labels]
+    unknown = [c for c in folder_classes if c not in names]
+    if unknown:
+        raise LnnInputError(f"{folder}: class folders the model does not know: {', '.join(unknown)} "
+                            f"(its labels: {', '.join(names)})")
+    return np.array([names.index(c) for c in folder_classes])
+
+
+def probabilities(session, images, batch: int, progress: bool) -> np.ndarray:
+    """uint8 [N, C, H, W] in the model's colour order and size -> [N, K] class probabilities."""
+    from tqdm import tqdm
+
+    color = session.model.preprocess["color"]
+    out = []
+    with tqdm(total=len(images), desc="evaluating", unit="img", disable=None if progress else True,
+              leave=False) as bar:
+        for start in range(0, len(images), batch):
+            part = np.asarray(images[start:start + batch])
+            pixels = [image[0] if color == "gray" else image.transpose(1, 2, 0) for image in part]
+            inputs = np.stack([session.prepare_image(p, color="bgr" if color == "gray" else color) for p in pixels])
+            out.append(session.predict(inputs))
+            bar.update(len(part))
+    return np.concatenate(out)
+
+
+# --------------------------------------------------------------------------- output
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def report_lines(labels: list, matrix: np.ndarray, scores: list, accuracy: float, count: int, what: str) -> list:
+    width = max(len(label["display"]) for label in labels)
+    lines = [f"{what}: {count} photos, accuracy {accuracy:.2%}", "",
+             f"{'class':<{width}}  precision  recall      F1  photos"]
+    for label, score in zip(labels, scores):
+        if score["support"] or matrix[:, labels.index(label)].any():
+            lines.append(f"{label['display']:<{width}}  {_percent(score['precision']):>9}  {_percent(score['recall']):>6}"
+                         f"  {_percent(score['f1']):>6}  {score['support']:>6}")
+    return lines
+
+
+def write_confusion_csv(path: Path, labels: list, matrix: np.ndarray) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["true \\ predicted"] + [label["display"] for label in labels])
+        for label, row in zip(labels, matrix):
+            writer.writerow([label["display"]] + row.tolist())
+
+
+def plot_confusion(path: Path, labels: list, matrix: np.ndarray, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = len(labels)
+    figure, axes = plt.subplots(figsize=(2.2 + 0.75 * k, 1.6 + 0.65 * k))
+    shares = matrix / np.maximum(matrix.sum(axis=1, keepdims=True), 1)
+    axes.imshow(shares, cmap="Blues", vmin=0, vmax=1)
+    names = [label["display"] for label in labels]
+    axes.set_xticks(range(k), names, rotation=40, ha="right")
+    axes.set_yticks(range(k), names)
+    axes.set_xlabel("predicted")
+    axes.set_ylabel("true")
+    axes.set_title(title)
+    for i in range(k):
+        for j in range(k):
+            if matrix[i, j]:
+                axes.text(j, i, str(matrix[i, j]), ha="center", va="center",
+                          color="white" if shares[i, j] > 0.5 else "black", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+# --------------------------------------------------------------------------- the command
+
+def body(args) -> int:
+    import lnn
+    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, scan_folder
+
+    kind, sep, folder_path = args.data.partition(":")
+    if kind != "folder" or not sep or not folder_path:
+        raise LnnInputError(f"--data must look like folder:DIR, not {args.data!r}")
+    if args.batch < 1:
+        raise LnnError(f"--batch must be at least 1, not {args.batch}")
+    if args.split == "all" and (args.seed is not None or args.val_fraction is not None):
+        raise LnnError("--seed and --val-fraction choose the validation split; they mean nothing with --split all")
+    seed = DEFAULT_SPLIT_SEED if args.seed is None else args.seed
+    val_fraction = DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction
+    session = lnn.load(args.model, device=args.device)
+    preprocess = session.model.preprocess
+    if preprocess is None:
+        raise LnnInputError(f"{args.model}: model {session.model.name!r} takes no images "
+                            f"(input shape {list(session.model.input_shape)})")
+    columns = class_columns(scan_folder(folder_path)[0], session.labels, folder_path)     # before decoding
+    folder = ImageFolder.load(folder_path, session.model.input_shape, preprocess["color"], progress=not args.quiet,
+                              log=lambda message: print(message, file=sys.stderr, flush=True))
+    rows = folder.split(val_fraction, seed)[1] if args.split == "val" else np.arange(len(folder.files))
+    what = (f"{folder.folder} (validation split: seed {seed}, {val_fraction:.0%} per class)" if args.split == "val"
+            else f"{folder.folder} (all photos)")
+
+    probs = probabilities(session, folder.data.images[rows] if args.split == "val" else folder.data.images,
+                          args.batch, not args.quiet)
+    true = columns[folder.labels[rows]]
+    predicted = probs.argmax(axis=1)
+    confidence = probs.max(axis=1)
+    correct = predicted == true
+    labels = session.labels
+    matrix = confusion_matrix(true, predicted, len(labels))
+    scores = per_class_scores(matrix)
+    accuracy = float(correct.mean())
+    print("\n".join(report_lines(labels, matrix, scores, accuracy, len(rows), what)))
+
+    threshold = None
+    if args.choose_threshold or args.write_threshold:
+        threshold = choose_threshold(confidence, correct, args.keep)
+        print(f"\nuncertainty threshold: {threshold['uncertain_below']:.4f} ({threshold['rule']}): "
+              f"{threshold['coverage']:.1%} of these photos answered, {_percent(threshold['accuracy_of_accepted'])} "
+              f"of those right, {_percent(threshold['wrong_flagged'])} of the wrong answers turned into 'uncertain'")
+    if args.write_threshold:
+        write_with_threshold(session.bin, Path(args.write_threshold), threshold)
+        print(f"wrote {args.write_threshold} with thresholds.uncertain_below = {threshold['uncertain_below']}")
+
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_confusion_csv(out / "confusion.csv", labels, matrix)
+        plot_confusion(out / "confusion.png", labels, matrix, f"{session.model.name}: accuracy {accuracy:.2%} "
+                                                              f"on {len(rows)} photos")
+        with open(out / "predictions.csv", "w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(["file", "true", "predicted", "confidence"])
+            for row, t, p, c in zip(rows, true, predicted, confidence):
+                writer.writerow([folder.files[row], labels[t]["name"], labels[p]["name"], f"{c:.6f}"])
+        metrics = {"model": str(args.model), "data": str(folder.folder), "split": args.split,
+                   "seed": seed if args.split == "val" else None,
+                   "val_fraction": val_fraction if args.split == "val" else None,
+                   "photos": int(len(rows)), "accuracy": accuracy,
+                   "classes": {label["name"]: score for label, score in zip(labels, scores)},
+                   "threshold": threshold}
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        print(f"wrote {out}/confusion.png, confusion.csv, predictions.csv, metrics.json")
+    return 0
+
+
+def write_with_threshold(bin_model, path: Path, threshold: dict) -> None:
+    """A copy of the model (same tensors, same stored dtypes) whose metadata carries the threshold."""
+    from lnn.formats.binfile import write_bin
+
+    metadata = dict(bin_model.metadata)
+    metadata["thresholds"] = {"uncertain_below": threshold["uncertain_below"], "rule": threshold["rule"]}
+    write_bin(path, bin_model.model, bin_model.tensors, metadata, bin_model.stored_dtypes)
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser(), body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
