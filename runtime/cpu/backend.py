@@ -5,8 +5,10 @@ Load time (once):
   - a batch norm right after a conv2d / linear layer without an activation is folded into its weight
     and bias; an activation layer right after a layer with an epilogue and no activation of its own
     becomes that epilogue's activation;
-  - a conv2d whose activation is monotone, followed by a max-pool, hands its bias + activation to
-    the pool (pool.py explains why that is exact).
+  - a max-pool right after a conv2d whose activation is monotone runs inside the conv's output step
+    (conv2d.py explains why that is exact); an activation after that pool still joins the conv's
+    epilogue (which runs after the max), a batch norm does not fold into it (a negative scale
+    does not commute with the max).
 First call per batch size: every buffer is allocated and every kernel call is bound to its buffers
 (`steps`, argument-free callables). Later calls with that batch size copy the input into the plan's
 input buffer and run the steps: no allocation. run() returns the plan's output buffer itself, which
@@ -77,18 +79,18 @@ def build_layers(model: Model, weights: dict) -> list:
         if node.op in IDENTITY_AT_INFERENCE:
             continue
         if (node.op == "batchnorm" and isinstance(previous, (Conv2dLayer, LinearLayer))
-                and previous.epilogue.code == NONE):
+                and previous.epilogue.code == NONE and not getattr(previous, "has_pool", False)):
             previous.fold(*scale_and_shift(node, weights))
             previous.epilogue.set_activation(node.attrs["activation"])
             continue
         if node.op in ACTIVATIONS and owner_of_epilogue and previous.epilogue.code == NONE:
             previous.epilogue.set_activation(node.attrs)
             continue
-        layer = LAYERS[node.op](node, weights)
-        if (isinstance(layer, MaxPool2dLayer) and isinstance(previous, Conv2dLayer)
+        if (node.op == "maxpool2d" and isinstance(previous, Conv2dLayer) and not previous.has_pool
                 and is_monotone(previous.epilogue.code)):
-            layer.take_epilogue(previous)
-        layers.append(layer)
+            previous.fuse_max_pool(LAYERS[node.op](node, weights))
+            continue
+        layers.append(LAYERS[node.op](node, weights))
     return layers
 
 

@@ -1,16 +1,28 @@
-"""conv2d: x [N, C, H, W], weight [O, C/groups, KH, KW], bias [O] -> y [N, O, OH, OW], then the epilogue.
+"""conv2d: x [N, C, H, W], weight [O, C/groups, KH, KW], bias [O] -> y [N, O, OH, OW], then the epilogue
+and, when a max-pool follows, that pool too.
 
 Reference: formats/ops.py Conv2d.forward (PyTorch semantics: zero padding, stride, dilation, groups).
     y[n, o, oy, ox] = bias[o] + sum over c in o's group, ky, kx of
                       weight[o, c, ky, kx] * x[n, c, oy*SH - PH + ky*DH, ox*SW - PW + kx*DW]   (0 outside x)
 
-Two algorithms, chosen per layer at load:
-  im2col + GEMM  the input is zero-padded (padding.py); per image, `im2col` copies every window
-                 into cols [C*KH*KW, OH*OW]; per group numpy's BLAS computes
-                 W2d[g] [O/g, C/g*KH*KW] @ cols[g] straight into y[n, g]. A 1x1, stride-1, unpadded conv uses the image itself as cols.
-  direct         for grouped convs with few inputs per output (depthwise: C/groups = 1), `conv2d_direct`
-                 accumulates each output plane from shifted rows of the padded input.
-The epilogue (bias + activation, activations.py) is one pass over y, or is fused into a following max-pool.
+Each image goes through three steps, chosen per layer at load:
+  1. columns   the input is zero-padded (padding.py) to [C, HP, WP]; the columns matrix has a row per
+               (c, ky, kx) and a column per output position.
+               stride 1: "shifted rows". With the padded image flattened per channel, row (c, ky, kx)
+               is the contiguous run image[c].flat[ky*DH*WP + kx*DW :][:L], L = (OH-1)*WP + OW, so
+               `shifted_im2col` is C*KH*KW plain copies. Column oy*WP + ox holds output (oy, ox); the
+               WP - OW columns at the end of each row are junk, computed and never read.
+               other strides: `im2col` gathers every window; column oy*OW + ox holds output (oy, ox).
+               1x1, stride 1, unpadded: the image itself is the columns matrix.
+  2. product   per group, numpy's BLAS computes W2d[g] @ cols[g], W2d [O, C/G*KH*KW], into acc [O, positions].
+     direct    instead of 1-2, grouped convs with few inputs per output (depthwise: C/groups = 1) run
+               `conv2d_direct` into acc [O, OH*OW].
+  3. output    `conv_output` reads acc by position pitch, applies the fused max-pool (if any), the
+               epilogue act(v * scale[o] + shift[o]) (activations.py) and writes y[n].
+Steps 1-3 run on bands of output rows (CHUNK_BYTES) so that cols and acc are still in L2 when read.
+Max-pool fusion (backend.py): a max-pool right after the conv, when the epilogue is monotone, is
+applied to acc before the epilogue: a per-channel bias and a non-decreasing activation commute with
+the max, so act(max(v) + b) = max(act(v + b)). The full-size conv output is never written in NCHW.
 Batch norm after a conv is folded into weight and bias at load (backend.py).
 """
 
@@ -20,31 +32,47 @@ from functools import partial
 
 import numpy as np
 
-from lnn.runtime.cpu.activations import Epilogue, as_channels_positions
+from lnn.runtime.cpu.activations import RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded
 
 # Below this many multiply-adds per output element a grouped conv runs direct, not as tiny GEMMs.
 DIRECT_MAX_TAPS = 32
+NO_POOL = ((1, 1), (1, 1), (0, 0))      # a 1x1 window: kernel_size, stride, padding
+# Rows of output run through columns -> product -> output in bands of about this many columns-matrix bytes.
+CHUNK_BYTES = 256 * 1024
 
 
 @kernel
-def im2col(image, kh, kw, sh, sw, dh, dw, out_h, out_w, cols):
-    """image [C, H, W] (already padded) -> cols [C*KH*KW, OH*OW]; row (c, ky, kx), column (oy, ox)."""
+def shifted_im2col(image, kh, kw, dh, dw, start, length, cols):
+    """image [C, HP, WP] (padded) -> cols[:, :length], cols [C*KH*KW, >= length]:
+    row (c, ky, kx) = image[c].flat[start + shift:][:length], shift = ky*DH*WP + kx*DW."""
+    channels, _, padded_w = image.shape
+    for c in range(channels):
+        plane = image[c].ravel()
+        for ky in range(kh):
+            for kx in range(kw):
+                shift = start + ky * dh * padded_w + kx * dw
+                source = plane[shift:shift + length]
+                row = cols[(c * kh + ky) * kw + kx]
+                for i in range(length):     # indexing a slice by the loop counter: LLVM vectorizes this copy
+                    row[i] = source[i]
+
+
+@kernel
+def im2col(image, kh, kw, sh, sw, dh, dw, first_row, out_h, out_w, cols):
+    """image [C, H, W] (already padded) -> cols[:, :out_h*OW], cols [C*KH*KW, >= out_h*OW]; row (c, ky, kx),
+    column (oy, ox) for output rows first_row..first_row+out_h-1."""
     channels = image.shape[0]
     for c in range(channels):
         for ky in range(kh):
             for kx in range(kw):
                 row = cols[(c * kh + ky) * kw + kx]
                 for oy in range(out_h):
-                    source = image[c, oy * sh + ky * dh]
+                    source = image[c, (first_row + oy) * sh + ky * dh]
                     base = oy * out_w
-                    if sw == 1:     # a contiguous copy, which LLVM vectorizes
-                        for ox in range(out_w):
-                            row[base + ox] = source[ox + kx * dw]
-                    else:
-                        for ox in range(out_w):
-                            row[base + ox] = source[ox * sw + kx * dw]
+                    for ox in range(out_w):
+                        row[base + ox] = source[ox * sw + kx * dw]
 
 
 @kernel
@@ -68,23 +96,98 @@ def conv2d_direct(image, weight, groups, sh, sw, dh, dw, out):
                             target[ox] += tap * source[ox * sw + kx * dw]
 
 
+@kernel
+def conv_output(acc, pitch, first_row, conv_h, conv_w, pool, scale, shift, code, slope, rows_max, window_max,
+                dst, out_first, out_end):
+    """acc [O, positions] holds conv output rows first_row.. ((y, x) at position (y - first_row)*pitch + x);
+    conv_h x conv_w is the whole conv output. -> rows out_first..out_end-1 of dst [O, DH, DW]
+    = act(max over the pool window (cells outside the conv output skipped) * scale + shift).
+    pool = (KH, KW, SH, SW, PH, PW) of the max-pool window. rows_max [conv_w] and window_max [DW] are
+    scratch. Each row is pooled down the window's rows first, then along them, with contiguous loops.
+    (Fewer than 20 arguments: Numba 0.68 leaks ~200 bytes per call with 20.)"""
+    pool_kh, pool_kw, pool_sh, pool_sw, pool_ph, pool_pw = pool
+    channels, _, out_w = dst.shape
+    inside = pool_pw == 0 and (out_w - 1) * pool_sw + pool_kw <= conv_w
+    for o in range(channels):
+        a, b = scale[o], shift[o]
+        plane = acc[o]
+        for py in range(out_first, out_end):
+            top = py * pool_sh - pool_ph
+            y_first, y_end = max(top, 0), min(top + pool_kh, conv_h)
+            source = plane[(y_first - first_row) * pitch:]
+            for x in range(conv_w):
+                rows_max[x] = source[x]
+            for y in range(y_first + 1, y_end):
+                source = plane[(y - first_row) * pitch:]
+                for x in range(conv_w):
+                    rows_max[x] = max(rows_max[x], source[x])
+            if inside and pool_sw == 2:         # the common 2x2/2 pool: a constant stride LLVM vectorizes
+                for px in range(out_w):
+                    window_max[px] = rows_max[2 * px]
+                for kx in range(1, pool_kw):
+                    shifted = rows_max[kx:]
+                    for px in range(out_w):
+                        window_max[px] = max(window_max[px], shifted[2 * px])
+            else:
+                for px in range(out_w):
+                    left = px * pool_sw - pool_pw
+                    x_first, x_end = max(left, 0), min(left + pool_kw, conv_w)
+                    best = rows_max[x_first]
+                    for x in range(x_first + 1, x_end):
+                        best = max(best, rows_max[x])
+                    window_max[px] = best
+            target = dst[o, py]
+            if code == RELU:
+                for px in range(out_w):
+                    target[px] = max(window_max[px] * a + b, np.float32(0))
+            elif code == SOFTMAX:       # normalized over channels below
+                for px in range(out_w):
+                    target[px] = window_max[px] * a + b
+            else:
+                for px in range(out_w):
+                    target[px] = activate(window_max[px] * a + b, code, slope)
+    if code == SOFTMAX:
+        for py in range(out_first, out_end):
+            for px in range(out_w):
+                largest = np.float32(-np.inf)
+                for o in range(channels):
+                    largest = max(largest, dst[o, py, px])
+                total = np.float32(0)
+                for o in range(channels):
+                    e = np.float32(np.exp(dst[o, py, px] - largest))
+                    dst[o, py, px] = e
+                    total += e
+                for o in range(channels):
+                    dst[o, py, px] /= total
+
+
 class Conv2dLayer:
     def __init__(self, node, weights):
         attrs = node.attrs
         self.attrs = attrs
-        self.out_shape = node.out_shape
+        self.conv_shape = self.out_shape = node.out_shape
         self.weight = np.array(weights[node.param_key("weight")], dtype=np.float32)   # own copy: folding edits it
         out_channels = attrs["out_channels"]
         self.epilogue = Epilogue.identity(out_channels)
         if attrs["bias"]:
             self.epilogue.shift = np.array(weights[node.param_key("bias")], dtype=np.float32)
         self.epilogue.set_activation(attrs["activation"])
-        self.epilogue_fused = False     # True once a following max-pool applies the epilogue
+        self.pool = NO_POOL      # (kernel_size, stride, padding) of a fused max-pool
 
     def fold(self, scale: np.ndarray, shift: np.ndarray) -> None:
         """Absorb y -> y * scale + shift per output channel (a batch norm) into weight and bias."""
         self.weight = (self.weight * scale[:, None, None, None]).astype(np.float32)
         self.epilogue.shift = (self.epilogue.shift * scale + shift).astype(np.float32)
+
+    def fuse_max_pool(self, pool) -> None:
+        """Run the max-pool layer `pool` inside this conv's output step (see the header)."""
+        a = pool.attrs
+        self.pool = (a["kernel_size"], a["stride"], a["padding"])
+        self.out_shape = pool.out_shape
+
+    @property
+    def has_pool(self) -> bool:
+        return self.pool != NO_POOL
 
     @property
     def direct(self) -> bool:
@@ -98,30 +201,79 @@ class Conv2dLayer:
 
     def plan(self, src, new_buffer):
         a = self.attrs
-        batch = src.shape[0]
-        out_channels, out_h, out_w = self.out_shape
-        dst = new_buffer((batch, *self.out_shape))
+        out_channels, conv_h, conv_w = self.conv_shape
+        dst = new_buffer((src.shape[0], *self.out_shape))
         image, steps = padded(src, *a["padding"], 0.0, new_buffer)
+        chunks = self._chunks(image.shape[3])
+        product = self._product(image, max(y_end - y_first for _, _, y_first, y_end in chunks), new_buffer)
+        e = self.epilogue
+        rows_max, window_max = new_buffer((conv_w,)), new_buffer((self.out_shape[2],))
+        pool = (*self.pool[0], *self.pool[1], *self.pool[2])
+        for n in range(src.shape[0]):
+            for out_first, out_end, y_first, y_end in chunks:
+                acc, pitch = product(n, y_first, y_end, steps)
+                steps.append(partial(conv_output, acc, pitch, y_first, conv_h, conv_w, pool,
+                                     e.scale, e.shift, e.code, e.slope, rows_max, window_max, dst[n],
+                                     out_first, out_end))
+        return dst, steps
+
+    def _chunks(self, padded_w: int) -> list:
+        """[(first, end output row, first, end conv row)]: bands of output rows whose columns matrix
+        stays within CHUNK_BYTES (so it is still in L2 when the product reads it)."""
+        out_h = self.out_shape[1]
+        conv_h = self.conv_shape[1]
+        if self.direct:
+            return [(0, out_h, 0, conv_h)]
+        (kh, _), (sh, _), (ph, _) = self.pool
+        row_bytes = self.weight[0].size * padded_w * 4
+        band = max(1, CHUNK_BYTES // row_bytes // sh)
+        chunks = []
+        for first in range(0, out_h, band):
+            end = min(first + band, out_h)
+            chunks.append((first, end, max(first * sh - ph, 0), min((end - 1) * sh - ph + kh, conv_h)))
+        return chunks
+
+    def _product(self, image, max_rows: int, new_buffer):
+        """f(n, y_first, y_end, steps) -> (acc, pitch): appends the steps that fill acc [positions, O]
+        with conv rows y_first..y_end-1 of image n, at position (y - y_first) * pitch + x."""
+        a = self.attrs
+        out_channels, conv_h, conv_w = self.conv_shape
         geometry = (*a["stride"], *a["dilation"])
         if self.direct:
-            for n in range(batch):
-                steps.append(partial(conv2d_direct, image[n], self.weight, a["groups"], *geometry, dst[n]))
-        else:
-            groups = a["groups"]
-            w2d = self.weight.reshape(groups, out_channels // groups, -1)      # [G, O/G, C/G*KH*KW]
-            positions = out_h * out_w
+            raw = new_buffer((out_channels, conv_h, conv_w))
+            acc = raw.reshape(out_channels, -1)
+
+            def direct(n, y_first, y_end, steps):
+                steps.append(partial(conv2d_direct, image[n], self.weight, a["groups"], *geometry, raw))
+                return acc, conv_w
+            return direct
+
+        groups = a["groups"]
+        group_out = out_channels // groups
+        weight2d = self.weight.reshape(groups, group_out, -1)
+        rows = weight2d.shape[2] * groups
+        shifted = a["stride"] == (1, 1) and not self.pointwise
+        pitch = image.shape[3] if shifted else conv_w
+        acc_buffer = new_buffer((out_channels, (max_rows - 1) * pitch + conv_w))
+        if not self.pointwise:
+            cols_buffer = new_buffer((rows, acc_buffer.shape[1]))
+
+        def gemm(n, y_first, y_end, steps):
+            positions = (y_end - y_first - 1) * pitch + conv_w
             if self.pointwise:
-                cols_of = [image[n].reshape(groups, -1, positions) for n in range(batch)]
-            else:
-                cols = new_buffer((w2d.shape[2] * groups, positions))
-                cols_of = [cols.reshape(groups, -1, positions)] * batch
-            for n in range(batch):
-                if not self.pointwise:
-                    steps.append(partial(im2col, image[n], *a["kernel_size"], *geometry, out_h, out_w, cols))
-                out = dst[n].reshape(groups, out_channels // groups, positions)
-                for g in range(groups):
-                    steps.append(partial(np.matmul, w2d[g], cols_of[n][g], out=out[g]))
-        if not self.epilogue_fused and not self.epilogue.is_identity:
-            dst3 = as_channels_positions(dst)
-            steps.append(partial(self.epilogue.run, dst3, dst3))
-        return dst, steps
+                cols = image[n].reshape(rows, -1)[:, y_first * pitch:y_first * pitch + positions]
+            else:       # kernels get whole (contiguous) buffers: Numba leaks a little per call on views
+                cols = cols_buffer[:, :positions]
+                if shifted:
+                    steps.append(partial(shifted_im2col, image[n], *a["kernel_size"], *a["dilation"], y_first * pitch,
+                                         positions, cols_buffer))
+                else:
+                    steps.append(partial(im2col, image[n], *a["kernel_size"], *geometry, y_first, y_end - y_first,
+                                         conv_w, cols_buffer))
+            acc = acc_buffer[:, :positions]
+            grouped_acc = acc.reshape(groups, group_out, positions)
+            for g in range(groups):
+                steps.append(partial(np.matmul, weight2d[g], cols[g * (rows // groups):(g + 1) * (rows // groups)],
+                                     out=grouped_acc[g]))
+            return acc_buffer, pitch
+        return gemm

@@ -1,10 +1,8 @@
 """Pooling: maxpool2d, avgpool2d [N, C, H, W] -> [N, C, OH, OW]; global_avg_pool [N, C, H, W] -> [N, C(, 1, 1)].
 
 Reference: formats/ops.py MaxPool2d / AvgPool2d / GlobalAvgPool.forward.
-  maxpool2d  max over the window (the input is padded with -inf, padding.py), then the epilogue
-             act(max + shift[c]): a conv's bias and monotone activation commute with the max, so
-             conv -> [act] -> maxpool runs as GEMM -> pool-with-epilogue and the full-size conv
-             output is never passed over a second time.
+  maxpool2d  max over the window (the input is padded with -inf, padding.py). A max-pool right after
+             a conv with a monotone epilogue does not run here: the conv applies it (conv2d.py).
   avgpool2d  sum over the window (the input is padded with 0), divided by KH*KW (count_include_pad)
              or by the number of the window's cells inside the input (precomputed per output position).
   global_avg_pool  mean over H*W.
@@ -16,20 +14,18 @@ from functools import partial
 
 import numpy as np
 
-from lnn.runtime.cpu.activations import RELU, Epilogue, activate, as_channels_positions
+from lnn.runtime.cpu.activations import as_channels_positions
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded
 
 
 @kernel
-def maxpool2d(src, kh, kw, sh, sw, scale, shift, code, slope, dst):
-    """src [N, C, H, W] (already padded with -inf) -> dst [N, C, OH, OW], then act(max * scale + shift)."""
+def maxpool2d(src, kh, kw, sh, sw, dst):
+    """src [N, C, H, W] (already padded with -inf) -> dst [N, C, OH, OW]."""
     batch, channels = src.shape[:2]
     out_h, out_w = dst.shape[2:]
     for n in range(batch):
         for c in range(channels):
-            a = scale[c]
-            b = shift[c]
             for oy in range(out_h):
                 target = dst[n, c, oy]
                 first = src[n, c, oy * sh]
@@ -38,18 +34,8 @@ def maxpool2d(src, kh, kw, sh, sw, scale, shift, code, slope, dst):
                 for ky in range(kh):
                     source = src[n, c, oy * sh + ky]
                     for kx in range(kw):
-                        if sw == 2:     # the common 2x2/2 pool: a constant stride LLVM vectorizes
-                            for ox in range(out_w):
-                                target[ox] = max(target[ox], source[2 * ox + kx])
-                        else:
-                            for ox in range(out_w):
-                                target[ox] = max(target[ox], source[ox * sw + kx])
-                if code == RELU:
-                    for ox in range(out_w):
-                        target[ox] = max(target[ox] * a + b, np.float32(0))
-                else:
-                    for ox in range(out_w):
-                        target[ox] = activate(target[ox] * a + b, code, slope)
+                        for ox in range(out_w):
+                            target[ox] = max(target[ox], source[ox * sw + kx])
 
 
 @kernel
@@ -93,18 +79,12 @@ class MaxPool2dLayer:
     def __init__(self, node, weights):
         self.attrs = node.attrs
         self.out_shape = node.out_shape
-        self.epilogue = Epilogue.identity(node.in_shape[0])
-
-    def take_epilogue(self, conv) -> None:
-        """Apply `conv`'s bias + activation after the max instead of before it (see the header)."""
-        self.epilogue = conv.epilogue
-        conv.epilogue_fused = True
 
     def plan(self, src, new_buffer):
-        a, e = self.attrs, self.epilogue
+        a = self.attrs
         dst = new_buffer((src.shape[0], *self.out_shape))
         image, steps = padded(src, *a["padding"], -np.inf, new_buffer)
-        steps.append(partial(maxpool2d, image, *a["kernel_size"], *a["stride"], e.scale, e.shift, e.code, e.slope, dst))
+        steps.append(partial(maxpool2d, image, *a["kernel_size"], *a["stride"], dst))
         return dst, steps
 
 

@@ -43,6 +43,11 @@ CASES = {
     "conv_softmax_channels": ([5, 6, 7], [conv(7, padding=1, activation="softmax")]),
     "conv_relu_maxpool_fused": ([13, 11, 13], [conv(24, padding=1, activation="relu"),
                                                {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
+    "conv_pool_then_batchnorm": ([6, 9, 8], [conv(7, padding=1), {"type": "maxpool2d", "kernel_size": 2},
+                                                          {"type": "batchnorm", "activation": "relu6"}]),
+    "conv_pool_then_activation_layer": ([6, 9, 8], [conv(7, stride=2, padding=1), {"type": "maxpool2d", "kernel_size": 2,
+                                                                                    "stride": 1, "padding": 1},
+                                                    {"type": "tanh"}]),
     "conv_then_activation_layer_then_pool": ([3, 12, 10], [conv(13, padding=1), {"type": "leaky_relu"},
                                                            {"type": "maxpool2d", "kernel_size": 2}]),
     "maxpool_odd": ([13, 11, 9], [{"type": "maxpool2d", "kernel_size": 3, "stride": 1}]),
@@ -109,20 +114,25 @@ def test_matches_numpy_reference(case):
 
 
 def test_fusions_happen():
-    """Batch norm folds into the conv (through a dropout), the activation layer joins the conv, and the
-    conv's bias + activation move into the max-pool; a batch norm after an activation stays a layer."""
+    """Batch norm folds into the conv (through a dropout), the activation layer joins the conv, and a
+    max-pool after a conv with a monotone activation runs inside the conv; a batch norm after an
+    activation stays a layer, and so does one after a fused pool (its scale may be negative)."""
+    def layers_of(case_layers, input_shape=(13, 11, 13)):
+        model = parse_model({"input_shape": list(input_shape), "layers": case_layers})
+        return cpu_backend(model, random_weights(model, np.random.default_rng(0))).layers
+
     def layer_types(case):
         input_shape, layers = CASES[case]
-        model = parse_model({"input_shape": input_shape, "layers": layers})
-        return [type(layer).__name__ for layer in cpu_backend(model, random_weights(model, np.random.default_rng(0))).layers]
+        return [type(layer).__name__ for layer in layers_of(layers, input_shape)]
 
     assert layer_types("batchnorm2d_folded_into_conv") == ["Conv2dLayer"]
-    assert layer_types("conv_then_activation_layer_then_pool") == ["Conv2dLayer", "MaxPool2dLayer"]
+    assert layer_types("conv_then_activation_layer_then_pool") == ["Conv2dLayer"]
     assert layer_types("batchnorm2d_after_conv_with_activation") == ["Conv2dLayer", "BatchNormLayer"]
-    input_shape, layers = CASES["conv_relu_maxpool_fused"]
-    model = parse_model({"input_shape": input_shape, "layers": layers})
-    conv_layer, pool_layer = cpu_backend(model, random_weights(model, np.random.default_rng(0))).layers
-    assert conv_layer.epilogue_fused and pool_layer.epilogue is conv_layer.epilogue
+    assert layer_types("conv_pool_then_batchnorm") == ["Conv2dLayer", "BatchNormLayer"]
+    [conv_layer] = layers_of(CASES["conv_relu_maxpool_fused"][1])
+    assert conv_layer.has_pool and conv_layer.out_shape == (24, 6, 7)
+    assert [type(layer).__name__ for layer in layers_of([conv(5, activation="softmax"), {"type": "maxpool2d", "kernel_size": 2}])] \
+        == ["Conv2dLayer", "MaxPool2dLayer"]
 
 
 def test_does_not_modify_weights_or_input():
