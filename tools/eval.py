@@ -164,7 +164,8 @@ def plot_confusion(path: Path, labels: list, matrix: np.ndarray, title: str) -> 
     import matplotlib.pyplot as plt
 
     k = len(labels)
-    figure, axes = plt.subplots(figsize=(2.2 + 0.75 * k, 1.6 + 0.65 * k))
+    longest = max(len(label["display"]) for label in labels)
+    figure, axes = plt.subplots(figsize=(2.5 + 0.7 * k + 0.06 * longest, 2.0 + 0.6 * k + 0.05 * longest))
     shares = matrix / np.maximum(matrix.sum(axis=1, keepdims=True), 1)
     axes.imshow(shares, cmap="Blues", vmin=0, vmax=1)
     names = [label["display"] for label in labels]
@@ -178,8 +179,7 @@ def plot_confusion(path: Path, labels: list, matrix: np.ndarray, title: str) -> 
             if matrix[i, j]:
                 axes.text(j, i, str(matrix[i, j]), ha="center", va="center",
                           color="white" if shares[i, j] > 0.5 else "black", fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
 
 
@@ -236,7 +236,7 @@ def body(args) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         write_confusion_csv(out / "confusion.csv", labels, matrix)
-        plot_confusion(out / "confusion.png", labels, matrix, f"{session.model.name}: accuracy {accuracy:.2%} "
+        plot_confusion(out / "confusion.png", labels, matrix, f"{session.model.name}\naccuracy {accuracy:.2%} "
                                                               f"on {len(rows)} photos")
         with open(out / "predictions.csv", "w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
