@@ -158,8 +158,11 @@ def write_confusion_csv(path: Path, labels: list, matrix: np.ndarray) -> None:
 
 
 def plot_confusion(path: Path, labels: list, matrix: np.ndarray, title: str) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise LnnError("the confusion-matrix PNG needs matplotlib (pip install matplotlib); "
+                       "confusion.csv was written") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
