@@ -5,6 +5,8 @@ Load time (once):
   - a batch norm right after a conv2d / linear layer without an activation is folded into its weight
     and bias; an activation layer right after a layer with an epilogue and no activation of its own
     becomes that epilogue's activation;
+  - a conv2d followed by a padded conv2d writes into the interior of that conv's zero-padded input
+    (and the plan's input buffer is the first layer's padded input when it is a padded conv2d);
   - a max-pool right after a conv2d whose activation is monotone runs inside the conv's output step
     (conv2d.py explains why that is exact); an activation after that pool still joins the conv's
     epilogue (which runs after the max), a batch norm does not fold into it (a negative scale
@@ -34,6 +36,7 @@ from lnn.runtime.cpu.conv2d import Conv2dLayer
 from lnn.runtime.cpu.flatten import FlattenLayer
 from lnn.runtime.cpu.jit import CACHE_ENABLED
 from lnn.runtime.cpu.linear import LinearLayer
+from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.pool import AvgPool2dLayer, GlobalAvgPoolLayer, MaxPool2dLayer
 
 LAYERS = {
@@ -52,7 +55,8 @@ PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
 
 class Plan:
     def __init__(self, layers: list, input_shape: tuple, batch: int):
-        self.input = np.empty((batch, *input_shape), np.float32)
+        first_padding = getattr(layers[0], "input_padding", (0, 0)) if layers else (0, 0)
+        self.input = padded_buffer((batch, *input_shape), *first_padding, self._new_buffer)
         self.steps = []
         x = self.input
         for layer in layers:
@@ -91,6 +95,9 @@ def build_layers(model: Model, weights: dict) -> list:
             previous.fuse_max_pool(LAYERS[node.op](node, weights))
             continue
         layers.append(LAYERS[node.op](node, weights))
+    for layer, following in zip(layers, layers[1:]):
+        if isinstance(layer, Conv2dLayer) and isinstance(following, Conv2dLayer):
+            layer.output_padding = following.input_padding
     return layers
 
 

@@ -34,13 +34,13 @@ import numpy as np
 
 from lnn.runtime.cpu.activations import RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.jit import kernel
-from lnn.runtime.cpu.padding import padded
+from lnn.runtime.cpu.padding import padded, padded_buffer
 
 # Below this many multiply-adds per output element a grouped conv runs direct, not as tiny GEMMs.
 DIRECT_MAX_TAPS = 32
 NO_POOL = ((1, 1), (1, 1), (0, 0))      # a 1x1 window: kernel_size, stride, padding
 # Rows of output run through columns -> product -> output in bands of about this many columns-matrix bytes.
-CHUNK_BYTES = 256 * 1024
+CHUNK_BYTES = 768 * 1024
 
 
 @kernel
@@ -98,15 +98,16 @@ def conv2d_direct(image, weight, groups, sh, sw, dh, dw, out):
 
 @kernel
 def conv_output(acc, pitch, first_row, conv_h, conv_w, pool, scale, shift, code, slope, rows_max, window_max,
-                dst, out_first, out_end):
+                dst, dst_top, dst_left, out_first, out_end):
     """acc [O, positions] holds conv output rows first_row.. ((y, x) at position (y - first_row)*pitch + x);
-    conv_h x conv_w is the whole conv output. -> rows out_first..out_end-1 of dst [O, DH, DW]
-    = act(max over the pool window (cells outside the conv output skipped) * scale + shift).
+    conv_h x conv_w is the whole conv output. -> rows out_first..out_end-1 of y [O, DH, DW]
+    = act(max over the pool window (cells outside the conv output skipped) * scale + shift),
+    where y is dst[:, dst_top:, dst_left:] (dst: the next conv's zero-padded input, or y itself).
     pool = (KH, KW, SH, SW, PH, PW) of the max-pool window. rows_max [conv_w] and window_max [DW] are
     scratch. Each row is pooled down the window's rows first, then along them, with contiguous loops.
     (Fewer than 20 arguments: Numba 0.68 leaks ~200 bytes per call with 20.)"""
     pool_kh, pool_kw, pool_sh, pool_sw, pool_ph, pool_pw = pool
-    channels, _, out_w = dst.shape
+    channels, out_w = dst.shape[0], window_max.shape[0]
     inside = pool_pw == 0 and (out_w - 1) * pool_sw + pool_kw <= conv_w
     for o in range(channels):
         a, b = scale[o], shift[o]
@@ -121,7 +122,14 @@ def conv_output(acc, pitch, first_row, conv_h, conv_w, pool, scale, shift, code,
                 source = plane[(y - first_row) * pitch:]
                 for x in range(conv_w):
                     rows_max[x] = max(rows_max[x], source[x])
-            if inside and pool_sw == 2:         # the common 2x2/2 pool: a constant stride LLVM vectorizes
+            if inside and pool_sw == 1:         # no pool, or a stride-1 pool: contiguous loops
+                for px in range(out_w):
+                    window_max[px] = rows_max[px]
+                for kx in range(1, pool_kw):
+                    shifted = rows_max[kx:]
+                    for px in range(out_w):
+                        window_max[px] = max(window_max[px], shifted[px])
+            elif inside and pool_sw == 2:       # the common 2x2/2 pool: a constant stride LLVM vectorizes
                 for px in range(out_w):
                     window_max[px] = rows_max[2 * px]
                 for kx in range(1, pool_kw):
@@ -136,7 +144,7 @@ def conv_output(acc, pitch, first_row, conv_h, conv_w, pool, scale, shift, code,
                     for x in range(x_first + 1, x_end):
                         best = max(best, rows_max[x])
                     window_max[px] = best
-            target = dst[o, py]
+            target = dst[o, dst_top + py, dst_left:]
             if code == RELU:
                 for px in range(out_w):
                     target[px] = max(window_max[px] * a + b, np.float32(0))
@@ -147,8 +155,8 @@ def conv_output(acc, pitch, first_row, conv_h, conv_w, pool, scale, shift, code,
                 for px in range(out_w):
                     target[px] = activate(window_max[px] * a + b, code, slope)
     if code == SOFTMAX:
-        for py in range(out_first, out_end):
-            for px in range(out_w):
+        for py in range(dst_top + out_first, dst_top + out_end):
+            for px in range(dst_left, dst_left + out_w):
                 largest = np.float32(-np.inf)
                 for o in range(channels):
                     largest = max(largest, dst[o, py, px])
@@ -173,6 +181,11 @@ class Conv2dLayer:
             self.epilogue.shift = np.array(weights[node.param_key("bias")], dtype=np.float32)
         self.epilogue.set_activation(attrs["activation"])
         self.pool = NO_POOL      # (kernel_size, stride, padding) of a fused max-pool
+        self.output_padding = (0, 0)    # set by backend.py when the next layer is a padded conv
+
+    @property
+    def input_padding(self) -> tuple:
+        return self.attrs["padding"]
 
     def fold(self, scale: np.ndarray, shift: np.ndarray) -> None:
         """Absorb y -> y * scale + shift per output channel (a batch norm) into weight and bias."""
@@ -202,7 +215,8 @@ class Conv2dLayer:
     def plan(self, src, new_buffer):
         a = self.attrs
         out_channels, conv_h, conv_w = self.conv_shape
-        dst = new_buffer((src.shape[0], *self.out_shape))
+        dst = padded_buffer((src.shape[0], *self.out_shape), *self.output_padding, new_buffer)
+        whole_dst = dst if dst.base is None else dst.base       # kernels get whole buffers (see conv_output)
         image, steps = padded(src, *a["padding"], 0.0, new_buffer)
         chunks = self._chunks(image.shape[3])
         product = self._product(image, max(y_end - y_first for _, _, y_first, y_end in chunks), new_buffer)
@@ -213,8 +227,8 @@ class Conv2dLayer:
             for out_first, out_end, y_first, y_end in chunks:
                 acc, pitch = product(n, y_first, y_end, steps)
                 steps.append(partial(conv_output, acc, pitch, y_first, conv_h, conv_w, pool,
-                                     e.scale, e.shift, e.code, e.slope, rows_max, window_max, dst[n],
-                                     out_first, out_end))
+                                     e.scale, e.shift, e.code, e.slope, rows_max, window_max, whole_dst[n],
+                                     *self.output_padding, out_first, out_end))
         return dst, steps
 
     def _chunks(self, padded_w: int) -> list:
@@ -225,8 +239,9 @@ class Conv2dLayer:
         if self.direct:
             return [(0, out_h, 0, conv_h)]
         (kh, _), (sh, _), (ph, _) = self.pool
-        row_bytes = self.weight[0].size * padded_w * 4
-        band = max(1, CHUNK_BYTES // row_bytes // sh)
+        cols_bytes = self.weight[0].size * self.attrs["groups"] * padded_w * conv_h * 4
+        bands = -(-cols_bytes // CHUNK_BYTES)
+        band = -(-out_h // bands)
         chunks = []
         for first in range(0, out_h, band):
             end = min(first + band, out_h)

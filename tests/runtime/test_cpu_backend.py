@@ -48,6 +48,9 @@ CASES = {
     "conv_pool_then_activation_layer": ([6, 9, 8], [conv(7, stride=2, padding=1), {"type": "maxpool2d", "kernel_size": 2,
                                                                                     "stride": 1, "padding": 1},
                                                     {"type": "tanh"}]),
+    "conv_chain_writing_padded_inputs": ([5, 12, 10], [conv(8, padding=1, activation="relu"), {"type": "maxpool2d", "kernel_size": 2},
+                                                       conv(6, padding=2, dilation=2, activation="softmax"),
+                                                       conv(4, kernel_size=[3, 1], padding=[1, 0], stride=[2, 1])]),
     "conv_then_activation_layer_then_pool": ([3, 12, 10], [conv(13, padding=1), {"type": "leaky_relu"},
                                                            {"type": "maxpool2d", "kernel_size": 2}]),
     "maxpool_odd": ([13, 11, 9], [{"type": "maxpool2d", "kernel_size": 3, "stride": 1}]),
@@ -133,6 +136,16 @@ def test_fusions_happen():
     assert conv_layer.has_pool and conv_layer.out_shape == (24, 6, 7)
     assert [type(layer).__name__ for layer in layers_of([conv(5, activation="softmax"), {"type": "maxpool2d", "kernel_size": 2}])] \
         == ["Conv2dLayer", "MaxPool2dLayer"]
+
+
+def test_padded_inputs_are_written_in_place():
+    """A conv feeding a padded conv writes into that conv's zero-bordered input, and a padded first
+    conv reads the plan's input buffer: no padding copy is left in the plan."""
+    input_shape, layers = CASES["conv_chain_writing_padded_inputs"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    backend = cpu_backend(model, random_weights(model, np.random.default_rng(0)))
+    backend.run(np.ones((2, *input_shape), np.float32))
+    assert np.copyto not in [getattr(step, "func", None) for step in backend._plan(2).steps]
 
 
 def test_does_not_modify_weights_or_input():
