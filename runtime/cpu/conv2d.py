@@ -97,63 +97,87 @@ def conv2d_direct(image, weight, groups, sh, sw, dh, dw, out):
 
 
 @kernel
-def conv_output(acc, pitch, first_row, conv_h, conv_w, pool, scale, shift, code, slope, rows_max, window_max,
-                dst, dst_top, dst_left, out_first, out_end):
+def conv_output(acc, pitch, first_row, conv_h, conv_w, pool, scale, shift, code, slope, rows_max, pooled,
+                dst, dst_top, dst_left, out_first, out_end, out_w):
     """acc [O, positions] holds conv output rows first_row.. ((y, x) at position (y - first_row)*pitch + x);
-    conv_h x conv_w is the whole conv output. -> rows out_first..out_end-1 of y [O, DH, DW]
+    conv_h x conv_w is the whole conv output. -> rows out_first..out_end-1 of y [O, DH, DW = out_w]
     = act(max over the pool window (cells outside the conv output skipped) * scale + shift),
     where y is dst[:, dst_top:, dst_left:] (dst: the next conv's zero-padded input, or y itself).
-    pool = (KH, KW, SH, SW, PH, PW) of the max-pool window. rows_max [conv_w] and window_max [DW] are
-    scratch. Each row is pooled down the window's rows first, then along them, with contiguous loops.
+    pool = (KH, KW, SH, SW, PH, PW) of the max-pool window; (1, 1, 1, 1, 0, 0): none.
+    rows_max [conv_w] and pooled [O, >= (out_end - out_first) * out_w] are scratch.
     (Fewer than 20 arguments: Numba 0.68 leaks ~200 bytes per call with 20.)"""
-    pool_kh, pool_kw, pool_sh, pool_sw, pool_ph, pool_pw = pool
-    channels, out_w = dst.shape[0], window_max.shape[0]
-    inside = pool_pw == 0 and (out_w - 1) * pool_sw + pool_kw <= conv_w
-    for o in range(channels):
-        a, b = scale[o], shift[o]
+    if pool == (1, 1, 1, 1, 0, 0):
+        epilogue_rows(acc, pitch, first_row, scale, shift, code, slope, dst, dst_top, dst_left, out_first, out_end, out_w)
+        return
+    if pool == (2, 2, 2, 2, 0, 0):
+        max_pool_2x2_rows(acc, pitch, first_row, pooled, out_first, out_end, out_w)
+    else:
+        for o in range(acc.shape[0]):
+            for py in range(out_first, out_end):
+                max_pool_row(acc[o], pitch, first_row, conv_h, conv_w, pool, py, rows_max,
+                             pooled[o, (py - out_first) * out_w:(py - out_first + 1) * out_w])
+    epilogue_rows(pooled, out_w, out_first, scale, shift, code, slope, dst, dst_top, dst_left, out_first, out_end, out_w)
+
+
+@kernel
+def max_pool_2x2_rows(acc, pitch, first_row, pooled, out_first, out_end, out_w):
+    """The common 2x2/2 unpadded pool of conv_output: pooled[o, (py - out_first)*out_w + px]."""
+    for o in range(acc.shape[0]):
         plane = acc[o]
         for py in range(out_first, out_end):
-            top = py * pool_sh - pool_ph
-            y_first, y_end = max(top, 0), min(top + pool_kh, conv_h)
-            source = plane[(y_first - first_row) * pitch:]
-            for x in range(conv_w):
-                rows_max[x] = source[x]
-            for y in range(y_first + 1, y_end):
-                source = plane[(y - first_row) * pitch:]
-                for x in range(conv_w):
-                    rows_max[x] = max(rows_max[x], source[x])
-            if inside and pool_sw == 1:         # no pool, or a stride-1 pool: contiguous loops
+            top = plane[(2 * py - first_row) * pitch:]
+            bottom = plane[(2 * py + 1 - first_row) * pitch:]
+            target = pooled[o, (py - out_first) * out_w:]
+            for px in range(out_w):
+                target[px] = max(max(top[2 * px], top[2 * px + 1]), max(bottom[2 * px], bottom[2 * px + 1]))
+
+
+@kernel
+def max_pool_row(plane, pitch, first_row, conv_h, conv_w, pool, py, rows_max, target):
+    """target [DW] = output row py of any max-pool over one channel of acc (see conv_output): down the
+    window's rows into rows_max [conv_w], then along them; cells outside the conv output are skipped."""
+    pool_kh, pool_kw, pool_sh, pool_sw, pool_ph, pool_pw = pool
+    top = py * pool_sh - pool_ph
+    y_first, y_end = max(top, 0), min(top + pool_kh, conv_h)
+    source = plane[(y_first - first_row) * pitch:]
+    for x in range(conv_w):
+        rows_max[x] = source[x]
+    for y in range(y_first + 1, y_end):
+        source = plane[(y - first_row) * pitch:]
+        for x in range(conv_w):
+            rows_max[x] = max(rows_max[x], source[x])
+    for px in range(target.shape[0]):
+        left = px * pool_sw - pool_pw
+        x_first, x_end = max(left, 0), min(left + pool_kw, conv_w)
+        best = rows_max[x_first]
+        for x in range(x_first + 1, x_end):
+            best = max(best, rows_max[x])
+        target[px] = best
+
+
+@kernel
+def epilogue_rows(src, pitch, src_first_row, scale, shift, code, slope, dst, dst_top, dst_left, out_first, out_end, out_w):
+    """dst[o, dst_top + py, dst_left + px] = act(src[o, (py - src_first_row)*pitch + px] * scale[o] + shift[o])
+    for py in out_first..out_end-1; softmax normalizes over o. Each activation has its own loop nest
+    (with `activate` inlined into the ReLU loop, that loop ran slower)."""
+    channels = src.shape[0]
+    if code == RELU:
+        for o in range(channels):
+            a, b = scale[o], shift[o]
+            for py in range(out_first, out_end):
+                row = src[o, (py - src_first_row) * pitch:]
+                target = dst[o, dst_top + py, dst_left:]
                 for px in range(out_w):
-                    window_max[px] = rows_max[px]
-                for kx in range(1, pool_kw):
-                    shifted = rows_max[kx:]
-                    for px in range(out_w):
-                        window_max[px] = max(window_max[px], shifted[px])
-            elif inside and pool_sw == 2:       # the common 2x2/2 pool: a constant stride LLVM vectorizes
-                for px in range(out_w):
-                    window_max[px] = rows_max[2 * px]
-                for kx in range(1, pool_kw):
-                    shifted = rows_max[kx:]
-                    for px in range(out_w):
-                        window_max[px] = max(window_max[px], shifted[2 * px])
-            else:
-                for px in range(out_w):
-                    left = px * pool_sw - pool_pw
-                    x_first, x_end = max(left, 0), min(left + pool_kw, conv_w)
-                    best = rows_max[x_first]
-                    for x in range(x_first + 1, x_end):
-                        best = max(best, rows_max[x])
-                    window_max[px] = best
+                    target[px] = max(row[px] * a + b, np.float32(0))
+        return
+    for o in range(channels):
+        a, b = scale[o], shift[o]
+        for py in range(out_first, out_end):
+            row = src[o, (py - src_first_row) * pitch:]
             target = dst[o, dst_top + py, dst_left:]
-            if code == RELU:
-                for px in range(out_w):
-                    target[px] = max(window_max[px] * a + b, np.float32(0))
-            elif code == SOFTMAX:       # normalized over channels below
-                for px in range(out_w):
-                    target[px] = window_max[px] * a + b
-            else:
-                for px in range(out_w):
-                    target[px] = activate(window_max[px] * a + b, code, slope)
+            for px in range(out_w):
+                v = row[px] * a + b
+                target[px] = v if code == SOFTMAX else activate(v, code, slope)
     if code == SOFTMAX:
         for py in range(dst_top + out_first, dst_top + out_end):
             for px in range(dst_left, dst_left + out_w):
@@ -221,14 +245,16 @@ class Conv2dLayer:
         chunks = self._chunks(image.shape[3])
         product = self._product(image, max(y_end - y_first for _, _, y_first, y_end in chunks), new_buffer)
         e = self.epilogue
-        rows_max, window_max = new_buffer((conv_w,)), new_buffer((self.out_shape[2],))
+        out_w = self.out_shape[2]
+        rows_max = new_buffer((conv_w,))
+        pooled = new_buffer((out_channels, max(end - first for first, end, _, _ in chunks) * out_w))
         pool = (*self.pool[0], *self.pool[1], *self.pool[2])
         for n in range(src.shape[0]):
             for out_first, out_end, y_first, y_end in chunks:
                 acc, pitch = product(n, y_first, y_end, steps)
                 steps.append(partial(conv_output, acc, pitch, y_first, conv_h, conv_w, pool,
-                                     e.scale, e.shift, e.code, e.slope, rows_max, window_max, whole_dst[n],
-                                     *self.output_padding, out_first, out_end))
+                                     e.scale, e.shift, e.code, e.slope, rows_max, pooled, whole_dst[n],
+                                     *self.output_padding, out_first, out_end, out_w))
         return dst, steps
 
     def _chunks(self, padded_w: int) -> list:
