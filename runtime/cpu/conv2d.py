@@ -19,7 +19,8 @@ Each image goes through three steps, chosen per layer at load:
                `conv2d_direct` into acc [O, OH*OW].
   3. output    `conv_output` reads acc by position pitch, applies the fused max-pool (if any), the
                epilogue act(v * scale[o] + shift[o]) (activations.py) and writes y[n].
-Steps 1-3 run on bands of output rows (CHUNK_BYTES) so that cols and acc are still in L2 when read.
+Steps 1-3 run on bands (CHUNK_BYTES) so that cols and acc are still in L2 when read: bands of one
+image's output rows, or several small images at once (one product for all of them).
 Max-pool fusion (backend.py): a max-pool right after the conv, when the epilogue is monotone, is
 applied to acc before the epilogue: a per-channel bias and a non-decreasing activation commute with
 the max, so act(max(v) + b) = max(act(v + b)). The full-size conv output is never written in NCHW.
@@ -40,12 +41,12 @@ from lnn.runtime.cpu.padding import padded, padded_buffer
 DIRECT_MAX_TAPS = 32
 NO_POOL = ((1, 1), (1, 1), (0, 0))      # a 1x1 window: kernel_size, stride, padding
 # Rows of output run through columns -> product -> output in bands of about this many columns-matrix bytes.
-CHUNK_BYTES = 768 * 1024
+CHUNK_BYTES = 1024 * 1024
 
 
 @kernel
-def shifted_im2col(image, kh, kw, dh, dw, start, length, cols):
-    """image [C, HP, WP] (padded) -> cols[:, :length], cols [C*KH*KW, >= length]:
+def shifted_im2col(image, kh, kw, dh, dw, start, length, column, cols):
+    """image [C, HP, WP] (padded) -> cols[:, column:column + length], cols [C*KH*KW, ...]:
     row (c, ky, kx) = image[c].flat[start + shift:][:length], shift = ky*DH*WP + kx*DW."""
     channels, _, padded_w = image.shape
     for c in range(channels):
@@ -54,20 +55,20 @@ def shifted_im2col(image, kh, kw, dh, dw, start, length, cols):
             for kx in range(kw):
                 shift = start + ky * dh * padded_w + kx * dw
                 source = plane[shift:shift + length]
-                row = cols[(c * kh + ky) * kw + kx]
+                row = cols[(c * kh + ky) * kw + kx, column:]
                 for i in range(length):     # indexing a slice by the loop counter: LLVM vectorizes this copy
                     row[i] = source[i]
 
 
 @kernel
-def im2col(image, kh, kw, sh, sw, dh, dw, first_row, out_h, out_w, cols):
-    """image [C, H, W] (already padded) -> cols[:, :out_h*OW], cols [C*KH*KW, >= out_h*OW]; row (c, ky, kx),
-    column (oy, ox) for output rows first_row..first_row+out_h-1."""
+def im2col(image, kh, kw, sh, sw, dh, dw, first_row, out_h, out_w, column, cols):
+    """image [C, H, W] (already padded) -> cols[:, column:column + out_h*OW], cols [C*KH*KW, ...]; row (c, ky, kx),
+    column + (oy, ox) for output rows first_row..first_row+out_h-1."""
     channels = image.shape[0]
     for c in range(channels):
         for ky in range(kh):
             for kx in range(kw):
-                row = cols[(c * kh + ky) * kw + kx]
+                row = cols[(c * kh + ky) * kw + kx, column:]
                 for oy in range(out_h):
                     source = image[c, (first_row + oy) * sh + ky * dh]
                     base = oy * out_w
@@ -240,43 +241,49 @@ class Conv2dLayer:
         a = self.attrs
         out_channels, conv_h, conv_w = self.conv_shape
         dst = padded_buffer((src.shape[0], *self.out_shape), *self.output_padding, new_buffer)
-        whole_dst = dst if dst.base is None else dst.base       # kernels get whole buffers (see conv_output)
+        whole_dst = dst if dst.base is None else dst.base       # kernels get whole buffers (see _product)
         image, steps = padded(src, *a["padding"], 0.0, new_buffer)
-        chunks = self._chunks(image.shape[3])
-        product = self._product(image, max(y_end - y_first for _, _, y_first, y_end in chunks), new_buffer)
+        bands = self._bands(image.shape[0], image.shape[3])
+        product = self._product(image, bands, new_buffer)
         e = self.epilogue
         out_w = self.out_shape[2]
         rows_max = new_buffer((conv_w,))
-        pooled = new_buffer((out_channels, max(end - first for first, end, _, _ in chunks) * out_w))
+        pooled = new_buffer((out_channels, max(band[3] - band[2] for band in bands) * out_w))
         pool = (*self.pool[0], *self.pool[1], *self.pool[2])
-        for n in range(src.shape[0]):
-            for out_first, out_end, y_first, y_end in chunks:
-                acc, pitch = product(n, y_first, y_end, steps)
-                steps.append(partial(conv_output, acc, pitch, y_first, conv_h, conv_w, pool,
+        for band in bands:
+            n_first, n_end, out_first, out_end, y_first, _ = band
+            acc, pitch = product(band, steps)
+            for n in range(n_first, n_end):
+                first_row = y_first - (n - n_first) * conv_h       # acc holds the band's images one after another
+                steps.append(partial(conv_output, acc, pitch, first_row, conv_h, conv_w, pool,
                                      e.scale, e.shift, e.code, e.slope, rows_max, pooled, whole_dst[n],
                                      *self.output_padding, out_first, out_end, out_w))
         return dst, steps
 
-    def _chunks(self, padded_w: int) -> list:
-        """[(first, end output row, first, end conv row)]: bands of output rows whose columns matrix
-        stays within CHUNK_BYTES (so it is still in L2 when the product reads it)."""
+    def _bands(self, batch: int, padded_w: int) -> list:
+        """[(first, end image, first, end output row, first, end conv row)]: what one product step
+        covers, so that its columns matrix and product stay within CHUNK_BYTES (still in L2 when
+        read): several whole images when they are small, else bands of one image's rows."""
         out_h = self.out_shape[1]
         conv_h = self.conv_shape[1]
         if self.direct:
-            return [(0, out_h, 0, conv_h)]
+            return [(n, n + 1, 0, out_h, 0, conv_h) for n in range(batch)]
+        column_bytes = (self.weight[0].size * self.attrs["groups"] + self.weight.shape[0]) * 4    # cols + acc
+        image_bytes = column_bytes * padded_w * conv_h
+        if 2 * image_bytes <= CHUNK_BYTES and not self.pointwise:
+            group = CHUNK_BYTES // image_bytes
+            return [(n, min(n + group, batch), 0, out_h, 0, conv_h) for n in range(0, batch, group)]
         (kh, _), (sh, _), (ph, _) = self.pool
-        cols_bytes = self.weight[0].size * self.attrs["groups"] * padded_w * conv_h * 4
-        bands = -(-cols_bytes // CHUNK_BYTES)
-        band = -(-out_h // bands)
-        chunks = []
-        for first in range(0, out_h, band):
-            end = min(first + band, out_h)
-            chunks.append((first, end, max(first * sh - ph, 0), min((end - 1) * sh - ph + kh, conv_h)))
-        return chunks
+        rows_per_band = -(-out_h // -(-image_bytes // CHUNK_BYTES))
+        return [(n, n + 1, first, min(first + rows_per_band, out_h),
+                 max(first * sh - ph, 0), min((min(first + rows_per_band, out_h) - 1) * sh - ph + kh, conv_h))
+                for n in range(batch) for first in range(0, out_h, rows_per_band)]
 
-    def _product(self, image, max_rows: int, new_buffer):
-        """f(n, y_first, y_end, steps) -> (acc, pitch): appends the steps that fill acc [positions, O]
-        with conv rows y_first..y_end-1 of image n, at position (y - y_first) * pitch + x."""
+    def _product(self, image, bands: list, new_buffer):
+        """f(band, steps) -> (acc, pitch): appends the steps that fill acc [O, positions] with conv rows
+        y_first..y_end-1 of the band's images: (image n_first + j, y, x) at position
+        (j * conv_h + y - y_first) * pitch + x. Kernels get whole buffers, not column views: a view is
+        a non-contiguous array type, which Numba would compile a second time."""
         a = self.attrs
         out_channels, conv_h, conv_w = self.conv_shape
         geometry = (*a["stride"], *a["dilation"])
@@ -284,8 +291,8 @@ class Conv2dLayer:
             raw = new_buffer((out_channels, conv_h, conv_w))
             acc = raw.reshape(out_channels, -1)
 
-            def direct(n, y_first, y_end, steps):
-                steps.append(partial(conv2d_direct, image[n], self.weight, a["groups"], *geometry, raw))
+            def direct(band, steps):
+                steps.append(partial(conv2d_direct, image[band[0]], self.weight, a["groups"], *geometry, raw))
                 return acc, conv_w
             return direct
 
@@ -295,24 +302,33 @@ class Conv2dLayer:
         rows = weight2d.shape[2] * groups
         shifted = a["stride"] == (1, 1) and not self.pointwise
         pitch = image.shape[3] if shifted else conv_w
-        acc_buffer = new_buffer((out_channels, (max_rows - 1) * pitch + conv_w))
-        if not self.pointwise:
-            cols_buffer = new_buffer((rows, acc_buffer.shape[1]))
 
-        def gemm(n, y_first, y_end, steps):
-            positions = (y_end - y_first - 1) * pitch + conv_w
+        def positions(band):
+            n_first, n_end, _, _, y_first, y_end = band
+            return ((n_end - n_first - 1) * conv_h + y_end - y_first - 1) * pitch + conv_w
+
+        most = max(positions(band) for band in bands)
+        acc_buffer = new_buffer((out_channels, most))
+        if not self.pointwise:
+            cols_buffer = new_buffer((rows, most))
+            cols_buffer.fill(0.0)       # the columns between two images stay 0 (junk, never read)
+
+        def gemm(band, steps):
+            n_first, n_end, _, _, y_first, y_end = band
+            count = positions(band)
             if self.pointwise:
-                cols = image[n].reshape(rows, -1)[:, y_first * pitch:y_first * pitch + positions]
-            else:       # kernels get whole (contiguous) buffers: Numba leaks a little per call on views
-                cols = cols_buffer[:, :positions]
-                if shifted:
-                    steps.append(partial(shifted_im2col, image[n], *a["kernel_size"], *a["dilation"], y_first * pitch,
-                                         positions, cols_buffer))
-                else:
-                    steps.append(partial(im2col, image[n], *a["kernel_size"], *geometry, y_first, y_end - y_first,
-                                         conv_w, cols_buffer))
-            acc = acc_buffer[:, :positions]
-            grouped_acc = acc.reshape(groups, group_out, positions)
+                cols = image[n_first].reshape(rows, -1)[:, y_first * pitch:y_first * pitch + count]
+            else:
+                cols = cols_buffer[:, :count]
+                for n in range(n_first, n_end):
+                    column = (n - n_first) * conv_h * pitch
+                    if shifted:
+                        steps.append(partial(shifted_im2col, image[n], *a["kernel_size"], *a["dilation"],
+                                             y_first * pitch, (y_end - y_first - 1) * pitch + conv_w, column, cols_buffer))
+                    else:
+                        steps.append(partial(im2col, image[n], *a["kernel_size"], *geometry, y_first, y_end - y_first,
+                                             conv_w, column, cols_buffer))
+            grouped_acc = acc_buffer[:, :count].reshape(groups, group_out, count)
             for g in range(groups):
                 steps.append(partial(np.matmul, weight2d[g], cols[g * (rows // groups):(g + 1) * (rows // groups)],
                                      out=grouped_acc[g]))
