@@ -17,8 +17,10 @@ Each image goes through three steps, chosen per layer at load:
   2. product   per group, numpy's BLAS computes W2d[g] @ cols[g], W2d [O, C/G*KH*KW], into acc [O, positions].
      direct    instead of 1-2, grouped convs with few inputs per output (depthwise: C/groups = 1) run
                `conv2d_direct` into acc [O, OH*OW].
-  3. output    `conv_output` reads acc by position pitch, applies the fused max-pool (if any), the
-               epilogue act(v * scale[o] + shift[o]) (activations.py) and writes y[n].
+  3. output    the fused max-pool, if any (`max_pool_2x2_rows`, or `max_pool_rows` for any other window),
+               reads acc by position pitch into `pooled`; `epilogue_rows` applies act(v * scale[o] + shift[o])
+               (activations.py) and writes y[n], or the interior of the next conv's zero-padded input.
+               Separate kernels, chosen at plan time: a model compiles only those it uses.
 Steps 1-3 run on bands (CHUNK_BYTES) so that cols and acc are still in L2 when read: bands of one
 image's output rows, or several small images at once (one product for all of them).
 Max-pool fusion (backend.py): a max-pool right after the conv, when the epilogue is monotone, is
@@ -33,13 +35,14 @@ from functools import partial
 
 import numpy as np
 
-from lnn.runtime.cpu.activations import RELU, SOFTMAX, Epilogue, activate
+from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 
 # Below this many multiply-adds per output element a grouped conv runs direct, not as tiny GEMMs.
 DIRECT_MAX_TAPS = 32
 NO_POOL = ((1, 1), (1, 1), (0, 0))      # a 1x1 window: kernel_size, stride, padding
+NO_POOL_WINDOW = (1, 1, 1, 1, 0, 0)     # the same, as the kernels' (KH, KW, SH, SW, PH, PW)
 # Rows of output run through columns -> product -> output in bands of about this many columns-matrix bytes.
 CHUNK_BYTES = 1024 * 1024
 
@@ -98,31 +101,9 @@ def conv2d_direct(image, weight, groups, sh, sw, dh, dw, out):
 
 
 @kernel
-def conv_output(acc, pitch, first_row, conv_h, conv_w, pool, scale, shift, code, slope, rows_max, pooled,
-                dst, dst_top, dst_left, out_first, out_end, out_w):
-    """acc [O, positions] holds conv output rows first_row.. ((y, x) at position (y - first_row)*pitch + x);
-    conv_h x conv_w is the whole conv output. -> rows out_first..out_end-1 of y [O, DH, DW = out_w]
-    = act(max over the pool window (cells outside the conv output skipped) * scale + shift),
-    where y is dst[:, dst_top:, dst_left:] (dst: the next conv's zero-padded input, or y itself).
-    pool = (KH, KW, SH, SW, PH, PW) of the max-pool window; (1, 1, 1, 1, 0, 0): none.
-    rows_max [conv_w] and pooled [O, >= (out_end - out_first) * out_w] are scratch.
-    (Fewer than 20 arguments: Numba 0.68 leaks ~200 bytes per call with 20.)"""
-    if pool == (1, 1, 1, 1, 0, 0):
-        epilogue_rows(acc, pitch, first_row, scale, shift, code, slope, dst, dst_top, dst_left, out_first, out_end, out_w)
-        return
-    if pool == (2, 2, 2, 2, 0, 0):
-        max_pool_2x2_rows(acc, pitch, first_row, pooled, out_first, out_end, out_w)
-    else:
-        for o in range(acc.shape[0]):
-            for py in range(out_first, out_end):
-                max_pool_row(acc[o], pitch, first_row, conv_h, conv_w, pool, py, rows_max,
-                             pooled[o, (py - out_first) * out_w:(py - out_first + 1) * out_w])
-    epilogue_rows(pooled, out_w, out_first, scale, shift, code, slope, dst, dst_top, dst_left, out_first, out_end, out_w)
-
-
-@kernel
 def max_pool_2x2_rows(acc, pitch, first_row, pooled, out_first, out_end, out_w):
-    """The common 2x2/2 unpadded pool of conv_output: pooled[o, (py - out_first)*out_w + px]."""
+    """The common 2x2/2 unpadded max-pool as one loop with constant strides: acc [O, positions] with conv
+    output (y, x) at (y - first_row)*pitch + x -> pooled[o, (py - out_first)*out_w + px], py in out_first..out_end-1."""
     for o in range(acc.shape[0]):
         plane = acc[o]
         for py in range(out_first, out_end):
@@ -134,64 +115,67 @@ def max_pool_2x2_rows(acc, pitch, first_row, pooled, out_first, out_end, out_w):
 
 
 @kernel
-def max_pool_row(plane, pitch, first_row, conv_h, conv_w, pool, py, rows_max, target):
-    """target [DW] = output row py of any max-pool over one channel of acc (see conv_output): down the
-    window's rows into rows_max [conv_w], then along them; cells outside the conv output are skipped."""
+def max_pool_rows(acc, pitch, first_row, conv_h, conv_w, pool, rows_max, pooled, out_first, out_end, out_w):
+    """Any max-pool, pool = (KH, KW, SH, SW, PH, PW): pooled[o, (py - out_first)*out_w + px]; cells
+    outside the conv output are skipped. Per row: down the window's rows into rows_max [conv_w], then along them."""
     pool_kh, pool_kw, pool_sh, pool_sw, pool_ph, pool_pw = pool
-    top = py * pool_sh - pool_ph
-    y_first, y_end = max(top, 0), min(top + pool_kh, conv_h)
-    source = plane[(y_first - first_row) * pitch:]
-    for x in range(conv_w):
-        rows_max[x] = source[x]
-    for y in range(y_first + 1, y_end):
-        source = plane[(y - first_row) * pitch:]
-        for x in range(conv_w):
-            rows_max[x] = max(rows_max[x], source[x])
-    for px in range(target.shape[0]):
-        left = px * pool_sw - pool_pw
-        x_first, x_end = max(left, 0), min(left + pool_kw, conv_w)
-        best = rows_max[x_first]
-        for x in range(x_first + 1, x_end):
-            best = max(best, rows_max[x])
-        target[px] = best
+    for o in range(acc.shape[0]):
+        plane = acc[o]
+        for py in range(out_first, out_end):
+            top = py * pool_sh - pool_ph
+            y_first, y_end = max(top, 0), min(top + pool_kh, conv_h)
+            source = plane[(y_first - first_row) * pitch:]
+            for x in range(conv_w):
+                rows_max[x] = source[x]
+            for y in range(y_first + 1, y_end):
+                source = plane[(y - first_row) * pitch:]
+                for x in range(conv_w):
+                    rows_max[x] = max(rows_max[x], source[x])
+            target = pooled[o, (py - out_first) * out_w:]
+            for px in range(out_w):
+                left = px * pool_sw - pool_pw
+                x_first, x_end = max(left, 0), min(left + pool_kw, conv_w)
+                best = rows_max[x_first]
+                for x in range(x_first + 1, x_end):
+                    best = max(best, rows_max[x])
+                target[px] = best
 
 
 @kernel
 def epilogue_rows(src, pitch, src_first_row, scale, shift, code, slope, dst, dst_top, dst_left, out_first, out_end, out_w):
     """dst[o, dst_top + py, dst_left + px] = act(src[o, (py - src_first_row)*pitch + px] * scale[o] + shift[o])
-    for py in out_first..out_end-1; softmax normalizes over o. Each activation has its own loop nest
-    (with `activate` inlined into the ReLU loop, that loop ran slower)."""
+    for py in out_first..out_end-1, px < out_w; act is not softmax (see softmax_channels). ReLU has its
+    own loop nest: with `activate` inlined into it, that loop ran slower."""
     channels = src.shape[0]
-    if code == RELU:
-        for o in range(channels):
-            a, b = scale[o], shift[o]
-            for py in range(out_first, out_end):
-                row = src[o, (py - src_first_row) * pitch:]
-                target = dst[o, dst_top + py, dst_left:]
-                for px in range(out_w):
-                    target[px] = max(row[px] * a + b, np.float32(0))
-        return
     for o in range(channels):
         a, b = scale[o], shift[o]
         for py in range(out_first, out_end):
             row = src[o, (py - src_first_row) * pitch:]
             target = dst[o, dst_top + py, dst_left:]
-            for px in range(out_w):
-                v = row[px] * a + b
-                target[px] = v if code == SOFTMAX else activate(v, code, slope)
-    if code == SOFTMAX:
-        for py in range(dst_top + out_first, dst_top + out_end):
-            for px in range(dst_left, dst_left + out_w):
-                largest = np.float32(-np.inf)
-                for o in range(channels):
-                    largest = max(largest, dst[o, py, px])
-                total = np.float32(0)
-                for o in range(channels):
-                    e = np.float32(np.exp(dst[o, py, px] - largest))
-                    dst[o, py, px] = e
-                    total += e
-                for o in range(channels):
-                    dst[o, py, px] /= total
+            if code == RELU:
+                for px in range(out_w):
+                    target[px] = max(row[px] * a + b, np.float32(0))
+            else:
+                for px in range(out_w):
+                    target[px] = activate(row[px] * a + b, code, slope)
+
+
+@kernel
+def softmax_channels(dst, dst_top, dst_left, out_first, out_end, out_w):
+    """In place over dst[:, dst_top + py, dst_left + px], py in out_first..out_end-1, px < out_w: softmax across channels."""
+    channels = dst.shape[0]
+    for py in range(dst_top + out_first, dst_top + out_end):
+        for px in range(dst_left, dst_left + out_w):
+            largest = np.float32(-np.inf)
+            for o in range(channels):
+                largest = max(largest, dst[o, py, px])
+            total = np.float32(0)
+            for o in range(channels):
+                e = np.float32(np.exp(dst[o, py, px] - largest))
+                dst[o, py, px] = e
+                total += e
+            for o in range(channels):
+                dst[o, py, px] /= total
 
 
 class Conv2dLayer:
@@ -255,9 +239,21 @@ class Conv2dLayer:
             acc, pitch = product(band, steps)
             for n in range(n_first, n_end):
                 first_row = y_first - (n - n_first) * conv_h       # acc holds the band's images one after another
-                steps.append(partial(conv_output, acc, pitch, first_row, conv_h, conv_w, pool,
-                                     e.scale, e.shift, e.code, e.slope, rows_max, pooled, whole_dst[n],
-                                     *self.output_padding, out_first, out_end, out_w))
+                rows = (out_first, out_end, out_w)
+                if pool == NO_POOL_WINDOW:
+                    source, source_pitch, source_first = acc, pitch, first_row
+                else:
+                    source, source_pitch, source_first = pooled, out_w, out_first
+                    if pool == (2, 2, 2, 2, 0, 0):
+                        steps.append(partial(max_pool_2x2_rows, acc, pitch, first_row, pooled, *rows))
+                    else:
+                        steps.append(partial(max_pool_rows, acc, pitch, first_row, conv_h, conv_w, pool, rows_max,
+                                             pooled, *rows))
+                code = NONE if e.code == SOFTMAX else e.code
+                steps.append(partial(epilogue_rows, source, source_pitch, source_first, e.scale, e.shift, code,
+                                     e.slope, whole_dst[n], *self.output_padding, *rows))
+                if e.code == SOFTMAX:
+                    steps.append(partial(softmax_channels, whole_dst[n], *self.output_padding, *rows))
         return dst, steps
 
     def _bands(self, batch: int, padded_w: int) -> list:
