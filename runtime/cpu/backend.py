@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -147,12 +148,26 @@ class CpuBackend:
 
 
 def _blas_thread_limit(threads: int | None):
-    """A context-manager factory limiting BLAS to `threads` (None: leave BLAS alone)."""
+    """A context-manager factory limiting BLAS to `threads` (None: leave BLAS alone).
+
+    It sets and restores the thread count of each BLAS library directly (about 2 us a call):
+    threadpoolctl's `limit()` context re-inspects the libraries each time (about 14 us)."""
     if threads is None:
         return None
     if threads < 1:
         raise ValueError(f"threads must be a positive integer, not {threads!r}")
     from threadpoolctl import ThreadpoolController
 
-    controller = ThreadpoolController()
-    return lambda: controller.limit(limits=threads, user_api="blas")
+    libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+
+    @contextmanager
+    def limit():
+        before = [library.get_num_threads() for library in libraries]
+        for library in libraries:
+            library.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            for library, count in zip(libraries, before):
+                library.set_num_threads(count)
+    return limit
