@@ -224,8 +224,7 @@ class Conv2dLayer:
     def plan(self, src, new_buffer):
         a = self.attrs
         out_channels, conv_h, conv_w = self.conv_shape
-        dst = padded_buffer((src.shape[0], *self.out_shape), *self.output_padding, new_buffer)
-        whole_dst = dst if dst.base is None else dst.base       # kernels get whole buffers (see _product)
+        whole_dst, dst = padded_buffer((src.shape[0], *self.out_shape), *self.output_padding, new_buffer)
         image, steps = padded(src, *a["padding"], 0.0, new_buffer)
         bands = self._bands(image.shape[0], image.shape[3])
         product = self._product(image, bands, new_buffer)
@@ -303,7 +302,7 @@ class Conv2dLayer:
             n_first, n_end, _, _, y_first, y_end = band
             return ((n_end - n_first - 1) * conv_h + y_end - y_first - 1) * pitch + conv_w
 
-        most = max(positions(band) for band in bands)
+        most = -(-max(positions(band) for band in bands) // 16) * 16     # rows start 64-byte aligned
         acc_buffer = new_buffer((out_channels, most))
         if not self.pointwise:
             cols_buffer = new_buffer((rows, most))

@@ -14,14 +14,16 @@ from functools import partial
 import numpy as np
 
 
-def padded_buffer(shape: tuple, pad_h: int, pad_w: int, new_buffer) -> np.ndarray:
-    """A new [N, C, H, W] buffer that is the interior of a zero-bordered [N, C, H+2PH, W+2PW] one (its .base)."""
+def padded_buffer(shape: tuple, pad_h: int, pad_w: int, new_buffer) -> tuple[np.ndarray, np.ndarray]:
+    """A new zero-bordered [N, C, H+2PH, W+2PW] buffer and its [N, C, H, W] interior (the same buffer twice
+    when there is no padding)."""
     if pad_h == 0 and pad_w == 0:
-        return new_buffer(shape)
+        full = new_buffer(shape)
+        return full, full
     batch, channels, height, width = shape
     full = new_buffer((batch, channels, height + 2 * pad_h, width + 2 * pad_w))
     full.fill(0.0)
-    return full[:, :, pad_h:pad_h + height, pad_w:pad_w + width]
+    return full, full[:, :, pad_h:pad_h + height, pad_w:pad_w + width]
 
 
 def padded(src: np.ndarray, pad_h: int, pad_w: int, value: float, new_buffer) -> tuple[np.ndarray, list]:
@@ -30,24 +32,30 @@ def padded(src: np.ndarray, pad_h: int, pad_w: int, value: float, new_buffer) ->
     if pad_h == 0 and pad_w == 0:
         return src, []
     batch, channels, height, width = src.shape
-    if _is_interior(src, pad_h, pad_w, value):
-        return src.base, []
+    full = _enclosing(src, pad_h, pad_w, value)
+    if full is not None:
+        return full, []
     dst = new_buffer((batch, channels, height + 2 * pad_h, width + 2 * pad_w))
     dst.fill(value)
     interior = dst[:, :, pad_h:pad_h + height, pad_w:pad_w + width]
     return dst, [partial(np.copyto, interior, src)]
 
 
-def _is_interior(src: np.ndarray, pad_h: int, pad_w: int, value: float) -> bool:
-    """src is exactly the [PH:-PH, PW:-PW] interior of src.base, whose border holds `value`."""
-    full = src.base
+def _enclosing(src: np.ndarray, pad_h: int, pad_w: int, value: float):
+    """The [N, C, H+2PH, W+2PW] buffer whose [PH:-PH, PW:-PW] interior src is and whose border holds
+    `value`, rebuilt as a view of the memory src.base owns; None when src is not such an interior."""
+    owner = src.base
     batch, channels, height, width = src.shape
-    if (not isinstance(full, np.ndarray) or not full.flags.c_contiguous
-            or full.shape != (batch, channels, height + 2 * pad_h, width + 2 * pad_w)):
-        return False
+    shape = (batch, channels, height + 2 * pad_h, width + 2 * pad_w)
+    if not isinstance(owner, np.ndarray) or owner.dtype != src.dtype or not owner.flags.c_contiguous:
+        return None
+    start = (src.ctypes.data - owner.ctypes.data) // src.itemsize - (pad_h * shape[3] + pad_w)
+    if start < 0 or start + int(np.prod(shape)) > owner.size:
+        return None
+    full = owner.reshape(-1)[start:start + int(np.prod(shape))].reshape(shape)
     interior = full[:, :, pad_h:pad_h + height, pad_w:pad_w + width]
     if src.strides != interior.strides or src.ctypes.data != interior.ctypes.data:
-        return False
-    border = np.ones(full.shape[2:], bool)
+        return None
+    border = np.ones(shape[2:], bool)
     border[pad_h:pad_h + height, pad_w:pad_w + width] = False
-    return bool((full[:, :, border] == value).all())
+    return full if bool((full[:, :, border] == value).all()) else None
