@@ -100,82 +100,97 @@ def conv2d_direct(image, weight, groups, sh, sw, dh, dw, out):
                             target[ox] += tap * source[ox * sw + kx * dw]
 
 
+# The output kernels below read rows of a band: "row (j, y)" of an [O, positions] source is the run of
+# out_w values at position (j * image_rows + y - first_row) * pitch, for image j of the band. In acc,
+# image_rows = conv_h (conv rows); in pooled, image_rows = out_end - out_first (output rows).
+
+
 @kernel
-def max_pool_2x2_rows(acc, pitch, first_row, pooled, out_first, out_end, out_w):
-    """The common 2x2/2 unpadded max-pool as one loop with constant strides: acc [O, positions] with conv
-    output (y, x) at (y - first_row)*pitch + x -> pooled[o, (py - out_first)*out_w + px], py in out_first..out_end-1."""
+def max_pool_2x2_rows(acc, pitch, first_row, conv_h, images, pooled, out_first, out_end, out_w):
+    """The common 2x2/2 unpadded max-pool as one loop with constant strides: for each of the band's
+    images j and output rows py in out_first..out_end-1, row (j, py) of pooled = max-pool of acc rows
+    (j, 2py) and (j, 2py + 1)."""
+    band_rows = out_end - out_first
     for o in range(acc.shape[0]):
         plane = acc[o]
-        for py in range(out_first, out_end):
-            top = plane[(2 * py - first_row) * pitch:]
-            bottom = plane[(2 * py + 1 - first_row) * pitch:]
-            target = pooled[o, (py - out_first) * out_w:]
-            for px in range(out_w):
-                target[px] = max(max(top[2 * px], top[2 * px + 1]), max(bottom[2 * px], bottom[2 * px + 1]))
+        for j in range(images):
+            for py in range(out_first, out_end):
+                top = plane[(j * conv_h + 2 * py - first_row) * pitch:]
+                bottom = plane[(j * conv_h + 2 * py + 1 - first_row) * pitch:]
+                target = pooled[o, (j * band_rows + py - out_first) * out_w:]
+                for px in range(out_w):
+                    target[px] = max(max(top[2 * px], top[2 * px + 1]), max(bottom[2 * px], bottom[2 * px + 1]))
 
 
 @kernel
-def max_pool_rows(acc, pitch, first_row, conv_h, conv_w, pool, rows_max, pooled, out_first, out_end, out_w):
-    """Any max-pool, pool = (KH, KW, SH, SW, PH, PW): pooled[o, (py - out_first)*out_w + px]; cells
-    outside the conv output are skipped. Per row: down the window's rows into rows_max [conv_w], then along them."""
+def max_pool_rows(acc, pitch, first_row, conv_h, conv_w, images, pool, rows_max, pooled, out_first, out_end, out_w):
+    """Any max-pool, pool = (KH, KW, SH, SW, PH, PW), of acc rows into pooled rows as max_pool_2x2_rows
+    does; cells outside the conv output are skipped. Per output row: down the window's rows into
+    rows_max [conv_w], then along them."""
     pool_kh, pool_kw, pool_sh, pool_sw, pool_ph, pool_pw = pool
+    band_rows = out_end - out_first
     for o in range(acc.shape[0]):
         plane = acc[o]
-        for py in range(out_first, out_end):
-            top = py * pool_sh - pool_ph
-            y_first, y_end = max(top, 0), min(top + pool_kh, conv_h)
-            source = plane[(y_first - first_row) * pitch:]
-            for x in range(conv_w):
-                rows_max[x] = source[x]
-            for y in range(y_first + 1, y_end):
-                source = plane[(y - first_row) * pitch:]
+        for j in range(images):
+            for py in range(out_first, out_end):
+                top = py * pool_sh - pool_ph
+                y_first, y_end = max(top, 0), min(top + pool_kh, conv_h)
+                source = plane[(j * conv_h + y_first - first_row) * pitch:]
                 for x in range(conv_w):
-                    rows_max[x] = max(rows_max[x], source[x])
-            target = pooled[o, (py - out_first) * out_w:]
-            for px in range(out_w):
-                left = px * pool_sw - pool_pw
-                x_first, x_end = max(left, 0), min(left + pool_kw, conv_w)
-                best = rows_max[x_first]
-                for x in range(x_first + 1, x_end):
-                    best = max(best, rows_max[x])
-                target[px] = best
+                    rows_max[x] = source[x]
+                for y in range(y_first + 1, y_end):
+                    source = plane[(j * conv_h + y - first_row) * pitch:]
+                    for x in range(conv_w):
+                        rows_max[x] = max(rows_max[x], source[x])
+                target = pooled[o, (j * band_rows + py - out_first) * out_w:]
+                for px in range(out_w):
+                    left = px * pool_sw - pool_pw
+                    x_first, x_end = max(left, 0), min(left + pool_kw, conv_w)
+                    best = rows_max[x_first]
+                    for x in range(x_first + 1, x_end):
+                        best = max(best, rows_max[x])
+                    target[px] = best
 
 
 @kernel
-def epilogue_rows(src, pitch, src_first_row, scale, shift, code, slope, dst, dst_top, dst_left, out_first, out_end, out_w):
-    """dst[o, dst_top + py, dst_left + px] = act(src[o, (py - src_first_row)*pitch + px] * scale[o] + shift[o])
-    for py in out_first..out_end-1, px < out_w; act is not softmax (see softmax_channels). ReLU has its
-    own loop nest: with `activate` inlined into it, that loop ran slower."""
-    channels = src.shape[0]
-    for o in range(channels):
+def epilogue_rows(src, pitch, first_row, image_rows, scale, shift, code, slope,
+                  dst, images, dst_top, dst_left, out_first, out_end, out_w):
+    """dst[j, o, dst_top + py, dst_left + px] = act(row (j, py) of src [px] * scale[o] + shift[o]) for the
+    band's images j (dst starts at the band's first image), py in out_first..out_end-1, px < out_w;
+    act is not softmax (see softmax_channels). ReLU has its own loop: with `activate` inlined into
+    it, that loop ran slower."""
+    for o in range(src.shape[0]):
         a, b = scale[o], shift[o]
-        for py in range(out_first, out_end):
-            row = src[o, (py - src_first_row) * pitch:]
-            target = dst[o, dst_top + py, dst_left:]
-            if code == RELU:
-                for px in range(out_w):
-                    target[px] = max(row[px] * a + b, np.float32(0))
-            else:
-                for px in range(out_w):
-                    target[px] = activate(row[px] * a + b, code, slope)
+        for j in range(images):
+            for py in range(out_first, out_end):
+                row = src[o, (j * image_rows + py - first_row) * pitch:]
+                target = dst[j, o, dst_top + py, dst_left:]
+                if code == RELU:
+                    for px in range(out_w):
+                        target[px] = max(row[px] * a + b, np.float32(0))
+                else:
+                    for px in range(out_w):
+                        target[px] = activate(row[px] * a + b, code, slope)
 
 
 @kernel
-def softmax_channels(dst, dst_top, dst_left, out_first, out_end, out_w):
-    """In place over dst[:, dst_top + py, dst_left + px], py in out_first..out_end-1, px < out_w: softmax across channels."""
-    channels = dst.shape[0]
-    for py in range(dst_top + out_first, dst_top + out_end):
-        for px in range(dst_left, dst_left + out_w):
-            largest = np.float32(-np.inf)
-            for o in range(channels):
-                largest = max(largest, dst[o, py, px])
-            total = np.float32(0)
-            for o in range(channels):
-                e = np.float32(np.exp(dst[o, py, px] - largest))
-                dst[o, py, px] = e
-                total += e
-            for o in range(channels):
-                dst[o, py, px] /= total
+def softmax_channels(dst, images, dst_top, dst_left, out_first, out_end, out_w):
+    """In place over dst[j, :, dst_top + py, dst_left + px] for j < images, py in out_first..out_end-1,
+    px < out_w: softmax across channels."""
+    channels = dst.shape[1]
+    for j in range(images):
+        for py in range(dst_top + out_first, dst_top + out_end):
+            for px in range(dst_left, dst_left + out_w):
+                largest = np.float32(-np.inf)
+                for o in range(channels):
+                    largest = max(largest, dst[j, o, py, px])
+                total = np.float32(0)
+                for o in range(channels):
+                    e = np.float32(np.exp(dst[j, o, py, px] - largest))
+                    dst[j, o, py, px] = e
+                    total += e
+                for o in range(channels):
+                    dst[j, o, py, px] /= total
 
 
 class Conv2dLayer:
@@ -231,28 +246,27 @@ class Conv2dLayer:
         e = self.epilogue
         out_w = self.out_shape[2]
         rows_max = new_buffer((conv_w,))
-        pooled = new_buffer((out_channels, max(band[3] - band[2] for band in bands) * out_w))
+        pooled = new_buffer((out_channels, max((band[1] - band[0]) * (band[3] - band[2]) for band in bands) * out_w))
         pool = (*self.pool[0], *self.pool[1], *self.pool[2])
+        code = NONE if e.code == SOFTMAX else e.code
         for band in bands:
             n_first, n_end, out_first, out_end, y_first, _ = band
+            images, rows = n_end - n_first, (out_first, out_end, out_w)
             acc, pitch = product(band, steps)
-            for n in range(n_first, n_end):
-                first_row = y_first - (n - n_first) * conv_h       # acc holds the band's images one after another
-                rows = (out_first, out_end, out_w)
-                if pool == NO_POOL_WINDOW:
-                    source, source_pitch, source_first = acc, pitch, first_row
+            if pool == NO_POOL_WINDOW:
+                source = (acc, pitch, y_first, conv_h)
+            else:
+                source = (pooled, out_w, out_first, out_end - out_first)
+                if pool == (2, 2, 2, 2, 0, 0):
+                    steps.append(partial(max_pool_2x2_rows, acc, pitch, y_first, conv_h, images, pooled, *rows))
                 else:
-                    source, source_pitch, source_first = pooled, out_w, out_first
-                    if pool == (2, 2, 2, 2, 0, 0):
-                        steps.append(partial(max_pool_2x2_rows, acc, pitch, first_row, pooled, *rows))
-                    else:
-                        steps.append(partial(max_pool_rows, acc, pitch, first_row, conv_h, conv_w, pool, rows_max,
-                                             pooled, *rows))
-                code = NONE if e.code == SOFTMAX else e.code
-                steps.append(partial(epilogue_rows, source, source_pitch, source_first, e.scale, e.shift, code,
-                                     e.slope, whole_dst[n], *self.output_padding, *rows))
-                if e.code == SOFTMAX:
-                    steps.append(partial(softmax_channels, whole_dst[n], *self.output_padding, *rows))
+                    steps.append(partial(max_pool_rows, acc, pitch, y_first, conv_h, conv_w, images, pool, rows_max,
+                                         pooled, *rows))
+            band_dst = whole_dst[n_first:]
+            steps.append(partial(epilogue_rows, *source, e.scale, e.shift, code, e.slope,
+                                 band_dst, images, *self.output_padding, *rows))
+            if e.code == SOFTMAX:
+                steps.append(partial(softmax_channels, band_dst, images, *self.output_padding, *rows))
         return dst, steps
 
     def _bands(self, batch: int, padded_w: int) -> list:
