@@ -215,10 +215,17 @@ def check_weights(expected: dict, weights: dict) -> None:
 
 
 def write_atomic(path: str | Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over `path`."""
+    """Write to a temporary file in the same folder, fsync, then rename over `path`.
+
+    The file gets the permissions an ordinary new file would (0666 less the umask), not
+    mkstemp's private 0600."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

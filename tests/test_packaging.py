@@ -41,7 +41,7 @@ def test_wheel_installs_the_same_mapping(tmp_path):
                    check=True, capture_output=True, timeout=300)
     wheel = next(tmp_path.glob("lnn-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "lnn/formats/SPEC.md" in names and "lnn/runtime/cpu/__init__.py" in names
+    assert {"lnn/formats/SPEC.md", "lnn/runtime/cpu/__init__.py", "lnn/models/tomato_leaf.bin"} <= set(names)
     assert not any(name.startswith(("formats/", "runtime/", "tests/", "tools/")) for name in names), names
     # Installed into a folder put first on the path, ahead of this checkout's editable install.
     target = tmp_path / "site"

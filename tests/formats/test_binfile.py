@@ -717,3 +717,16 @@ def test_a_refused_file_is_unmapped(tmp_path, tiny):
     loaded = read_bin(path)
     assert str(path) in Path("/proc/self/maps").read_text()
     assert loaded.tensors["fc.bias"].shape == (3,)
+
+
+def test_atomic_write_gives_ordinary_file_permissions(tmp_path):
+    import os
+    from lnn.formats.binfile import write_atomic
+
+    umask = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "out.bin", b"data")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "out.bin").stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]

@@ -1,0 +1,74 @@
+"""The bundled tomato-leaf model: it loads, classifies the bundled sample photos, and refuses bad files."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lnn
+from conftest import EXAMPLES, REPO
+
+MODEL = REPO / "models" / "tomato_leaf.bin"
+SAMPLES = sorted((EXAMPLES / "leaves").glob("*.jpg"))
+
+
+def test_bundled_model_carries_what_a_person_needs():
+    session = lnn.load(MODEL, device="numpy")
+    meta = session.metadata
+    assert len(session.labels) == 10 and all(label["advice"] for label in session.labels)
+    assert 0 < meta["thresholds"]["uncertain_below"] < 1
+    assert "97." in meta["model_card"]["accuracy"] and "lnn-eval" in meta["model_card"]["accuracy"]
+    assert meta["preprocess"]["color"] == "rgb" and session.input_shape == (3, 128, 128)
+
+
+@pytest.mark.parametrize("device", ["numpy", "cpu"])
+def test_bundled_samples_are_classified_as_their_file_names_say(device):
+    assert len(SAMPLES) >= 6
+    session = lnn.load(MODEL, device=device)
+    names = {label["display"]: label["name"] for label in session.labels}
+    for photo in SAMPLES:
+        (best, probability), *_ = session.predict_image(photo)
+        assert names[best] == photo.stem, f"{photo.name}: {best} ({probability:.2f})"
+        assert probability >= session.metadata["thresholds"]["uncertain_below"]
+
+
+def run_infer(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "lnn.tools.infer", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_main_job_command_answers_in_words_with_no_flags(tmp_path):
+    done = run_infer(REPO / "examples" / "leaves" / "late_blight.jpg", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Late blight" in done.stdout.splitlines()[0]
+
+
+def test_a_corrupt_or_non_image_file_gets_one_clear_line(tmp_path):
+    text = tmp_path / "notes.jpg"
+    text.write_text("not a photo")
+    truncated = tmp_path / "cut.jpg"
+    truncated.write_bytes(SAMPLES[0].read_bytes()[:4000])
+    for bad, fragment in ((text, "not an image"), (truncated, "truncated")):
+        done = run_infer(bad)
+        assert done.returncode != 0
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+        assert fragment in done.stderr and bad.name in done.stderr
+
+
+def test_a_corrupt_model_gets_one_clear_line(tmp_path):
+    damaged = bytearray(MODEL.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (tmp_path / "damaged.bin").write_bytes(bytes(damaged))
+    done = run_infer("--model", tmp_path / "damaged.bin", SAMPLES[0])
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "checksum" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_json_output_names_the_class_and_its_advice():
+    done = run_infer("--json", SAMPLES[0])
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout.splitlines()[0])
+    assert Path(record["file"]).name == SAMPLES[0].name
+    assert json.dumps(record).count("advice") >= 1
