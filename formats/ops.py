@@ -306,9 +306,10 @@ class Conv2d(Op):
         oh, ow = win.shape[2:4]
         y = np.empty((n, cout, oh, ow), dtype=np.result_type(x, weight))
         for g in range(groups):
-            wg = weight[g * cout_g:(g + 1) * cout_g]                     # [O/g, I/g, KH, KW]
-            xg = win[:, g * cin_g:(g + 1) * cin_g]                         # [N, I/g, OH, OW, KH, KW]
-            y[:, g * cout_g:(g + 1) * cout_g] = np.einsum("ncxykl,ockl->noxy", xg, wg, optimize=True)
+            wg = weight[g * cout_g:(g + 1) * cout_g].reshape(cout_g, -1)   # [O/g, I/g*KH*KW]
+            # im2col: every window as a column, [N, I/g*KH*KW, OH*OW], then one matrix product
+            cols = np.ascontiguousarray(win[:, g * cin_g:(g + 1) * cin_g].transpose(0, 1, 4, 5, 2, 3))
+            y[:, g * cout_g:(g + 1) * cout_g] = (wg @ cols.reshape(n, wg.shape[1], oh * ow)).reshape(n, cout_g, oh, ow)
         if attrs["bias"]:
             y += params["bias"][None, :, None, None]
         return apply_activation(y, attrs["activation"])
