@@ -44,7 +44,7 @@ CASES = {
     "conv_relu_maxpool_fused": ([13, 11, 13], [conv(24, padding=1, activation="relu"),
                                                {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
     "conv_pool_then_batchnorm": ([6, 9, 8], [conv(7, padding=1), {"type": "maxpool2d", "kernel_size": 2},
-                                                          {"type": "batchnorm", "activation": "relu6"}]),
+                                             {"type": "batchnorm", "activation": "relu6"}]),
     "conv_pool_then_activation_layer": ([6, 9, 8], [conv(7, stride=2, padding=1), {"type": "maxpool2d", "kernel_size": 2,
                                                                                     "stride": 1, "padding": 1},
                                                     {"type": "tanh"}]),
@@ -114,6 +114,25 @@ def test_matches_numpy_reference(case):
         expected = reference.run(x)
         assert got.shape == expected.shape
         np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE, err_msg=f"{case}, batch {batch}")
+
+
+@pytest.mark.parametrize("case", ["conv_relu_maxpool_fused", "conv_pool_then_activation_layer", "conv_rect_kernel_stride",
+                                  "conv_chain_writing_padded_inputs", "conv_pointwise", "conv_groups3_gemm"])
+def test_matches_numpy_reference_in_row_bands(case, monkeypatch):
+    """With a tiny band budget every image runs as many bands of output rows (pool windows that
+    overlap two bands, pool padding, stride-2 im2col, pointwise and grouped products)."""
+    from lnn.runtime.cpu import conv2d
+
+    monkeypatch.setattr(conv2d, "CHUNK_BYTES", 2048)
+    input_shape, layers = CASES[case]
+    model = parse_model({"name": case, "input_shape": input_shape, "layers": layers})
+    rng = np.random.default_rng(5)
+    weights = random_weights(model, rng)
+    backend = cpu_backend(model, weights)
+    assert any(band[2] > 0 for layer in backend.layers if isinstance(layer, conv2d.Conv2dLayer)
+               for band in layer._bands(2, input_shape[2] + 2))
+    x = rng.standard_normal((2, *input_shape)).astype(np.float32)
+    np.testing.assert_allclose(backend.run(x), NumpyBackend(model, weights).run(x), rtol=0, atol=TOLERANCE)
 
 
 def test_fusions_happen():
