@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from lnn.formats.errors import LnnError, ModelSpecError
+from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.version import __version__
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -80,14 +80,47 @@ def is_bin_file(path: str | Path) -> bool:
         return Path(path).suffix.lower() == ".bin"
 
 
+NPZ_MAGIC = b"PK\x03\x04"                 # an .npz is a zip archive
+CHECKPOINT_META = "meta.npy"               # the entry only lnn-train's checkpoints hold
+
+
+def is_npz_file(path: str | Path) -> bool:
+    """True when the file is a zip archive: a NumPy .npz of weights or an lnn-train checkpoint."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(NPZ_MAGIC)) == NPZ_MAGIC
+    except OSError:
+        return False
+
+
+def read_checkpoint_source(path: str | Path):
+    """An lnn-train checkpoint (.npz) -> (Model, weights, state); a plain weights .npz is refused in one line."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            is_checkpoint = CHECKPOINT_META in archive.namelist()
+    except zipfile.BadZipFile:
+        is_checkpoint = True                    # damaged: load_checkpoint names the problem
+    if not is_checkpoint:
+        raise LnnInputError(f"{path}: a NumPy .npz of weights, not a model; give the model's JSON description "
+                            f"and this file with --weights (or a .bin, or a checkpoint written by lnn-train)")
+    from lnn.train.checkpoint import load_checkpoint   # only here: the training package is not needed otherwise
+
+    return load_checkpoint(path)
+
+
 def read_model_source(path: str | Path):
-    """A JSON description or a `.bin`, told apart by content -> (Model, BinModel or None)."""
+    """A JSON description, a `.bin` or an lnn-train checkpoint, told apart by content -> (Model, BinModel or None)."""
     from lnn.formats.binfile import read_bin
     from lnn.formats.model import load_description, parse_model
 
     if is_bin_file(path):
         bin_model = read_bin(path)
         return bin_model.model, bin_model
+    if is_npz_file(path):
+        model, _weights, _state = read_checkpoint_source(path)
+        return model, None
     description = load_description(path)            # its errors already name the file
     try:
         return parse_model(description), None

@@ -1,12 +1,15 @@
-"""lnn-export: a JSON model description plus weights (.npz), or an existing .bin, -> a .bin model file.
+"""lnn-export: a JSON model description plus weights (.npz), an existing .bin, or a training checkpoint -> a .bin.
 
     lnn-export examples/reference/mnist_cnn.json --weights mnist_cnn.weights.npz -o mnist_cnn.bin
+    lnn-export runs/cnn/best.npz -o mnist_cnn.bin
     lnn-export mnist_cnn.bin -o mnist_cnn_fp16.bin --fp16
     lnn-export mnist_cnn.bin --onnx mnist_cnn.onnx
 
 Weights are keyed `<layer name>.<param>` as in a PyTorch state_dict (weight, bias, running_mean,
 running_var); batch norm's `num_batches_tracked` is ignored. Re-exporting a .bin keeps its metadata
-and stored dtypes, so export -> load -> export gives a byte-identical file. --fp16 stores the conv
+and stored dtypes, so export -> load -> export gives a byte-identical file. A checkpoint written by
+lnn-train (RUN_DIR/checkpoint.npz or best.npz) carries its description and weights; its .bin is the
+one lnn-train itself writes (preprocessing, labels, epoch and best score in the metadata). --fp16 stores the conv
 and linear weight matrices as float16 (biases and batch-norm statistics stay float32). --onnx also
 (or instead) writes an ONNX file (opset 17, float32, batch norm folded; needs the onnx extra).
 """
@@ -23,7 +26,8 @@ import numpy as np
 from lnn.formats.binfile import build_metadata, check_weights, fp16_dtypes, write_bin
 from lnn.formats.errors import LnnInputError
 from lnn.formats.model import Model
-from lnn.tools.cli import command_parser, human_bytes, read_model_source, run_command
+from lnn.tools.cli import (command_parser, human_bytes, is_npz_file, read_checkpoint_source, read_model_source,
+                           run_command)
 
 PROG = "lnn-export"
 IGNORED_BATCHNORM_KEYS = ("num_batches_tracked",)     # a PyTorch counter, not a parameter
@@ -31,7 +35,7 @@ IGNORED_BATCHNORM_KEYS = ("num_batches_tracked",)     # a PyTorch counter, not a
 
 def build_parser():
     parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("source", metavar="MODEL", help="a JSON model description (with --weights) or a .bin to re-export")
+    parser.add_argument("source", metavar="MODEL", help="a JSON model description (with --weights), a .bin to re-export, or an lnn-train checkpoint .npz")
     parser.add_argument("--weights", metavar="W.npz", help="NumPy .npz of the weights, keyed <layer name>.<param>")
     parser.add_argument("-o", "--output", metavar="OUT.bin", help="the .bin file to write (atomically)")
     parser.add_argument("--fp16", action="store_true", help="in the .bin, store conv and linear weights as float16 (about half the size)")
@@ -68,16 +72,27 @@ def load_weights(path: str | Path, model: Model) -> dict:
     return weights
 
 
-def export(args) -> int:
+def read_source(args) -> tuple:
+    """-> (model, weights, metadata, stored dtypes) from a checkpoint, a .bin, or a description and --weights."""
+    if is_npz_file(args.source):
+        if args.weights:
+            raise LnnInputError(f"{args.source} is an .npz: a training checkpoint carries its own weights, "
+                                f"and --weights is for a JSON description")
+        model, weights, state = read_checkpoint_source(args.source)
+        training = {"epoch": state.get("epoch"), "best": state.get("best")}     # as in lnn-train's own model.bin
+        return model, weights, build_metadata(model, {"training": training}), {}
     model, bin_model = read_model_source(args.source)
     if bin_model is not None:
         if args.weights:
             raise LnnInputError(f"{args.source} is a .bin and carries its own weights; --weights is for a JSON description")
-        weights, metadata, dtypes = bin_model.tensors, bin_model.metadata, bin_model.stored_dtypes
-    else:
-        if not args.weights:
-            raise LnnInputError(f"{args.source} is a model description: give its weights with --weights W.npz")
-        weights, metadata, dtypes = load_weights(args.weights, model), build_metadata(model), {}
+        return model, bin_model.tensors, bin_model.metadata, bin_model.stored_dtypes
+    if not args.weights:
+        raise LnnInputError(f"{args.source} is a model description: give its weights with --weights W.npz")
+    return model, load_weights(args.weights, model), build_metadata(model), {}
+
+
+def export(args) -> int:
+    model, weights, metadata, dtypes = read_source(args)
     if args.output:
         write_bin_and_report(args.output, model, weights, metadata, dtypes, args.fp16)
     if args.onnx:

@@ -182,3 +182,53 @@ def test_help_and_version():
     assert result.returncode == 0 and "--fp16" in result.stdout and "--weights" in result.stdout
     result = run_command("export", "--version")
     assert result.returncode == 0 and result.stdout.strip() == f"lnn-export (lnn) {lnn.__version__}"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 2-epoch lnn-train run of a small conv + batch-norm model on random data -> (run folder, trainer, x)."""
+    from lnn.train import Trainer
+
+    folder = tmp_path_factory.mktemp("run")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 2, 4, 4)).astype(np.float32)
+    y = (x[:, 0].sum(axis=(1, 2)) > 0).astype(np.int64)
+    model = batchnorm_model(folder)
+    trainer = Trainer(model, device="cpu", seed=0, batch_size=16, log=lambda *a: None)
+    trainer.fit((x, y), (x[:16], y[:16]), epochs=2, out_dir=folder / "run", progress=False)
+    return folder / "run", trainer, x
+
+
+def test_a_training_checkpoint_exports_like_the_run_itself(tiny_run, tmp_path, capsys):
+    folder, trainer, x = tiny_run
+    out = tmp_path / "from_best.bin"
+    assert main([str(folder / "best.npz"), "-o", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert out.read_bytes() == (folder / "model.bin").read_bytes()      # the .bin lnn-train wrote at the end
+    assert main([str(folder / "checkpoint.npz"), "-o", str(tmp_path / "last.bin")]) == 0
+    got = lnn.load(tmp_path / "last.bin", device="numpy").run(x)
+    np.testing.assert_allclose(got, trainer.predict(x), rtol=1e-5, atol=1e-5)   # the trainer's state is the last epoch's
+
+
+def test_a_training_checkpoint_exports_fp16_and_onnx(tiny_run, tmp_path):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    folder, trainer, x = tiny_run
+    assert main([str(folder / "checkpoint.npz"), "-o", str(tmp_path / "h.bin"), "--fp16",
+                 "--onnx", str(tmp_path / "m.onnx")]) == 0
+    assert read_bin(tmp_path / "h.bin").stored_dtypes["fc.weight"] == "float16"
+    expected = trainer.predict(x)
+    np.testing.assert_allclose(lnn.load(tmp_path / "h.bin", device="numpy").run(x), expected, atol=2e-2)
+    ort = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"))
+    got = ort.run(None, {ort.get_inputs()[0].name: x})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_weights_npz_as_the_model_and_weights_for_a_checkpoint_are_one_line_errors(tiny_run, tmp_path, capsys):
+    folder, _, _ = tiny_run
+    np.savez(tmp_path / "w.npz", **{"fc.weight": np.zeros((2, 3), np.float32)})
+    assert "a NumPy .npz of weights, not a model" in error_of(capsys, [tmp_path / "w.npz", "-o", tmp_path / "o.bin"])
+    assert "carries its own weights" in error_of(capsys, [folder / "best.npz", "--weights", tmp_path / "w.npz",
+                                                          "-o", tmp_path / "o.bin"])
+    (tmp_path / "broken.npz").write_bytes((folder / "best.npz").read_bytes()[:200])
+    assert "broken.npz" in error_of(capsys, [tmp_path / "broken.npz", "-o", tmp_path / "o.bin"])
+    assert not (tmp_path / "o.bin").exists()
