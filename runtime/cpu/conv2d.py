@@ -43,7 +43,7 @@ from lnn.runtime.cpu.padding import padded, padded_buffer
 DIRECT_MAX_TAPS = 32
 NO_POOL = ((1, 1), (1, 1), (0, 0))      # a 1x1 window: kernel_size, stride, padding
 NO_POOL_WINDOW = (1, 1, 1, 1, 0, 0)     # the same, as the kernels' (KH, KW, SH, SW, PH, PW)
-# Rows of output run through columns -> product -> output in bands of about this many columns-matrix bytes.
+# Columns -> product -> output run in bands of about this many bytes of cols + acc (half an L2 of 2 MiB).
 CHUNK_BYTES = 1024 * 1024
 
 
