@@ -2,20 +2,28 @@
 
     lnn-summary examples/reference/mnist_cnn.json
     lnn-summary model.bin --batch 64
+    lnn-summary mnist_cnn.json --max-batch --memory 6GiB
 
 Per layer: output shape, parameters, FLOPs per image (a multiply-add counts 2) and activation bytes
 at the batch size. Then totals, and memory estimates at that batch for inference and for training
-with SGD (momentum) and Adam; the footer states the formula. A .bin also shows its metadata.
+with SGD (momentum) and Adam; the footer states the formula. Next to it, the training memory of the
+real plan lnn-train would build (pooled activations against their naive sum, parameters, gradients,
+the description's optimizer state), computed without allocating. --max-batch --memory SIZE answers
+the largest batch whose planned training memory fits a card of SIZE, keeping 10% of the card and
+300 MiB (CUDA context, library workspaces) free. Sizes: 512MB, 6GB (decimal: 6 x 10^9 bytes) or
+6GiB (binary: 6 x 2^30 bytes). A .bin or an lnn-train checkpoint also works as MODEL.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import re
 import sys
 from collections import Counter
 
-from lnn.formats.errors import LnnInputError
+from lnn.formats.errors import LnnError, LnnInputError
 from lnn.formats.model import FLOAT_BYTES, Model
 from lnn.formats.ops import get_op
 from lnn.tools.cli import command_parser, human_bytes, human_flops, read_model_source, run_command
@@ -29,13 +37,97 @@ estimate (float32): inference = P + max_i(A[i-1] + A[i]);
   S = optimizer state (SGD momentum 1x, Adam 2x the trainable parameters), A[i] = bytes of layer i's output
   at the batch size (A[0] the input), all saved for the backward pass; max_i(A[i-1] + A[i]) is the largest
   pair of live activations (and of activation gradients). Workspace buffers of a backend are not included."""
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+CARD_RESERVE_FRACTION = 0.10            # of the card, kept free by --max-batch (fragmentation, other processes)
+CARD_RESERVE_BYTES = 300 * 2**20        # also kept free: the CUDA context and library workspaces
+LARGEST_BATCH_TRIED = 2**24
 
 
 def build_parser():
     parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("source", metavar="MODEL", help="a JSON model description or a .bin")
     parser.add_argument("--batch", type=int, default=1, metavar="N", help="batch size for activation and memory figures (default 1)")
+    parser.add_argument("--max-batch", action="store_true",
+                        help="print the largest training batch whose planned memory fits a card of --memory SIZE")
+    parser.add_argument("--memory", type=parse_size, metavar="SIZE",
+                        help="the card's memory for --max-batch: e.g. 6GB (10^9 bytes each), 6GiB (2^30), 512MB")
     return parser
+
+
+def parse_size(text: str) -> int:
+    """'6GB' -> 6_000_000_000, '6GiB' -> 6 * 2**30, '1.5 GB', '512MB' (units case-insensitive); argparse type."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*", text)
+    unit = match and match.group(2).upper()
+    if not match or unit not in SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write a number and a unit, e.g. 6GB (10^9 bytes), "
+                                         f"6GiB (2^30 bytes), 512MB")
+    size = int(float(match.group(1)) * SIZE_UNITS[unit])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be more than 0 bytes")
+    return size
+
+
+def usable_card_bytes(card: int) -> int:
+    """What --max-batch lets a training plan use on a card of `card` bytes (see CARD_RESERVE_*)."""
+    return int(card * (1 - CARD_RESERVE_FRACTION)) - CARD_RESERVE_BYTES
+
+
+def planned_peak(model: Model, batch: int) -> int:
+    from lnn.train.plan import plan_memory      # only here: the rest of lnn-summary does not need lnn.train
+
+    return plan_memory(model, batch)["peak"]
+
+
+def largest_batch(model: Model, usable: int) -> int:
+    """The largest batch whose planned training memory is at most `usable` bytes (0 when batch 1 does not fit)."""
+    if planned_peak(model, 1) > usable:
+        return 0
+    fits, too_big = 1, 2
+    while planned_peak(model, too_big) <= usable:         # double until it does not fit
+        fits, too_big = too_big, too_big * 2
+        if too_big > LARGEST_BATCH_TRIED:
+            return fits
+    while too_big - fits > 1:                             # then halve the gap
+        middle = (fits + too_big) // 2
+        fits, too_big = (middle, too_big) if planned_peak(model, middle) <= usable else (fits, middle)
+    return fits
+
+
+def plan_lines(model: Model, batch: int) -> list:
+    """The training memory of the real plan (lnn.train) at `batch`, line by line."""
+    from lnn.train.plan import plan_memory
+
+    try:
+        report = plan_memory(model, batch)
+    except LnnError as err:
+        return [f"training plan at batch {batch}: not available ({err})"]
+    optimizer = model.optimizer["type"]
+    parts = [("activations and their gradients, pooled", report["activations_pooled"]),
+             ("parameters", report["params"]), ("batch-norm running statistics", report["running_stats"]),
+             ("gradients", report["grads"]), (f"optimizer state ({optimizer})", report["optimizer_state"]),
+             ("batch data (uint8 images, int64 labels)", report["batch_data"]), ("total", report["peak"])]
+    width = max(len(what) for what, _ in parts)
+    naive, pooled = report["activations_naive"], report["activations_pooled"]
+    lines = [f"training memory of the plan lnn-train builds, at batch {batch} (float32, {optimizer} from the description):"]
+    lines += [f"  {what:<{width}}  {human_bytes(size):>10}  ({size:,} bytes)" for what, size in parts]
+    lines.append(f"  pooled activations {human_bytes(pooled)} against a naive sum of {human_bytes(naive)} "
+                 f"({naive:,} bytes): {naive / max(pooled, 1):.1f}x less")
+    return lines
+
+
+def max_batch_lines(model: Model, card: int) -> list:
+    usable = usable_card_bytes(card)
+    margin = (f"a card of {card:,} bytes ({human_bytes(card)}), keeping {CARD_RESERVE_FRACTION:.0%} of it and "
+              f"{human_bytes(CARD_RESERVE_BYTES)} (CUDA context, workspaces) free: {max(usable, 0):,} bytes for training")
+    if usable <= 0:
+        raise LnnInputError(f"{margin.split(':')[0]} leaves nothing for training")
+    batch = largest_batch(model, usable)
+    if batch == 0:
+        raise LnnInputError(f"batch 1 needs {planned_peak(model, 1):,} bytes of training memory; {margin}")
+    capped = " (the largest tried; it may fit more)" if batch == LARGEST_BATCH_TRIED else ""
+    return [f"largest training batch: {batch}{capped}, planned {human_bytes(planned_peak(model, batch))} "
+            f"({planned_peak(model, batch):,} bytes)", f"  on {margin}"]
 
 
 def layer_type(node) -> str:
@@ -103,6 +195,9 @@ def summarize(args) -> int:
     if args.batch < 1:
         raise LnnInputError(f"--batch must be at least 1, not {args.batch}")
     model, bin_model = read_model_source(args.source)
+    if args.max_batch:
+        print("\n".join(max_batch_lines(model, args.memory)))
+        return 0
     batch = args.batch
     flops = sum(node.flops for node in model.nodes)
     activation_sum = sum(node.activation_bytes for node in model.nodes) * batch
@@ -123,11 +218,20 @@ def summarize(args) -> int:
     for what, size in estimates.items():
         print(f"  {what:<{width}}  {human_bytes(size):>10}  ({size:,} bytes)")
     print(FORMULA)
+    print()
+    print("\n".join(plan_lines(model, batch)))
     return 0
 
 
 def main(argv=None) -> int:
-    return run_command(build_parser(), summarize, argv)
+    parser = build_parser()
+
+    def checked_summary(args) -> int:
+        if args.max_batch != (args.memory is not None):
+            parser.error("--max-batch and --memory SIZE go together (e.g. --max-batch --memory 6GB)")
+        return summarize(args)
+
+    return run_command(parser, checked_summary, argv)
 
 
 if __name__ == "__main__":

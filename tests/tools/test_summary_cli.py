@@ -6,10 +6,13 @@ import json
 import pytest
 
 import lnn
+from lnn.tools.cli import human_bytes
 from cli_helpers import assert_one_line_error, reference_bin, run_command  # noqa: F401 (reference_bin: fixture)
 from conftest import EXAMPLES
 from lnn.formats.model import load_model
-from lnn.tools.summary import main, memory_estimates
+from lnn.tools.summary import (CARD_RESERVE_BYTES, CARD_RESERVE_FRACTION, main, memory_estimates, parse_size,
+                               usable_card_bytes)
+from lnn.train.plan import plan_memory
 
 MNIST_CNN = EXAMPLES / "reference" / "mnist_cnn.json"
 # mnist_cnn by hand: conv1 28*28*32*(1*9)*2, conv2 14*14*64*(32*9)*2, fc1 3136*128*2, fc2 128*10*2
@@ -59,6 +62,35 @@ def test_batchnorm_statistics_get_no_gradient_or_optimizer_state(tmp_path):
     assert estimates["training, Adam"] - estimates["training, SGD (momentum)"] == trainable
 
 
+def test_training_memory_of_the_real_plan_is_shown(capsys):
+    report = plan_memory(load_model(MNIST_CNN), 64)
+    out = summary_of(capsys, MNIST_CNN, "--batch", 64)
+    assert "training memory of the plan lnn-train builds, at batch 64 (float32, sgd" in out
+    for key in ("activations_pooled", "params", "grads", "optimizer_state", "peak"):
+        assert f"({report[key]:,} bytes)" in out
+    assert f"naive sum of {human_bytes(report['activations_naive'])} ({report['activations_naive']:,} bytes)" in out
+    assert report["activations_pooled"] < report["activations_naive"]
+
+
+@pytest.mark.parametrize("text, size", [("6GB", 6 * 10**9), ("6GiB", 6 * 2**30), ("512MB", 512 * 10**6),
+                                        ("1.5 gib", 3 * 2**29), ("300MiB", 300 * 2**20), ("80kb", 80_000)])
+def test_sizes_are_decimal_for_gb_and_binary_for_gib(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("name, memory", [("mnist_cnn", "6GB"), ("leaf_cnn", "6GiB"), ("mnist_mlp", "512MB")])
+def test_max_batch_fits_and_one_more_does_not(name, memory, capsys):
+    model = load_model(EXAMPLES / "reference" / f"{name}.json")
+    card = parse_size(memory)
+    out = summary_of(capsys, EXAMPLES / "reference" / f"{name}.json", "--max-batch", "--memory", memory)
+    batch = int(out.split("largest training batch: ")[1].split(",")[0])
+    usable = int(card * (1 - CARD_RESERVE_FRACTION)) - CARD_RESERVE_BYTES       # the stated margin, by hand
+    assert usable == usable_card_bytes(card)
+    assert plan_memory(model, batch)["peak"] <= usable < plan_memory(model, batch + 1)["peak"]
+    assert f"keeping 10% of it and 300.0 MiB (CUDA context, workspaces) free: {usable:,} bytes" in out
+    assert f"a card of {card:,} bytes" in out
+
+
 def test_bin_shows_metadata(reference_bin, tmp_path, capsys):
     from lnn.tools.export import main as export_main
 
@@ -79,6 +111,12 @@ def test_bin_shows_metadata(reference_bin, tmp_path, capsys):
     ("image", "cannot read the model description", 1),
     ("batch_zero", "--batch must be at least 1", 1),
     ("batch_text", "invalid int value", 2),
+    ("size_no_unit", "'6' is not a size", 2),
+    ("size_bad_unit", "'6gigs' is not a size", 2),
+    ("size_zero", "more than 0 bytes", 2),
+    ("memory_without_max_batch", "--max-batch and --memory SIZE go together", 2),
+    ("card_too_small", "leaves nothing for training", 1),
+    ("batch_1_too_big", "batch 1 needs", 1),
 ])
 def test_bad_input_is_one_line(tmp_path, case, fragment, status):
     source, extra = tmp_path / "absent.json", []
@@ -92,6 +130,15 @@ def test_bad_input_is_one_line(tmp_path, case, fragment, status):
         source, extra = MNIST_CNN, ["--batch", "0"]
     elif case == "batch_text":
         source, extra = MNIST_CNN, ["--batch", "many"]
+    elif case.startswith("size_"):
+        size = {"size_no_unit": "6", "size_bad_unit": "6gigs", "size_zero": "0GB"}[case]
+        source, extra = MNIST_CNN, ["--max-batch", "--memory", size]
+    elif case == "memory_without_max_batch":
+        source, extra = MNIST_CNN, ["--memory", "6GB"]
+    elif case == "card_too_small":
+        source, extra = MNIST_CNN, ["--max-batch", "--memory", "300MiB"]
+    elif case == "batch_1_too_big":
+        source, extra = EXAMPLES / "reference" / "leaf_cnn.json", ["--max-batch", "--memory", "335MiB"]
     result = run_command("summary", source, *extra)
     assert result.returncode == status and result.stdout == ""
     assert_one_line_error(result.stderr, "lnn-summary", fragment)
