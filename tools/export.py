@@ -17,7 +17,6 @@ and linear weight matrices as float16 (biases and batch-norm statistics stay flo
 from __future__ import annotations
 
 import sys
-import zipfile
 from collections import Counter
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from lnn.formats.binfile import build_metadata, check_weights, fp16_dtypes, write_bin
 from lnn.formats.errors import LnnInputError
+from lnn.formats.npz import NPZ_READ_ERRORS, open_npz
 from lnn.formats.model import Model
 from lnn.tools.cli import (command_parser, human_bytes, is_npz_file, read_checkpoint_source, read_model_source,
                            run_command)
@@ -45,17 +45,7 @@ def build_parser():
 
 def load_weights(path: str | Path, model: Model) -> dict:
     """Read an .npz of named arrays; drop batch norm's num_batches_tracked; refuse non-numeric arrays."""
-    path = Path(path)
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise LnnInputError(f"{path}: no such weights file") from None
-    except IsADirectoryError:
-        raise LnnInputError(f"{path}: is a folder, not a weights file") from None
-    except (ValueError, EOFError, zipfile.BadZipFile, OSError):
-        raise LnnInputError(f"{path}: not a NumPy .npz archive of named weight arrays") from None
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise LnnInputError(f"{path}: holds a single array (.npy), not an .npz archive of named weight arrays")
+    archive = open_npz(path, "weights file", "a NumPy .npz archive of named weight arrays", LnnInputError)
     ignored = {f"{node.name}.{key}" for node in model.nodes if node.op == "batchnorm" for key in IGNORED_BATCHNORM_KEYS}
     weights = {}
     with archive:
@@ -64,7 +54,7 @@ def load_weights(path: str | Path, model: Model) -> dict:
                 continue
             try:
                 array = archive[key]
-            except (ValueError, EOFError, zipfile.BadZipFile, OSError) as err:
+            except NPZ_READ_ERRORS as err:
                 raise LnnInputError(f"{path}: cannot read array {key!r} ({err}); the archive is damaged") from None
             if array.dtype.kind not in "fiu":
                 raise LnnInputError(f"{path}: {key} has dtype {array.dtype}, not numbers")

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import io
 import json
-import zipfile
-from pathlib import Path
 
 import numpy as np
 
 from lnn.formats.binfile import build_metadata, write_atomic, write_bin
 from lnn.formats.errors import LnnFormatError, ModelSpecError
+from lnn.formats.npz import NPZ_READ_ERRORS, open_npz
 from lnn.formats.model import Model, parse_model
 
 FORMAT, VERSION = "lnn-checkpoint", 1
@@ -45,17 +44,7 @@ def save_checkpoint(path, meta: dict, weights: dict, optimizer_state: dict) -> N
 
 def read_checkpoint(path) -> tuple[dict, dict, dict]:
     """-> (meta, weights, optimizer_state); a damaged or foreign file gives one LnnFormatError line."""
-    path = Path(path)
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise LnnFormatError(f"{path}: no such checkpoint file") from None
-    except IsADirectoryError:
-        raise LnnFormatError(f"{path}: is a folder, not a checkpoint") from None
-    except (ValueError, EOFError, OSError, zipfile.BadZipFile):
-        raise LnnFormatError(f"{path}: not an lnn checkpoint (not a readable .npz archive)") from None
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise LnnFormatError(f"{path}: not an lnn checkpoint (a single .npy array)")
+    archive = open_npz(path, "checkpoint file", "an lnn checkpoint", LnnFormatError)
     try:
         with archive:
             if "meta" not in archive.files:
@@ -63,7 +52,7 @@ def read_checkpoint(path) -> tuple[dict, dict, dict]:
             meta = json.loads(archive["meta"].tobytes().decode("utf-8"))
             weights = {k[2:]: archive[k] for k in archive.files if k.startswith("w/")}
             optimizer_state = {k[4:]: archive[k] for k in archive.files if k.startswith("opt/")}
-    except (ValueError, EOFError, OSError, zipfile.BadZipFile, UnicodeDecodeError):
+    except (*NPZ_READ_ERRORS, UnicodeDecodeError):
         raise LnnFormatError(f"{path}: the checkpoint is damaged (an entry cannot be read)") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise LnnFormatError(f"{path}: not an lnn checkpoint (meta format is not {FORMAT!r})")
