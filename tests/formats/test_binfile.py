@@ -10,7 +10,7 @@ import json
 import re
 import struct
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
