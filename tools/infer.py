@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 import lnn
-from lnn.formats.errors import LnnError, LnnInputError
+from lnn.formats.errors import LnnInputError
 from lnn.tools.cli import command_parser, error_line, run_command
 
 PROG = "lnn-infer"
@@ -160,10 +160,7 @@ def load_session(model: str | None, device: str, threads: int | None):
             raise LnnInputError(f"no bundled default model found ({DEFAULT_MODEL}); pass --model M.bin")
         model = DEFAULT_MODEL
     backend_options = {"threads": threads} if threads is not None and device == "cpu" else {}
-    try:
-        session = lnn.load(model, device=device, **backend_options)
-    except ImportError as err:
-        raise LnnError(f"the {device} backend is not available here ({err}); try --device numpy") from None
+    session = lnn.load(model, device=device, **backend_options)      # an unavailable backend is one LnnError
     if session.model.preprocess is None:
         raise LnnInputError(f"{model}: model {session.model.name!r} takes no images "
                             f"(input shape {list(session.input_shape)})")
