@@ -62,6 +62,11 @@ def choose_device(requested: str, image_count: int) -> str:
     return resolve_device(requested)
 
 
+def images_in_folder(folder: Path) -> list:
+    """The folder's image files (by suffix), sorted by name; sub-folders are not searched."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
 def expand_inputs(inputs: list) -> tuple[list, int]:
     """Folders become their image files (sorted by name); other paths pass through to be read.
 
@@ -70,7 +75,7 @@ def expand_inputs(inputs: list) -> tuple[list, int]:
     for given in inputs:
         path = Path(given)
         if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            found = images_in_folder(path)
             if not found:
                 error_line(PROG, f"{path}: the folder holds no image files ({', '.join(IMAGE_SUFFIXES)})")
                 failures += 1
