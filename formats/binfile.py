@@ -10,6 +10,9 @@ starting on an `alignment`-byte boundary. All integers little-endian.
 
 `read_bin(path)` checks every rule in one linear pass and raises LnnFormatError with a message
 saying what is wrong; tensors come back as read-only NumPy views into one mmap.
+
+Tensors are stored as float32, float16 (`--fp16`) or int8 with a float32 scale per output channel
+(`--int8`, formats/quantize.py); `BinModel.weights_fp32()` widens and dequantizes them for computing.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnFormatError, ModelSpecError
 from lnn.formats.model import Model, parse_model
+from lnn.formats.quantize import QMAX, dequantize, quantize_per_channel, scale_key
 from lnn.version import __version__
 
 MAGIC = b"\x89LNN\r\n\x1a\n"
@@ -42,7 +46,8 @@ MIN_ALIGNMENT, MAX_ALIGNMENT = 8, 65536
 
 # flags_required: a reader that does not know a set bit must refuse the file.
 FLAG_FP16 = 1 << 0
-KNOWN_REQUIRED_FLAGS = FLAG_FP16
+FLAG_INT8 = 1 << 1
+KNOWN_REQUIRED_FLAGS = FLAG_FP16 | FLAG_INT8
 # flags_optional: unknown bits are ignored. None are defined in 1.0.
 
 HEADER = struct.Struct("<8sHHIIIIIII" + "QQ" "QQ" "Q" "QQ" "QQ" "Q" + "II")
@@ -50,9 +55,12 @@ TENSOR_ENTRY = struct.Struct("<QIBBBB6IQQQ")
 TENSOR_ENTRY_SIZE = TENSOR_ENTRY.size
 assert HEADER.size == HEADER_SIZE and TENSOR_ENTRY_SIZE == 64
 
-DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2")}
-DTYPE_CODES = {np.dtype("<f4"): 1, np.dtype("<f2"): 2}
+DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2"), 3: np.dtype("i1")}
+DTYPE_CODES = {np.dtype("<f4"): 1, np.dtype("<f2"): 2, np.dtype("i1"): 3}
+INT8 = np.dtype("i1")
 QUANT_NONE = 0
+QUANT_INT8_PER_CHANNEL = 1        # symmetric, one float32 scale per index of axis 0, in tensor `<name>.scale`
+QUANT_CODES = (QUANT_NONE, QUANT_INT8_PER_CHANNEL)
 MAX_NDIM = 6
 MAX_TENSORS = 65536
 MAX_NAME_BYTES = 1024
@@ -70,19 +78,28 @@ class BinModel:
 
     path: Path
     model: Model
-    tensors: dict            # key -> read-only np.ndarray as stored (float32 or float16)
+    tensors: dict            # key -> read-only np.ndarray as stored (float32, float16, or int8 plus `<key>.scale`)
     metadata: dict
     version: tuple
     alignment: int
     _mmap: object = None     # keeps the mapping alive as long as the views
 
     def weights_fp32(self) -> dict:
-        """Every tensor as float32 (fp32 ones are the zero-copy views themselves)."""
-        return {k: v if v.dtype == np.float32 else v.astype(np.float32) for k, v in self.tensors.items()}
+        """Every parameter as float32: fp32 ones are the zero-copy views themselves, float16 ones are
+        widened, int8 ones dequantized with their scales (which are not parameters themselves)."""
+        weights = {}
+        for key in self.model.param_shapes():
+            stored = self.tensors[key]
+            if stored.dtype == INT8:
+                weights[key] = dequantize(stored, self.tensors[scale_key(key)])
+            else:
+                weights[key] = stored if stored.dtype == np.float32 else stored.astype(np.float32)
+        return weights
 
     @property
     def stored_dtypes(self) -> dict:
-        return {k: v.dtype.name for k, v in self.tensors.items()}
+        """Parameter key -> stored dtype name ("float32", "float16", "int8"); scale tensors are not listed."""
+        return {key: self.tensors[key].dtype.name for key in self.model.param_shapes()}
 
 
 # --------------------------------------------------------------------------- writing
@@ -113,13 +130,23 @@ def graph_of(model: Model) -> dict:
     return {key: desc[key] for key in ("name", "input_shape", "layers", "loss", "optimizer", "training") if key in desc}
 
 
-def fp16_dtypes(model: Model) -> dict:
-    """The `--fp16` policy: multi-dimensional `weight` tensors (linear and conv kernels) as float16.
+def compressed_weights(model: Model) -> list:
+    """The keys `--fp16` and `--int8` compress: multi-dimensional `weight` tensors (linear and conv kernels).
 
     Biases and batch-norm tensors (weight, bias, running_mean, running_var: all 1-D) stay float32:
     they are a tiny share of the bytes, and a variance near eps loses its meaning in fp16."""
-    return {node.param_key(param): "float16" for node in model.nodes
-            for param, shape in node.param_shapes.items() if param == "weight" and len(shape) >= 2}
+    return [node.param_key(param) for node in model.nodes
+            for param, shape in node.param_shapes.items() if param == "weight" and len(shape) >= 2]
+
+
+def fp16_dtypes(model: Model) -> dict:
+    """The `--fp16` policy: the compressed weights (see compressed_weights) as float16."""
+    return {key: "float16" for key in compressed_weights(model)}
+
+
+def int8_dtypes(model: Model) -> dict:
+    """The `--int8` policy: the compressed weights as int8 with a float32 scale per output channel."""
+    return {key: "int8" for key in compressed_weights(model)}
 
 
 def _json_bytes(obj) -> bytes:
@@ -131,10 +158,29 @@ def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+def _split_quantized(model: Model, weights: dict) -> tuple:
+    """(parameters, {key: scale}): an int8 parameter comes with its `<key>.scale` (as a loaded int8 .bin
+    holds them); this separates the scales from the parameters and checks each pair."""
+    scales = {key: weights[scale_key(key)] for key in model.param_shapes() if scale_key(key) in weights}
+    params = {k: v for k, v in weights.items() if k not in {scale_key(key) for key in scales}}
+    for key, scale in scales.items():
+        q, scale = np.asarray(params.get(key)), np.asarray(scale)
+        if q.dtype != INT8:
+            raise ModelSpecError(f"weights: {scale_key(key)} is given but {key} is {q.dtype}, not int8")
+        if scale.shape != q.shape[:1] or scale.dtype != np.float32 or not np.all(scale > 0) or q.ndim < 2:
+            raise ModelSpecError(f"weights: {scale_key(key)} must be float32 [{len(q)}] and positive, one scale per "
+                                 f"output channel of {key} (shape {list(q.shape)})")
+        if np.any(q == -QMAX - 1):
+            raise ModelSpecError(f"weights: {key} holds -128; int8 weights are symmetric, -127 to 127")
+    return params, scales
+
+
 def _stored_arrays(model: Model, weights: dict, dtypes: dict) -> list:
-    """(key, little-endian contiguous array) in the model's parameter order, converted to `dtypes`."""
+    """(key, little-endian contiguous array) in the model's parameter order, converted to `dtypes`;
+    each int8 tensor is followed by its float32 scale tensor `<key>.scale`."""
     expected = model.param_shapes()
-    check_weights(expected, weights)
+    params, scales = _split_quantized(model, weights)
+    check_weights(expected, params)
     unknown = sorted(set(dtypes) - set(expected))
     if unknown:
         raise ValueError(f"dtypes: {unknown[0]!r} is not a parameter of the model")
@@ -142,9 +188,18 @@ def _stored_arrays(model: Model, weights: dict, dtypes: dict) -> list:
     for key in expected:                                    # layer order, as the model lists them
         dtype_name = dtypes.get(key, "float32")
         if np.dtype(dtype_name) not in DTYPE_CODES:
-            raise ValueError(f"dtypes: {key} as {dtype_name!r}; a .bin v1 stores float32 or float16")
+            raise ValueError(f"dtypes: {key} as {dtype_name!r}; a .bin v1 stores float32, float16 or int8")
+        value = params[key]
+        if np.dtype(dtype_name) == INT8:
+            if len(expected[key]) < 2:
+                raise ValueError(f"dtypes: {key} as int8; int8 is per output channel, for tensors of 2 or more dimensions")
+            q, scale = (value, scales[key]) if key in scales else quantize_per_channel(value)
+            out += [(key, np.ascontiguousarray(q)), (scale_key(key), np.ascontiguousarray(scale, dtype="<f4"))]
+            continue
+        if key in scales:                                   # stored int8, now wanted as a float type
+            value = dequantize(value, scales[key])
         with np.errstate(over="ignore"):                    # overflow to fp16 infinity is refused just below
-            array = np.ascontiguousarray(weights[key], dtype=np.dtype(dtype_name).newbyteorder("<"))
+            array = np.ascontiguousarray(value, dtype=np.dtype(dtype_name).newbyteorder("<"))
         if not np.all(np.isfinite(array)):
             raise ModelSpecError(f"weights: {key} has values beyond the float16 range (±65504); keep it float32")
         out.append((key, array))
@@ -155,9 +210,12 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
                alignment: int = DEFAULT_ALIGNMENT) -> bytes:
     """Serialize a model into .bin v1 bytes.
 
-    `weights` must hold exactly the model's parameters (keys `<layer name>.<param>`), finite.
-    `dtypes` maps a key to "float16" or "float32" (default float32); `fp16_dtypes(model)` is the
-    `--fp16` choice. The metadata is checked by the reader's own rules, so what this writes loads."""
+    `weights` must hold exactly the model's parameters (keys `<layer name>.<param>`), finite; an int8
+    parameter comes with its float32 scales `<key>.scale` (what a loaded int8 .bin's tensors hold).
+    `dtypes` maps a key to "float32" (the default), "float16" or "int8"; `fp16_dtypes(model)` and
+    `int8_dtypes(model)` are the `--fp16` and `--int8` choices. Float weights asked for as int8 are
+    quantized per output channel (formats/quantize.py). The metadata is checked by the reader's own
+    rules, so what this writes loads."""
     if alignment < MIN_ALIGNMENT or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
         raise ValueError(f"alignment {alignment} is not a power of two between {MIN_ALIGNMENT} and {MAX_ALIGNMENT}")
     stored = _stored_arrays(model, weights, dtypes or {})
@@ -178,12 +236,14 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
 
     entries, chunks, running, name_running, flags = [], [], 0, 0, 0
     for name, (_, array) in zip(names, stored):
-        code = DTYPE_CODES[array.dtype]
-        if code == 2:
+        if array.dtype == np.float16:
             flags |= FLAG_FP16
+        elif array.dtype == INT8:
+            flags |= FLAG_INT8
+        quant = QUANT_INT8_PER_CHANNEL if array.dtype == INT8 else QUANT_NONE
         shape = list(array.shape) + [0] * (MAX_NDIM - array.ndim)
-        entries.append(TENSOR_ENTRY.pack(name_running, len(name), code, QUANT_NONE, array.ndim, 0, *shape,
-                                         running, array.nbytes, 0))
+        entries.append(TENSOR_ENTRY.pack(name_running, len(name), DTYPE_CODES[array.dtype], quant, array.ndim, 0,
+                                         *shape, running, array.nbytes, 0))
         padded = _align(array.nbytes, alignment)
         chunks.append(array.tobytes() + bytes(padded - array.nbytes))
         running += padded
@@ -361,8 +421,9 @@ def _parse(path: Path, buf: memoryview, keep_alive) -> BinModel:
     metadata = _read_json(buf, meta_offset, meta_size, "metadata JSON")
     entries = _read_tensor_table(buf, count, entry_size, table_offset, string_offset, string_size,
                                  data_offset, data_size, alignment)
-    if any(entry.dtype == np.float16 for entry in entries) != bool(flags_required & FLAG_FP16):   # rule 39
-        raise LnnFormatError("the fp16 flag in flags_required does not match the stored tensor types")
+    for flag, dtype, what in ((FLAG_FP16, np.float16, "fp16"), (FLAG_INT8, INT8, "int8")):
+        if any(entry.dtype == dtype for entry in entries) != bool(flags_required & flag):   # rule 39
+            raise LnnFormatError(f"the {what} flag in flags_required does not match the stored tensor types")
     model = _model_from(graph, metadata)
     _check_entries_match(model, entries)
     tensors = {}
@@ -373,6 +434,7 @@ def _parse(path: Path, buf: memoryview, keep_alive) -> BinModel:
         array = array.reshape(entry.shape)
         array.flags.writeable = False
         tensors[entry.name] = array
+    _check_int8(entries, tensors)
     return BinModel(path, model, tensors, metadata, (major, minor), alignment, keep_alive)
 
 
@@ -424,6 +486,7 @@ class _Entry:
 
     name: str
     dtype: np.dtype
+    quant: int
     shape: tuple
     start: int
 
@@ -451,8 +514,8 @@ def _read_tensor_table(buf, count, entry_size, table_offset, string_offset, stri
             raise LnnFormatError(f"{where}: the name appears twice")
         names.add(name)
         if dtype_code not in DTYPES:                                                 # rule 27
-            raise LnnFormatError(f"{where}: unknown dtype code {dtype_code} (1 is float32, 2 is float16)")
-        if quant != QUANT_NONE:                                                      # rule 28
+            raise LnnFormatError(f"{where}: unknown dtype code {dtype_code} (1 is float32, 2 is float16, 3 is int8)")
+        if quant not in QUANT_CODES:                                                 # rule 28
             raise LnnFormatError(f"{where}: unknown quantization code {quant}")
         if reserved8 or reserved64 or any(bytes(buf[entry_start + TENSOR_ENTRY_SIZE:entry_start + entry_size])):  # rule 29
             raise LnnFormatError(f"{where}: reserved fields are not zero")
@@ -477,7 +540,7 @@ def _read_tensor_table(buf, count, entry_size, table_offset, string_offset, stri
         start = data_offset + offset
         if any(bytes(buf[start + nbytes:start + padded])):                           # rule 36
             raise LnnFormatError(f"{where}: padding after the data is not zero")
-        entries.append(_Entry(name, dtype, shape, start))
+        entries.append(_Entry(name, dtype, quant, shape, start))
         running += padded
     if name_running != string_size:                                                  # rule 37
         raise LnnFormatError(f"string table is {string_size} bytes but the names use {name_running}")
@@ -521,8 +584,12 @@ def _model_from(graph: dict, metadata: dict) -> Model:
 
 
 def _check_entries_match(model: Model, entries: list) -> None:
-    expected = model.param_shapes()
     stored = {entry.name: entry for entry in entries}
+    expected = {}                     # the graph's parameters, each int8 one followed by its scales
+    for key, shape in model.param_shapes().items():
+        expected[key] = shape
+        if key in stored and stored[key].dtype == INT8:
+            expected[scale_key(key)] = tuple(shape[:1])
     for key, shape in expected.items():
         if key not in stored:                                                        # rule 47
             raise LnnFormatError(f"the graph needs tensor {key!r} (shape {list(shape)}) but the file has none")
@@ -533,3 +600,23 @@ def _check_entries_match(model: Model, entries: list) -> None:
         raise LnnFormatError(f"tensor {extra[0]!r} belongs to no layer of the graph")
     if list(stored) != list(expected):                                               # rule 50
         raise LnnFormatError("tensors are not stored in the graph's layer order")
+
+
+def _check_int8(entries: list, tensors: dict) -> None:
+    """The int8 rules, once every tensor is in place: codes, scales, range."""
+    for entry in entries:
+        if (entry.dtype == INT8) != (entry.quant == QUANT_INT8_PER_CHANNEL):         # rule 52
+            raise LnnFormatError(f"tensor {entry.name!r}: quantization code {entry.quant} with dtype "
+                                 f"{entry.dtype.name} (int8 tensors, and only they, have code 1)")
+        if entry.dtype != INT8:
+            continue
+        if len(entry.shape) < 2:                                                     # rule 53
+            raise LnnFormatError(f"tensor {entry.name!r}: int8 with {len(entry.shape)} dimension; int8 is per "
+                                 "output channel, for tensors of 2 or more dimensions")
+        scale = tensors[scale_key(entry.name)]
+        if scale.dtype != np.float32:                                                # rule 54
+            raise LnnFormatError(f"tensor {scale_key(entry.name)!r}: scales are float32, not {scale.dtype.name}")
+        if not (scale > 0).all():                                                    # rule 55
+            raise LnnFormatError(f"tensor {scale_key(entry.name)!r}: a scale is zero or negative")
+        if (tensors[entry.name] == -QMAX - 1).any():                                 # rule 56
+            raise LnnFormatError(f"tensor {entry.name!r}: holds -128; int8 weights are symmetric, -127 to 127")

@@ -18,8 +18,8 @@ import pytest
 
 from conftest import EXAMPLES, REPO
 from lnn.formats import binfile
-from lnn.formats.binfile import (BinModel, build_metadata, encode_bin, fp16_dtypes, graph_of, parse_bin_bytes,
-                                 read_bin, write_bin)
+from lnn.formats.binfile import (BinModel, build_metadata, encode_bin, fp16_dtypes, graph_of, int8_dtypes,
+                                 parse_bin_bytes, read_bin, write_bin)
 from lnn.formats.errors import LnnFormatError, ModelSpecError
 from lnn.formats.model import load_model, parse_model
 
@@ -34,8 +34,9 @@ ENTRY_FIELDS = ("name_offset", "name_length", "dtype", "quant", "ndim", "reserve
                 "reserved64")
 ENTRY = struct.Struct("<Q I B B B B 6I Q Q Q".replace(" ", ""))
 MAGIC = b"\x89LNN\r\n\x1a\n"
-FLOAT32, FLOAT16 = 1, 2
-CODES = {np.dtype("float32"): FLOAT32, np.dtype("float16"): FLOAT16}
+FLOAT32, FLOAT16, INT8 = 1, 2, 3
+CODES = {np.dtype("float32"): FLOAT32, np.dtype("float16"): FLOAT16, np.dtype("int8"): INT8}
+FLAG_FP16, FLAG_INT8 = 1, 2
 
 
 def canonical(value) -> bytes:
@@ -78,13 +79,16 @@ def build(graph: bytes, meta: bytes, tensors: list, alignment=64, header_size=12
     data_offset = align(meta_offset + len(meta), alignment)
     entries, data, name_offset = [], b"", 0
     for t in tensors:
-        entries.append(dict(name_offset=name_offset, name_length=len(t.name), dtype=t.code, quant=0, ndim=len(t.shape),
+        entries.append(dict(name_offset=name_offset, name_length=len(t.name), dtype=t.code,
+                            quant=int(t.code == INT8), ndim=len(t.shape),
                             reserved8=0, shape=list(t.shape) + [0] * (6 - len(t.shape)), offset=len(data),
                             nbytes=len(t.raw), reserved64=0))
         data += t.raw + bytes(align(len(t.raw), alignment) - len(t.raw))
         name_offset += len(t.name)
     header = dict(magic=MAGIC, major=1, minor=0, header_size=header_size,
-                  flags_required=int(any(t.code == FLOAT16 for t in tensors)), flags_optional=0, endian=0x01020304,
+                  flags_required=(FLAG_FP16 * any(t.code == FLOAT16 for t in tensors)
+                                  | FLAG_INT8 * any(t.code == INT8 for t in tensors)),
+                  flags_optional=0, endian=0x01020304,
                   alignment=alignment, tensor_count=len(tensors), tensor_entry_size=entry_size,
                   graph_offset=graph_offset, graph_size=len(graph), meta_offset=meta_offset, meta_size=len(meta),
                   table_offset=header_size, string_offset=string_offset, string_size=len(strings),
@@ -158,6 +162,23 @@ def tiny_tensors(model, weights, dtypes=None) -> list:
     return out
 
 
+def int8_tensors(model, weights) -> list:
+    """The tiny model's tensors with conv.weight and fc.weight as int8, each followed by its scales
+    (SPEC.md's formula restated: scale = max|row| / 127, q = round(w / scale)). Indices: 0 conv.weight,
+    1 conv.weight.scale, 2 conv.bias, 3-6 bn, 7 fc.weight, 8 fc.weight.scale, 9 fc.bias."""
+    out = []
+    for t in tiny_tensors(model, weights):
+        if t.name in (b"conv.weight", b"fc.weight"):
+            rows = weights[t.name.decode()].reshape(t.shape[0], -1)
+            scale = (np.abs(rows).max(axis=1) / np.float32(127)).astype("<f4")
+            q = np.clip(np.rint(rows / scale[:, None]), -127, 127).astype("i1")
+            out += [Tensor(t.name, INT8, t.shape, q.tobytes()),
+                    Tensor(t.name + b".scale", FLOAT32, (t.shape[0],), scale.tobytes())]
+        else:
+            out.append(t)
+    return out
+
+
 def tiny_parts(model, weights, graph=None, meta=None, tensors=None, **layout) -> Parts:
     graph = canonical(graph_of(model)) if graph is None else graph
     meta = canonical(build_metadata(model)) if meta is None else meta
@@ -186,6 +207,13 @@ def test_fp16_writer_matches_the_spec_layout(tiny):
     parts = build(canonical(graph_of(model)), canonical(build_metadata(model)), tiny_tensors(model, weights, dtypes))
     assert parts.header["flags_required"] == 1
     assert encode_bin(model, weights, build_metadata(model), dtypes) == join(parts)
+
+
+def test_int8_writer_matches_the_spec_layout(tiny):
+    model, weights = tiny
+    parts = tiny_parts(model, weights, tensors=int8_tensors(model, weights))
+    assert parts.header["flags_required"] == FLAG_INT8
+    assert encode_bin(model, weights, build_metadata(model), int8_dtypes(model)) == join(parts)
 
 
 def test_crafted_good_file_loads(tiny):
@@ -296,6 +324,25 @@ def fp16_infinity_in_fc_weight(tensors):
     fc_weight.raw = np.full(fc_weight.shape, np.inf, "<f2").tobytes()
 
 
+def with_int8_tensors(change=lambda tensors: None):
+    """The tiny model with int8 conv and fc weights (see int8_tensors), its tensor list changed by `change`."""
+    def make(model, weights):
+        tensors = int8_tensors(model, weights)
+        change(tensors)
+        return tiny_parts(model, weights, tensors=tensors)
+    return make
+
+
+def set_tensor(index, **fields):
+    return lambda tensors: [setattr(tensors[index], key, value) for key, value in fields.items()]
+
+
+def int8_bias(tensors):
+    """conv.bias as int8 (with a conv.bias.scale after it): a 1-D int8 tensor."""
+    tensors[2:3] = [Tensor(b"conv.bias", INT8, (4,), bytes(4)),
+                    Tensor(b"conv.bias.scale", FLOAT32, (4,), np.ones(4, "<f4").tobytes())]
+
+
 def drop_field(key):
     def change(value):
         del value[key]
@@ -365,8 +412,8 @@ RULE_CASES = {
     25: [("name utf-8", patched(lambda p: setattr(p, "strings", b"\xff" + p.strings[1:])), r"tensor 0: name is not valid UTF-8")],
     26: [("duplicate name", patched(make=with_tensors(lambda t: setattr(t[1], "name", t[0].name))),
           r"tensor 1 \(conv.weight\): the name appears twice")],
-    27: [("dtype 3", patched(set_entry(0, dtype=3)), r"tensor 0 \(conv.weight\): unknown dtype code 3")],
-    28: [("quant 1", patched(set_entry(0, quant=1)), r"tensor 0 \(conv.weight\): unknown quantization code 1")],
+    27: [("dtype 4", patched(set_entry(0, dtype=4)), r"tensor 0 \(conv.weight\): unknown dtype code 4")],
+    28: [("quant 2", patched(set_entry(0, quant=2)), r"tensor 0 \(conv.weight\): unknown quantization code 2")],
     29: [("reserved byte", patched(set_entry(2, reserved8=1)), r"tensor 2 \(bn.weight\): reserved fields are not zero"),
          ("reserved u64", patched(set_entry(2, reserved64=1)), r"tensor 2 \(bn.weight\): reserved fields are not zero"),
          ("entry tail", patched(lambda p: p.entry_extras.__setitem__(3, b"\0" * 7 + b"\1"),
@@ -387,7 +434,10 @@ RULE_CASES = {
     37: [("string table", patched(extra_string_byte), r"string table is \d+ bytes but the names use \d+")],
     38: [("data section", patched(extra_data_block), r"data section is \d+ bytes but the tensors use \d+")],
     39: [("flag without fp16", patched(set_fp16_flag), r"fp16 flag in flags_required does not match"),
-         ("fp16 without flag", patched(make=fp16_without_flag), r"fp16 flag in flags_required does not match")],
+         ("fp16 without flag", patched(make=fp16_without_flag), r"fp16 flag in flags_required does not match"),
+         ("flag without int8", patched(set_header(flags_required=FLAG_INT8)), r"int8 flag in flags_required does not match"),
+         ("int8 without flag", patched(set_header(flags_required=0), make=with_int8_tensors()),
+          r"int8 flag in flags_required does not match")],
     40: [(f"no {key}", patched(make=with_meta(drop_field(key))), f"metadata lacks the required field '{key}'")
          for key in ("input", "preprocess", "labels", "producer", "producer_version")],
     41: [("unknown op", patched(make=with_graph(set_key(["layers", 0, "type"], "conv9d"))),
@@ -412,14 +462,36 @@ RULE_CASES = {
          ("version number", patched(make=with_meta(set_key(["producer_version"], 1))),
           r"metadata: producer_version must be a non-empty string")],
     47: [("missing tensor", patched(make=with_tensors(lambda t: setattr(t[7], "name", b"fc.biaz"))),
-          r"the graph needs tensor 'fc.bias' \(shape \[3\]\) but the file has none")],
+          r"the graph needs tensor 'fc.bias' \(shape \[3\]\) but the file has none"),
+         ("missing scale", patched(make=with_int8_tensors(lambda t: t.pop(1))),
+          r"the graph needs tensor 'conv.weight.scale' \(shape \[4\]\) but the file has none")],
     48: [("tensor shape", patched(make=with_tensors(lambda t: (setattr(t[7], "shape", (2,)), setattr(t[7], "raw", t[7].raw[:8])))),
-          r"tensor 'fc.bias' has shape \[2\], its layer expects \[3\]")],
+          r"tensor 'fc.bias' has shape \[2\], its layer expects \[3\]"),
+         ("scale shape", patched(make=with_int8_tensors(lambda t: (setattr(t[1], "shape", (3,)), setattr(t[1], "raw", t[1].raw[:12])))),
+          r"tensor 'conv.weight.scale' has shape \[3\], its layer expects \[4\]")],
     49: [("extra tensor", patched(make=with_tensors(lambda t: t.append(Tensor(b"ghost.weight", FLOAT32, (1,), bytes(4))))),
-          r"tensor 'ghost.weight' belongs to no layer of the graph")],
-    50: [("order", patched(make=with_tensors(swap_first_tensors)), r"tensors are not stored in the graph's layer order")],
+          r"tensor 'ghost.weight' belongs to no layer of the graph"),
+         ("scale of a float tensor", patched(make=with_tensors(lambda t: t.insert(1, Tensor(b"conv.weight.scale", FLOAT32, (4,), np.ones(4, "<f4").tobytes())))),
+          r"tensor 'conv.weight.scale' belongs to no layer of the graph")],
+    50: [("order", patched(make=with_tensors(swap_first_tensors)), r"tensors are not stored in the graph's layer order"),
+         ("scale after the bias", patched(make=with_int8_tensors(lambda t: t.insert(2, t.pop(1)))),
+          r"tensors are not stored in the graph's layer order")],
     51: [("nan", patched(make=with_tensors(nan_in_tensor)), r"tensor 'conv.weight' contains NaN or infinity"),
-         ("fp16 inf", patched(make=with_tensors(fp16_infinity_in_fc_weight)), r"tensor 'fc.weight' contains NaN or infinity")],
+         ("fp16 inf", patched(make=with_tensors(fp16_infinity_in_fc_weight)), r"tensor 'fc.weight' contains NaN or infinity"),
+         ("scale inf", patched(make=with_int8_tensors(set_tensor(8, raw=np.full(3, np.inf, "<f4").tobytes()))),
+          r"tensor 'fc.weight.scale' contains NaN or infinity")],
+    52: [("int8 with quant 0", patched(set_entry(0, quant=0), make=with_int8_tensors()),
+          r"tensor 'conv.weight': quantization code 0 with dtype int8"),
+         ("float32 with quant 1", patched(set_entry(1, quant=1)), r"tensor 'conv.bias': quantization code 1 with dtype float32")],
+    53: [("1-D int8", patched(make=with_int8_tensors(int8_bias)), r"tensor 'conv.bias': int8 with 1 dimension")],
+    54: [("float16 scales", patched(make=with_int8_tensors(set_tensor(1, code=FLOAT16, raw=np.ones(4, "<f2").tobytes()))),
+          r"tensor 'conv.weight.scale': scales are float32, not float16")],
+    55: [("zero scale", patched(make=with_int8_tensors(set_tensor(1, raw=np.array([1, 0, 1, 1], "<f4").tobytes()))),
+          r"tensor 'conv.weight.scale': a scale is zero or negative"),
+         ("negative scale", patched(make=with_int8_tensors(set_tensor(8, raw=np.array([1, 1, -2], "<f4").tobytes()))),
+          r"tensor 'fc.weight.scale': a scale is zero or negative")],
+    56: [("-128", patched(make=with_int8_tensors(lambda t: setattr(t[7], "raw", b"\x80" + t[7].raw[1:]))),
+          r"tensor 'fc.weight': holds -128")],
 }
 # Rules 1 and 2 concern the file itself (missing, a folder, too short): tested with real files below.
 RULES_TESTED_WITH_FILES = {1: "test_read_bin_refuses_what_is_not_a_model_file",
@@ -507,7 +579,7 @@ def test_writer_refuses_bad_weights_and_metadata(tiny):
         encode_bin(model, {**weights, "fc.weight": weights["fc.weight"] * 1e6}, build_metadata(model), fp16_dtypes(model))
     with pytest.raises(ValueError, match=r"dtypes: 'nope' is not a parameter"):
         encode_bin(model, weights, build_metadata(model), {"nope": "float16"})
-    with pytest.raises(ValueError, match=r"float32 or float16"):
+    with pytest.raises(ValueError, match=r"float32, float16 or int8"):
         encode_bin(model, weights, build_metadata(model), {"fc.weight": "float64"})
 
 
@@ -544,12 +616,12 @@ def test_fp16_stores_kernels_as_float16_and_keeps_1d_tensors_float32(tiny, tmp_p
     np.testing.assert_allclose(widened["fc.weight"], weights["fc.weight"], rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("kind", ["fp32", "fp16", "int8"])
 @pytest.mark.parametrize("name", ["tiny", "mnist_cnn", "leaf_cnn"])
-def test_export_load_export_is_byte_identical(tmp_path, name, fp16):
+def test_export_load_export_is_byte_identical(tmp_path, name, kind):
     model = parse_model(TINY) if name == "tiny" else load_model(EXAMPLES / "reference" / f"{name}.json")
     weights = random_weights(model, seed=3)
-    dtypes = fp16_dtypes(model) if fp16 else None
+    dtypes = {"fp32": None, "fp16": fp16_dtypes(model), "int8": int8_dtypes(model)}[kind]
     write_bin(tmp_path / "a.bin", model, weights, dtypes=dtypes)
     first = read_bin(tmp_path / "a.bin")
     write_bin(tmp_path / "b.bin", first.model, first.tensors, first.metadata, first.stored_dtypes)
@@ -561,7 +633,7 @@ def test_export_load_export_is_byte_identical(tmp_path, name, fp16):
 def test_read_bin_gives_read_only_aligned_views_into_the_mapping(tmp_path):
     model = load_model(EXAMPLES / "reference" / "mnist_cnn.json")
     weights = random_weights(model, seed=4)
-    for alignment, dtypes in ((64, None), (64, fp16_dtypes(model)), (128, None)):
+    for alignment, dtypes in ((64, None), (64, fp16_dtypes(model)), (64, int8_dtypes(model)), (128, None)):
         path = tmp_path / f"m{alignment}.bin"
         path.write_bytes(encode_bin(model, weights, build_metadata(model), dtypes, alignment=alignment))
         loaded = read_bin(path)
