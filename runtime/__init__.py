@@ -37,9 +37,9 @@ def backend_class(device: str):
     """The backend class for a device name; an unavailable backend is one LnnError saying why."""
     try:
         module = importlib.import_module(BACKENDS[device])
+        backend = getattr(module, "BACKEND", None)      # resolved lazily: this is where CuPy / Numba import
     except ImportError as err:
         raise LnnError(f"the {device} backend cannot load ({err}); {INSTALL_HINTS.get(device, '')}") from None
-    backend = getattr(module, "BACKEND", None)
     if backend is None:
         raise LnnError(f"the {device} backend is not part of this lnn version")
     return backend

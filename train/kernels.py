@@ -1,8 +1,10 @@
-"""Forward and backward of every op, side by side, written by hand (llm.c style, no autograd).
+"""Backward kernels of every op, beside the forward kernels they pair with (llm.c style, no autograd).
 
+The forward kernels inference needs live in runtime/cuda/kernels.py (GPU inference and training share
+one forward) and are imported here, so `K.<op>_forward` and `K.<op>_backward` sit side by side in this
+namespace; the training-only forwards (batch norm with batch statistics, dropout, the losses) are here.
 Every function takes the array namespace `xp` (numpy or cupy) first and uses only functions both
-provide, so the same code runs on the CPU and the GPU. Per backend, a kernel can be swapped for a
-faster one with the same signature (issue 5: fused CUDA kernels).
+provide, so the same code runs on the CPU and the GPU.
 
 Conventions (PyTorch's, and formats/ops.py's reference forward, which these must reproduce):
   images are NCHW, flat data NC; linear weight [O, I] with y = x @ W.T + b;
@@ -12,8 +14,8 @@ Contract:
   `*_backward(xp, dy, ...)` ADDS parameter gradients into the gradient views it is given (so
   gradient accumulation over micro-batches is free) and WRITES the input gradient into `dx`;
   `dx=None` skips it (nothing before the layer learns).
-Window ops (conv im2col, col2im, pools) loop over the KH*KW kernel offsets and move one strided
-slice per offset: no np.add.at, no as_strided, and the same code on numpy and cupy.
+Window ops (col2im, pool backwards) loop over the KH*KW kernel offsets and move one strided slice
+per offset: no np.add.at, no as_strided, and the same code on numpy and cupy.
 """
 
 from __future__ import annotations
@@ -22,35 +24,12 @@ import math
 
 import numpy as np
 
+from lnn.runtime.cuda.kernels import (  # noqa: F401 - the forward half of each pair, used as K.*_forward
+    activation_forward, avgpool2d_forward, avgpool_divisor, batchnorm_eval_forward, conv2d_forward,
+    global_avg_pool_forward, grouped_weight, im2col, linear_forward, maxpool2d_forward, per_channel,
+    window_slices)
+
 # --------------------------------------------------------------------------- window helpers
-
-
-def offset_slice(offset: int, dilation: int, stride: int, count: int) -> slice:
-    """Rows (or columns) of the padded input that kernel offset `offset` reads for `count` outputs."""
-    start = offset * dilation
-    return slice(start, start + stride * (count - 1) + 1, stride)
-
-
-def window_slices(attrs: dict, out_hw: tuple):
-    """Yield (k, kh_index, kw_index, row slice, column slice) for every kernel offset."""
-    kh, kw = attrs["kernel_size"]
-    sh, sw = attrs["stride"]
-    dh, dw = attrs.get("dilation", (1, 1))
-    oh, ow = out_hw
-    for i in range(kh):
-        for j in range(kw):
-            yield i * kw + j, i, j, offset_slice(i, dh, sh, oh), offset_slice(j, dw, sw, ow)
-
-
-def pad_into(xp, x, padding: tuple, value, padded):
-    """Copy x [N, C, H, W] into the middle of `padded` [N, C, H+2ph, W+2pw], border = value."""
-    ph, pw = padding
-    if ph == 0 and pw == 0:
-        return x
-    padded.fill(value)
-    padded[:, :, ph:ph + x.shape[2], pw:pw + x.shape[3]] = x
-    return padded
-
 
 def unpad_into(xp, padded, padding: tuple, dx):
     """The middle of `padded` -> dx (the inverse of pad_into for gradients)."""
@@ -63,30 +42,6 @@ def unpad_into(xp, padded, padding: tuple, dx):
 # y = f(x) element-wise (softmax: over axis 1). Backward works from the OUTPUT y, so the
 # activation can run in place on the layer's output buffer. leaky_relu needs negative_slope >= 0
 # for that (the plan refuses a negative slope).
-
-def activation_forward(xp, activation: dict, x, out):
-    kind = activation["type"]
-    if kind == "relu":
-        return xp.maximum(x, 0, out=out)
-    if kind == "relu6":
-        return xp.clip(x, 0, 6, out=out)
-    if kind == "leaky_relu":
-        slope = activation["negative_slope"]
-        out[...] = xp.where(x >= 0, x, x * x.dtype.type(slope))
-        return out
-    if kind == "sigmoid":
-        e = xp.exp(-xp.abs(x))
-        out[...] = xp.where(x >= 0, 1 / (1 + e), e / (1 + e))
-        return out
-    if kind == "tanh":
-        return xp.tanh(x, out=out)
-    if kind == "softmax":
-        shifted = x - x.max(axis=1, keepdims=True)
-        xp.exp(shifted, out=out)
-        out /= out.sum(axis=1, keepdims=True)
-        return out
-    raise ValueError(f"unknown activation {kind!r}")
-
 
 def activation_backward(xp, activation: dict, dy, y, dx):
     """dx = dL/dx from dy = dL/dy and the output y. dx may be dy itself (in place)."""
@@ -114,13 +69,6 @@ def activation_backward(xp, activation: dict, dy, y, dx):
 # --------------------------------------------------------------------------- linear
 # x [N, I], weight [O, I], bias [O] -> y [N, O];  y = x @ W.T + b
 
-def linear_forward(xp, x, weight, bias, out):
-    xp.matmul(x, weight.T, out=out)
-    if bias is not None:
-        out += bias
-    return out
-
-
 def linear_backward(xp, dy, x, weight, dweight, dbias, dx):
     dweight += dy.T @ x
     if dbias is not None:
@@ -138,13 +86,6 @@ def linear_backward(xp, dy, x, weight, dweight, dbias, dx):
 # The backward recomputes cols from x (cheaper in memory than keeping them) and reuses `cols` for
 # d(cols), then scatters it back (col2im) with one strided add per kernel offset.
 
-def im2col(xp, x, attrs, padded, cols):
-    source = pad_into(xp, x, attrs["padding"], 0, padded)
-    for _, i, j, rows, columns in window_slices(attrs, cols.shape[4:]):
-        cols[:, i, j] = source[:, :, rows, columns].transpose(1, 0, 2, 3)
-    return cols
-
-
 def col2im(xp, cols, attrs, padded, dx):
     target = padded if padded is not None else dx
     target.fill(0)
@@ -153,23 +94,6 @@ def col2im(xp, cols, attrs, padded, dx):
     if padded is not None:
         unpad_into(xp, padded, attrs["padding"], dx)
     return dx
-
-
-def _grouped(weight, groups):
-    """[O, C/g, KH, KW] -> [g, O/g, C/g*KH*KW]."""
-    return weight.reshape(groups, weight.shape[0] // groups, -1)
-
-
-def conv2d_forward(xp, x, weight, bias, attrs, out, padded, cols, gemm_out):
-    groups = attrs["groups"]
-    im2col(xp, x, attrs, padded, cols)
-    n, o = out.shape[:2]
-    columns = cols.reshape(groups, -1, cols[0, 0, 0].size)                 # [g, C/g*KH*KW, N*OH*OW]
-    xp.matmul(_grouped(weight, groups), columns, out=gemm_out.reshape(groups, o // groups, -1))
-    out[...] = gemm_out.transpose(1, 0, 2, 3)
-    if bias is not None:
-        out += bias.reshape(1, -1, 1, 1)
-    return out
 
 
 def conv2d_backward(xp, dy, x, weight, attrs, dweight, dbias, dx, padded, cols, gemm_out):
@@ -183,28 +107,15 @@ def conv2d_backward(xp, dy, x, weight, attrs, dweight, dbias, dx, padded, cols, 
     columns = cols.reshape(groups, -1, cols[0, 0, 0].size)
     dweight += xp.matmul(dy_grouped, columns.transpose(0, 2, 1)).reshape(dweight.shape)
     if dx is not None:
-        xp.matmul(_grouped(weight, groups).transpose(0, 2, 1), dy_grouped, out=columns)   # d(cols)
+        xp.matmul(grouped_weight(weight, groups).transpose(0, 2, 1), dy_grouped, out=columns)   # d(cols)
         col2im(xp, cols, attrs, padded, dx)
     return dx
 
 
 # --------------------------------------------------------------------------- max pool
 # x [N, C, H, W] -> y [N, C, OH, OW], padding counts as -inf. `argmax` [N, C, OH, OW] (uint8 or
-# int32) records which kernel offset won (the first on ties, as PyTorch), kept for the backward.
-
-def maxpool2d_forward(xp, x, attrs, out, padded, argmax):
-    source = pad_into(xp, x, attrs["padding"], -np.inf, padded)
-    for k, _, _, rows, columns in window_slices(attrs, out.shape[2:]):
-        window = source[:, :, rows, columns]
-        if k == 0:
-            out[...] = window
-            argmax.fill(0)
-            continue
-        better = window > out
-        xp.copyto(out, window, where=better)
-        xp.copyto(argmax, xp.asarray(k, dtype=argmax.dtype), where=better)
-    return out
-
+# int32) records which kernel offset won (the first on ties, as PyTorch): the forward writes it
+# (runtime/cuda/kernels.py), the backward routes dy through it.
 
 def maxpool2d_backward(xp, dy, attrs, argmax, dx, padded):
     target = padded if padded is not None else dx
@@ -220,28 +131,6 @@ def maxpool2d_backward(xp, dy, attrs, argmax, dx, padded):
 # x [N, C, H, W] -> y [N, C, OH, OW]; `divisor` is KH*KW (count_include_pad) or an [OH, OW] array
 # of the real (unpadded) cells per window.
 
-def avgpool_divisor(xp, attrs, in_hw: tuple, out_hw: tuple, dtype):
-    kh, kw = attrs["kernel_size"]
-    if attrs["count_include_pad"]:
-        return dtype.type(kh * kw)
-    ph, pw = attrs["padding"]
-    ones = np.zeros((1, 1, in_hw[0] + 2 * ph, in_hw[1] + 2 * pw), dtype)
-    ones[:, :, ph:ph + in_hw[0], pw:pw + in_hw[1]] = 1
-    counts = np.zeros((1, 1) + tuple(out_hw), dtype)
-    for _, _, _, rows, columns in window_slices(attrs, out_hw):
-        counts += ones[:, :, rows, columns]
-    return xp.asarray(counts)
-
-
-def avgpool2d_forward(xp, x, attrs, divisor, out, padded):
-    source = pad_into(xp, x, attrs["padding"], 0, padded)
-    out.fill(0)
-    for _, _, _, rows, columns in window_slices(attrs, out.shape[2:]):
-        out += source[:, :, rows, columns]
-    out /= divisor
-    return out
-
-
 def avgpool2d_backward(xp, dy, attrs, divisor, dx, padded):
     target = padded if padded is not None else dx
     target.fill(0)
@@ -255,11 +144,6 @@ def avgpool2d_backward(xp, dy, attrs, divisor, dx, padded):
 
 # --------------------------------------------------------------------------- global average pool
 # x [N, C, H, W] -> y [N, C] (or [N, C, 1, 1]); dx = dy / (H*W) everywhere.
-
-def global_avg_pool_forward(xp, x, out):
-    out[...] = x.mean(axis=(2, 3)).reshape(out.shape)
-    return out
-
 
 def global_avg_pool_backward(xp, dy, dx):
     n, c, h, w = dx.shape
@@ -278,10 +162,6 @@ def _channel_axes(x):
     return (0,) if x.ndim == 2 else (0, 2, 3)
 
 
-def _per_channel(v, x):
-    return v.reshape((1, -1) + (1,) * (x.ndim - 2))
-
-
 def batchnorm_train_forward(xp, x, weight, bias, running_mean, running_var, attrs, out, saved):
     axes = _channel_axes(x)
     stat_dtype = np.float64 if x.dtype == np.float64 else np.float32
@@ -298,14 +178,7 @@ def batchnorm_train_forward(xp, x, weight, bias, running_mean, running_var, attr
     running_var += (momentum * count / max(count - 1, 1)) * var
     scale = (weight * inv_std).astype(x.dtype)
     shift = (bias - mean * weight * inv_std).astype(x.dtype)
-    out[...] = x * _per_channel(scale, x) + _per_channel(shift, x)
-    return out
-
-
-def batchnorm_eval_forward(xp, x, weight, bias, running_mean, running_var, attrs, out):
-    scale = weight / xp.sqrt(running_var + attrs["eps"])
-    shift = bias - running_mean * scale
-    out[...] = x * _per_channel(scale.astype(x.dtype), x) + _per_channel(shift.astype(x.dtype), x)
+    out[...] = x * per_channel(scale, x) + per_channel(shift, x)
     return out
 
 
@@ -313,7 +186,7 @@ def batchnorm_backward(xp, dy, x, weight, saved, dweight, dbias, dx):
     axes = _channel_axes(x)
     stat_dtype = saved.dtype
     mean, inv_std = saved[0], saved[1]
-    x_hat = (x - _per_channel(mean, x).astype(x.dtype)) * _per_channel(inv_std, x).astype(x.dtype)
+    x_hat = (x - per_channel(mean, x).astype(x.dtype)) * per_channel(inv_std, x).astype(x.dtype)
     sum_dy = dy.sum(axis=axes, dtype=stat_dtype)
     sum_dy_xhat = (dy * x_hat).sum(axis=axes, dtype=stat_dtype)
     dweight += sum_dy_xhat.astype(dweight.dtype)
@@ -322,8 +195,8 @@ def batchnorm_backward(xp, dy, x, weight, saved, dweight, dbias, dx):
         count = x.size // x.shape[1]
         # dx = w * inv_std / m * (m * dy - sum(dy) - x_hat * sum(dy * x_hat))
         k = weight * inv_std
-        dx[...] = (_per_channel(k, x) * (dy - _per_channel(sum_dy / count, x)
-                                        - x_hat * _per_channel(sum_dy_xhat / count, x))).astype(dx.dtype)
+        dx[...] = (per_channel(k, x) * (dy - per_channel(sum_dy / count, x)
+                                        - x_hat * per_channel(sum_dy_xhat / count, x))).astype(dx.dtype)
     return dx
 
 

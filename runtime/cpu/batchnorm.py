@@ -1,27 +1,18 @@
 """batchnorm (1d [N, C] and 2d [N, C, H, W]) at inference: y = (x - mean) / sqrt(var + eps) * weight + bias.
 
 Reference: formats/ops.py BatchNorm.forward. It is a per-channel y = x * scale + shift, computed once at
-load in float64. After a conv2d or linear layer without an activation the backend folds it into that
-layer's weight and bias (no pass at run time); anywhere else it runs as the epilogue kernel of
-activations.py with this scale and shift (and the layer's own activation, if any).
+load in float64 (runtime/fold.py, shared with the CUDA backend). After a conv2d or linear layer without
+an activation the backend folds it into that layer's weight and bias (no pass at run time); anywhere
+else it runs as the epilogue kernel of activations.py with this scale and shift (and the layer's own
+activation, if any).
 """
 
 from __future__ import annotations
 
 from functools import partial
 
-import numpy as np
-
 from lnn.runtime.cpu.activations import Epilogue, as_channels_positions
-
-
-def scale_and_shift(node, weights) -> tuple[np.ndarray, np.ndarray]:
-    """The batch norm of `node` as float32 (scale, shift) per channel."""
-    param = {name: np.asarray(weights[node.param_key(name)], dtype=np.float64)
-             for name in ("weight", "bias", "running_mean", "running_var")}
-    scale = param["weight"] / np.sqrt(param["running_var"] + node.attrs["eps"])
-    shift = param["bias"] - param["running_mean"] * scale
-    return scale.astype(np.float32), shift.astype(np.float32)
+from lnn.runtime.fold import scale_and_shift
 
 
 class BatchNormLayer:

@@ -1,0 +1,16 @@
+"""The CuPy GPU backend (`lnn.load(path, device="cuda")`).
+
+kernels.py holds the forward kernels written against an array namespace (numpy or cupy), shared with
+the trainer (train/kernels.py adds the backward); fused.py holds CuPy-only kernels (bias + activation
+epilogue, im2col, max pool) that replace some of them on the GPU; backend.py plans and runs a model.
+
+`BACKEND` is resolved on first access, so `import lnn.runtime.cuda.kernels` does not import CuPy.
+"""
+
+
+def __getattr__(name):
+    if name == "BACKEND":
+        from lnn.runtime.cuda.backend import CudaBackend
+
+        return CudaBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,188 @@
+"""Forward kernels shared by GPU inference (runtime/cuda) and the trainer (train/kernels.py adds the backward).
+
+Every function takes the array namespace `xp` (numpy or cupy) first and uses only functions both
+provide, so the same code runs on the CPU and the GPU (and is tested on NumPy where there is no GPU).
+runtime/cuda/fused.py holds CuPy-only kernels that replace some of these on the GPU (same results).
+
+Conventions (PyTorch's, and formats/ops.py's reference forward, which these must reproduce):
+  images are NCHW, flat data NC; linear weight [O, I] with y = x @ W.T + b;
+  conv weight [O, I/groups, KH, KW]; batch norm y = (x - mean) / sqrt(var + eps) * w + b.
+Contract: `*_forward(xp, x, ..., out)` writes the result into the pre-allocated `out` and returns it.
+Window ops (conv im2col, pools) loop over the KH*KW kernel offsets and move one strided slice per
+offset: no as_strided, and the same code on numpy and cupy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# --------------------------------------------------------------------------- window helpers
+
+
+def offset_slice(offset: int, dilation: int, stride: int, count: int) -> slice:
+    """Rows (or columns) of the padded input that kernel offset `offset` reads for `count` outputs."""
+    start = offset * dilation
+    return slice(start, start + stride * (count - 1) + 1, stride)
+
+
+def window_slices(attrs: dict, out_hw: tuple):
+    """Yield (k, kh_index, kw_index, row slice, column slice) for every kernel offset."""
+    kh, kw = attrs["kernel_size"]
+    sh, sw = attrs["stride"]
+    dh, dw = attrs.get("dilation", (1, 1))
+    oh, ow = out_hw
+    for i in range(kh):
+        for j in range(kw):
+            yield i * kw + j, i, j, offset_slice(i, dh, sh, oh), offset_slice(j, dw, sw, ow)
+
+
+def pad_into(xp, x, padding: tuple, value, padded):
+    """Copy x [N, C, H, W] into the middle of `padded` [N, C, H+2ph, W+2pw], border = value."""
+    ph, pw = padding
+    if ph == 0 and pw == 0:
+        return x
+    padded.fill(value)
+    padded[:, :, ph:ph + x.shape[2], pw:pw + x.shape[3]] = x
+    return padded
+
+
+def per_channel(values, x):
+    """A per-channel vector [C] shaped to broadcast against x [N, C] or [N, C, H, W]."""
+    return values.reshape((1, -1) + (1,) * (x.ndim - 2))
+
+
+# --------------------------------------------------------------------------- activations
+# y = f(x) element-wise (softmax: over axis 1, as the reference). `out` may be x (in place).
+
+def activation_forward(xp, activation: dict, x, out):
+    kind = activation["type"]
+    if kind == "relu":
+        return xp.maximum(x, 0, out=out)
+    if kind == "relu6":
+        return xp.clip(x, 0, 6, out=out)
+    if kind == "leaky_relu":
+        slope = activation["negative_slope"]
+        out[...] = xp.where(x >= 0, x, x * x.dtype.type(slope))
+        return out
+    if kind == "sigmoid":
+        e = xp.exp(-xp.abs(x))
+        out[...] = xp.where(x >= 0, 1 / (1 + e), e / (1 + e))
+        return out
+    if kind == "tanh":
+        return xp.tanh(x, out=out)
+    if kind == "softmax":
+        shifted = x - x.max(axis=1, keepdims=True)
+        xp.exp(shifted, out=out)
+        out /= out.sum(axis=1, keepdims=True)
+        return out
+    raise ValueError(f"unknown activation {kind!r}")
+
+
+# --------------------------------------------------------------------------- linear
+# x [N, I], weight [O, I], bias [O] -> y [N, O];  y = x @ W.T + b
+
+def linear_forward(xp, x, weight, bias, out):
+    xp.matmul(x, weight.T, out=out)
+    if bias is not None:
+        out += bias
+    return out
+
+
+# --------------------------------------------------------------------------- conv2d (im2col + GEMM)
+# x [N, C, H, W], weight [O, C/g, KH, KW], bias [O] -> y [N, O, OH, OW].
+# cols [C, KH, KW, N, OH, OW] holds every input window (batch folded into the GEMM's columns), so
+# y[g] = W[g] (O/g x C/g*KH*KW) @ cols[g] (C/g*KH*KW x N*OH*OW): one GEMM per group, whole batch.
+# Workspaces: `padded` [N, C, H+2ph, W+2pw] (None without padding), `cols`, `gemm_out` [O, N, OH, OW].
+
+def im2col(xp, x, attrs, padded, cols):
+    source = pad_into(xp, x, attrs["padding"], 0, padded)
+    for _, i, j, rows, columns in window_slices(attrs, cols.shape[4:]):
+        cols[:, i, j] = source[:, :, rows, columns].transpose(1, 0, 2, 3)
+    return cols
+
+
+def grouped_weight(weight, groups):
+    """[O, C/g, KH, KW] -> [g, O/g, C/g*KH*KW]."""
+    return weight.reshape(groups, weight.shape[0] // groups, -1)
+
+
+def conv2d_gemm(xp, weight, groups, cols, gemm_out):
+    """gemm_out [O, N, OH, OW] = the grouped product of the weight with cols (no bias)."""
+    columns = cols.reshape(groups, -1, cols[0, 0, 0].size)                 # [g, C/g*KH*KW, N*OH*OW]
+    xp.matmul(grouped_weight(weight, groups), columns, out=gemm_out.reshape(groups, weight.shape[0] // groups, -1))
+    return gemm_out
+
+
+def conv2d_forward(xp, x, weight, bias, attrs, out, padded, cols, gemm_out):
+    im2col(xp, x, attrs, padded, cols)
+    conv2d_gemm(xp, weight, attrs["groups"], cols, gemm_out)
+    out[...] = gemm_out.transpose(1, 0, 2, 3)
+    if bias is not None:
+        out += bias.reshape(1, -1, 1, 1)
+    return out
+
+
+# --------------------------------------------------------------------------- max pool
+# x [N, C, H, W] -> y [N, C, OH, OW], padding counts as -inf. `argmax` [N, C, OH, OW] (uint8 or
+# int32), when given, records which kernel offset won (the first on ties, as PyTorch) for the
+# trainer's backward; inference passes None.
+
+def maxpool2d_forward(xp, x, attrs, out, padded, argmax=None):
+    source = pad_into(xp, x, attrs["padding"], -np.inf, padded)
+    for k, _, _, rows, columns in window_slices(attrs, out.shape[2:]):
+        window = source[:, :, rows, columns]
+        if k == 0:
+            out[...] = window
+            if argmax is not None:
+                argmax.fill(0)
+            continue
+        better = window > out
+        xp.copyto(out, window, where=better)
+        if argmax is not None:
+            xp.copyto(argmax, xp.asarray(k, dtype=argmax.dtype), where=better)
+    return out
+
+
+# --------------------------------------------------------------------------- average pool
+# x [N, C, H, W] -> y [N, C, OH, OW]; `divisor` is KH*KW (count_include_pad) or an [OH, OW] array
+# of the real (unpadded) cells per window.
+
+def avgpool_divisor(xp, attrs, in_hw: tuple, out_hw: tuple, dtype):
+    kh, kw = attrs["kernel_size"]
+    if attrs["count_include_pad"]:
+        return dtype.type(kh * kw)
+    ph, pw = attrs["padding"]
+    ones = np.zeros((1, 1, in_hw[0] + 2 * ph, in_hw[1] + 2 * pw), dtype)
+    ones[:, :, ph:ph + in_hw[0], pw:pw + in_hw[1]] = 1
+    counts = np.zeros((1, 1) + tuple(out_hw), dtype)
+    for _, _, _, rows, columns in window_slices(attrs, out_hw):
+        counts += ones[:, :, rows, columns]
+    return xp.asarray(counts)
+
+
+def avgpool2d_forward(xp, x, attrs, divisor, out, padded):
+    source = pad_into(xp, x, attrs["padding"], 0, padded)
+    out.fill(0)
+    for _, _, _, rows, columns in window_slices(attrs, out.shape[2:]):
+        out += source[:, :, rows, columns]
+    out /= divisor
+    return out
+
+
+# --------------------------------------------------------------------------- global average pool
+# x [N, C, H, W] -> y [N, C] (or [N, C, 1, 1]).
+
+def global_avg_pool_forward(xp, x, out):
+    out[...] = x.mean(axis=(2, 3)).reshape(out.shape)
+    return out
+
+
+# --------------------------------------------------------------------------- batch norm (inference)
+# x [N, C] or [N, C, H, W]: y = x * scale + shift per channel, from the running statistics.
+# (The training forward, with batch statistics, is the trainer's: train/kernels.py.)
+
+def batchnorm_eval_forward(xp, x, weight, bias, running_mean, running_var, attrs, out):
+    scale = weight / xp.sqrt(running_var + attrs["eps"])
+    shift = bias - running_mean * scale
+    out[...] = x * per_channel(scale.astype(x.dtype), x) + per_channel(shift.astype(x.dtype), x)
+    return out
