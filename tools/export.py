@@ -3,6 +3,7 @@
     lnn-export examples/reference/mnist_cnn.json --weights mnist_cnn.weights.npz -o mnist_cnn.bin
     lnn-export runs/cnn/best.npz -o mnist_cnn.bin
     lnn-export mnist_cnn.bin -o mnist_cnn_fp16.bin --fp16
+    lnn-export mnist_cnn.bin -o mnist_cnn_int8.bin --int8 --calibration mnist:data/mnist
     lnn-export mnist_cnn.bin --onnx mnist_cnn.onnx
 
 Weights are keyed `<layer name>.<param>` as in a PyTorch state_dict (weight, bias, running_mean,
@@ -12,6 +13,14 @@ lnn-train (RUN_DIR/checkpoint.npz or best.npz) carries its description and weigh
 one lnn-train itself writes (preprocessing, labels, epoch and best score in the metadata). --fp16 stores the conv
 and linear weight matrices as float16 (biases and batch-norm statistics stay float32). --onnx also
 (or instead) writes an ONNX file (opset 17, float32, batch norm folded; needs the onnx extra).
+
+--int8 stores the same matrices as int8, symmetric, with a float32 scale per output channel (about a
+quarter of the float32 size; formats/SPEC.md). Before writing, it measures the top-1 accuracy of the
+model as given and of its int8 version on --calibration data, and refuses when int8 loses more than
+0.5 points: folder:DIR is the validation side of lnn-train's split of an image folder (the photos
+lnn-eval evaluates by default), mnist:DIR the 10,000 MNIST test images. Without --calibration it
+refuses too, since nothing was checked. --force writes the int8 file anyway (after the check, when
+there is calibration data).
 """
 
 from __future__ import annotations
@@ -22,15 +31,18 @@ from pathlib import Path
 
 import numpy as np
 
-from lnn.formats.binfile import build_metadata, check_weights, fp16_dtypes, write_bin
-from lnn.formats.errors import LnnInputError
+from lnn.formats.binfile import (build_metadata, check_weights, encode_bin, fp16_dtypes, int8_dtypes, parse_bin_bytes,
+                                 write_atomic)
+from lnn.formats.errors import LnnError, LnnInputError
 from lnn.formats.npz import NPZ_READ_ERRORS, open_npz
 from lnn.formats.model import Model
+from lnn.tools.eval import class_columns, probabilities
 from lnn.tools.cli import (command_parser, human_bytes, is_npz_file, read_checkpoint_source, read_model_source,
                            run_command)
 
 PROG = "lnn-export"
 IGNORED_BATCHNORM_KEYS = ("num_batches_tracked",)     # a PyTorch counter, not a parameter
+MAX_INT8_LOSS = 0.005                                # top-1 accuracy int8 may lose: half a percentage point
 
 
 def build_parser():
@@ -39,6 +51,12 @@ def build_parser():
     parser.add_argument("--weights", metavar="W.npz", help="NumPy .npz of the weights, keyed <layer name>.<param>")
     parser.add_argument("-o", "--output", metavar="OUT.bin", help="the .bin file to write (atomically)")
     parser.add_argument("--fp16", action="store_true", help="in the .bin, store conv and linear weights as float16 (about half the size)")
+    parser.add_argument("--int8", action="store_true",
+                        help="in the .bin, store conv and linear weights as int8 with per-channel scales (about a quarter)")
+    parser.add_argument("--calibration", metavar="KIND:DIR",
+                        help="with --int8: folder:DIR (its validation split) or mnist:DIR (the test set) to compare accuracy on")
+    parser.add_argument("--force", action="store_true",
+                        help="with --int8: write it even if it loses more than 0.5 points, or without --calibration")
     parser.add_argument("--onnx", metavar="OUT.onnx", help="also (or only) write the model as ONNX")
     return parser
 
@@ -84,7 +102,7 @@ def read_source(args) -> tuple:
 def export(args) -> int:
     model, weights, metadata, dtypes = read_source(args)
     if args.output:
-        write_bin_and_report(args.output, model, weights, metadata, dtypes, args.fp16)
+        write_bin_and_report(args, model, weights, metadata, dtypes)
     if args.onnx:
         from lnn.formats.onnx_export import export_onnx
 
@@ -95,18 +113,87 @@ def export(args) -> int:
     return 0
 
 
-def write_bin_and_report(output, model: Model, weights: dict, metadata: dict, dtypes: dict, fp16: bool) -> None:
-    if fp16:
+def write_bin_and_report(args, model: Model, weights: dict, metadata: dict, dtypes: dict) -> None:
+    source_dtypes = dtypes
+    if args.fp16:
         dtypes = {**dtypes, **fp16_dtypes(model)}
+    if args.int8:
+        dtypes = {**dtypes, **int8_dtypes(model)}
+    data = encode_bin(model, weights, metadata, dtypes)
+    if args.int8:
+        check_int8_accuracy(encode_bin(model, weights, metadata, source_dtypes), data, args.calibration, args.force)
     try:
-        size = write_bin(output, model, weights, metadata, dtypes)
+        write_atomic(args.output, data)
     except OSError as err:
-        raise LnnInputError(f"cannot write {output}: {err.strerror or err}") from None
+        raise LnnInputError(f"cannot write {args.output}: {err.strerror or err}") from None
 
     stored = Counter(dtypes.get(key, "float32") for key in model.param_shapes())
     kinds = ", ".join(f"{count} {dtype}" for dtype, count in sorted(stored.items()))
-    print(f"wrote {output}: {human_bytes(size)} ({size:,} bytes), {sum(stored.values())} tensors ({kinds}), "
-          f"{model.num_params:,} parameters")
+    scales = f" + {stored['int8']} scale tensors" if stored["int8"] else ""
+    print(f"wrote {args.output}: {human_bytes(len(data))} ({len(data):,} bytes), {sum(stored.values())} tensors "
+          f"({kinds}){scales}, {model.num_params:,} parameters")
+
+
+# --------------------------------------------------------------------------- the int8 accuracy gate
+
+def calibration_set(spec: str, model: Model) -> tuple:
+    """`folder:DIR` or `mnist:DIR` -> (uint8 images [N, C, H, W] in the model's colour order and size,
+    the model output index each should get [N], what they are). folder: the validation side of
+    lnn-train's split with its default seed and share, as lnn-eval evaluates; mnist: the test set."""
+    kind, sep, path = spec.partition(":")
+    if kind not in ("folder", "mnist") or not sep or not path:
+        raise LnnInputError(f"--calibration must look like folder:DIR or mnist:DIR, not {spec!r}")
+    if model.preprocess is None:
+        raise LnnInputError(f"model {model.name!r} takes no images, so {spec} cannot calibrate it")
+    if kind == "mnist":
+        from lnn.train.data import load_mnist
+
+        if tuple(model.input_shape) != (1, 28, 28):
+            raise LnnInputError(f"model {model.name!r} takes {list(model.input_shape)}, not MNIST's [1, 28, 28]")
+        test = load_mnist(path)[1]
+        folder_classes = [str(digit) for digit in range(10)]
+        columns = class_columns(folder_classes, model.labels, path)
+        return test.images, columns[test.labels], f"{path} (MNIST test set)"
+    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, scan_folder
+
+    columns = class_columns(scan_folder(path)[0], model.labels, path)
+    folder = ImageFolder.load(path, model.input_shape, model.preprocess["color"], progress=True,
+                              log=lambda message: print(message, file=sys.stderr, flush=True))
+    rows = folder.split(DEFAULT_VAL_FRACTION, DEFAULT_SPLIT_SEED)[1]
+    return (folder.data.images[rows], columns[folder.labels[rows]],
+            f"{path} (validation split: seed {DEFAULT_SPLIT_SEED}, {DEFAULT_VAL_FRACTION:.0%} per class)")
+
+
+def accuracy(session, images, true_columns, batch: int = 256) -> float:
+    """Top-1 accuracy of a Session on uint8 images (see calibration_set), with the model's own preprocessing."""
+    return float(np.mean(probabilities(session, images, batch, progress=True).argmax(axis=1) == true_columns))
+
+
+def check_int8_accuracy(reference: bytes, quantized: bytes, calibration: str | None, force: bool) -> None:
+    """Refuse (LnnError) when the int8 model loses more than MAX_INT8_LOSS of top-1 accuracy on the
+    calibration data, or when there is none to check with; --force turns the refusal into a warning."""
+    from lnn.runtime import Session
+
+    if calibration is None:
+        if not force:
+            raise LnnError("--int8 needs --calibration folder:DIR or mnist:DIR to check that int8 keeps the "
+                           "accuracy (or --force to write it unchecked)")
+        print("warning: int8 accuracy not checked (no --calibration)", file=sys.stderr)
+        return
+    reference_bin = parse_bin_bytes(reference, "the model as given")
+    images, true_columns, what = calibration_set(calibration, reference_bin.model)
+    before = accuracy(Session(reference_bin), images, true_columns)
+    after = accuracy(Session(parse_bin_bytes(quantized, "the int8 model")), images, true_columns)
+    summary = (f"int8 accuracy {after:.2%} vs {before:.2%} as given ({(after - before) * 100:+.2f} points) "
+               f"on {len(images):,} images of {what}")
+    if before - after > MAX_INT8_LOSS + 1e-12:
+        if not force:
+            raise LnnError(f"{summary}: loses more than {MAX_INT8_LOSS * 100:.1f} points, not written "
+                           f"(--force writes it anyway)")
+        print(f"warning: {summary}: loses more than {MAX_INT8_LOSS * 100:.1f} points; written because of --force",
+              file=sys.stderr)
+    else:
+        print(summary)
 
 
 def main(argv=None) -> int:
@@ -115,8 +202,12 @@ def main(argv=None) -> int:
     def checked_export(args) -> int:
         if not (args.output or args.onnx):
             parser.error("give the output: -o OUT.bin, --onnx OUT.onnx, or both")
-        if args.fp16 and not args.output:
-            parser.error("--fp16 applies to the .bin: add -o OUT.bin")
+        if (args.fp16 or args.int8) and not args.output:
+            parser.error(f"--{'fp16' if args.fp16 else 'int8'} applies to the .bin: add -o OUT.bin")
+        if args.fp16 and args.int8:
+            parser.error("choose one of --fp16 and --int8")
+        if (args.calibration or args.force) and not args.int8:
+            parser.error("--calibration and --force go with --int8")
         return export(args)
 
     return run_command(parser, checked_export, argv)
