@@ -1,0 +1,335 @@
+"""The CuPy GPU backend: turns a Model into a list of layers, then into a fixed plan per batch size.
+
+Load time (once):
+  - dropout is dropped (identity at inference);
+  - a batch norm right after a conv2d / linear layer without an activation is folded into its weight
+    and bias (runtime/fold.py, as the CPU backend does); an activation layer right after a layer with
+    an epilogue and no activation of its own becomes that epilogue's activation;
+  - weights and epilogue vectors are uploaded to the GPU.
+First call per batch size: every device buffer is allocated and every kernel call is bound to its
+buffers (`steps`, argument-free callables). A call copies the input into the plan's input buffer,
+runs the steps and copies the output back to the host (a new NumPy array).
+
+Kernels: the generic forward kernels of kernels.py (shared with the trainer), with fused.py's CuPy
+kernels in their place where one launch beats several: conv2d is im2col (fused) + one grouped GEMM
+(kernels.conv2d_gemm, cuBLAS) + one epilogue that moves the GEMM's [O, N, P] layout to [N, O, P] and
+applies bias and activation (at batch 1 the GEMM writes the output directly and the epilogue runs in
+place); linear is a GEMM + in-place epilogue; max pool is one kernel; avg pool, global average pool
+and softmax are the generic kernels. `array_module=numpy` runs the same plan with the generic kernels
+only (how the planning is tested where there is no GPU).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import partial
+
+import numpy as np
+
+from lnn.formats.errors import LnnError
+from lnn.formats.model import Model
+from lnn.formats.ops import ACTIVATIONS
+from lnn.runtime.cuda import kernels as K
+from lnn.runtime.fold import fold_scale_and_shift, scale_and_shift
+
+IDENTITY_AT_INFERENCE = {"dropout"}
+PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
+FLOAT = np.float32
+
+
+class Device:
+    """The array namespace a plan runs on and, on the GPU, the fused kernels (None on NumPy)."""
+
+    def __init__(self, xp):
+        self.xp = xp
+        self.fused = None
+        if xp is not np:
+            from lnn.runtime.cuda import fused
+
+            self.fused = fused
+
+    def upload(self, array):
+        return self.xp.asarray(np.ascontiguousarray(array, dtype=FLOAT))
+
+
+class Epilogue:
+    """y = act(y * scale[c] + shift[c]) over the channel axis (axis 1) of a layer's output."""
+
+    def __init__(self, channels: int, shift=None, activation: dict | None = None):
+        self.scale = np.ones(channels, FLOAT)
+        self.shift = np.zeros(channels, FLOAT) if shift is None else np.array(shift, FLOAT)
+        self.activation = activation
+
+    def upload(self, device: Device) -> None:
+        self.device = device
+        self.scale_on_device = device.upload(self.scale)
+        self.shift_on_device = device.upload(self.shift)
+
+    @property
+    def is_identity(self) -> bool:
+        return self.activation is None and not self._affine
+
+    @property
+    def _affine(self) -> bool:
+        return bool(self.shift.any() or (self.scale != 1).any())
+
+    @property
+    def _element_wise(self) -> dict | None:
+        return None if self.activation is None or self.activation["type"] == "softmax" else self.activation
+
+    def _softmax_steps(self, y) -> list:
+        if self.activation is not None and self.activation["type"] == "softmax":
+            return [partial(K.activation_forward, self.device.xp, self.activation, y, y)]
+        return []
+
+    def _fused_arguments(self, y) -> tuple:
+        activation = self._element_wise
+        code = self.device.fused.ACTIVATION_CODES[None if activation is None else activation["type"]]
+        slope = float(activation.get("negative_slope", 0.0)) if activation else 0.0
+        positions = int(np.prod(y.shape[2:], dtype=np.int64))
+        return self.scale_on_device, self.shift_on_device, y.shape[1], positions, code, slope
+
+    def steps_in_place(self, y) -> list:
+        """Steps turning y [N, C, ...] into act(y * scale + shift)."""
+        xp, fused = self.device.xp, self.device.fused
+        steps = []
+        if fused is not None:
+            if self._affine or self._element_wise:
+                steps.append(partial(fused.epilogue_in_place, *self._fused_arguments(y), y))
+        else:
+            if self._affine:
+                steps += [partial(xp.multiply, y, K.per_channel(self.scale_on_device, y), out=y),
+                          partial(xp.add, y, K.per_channel(self.shift_on_device, y), out=y)]
+            if self._element_wise:
+                steps.append(partial(K.activation_forward, xp, self.activation, y, y))
+        return steps + self._softmax_steps(y)
+
+    def steps_from_gemm(self, gemm_out, y) -> list:
+        """Steps writing y [N, C, ...] = act(gemm_out [C, N, ...] transposed * scale + shift)."""
+        fused = self.device.fused
+        if fused is None:
+            return [partial(np.copyto, y, gemm_out.swapaxes(0, 1))] + self.steps_in_place(y)
+        scale, shift, channels, positions, code, slope = self._fused_arguments(y)
+        launch = partial(fused.epilogue_from_gemm, gemm_out, scale, shift, y.shape[0], channels, positions, code, slope, y)
+        return [launch] + self._softmax_steps(y)
+
+
+class GemmLayer:
+    """conv2d and linear: a weight, then an epilogue holding the bias (and a folded batch norm)."""
+
+    def __init__(self, node, weights):
+        self.attrs = node.attrs
+        self.in_shape, self.out_shape = node.in_shape, node.out_shape
+        self.weight = np.array(weights[node.param_key("weight")], FLOAT)
+        bias = weights[node.param_key("bias")] if node.attrs["bias"] else None
+        self.epilogue = Epilogue(self.out_shape[0], bias, node.attrs["activation"])
+
+    def fold(self, scale, shift) -> None:
+        self.weight, self.epilogue.shift = fold_scale_and_shift(self.weight, self.epilogue.shift, scale, shift)
+
+    def upload(self, device: Device) -> None:
+        self.weight_on_device = device.upload(self.weight)
+        self.epilogue.upload(device)
+
+
+class Conv2dLayer(GemmLayer):
+    @property
+    def pointwise(self) -> bool:
+        """A 1x1, stride-1, unpadded conv: its cols are its input, at batch 1 even in memory order."""
+        a = self.attrs
+        return a["kernel_size"] == (1, 1) and a["stride"] == (1, 1) and a["padding"] == (0, 0)
+
+    def plan(self, src, device: Device):
+        xp, n = device.xp, src.shape[0]
+        cin, (cout, oh, ow) = self.in_shape[0], self.out_shape
+        kh, kw = self.attrs["kernel_size"]
+        out = xp.empty((n, cout, oh, ow), FLOAT)
+        steps = []
+        if self.pointwise and n == 1:
+            cols = src.reshape(cin, 1, 1, 1, oh, ow)
+        else:
+            cols = xp.empty((cin, kh, kw, n, oh, ow), FLOAT)
+            if device.fused is not None:
+                steps.append(partial(device.fused.im2col, src, self.attrs, cols))
+            else:
+                steps.append(partial(K.im2col, xp, src, self.attrs, padded_buffer(xp, src, self.attrs), cols))
+        gemm_out = out.reshape(cout, 1, oh, ow) if n == 1 else xp.empty((cout, n, oh, ow), FLOAT)
+        steps.append(partial(K.conv2d_gemm, xp, self.weight_on_device, self.attrs["groups"], cols, gemm_out))
+        if n > 1:
+            steps += self.epilogue.steps_from_gemm(gemm_out, out)
+        else:
+            steps += self.epilogue.steps_in_place(out)
+        return out, steps
+
+
+class LinearLayer(GemmLayer):
+    def plan(self, src, device: Device):
+        out = device.xp.empty((src.shape[0], *self.out_shape), FLOAT)
+        steps = [partial(K.linear_forward, device.xp, src, self.weight_on_device, None, out)]
+        return out, steps + self.epilogue.steps_in_place(out)
+
+
+def padded_buffer(xp, src, attrs):
+    """The generic window kernels' zero/-inf bordered copy of src, or None without padding."""
+    ph, pw = attrs["padding"]
+    if not ph and not pw:
+        return None
+    n, c, h, w = src.shape
+    return xp.empty((n, c, h + 2 * ph, w + 2 * pw), FLOAT)
+
+
+class AffineLayer:
+    """A batch norm that could not be folded (scale, shift from the running statistics) or a stand-alone
+    activation (scale 1, shift 0): one epilogue, in place on its input."""
+
+    def __init__(self, channels: int, scale=None, shift=None, activation: dict | None = None):
+        self.epilogue = Epilogue(channels, shift, activation)
+        if scale is not None:
+            self.epilogue.scale = np.array(scale, FLOAT)
+
+    @classmethod
+    def batchnorm(cls, node, weights) -> "AffineLayer":
+        scale, shift = scale_and_shift(node, weights)
+        return cls(node.out_shape[0], scale, shift, node.attrs["activation"])
+
+    @classmethod
+    def activation(cls, node, weights) -> "AffineLayer":
+        return cls(node.out_shape[0], activation=node.attrs)
+
+    def upload(self, device: Device) -> None:
+        self.epilogue.upload(device)
+
+    def plan(self, src, device: Device):
+        return src, self.epilogue.steps_in_place(src)
+
+
+class MaxPool2dLayer:
+    def __init__(self, node, weights):
+        self.attrs, self.out_shape = node.attrs, node.out_shape
+
+    def plan(self, src, device: Device):
+        xp, n = device.xp, src.shape[0]
+        out = xp.empty((n, *self.out_shape), FLOAT)
+        if device.fused is not None:
+            return out, [partial(device.fused.maxpool2d, src, self.attrs, out)]
+        return out, [partial(K.maxpool2d_forward, xp, src, self.attrs, out, padded_buffer(xp, src, self.attrs))]
+
+
+class AvgPool2dLayer:
+    def __init__(self, node, weights):
+        self.attrs, self.in_shape, self.out_shape = node.attrs, node.in_shape, node.out_shape
+
+    def plan(self, src, device: Device):
+        xp, n = device.xp, src.shape[0]
+        out = xp.empty((n, *self.out_shape), FLOAT)
+        divisor = K.avgpool_divisor(xp, self.attrs, self.in_shape[1:], self.out_shape[1:], np.dtype(FLOAT))
+        return out, [partial(K.avgpool2d_forward, xp, src, self.attrs, divisor, out, padded_buffer(xp, src, self.attrs))]
+
+
+class GlobalAvgPoolLayer:
+    def __init__(self, node, weights):
+        self.out_shape = node.out_shape
+
+    def plan(self, src, device: Device):
+        out = device.xp.empty((src.shape[0], *self.out_shape), FLOAT)
+        return out, [partial(K.global_avg_pool_forward, device.xp, src, out)]
+
+
+class FlattenLayer:
+    """A view of its input: no buffer, no work."""
+
+    def __init__(self, node, weights):
+        pass
+
+    def plan(self, src, device: Device):
+        return src.reshape(src.shape[0], -1), []
+
+
+LAYERS = {
+    "linear": LinearLayer,
+    "conv2d": Conv2dLayer,
+    "maxpool2d": MaxPool2dLayer,
+    "avgpool2d": AvgPool2dLayer,
+    "global_avg_pool": GlobalAvgPoolLayer,
+    "flatten": FlattenLayer,
+    "batchnorm": AffineLayer.batchnorm,
+    **{kind: AffineLayer.activation for kind in ACTIVATIONS},
+}
+
+
+def build_layers(model: Model, weights: dict) -> list:
+    layers = []
+    for node in model.nodes:
+        if node.op in IDENTITY_AT_INFERENCE:
+            continue
+        previous = layers[-1] if layers else None
+        open_epilogue = getattr(previous, "epilogue", None) is not None and previous.epilogue.activation is None
+        if node.op == "batchnorm" and isinstance(previous, (Conv2dLayer, LinearLayer)) and open_epilogue:
+            previous.fold(*scale_and_shift(node, weights))
+            previous.epilogue.activation = node.attrs["activation"]
+            continue
+        if node.op in ACTIVATIONS and open_epilogue:
+            previous.epilogue.activation = node.attrs
+            continue
+        layers.append(LAYERS[node.op](node, weights))
+    return layers
+
+
+class Plan:
+    def __init__(self, layers: list, input_shape: tuple, batch: int, device: Device):
+        self.device = device
+        self.input = device.xp.empty((batch, *input_shape), FLOAT)
+        self.steps = []
+        x = self.input
+        for layer in layers:
+            x, steps = layer.plan(x, device)
+            self.steps += steps
+        self.output = x
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        if self.device.fused is None:
+            np.copyto(self.input, x)
+        else:
+            self.input.set(x)
+        for step in self.steps:
+            step()
+        return self.output.get() if self.device.fused is not None else self.output.copy()
+
+
+def _cupy_with_a_gpu():
+    import cupy
+
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:                         # noqa: BLE001 - any CUDA failure means: no usable GPU
+        raise LnnError(f"the cuda backend finds no usable GPU ({err})") from None
+    if count < 1:
+        raise LnnError("the cuda backend finds no GPU")
+    return cupy
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, model: Model, weights: dict, array_module=None):
+        self.model = model
+        self.device = Device(array_module if array_module is not None else _cupy_with_a_gpu())
+        self.layers = build_layers(model, weights)
+        for layer in self.layers:
+            if hasattr(layer, "upload"):
+                layer.upload(self.device)
+        self._plans: OrderedDict[int, Plan] = OrderedDict()
+
+    def _plan(self, batch: int) -> Plan:
+        plan = self._plans.get(batch)
+        if plan is None:
+            plan = self._plans[batch] = Plan(self.layers, self.model.input_shape, batch, self.device)
+            if len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(batch)
+        return plan
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        """x: C-contiguous float32 [N, *input_shape] -> a new host array [N, *output_shape]."""
+        return self._plan(x.shape[0]).run(x)

@@ -1,0 +1,93 @@
+"""The CUDA backend (CuPy) against the NumPy reference backend; skipped without CuPy and a GPU.
+
+Run on a GPU machine with:  pytest tests/runtime/test_cuda_backend.py
+Every op of formats/ops.py on odd shapes (the CPU backend's op-driven cases), at batch sizes 1 and 3
+and 5, the four reference architectures with random weights built in memory (no ../shared needed),
+through a .bin file and lnn.load(path, device="cuda"), and the PyTorch-made reference models with
+their golden outputs when ../shared is present.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import EXAMPLES, REFERENCE_MODELS, REFERENCE_NAMES, need
+from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes, write_bin
+from lnn.formats.model import load_model, parse_model
+from lnn.formats.ops import OPS
+from lnn.runtime import Session
+from lnn.runtime.reference import NumpyBackend
+from test_cpu_backend import CASES, TOLERANCE, random_weights
+
+cupy = pytest.importorskip("cupy")
+try:
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        pytest.skip("CuPy sees no GPU", allow_module_level=True)
+except Exception as err:                                   # noqa: BLE001 - any CUDA failure means: no GPU here
+    pytest.skip(f"CuPy sees no GPU ({err})", allow_module_level=True)
+
+import lnn  # noqa: E402
+from lnn.runtime.cuda.backend import CudaBackend  # noqa: E402
+
+
+def test_every_op_has_a_case():
+    used = {parse_model({"input_shape": s, "layers": layers}).nodes[i].op
+            for s, layers in CASES.values() for i in range(len(layers))}
+    used |= {layer["activation"] if isinstance(layer["activation"], str) else layer["activation"]["type"]
+             for _, layers in CASES.values() for layer in layers if layer.get("activation")}
+    assert set(OPS) <= used
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_numpy_reference(case):
+    input_shape, layers = CASES[case]
+    model = parse_model({"name": case, "input_shape": input_shape, "layers": layers})
+    rng = np.random.default_rng(sorted(CASES).index(case))
+    weights = random_weights(model, rng)
+    backend, reference = CudaBackend(model, weights), NumpyBackend(model, weights)
+    for batch in (1, 3, 5, 1):
+        x = rng.standard_normal((batch, *input_shape)).astype(np.float32)
+        got = backend.run(x)
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32
+        np.testing.assert_allclose(got, reference.run(x), rtol=0, atol=TOLERANCE, err_msg=f"{case}, batch {batch}")
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+def test_reference_architectures_with_random_weights_through_bin(name, tmp_path):
+    model = load_model(EXAMPLES / "reference" / f"{name}.json")
+    rng = np.random.default_rng(21)
+    weights = random_weights(model, rng)
+    path = tmp_path / f"{name}.bin"
+    write_bin(path, model, weights, build_metadata(model))
+    session = lnn.load(path, device="cuda")
+    assert session.backend.name == "cuda"
+    reference = NumpyBackend(model, weights)
+    for batch in (1, 7):
+        x = rng.standard_normal((batch, *model.input_shape)).astype(np.float32)
+        np.testing.assert_allclose(session.run(x), reference.run(x), rtol=0, atol=TOLERANCE, err_msg=f"batch {batch}")
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+def test_reference_model_golden_outputs(name):
+    folder = need(REFERENCE_MODELS)
+    model = load_model(EXAMPLES / "reference" / f"{name}.json")
+    weights = dict(np.load(folder / f"{name}.weights.npz"))
+    samples = np.load(folder / f"{name}.samples.npz")
+    session = Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), "cuda")
+    np.testing.assert_allclose(session.run(samples["input"]), samples["expected"], rtol=0, atol=TOLERANCE)
+    np.testing.assert_allclose(session.run(samples["input"][:1]), samples["expected"][:1], rtol=0, atol=TOLERANCE)
+
+
+def test_plans_are_reused_and_input_left_alone():
+    input_shape, layers = CASES["batchnorm2d_standalone"]          # in-place epilogues on the plan's input
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(3))
+    backend = CudaBackend(model, weights)
+    x = np.random.default_rng(4).standard_normal((4, *input_shape)).astype(np.float32)
+    x_before = x.copy()
+    first = backend.run(x)
+    plan = backend._plan(4)
+    np.testing.assert_array_equal(backend.run(x), first)
+    assert backend._plan(4) is plan
+    assert np.array_equal(x, x_before)
