@@ -1,0 +1,180 @@
+"""GPU inference latency: lnn's CUDA backend vs PyTorch eager (and onnxruntime's CUDA provider), one GPU.
+
+    python benchmarks/gpu_infer.py [--repeats 50]
+
+For each reference architecture (examples/reference/*.json) with seeded random weights (no ../shared
+needed) and random-normal inputs, at batch 1 and 256: median milliseconds per call, host array in and
+host array out on every side (lnn: Session.run; PyTorch: tensor upload, forward under no_grad with
+cuDNN defaults, .cpu(); onnxruntime: InferenceSession.run with CUDAExecutionProvider), the GPU
+synchronized by each call's device-to-host copy. All sides run in this process (inference only).
+Outputs are checked against each other (max abs difference) before timing. Writes the `gpu_infer`
+section of docs/BENCHMARKS.md. PyTorch and onnxruntime are peers here only; lnn never depends on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from report import machine_line, markdown_table, update_section  # noqa: E402
+
+NAMES = ["mnist_mlp", "mnist_cnn", "leaf_cnn", "leaf_cnn224"]
+BATCHES = [1, 256]
+
+
+def random_weights(model, rng) -> dict:
+    """He-scaled normal weights (outputs stay O(1) through the layers), batch-norm statistics near 1."""
+    weights = {}
+    for key, shape in model.param_shapes().items():
+        if key.endswith("running_var"):
+            weights[key] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+        elif key.endswith("weight") and len(shape) > 1:
+            fan_in = int(np.prod(shape[1:]))
+            weights[key] = (rng.standard_normal(shape) * np.sqrt(2 / fan_in)).astype(np.float32)
+        else:
+            weights[key] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    return weights
+
+
+def torch_module(model, weights):
+    """The same network as a torch.nn.Sequential holding the same weights."""
+    import torch
+    from torch import nn
+
+    activations = {"relu": nn.ReLU, "relu6": nn.ReLU6, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh}
+
+    def activation(spec):
+        if spec is None:
+            return []
+        if spec["type"] == "leaky_relu":
+            return [nn.LeakyReLU(spec["negative_slope"])]
+        if spec["type"] == "softmax":
+            return [nn.Softmax(dim=1)]
+        return [activations[spec["type"]]()]
+
+    layers = []
+    for node in model.nodes:
+        a = node.attrs
+        params = {name: torch.from_numpy(np.asarray(weights[node.param_key(name)])) for name in node.param_shapes}
+        if node.op == "conv2d":
+            layer = nn.Conv2d(a["in_channels"], a["out_channels"], a["kernel_size"], a["stride"], a["padding"],
+                              a["dilation"], a["groups"], a["bias"])
+        elif node.op == "linear":
+            layer = nn.Linear(a["in_features"], a["out_features"], a["bias"])
+        elif node.op == "batchnorm":
+            layer = (nn.BatchNorm2d if len(node.in_shape) == 3 else nn.BatchNorm1d)(a["num_features"], a["eps"])
+        elif node.op == "maxpool2d":
+            layer = nn.MaxPool2d(a["kernel_size"], a["stride"], a["padding"])
+        elif node.op == "avgpool2d":
+            layer = nn.AvgPool2d(a["kernel_size"], a["stride"], a["padding"], count_include_pad=a["count_include_pad"])
+        elif node.op == "global_avg_pool":
+            layer = nn.AdaptiveAvgPool2d(1)
+        elif node.op == "flatten" or node.op == "dropout":
+            layer = nn.Flatten() if node.op == "flatten" else nn.Identity()
+        else:
+            layers += activation(a)
+            continue
+        with torch.no_grad():
+            for name, value in params.items():
+                getattr(layer, name).copy_(value)
+        layers.append(layer)
+        if node.op == "global_avg_pool" and not a["keepdims"]:
+            layers.append(nn.Flatten())
+        layers += activation(a.get("activation"))
+    return nn.Sequential(*layers).eval().cuda()
+
+
+def median_ms(function, x, repeats: int) -> float:
+    for _ in range(3):
+        function(x)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function(x)                      # every side returns a host array: the call ends synchronized
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def onnx_session(model, weights, folder: Path):
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        return None
+    from lnn.formats.onnx_export import export_onnx
+
+    path = folder / f"{model.name}.onnx"
+    export_onnx(model, weights, path)
+    session = onnxruntime.InferenceSession(str(path), providers=["CUDAExecutionProvider"])
+    if session.get_providers()[0] != "CUDAExecutionProvider":
+        return None
+    name = session.get_inputs()[0].name
+    return lambda x: session.run(None, {name: x})[0]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args(argv)
+
+    import cupy
+    import torch
+
+    import lnn
+    from lnn.formats.binfile import build_metadata, write_bin
+    from lnn.formats.model import load_model
+
+    torch.backends.cudnn.benchmark = False          # cuDNN defaults
+    rows, folder = [], Path(tempfile.mkdtemp(prefix="lnn_gpu_infer_"))
+    for name in NAMES:
+        model = load_model(REPO / "examples" / "reference" / f"{name}.json")
+        rng = np.random.default_rng(0)
+        weights = random_weights(model, rng)
+        write_bin(folder / f"{name}.bin", model, weights, build_metadata(model))
+        session = lnn.load(folder / f"{name}.bin", device="cuda")
+        net = torch_module(model, weights)
+
+        def torch_run(x, net=net):
+            with torch.no_grad():
+                return net(torch.from_numpy(x).cuda()).cpu().numpy()
+
+        ort_run = onnx_session(model, weights, folder)
+        for batch in BATCHES:
+            x = rng.standard_normal((batch, *model.input_shape)).astype(np.float32)
+            expected = torch_run(x)
+            difference = float(np.abs(session.run(x) - expected).max())
+            lnn_ms = median_ms(session.run, x, args.repeats)
+            torch_ms = median_ms(torch_run, x, args.repeats)
+            ort_ms = median_ms(ort_run, x, args.repeats) if ort_run else None
+            row = [name, batch, f"{lnn_ms:.3f}", f"{torch_ms:.3f}", f"{lnn_ms / torch_ms:.2f}",
+                   f"{ort_ms:.3f}" if ort_ms else "n/a", f"{lnn_ms / ort_ms:.2f}" if ort_ms else "n/a", f"{difference:.1e}"]
+            rows.append(row)
+            print(" | ".join(map(str, row)), flush=True)
+
+    properties = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    gpu = properties["name"].decode() if isinstance(properties["name"], bytes) else properties["name"]
+    headers = ["model", "batch", "lnn cuda ms", "PyTorch eager ms", "lnn / PyTorch", "onnxruntime CUDA ms",
+               "lnn / onnxruntime", "max |lnn - PyTorch|"]
+    body = (f"## GPU inference latency\n\nMachine: {machine_line(('numpy', 'cupy-cuda12x', 'cupy-cuda13x', 'torch', 'onnxruntime-gpu'))}, "
+            f"GPU {gpu}. Script: `python3 benchmarks/gpu_infer.py`.\n\n"
+            "Median ms per call over "
+            f"{args.repeats} calls, host float32 in and out (upload, forward, download), random weights (seed 0) "
+            "and random-normal inputs; fp32; PyTorch eager under no_grad with cuDNN defaults; onnxruntime from "
+            "lnn's ONNX export with the CUDA provider (n/a: not installed there). Lower ratio is better for lnn.\n\n"
+            + markdown_table(headers, rows))
+    update_section("gpu_infer", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
