@@ -17,6 +17,9 @@ Each image goes through three steps, chosen per layer at load:
   2. product   per group, numpy's BLAS computes W2d[g] @ cols[g], W2d [O, C/G*KH*KW], into acc [O, positions].
      direct    instead of 1-2, grouped convs with few inputs per output (depthwise: C/groups = 1) run
                `conv2d_direct` into acc [O, OH*OW].
+     winograd  instead of 1-2, 3x3 stride-1 undilated ungrouped convs with at least WINOGRAD_MIN_CHANNELS
+               inputs (or any such conv whose layer asks for "algorithm": "winograd") run Winograd
+               F(2x2, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
   3. output    the fused max-pool, if any (`max_pool_2x2_rows`, or `max_pool_rows` for any other window),
                reads acc by position pitch into `pooled`; `epilogue_rows` applies act(v * scale[o] + shift[o])
                (activations.py) and writes y[n], or the interior of the next conv's zero-padded input.
@@ -38,6 +41,7 @@ import numpy as np
 from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
+from lnn.runtime.cpu.winograd import tile_count, transformed_weight, winograd_input, winograd_output
 
 # Below this many multiply-adds per output element a grouped conv runs direct, not as tiny GEMMs.
 DIRECT_MAX_TAPS = 32
@@ -45,6 +49,9 @@ NO_POOL = ((1, 1), (1, 1), (0, 0))      # a 1x1 window: kernel_size, stride, pad
 NO_POOL_WINDOW = (1, 1, 1, 1, 0, 0)     # the same, as the kernels' (KH, KW, SH, SW, PH, PW)
 # Columns -> product -> output run in bands of about this many bytes of cols + acc (half an L2 of 2 MiB).
 CHUNK_BYTES = 1024 * 1024
+# "auto" picks Winograd for eligible convs with at least this many input channels: with fewer, the 16
+# products [O, C] x [C, tiles] are too thin for BLAS (leaf_cnn, 1 thread: 16 inputs a little faster, 3 slower).
+WINOGRAD_MIN_CHANNELS = 16
 
 
 @kernel
@@ -232,6 +239,15 @@ class Conv2dLayer:
         return self.attrs["groups"] > 1 and group_in * kh * kw <= DIRECT_MAX_TAPS
 
     @property
+    def winograd(self) -> bool:
+        a = self.attrs
+        eligible = (a["kernel_size"] == (3, 3) and a["stride"] == (1, 1) and a["dilation"] == (1, 1)
+                    and a["groups"] == 1)
+        if a["algorithm"] == "auto":
+            return eligible and a["in_channels"] >= WINOGRAD_MIN_CHANNELS
+        return eligible and a["algorithm"] == "winograd"
+
+    @property
     def pointwise(self) -> bool:
         a = self.attrs
         return (a["kernel_size"] == (1, 1) and a["stride"] == (1, 1) and a["padding"] == (0, 0))
@@ -277,7 +293,11 @@ class Conv2dLayer:
         conv_h = self.conv_shape[1]
         if self.direct:
             return [(n, n + 1, 0, out_h, 0, conv_h) for n in range(batch)]
-        column_bytes = (self.weight[0].size * self.attrs["groups"] + self.weight.shape[0]) * 4    # cols + acc
+        out_channels, in_channels = self.weight.shape[:2]
+        if self.winograd:      # V and M (16 values per 2x2 outputs) + acc
+            column_bytes = (4 * in_channels + 5 * out_channels) * 4
+        else:                  # cols + acc
+            column_bytes = (self.weight[0].size * self.attrs["groups"] + out_channels) * 4
         image_bytes = column_bytes * padded_w * conv_h
         if 2 * image_bytes <= CHUNK_BYTES and not self.pointwise:
             group = CHUNK_BYTES // image_bytes
@@ -305,6 +325,8 @@ class Conv2dLayer:
                 return acc, conv_w
             return direct
 
+        if self.winograd:
+            return self._winograd_product(image, bands, new_buffer)
         groups = a["groups"]
         group_out = out_channels // groups
         weight2d = self.weight.reshape(groups, group_out, -1)
@@ -343,3 +365,42 @@ class Conv2dLayer:
                                      out=grouped_acc[g]))
             return acc_buffer, pitch
         return gemm
+
+    def _winograd_product(self, image, bands: list, new_buffer):
+        """The product step of _product as Winograd F(2x2, 3x3): conv rows y_first..y_end-1 of the
+        band's images into acc, pitch OW, from the tile rows that cover them (winograd.py).
+
+        V and M are [16, rows + 1, T'] buffers used as [16, rows, T]: the spare row and T' (16 times an
+        odd number) keep the 16 planes off the same cache sets (with power-of-two plane strides the
+        input transform ran 8x slower)."""
+        out_channels, conv_h, conv_w = self.conv_shape
+        in_channels = image.shape[1]
+        weight = transformed_weight(self.weight)
+        tiles_w = tile_count(conv_w)
+
+        def band_tiles(band):
+            n_first, n_end, _, _, y_first, y_end = band
+            tile_first = y_first // 2
+            return tile_first, tile_count(y_end) - tile_first, n_end - n_first
+
+        most = max(rows * tiles_w * images for _, rows, images in map(band_tiles, bands))
+        stride = -(-most // 16) * 16
+        stride += 16 * (stride // 16 % 2 == 0)
+        v_buffer = new_buffer((16, in_channels + 1, stride))
+        m_buffer = new_buffer((16, out_channels + 1, stride))
+        acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
+
+        def product(band, steps):
+            n_first, n_end, _, _, y_first, y_end = band
+            tile_first, tile_rows, images = band_tiles(band)
+            per_image = tile_rows * tiles_w
+            count = per_image * images
+            for n in range(n_first, n_end):
+                steps.append(partial(winograd_input, image[n], tile_first, tile_rows, (n - n_first) * per_image,
+                                     v_buffer))
+            steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],
+                                 out=m_buffer[:, :out_channels, :count]))
+            steps.append(partial(winograd_output, m_buffer, images, per_image, tile_first, conv_h, conv_w,
+                                 y_first, y_end, acc))
+            return acc, conv_w
+        return product

@@ -53,6 +53,11 @@ CASES = {
                                                        conv(4, kernel_size=[3, 1], padding=[1, 0], stride=[2, 1])]),
     "conv_then_activation_layer_then_pool": ([3, 12, 10], [conv(13, padding=1), {"type": "leaky_relu"},
                                                            {"type": "maxpool2d", "kernel_size": 2}]),
+    "conv_winograd_auto_relu_maxpool": ([16, 12, 10], [conv(24, padding=1, activation="relu"),
+                                                        {"type": "maxpool2d", "kernel_size": 2}]),
+    "conv_winograd_odd_unpadded": ([5, 9, 11], [conv(7, algorithm="winograd", activation="sigmoid")]),
+    "conv_winograd_odd_padded2_pool3": ([6, 9, 7], [conv(5, padding=2, algorithm="winograd"),
+                                                   {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
     "maxpool_odd": ([13, 11, 9], [{"type": "maxpool2d", "kernel_size": 3, "stride": 1}]),
     "maxpool_default_stride": ([13, 11, 9], [{"type": "maxpool2d", "kernel_size": 2}]),
     "avgpool_include_pad": ([13, 11, 9], [{"type": "avgpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
@@ -117,7 +122,8 @@ def test_matches_numpy_reference(case):
 
 
 @pytest.mark.parametrize("case", ["conv_relu_maxpool_fused", "conv_pool_then_activation_layer", "conv_rect_kernel_stride",
-                                  "conv_chain_writing_padded_inputs", "conv_pointwise", "conv_groups3_gemm"])
+                                  "conv_chain_writing_padded_inputs", "conv_pointwise", "conv_groups3_gemm",
+                                  "conv_winograd_auto_relu_maxpool", "conv_winograd_odd_padded2_pool3"])
 def test_matches_numpy_reference_in_row_bands(case, monkeypatch):
     """With a tiny band budget every image runs as many bands of output rows (pool windows that
     overlap two bands, pool padding, stride-2 im2col, pointwise and grouped products)."""
@@ -155,6 +161,23 @@ def test_fusions_happen():
     assert conv_layer.has_pool and conv_layer.out_shape == (24, 6, 7)
     assert [type(layer).__name__ for layer in layers_of([conv(5, activation="softmax"), {"type": "maxpool2d", "kernel_size": 2}])] \
         == ["Conv2dLayer", "MaxPool2dLayer"]
+
+
+def test_conv_algorithm_choice():
+    """"auto" runs Winograd for 3x3 stride-1 ungrouped convs with enough inputs; a layer's "algorithm"
+    overrides it where Winograd applies, and is ignored where it does not (stride 2)."""
+    from lnn.runtime.cpu.conv2d import WINOGRAD_MIN_CHANNELS
+
+    def uses_winograd(channels, **attrs):
+        model = parse_model({"input_shape": [channels, 8, 8], "layers": [conv(4, **attrs)]})
+        return cpu_backend(model, random_weights(model, np.random.default_rng(0))).layers[0].winograd
+
+    assert uses_winograd(WINOGRAD_MIN_CHANNELS, padding=1)
+    assert not uses_winograd(WINOGRAD_MIN_CHANNELS - 1, padding=1)
+    assert not uses_winograd(WINOGRAD_MIN_CHANNELS, padding=1, algorithm="im2col")
+    assert uses_winograd(3, algorithm="winograd")
+    assert not uses_winograd(3, algorithm="winograd", stride=2)
+    assert not uses_winograd(WINOGRAD_MIN_CHANNELS, kernel_size=5)
 
 
 def test_padded_inputs_are_written_in_place():
@@ -197,7 +220,7 @@ def test_no_allocation_after_first_call_per_batch_size():
     input_shape = [13, 41, 45]
     model = parse_model({"input_shape": input_shape, "layers": [
         conv(24, padding=1, activation="relu"), {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1},
-        conv(24, kernel_size=1), {"type": "batchnorm"},
+        conv(24, kernel_size=1), {"type": "batchnorm"}, conv(24, padding=1, algorithm="winograd"),
         conv(24, kernel_size=3, groups=24, padding=1, activation="tanh"), {"type": "avgpool2d", "kernel_size": 2},
         {"type": "flatten"}, {"type": "linear", "out_features": 10, "activation": "softmax"}]})
     backend = cpu_backend(model, random_weights(model, np.random.default_rng(3)), threads=1)
