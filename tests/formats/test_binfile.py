@@ -713,6 +713,7 @@ def fuzz_models():
         weights = random_weights(model, seed=i)
         files.append(encode_bin(model, weights, build_metadata(model)))
         files.append(encode_bin(model, weights, build_metadata(model), fp16_dtypes(model)))
+        files.append(encode_bin(model, weights, build_metadata(model), int8_dtypes(model)))
     return files
 
 
