@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import lnn
@@ -72,3 +73,21 @@ def test_json_output_names_the_class_and_its_advice():
     record = json.loads(done.stdout.splitlines()[0])
     assert Path(record["file"]).name == SAMPLES[0].name
     assert json.dumps(record).count("advice") >= 1
+
+
+@pytest.mark.parametrize("optimization", ["disabled", "default"])
+def test_onnx_export_gives_the_same_top1_on_every_bundled_sample(tmp_path, optimization):
+    ort = pytest.importorskip("onnxruntime")
+    from lnn.formats.binfile import read_bin
+    from lnn.formats.onnx_export import export_bin_to_onnx
+
+    export_bin_to_onnx(read_bin(MODEL), tmp_path / "tomato.onnx")
+    options = ort.SessionOptions()
+    if optimization == "disabled":
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    peer = ort.InferenceSession(str(tmp_path / "tomato.onnx"), options, providers=["CPUExecutionProvider"])
+    session = lnn.load(MODEL, device="numpy")
+    batch = np.stack([session.prepare_image(photo) for photo in SAMPLES])
+    ours, theirs = session.run(batch), peer.run(None, {"input": batch})[0]
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)
+    assert (theirs.argmax(1) == ours.argmax(1)).all()
