@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.errors import LnnError
+from lnn.formats.fold import fold_scale_and_shift, scale_and_shift
 from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS, get_op
 from lnn.version import __version__
@@ -47,16 +48,6 @@ def require_onnx(module: str = "onnx"):
         raise LnnError("ONNX support needs the onnx extra: pip install 'lnn[onnx]'") from None
 
 
-def fold_batchnorm(weight: np.ndarray, bias: np.ndarray | None, bn: dict, eps: float) -> tuple:
-    """Fold y = BN(W x + b) into one layer: W' = W * s (per output channel), b' = (b - mean) * s + beta,
-    with s = gamma / sqrt(var + eps). Works for conv [O, I, KH, KW] and linear [O, I] weights."""
-    scale = bn["weight"].astype(np.float64) / np.sqrt(bn["running_var"].astype(np.float64) + eps)
-    bias = np.zeros(weight.shape[0]) if bias is None else bias.astype(np.float64)
-    folded_weight = weight.astype(np.float64) * scale.reshape((-1,) + (1,) * (weight.ndim - 1))
-    folded_bias = (bias - bn["running_mean"]) * scale + bn["bias"]
-    return folded_weight.astype(np.float32), folded_bias.astype(np.float32)
-
-
 def _inference_layers(model: Model, weights: dict) -> list:
     """The model's layers as (node, params, fused activation or None), dropout removed and batch norm folded
     into the conv2d / linear before it where that layer has no activation of its own."""
@@ -69,7 +60,8 @@ def _inference_layers(model: Model, weights: dict) -> list:
         if (node.op == "batchnorm" and previous is not None and previous[0].op in ("conv2d", "linear")
                 and previous[2] is None):
             prev_node, prev_params, _ = previous
-            weight, bias = fold_batchnorm(prev_params["weight"], prev_params.get("bias"), params, node.attrs["eps"])
+            weight, bias = fold_scale_and_shift(prev_params["weight"], prev_params.get("bias"),
+                                                *scale_and_shift(node, weights))
             layers[-1] = (prev_node, {"weight": weight, "bias": bias}, node.attrs.get("activation"))
             continue
         fused = node.attrs["activation"] if get_op(node.op).has_activation_field else None

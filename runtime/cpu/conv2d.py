@@ -38,6 +38,7 @@ from functools import partial
 
 import numpy as np
 
+from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
@@ -220,8 +221,7 @@ class Conv2dLayer:
 
     def fold(self, scale: np.ndarray, shift: np.ndarray) -> None:
         """Absorb y -> y * scale + shift per output channel (a batch norm) into weight and bias."""
-        self.weight = (self.weight * scale[:, None, None, None]).astype(np.float32)
-        self.epilogue.shift = (self.epilogue.shift * scale + shift).astype(np.float32)
+        self.weight, self.epilogue.shift = fold_scale_and_shift(self.weight, self.epilogue.shift, scale, shift)
 
     def fuse_max_pool(self, pool) -> None:
         """Run the max-pool layer `pool` inside this conv's output step (see the header)."""

@@ -11,6 +11,7 @@ from functools import partial
 
 import numpy as np
 
+from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import Epilogue, as_channels_positions
 
 
@@ -25,8 +26,7 @@ class LinearLayer:
 
     def fold(self, scale: np.ndarray, shift: np.ndarray) -> None:
         """Absorb y -> y * scale + shift per output feature (a batch norm) into weight and bias."""
-        self.weight = (self.weight * scale[:, None]).astype(np.float32)
-        self.epilogue.shift = (self.epilogue.shift * scale + shift).astype(np.float32)
+        self.weight, self.epilogue.shift = fold_scale_and_shift(self.weight, self.epilogue.shift, scale, shift)
 
     def plan(self, src, new_buffer):
         dst = new_buffer((src.shape[0], *self.out_shape))

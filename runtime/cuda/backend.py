@@ -3,7 +3,7 @@
 Load time (once):
   - dropout is dropped (identity at inference);
   - a batch norm right after a conv2d / linear layer without an activation is folded into its weight
-    and bias (runtime/fold.py, as the CPU backend does); an activation layer right after a layer with
+    and bias (formats/fold.py, as the CPU backend does); an activation layer right after a layer with
     an epilogue and no activation of its own becomes that epilogue's activation;
   - weights and epilogue vectors are uploaded to the GPU.
 First call per batch size: every device buffer is allocated and every kernel call is bound to its
@@ -30,7 +30,7 @@ from lnn.formats.errors import LnnError
 from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS
 from lnn.runtime.cuda import kernels as K
-from lnn.runtime.fold import fold_scale_and_shift, scale_and_shift
+from lnn.formats.fold import fold_scale_and_shift, scale_and_shift
 
 IDENTITY_AT_INFERENCE = {"dropout"}
 PLANS_KEPT = 4          # batch sizes whose buffers stay allocated

@@ -1,4 +1,5 @@
-"""Folding a batch norm (inference) into the layer before it; shared by the CPU and CUDA backends.
+"""Folding a batch norm (inference) into the layer before it; shared by the CPU and CUDA backends and
+the ONNX export.
 
 At inference a batch norm is a per-channel y = x * scale + shift (formats/ops.py BatchNorm.forward).
 After a conv2d [O, C/g, KH, KW] or linear [O, I] layer without an activation it folds into that
