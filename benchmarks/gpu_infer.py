@@ -134,7 +134,10 @@ def main(argv=None) -> int:
     from lnn.formats.binfile import build_metadata, write_bin
     from lnn.formats.model import load_model
 
-    torch.backends.cudnn.benchmark = False          # cuDNN defaults
+    torch.backends.cudnn.benchmark = False          # cuDNN's default algorithm choice
+    # True fp32 on both sides: PyTorch would otherwise run convolutions in TF32 (its cuDNN default).
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     rows, folder = [], Path(tempfile.mkdtemp(prefix="lnn_gpu_infer_"))
     for name in NAMES:
         model = load_model(REPO / "examples" / "reference" / f"{name}.json")
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
             f"GPU {gpu}. Script: `python3 benchmarks/gpu_infer.py`.\n\n"
             "Median ms per call over "
             f"{args.repeats} calls, host float32 in and out (upload, forward, download), random weights (seed 0) "
-            "and random-normal inputs; fp32; PyTorch eager under no_grad with cuDNN defaults; onnxruntime from "
+            "and random-normal inputs; fp32 on both sides (PyTorch's TF32 switched off); PyTorch eager under no_grad; onnxruntime from "
             "lnn's ONNX export with the CUDA provider (n/a: not installed there). Lower ratio is better for lnn.\n\n"
             + markdown_table(headers, rows))
     update_section("gpu_infer", body)
