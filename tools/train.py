@@ -37,6 +37,11 @@ def build_parser():
                         help="learning-rate schedule type, with its default settings (training.lr_schedule)")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                         help="cuda (CuPy), cpu (NumPy) or auto: cuda when CuPy sees a GPU (default)")
+    parser.add_argument("--cuda-graph", dest="cuda_graph", action="store_true", default=None,
+                        help="replay each step as a captured CUDA graph (an error when the model cannot); "
+                             "default: whenever the model, optimizer and device allow it")
+    parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                        help="run every step eagerly on the GPU")
     parser.add_argument("--amp", action="store_true", help="mixed precision on the GPU (float16 activations)")
     parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR after its last checkpoint")
     parser.add_argument("--seed", type=int, help="seed of weights, shuffling and dropout (training.seed)")
@@ -99,10 +104,11 @@ def body(args) -> int:
 
     from lnn.train.trainer import Trainer
 
-    trainer = Trainer(model, device=args.device, seed=args.seed, batch_size=args.batch, lr=args.lr, amp=args.amp)
+    trainer = Trainer(model, device=args.device, seed=args.seed, batch_size=args.batch, lr=args.lr, amp=args.amp,
+                      cuda_graph="auto" if args.cuda_graph is None else args.cuda_graph)
     memory = trainer.plan.memory_report()
     print(f"{model.name}: {model.num_params:,} parameters on {trainer.device}"
-          f"{' (amp)' if trainer.amp else ''}, batch {trainer.plan.batch_size}"
+          f"{' (amp)' if trainer.amp else ''}{', cuda graph' if trainer.graph_mode else ''}, batch {trainer.plan.batch_size}"
           f" x {trainer.config.accumulate} accumulated; plan memory {human_bytes(memory['peak'])} "
           f"(activations pooled {human_bytes(memory['activations_pooled'])}, naive "
           f"{human_bytes(memory['activations_naive'])})", flush=True)

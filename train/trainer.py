@@ -13,6 +13,9 @@ update of one batch of R rows. Then: global gradient norm, clipping, one optimiz
 Mixed precision (amp, CUDA only): float16 activations and gradients, float32 master weights and
 optimizer; the loss is multiplied by a dynamic scale (start 2^16, halved on an overflow, doubled
 after 2000 clean steps); a step whose gradients overflow is skipped and counted.
+CUDA graph (cuda_graph="auto" | True | False): on the GPU, full batches of uint8 images run as one
+replayed CUDA graph when every op is supported (train/cuda_graph.py); its StepResult numbers stay on
+the device until read, and fit() reads them every 10 steps. Other batches run eagerly.
 Inspection: `trainer.gradients`, `trainer.weights()` always; `trainer.activations["conv1"]`
 (each layer's output of the last forward) only with inspect=True, because buffers are otherwise
 shared by liveness and later buffers overwrite earlier ones within the step.
@@ -90,7 +93,7 @@ def initial_weights(model: Model, seed: int) -> dict:
 class Trainer:
     def __init__(self, spec, device: str = "auto", seed: int | None = None, batch_size: int | None = None,
                  accumulate: int | None = None, grad_clip: float | None = None, lr: float | None = None,
-                 amp: bool = False, dtype: str = "float32", inspect: bool = False, log=None):
+                 amp: bool = False, dtype: str = "float32", inspect: bool = False, log=None, cuda_graph="auto"):
         self.model = as_model(spec)
         self.log = log or (lambda message: print(message, flush=True))
         config = TrainingConfig.parse(self.model.extra.get("training"))
@@ -120,6 +123,40 @@ class Trainer:
         self._device_data = {}
         self._last_rows = None
         self.gradients = self.plan.param_views(self.plan.grads)
+        self._graph = None
+        self.graph_mode = self._choose_graph_mode(cuda_graph, dtype, inspect)
+
+    def _choose_graph_mode(self, wanted, dtype, inspect) -> bool:
+        """Whether full batches of uint8 images run as a captured CUDA graph (train/cuda_graph.py)."""
+        if wanted not in (True, False, "auto"):
+            raise LnnError(f"cuda_graph must be True, False or 'auto', not {wanted!r}")
+        if wanted is False:
+            return False
+        from lnn.train.cuda_graph import unsupported_reason
+
+        reason = "the device is the CPU" if self.device != "cuda" else (
+            "inspect=True keeps every activation" if inspect else
+            unsupported_reason(self.model, self.config, self.optimizer_config, self.amp, dtype))
+        if reason and wanted is True:
+            raise LnnError(f"cuda graph: {reason}")
+        return reason is None
+
+    def _graph_step(self, x, y):
+        """The step as a graph replay, or None (after one log line) when the graph path fails."""
+        from lnn.train.cuda_graph import GraphFailure, GraphStep
+
+        try:
+            if self._graph is None:
+                self._graph = GraphStep(self)
+            return self._graph.step(x, y, self.lr)
+        except GraphFailure as err:
+            self.log(f"cuda graph: {err}; training continues eagerly")
+        except Exception as err:                      # noqa: BLE001 - any GPU-side surprise: fall back, say why
+            self.log(f"cuda graph: unexpected {type(err).__name__}: {' '.join(str(err).split())[:300]}; "
+                     f"training continues eagerly")
+        self.graph_mode = False
+        self._graph = None
+        return None
 
     # ------------------------------------------------------------------ setup
 
@@ -224,6 +261,13 @@ class Trainer:
             raise LnnError("step: the batch is empty")
         if len(y) != rows:
             raise LnnError(f"step: {rows} inputs but {len(y)} targets")
+        if (self.graph_mode and rows == plan.batch_size and getattr(x, "dtype", None) == np.uint8
+                and tuple(x.shape[1:]) == tuple(self.model.input_shape) and getattr(y, "ndim", 1) == 1):
+            result = self._graph_step(x, y)
+            if result is not None:
+                self.step_count += 1
+                self._last_rows = rows
+                return result
         plan.grads_compute.fill(0)
         outputs = math.prod(self.model.output_shape)
         scale = self.loss_scale / (rows if self.model.loss == "cross_entropy" else rows * outputs)
@@ -406,7 +450,7 @@ class Trainer:
 
         order = epoch_order(len(train), self.config.seed, epoch)
         loss_sum = correct = rows_done = 0
-        norms = []
+        norms, pending = [], []
         started = time.perf_counter()
         bar = tqdm(total=len(train), desc=f"epoch {epoch}/{epochs}", unit="img", disable=None if progress else True,
                    leave=False, dynamic_ncols=True)
@@ -415,20 +459,26 @@ class Trainer:
             for index, (images, labels, done) in enumerate(batches):
                 self.lr = learning_rate(self.base_lr, self.config.lr_schedule, self.step_count + self.overflow_steps,
                                         steps_per_epoch, epochs)
-                result = self.step(images, labels)
+                pending.append(self.step(images, labels))
                 done()
-                loss_sum += result.loss * result.rows
-                correct += result.correct
-                rows_done += result.rows
-                norms.append(result.grad_norm)
-                bar.update(result.rows)
-                if index % 10 == 0 or rows_done == len(train):
-                    postfix = {"loss": f"{loss_sum / rows_done:.4f}", "img/s": f"{rows_done / (time.perf_counter() - started):.0f}"}
-                    if self.model.loss == "cross_entropy":
-                        postfix["acc"] = f"{correct / rows_done:.4f}"
-                    if self.amp:
-                        postfix["overflows"] = self.overflow_steps
-                    bar.set_postfix(postfix)
+                if index % 10 and rows_done + sum(r.rows for r in pending) < len(train):
+                    continue                 # graph steps keep their numbers on the device until read here
+                for result in pending:
+                    if not result.skipped and not math.isfinite(result.grad_norm):
+                        raise LnnError(f"training diverged by step {self.step_count} (gradient norm "
+                                       f"{result.grad_norm}); lower the learning rate or set training.grad_clip")
+                    loss_sum += result.loss * result.rows
+                    correct += result.correct
+                    rows_done += result.rows
+                    norms.append(result.grad_norm)
+                    bar.update(result.rows)
+                pending = []
+                postfix = {"loss": f"{loss_sum / rows_done:.4f}", "img/s": f"{rows_done / (time.perf_counter() - started):.0f}"}
+                if self.model.loss == "cross_entropy":
+                    postfix["acc"] = f"{correct / rows_done:.4f}"
+                if self.amp:
+                    postfix["overflows"] = self.overflow_steps
+                bar.set_postfix(postfix)
         seconds = time.perf_counter() - started
         entry = {"epoch": epoch, "train_loss": loss_sum / rows_done, "lr": self.lr, "epoch_s": round(seconds, 3),
                  "images_per_s": round(rows_done / seconds, 1), "grad_norm": float(np.mean(norms))}
