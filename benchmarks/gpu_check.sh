@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: every GPU test (tests/runtime holds test_cuda_backend.py), then the GPU
-# benchmarks. Results go under $OUT (6 files).
+# benchmarks. Results go under $OUT (7 files).
 #   bash benchmarks/gpu_check.sh            (MNIST read from $MNIST, default .devdata/mnist)
 # The package is put on the path through a symlink named lnn (no install, no network needed).
 set -uo pipefail
@@ -11,7 +11,8 @@ mkdir -p "$OUT"
 pkg=$(mktemp -d) && ln -s "$(pwd)" "$pkg/lnn"
 export PYTHONPATH="$pkg" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv > "$OUT/nvidia-smi.csv"
-python3 -m pytest -q -p no:cacheprovider tests/train/test_gpu.py tests/runtime 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q -p no:cacheprovider tests/train/test_gpu.py tests/train/test_cuda_graph.py tests/runtime 2>&1 | tee "$OUT/gpu_tests.log"
 python3 benchmarks/gpu_train.py --mnist "$MNIST" --out runs/gpu_train 2>&1 | tee "$OUT/gpu_train.log"
 python3 benchmarks/gpu_infer.py 2>&1 | tee "$OUT/gpu_infer.log"
+python3 benchmarks/gpu_train_step.py 2>&1 | tee "$OUT/gpu_train_step.log"
 cp docs/BENCHMARKS.md runs/gpu_train/gpu_train.json "$OUT/"

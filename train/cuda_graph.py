@@ -477,7 +477,7 @@ class GraphStep:
         self.launches.append(launch)
 
     def _build(self, partial_sizes):
-        cupy, fused, plan, n = self.cupy, self.fused, self.plan, self.n
+        plan, n = self.plan, self.n
         views = plan.views(n)
         calls = views["calls"]
         model = self.trainer.model
@@ -660,7 +660,7 @@ class GraphStep:
 
     def step(self, x, y, lr: float) -> DeviceStepResult:
         """One optimizer step on exactly plan.batch_size rows; the caller counts the step."""
-        cupy, optimizer = self.cupy, self.trainer.optimizer
+        optimizer = self.trainer.optimizer
         step_number = optimizer.steps + 1
         with self.stream:
             if self.graph is None and self.steps_run == 0:
