@@ -432,9 +432,9 @@ class GraphStep:
         self.cupy, self.fused, self.trainer = cupy, fused, trainer
         plan, model = trainer.plan, trainer.model
         self.plan, self.n = plan, plan.batch_size
-        self.stream = cupy.cuda.Stream(non_blocking=False)   # ordered with CuPy's default stream
+        self.stream = cupy.cuda.Stream(non_blocking=True)    # ordered with the default stream by events
         self.cublas = Cublas(cupy, self.stream)
-        self.module = cupy.RawModule(code=KERNELS, options=("--std=c++14",))
+        self.module = cupy.RawModule(code=KERNELS)
         n = self.n
         self.x_u8 = cupy.empty((n,) + tuple(model.input_shape), dtype=np.uint8)
         self.labels = cupy.empty(n, dtype=np.int32)
@@ -662,6 +662,17 @@ class GraphStep:
         """One optimizer step on exactly plan.batch_size rows; the caller counts the step."""
         optimizer = self.trainer.optimizer
         step_number = optimizer.steps + 1
+        default = self.cupy.cuda.Stream.null
+        self.stream.wait_event(default.record())            # the batch was made on the default stream
+        try:
+            result = self._step_on_stream(x, y, lr, step_number)
+        finally:
+            default.wait_event(self.stream.record())        # later default-stream work sees this step
+        optimizer.steps = step_number
+        self.steps_run += 1
+        return result
+
+    def _step_on_stream(self, x, y, lr: float, step_number: int) -> DeviceStepResult:
         with self.stream:
             if self.graph is None and self.steps_run == 0:
                 saved = self._snapshot()
@@ -680,10 +691,7 @@ class GraphStep:
                     self.graph.launch(self.stream)
                 except Exception as err:
                     raise GraphFailure(f"graph launch failed: {_one_line(err)}") from None
-            result = DeviceStepResult(self.stats.copy(), self.n)
-        optimizer.steps = step_number
-        self.steps_run += 1
-        return result
+            return DeviceStepResult(self.stats.copy(), self.n)
 
     def close(self):
         self.cublas.close()
