@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from report import machine_line, markdown_table, update_section  # noqa: E402
+from torch_peer import torch_sequential  # noqa: E402
 
 NAMES = ["mnist_mlp", "mnist_cnn", "leaf_cnn", "leaf_cnn224"]
 BATCHES = [1, 256]
@@ -43,54 +44,6 @@ def random_weights(model, rng) -> dict:
         else:
             weights[key] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
     return weights
-
-
-def torch_module(model, weights):
-    """The same network as a torch.nn.Sequential holding the same weights."""
-    import torch
-    from torch import nn
-
-    activations = {"relu": nn.ReLU, "relu6": nn.ReLU6, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh}
-
-    def activation(spec):
-        if spec is None:
-            return []
-        if spec["type"] == "leaky_relu":
-            return [nn.LeakyReLU(spec["negative_slope"])]
-        if spec["type"] == "softmax":
-            return [nn.Softmax(dim=1)]
-        return [activations[spec["type"]]()]
-
-    layers = []
-    for node in model.nodes:
-        a = node.attrs
-        params = {name: torch.from_numpy(np.asarray(weights[node.param_key(name)])) for name in node.param_shapes}
-        if node.op == "conv2d":
-            layer = nn.Conv2d(a["in_channels"], a["out_channels"], a["kernel_size"], a["stride"], a["padding"],
-                              a["dilation"], a["groups"], a["bias"])
-        elif node.op == "linear":
-            layer = nn.Linear(a["in_features"], a["out_features"], a["bias"])
-        elif node.op == "batchnorm":
-            layer = (nn.BatchNorm2d if len(node.in_shape) == 3 else nn.BatchNorm1d)(a["num_features"], a["eps"])
-        elif node.op == "maxpool2d":
-            layer = nn.MaxPool2d(a["kernel_size"], a["stride"], a["padding"])
-        elif node.op == "avgpool2d":
-            layer = nn.AvgPool2d(a["kernel_size"], a["stride"], a["padding"], count_include_pad=a["count_include_pad"])
-        elif node.op == "global_avg_pool":
-            layer = nn.AdaptiveAvgPool2d(1)
-        elif node.op == "flatten" or node.op == "dropout":
-            layer = nn.Flatten() if node.op == "flatten" else nn.Identity()
-        else:
-            layers += activation(a)
-            continue
-        with torch.no_grad():
-            for name, value in params.items():
-                getattr(layer, name).copy_(value)
-        layers.append(layer)
-        if node.op == "global_avg_pool" and not a["keepdims"]:
-            layers.append(nn.Flatten())
-        layers += activation(a.get("activation"))
-    return nn.Sequential(*layers).eval().cuda()
 
 
 def median_ms(function, x, repeats: int) -> float:
@@ -145,7 +98,7 @@ def main(argv=None) -> int:
         weights = random_weights(model, rng)
         write_bin(folder / f"{name}.bin", model, weights, build_metadata(model))
         session = lnn.load(folder / f"{name}.bin", device="cuda")
-        net = torch_module(model, weights)
+        net = torch_sequential(model, weights).eval()
 
         def torch_run(x, net=net):
             with torch.no_grad():

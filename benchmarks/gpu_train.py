@@ -57,6 +57,7 @@ def lnn_side(args) -> dict:
 def torch_side(args) -> dict:
     import numpy as np
     import torch
+    from torch_peer import torch_sequential
     from torch import nn
 
     from lnn.formats.model import load_model
@@ -66,22 +67,7 @@ def torch_side(args) -> dict:
     torch.manual_seed(0)
     model = load_model(REPO / "examples" / "reference" / f"{args.model}.json")
     config = TrainingConfig.parse(model.extra.get("training"))
-    layers = []
-    for node in model.nodes:
-        a = node.attrs
-        if node.op == "conv2d":
-            layers.append(nn.Conv2d(a["in_channels"], a["out_channels"], a["kernel_size"], a["stride"], a["padding"]))
-        elif node.op == "linear":
-            layers.append(nn.Linear(a["in_features"], a["out_features"]))
-        elif node.op == "maxpool2d":
-            layers.append(nn.MaxPool2d(a["kernel_size"], a["stride"]))
-        elif node.op == "flatten":
-            layers.append(nn.Flatten())
-        else:
-            raise SystemExit(f"torch peer: op {node.op} not mapped")
-        if a.get("activation"):
-            layers.append(nn.ReLU())
-    net = nn.Sequential(*layers).cuda()
+    net = torch_sequential(model)
     opt = model.optimizer
     optimizer = torch.optim.SGD(net.parameters(), lr=opt["lr"], momentum=opt["momentum"], nesterov=opt["nesterov"],
                                 weight_decay=opt["weight_decay"])

@@ -87,6 +87,7 @@ def lnn_side(model_name: str, graph: bool) -> dict:
 
 def torch_side(model_name: str, graph: bool) -> dict:
     import torch
+    from torch_peer import torch_sequential
     from torch import nn
 
     from lnn.formats.model import load_model
@@ -95,33 +96,13 @@ def torch_side(model_name: str, graph: bool) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     model = load_model(REPO / "examples" / "reference" / f"{model_name}.json")
-    layers = []
-    for node in model.nodes:
-        a = node.attrs
-        if node.op == "conv2d":
-            layers.append(nn.Conv2d(a["in_channels"], a["out_channels"], a["kernel_size"], a["stride"], a["padding"]))
-        elif node.op == "linear":
-            layers.append(nn.Linear(a["in_features"], a["out_features"]))
-        elif node.op == "maxpool2d":
-            layers.append(nn.MaxPool2d(a["kernel_size"], a["stride"], a["padding"]))
-        elif node.op == "global_avg_pool":
-            layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-        elif node.op == "flatten":
-            layers.append(nn.Flatten())
-        else:
-            raise SystemExit(f"torch peer: op {node.op} not mapped")
-        if a.get("activation"):
-            layers.append(nn.ReLU())
     pre, opt = model.preprocess, model.optimizer
     channels = model.input_shape[0]
     mean = torch.tensor(pre["mean"], device="cuda").reshape(1, channels, 1, 1)
     std = torch.tensor(pre["std"], device="cuda").reshape(1, channels, 1, 1)
     out = {}
     for batch in sorted(BATCHES):
-        net = nn.Sequential(*layers).cuda()
-        for module in net.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        net = torch_sequential(model)                   # freshly initialized for each batch size
         optimizer = torch.optim.SGD(net.parameters(), lr=opt["lr"], momentum=opt["momentum"],
                                     nesterov=opt["nesterov"], weight_decay=opt["weight_decay"])
         shape = (batch,) + tuple(model.input_shape)
