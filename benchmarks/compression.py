@@ -134,8 +134,7 @@ def main() -> None:
         "test images (mnist_cnn) and on the validation split of ../shared/data/tomato that lnn-eval uses "
         "(tomato_leaf), on the Numba backend. Latency: Numba backend, batch 1, 1 thread, median ms on a real "
         "preprocessed image. int8 and fp16 weights are widened to float32 when the model loads, so the "
-        "latencies should match fp32: differences are noise (the machine was shared with other jobs while "
-        "this ran; rerun on a quiet machine for latency).",
+        "latencies should match fp32; differences between them are timing noise.",
         markdown_table(["model", "weights", "bytes", "size / fp32", "accuracy", "latency ms"], rows),
         "### int8 kernel vs dequantize-at-load",
         "The im2col products of tomato_leaf's convolutions at batch 1: float32 BLAS (NumPy `@`, 1 thread) against a "
