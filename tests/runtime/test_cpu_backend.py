@@ -329,3 +329,18 @@ def test_importing_the_runtime_does_not_import_numba():
     result = _python(code, {})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_threads_split_a_large_batch_and_match_the_reference():
+    from lnn.runtime.cpu.backend import MIN_SPLIT_FLOPS
+
+    model = load_model(EXAMPLES / "reference" / "leaf_cnn.json")
+    weights = random_weights(model, np.random.default_rng(5))
+    backend, reference = cpu_backend(model, weights, threads=2), NumpyBackend(model, weights)
+    per_row = sum(node.flops for node in model.nodes)
+    rng = np.random.default_rng(6)
+    for batch in (1, 3, 1):                     # 1 row runs whole; 3 rows are split into rows [0, 1) and [1, 3)
+        x = rng.standard_normal((batch, *model.input_shape)).astype(np.float32)
+        np.testing.assert_allclose(backend.run(x), reference.run(x), rtol=0, atol=TOLERANCE)
+    assert 3 * per_row >= MIN_SPLIT_FLOPS > per_row
+    assert set(backend._plans) == {(1, 0), (2, 1)}          # (rows, part): the second part had a plan of its own
