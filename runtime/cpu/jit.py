@@ -11,34 +11,46 @@ Kernels are serial (`parallel=True` doubles compile time and pays only for large
 does not already thread), so the backend's `threads` option sets BLAS's threads only and Numba's
 thread pool is never started. Numba compiles each kernel on its first call, so a model compiles only
 the kernels it uses.
+
+LNN_CPU_KERNELS=aot (the default when Numba is not installed, as in the packaged lnn-field) takes the
+kernels from the ahead-of-time compiled module instead (aot.py): no Numba import, no compile, no cache.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 
 from lnn.runtime.cpu.cache import ensure_writable, numba_cache_dir
 
-CACHE_DIR = numba_cache_dir()
-_problem = ensure_writable(CACHE_DIR)
-CACHE_ENABLED = _problem is None
-if CACHE_ENABLED:
-    os.environ.setdefault("NUMBA_CACHE_DIR", str(CACHE_DIR))
+KERNELS = os.environ.get("LNN_CPU_KERNELS") or ("jit" if importlib.util.find_spec("numba") else "aot")
+if KERNELS not in ("jit", "aot"):
+    raise ImportError(f"LNN_CPU_KERNELS must be jit or aot, not {KERNELS!r}")
+
+if KERNELS == "aot":
+    from lnn.runtime.cpu.aot import compiled_kernel as kernel  # noqa: F401  (what the kernel files import)
+
+    CACHE_ENABLED = False
 else:
-    warnings.warn(f"lnn: cannot write the Numba kernel cache: {_problem}; kernels will be compiled "
-                  f"again in every process (set LNN_CACHE_DIR to a writable folder)", RuntimeWarning, stacklevel=2)
-THREADING_LAYER = os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+    CACHE_DIR = numba_cache_dir()
+    _problem = ensure_writable(CACHE_DIR)
+    CACHE_ENABLED = _problem is None
+    if CACHE_ENABLED:
+        os.environ.setdefault("NUMBA_CACHE_DIR", str(CACHE_DIR))
+    else:
+        warnings.warn(f"lnn: cannot write the Numba kernel cache: {_problem}; kernels will be compiled "
+                      f"again in every process (set LNN_CACHE_DIR to a writable folder)", RuntimeWarning, stacklevel=2)
+    THREADING_LAYER = os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
-import numba  # noqa: E402  (must follow the environment set-up above)
+    import numba  # noqa: E402  (must follow the environment set-up above)
 
-if CACHE_ENABLED:
-    numba.config.CACHE_DIR = str(CACHE_DIR)
-numba.config.THREADING_LAYER = THREADING_LAYER
+    if CACHE_ENABLED:
+        numba.config.CACHE_DIR = str(CACHE_DIR)
+    numba.config.THREADING_LAYER = THREADING_LAYER
 
+    def kernel(function):
+        """@kernel: a serial, cached (when the cache is writable), nopython Numba function that releases the GIL.
 
-def kernel(function):
-    """@kernel: a serial, cached (when the cache is writable), nopython Numba function that releases the GIL.
-
-    Keep kernels under 20 arguments: with 20, Numba 0.68's dispatcher leaked ~200 bytes per call here."""
-    return numba.njit(cache=CACHE_ENABLED, nogil=True)(function)
+        Keep kernels under 20 arguments: with 20, Numba 0.68's dispatcher leaked ~200 bytes per call here."""
+        return numba.njit(cache=CACHE_ENABLED, nogil=True)(function)

@@ -1,0 +1,79 @@
+"""The CPU backend's kernels compiled ahead of time (runtime/cpu/aot.py), as the packaged lnn-field uses them.
+
+Slow: compiles the kernel module with numba.pycc (about 8 s on 2 cores), then runs the CPU backend's own
+tests on it in a fresh process with LNN_CPU_KERNELS=aot (only the Numba-cache tests are left out: the
+compiled kernels have no cache). The argument check in front of every compiled kernel is what makes a
+wrong call a TypeError instead of memory corruption, so it is tested with wrong arrays.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    pytest.importorskip("numba.pycc", reason="numba.pycc is not available")
+    folder = tmp_path_factory.mktemp("aot")
+    from lnn.runtime.cpu.aot import compile_kernels
+
+    compile_kernels(folder)
+    return folder
+
+
+def aot_env(folder):
+    return {**os.environ, "LNN_CPU_KERNELS": "aot", "PYTHONPATH": os.pathsep.join([str(folder), str(REPO / "tests")])}
+
+
+def test_cpu_backend_tests_pass_on_the_compiled_kernels(compiled):
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not cache",
+                             "tests/runtime/test_cpu_backend.py"],
+                            cwd=REPO, env=aot_env(compiled), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+CHECKS = """
+import sys, numpy as np
+import lnn
+from lnn.tools.infer import DEFAULT_MODEL
+from lnn.runtime.cpu.pool import global_avg_pool
+session = lnn.load(DEFAULT_MODEL, device="cpu")
+x = np.random.default_rng(0).standard_normal((2, *session.input_shape)).astype(np.float32)
+reference = lnn.load(DEFAULT_MODEL, device="numpy").run(x)
+print("max error", float(np.abs(session.run(x) - reference).max()))
+print("numba imported", "numba" in sys.modules or "llvmlite" in sys.modules)
+good = np.ones((2, 3, 5), np.float32)
+for name, bad in [("float64", good.astype(np.float64)), ("rank 2", good[0]), ("strided", good[:, :, ::2]),
+                  ("list", good.tolist())]:
+    try:
+        global_avg_pool(bad, np.empty((2, 3), np.float32))
+        print("accepted", name)
+    except TypeError as err:
+        print("refused", name, "-", err)
+"""
+
+
+def test_compiled_kernels_match_numpy_without_numba_and_refuse_wrong_arrays(compiled):
+    result = subprocess.run([sys.executable, "-c", CHECKS], env=aot_env(compiled), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout.split("max error")[1].split()[0]) <= 1e-4
+    assert "numba imported False" in result.stdout
+    assert result.stdout.count("refused") == 4 and "accepted" not in result.stdout, result.stdout
+    assert "C-contiguous float32 array of rank 3" in result.stdout
+
+
+def test_a_missing_compiled_module_makes_the_cpu_device_one_clear_error(tmp_path):
+    code = ("import lnn\nfrom lnn.tools.infer import DEFAULT_MODEL\n"
+            "try:\n    lnn.load(DEFAULT_MODEL, device='cpu')\nexcept lnn.LnnError as err:\n    print(err)\n")
+    result = subprocess.run([sys.executable, "-c", code], env=aot_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "the cpu backend cannot load" in result.stdout and "lnn_cpu_kernels" in result.stdout, result.stdout
