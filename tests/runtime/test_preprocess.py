@@ -1,0 +1,94 @@
+"""runtime/preprocess.py without OpenCV (Pillow decodes, NumPy resizes), as the packaged lnn-field runs it,
+against the OpenCV path as the independent reference: same pixels up to rounding, same answers."""
+
+import io
+
+import numpy as np
+import pytest
+
+from conftest import EXAMPLES
+import lnn
+from lnn.formats.errors import LnnInputError
+from lnn.runtime import preprocess
+from lnn.tools.infer import DEFAULT_MODEL
+
+cv2 = pytest.importorskip("cv2")
+pytest.importorskip("PIL")
+LEAVES = sorted((EXAMPLES / "leaves").glob("*.jpg"))
+
+
+@pytest.fixture
+def use(monkeypatch):
+    def choose(library):
+        monkeypatch.setattr(preprocess, "_library", library)
+    return choose
+
+
+def photo_like(height=457, width=613):
+    """A smooth random colour image (blocks blurred by a cubic enlargement), not noise."""
+    blocks = np.random.default_rng(0).integers(0, 256, (40, 50, 3)).astype(np.uint8)
+    return cv2.resize(blocks, (width, height), interpolation=cv2.INTER_CUBIC)
+
+
+@pytest.mark.parametrize("size", [(128, 128), (100, 77), (613, 100), (700, 500), (1226, 914), (128, 600), (613, 457)],
+                         ids=["shrink", "shrink_uneven", "one_side", "enlarge", "double", "mixed", "same"])
+def test_numpy_resize_matches_opencv(use, size):
+    image = photo_like()
+    for source, tolerance in [(image, 1), (image[:, :, :1], 1), (image.astype(np.float32) / 255, 1e-4)]:
+        use("opencv")
+        expected = preprocess.resize_image(source, *size).astype(np.float64)
+        use("pillow")
+        got = preprocess.resize_image(source, *size)
+        assert got.shape == expected.shape and got.dtype in (source.dtype, np.float32)
+        assert np.abs(got - expected).max() <= tolerance, size
+
+
+def test_pillow_decodes_jpeg_and_png_like_opencv(use, tmp_path):
+    png = tmp_path / "leaf.png"
+    cv2.imwrite(str(png), photo_like(61, 47))
+    for path in [*LEAVES, png]:
+        use("opencv")
+        expected = preprocess.read_image(path)
+        use("pillow")
+        assert np.array_equal(preprocess.read_image(path), expected), path.name
+
+
+def test_pillow_applies_the_exif_orientation_like_opencv(use):
+    from PIL import Image
+
+    image = Image.fromarray(photo_like(40, 60)[:, :, ::-1].copy())
+    exif = Image.Exif()
+    exif[0x0112] = 6                                   # orientation: rotate 90 degrees clockwise to view
+    encoded = io.BytesIO()
+    image.save(encoded, "JPEG", exif=exif, quality=95)
+    use("opencv")
+    expected = preprocess.read_image(encoded.getvalue())
+    use("pillow")
+    got = preprocess.read_image(encoded.getvalue())
+    assert got.shape == expected.shape == (60, 40, 3)
+    assert np.abs(got.astype(int) - expected).max() <= 1
+
+
+def test_gray_matches_opencv(use):
+    image = photo_like()
+    use("pillow")
+    assert np.abs(preprocess._bgr_to_gray(image).astype(int) - cv2.cvtColor(image, cv2.COLOR_BGR2GRAY)).max() <= 1
+
+
+def test_pillow_refuses_a_non_image_in_one_line(use, tmp_path):
+    use("pillow")
+    text = tmp_path / "notes.jpg"
+    text.write_text("not a photo")
+    with pytest.raises(LnnInputError, match="not an image Pillow can decode"):
+        preprocess.read_image(text)
+
+
+def test_the_sample_leaves_get_the_same_answers_without_opencv(use):
+    session = lnn.load(DEFAULT_MODEL, device="numpy")
+    for leaf in LEAVES:
+        use("opencv")
+        expected = session.predict_image(leaf)
+        use("pillow")
+        got = session.predict_image(leaf)
+        assert got[0][0] == expected[0][0], leaf.name
+        assert abs(got[0][1] - expected[0][1]) <= 0.005, leaf.name            # 0.5 percentage points
