@@ -27,6 +27,7 @@ from lnn.formats.errors import LnnError, LnnInputError
 LIBRARIES = ("opencv", "pillow")
 GRAY_WEIGHTS_BGR = (0.114, 0.587, 0.299)
 BAND_ROWS = 256           # rows resized at a time without OpenCV
+WIDE_GRAY_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")     # Pillow's modes for 16-bit grey images
 _cv2 = None
 _library = None
 
@@ -76,7 +77,10 @@ def _decode(data: bytes):
     Image, ImageOps = _pillow()
     try:
         with Image.open(io.BytesIO(data)) as picture:
-            rgb = np.asarray(ImageOps.exif_transpose(picture).convert("RGB"))   # OpenCV applies EXIF orientation too
+            picture = ImageOps.exif_transpose(picture)          # OpenCV applies the EXIF orientation too
+            if picture.mode in WIDE_GRAY_MODES:                 # 16-bit grey: keep the high byte, as OpenCV does
+                picture = Image.fromarray((np.asarray(picture).astype(np.uint32) >> 8).clip(0, 255).astype(np.uint8))
+            rgb = np.asarray(picture.convert("RGB"))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
         return None
     return np.ascontiguousarray(rgb[:, :, ::-1])

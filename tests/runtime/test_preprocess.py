@@ -44,9 +44,11 @@ def test_numpy_resize_matches_opencv(use, size):
 
 
 def test_pillow_decodes_jpeg_and_png_like_opencv(use, tmp_path):
-    png = tmp_path / "leaf.png"
+    png, png16, gray16 = tmp_path / "leaf.png", tmp_path / "leaf16.png", tmp_path / "gray16.png"
     cv2.imwrite(str(png), photo_like(61, 47))
-    for path in [*LEAVES, png]:
+    cv2.imwrite(str(png16), photo_like(61, 47).astype(np.uint16) * 257 + 100)
+    cv2.imwrite(str(gray16), photo_like(61, 47)[:, :, 1].astype(np.uint16) * 257 + 100)
+    for path in [*LEAVES, png, png16, gray16]:
         use("opencv")
         expected = preprocess.read_image(path)
         use("pillow")
