@@ -24,7 +24,10 @@ BACKENDS = {"numpy": "lnn.runtime.reference", "cpu": "lnn.runtime.cpu", "cuda": 
 
 def resolve_device(device: str) -> str:
     if device == "auto":
-        return "cpu" if importlib.util.find_spec("numba") is not None else "numpy"
+        from lnn.runtime.cpu.aot import MODULE as COMPILED_KERNELS    # the packaged app's kernels, without Numba
+
+        kernels = (importlib.util.find_spec(name) is not None for name in ("numba", COMPILED_KERNELS))
+        return "cpu" if any(kernels) else "numpy"
     if device not in BACKENDS:
         raise ValueError(f"device must be one of auto, {', '.join(BACKENDS)}; not {device!r}")
     return device

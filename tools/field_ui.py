@@ -5,11 +5,12 @@ it requests (load a model, classify photos) on one queue and reads results from 
 POLL_MS with Tk's `after`, so neither a model load, Numba's first compile nor a folder of photos can
 freeze the window.
 
-Device: the app runs on the Numba backend ("cpu"), falling back to NumPy when Numba cannot load. It is
-a long-lived window, so it pays Numba's one-off compile once per computer (cached per user; the window
-shows "Preparing…" meanwhile, and photos opened then wait their turn) and then answers about 6x faster
-than NumPy per photo, which is what a folder of photos on a Raspberry Pi needs. lnn-infer's policy
-(NumPy for a few images) suits a process that answers once and exits.
+Device: the app runs on the CPU backend ("cpu"), falling back to NumPy when it cannot load; it answers
+about 8x faster than NumPy per photo, which is what a folder of photos on a Raspberry Pi needs. The
+packaged app has the kernels compiled ahead of time (runtime/cpu/aot.py), so it starts ready; run from a
+Python install with Numba, the first start compiles them once per computer (cached per user; the window
+shows "Preparing…" meanwhile, and photos opened then wait their turn). lnn-infer's policy (NumPy for a
+few images) suits a process that answers once and exits.
 
 The answer's wording (labels, uncertainty, advice) comes from lnn-infer's Answer class, so the window
 and the command line always agree.
@@ -17,7 +18,6 @@ and the command line always agree.
 
 from __future__ import annotations
 
-import base64
 import csv
 import datetime
 import queue
@@ -30,6 +30,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime import resolve_device
+from lnn.runtime.preprocess import read_image, resize_image
 from lnn.tools.infer import CLEARER_PHOTO, DEFAULT_MODEL, IMAGE_SUFFIXES, Answer, images_in_folder, load_session
 
 TITLE = "lnn field — tomato leaf check"
@@ -42,26 +43,21 @@ REPORT_COLUMNS = ("time", "photo", "result", "confidence", "uncertain", "second"
 
 # --------------------------------------------------------------------------- the worker thread
 
-def photo_png(path: Path) -> bytes:
-    """The photo decoded and shrunk to fit PHOTO_SIZE, as PNG bytes Tk's PhotoImage reads (no Pillow)."""
-    import cv2
-
-    from lnn.runtime.preprocess import read_image
-
-    image = read_image(path)
+def photo_ppm(image: np.ndarray) -> bytes:
+    """A decoded BGR photo shrunk to fit PHOTO_SIZE, as binary PPM bytes, which Tk's PhotoImage reads
+    without an image library."""
     scale = PHOTO_SIZE / max(image.shape[:2])
     if scale < 1:
-        image = cv2.resize(image, None, fx=scale, fy=scale, interpolation=cv2.INTER_AREA)
-    ok, encoded = cv2.imencode(".png", image)
-    if not ok:
-        raise LnnInputError(f"{path}: the photo could not be prepared for display")
-    return encoded.tobytes()
+        height, width = (max(1, round(side * scale)) for side in image.shape[:2])
+        image = resize_image(image, width, height)
+    height, width = image.shape[:2]
+    return b"P6 %d %d 255\n" % (width, height) + np.ascontiguousarray(image[:, :, ::-1]).tobytes()
 
 
 class Worker(threading.Thread):
     """Owns the Session. Requests: ("load", path) and ("classify", [paths]); results go to `results`:
     ("preparing", model_path), ("ready", model_path, device), ("model_error", model_path, message),
-    ("answer", Answer, png_bytes), ("failed", path, message), ("idle",)."""
+    ("answer", Answer, ppm_bytes), ("failed", path, message), ("idle",)."""
 
     def __init__(self, results: queue.Queue):
         super().__init__(name="lnn-field-worker", daemon=True)
@@ -83,8 +79,8 @@ class Worker(threading.Thread):
     def load(self, model_path: Path):
         self.results.put(("preparing", model_path))
         try:
-            session = load_session(str(model_path), resolve_device("auto"), None)    # Numba, else NumPy
-            # The first run compiles the Numba kernels (or loads them from the per-user cache).
+            session = load_session(str(model_path), resolve_device("auto"), None)    # the CPU backend, else NumPy
+            # Under Numba's JIT the first run compiles the kernels (or loads them from the per-user cache).
             session.predict(np.random.default_rng(0).standard_normal((1, *session.input_shape), np.float32))
         except (LnnError, OSError) as err:
             self.results.put(("model_error", model_path, str(err)))
@@ -101,12 +97,13 @@ class Worker(threading.Thread):
         top_k = min(TOP_K, len(self.session.labels))
         for path in paths:
             try:
-                probabilities = self.session.predict(self.session.prepare_image(path)[None])[0]
-                png = photo_png(path)
+                image = read_image(path)                   # decoded once, for the model and the screen
+                probabilities = self.session.predict(self.session.prepare_image(image)[None])[0]
+                ppm = photo_ppm(image)
             except (LnnError, OSError) as err:
                 self.results.put(("failed", path, str(err)))
                 continue
-            self.results.put(("answer", Answer(path, probabilities, self.session.labels, top_k, threshold), png))
+            self.results.put(("answer", Answer(path, probabilities, self.session.labels, top_k, threshold), ppm))
 
 
 # --------------------------------------------------------------------------- the window
@@ -119,7 +116,7 @@ class FieldApp:
         self.root = root
         self.results: queue.Queue = queue.Queue()
         self.worker = Worker(self.results)
-        self.history: list = []             # (time, Answer, png bytes, model name), oldest first
+        self.history: list = []             # (time, Answer, ppm bytes, model name), oldest first
         self.model_name = ""
         self.busy = False
         self.shown_image = None             # keeps the PhotoImage alive while it is on screen
@@ -286,8 +283,8 @@ class FieldApp:
 
     def show(self, index: int):
         """Put one history entry on screen: the photo, the answer in words, the top 3 and the advice."""
-        _, answer, png, _ = self.history[index]
-        self.shown_image = tk.PhotoImage(data=base64.b64encode(png).decode("ascii"))
+        _, answer, ppm, _ = self.history[index]
+        self.shown_image = tk.PhotoImage(data=ppm, format="ppm")
         self.photo.configure(image=self.shown_image, text="")
         if answer.uncertain:
             self.headline.set(UNCERTAIN_HEADLINE)
