@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the lnn-field app as one folder: dist/lnn-field/lnn-field (lnn-field.exe on Windows).
 # Run from anywhere, in a Python environment with lnn's dependencies and `pip install pyinstaller`
-# (or `pip install -e '.[app]'`). Output: packaging/dist/lnn-field/. See packaging/BUILD.md.
+# (or `pip install -e '.[app]'`), with a C compiler (Numba's AOT compiler links the kernels with it).
+# Output: packaging/dist/lnn-field/. See packaging/BUILD.md.
 set -euo pipefail
 PACKAGING="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(dirname "$PACKAGING")"
@@ -10,14 +11,11 @@ DIST="${LNN_DIST_DIR:-$PACKAGING/dist}"
 PYTHON="${PYTHON:-python3}"
 
 # lnn's folders are the package itself, so PyInstaller gets a plain (not editable) copy to analyse.
-rm -rf "$WORK/site"
+rm -rf "$WORK/site" "$WORK/kernels"
 "$PYTHON" -m pip install -q --no-deps --no-build-isolation --target "$WORK/site" "$REPO"
-LNN_SITE="$WORK/site" "$PYTHON" -m PyInstaller --noconfirm --clean --log-level WARN \
+# The CPU backend's kernels, compiled ahead of time from that copy: the app then needs neither Numba nor LLVM.
+PYTHONPATH="$WORK/site" LNN_CPU_KERNELS=jit NUMBA_CACHE_DIR="$WORK/numba-cache" "$PYTHON" -c \
+    "import sys; from lnn.runtime.cpu.aot import compile_kernels; compile_kernels(sys.argv[1])" "$WORK/kernels"
+LNN_SITE="$WORK/site" LNN_KERNELS="$WORK/kernels" "$PYTHON" -m PyInstaller --noconfirm --clean --log-level WARN \
     --workpath "$WORK/pyinstaller" --distpath "$DIST" "$PACKAGING/lnn-field.spec"
-# libllvmlite.so ships with its symbol table (about 18 MB); stripping it is safe, unlike the auditwheel-patched
-# libraries of NumPy and OpenCV, which PyInstaller's strip option breaks.
-LLVMLITE="$(find "$DIST/lnn-field" -name 'libllvmlite.so' -o -name 'libllvmlite.dylib' | head -1)"
-if [ -n "$LLVMLITE" ] && command -v strip >/dev/null; then
-    if [ "$(uname)" = Darwin ]; then strip -x "$LLVMLITE"; else strip --strip-unneeded "$LLVMLITE"; fi
-fi
 echo "built $DIST/lnn-field ($(du -sh "$DIST/lnn-field" | cut -f1))"

@@ -1,5 +1,9 @@
-# PyInstaller runtime hook: runs in the frozen lnn-field before any app code (so before Numba is imported).
-# Numba's cache locators do not work in a frozen app; ours puts the kernel cache in lnn's per-user folder.
+# PyInstaller runtime hook: runs in the frozen lnn-field before any app code.
+# The app ships the CPU kernels compiled ahead of time and Pillow instead of Numba and OpenCV (see
+# lnn-field.spec); lnn would pick both by itself when Numba and OpenCV are absent, and saying so here
+# keeps it that way even if a later build let one of them in (Numba's JIT cache does not work in a
+# frozen app, and its compile would make the first start slow again).
 import os
 
-os.environ["NUMBA_CACHE_LOCATOR_CLASSES"] = "numba_cache_locator.FrozenAppCacheLocator"
+os.environ["LNN_CPU_KERNELS"] = "aot"
+os.environ["LNN_IMAGE_LIBRARY"] = "pillow"
