@@ -129,10 +129,18 @@ def _area_side(x: np.ndarray, new: int, axis: int) -> np.ndarray:
     partial pixels weighted by their overlap: the whole pixels' sum, plus the next edge's partial pixel, less
     this edge's."""
     old = x.shape[axis]
+    exact_sum = np.float64 if x.dtype.kind == "f" else np.int64           # integers add exactly, and faster
+    if old % new == 0:             # whole pixels only (256 -> 128): add every factor-th slice (numpy's sum
+        factor = old // new        # over a short middle axis was 6x slower)
+        every = [slice(None)] * x.ndim
+        total = np.zeros((*x.shape[:axis], new, *x.shape[axis + 1:]), exact_sum)
+        for offset in range(factor):
+            every[axis] = slice(offset, None, factor)
+            total += x[tuple(every)]
+        return total / factor
     edges = np.arange(new + 1) * old / new          # exact: the last edge is `old`
     whole = edges.astype(np.int64)
     fraction = edges - whole
-    exact_sum = np.float64 if x.dtype.kind == "f" else np.int64           # integers add exactly, and faster
     sums = np.add.reduceat(x, whole[:-1], axis=axis, dtype=exact_sum)     # x[whole[i]:whole[i + 1]]
     shape = [1] * x.ndim
     shape[axis] = new + 1
