@@ -6,7 +6,7 @@ preprocess: BGR image -> [C, H, W] float32 per the model's metadata:
 resize:     area averaging when shrinking, bilinear (pixel centres aligned) when enlarging
 
 The image library: OpenCV (lnn's dependency) when it is installed, else Pillow for decoding and NumPy for
-resizing and grey: the packaged lnn-field ships Pillow (about 20 MiB) instead of OpenCV (about 150 MiB
+resizing and grey: the packaged lnn-field ships Pillow (about 15 MiB) instead of OpenCV (about 150 MiB
 with its FFmpeg and OpenBLAS libraries); LNN_IMAGE_LIBRARY=opencv|pillow chooses. The two give the same
 pixels up to rounding: both decode with libjpeg-turbo and libpng and apply the EXIF orientation, the
 NumPy resize computes OpenCV's INTER_AREA / INTER_LINEAR weights, grey is 0.299 R + 0.587 G + 0.114 B.
@@ -34,7 +34,7 @@ _library = None
 
 
 def image_library() -> str:
-    """"opencv" or "pillow": LNN_IMAGE_LIBRARY if set, else OpenCV when it imports, else Pillow."""
+    """The image library in use, opencv or pillow: LNN_IMAGE_LIBRARY if set, else OpenCV when it imports, else Pillow."""
     global _library
     if _library is None:
         wanted = os.environ.get("LNN_IMAGE_LIBRARY")
