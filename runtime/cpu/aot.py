@@ -18,6 +18,9 @@ and runs the CPU backend's tests on the compiled module.
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +86,17 @@ def compiled_kernel(function):
     return checked
 
 
+def missing_compiler() -> str | None:
+    """Why numba.pycc cannot build here, or None: it compiles and links with Python's C compiler
+    (sysconfig's CC; on Windows, MSVC, which is found without PATH and is not checked)."""
+    if os.name == "nt":
+        return None
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        return f"no C compiler: {compiler!r} is not on PATH (numba.pycc needs it to build the kernel module)"
+    return None
+
+
 def compile_kernels(output_dir: Path, target_cpu: str = "") -> Path:
     """Compile every kernel in SIGNATURES into `output_dir`/MODULE.<ext>; needs Numba and a C compiler.
 
@@ -90,6 +104,8 @@ def compile_kernels(output_dir: Path, target_cpu: str = "") -> Path:
     target_cpu "" is LLVM's generic model for this architecture (portable); "host" tunes for this CPU."""
     from numba.pycc import CC
 
+    if missing_compiler():
+        raise RuntimeError(missing_compiler())
     compiler = CC(MODULE)
     compiler.output_dir = str(output_dir)
     compiler.target_cpu = target_cpu

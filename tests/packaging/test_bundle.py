@@ -27,6 +27,10 @@ SIZE_LIMIT = 200e6          # bytes on disk (issue 7)
 @pytest.fixture(scope="module")
 def read_only_install(tmp_path_factory):
     pytest.importorskip("PyInstaller", reason="PyInstaller is not installed (pip install -e '.[app]')")
+    from lnn.runtime.cpu.aot import missing_compiler
+
+    if missing_compiler():
+        pytest.skip(missing_compiler())
     work = tmp_path_factory.mktemp("bundle")
     env = {**os.environ, "PYTHON": sys.executable, "LNN_BUILD_DIR": str(work / "build"), "LNN_DIST_DIR": str(work / "dist")}
     subprocess.run(["bash", str(REPO / "packaging" / "build.sh")], env=env, check=True, capture_output=True, timeout=900)
