@@ -1,0 +1,165 @@
+"""Implicit-GEMM convolution (runtime/cuda/conv_gemm.py) against a float64 NumPy convolution.
+
+The sizing helpers run everywhere; the kernels need CuPy and a GPU (skipped otherwise; run on the GPU
+machine by benchmarks/gpu_check.sh). Shapes cover channel counts off the tile sizes (16/32/64 rows,
+64 k-columns), kernels 1x1, 3x3, 5x5 and 2x3, padding 0 up to kernel-1, with and without bias.
+"""
+
+import numpy as np
+import pytest
+
+from lnn.formats.model import parse_model
+from lnn.runtime.cuda import conv_gemm
+from lnn.train.plan import Plan, plan_memory
+
+# (batch, in channels, height, width, out channels, kernel (h, w), padding (h, w), bias)
+CASES = [
+    (2, 3, 9, 11, 5, (3, 3), (1, 1), True),
+    (3, 16, 12, 12, 32, (3, 3), (1, 1), True),
+    (2, 33, 7, 9, 70, (3, 3), (0, 0), False),
+    (4, 8, 6, 6, 16, (1, 1), (0, 0), True),
+    (1, 7, 10, 8, 130, (5, 5), (2, 2), True),
+    (2, 5, 8, 9, 17, (2, 3), (1, 2), False),
+    (300, 1, 6, 6, 8, (3, 3), (1, 1), True),
+]
+
+
+def attrs_of(kernel, padding, bias):
+    return {"kernel_size": kernel, "stride": (1, 1), "padding": padding, "dilation": (1, 1), "groups": 1,
+            "bias": bias}
+
+
+def reference_conv(x, weight, bias, padding):
+    """float64 forward and the backward of a given dy, by explicit sums over the window offsets."""
+    n, c, h, w = x.shape
+    o, _, kh, kw = weight.shape
+    ph, pw = padding
+    oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
+    padded = np.zeros((n, c, h + 2 * ph, w + 2 * pw))
+    padded[:, :, ph:ph + h, pw:pw + w] = x
+    y = np.zeros((n, o, oh, ow))
+    for a in range(kh):
+        for b in range(kw):
+            y += np.einsum("oc,nchw->nohw", weight[:, :, a, b], padded[:, :, a:a + oh, b:b + ow])
+    if bias is not None:
+        y += bias.reshape(1, -1, 1, 1)
+
+    def backward(dy):
+        dweight = np.zeros(weight.shape)
+        dpadded = np.zeros(padded.shape)
+        for a in range(kh):
+            for b in range(kw):
+                dweight[:, :, a, b] = np.einsum("nohw,nchw->oc", dy, padded[:, :, a:a + oh, b:b + ow])
+                dpadded[:, :, a:a + oh, b:b + ow] += np.einsum("oc,nohw->nchw", weight[:, :, a, b], dy)
+        return dweight, dy.sum(axis=(0, 2, 3)), dpadded[:, :, ph:ph + h, pw:pw + w]
+    return y, backward
+
+
+def test_support_rule():
+    assert conv_gemm.supported(attrs_of((3, 3), (1, 1), True))
+    assert conv_gemm.supported(attrs_of((1, 1), (0, 0), True))
+    assert not conv_gemm.supported(attrs_of((3, 3), (3, 3), True))          # padding beyond kernel - 1
+    assert not conv_gemm.supported(dict(attrs_of((3, 3), (1, 1), True), stride=(2, 2)))
+    assert not conv_gemm.supported(dict(attrs_of((3, 3), (1, 1), True), dilation=(2, 2)))
+    assert not conv_gemm.supported(dict(attrs_of((3, 3), (1, 1), True), groups=2))
+
+
+def test_window_table_matches_the_nchw_offsets():
+    table = conv_gemm.window_table(3, 5, 7, 2, 3)
+    k = 0
+    for c in range(3):
+        for a in range(2):
+            for b in range(3):
+                assert tuple(table[:, k]) == (c * 35 + a * 7 + b, a, b)
+                k += 1
+
+
+@pytest.mark.parametrize("columns", [1, 31, 256, 257, 5000, 1 << 20])
+@pytest.mark.parametrize("limit", [1, 7, 176])
+def test_weight_gradient_chunks_cover_every_position_once(columns, limit):
+    chunk, chunks = conv_gemm.chunking(columns, limit)
+    assert 1 <= chunks <= limit and chunk % conv_gemm.WGRAD_STEP == 0
+    assert (chunks - 1) * chunk < columns <= chunks * chunk
+
+
+def test_gpu_plan_drops_the_im2col_workspaces_and_needs_less_memory():
+    model = parse_model({"input_shape": [3, 32, 32], "layers": [
+        {"type": "conv2d", "out_channels": 16, "kernel_size": 3, "padding": 1, "activation": "relu"},
+        {"type": "conv2d", "out_channels": 8, "kernel_size": 3, "stride": 2},
+        {"type": "global_avg_pool"}, {"type": "linear", "out_features": 4}],
+        "loss": "cross_entropy", "optimizer": {"type": "sgd", "lr": 0.1}})
+    gpu, cpu = Plan(model, 64, implicit_conv=True), Plan(model, 64)
+    assert not any(name.startswith("ws:0:") for name in gpu.buffers)         # implicit GEMM: no im2col
+    assert any(name.startswith("ws:1:") for name in gpu.buffers)             # stride 2 keeps im2col
+    assert gpu.conv_scratch > 0 and cpu.conv_scratch == 0
+    assert plan_memory(model, 64)["peak"] < plan_memory(model, 64, gpu=False)["peak"]
+
+
+# --------------------------------------------------------------------------- on the GPU
+
+def _cupy():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("CuPy sees no GPU")
+    except Exception as err:                               # noqa: BLE001 - any CUDA failure means: no GPU here
+        pytest.skip(f"CuPy sees no GPU ({err})")
+    return cupy
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"k{c[5][0]}{c[5][1]}p{c[6][0]}")
+def test_forward_and_backward_match_float64_numpy(case):
+    cupy = _cupy()
+    n, c, h, w, o, kernel, padding, bias = case
+    rng = np.random.default_rng(sum(case[:5]))
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    weight = (rng.standard_normal((o, c) + kernel) / np.sqrt(c * kernel[0] * kernel[1])).astype(np.float32)
+    b = rng.standard_normal(o).astype(np.float32) if bias else None
+    y_ref, backward = reference_conv(x.astype(np.float64), weight.astype(np.float64), b, padding)
+    dy = rng.standard_normal(y_ref.shape).astype(np.float32)
+    dweight_ref, dbias_ref, dx_ref = backward(dy.astype(np.float64))
+
+    kernels = conv_gemm.ConvKernels(attrs_of(kernel, padding, bias), (c, h, w), y_ref.shape[1:], n)
+    gx, gw, gdy = cupy.asarray(x), cupy.asarray(weight), cupy.asarray(dy)
+    gb = None if b is None else cupy.asarray(b)
+    y = cupy.full(y_ref.shape, np.nan, np.float32)
+    kernels.forward(gx, gw, gb, y)
+    np.testing.assert_allclose(y.get(), y_ref, rtol=1e-4, atol=1e-4)
+    relu_y = cupy.full(y_ref.shape, np.nan, np.float32)
+    kernels.forward(gx, gw, gb, relu_y, relu=True)
+    np.testing.assert_allclose(relu_y.get(), np.maximum(y_ref, 0), rtol=1e-4, atol=1e-4)
+
+    dweight = cupy.full(weight.shape, np.nan, np.float32)
+    dbias = None if b is None else cupy.full(o, np.nan, np.float32)
+    dx = cupy.full(x.shape, np.nan, np.float32)
+    kernels.backward(gdy, gx, gw, dweight, dbias, dx, accumulate=False)
+    scale = np.sqrt(n * y_ref.shape[2] * y_ref.shape[3])
+    np.testing.assert_allclose(dweight.get(), dweight_ref, rtol=1e-4, atol=1e-4 * scale)
+    np.testing.assert_allclose(dx.get(), dx_ref, rtol=1e-4, atol=1e-4)
+    if b is not None:
+        np.testing.assert_allclose(dbias.get(), dbias_ref, rtol=1e-4, atol=1e-4 * scale)
+
+    kernels.backward(gdy, gx, gw, dweight, dbias, None, accumulate=True)     # adds; dx not asked
+    np.testing.assert_allclose(dweight.get(), 2 * dweight_ref, rtol=1e-4, atol=2e-4 * scale)
+    if b is not None:
+        np.testing.assert_allclose(dbias.get(), 2 * dbias_ref, rtol=1e-4, atol=2e-4 * scale)
+
+
+def test_smaller_batches_reuse_the_layer_kernels():
+    cupy = _cupy()
+    rng = np.random.default_rng(3)
+    kernels = conv_gemm.ConvKernels(attrs_of((3, 3), (1, 1), True), (4, 8, 8), (6, 8, 8), 64)
+    weight = rng.standard_normal((6, 4, 3, 3)).astype(np.float32)
+    bias = rng.standard_normal(6).astype(np.float32)
+    for n in (64, 5, 1):
+        x = rng.standard_normal((n, 4, 8, 8)).astype(np.float32)
+        y_ref, backward = reference_conv(x.astype(np.float64), weight.astype(np.float64), bias, (1, 1))
+        y = cupy.empty(y_ref.shape, np.float32)
+        kernels.forward(cupy.asarray(x), cupy.asarray(weight), cupy.asarray(bias), y)
+        np.testing.assert_allclose(y.get(), y_ref, rtol=1e-4, atol=1e-4)
+        dy = rng.standard_normal(y_ref.shape).astype(np.float32)
+        dweight, dbias = cupy.zeros((6, 4, 3, 3), np.float32), cupy.zeros(6, np.float32)
+        kernels.backward(cupy.asarray(dy), cupy.asarray(x), cupy.asarray(weight), dweight, dbias, None, accumulate=False)
+        dweight_ref, dbias_ref, _ = backward(dy.astype(np.float64))
+        np.testing.assert_allclose(dweight.get(), dweight_ref, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(dbias.get(), dbias_ref, rtol=1e-4, atol=1e-3)
