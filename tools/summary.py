@@ -106,10 +106,12 @@ def plan_lines(model: Model, batch: int) -> list:
     parts = [("activations and their gradients, pooled", report["activations_pooled"]),
              ("parameters", report["params"]), ("batch-norm running statistics", report["running_stats"]),
              ("gradients", report["grads"]), (f"optimizer state ({optimizer})", report["optimizer_state"]),
+             ("convolution tables and weight-gradient partial sums", report["conv_scratch"]),
              ("batch data (uint8 images, int64 labels)", report["batch_data"]), ("total", report["peak"])]
     width = max(len(what) for what, _ in parts)
     naive, pooled = report["activations_naive"], report["activations_pooled"]
-    lines = [f"training memory of the plan lnn-train builds, at batch {batch} (float32, {optimizer} from the description):"]
+    lines = [f"training memory of the plan lnn-train builds on the GPU, at batch {batch} (float32, {optimizer} from "
+             f"the description; measured peak: lnn-train prints it after training):"]
     lines += [f"  {what:<{width}}  {human_bytes(size):>10}  ({size:,} bytes)" for what, size in parts]
     lines.append(f"  pooled activations {human_bytes(pooled)} against a naive sum of {human_bytes(naive)} "
                  f"({naive:,} bytes): {naive / max(pooled, 1):.1f}x less")

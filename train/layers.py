@@ -21,6 +21,7 @@ from lnn.formats.ops import ACTIVATIONS
 from lnn.train import kernels as K
 
 COMPUTE = "compute"        # a workspace dtype meaning: the plan's activation dtype
+RELU = {"type": "relu"}
 
 
 class Call:
@@ -35,6 +36,7 @@ class Layer:
     needs_input = False
     needs_output = False
     alias = False
+    relu_undone_by_next = False     # the next layer (a max pool) undoes this layer's relu (see MaxPoolLayer)
 
     def __init__(self, node):
         self.node = node
@@ -55,7 +57,7 @@ class Layer:
             K.activation_forward(c.xp, self.activation, c.y, c.y)
 
     def run_backward(self, c, activate: bool = True):
-        if self.activation is not None and activate:
+        if self.activation is not None and activate and not self.relu_undone_by_next:
             K.activation_backward(c.xp, self.activation, c.dy, c.y, c.dy)
         self.backward(c)
 
@@ -82,9 +84,29 @@ class LinearLayer(Layer):
 
 
 class Conv2dLayer(Layer):
+    """im2col + GEMM (kernels.py), or on the GPU implicit GEMM (runtime/cuda/conv_gemm.py) when the plan
+    asks for it and the convolution qualifies: no im2col workspaces then."""
     needs_input = True
+    implicit_batch = 0          # > 0: implicit GEMM for batches up to this size (set by the plan)
+
+    def __init__(self, node):
+        super().__init__(node)
+        self._implicit = None
+
+    def use_implicit_gemm(self, max_batch: int) -> None:
+        self.implicit_batch = max_batch
+
+    def implicit_kernels(self):
+        """The layer's ConvKernels (made on first use: imports CuPy, allocates tables and scratch)."""
+        if self._implicit is None:
+            from lnn.runtime.cuda.conv_gemm import ConvKernels
+
+            self._implicit = ConvKernels(self.attrs, self.node.in_shape, self.node.out_shape, self.implicit_batch)
+        return self._implicit
 
     def workspaces(self, n):
+        if self.implicit_batch:
+            return []
         cin = self.node.in_shape[0]
         cout, oh, ow = self.node.out_shape
         kh, kw = self.attrs["kernel_size"]
@@ -98,15 +120,32 @@ class Conv2dLayer(Layer):
         return spaces
 
     def forward(self, c, training):
+        if self.implicit_batch:
+            self.implicit_kernels().forward(c.x, c.params["weight"], c.params.get("bias"), c.y)
+            return
         K.conv2d_forward(c.xp, c.x, c.params["weight"], c.params.get("bias"), self.attrs, c.y,
                          c.ws.get("padded"), c.ws["cols"], c.ws["gemm"])
 
     def backward(self, c):
+        if self.implicit_batch:
+            self.implicit_kernels().backward(c.dy, c.x, c.params["weight"], c.grads["weight"], c.grads.get("bias"),
+                                             c.dx, accumulate=True)
+            return
         K.conv2d_backward(c.xp, c.dy, c.x, c.params["weight"], self.attrs, c.grads["weight"], c.grads.get("bias"),
                           c.dx, c.ws.get("padded_b"), c.ws["cols_b"], c.ws["gemm_b"])
 
 
 class MaxPoolLayer(Layer):
+    """With `takes_relu_backward`, the layer before ends in relu and this backward undoes it: relu and max
+    commute, so the pool's own output is the winning input and dy is kept where it is > 0. The layer
+    before then need not keep its (larger) output for the backward."""
+    takes_relu_backward = False
+
+    def take_relu_backward_of(self, previous: Layer) -> None:
+        self.takes_relu_backward = self.needs_output = True
+        previous.relu_undone_by_next = True
+        previous.needs_output = False
+
     def workspaces(self, n):
         index_dtype = np.uint8 if math.prod(self.attrs["kernel_size"]) <= 255 else np.int32
         spaces = [("argmax", (n,) + tuple(self.node.out_shape), index_dtype, "saved")]
@@ -119,6 +158,8 @@ class MaxPoolLayer(Layer):
         K.maxpool2d_forward(c.xp, c.x, self.attrs, c.y, c.ws.get("padded"), c.ws["argmax"])
 
     def backward(self, c):
+        if self.takes_relu_backward:
+            K.activation_backward(c.xp, RELU, c.dy, c.y, c.dy)
         K.maxpool2d_backward(c.xp, c.dy, self.attrs, c.ws["argmax"], c.dx, c.ws.get("padded_b"))
 
 
@@ -220,3 +261,12 @@ LAYERS = {"linear": LinearLayer, "conv2d": Conv2dLayer, "maxpool2d": MaxPoolLaye
 
 def make_layer(node) -> Layer:
     return LAYERS[node.op](node)
+
+
+def make_layers(nodes) -> list:
+    """The layers of a model, a relu right before a max pool undone by the pool's backward."""
+    layers = [make_layer(node) for node in nodes]
+    for previous, layer in zip(layers, layers[1:]):
+        if isinstance(layer, MaxPoolLayer) and (previous.activation or {}).get("type") == "relu":
+            layer.take_relu_backward_of(previous)
+    return layers

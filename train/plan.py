@@ -27,7 +27,7 @@ import numpy as np
 
 from lnn.formats.model import Model
 from lnn.formats.ops import get_op
-from lnn.train.layers import COMPUTE, Call, make_layer
+from lnn.train.layers import COMPUTE, Call, make_layers
 
 POOL_ALIGN = 256            # bytes: every pooled buffer starts on this boundary
 PARAM_ALIGN = 64            # elements: every parameter starts on this boundary in the flat buffers
@@ -93,7 +93,7 @@ OPTIMIZER_STATE_COPIES = {"sgd": lambda cfg: 1 if cfg.get("momentum", 0) else 0,
 
 class Plan:
     def __init__(self, model: Model, batch_size: int, dtype="float32", amp: bool = False, inspect: bool = False,
-                 input_gradient: bool = False):
+                 input_gradient: bool = False, implicit_conv: bool = False):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.model = model
@@ -103,8 +103,11 @@ class Plan:
         self.amp = amp
         self.inspect = inspect
         self.input_gradient = input_gradient       # also compute dL/d(input) into "grad:-1" (tests, saliency)
-        self.layers = [make_layer(node) for node in model.nodes]
+        self.layers = make_layers(model.nodes)
         self.num_layers = len(self.layers)
+        self.conv_scratch = 0           # bytes the implicit-GEMM convolutions hold outside the pool
+        if implicit_conv and self.compute_dtype == np.float32:
+            self._use_implicit_conv()
         self._layout_parameters()
         self._fold_final_softmax()
         self._schedule()
@@ -132,6 +135,15 @@ class Plan:
             self.layer_stats.append(mine_s)
         self.params_size, self.stats_size = max(params_size, 1), max(stats_size, 1)
         self.num_learned = sum(s.size for s in self.param_slots.values())
+
+    def _use_implicit_conv(self):
+        """GPU float32: convolutions that qualify run as implicit GEMM (no im2col workspaces)."""
+        from lnn.runtime.cuda import conv_gemm        # the sizing and the rule only: no CuPy import
+
+        for node, layer in zip(self.model.nodes, self.layers):
+            if node.op == "conv2d" and conv_gemm.supported(node.attrs):
+                layer.use_implicit_gemm(self.batch_size)
+                self.conv_scratch += conv_gemm.scratch_bytes(node.attrs, node.in_shape, node.out_shape)
 
     def _fold_final_softmax(self):
         """With cross-entropy the loss takes the logits: a trailing softmax is skipped in training."""
@@ -234,9 +246,11 @@ class Plan:
             "amp_copies": compute_copies,
             "activations_naive": naive,
             "activations_pooled": self.pool_bytes,
+            "conv_scratch": self.conv_scratch,
             "batch_data": batch_data,
         }
-        report["peak"] = params + stats + grads + state + compute_copies + self.pool_bytes + batch_data
+        report["peak"] = (params + stats + grads + state + compute_copies + self.pool_bytes + self.conv_scratch
+                          + batch_data)
         return report
 
     # ------------------------------------------------------------------ allocation and views
@@ -341,6 +355,7 @@ class Plan:
             layer.run_backward(call, activate=not (i == last and self.final_softmax_activation))
 
 
-def plan_memory(model: Model, batch_size: int, amp: bool = False, dtype="float32") -> dict:
-    """The training memory of `model` at `batch_size`, from the real plan, allocating nothing."""
-    return Plan(model, batch_size, dtype=dtype, amp=amp).memory_report()
+def plan_memory(model: Model, batch_size: int, amp: bool = False, dtype="float32", gpu: bool = True) -> dict:
+    """The training memory of `model` at `batch_size`, from the real plan, allocating nothing; `gpu`
+    plans as the trainer does on the GPU (implicit-GEMM convolutions), else as on the CPU."""
+    return Plan(model, batch_size, dtype=dtype, amp=amp, implicit_conv=gpu).memory_report()

@@ -104,7 +104,8 @@ class Trainer:
         self.config = config
         self.xp, self.device = select_device(device)
         self.amp = self._amp_possible(amp)
-        self.plan = Plan(self.model, config.batch_size, dtype=dtype, amp=self.amp, inspect=inspect)
+        self.plan = Plan(self.model, config.batch_size, dtype=dtype, amp=self.amp, inspect=inspect,
+                         implicit_conv=is_cupy(self.xp))
         self.plan.allocate(self.xp)
         self.optimizer_config = dict(self.model.optimizer)
         if lr is not None:

@@ -65,8 +65,8 @@ def test_batchnorm_statistics_get_no_gradient_or_optimizer_state(tmp_path):
 def test_training_memory_of_the_real_plan_is_shown(capsys):
     report = plan_memory(load_model(MNIST_CNN), 64)
     out = summary_of(capsys, MNIST_CNN, "--batch", 64)
-    assert "training memory of the plan lnn-train builds, at batch 64 (float32, sgd" in out
-    for key in ("activations_pooled", "params", "grads", "optimizer_state", "peak"):
+    assert "training memory of the plan lnn-train builds on the GPU, at batch 64 (float32, sgd" in out
+    for key in ("activations_pooled", "params", "grads", "optimizer_state", "conv_scratch", "peak"):
         assert f"({report[key]:,} bytes)" in out
     assert f"naive sum of {human_bytes(report['activations_naive'])} ({report['activations_naive']:,} bytes)" in out
     assert report["activations_pooled"] < report["activations_naive"]

@@ -92,6 +92,12 @@ CASES = {
     "avgpool_pad": ((2, 6, 7), [{"type": "avgpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
     "avgpool_pad_exclude": ((2, 6, 7), [{"type": "avgpool2d", "kernel_size": 3, "stride": 2, "padding": 1,
                                          "count_include_pad": False}]),
+    # a relu right before a max pool is undone by the pool's backward (train/layers.py make_layers)
+    "conv_relu_maxpool": ((2, 8, 8), [{"type": "conv2d", "out_channels": 3, "kernel_size": 3, "padding": 1,
+                                       "activation": "relu"}, {"type": "maxpool2d", "kernel_size": 2}]),
+    "conv_relu_maxpool_overlap": ((2, 7, 7), [{"type": "conv2d", "out_channels": 3, "kernel_size": 3,
+                                               "activation": "relu"},
+                                              {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
     "global_avg_pool": ((3, 5, 4), [{"type": "global_avg_pool"}]),
     "global_avg_pool_keepdims": ((3, 5, 4), [{"type": "global_avg_pool", "keepdims": True}]),
     "flatten_linear": ((2, 3, 3), [{"type": "flatten"}, {"type": "linear", "out_features": 4}]),
