@@ -133,6 +133,26 @@ __global__ void lnn_maxpool_forward(const float* x, float* y, unsigned char* arg
     argmax[i] = (unsigned char)winner;
 }
 
+// Tiled windows (kernel == stride, no padding, H = OH * KH, W = OW * KW): each input cell is in exactly one
+// window, so one thread per window writes all its cells: dy at the argmax cell, 0 elsewhere. relu_mask:
+// the layer before ends in relu, undone here (layers.MaxPoolLayer): dy dropped where the pool's y <= 0.
+__global__ void lnn_maxpool_backward_tiled(const float* dy, const unsigned char* argmax, const float* y, float* dx,
+                                           long long total, int out_h, int out_w, int kernel_h, int kernel_w,
+                                           int relu_mask) {
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    const int ow = (int)(i % out_w);
+    const int oh = (int)((i / out_w) % out_h);
+    const long long plane = i / out_w / out_h;
+    const int width = out_w * kernel_w, height = out_h * kernel_h;
+    const long long corner = (plane * height + (long long)oh * kernel_h) * width + (long long)ow * kernel_w;
+    const int winner_a = argmax[i] / kernel_w, winner_b = argmax[i] % kernel_w;
+    const float g = (relu_mask && !(y[i] > 0.0f)) ? 0.0f : dy[i];
+    for (int a = 0; a < kernel_h; ++a)
+        for (int b = 0; b < kernel_w; ++b)
+            dx[corner + (long long)a * width + b] = (a == winner_a && b == winner_b) ? g : 0.0f;
+}
+
 // dx [planes, H, W] = sum of dy over the windows whose argmax is this cell
 __global__ void lnn_maxpool_backward(const float* dy, const unsigned char* argmax, float* dx, long long total,
                                      int height, int width, int out_h, int out_w, int kernel_h, int kernel_w,
@@ -169,10 +189,12 @@ __global__ void lnn_global_avg_pool_forward(const float* x, float* y, long long 
     y[i] = sum / (float)positions;
 }
 
-__global__ void lnn_global_avg_pool_backward(const float* dy, float* dx, long long total, int positions) {
+// relu_mask: the layer before the pool ends in relu; its backward is done here (dx = 0 where x <= 0)
+__global__ void lnn_global_avg_pool_backward(const float* dy, const float* x, float* dx, long long total,
+                                             int positions, int relu_mask) {
     const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= total) return;
-    dx[i] = dy[i / positions] / (float)positions;
+    dx[i] = (relu_mask && !(x[i] > 0.0f)) ? 0.0f : dy[i / positions] / (float)positions;
 }
 
 // dy = y > 0 ? dy : 0 (relu backward from the output, in place)
@@ -450,6 +472,7 @@ class GraphStep:
         self.zeros = cupy.zeros(widest, dtype=np.float32)
         self.multiplier, self.offset = (a.reshape(-1) for a in trainer._normalizer)
         self.launches = []            # the step, as a list of zero-argument callables (launch order)
+        self.relu_done = set()        # layers whose relu backward the next layer's backward did
         partial_sizes = [1]
         self._build(partial_sizes)
         self.partial = cupy.empty(max(partial_sizes), dtype=np.float32)
@@ -512,7 +535,12 @@ class GraphStep:
     def _forward(self, node, c):
         fused, n, attrs = self.fused, self.n, node.attrs
         x, y = c["x"], c["y"]
-        if node.op == "linear":
+        layer = self.plan.layers[node.index]
+        if node.op == "conv2d" and layer.implicit_batch:
+            kernels, weight, bias = layer.implicit_kernels(), c["params"]["weight"], c["params"].get("bias")
+            relu = bool(attrs.get("activation"))
+            self.launches.append(lambda: kernels.forward(x, weight, bias, y, relu=relu))
+        elif node.op == "linear":
             y2 = y.reshape(n, -1)
             self.launches.append(lambda: self.cublas.matmul(y2, x.reshape(n, -1), c["params"]["weight"],
                                                             transpose_b=True))
@@ -542,12 +570,26 @@ class GraphStep:
         (kh, kw), (sh, sw), (ph, pw) = attrs["kernel_size"], attrs["stride"], attrs["padding"]
         return tuple(np.int32(v) for v in (x.shape[2], x.shape[3], y.shape[2], y.shape[3], kh, kw, sh, sw, ph, pw))
 
+    def _relu_before(self, index: int) -> bool:
+        """Whether layer index-1 ends in a fused relu whose output is layer `index`'s input."""
+        if index == 0 or self.plan.trains_alias[index - 1]:
+            return False
+        activation = self.trainer.model.nodes[index - 1].attrs.get("activation")
+        return bool(activation) and activation.get("type") == "relu"
+
     def _backward(self, node, c, partial_sizes):
         n, attrs = self.n, node.attrs
         x, y, dy, dx = c["x"], c["y"], c["dy"], c["dx"]
-        if node.attrs.get("activation"):
+        layer = self.plan.layers[node.index]
+        if node.attrs.get("activation") and not layer.relu_undone_by_next and node.index not in self.relu_done:
             self._kernel("lnn_relu_backward", dy.size, dy, y, np.int64(dy.size))
-        if node.op == "linear":
+        if node.op == "conv2d" and layer.implicit_batch:
+            kernels, weight, grads = layer.implicit_kernels(), c["params"]["weight"], c["grads"]
+            self.launches.append(lambda: kernels.weight_gradient(dy, x, grads["weight"], grads.get("bias"),
+                                                                 accumulate=False))
+            if dx is not None:
+                self.launches.append(lambda: kernels.input_gradient(dy, weight, dx))
+        elif node.op == "linear":
             dy2, x2 = dy.reshape(n, -1), x.reshape(n, -1)
             weight, grads = c["params"]["weight"], c["grads"]
             self.launches.append(lambda: self.cublas.matmul(grads["weight"], dy2, x2, transpose_a=True))
@@ -575,11 +617,24 @@ class GraphStep:
                              *(np.int32(v) for v in (n, dx.shape[1], dx.shape[2], dx.shape[3], dy.shape[2],
                                                      dy.shape[3], kh, kw, sh, sw, ph, pw, dh, dw)))
         elif node.op == "maxpool2d" and dx is not None:
-            self._kernel("lnn_maxpool_backward", dx.size, dy, c["ws"]["argmax"], dx, np.int64(dx.size),
-                         *self._pool_geometry(dx, dy, attrs))
+            (kh, kw), stride, padding = attrs["kernel_size"], tuple(attrs["stride"]), tuple(attrs["padding"])
+            tiled = (stride == (kh, kw) and padding == (0, 0) and dx.shape[2] == dy.shape[2] * kh
+                     and dx.shape[3] == dy.shape[3] * kw)
+            relu = layer.takes_relu_backward
+            if tiled:
+                self._kernel("lnn_maxpool_backward_tiled", dy.size, dy, c["ws"]["argmax"], y, dx, np.int64(dy.size),
+                             *(np.int32(v) for v in (dy.shape[2], dy.shape[3], kh, kw, relu)))
+            else:
+                if relu:
+                    self._kernel("lnn_relu_backward", dy.size, dy, y, np.int64(dy.size))
+                self._kernel("lnn_maxpool_backward", dx.size, dy, c["ws"]["argmax"], dx, np.int64(dx.size),
+                             *self._pool_geometry(dx, dy, attrs))
         elif node.op == "global_avg_pool" and dx is not None:
-            self._kernel("lnn_global_avg_pool_backward", dx.size, dy, dx, np.int64(dx.size),
-                         np.int32(dx[0, 0].size))
+            relu = self._relu_before(node.index)
+            self._kernel("lnn_global_avg_pool_backward", dx.size, dy, x, dx, np.int64(dx.size),
+                         np.int32(dx[0, 0].size), np.int32(relu))
+            if relu:
+                self.relu_done.add(node.index - 1)
 
     def _update(self):
         trainer, plan = self.trainer, self.plan

@@ -89,6 +89,15 @@ GPU_CASES = {
                                       training={"batch_size": 64, "grad_clip": 0.05}),
     "cnn_nesterov": _description("mnist_cnn", optimizer={"type": "sgd", "lr": 0.05, "momentum": 0.9,
                                                          "nesterov": True, "weight_decay": 0.001}),
+    # implicit-GEMM convs (3x3, 1x1) next to an im2col one (stride 2), an overlapping pool undoing a relu,
+    # conv -> conv with relu, and a relu before global average pooling
+    "mixed_convs": {"input_shape": [3, 20, 20], "preprocess": {"scale": 1 / 255, "mean": [0.5] * 3, "std": [0.25] * 3},
+                    "layers": [{"type": "conv2d", "out_channels": 8, "kernel_size": 3, "padding": 1, "activation": "relu"},
+                               {"type": "conv2d", "out_channels": 12, "kernel_size": 3, "stride": 2, "activation": "relu"},
+                               {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1},
+                               {"type": "conv2d", "out_channels": 16, "kernel_size": 1, "activation": "relu"},
+                               {"type": "global_avg_pool"}, {"type": "linear", "out_features": 5}],
+                    "loss": "cross_entropy", "optimizer": {"type": "sgd", "lr": 0.05, "momentum": 0.9}},
 }
 
 
