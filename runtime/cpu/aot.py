@@ -8,7 +8,8 @@ LNN_CPU_KERNELS=aot, or when Numba is not installed (the packaged lnn-field, pac
 
 SIGNATURES lists every kernel the backend calls from Python, with the argument types it passes:
 float32 C-contiguous arrays of a fixed rank, int64 and float64 scalars, a 6-tuple of ints.
-INLINE_ONLY kernels are only called by other kernels and are compiled into them.
+INLINE_ONLY kernels are only called by other kernels and are compiled into them. compile_kernels
+refuses to build when a kernel of the backend is in neither.
 Compiled code trusts its arguments (a wrong dtype or rank would read out of bounds), so `compiled_kernel`
 checks every array and tuple against the signature before each call and raises TypeError otherwise.
 tests/runtime/test_cpu_aot.py checks that the JIT compiles exactly these signatures for the test models,
@@ -86,6 +87,21 @@ def compiled_kernel(function):
     return checked
 
 
+def jit_kernels() -> dict:
+    """{key: Numba dispatcher} for every @kernel of the CPU backend (JIT mode; every file that imports `kernel`)."""
+    files = sorted(path.stem for path in Path(__file__).parent.glob("*.py") if path.stem != "aot"
+                   and "from lnn.runtime.cpu.jit import kernel" in path.read_text(encoding="utf-8"))
+    if files != sorted(KERNEL_MODULES):
+        raise RuntimeError(f"KERNEL_MODULES {sorted(KERNEL_MODULES)} must list the files with kernels: {files}")
+    kernels = {}
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"lnn.runtime.cpu.{name}")
+        for value in vars(module).values():
+            if hasattr(value, "py_func") and value.py_func.__module__ == module.__name__:
+                kernels[kernel_key(value.py_func)] = value
+    return kernels
+
+
 def missing_compiler() -> str | None:
     """Why numba.pycc cannot build here, or None: it compiles and links with Python's C compiler
     (sysconfig's CC; on Windows, MSVC, which is found without PATH and is not checked)."""
@@ -106,12 +122,14 @@ def compile_kernels(output_dir: Path, target_cpu: str = "") -> Path:
 
     if missing_compiler():
         raise RuntimeError(missing_compiler())
+    unlisted = sorted(set(jit_kernels()) - set(SIGNATURES) - INLINE_ONLY)
+    if unlisted:
+        raise RuntimeError(f"kernels without an ahead-of-time signature in lnn.runtime.cpu.aot.SIGNATURES: {unlisted}")
     compiler = CC(MODULE)
     compiler.output_dir = str(output_dir)
     compiler.target_cpu = target_cpu
+    kernels = jit_kernels()
     for key, arguments in SIGNATURES.items():
-        module_name, name = key.split(".")
-        dispatcher = getattr(importlib.import_module(f"lnn.runtime.cpu.{module_name}"), name)
-        compiler.export(symbol(key), f"void({', '.join(arguments)})")(dispatcher.py_func)
+        compiler.export(symbol(key), f"void({', '.join(arguments)})")(kernels[key].py_func)
     compiler.compile()
     return Path(output_dir) / compiler.output_file

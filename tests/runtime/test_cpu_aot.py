@@ -1,6 +1,6 @@
 """The CPU backend's kernels compiled ahead of time (runtime/cpu/aot.py), as the packaged lnn-field uses them.
 
-Slow: compiles the kernel module with numba.pycc (about 8 s on 2 cores), then runs the CPU backend's own
+Slow (the two tests on the compiled module): compiles the kernel module with numba.pycc (about 8 s on 2 cores), then runs the CPU backend's own
 tests on it in a fresh process with LNN_CPU_KERNELS=aot (only the Numba-cache tests are left out: the
 compiled kernels have no cache). The argument check in front of every compiled kernel is what makes a
 wrong call a TypeError instead of memory corruption, so it is tested with wrong arrays.
@@ -14,7 +14,12 @@ import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.slow
+
+def test_every_kernel_has_a_signature_or_is_inline_only():
+    pytest.importorskip("numba")
+    from lnn.runtime.cpu.aot import INLINE_ONLY, SIGNATURES, jit_kernels
+
+    assert set(jit_kernels()) == set(SIGNATURES) | INLINE_ONLY
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +38,7 @@ def aot_env(folder):
     return {**os.environ, "LNN_CPU_KERNELS": "aot", "PYTHONPATH": os.pathsep.join([str(folder), str(REPO / "tests")])}
 
 
+@pytest.mark.slow
 def test_cpu_backend_tests_pass_on_the_compiled_kernels(compiled):
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not cache",
                              "tests/runtime/test_cpu_backend.py"],
@@ -62,6 +68,7 @@ for name, bad in [("float64", good.astype(np.float64)), ("rank 2", good[0]), ("s
 """
 
 
+@pytest.mark.slow
 def test_compiled_kernels_match_numpy_without_numba_and_refuse_wrong_arrays(compiled):
     result = subprocess.run([sys.executable, "-c", CHECKS], env=aot_env(compiled), capture_output=True, text=True,
                             timeout=300)
