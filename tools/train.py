@@ -102,6 +102,7 @@ def body(args) -> int:
         raise LnnInputError(f"{args.model}: the model takes inputs of shape {list(model.input_shape)} but the "
                             f"{args.data} images are {list(train.sample_shape)}")
 
+    from lnn.train.device import device_bytes_held
     from lnn.train.trainer import Trainer
 
     trainer = Trainer(model, device=args.device, seed=args.seed, batch_size=args.batch, lr=args.lr, amp=args.amp,
@@ -114,6 +115,10 @@ def body(args) -> int:
           f"{human_bytes(memory['activations_naive'])})", flush=True)
     trainer.fit(train.limit(args.limit_train), test, epochs=args.epochs, out_dir=args.out, resume=args.resume,
                 patience=args.patience, progress=not args.quiet)
+    held = device_bytes_held(trainer.xp)
+    if held is not None:
+        print(f"GPU memory: planned {human_bytes(memory['peak'])}, measured {human_bytes(held)} held by CuPy's pool "
+              f"after training (also the data kept on the GPU and the CUDA-graph buffers)", flush=True)
     return 0
 
 

@@ -7,15 +7,21 @@ What one replay does, for a batch of exactly plan.batch_size uint8 images (other
 eager path, which shares every parameter, gradient and optimizer buffer with this one):
   normalize   x_u8 [N, C, H, W] -> act:-1 = x * (scale / std[c]) - mean[c] / std[c]   (as Trainer._load_input)
   forward     linear  y [N, O] = x [N, I] @ W.T (cuBLAS) then y = act(y + b)          (fused.epilogue_in_place)
-              conv2d  cols = im2col(x) (fused.im2col); gemm [O, N*P] = W [O, K] @ cols [K, N*P] (cuBLAS);
-                      y [N, O, P] = act(gemm + b)                                       (fused.epilogue_from_gemm)
+              conv2d  implicit GEMM y = relu(conv(x) + b) in one kernel (runtime/cuda/conv_gemm.py) when
+                      conv_gemm.supported, else cols = im2col(x) (fused.im2col); gemm [O, N*P] = W [O, K] @
+                      cols [K, N*P] (cuBLAS); y [N, O, P] = act(gemm + b)            (fused.epilogue_from_gemm)
               maxpool2d y and argmax (the winning kernel offset, first on ties)
               global_avg_pool y [N, C] = mean over H*W;  flatten: a view (no work)
   loss        softmax cross-entropy forward+backward in one kernel, one thread per row:
               dlogits = (softmax(z) - onehot(label)) / N; per-row loss and argmax==label
-  backward    relu: dy *= (y > 0) in place; linear: dW = dy.T @ x, db = sum_n dy, dx = dy @ W;
-              conv2d: dy -> [O, N*P], db, cols = im2col(x), dW = dy @ cols.T, dcols = W.T @ dy, dx = col2im
-              (a gather: no atomics); maxpool2d: dx gathers dy where argmax points at the cell.
+  backward    relu: dy *= (y > 0) in place, or done by the next layer: a max pool (layers.MaxPoolLayer,
+              dy kept where the pool's y > 0) or a global average pool (dx = 0 where its x <= 0);
+              linear: dW = dy.T @ x, db = sum_n dy, dx = dy @ W;
+              conv2d: implicit GEMM (conv_gemm: dW and db from split partial sums, dx = the forward on dy
+              with the flipped weight), else dy -> [O, N*P], db, cols = im2col(x), dW = dy @ cols.T,
+              dcols = W.T @ dy, dx = col2im (a gather: no atomics); maxpool2d: tiled windows (kernel ==
+              stride, no padding) write each window's cells from one thread, else dx gathers dy where
+              argmax points at the cell.
               Gradients are WRITTEN (the eager path zeroes and adds: the same for one micro-batch).
   statistics  stats = [loss sum, correct rows, global gradient L2 norm] on the device (two-pass
               deterministic reductions); read only when the caller asks (DeviceStepResult).
@@ -536,7 +542,7 @@ class GraphStep:
         fused, n, attrs = self.fused, self.n, node.attrs
         x, y = c["x"], c["y"]
         layer = self.plan.layers[node.index]
-        if node.op == "conv2d" and layer.implicit_batch:
+        if node.op == "conv2d" and layer.implicit:
             kernels, weight, bias = layer.implicit_kernels(), c["params"]["weight"], c["params"].get("bias")
             relu = bool(attrs.get("activation"))
             self.launches.append(lambda: kernels.forward(x, weight, bias, y, relu=relu))
@@ -583,7 +589,7 @@ class GraphStep:
         layer = self.plan.layers[node.index]
         if node.attrs.get("activation") and not layer.relu_undone_by_next and node.index not in self.relu_done:
             self._kernel("lnn_relu_backward", dy.size, dy, y, np.int64(dy.size))
-        if node.op == "conv2d" and layer.implicit_batch:
+        if node.op == "conv2d" and layer.implicit:
             kernels, weight, grads = layer.implicit_kernels(), c["params"]["weight"], c["grads"]
             self.launches.append(lambda: kernels.weight_gradient(dy, x, grads["weight"], grads.get("bias"),
                                                                  accumulate=False))

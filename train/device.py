@@ -45,6 +45,14 @@ def is_cupy(xp) -> bool:
     return xp is not np
 
 
+def device_bytes_held(xp) -> int | None:
+    """Bytes CuPy's memory pool holds on the GPU (everything lnn allocated there: plan, parameters,
+    optimizer state, workspaces, data kept on the device); None on the CPU."""
+    if not is_cupy(xp):
+        return None
+    return int(xp.get_default_memory_pool().total_bytes())
+
+
 def to_numpy(array) -> np.ndarray:
     return array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
 

@@ -87,25 +87,25 @@ class Conv2dLayer(Layer):
     """im2col + GEMM (kernels.py), or on the GPU implicit GEMM (runtime/cuda/conv_gemm.py) when the plan
     asks for it and the convolution qualifies: no im2col workspaces then."""
     needs_input = True
-    implicit_batch = 0          # > 0: implicit GEMM for batches up to this size (set by the plan)
+    implicit = False            # implicit GEMM (set by the plan)
 
     def __init__(self, node):
         super().__init__(node)
         self._implicit = None
 
-    def use_implicit_gemm(self, max_batch: int) -> None:
-        self.implicit_batch = max_batch
+    def use_implicit_gemm(self) -> None:
+        self.implicit = True
 
     def implicit_kernels(self):
         """The layer's ConvKernels (made on first use: imports CuPy, allocates tables and scratch)."""
         if self._implicit is None:
             from lnn.runtime.cuda.conv_gemm import ConvKernels
 
-            self._implicit = ConvKernels(self.attrs, self.node.in_shape, self.node.out_shape, self.implicit_batch)
+            self._implicit = ConvKernels(self.attrs, self.node.in_shape, self.node.out_shape)
         return self._implicit
 
     def workspaces(self, n):
-        if self.implicit_batch:
+        if self.implicit:
             return []
         cin = self.node.in_shape[0]
         cout, oh, ow = self.node.out_shape
@@ -120,14 +120,14 @@ class Conv2dLayer(Layer):
         return spaces
 
     def forward(self, c, training):
-        if self.implicit_batch:
+        if self.implicit:
             self.implicit_kernels().forward(c.x, c.params["weight"], c.params.get("bias"), c.y)
             return
         K.conv2d_forward(c.xp, c.x, c.params["weight"], c.params.get("bias"), self.attrs, c.y,
                          c.ws.get("padded"), c.ws["cols"], c.ws["gemm"])
 
     def backward(self, c):
-        if self.implicit_batch:
+        if self.implicit:
             self.implicit_kernels().backward(c.dy, c.x, c.params["weight"], c.grads["weight"], c.grads.get("bias"),
                                              c.dx, accumulate=True)
             return

@@ -142,7 +142,7 @@ class Plan:
 
         for node, layer in zip(self.model.nodes, self.layers):
             if node.op == "conv2d" and conv_gemm.supported(node.attrs):
-                layer.use_implicit_gemm(self.batch_size)
+                layer.use_implicit_gemm()
                 self.conv_scratch += conv_gemm.scratch_bytes(node.attrs, node.in_shape, node.out_shape)
 
     def _fold_final_softmax(self):
