@@ -4,7 +4,7 @@
 
 For each model (mnist_mlp, mnist_cnn from examples/reference) and each side, in a fresh process:
 the same architecture, optimizer settings, learning-rate schedule, batch size and epochs (the
-description's "training" block) and data (uint8 on the GPU, normalized inside the step, shuffled
+description's "training" block; and mnist_cnn once more at batch 256 for 3 epochs) and data (uint8 on the GPU, normalized inside the step, shuffled
 per epoch). Reported: median epoch time (60,000 images, data handling
 included), peak device memory (lnn: CuPy's pool high-water mark; PyTorch: max_memory_allocated),
 and test accuracy. lnn's accuracy is measured by loading the exported model.bin with the CPU
@@ -33,9 +33,9 @@ def lnn_side(args) -> dict:
 
     train, test = load_mnist(args.mnist)
     spec = REPO / "examples" / "reference" / f"{args.model}.json"
-    trainer = Trainer(str(spec), device="cuda", seed=0, log=lambda m: print(m, file=sys.stderr))
+    trainer = Trainer(str(spec), device="cuda", seed=0, batch_size=args.batch, log=lambda m: print(m, file=sys.stderr))
     out_dir = Path(args.run_dir)
-    history = trainer.fit(train, test, out_dir=out_dir, progress=False)
+    history = trainer.fit(train, test, epochs=args.epochs, out_dir=out_dir, progress=False)
     cupy.cuda.Device().synchronize()
     pool = cupy.get_default_memory_pool()
     report = trainer.plan.memory_report()
@@ -67,6 +67,7 @@ def torch_side(args) -> dict:
     torch.manual_seed(0)
     model = load_model(REPO / "examples" / "reference" / f"{args.model}.json")
     config = TrainingConfig.parse(model.extra.get("training"))
+    config.batch_size, config.epochs = args.batch, args.epochs
     net = torch_sequential(model)
     opt = model.optimizer
     optimizer = torch.optim.SGD(net.parameters(), lr=opt["lr"], momentum=opt["momentum"], nesterov=opt["nesterov"],
@@ -116,6 +117,8 @@ def main():
     parser.add_argument("--side", choices=("lnn", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         print(json.dumps(lnn_side(args) if args.side == "lnn" else torch_side(args), default=str))
@@ -129,23 +132,27 @@ def main():
     from lnn.formats.model import load_model
     from lnn.train.config import TrainingConfig
 
+    runs = []
     for model in ("mnist_mlp", "mnist_cnn"):
         config = TrainingConfig.parse(load_model(REPO / "examples" / "reference" / f"{model}.json").extra["training"])
+        runs.append((model, config.batch_size, config.epochs))
+    runs.append(("mnist_cnn", 256, 3))
+    for model, batch, epochs in runs:
         for side in ("lnn", "torch"):
             command = [sys.executable, __file__, "--mnist", args.mnist, "--side", side, "--model", model,
-                       "--run-dir", str(out / model)]
+                       "--run-dir", str(out / f"{model}_b{batch}"), "--batch", str(batch), "--epochs", str(epochs)]
             done = subprocess.run(command, capture_output=True, text=True)
             sys.stderr.write(done.stderr[-3000:])
             if done.returncode != 0:
                 raise SystemExit(f"{side} {model} failed")
-            results[(model, side)] = json.loads(done.stdout.strip().splitlines()[-1])
-        lnn_r, torch_r = results[(model, "lnn")], results[(model, "torch")]
-        rows.append([model, config.batch_size, config.epochs,
+            results[(model, batch, side)] = json.loads(done.stdout.strip().splitlines()[-1])
+        lnn_r, torch_r = results[(model, batch, "lnn")], results[(model, batch, "torch")]
+        rows.append([model, batch, epochs,
                      f"{lnn_r['epoch_seconds']:.2f}", f"{torch_r['epoch_seconds']:.2f}",
                      f"{lnn_r['epoch_seconds'] / torch_r['epoch_seconds']:.2f}",
                      f"{lnn_r['peak_bytes'] / 2**20:.0f}", f"{torch_r['peak_bytes'] / 2**20:.0f}",
                      f"{100 * lnn_r['accuracy']:.2f}", f"{100 * torch_r['accuracy']:.2f}"])
-    (out / "gpu_train.json").write_text(json.dumps({f"{m}/{s}": r for (m, s), r in results.items()}, indent=1, default=str))
+    (out / "gpu_train.json").write_text(json.dumps({f"{m}/b{b}/{s}": r for (m, b, s), r in results.items()}, indent=1, default=str))
     table = markdown_table(["model", "batch", "epochs", "lnn s/epoch", "torch eager s/epoch", "lnn ÷ torch",
                             "lnn peak MiB", "torch peak MiB", "lnn test acc %", "torch test acc %"], rows)
     print(table)
@@ -156,7 +163,7 @@ Command: `python benchmarks/gpu_train.py --mnist DIR`
 (run by `benchmarks/gpu_check.sh`). Machine: {gpu}; {machine_line(("numpy", "cupy-cuda13x", "torch"))}.
 
 Each side in a fresh process, same architecture, SGD settings, learning-rate schedule, batch and epochs
-(the descriptions in examples/reference);
+(the descriptions in examples/reference; the batch-256 row runs the same schedule over 3 epochs);
 data as uint8 on the GPU, normalized in the step. Epoch time is the median over epochs of a full
 60,000-image pass including shuffling and batching. Peak memory: CuPy pool high-water mark vs
 torch.cuda.max_memory_allocated. lnn's accuracy is of its exported model.bin run by the CPU runtime

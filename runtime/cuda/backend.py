@@ -11,7 +11,9 @@ buffers (`steps`, argument-free callables). A call copies the input into the pla
 runs the steps and copies the output back to the host (a new NumPy array).
 
 Kernels: the generic forward kernels of kernels.py (shared with the trainer), with fused.py's CuPy
-kernels in their place where one launch beats several: conv2d is im2col (fused) + one grouped GEMM
+kernels in their place where one launch beats several: a stride-1 conv2d that conv_gemm.supported()
+accepts is the trainer's implicit-GEMM kernel (bias and relu fused; conv_gemm.py); another conv2d is
+im2col (fused) + one grouped GEMM
 (kernels.conv2d_gemm, cuBLAS) + one epilogue that moves the GEMM's [O, N, P] layout to [N, O, P] and
 applies bias and activation (at batch 1 the GEMM writes the output directly and the epilogue runs in
 place); linear is a GEMM + in-place epilogue; max pool is one kernel; avg pool, global average pool
@@ -29,6 +31,7 @@ import numpy as np
 from lnn.formats.errors import LnnError
 from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS
+from lnn.runtime.cuda import conv_gemm
 from lnn.runtime.cuda import kernels as K
 from lnn.formats.fold import fold_scale_and_shift, scale_and_shift
 
@@ -144,6 +147,8 @@ class Conv2dLayer(GemmLayer):
         cin, (cout, oh, ow) = self.in_shape[0], self.out_shape
         kh, kw = self.attrs["kernel_size"]
         out = xp.empty((n, cout, oh, ow), FLOAT)
+        if device.fused is not None and conv_gemm.supported(self.attrs):
+            return out, self._implicit_gemm_steps(src, out)
         steps = []
         if self.pointwise and n == 1:
             cols = src.reshape(cin, 1, 1, 1, oh, ow)
@@ -160,6 +165,18 @@ class Conv2dLayer(GemmLayer):
         else:
             steps += self.epilogue.steps_in_place(out)
         return out, steps
+
+
+    def _implicit_gemm_steps(self, src, out) -> list:
+        """The trainer's implicit-GEMM forward (no im2col buffer); bias and relu in its epilogue, other
+        activations (and a scale) by the fused epilogue afterwards."""
+        kernels = conv_gemm.ConvKernels(self.attrs, self.in_shape, self.out_shape, backward=False)
+        activation = self.epilogue.activation
+        in_kernel = (activation is None or activation["type"] == "relu") and (self.epilogue.scale == 1).all()
+        if in_kernel:
+            return [partial(kernels.forward, src, self.weight_on_device, self.epilogue.shift_on_device, out,
+                            relu=activation is not None)]
+        return [partial(kernels.forward, src, self.weight_on_device, None, out)] + self.epilogue.steps_in_place(out)
 
 
 class LinearLayer(GemmLayer):

@@ -364,10 +364,10 @@ def _module():
 
 
 class ConvKernels:
-    """One conv2d layer's implicit-GEMM launches (any batch up to `max_batch`). Allocates its tables,
-    flipped weight and partial sums here, once: the launches allocate nothing (CUDA-graph safe)."""
+    """One conv2d layer's implicit-GEMM launches (any batch). Allocates its tables, and with `backward`
+    the flipped weight and partial sums, here, once: the launches allocate nothing (CUDA-graph safe)."""
 
-    def __init__(self, attrs: dict, in_shape, out_shape, max_batch: int):
+    def __init__(self, attrs: dict, in_shape, out_shape, backward: bool = True):
         import cupy
 
         self.cupy = cupy
@@ -378,19 +378,20 @@ class ConvKernels:
         self.bias = bool(attrs["bias"])
         self.reduction = self.channels * self.kernel_h * self.kernel_w
         self.table = cupy.asarray(window_table(self.channels, self.height, self.width, self.kernel_h, self.kernel_w))
-        self.table_dx = cupy.asarray(window_table(self.out_channels, self.out_h, self.out_w, self.kernel_h,
-                                                  self.kernel_w))
-        self.flipped = cupy.empty((self.channels, self.out_channels, self.kernel_h, self.kernel_w), np.float32)
-        self.chunk_limit = max_chunks(self.out_channels, self.reduction, self.bias)
-        self.partial = cupy.empty(self.chunk_limit * self.out_channels * (self.reduction + self.bias), np.float32)
         self.no_bias = cupy.zeros(1, np.float32)
         module = _module()
         self._forward_functions = {bm: module.get_function(f"lnn_conv_igemm<{bm}, {bn}, {tn}>")
                                    for bm, (bn, tn) in FORWARD_TILES.items()}
-        self._wgrad = {bn: module.get_function(f"lnn_conv_wgrad<{rows_tile(self.out_channels)}, {bn}>")
-                       for bn in (32, 64)}
-        self._reduce = module.get_function("lnn_conv_wgrad_reduce")
-        self._flip = module.get_function("lnn_conv_flip_weight")
+        if backward:
+            self.table_dx = cupy.asarray(window_table(self.out_channels, self.out_h, self.out_w, self.kernel_h,
+                                                      self.kernel_w))
+            self.flipped = cupy.empty((self.channels, self.out_channels, self.kernel_h, self.kernel_w), np.float32)
+            self.chunk_limit = max_chunks(self.out_channels, self.reduction, self.bias)
+            self.partial = cupy.empty(self.chunk_limit * self.out_channels * (self.reduction + self.bias), np.float32)
+            self._wgrad = {bn: module.get_function(f"lnn_conv_wgrad<{rows_tile(self.out_channels)}, {bn}>")
+                           for bn in (32, 64)}
+            self._reduce = module.get_function("lnn_conv_wgrad_reduce")
+            self._flip = module.get_function("lnn_conv_flip_weight")
 
     def _igemm(self, x, weight, bias, table, y, pad_h, pad_w, relu: bool):
         """y [N, O', H', W'] = act(conv(x [N, C', H', W'], weight [O', C'*KH*KW]) + bias), stride 1."""

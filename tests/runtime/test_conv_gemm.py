@@ -119,7 +119,7 @@ def test_forward_and_backward_match_float64_numpy(case):
     dy = rng.standard_normal(y_ref.shape).astype(np.float32)
     dweight_ref, dbias_ref, dx_ref = backward(dy.astype(np.float64))
 
-    kernels = conv_gemm.ConvKernels(attrs_of(kernel, padding, bias), (c, h, w), y_ref.shape[1:], n)
+    kernels = conv_gemm.ConvKernels(attrs_of(kernel, padding, bias), (c, h, w), y_ref.shape[1:])
     gx, gw, gdy = cupy.asarray(x), cupy.asarray(weight), cupy.asarray(dy)
     gb = None if b is None else cupy.asarray(b)
     y = cupy.full(y_ref.shape, np.nan, np.float32)
@@ -148,7 +148,7 @@ def test_forward_and_backward_match_float64_numpy(case):
 def test_smaller_batches_reuse_the_layer_kernels():
     cupy = _cupy()
     rng = np.random.default_rng(3)
-    kernels = conv_gemm.ConvKernels(attrs_of((3, 3), (1, 1), True), (4, 8, 8), (6, 8, 8), 64)
+    kernels = conv_gemm.ConvKernels(attrs_of((3, 3), (1, 1), True), (4, 8, 8), (6, 8, 8))
     weight = rng.standard_normal((6, 4, 3, 3)).astype(np.float32)
     bias = rng.standard_normal(6).astype(np.float32)
     for n in (64, 5, 1):
