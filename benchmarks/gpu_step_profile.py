@@ -1,6 +1,6 @@
 """Where the lnn graph training step spends its time, launch by launch, next to PyTorch's kernels.
 
-    python benchmarks/gpu_step_profile.py [--models leaf_cnn mnist_cnn] [--batches 256 64]
+    python benchmarks/gpu_step_profile.py [--models leaf_cnn mnist_cnn] [--batches 256 64] [--algorithm winograd]
 
 lnn: the graph step's launch list (train/cuda_graph.py) run eagerly on its stream, each launch between
 two CUDA events, median of 20 repetitions; labelled by layer, phase and the source line that queued it.
@@ -11,6 +11,7 @@ Prints tables (a diagnostic; it writes nothing to docs/).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def lnn_profile(model_name: str, batch: int, reps: int = 20):
+def lnn_profile(model_name: str, batch: int, algorithm: str, reps: int = 20):
     import cupy
 
     from lnn.train import cuda_graph
@@ -37,8 +38,11 @@ def lnn_profile(model_name: str, batch: int, reps: int = 20):
 
     cuda_graph.GraphStep._forward = tagged("fwd", original_forward)
     cuda_graph.GraphStep._backward = tagged("bwd", original_backward)
-    spec = REPO / "examples" / "reference" / f"{model_name}.json"
-    trainer = Trainer(str(spec), device="cuda", batch_size=batch, cuda_graph=True, log=lambda m: None)
+    description = json.loads((REPO / "examples" / "reference" / f"{model_name}.json").read_text())
+    for layer in description["layers"]:
+        if layer["type"] == "conv2d":
+            layer["algorithm"] = algorithm
+    trainer = Trainer(description, device="cuda", batch_size=batch, cuda_graph=True, log=lambda m: None)
     shape = (batch,) + tuple(trainer.model.input_shape)
     x = cupy.random.randint(0, 256, shape, dtype=cupy.uint8)
     y = cupy.random.randint(0, trainer.model.output_shape[0], batch)
@@ -64,7 +68,7 @@ def lnn_profile(model_name: str, batch: int, reps: int = 20):
             code = launch.__code__
             rows.append((where.get(k, "other"), f"line {code.co_firstlineno}", sorted(times)[reps // 2]))
     total = sum(r[2] for r in rows)
-    print(f"\n== lnn {model_name} batch {batch}: {len(rows)} launches, sum of medians {total:.3f} ms; "
+    print(f"\n== lnn {model_name} batch {batch} ({algorithm}): {len(rows)} launches, sum of medians {total:.3f} ms; "
           f"peak pool {cupy.get_default_memory_pool().total_bytes() / 2**20:.0f} MiB")
     for label, line, ms in rows:
         if ms >= 0.005:
@@ -117,11 +121,13 @@ def main():
     parser.add_argument("--models", nargs="+", default=["leaf_cnn", "mnist_cnn"])
     parser.add_argument("--batches", nargs="+", type=int, default=[256, 64])
     parser.add_argument("--side", choices=["lnn", "torch", "both"], default="both")
+    parser.add_argument("--algorithm", choices=["auto", "im2col", "winograd"], default="auto",
+                        help="the conv layers' algorithm field for the lnn side")
     args = parser.parse_args()
     for model_name in args.models:
         for batch in args.batches:
             if args.side in ("lnn", "both"):
-                lnn_profile(model_name, batch)
+                lnn_profile(model_name, batch, args.algorithm)
             if args.side in ("torch", "both"):
                 torch_profile(model_name, batch)
 

@@ -8,7 +8,8 @@ eager path, which shares every parameter, gradient and optimizer buffer with thi
   normalize   x_u8 [N, C, H, W] -> act:-1 = x * (scale / std[c]) - mean[c] / std[c]   (as Trainer._load_input)
   forward     linear  y [N, O] = x [N, I] @ W.T (cuBLAS) then y = act(y + b)          (fused.epilogue_in_place)
               conv2d  implicit GEMM y = relu(conv(x) + b) in one kernel (runtime/cuda/conv_gemm.py) when
-                      conv_gemm.supported, else cols = im2col(x) (fused.im2col); gemm [O, N*P] = W [O, K] @
+                      conv_gemm.supported; "algorithm": "winograd": runtime/cuda/winograd.py (its 16
+                      products through cublasSgemmStridedBatched); else cols = im2col(x) (fused.im2col); gemm [O, N*P] = W [O, K] @
                       cols [K, N*P] (cuBLAS); y [N, O, P] = act(gemm + b)            (fused.epilogue_from_gemm)
               maxpool2d y and argmax (the winning kernel offset, first on ties)
               global_avg_pool y [N, C] = mean over H*W;  flatten: a view (no work)
@@ -18,7 +19,7 @@ eager path, which shares every parameter, gradient and optimizer buffer with thi
               dy kept where the pool's y > 0) or a global average pool (dx = 0 where its x <= 0);
               linear: dW = dy.T @ x, db = sum_n dy, dx = dy @ W;
               conv2d: implicit GEMM (conv_gemm: dW and db from split partial sums, dx = the forward on dy
-              with the flipped weight), else dy -> [O, N*P], db, cols = im2col(x), dW = dy @ cols.T,
+              with the flipped weight, or Winograd's with "algorithm": "winograd"), else dy -> [O, N*P], db, cols = im2col(x), dW = dy @ cols.T,
               dcols = W.T @ dy, dx = col2im (a gather: no atomics); maxpool2d: tiled windows (kernel ==
               stride, no padding) write each window's cells from one thread, else dx gathers dy where
               argmax points at the cell.
@@ -385,6 +386,11 @@ class Cublas:
                                        ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int,
                                        ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_float),
                                        ctypes.c_void_p, ctypes.c_int]
+        lib.cublasSgemmStridedBatched.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.POINTER(ctypes.c_float),
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_int]
         self.handle = ctypes.c_void_p()
         self._check(lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate_v2")
         self.workspace = cupy.empty(CUBLAS_WORKSPACE_BYTES, dtype=np.uint8)
@@ -415,6 +421,21 @@ class Cublas:
             n, m, k, ctypes.byref(self._one), ctypes.c_void_p(b.data.ptr), b.shape[1],
             ctypes.c_void_p(a.data.ptr), a.shape[1], ctypes.byref(self._zero), ctypes.c_void_p(out.data.ptr), n)
         self._check(status, "cublasSgemm_v2")
+
+    def matmul_batched(self, out, a, b):
+        """Row-major out [B, M, N] = a [B, M, K] @ b [B, K, N], all contiguous (Winograd's 16 products)."""
+        count, m, n = out.shape
+        k = a.shape[2]
+        if a.shape != (count, m, k) or b.shape != (count, k, n):
+            raise GraphFailure(f"batched GEMM shapes do not agree: out {out.shape}, a {a.shape}, b {b.shape}")
+        for array in (out, a, b):
+            if not array.flags.c_contiguous:
+                raise GraphFailure("a batched GEMM operand is not contiguous")
+        status = self.lib.cublasSgemmStridedBatched(
+            self.handle, self.OP_N, self.OP_N, n, m, k, ctypes.byref(self._one), ctypes.c_void_p(b.data.ptr), n,
+            k * n, ctypes.c_void_p(a.data.ptr), k, m * k, ctypes.byref(self._zero), ctypes.c_void_p(out.data.ptr),
+            n, m * n, count)
+        self._check(status, "cublasSgemmStridedBatched")
 
     def close(self):
         if self.handle:
@@ -542,7 +563,12 @@ class GraphStep:
         fused, n, attrs = self.fused, self.n, node.attrs
         x, y = c["x"], c["y"]
         layer = self.plan.layers[node.index]
-        if node.op == "conv2d" and layer.implicit:
+        if node.op == "conv2d" and layer.winograd:
+            kernels, weight, bias = layer.winograd_kernels(), c["params"]["weight"], c["params"].get("bias")
+            v, m, relu = c["ws"]["winograd_v"], c["ws"]["winograd_m"], bool(attrs.get("activation"))
+            self.launches.append(lambda: kernels.forward(x, weight, bias, y, v, m, relu=relu,
+                                                         matmul=self.cublas.matmul_batched))
+        elif node.op == "conv2d" and layer.implicit:
             kernels, weight, bias = layer.implicit_kernels(), c["params"]["weight"], c["params"].get("bias")
             relu = bool(attrs.get("activation"))
             self.launches.append(lambda: kernels.forward(x, weight, bias, y, relu=relu))
@@ -593,7 +619,11 @@ class GraphStep:
             kernels, weight, grads = layer.implicit_kernels(), c["params"]["weight"], c["grads"]
             self.launches.append(lambda: kernels.weight_gradient(dy, x, grads["weight"], grads.get("bias"),
                                                                  accumulate=False))
-            if dx is not None:
+            if dx is not None and layer.winograd:
+                winograd, v, m = layer.winograd_kernels(), c["ws"]["winograd_v_b"], c["ws"]["winograd_m_b"]
+                self.launches.append(lambda: winograd.input_gradient(dy, weight, dx, v, m,
+                                                                     matmul=self.cublas.matmul_batched))
+            elif dx is not None:
                 self.launches.append(lambda: kernels.input_gradient(dy, weight, dx))
         elif node.op == "linear":
             dy2, x2 = dy.reshape(n, -1), x.reshape(n, -1)

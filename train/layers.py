@@ -2,7 +2,8 @@
 
 A layer states, for a batch of n samples,
   - its workspaces: (name, shape, dtype, phase) with phase "forward" (scratch of the forward),
-    "backward" (scratch of the backward) or "saved" (written by the forward, read by the backward);
+    "backward" (scratch of the backward), "input_gradient" (scratch of the backward, only when it
+    computes dx) or "saved" (written by the forward, read by the backward);
   - whether its backward reads its input (`needs_input`) or its output (`needs_output`);
   - `alias`: the output is the input reshaped (flatten): no buffer, no work.
 The plan (train/plan.py) places every buffer in one pool and hands each call a `Call` holding
@@ -84,17 +85,24 @@ class LinearLayer(Layer):
 
 
 class Conv2dLayer(Layer):
-    """im2col + GEMM (kernels.py), or on the GPU implicit GEMM (runtime/cuda/conv_gemm.py) when the plan
-    asks for it and the convolution qualifies: no im2col workspaces then."""
+    """im2col + GEMM (kernels.py), or on the GPU when the plan asks for it and the convolution qualifies:
+    implicit GEMM (runtime/cuda/conv_gemm.py: no workspaces), or where winograd.chosen() ("winograd", or
+    "auto" with >= 32 channels in and out) Winograd F(2x2, 3x3) for the forward and the input gradient
+    (runtime/cuda/winograd.py: its V and M buffers are workspaces) and implicit GEMM for the weight
+    gradient."""
     needs_input = True
-    implicit = False            # implicit GEMM (set by the plan)
+    implicit = False            # GPU kernels (set by the plan)
+    winograd = False
 
     def __init__(self, node):
         super().__init__(node)
-        self._implicit = None
+        self._implicit = self._winograd = None
 
     def use_implicit_gemm(self) -> None:
+        from lnn.runtime.cuda import winograd     # the rule only: no CuPy import
+
         self.implicit = True
+        self.winograd = winograd.chosen(self.attrs, self.node.in_shape[0], self.node.out_shape[0])
 
     def implicit_kernels(self):
         """The layer's ConvKernels (made on first use: imports CuPy, allocates tables and scratch)."""
@@ -104,11 +112,25 @@ class Conv2dLayer(Layer):
             self._implicit = ConvKernels(self.attrs, self.node.in_shape, self.node.out_shape)
         return self._implicit
 
+    def winograd_kernels(self):
+        if self._winograd is None:
+            from lnn.runtime.cuda.winograd import WinogradKernels
+
+            self._winograd = WinogradKernels(self.attrs, self.node.in_shape, self.node.out_shape)
+        return self._winograd
+
     def workspaces(self, n):
+        cin, h, w = self.node.in_shape
+        cout, oh, ow = self.node.out_shape
+        if self.winograd:
+            from lnn.runtime.cuda.winograd import workspace_shapes
+
+            v, m = workspace_shapes(cin, cout, (h, w), (oh, ow), n)
+            v_b, m_b = workspace_shapes(cout, cin, (oh, ow), (h, w), n)
+            return [("winograd_v", v, COMPUTE, "forward"), ("winograd_m", m, COMPUTE, "forward"),
+                    ("winograd_v_b", v_b, COMPUTE, "input_gradient"), ("winograd_m_b", m_b, COMPUTE, "input_gradient")]
         if self.implicit:
             return []
-        cin = self.node.in_shape[0]
-        cout, oh, ow = self.node.out_shape
         kh, kw = self.attrs["kernel_size"]
         spaces = [("cols", (cin, kh, kw, n, oh, ow), COMPUTE, "forward"),
                   ("cols_b", (cin, kh, kw, n, oh, ow), COMPUTE, "backward"),
@@ -120,19 +142,27 @@ class Conv2dLayer(Layer):
         return spaces
 
     def forward(self, c, training):
-        if self.implicit:
-            self.implicit_kernels().forward(c.x, c.params["weight"], c.params.get("bias"), c.y)
-            return
-        K.conv2d_forward(c.xp, c.x, c.params["weight"], c.params.get("bias"), self.attrs, c.y,
-                         c.ws.get("padded"), c.ws["cols"], c.ws["gemm"])
+        weight, bias = c.params["weight"], c.params.get("bias")
+        if self.winograd:
+            self.winograd_kernels().forward(c.x, weight, bias, c.y, c.ws["winograd_v"], c.ws["winograd_m"])
+        elif self.implicit:
+            self.implicit_kernels().forward(c.x, weight, bias, c.y)
+        else:
+            K.conv2d_forward(c.xp, c.x, weight, bias, self.attrs, c.y, c.ws.get("padded"), c.ws["cols"], c.ws["gemm"])
 
     def backward(self, c):
-        if self.implicit:
-            self.implicit_kernels().backward(c.dy, c.x, c.params["weight"], c.grads["weight"], c.grads.get("bias"),
-                                             c.dx, accumulate=True)
+        weight = c.params["weight"]
+        if not self.implicit:
+            K.conv2d_backward(c.xp, c.dy, c.x, weight, self.attrs, c.grads["weight"], c.grads.get("bias"),
+                              c.dx, c.ws.get("padded_b"), c.ws["cols_b"], c.ws["gemm_b"])
             return
-        K.conv2d_backward(c.xp, c.dy, c.x, c.params["weight"], self.attrs, c.grads["weight"], c.grads.get("bias"),
-                          c.dx, c.ws.get("padded_b"), c.ws["cols_b"], c.ws["gemm_b"])
+        self.implicit_kernels().weight_gradient(c.dy, c.x, c.grads["weight"], c.grads.get("bias"), accumulate=True)
+        if c.dx is None:
+            return
+        if self.winograd:
+            self.winograd_kernels().input_gradient(c.dy, weight, c.dx, c.ws["winograd_v_b"], c.ws["winograd_m_b"])
+        else:
+            self.implicit_kernels().input_gradient(c.dy, weight, c.dx)
 
 
 class MaxPoolLayer(Layer):

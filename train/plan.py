@@ -198,6 +198,8 @@ class Plan:
                     touch(full, t_fwd)
                 if phase in ("backward", "saved") and self.runs_backward[i]:
                     touch(full, t_bwd)
+                if phase == "input_gradient" and self.computes_dx[i]:
+                    touch(full, t_bwd)
             self.workspace_names.append(names)
             if self.trains_alias[i]:
                 continue

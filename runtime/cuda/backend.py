@@ -12,7 +12,8 @@ runs the steps and copies the output back to the host (a new NumPy array).
 
 Kernels: the generic forward kernels of kernels.py (shared with the trainer), with fused.py's CuPy
 kernels in their place where one launch beats several: a stride-1 conv2d that conv_gemm.supported()
-accepts is the trainer's implicit-GEMM kernel (bias and relu fused; conv_gemm.py); another conv2d is
+accepts is the trainer's implicit-GEMM kernel (bias and relu fused; conv_gemm.py), or where
+winograd.chosen() its Winograd F(2x2, 3x3) kernels (winograd.py); another conv2d is
 im2col (fused) + one grouped GEMM
 (kernels.conv2d_gemm, cuBLAS) + one epilogue that moves the GEMM's [O, N, P] layout to [N, O, P] and
 applies bias and activation (at batch 1 the GEMM writes the output directly and the epilogue runs in
@@ -31,7 +32,7 @@ import numpy as np
 from lnn.formats.errors import LnnError
 from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS
-from lnn.runtime.cuda import conv_gemm
+from lnn.runtime.cuda import conv_gemm, winograd
 from lnn.runtime.cuda import kernels as K
 from lnn.formats.fold import fold_scale_and_shift, scale_and_shift
 
@@ -148,7 +149,7 @@ class Conv2dLayer(GemmLayer):
         kh, kw = self.attrs["kernel_size"]
         out = xp.empty((n, cout, oh, ow), FLOAT)
         if device.fused is not None and conv_gemm.supported(self.attrs):
-            return out, self._implicit_gemm_steps(src, out)
+            return out, self._implicit_gemm_steps(src, out, device)
         steps = []
         if self.pointwise and n == 1:
             cols = src.reshape(cin, 1, 1, 1, oh, ow)
@@ -167,16 +168,25 @@ class Conv2dLayer(GemmLayer):
         return out, steps
 
 
-    def _implicit_gemm_steps(self, src, out) -> list:
-        """The trainer's implicit-GEMM forward (no im2col buffer); bias and relu in its epilogue, other
-        activations (and a scale) by the fused epilogue afterwards."""
-        kernels = conv_gemm.ConvKernels(self.attrs, self.in_shape, self.out_shape, backward=False)
+    def _implicit_gemm_steps(self, src, out, device: Device) -> list:
+        """The trainer's kernels: implicit GEMM (no im2col buffer), or Winograd where winograd.chosen()
+        (weights transformed here, once); bias and relu in their epilogue, other activations
+        (and a scale) by the fused epilogue afterwards."""
+        if winograd.chosen(self.attrs, self.in_shape[0], self.out_shape[0]):
+            kernels = winograd.WinogradKernels(self.attrs, self.in_shape, self.out_shape, backward=False)
+            kernels.transform_weight(self.weight_on_device)
+            v, m = (device.xp.empty(shape, FLOAT) for shape in
+                    winograd.workspace_shapes(self.in_shape[0], self.out_shape[0], self.in_shape[1:], self.out_shape[1:],
+                                              src.shape[0]))
+            convolve = partial(kernels.forward, v=v, m=m, weight_ready=True)
+        else:
+            convolve = conv_gemm.ConvKernels(self.attrs, self.in_shape, self.out_shape, backward=False).forward
         activation = self.epilogue.activation
         in_kernel = (activation is None or activation["type"] == "relu") and (self.epilogue.scale == 1).all()
         if in_kernel:
-            return [partial(kernels.forward, src, self.weight_on_device, self.epilogue.shift_on_device, out,
+            return [partial(convolve, src, self.weight_on_device, self.epilogue.shift_on_device, out,
                             relu=activation is not None)]
-        return [partial(kernels.forward, src, self.weight_on_device, None, out)] + self.epilogue.steps_in_place(out)
+        return [partial(convolve, src, self.weight_on_device, None, out)] + self.epilogue.steps_in_place(out)
 
 
 class LinearLayer(GemmLayer):

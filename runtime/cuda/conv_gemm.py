@@ -435,9 +435,3 @@ class ConvKernels:
                                                                   self.kernel_h, self.kernel_w))))
         self._igemm(dy, self.flipped, None, self.table_dx, dx, self.kernel_h - 1 - self.pad_h,
                     self.kernel_w - 1 - self.pad_w, relu=False)
-
-    def backward(self, dy, x, weight, dweight, dbias, dx, accumulate: bool):
-        """weight_gradient, then input_gradient when dx is not None."""
-        self.weight_gradient(dy, x, dweight, dbias, accumulate)
-        if dx is not None:
-            self.input_gradient(dy, weight, dx)

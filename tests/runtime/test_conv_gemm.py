@@ -1,4 +1,5 @@
-"""Implicit-GEMM convolution (runtime/cuda/conv_gemm.py) against a float64 NumPy convolution.
+"""Implicit-GEMM (runtime/cuda/conv_gemm.py) and Winograd (runtime/cuda/winograd.py) convolutions on the
+GPU against a float64 NumPy convolution.
 
 The sizing helpers run everywhere; the kernels need CuPy and a GPU (skipped otherwise; run on the GPU
 machine by benchmarks/gpu_check.sh). Shapes cover channel counts off the tile sizes (16/32/64 rows,
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from lnn.formats.model import parse_model
-from lnn.runtime.cuda import conv_gemm
+from lnn.runtime.cuda import conv_gemm, winograd
 from lnn.train.plan import Plan, plan_memory
 
 # (batch, in channels, height, width, out channels, kernel (h, w), padding (h, w), bias)
@@ -132,14 +133,15 @@ def test_forward_and_backward_match_float64_numpy(case):
     dweight = cupy.full(weight.shape, np.nan, np.float32)
     dbias = None if b is None else cupy.full(o, np.nan, np.float32)
     dx = cupy.full(x.shape, np.nan, np.float32)
-    kernels.backward(gdy, gx, gw, dweight, dbias, dx, accumulate=False)
+    kernels.weight_gradient(gdy, gx, dweight, dbias, accumulate=False)
+    kernels.input_gradient(gdy, gw, dx)
     scale = np.sqrt(n * y_ref.shape[2] * y_ref.shape[3])
     np.testing.assert_allclose(dweight.get(), dweight_ref, rtol=1e-4, atol=1e-4 * scale)
     np.testing.assert_allclose(dx.get(), dx_ref, rtol=1e-4, atol=1e-4)
     if b is not None:
         np.testing.assert_allclose(dbias.get(), dbias_ref, rtol=1e-4, atol=1e-4 * scale)
 
-    kernels.backward(gdy, gx, gw, dweight, dbias, None, accumulate=True)     # adds; dx not asked
+    kernels.weight_gradient(gdy, gx, dweight, dbias, accumulate=True)       # adds
     np.testing.assert_allclose(dweight.get(), 2 * dweight_ref, rtol=1e-4, atol=2e-4 * scale)
     if b is not None:
         np.testing.assert_allclose(dbias.get(), 2 * dbias_ref, rtol=1e-4, atol=2e-4 * scale)
@@ -159,7 +161,74 @@ def test_smaller_batches_reuse_the_layer_kernels():
         np.testing.assert_allclose(y.get(), y_ref, rtol=1e-4, atol=1e-4)
         dy = rng.standard_normal(y_ref.shape).astype(np.float32)
         dweight, dbias = cupy.zeros((6, 4, 3, 3), np.float32), cupy.zeros(6, np.float32)
-        kernels.backward(cupy.asarray(dy), cupy.asarray(x), cupy.asarray(weight), dweight, dbias, None, accumulate=False)
+        kernels.weight_gradient(cupy.asarray(dy), cupy.asarray(x), dweight, dbias, accumulate=False)
         dweight_ref, dbias_ref, _ = backward(dy.astype(np.float64))
         np.testing.assert_allclose(dweight.get(), dweight_ref, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(dbias.get(), dbias_ref, rtol=1e-4, atol=1e-3)
+
+
+# --------------------------------------------------------------------------- Winograd F(2x2, 3x3)
+
+WINOGRAD_CASES = [      # (batch, in channels, height, width, out channels, padding)
+    (2, 3, 9, 11, 5, (1, 1)),
+    (3, 16, 12, 12, 32, (1, 1)),
+    (2, 33, 7, 9, 20, (0, 0)),
+    (1, 7, 10, 8, 13, (2, 2)),
+    (4, 5, 6, 7, 6, (0, 2)),
+]
+
+
+def test_winograd_rule_and_buffer_sizes():
+    assert winograd.supported(attrs_of((3, 3), (1, 1), True))
+    assert winograd.supported(attrs_of((3, 3), (2, 0), True))
+    assert not winograd.supported(attrs_of((5, 5), (2, 2), True))
+    assert not winograd.supported(dict(attrs_of((3, 3), (1, 1), True), stride=(2, 2)))
+    auto, forced = dict(attrs_of((3, 3), (1, 1), True), algorithm="auto"), dict(attrs_of((3, 3), (1, 1), True),
+                                                                                 algorithm="winograd")
+    assert winograd.chosen(auto, 32, 64) and not winograd.chosen(auto, 16, 32) and not winograd.chosen(auto, 64, 16)
+    assert winograd.chosen(forced, 3, 16) and not winograd.chosen(dict(auto, algorithm="im2col"), 64, 64)
+    assert winograd.workspace_shapes(3, 8, (9, 12), (7, 10), 2) == ((16 * 3 * 2 * 4 * 5,), (16 * 8 * 2 * 4 * 5,))
+    # a large batch goes through in chunks whose V and M take about the conv's x and y for the batch
+    v, m = winograd.workspace_shapes(64, 128, (16, 16), (16, 16), 256)
+    activations = 4 * 256 * (64 + 128) * 16 * 16
+    assert 4 * (v[0] + m[0]) <= activations < 4 * (v[0] + m[0]) * 2
+
+
+def test_winograd_layers_plan_their_buffers_and_only_compute_them_when_needed():
+    model = parse_model({"input_shape": [3, 16, 16], "layers": [
+        {"type": "conv2d", "out_channels": 8, "kernel_size": 3, "padding": 1, "algorithm": "winograd"},
+        {"type": "conv2d", "out_channels": 4, "kernel_size": 3, "padding": 1, "algorithm": "winograd"},
+        {"type": "global_avg_pool"}],
+        "loss": "cross_entropy", "optimizer": {"type": "sgd", "lr": 0.1}})
+    plan = Plan(model, 8, implicit_conv=True)
+    assert {"ws:0:winograd_v", "ws:0:winograd_m", "ws:1:winograd_v_b", "ws:1:winograd_m_b"} <= set(plan.buffers)
+    assert "ws:0:winograd_v_b" not in plan.buffers                      # the first layer computes no dx
+
+
+@pytest.mark.parametrize("chunk_bytes", [winograd.MIN_CHUNK_BYTES, 1])      # 1: small chunks
+@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"p{c[5][0]}{c[5][1]}")
+def test_winograd_forward_and_input_gradient_match_float64_numpy(case, chunk_bytes, monkeypatch):
+    cupy = _cupy()
+    monkeypatch.setattr(winograd, "MIN_CHUNK_BYTES", chunk_bytes)
+    n, c, h, w, o, padding = case
+    rng = np.random.default_rng(sum(case[:5]))
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    weight = (rng.standard_normal((o, c, 3, 3)) / np.sqrt(9 * c)).astype(np.float32)
+    bias = rng.standard_normal(o).astype(np.float32)
+    y_ref, backward = reference_conv(x.astype(np.float64), weight.astype(np.float64), bias, padding)
+    dy = rng.standard_normal(y_ref.shape).astype(np.float32)
+    _, _, dx_ref = backward(dy.astype(np.float64))
+
+    attrs = attrs_of((3, 3), padding, True)
+    kernels = winograd.WinogradKernels(attrs, (c, h, w), y_ref.shape[1:])
+    v_shape, m_shape = winograd.workspace_shapes(c, o, (h, w), y_ref.shape[2:], n)
+    y = cupy.full(y_ref.shape, np.nan, np.float32)
+    kernels.forward(cupy.asarray(x), cupy.asarray(weight), cupy.asarray(bias), y, cupy.empty(v_shape, np.float32),
+                    cupy.empty(m_shape, np.float32), relu=True)
+    np.testing.assert_allclose(y.get(), np.maximum(y_ref, 0), rtol=1e-4, atol=1e-4)
+
+    v_shape, m_shape = winograd.workspace_shapes(o, c, y_ref.shape[2:], (h, w), n)
+    dx = cupy.full(x.shape, np.nan, np.float32)
+    kernels.input_gradient(cupy.asarray(dy), cupy.asarray(weight), dx, cupy.empty(v_shape, np.float32),
+                           cupy.empty(m_shape, np.float32))
+    np.testing.assert_allclose(dx.get(), dx_ref, rtol=1e-4, atol=1e-4)

@@ -89,6 +89,9 @@ GPU_CASES = {
                                       training={"batch_size": 64, "grad_clip": 0.05}),
     "cnn_nesterov": _description("mnist_cnn", optimizer={"type": "sgd", "lr": 0.05, "momentum": 0.9,
                                                          "nesterov": True, "weight_decay": 0.001}),
+    # Winograd forward and input gradient (weight gradient: implicit GEMM), batched GEMMs in the graph
+    "cnn_winograd": _description("mnist_cnn", layers=[dict(layer, algorithm="winograd") if layer["type"] == "conv2d"
+                                                      else layer for layer in _description("mnist_cnn")["layers"]]),
     # implicit-GEMM convs (3x3, 1x1) next to an im2col one (stride 2), an overlapping pool undoing a relu,
     # conv -> conv with relu, and a relu before global average pooling
     "mixed_convs": {"input_shape": [3, 20, 20], "preprocess": {"scale": 1 / 255, "mean": [0.5] * 3, "std": [0.25] * 3},

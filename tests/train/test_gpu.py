@@ -24,7 +24,7 @@ except Exception as err:                                   # noqa: BLE001 - any 
 
 
 def _run_plan(xp, model, params, stats, x, r, keys):
-    plan = Plan(model, len(x), dtype="float32", input_gradient=True)
+    plan = Plan(model, len(x), dtype="float32", input_gradient=True, implicit_conv=xp is cupy)   # as the Trainer
     plan.allocate(xp)
     plan.params[...] = xp.asarray(params)
     plan.stats[...] = xp.asarray(stats)

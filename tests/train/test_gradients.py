@@ -92,6 +92,10 @@ CASES = {
     "avgpool_pad": ((2, 6, 7), [{"type": "avgpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
     "avgpool_pad_exclude": ((2, 6, 7), [{"type": "avgpool2d", "kernel_size": 3, "stride": 2, "padding": 1,
                                          "count_include_pad": False}]),
+    # on the GPU: Winograd forward and input gradient (padding 2, then 0; odd sizes)
+    "conv_winograd": ((3, 7, 9), [{"type": "conv2d", "out_channels": 4, "kernel_size": 3, "padding": 2,
+                                   "algorithm": "winograd", "activation": "relu"},
+                                  {"type": "conv2d", "out_channels": 3, "kernel_size": 3, "algorithm": "winograd"}]),
     # a relu right before a max pool is undone by the pool's backward (train/layers.py make_layers)
     "conv_relu_maxpool": ((2, 8, 8), [{"type": "conv2d", "out_channels": 3, "kernel_size": 3, "padding": 1,
                                        "activation": "relu"}, {"type": "maxpool2d", "kernel_size": 2}]),
