@@ -1,11 +1,13 @@
-"""Shared test fixtures: where ../shared lies, and skipping cleanly when it does not."""
+"""Shared test fixtures: where ../shared lies (or $LNN_SHARED: the GPU machine gets a copy), and
+skipping cleanly when it does not."""
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+SHARED = Path(os.environ.get("LNN_SHARED") or REPO.parent / "shared").resolve()
 REFERENCE_MODELS = SHARED / "reference_models"
 DATA = SHARED / "data"
 REFERENCE_NAMES = ["mnist_mlp", "mnist_cnn", "leaf_cnn", "leaf_cnn224"]

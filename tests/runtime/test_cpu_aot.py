@@ -35,7 +35,9 @@ def compiled(tmp_path_factory):
 
 
 def aot_env(folder):
-    return {**os.environ, "LNN_CPU_KERNELS": "aot", "PYTHONPATH": os.pathsep.join([str(folder), str(REPO / "tests")])}
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []    # lnn when not installed
+    return {**os.environ, "LNN_CPU_KERNELS": "aot",
+            "PYTHONPATH": os.pathsep.join([str(folder), str(REPO / "tests"), *inherited])}
 
 
 @pytest.mark.slow
