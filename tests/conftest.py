@@ -24,3 +24,14 @@ def need(path: Path) -> Path:
 @pytest.fixture
 def reference_models() -> Path:
     return need(REFERENCE_MODELS)
+
+
+def gpu_cupy():
+    """CuPy when it imports and sees a GPU; otherwise the calling test is skipped with the reason."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("CuPy sees no GPU")
+    except Exception as err:                               # noqa: BLE001 - any CUDA failure means: no GPU here
+        pytest.skip(f"CuPy sees no GPU ({err})")
+    return cupy

@@ -13,6 +13,8 @@ from lnn.formats.model import parse_model
 from lnn.runtime.cuda import conv_gemm, winograd
 from lnn.train.plan import Plan, plan_memory
 
+from conftest import gpu_cupy
+
 # (batch, in channels, height, width, out channels, kernel (h, w), padding (h, w), bias)
 CASES = [
     (2, 3, 9, 11, 5, (3, 3), (1, 1), True),
@@ -98,19 +100,9 @@ def test_gpu_plan_drops_the_im2col_workspaces_and_needs_less_memory():
 
 # --------------------------------------------------------------------------- on the GPU
 
-def _cupy():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("CuPy sees no GPU")
-    except Exception as err:                               # noqa: BLE001 - any CUDA failure means: no GPU here
-        pytest.skip(f"CuPy sees no GPU ({err})")
-    return cupy
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"k{c[5][0]}{c[5][1]}p{c[6][0]}")
 def test_forward_and_backward_match_float64_numpy(case):
-    cupy = _cupy()
+    cupy = gpu_cupy()
     n, c, h, w, o, kernel, padding, bias = case
     rng = np.random.default_rng(sum(case[:5]))
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
@@ -148,7 +140,7 @@ def test_forward_and_backward_match_float64_numpy(case):
 
 
 def test_smaller_batches_reuse_the_layer_kernels():
-    cupy = _cupy()
+    cupy = gpu_cupy()
     rng = np.random.default_rng(3)
     kernels = conv_gemm.ConvKernels(attrs_of((3, 3), (1, 1), True), (4, 8, 8), (6, 8, 8))
     weight = rng.standard_normal((6, 4, 3, 3)).astype(np.float32)
@@ -208,7 +200,7 @@ def test_winograd_layers_plan_their_buffers_and_only_compute_them_when_needed():
 @pytest.mark.parametrize("chunk_bytes", [winograd.MIN_CHUNK_BYTES, 1])      # 1: small chunks
 @pytest.mark.parametrize("case", WINOGRAD_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"p{c[5][0]}{c[5][1]}")
 def test_winograd_forward_and_input_gradient_match_float64_numpy(case, chunk_bytes, monkeypatch):
-    cupy = _cupy()
+    cupy = gpu_cupy()
     monkeypatch.setattr(winograd, "MIN_CHUNK_BYTES", chunk_bytes)
     n, c, h, w, o, padding = case
     rng = np.random.default_rng(sum(case[:5]))

@@ -19,7 +19,7 @@ from lnn.train import Trainer
 from lnn.train.config import TrainingConfig
 from lnn.train.cuda_graph import reduce_chunks, unsupported_reason
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, gpu_cupy
 
 
 def _description(name, **changes):
@@ -69,16 +69,6 @@ def test_cpu_trainer_never_uses_the_graph():
 
 # --------------------------------------------------------------------------- on the GPU
 
-def _cupy():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("CuPy sees no GPU")
-    except Exception as err:                               # noqa: BLE001 - any CUDA failure means: no GPU here
-        pytest.skip(f"CuPy sees no GPU ({err})")
-    return cupy
-
-
 GPU_CASES = {
     # Adam's eps is large here: with eps=1e-8 an update is lr * sign(g) wherever |g| is tiny, and float32
     # GEMMs in another summation order may flip the sign of a gradient that sums to about zero.
@@ -113,7 +103,7 @@ def _three_batches(description, rows, classes):
 
 @pytest.mark.parametrize("case", sorted(GPU_CASES))
 def test_graph_steps_match_eager_cupy_and_numpy(case):
-    cupy = _cupy()
+    cupy = gpu_cupy()
     description = GPU_CASES[case]
     rows = 8 if case == "leaf_cnn" else 32
     classes = parse_model(description).output_shape[0]
@@ -144,7 +134,7 @@ def test_graph_steps_match_eager_cupy_and_numpy(case):
 
 
 def test_a_failed_capture_falls_back_to_eager(monkeypatch):
-    cupy = _cupy()
+    cupy = gpu_cupy()
     from lnn.train.cuda_graph import GraphFailure, GraphStep
 
     def broken(self):
@@ -165,7 +155,7 @@ def test_a_failed_capture_falls_back_to_eager(monkeypatch):
 
 
 def test_partial_batches_run_eagerly_between_graph_steps():
-    cupy = _cupy()
+    cupy = gpu_cupy()
     description = _description("mnist_cnn")
     rng = np.random.default_rng(3)
     graph = Trainer(description, device="cuda", batch_size=16, cuda_graph=True, log=print)
