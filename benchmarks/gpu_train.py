@@ -64,6 +64,8 @@ def torch_side(args) -> dict:
     from lnn.train.config import TrainingConfig, learning_rate
     from lnn.train.data import load_mnist
 
+    torch.backends.cudnn.allow_tf32 = False             # true fp32, as lnn
+    torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     model = load_model(REPO / "examples" / "reference" / f"{args.model}.json")
     config = TrainingConfig.parse(model.extra.get("training"))
@@ -163,7 +165,8 @@ Command: `python benchmarks/gpu_train.py --mnist DIR`
 (run by `benchmarks/gpu_check.sh`). Machine: {gpu}; {machine_line(("numpy", "cupy-cuda13x", "torch"))}.
 
 Each side in a fresh process, same architecture, SGD settings, learning-rate schedule, batch and epochs
-(the descriptions in examples/reference; the batch-256 row runs the same schedule over 3 epochs);
+(the descriptions in examples/reference; the batch-256 row runs the same schedule over 3 epochs),
+both in true fp32 (PyTorch's TF32 switched off);
 data as uint8 on the GPU, normalized in the step. Epoch time is the median over epochs of a full
 60,000-image pass including shuffling and batching. Peak memory: CuPy pool high-water mark vs
 torch.cuda.max_memory_allocated. lnn's accuracy is of its exported model.bin run by the CPU runtime
