@@ -8,21 +8,22 @@ eager path, which shares every parameter, gradient and optimizer buffer with thi
   normalize   x_u8 [N, C, H, W] -> act:-1 = x * (scale / std[c]) - mean[c] / std[c]   (as Trainer._load_input)
   forward     linear  y [N, O] = x [N, I] @ W.T (cuBLAS) then y = act(y + b)          (fused.epilogue_in_place)
               conv2d  implicit GEMM y = relu(conv(x) + b) in one kernel (runtime/cuda/conv_gemm.py) when
-                      conv_gemm.supported; "algorithm": "winograd": runtime/cuda/winograd.py (its 16
-                      products through cublasSgemmStridedBatched); else cols = im2col(x) (fused.im2col); gemm [O, N*P] = W [O, K] @
-                      cols [K, N*P] (cuBLAS); y [N, O, P] = act(gemm + b)            (fused.epilogue_from_gemm)
+                      conv_gemm.supported; Winograd where winograd.chosen() (runtime/cuda/winograd.py, its
+                      16 products through cublasSgemmStridedBatched); else cols = im2col(x) (fused.im2col);
+                      gemm [O, N*P] = W [O, K] @ cols [K, N*P] (cuBLAS); y [N, O, P] = act(gemm + b)
+                                                                                (fused.epilogue_from_gemm)
               maxpool2d y and argmax (the winning kernel offset, first on ties)
               global_avg_pool y [N, C] = mean over H*W;  flatten: a view (no work)
   loss        softmax cross-entropy forward+backward in one kernel, one thread per row:
               dlogits = (softmax(z) - onehot(label)) / N; per-row loss and argmax==label
-  backward    relu: dy *= (y > 0) in place, or done by the next layer: a max pool (layers.MaxPoolLayer,
-              dy kept where the pool's y > 0) or a global average pool (dx = 0 where its x <= 0);
+  backward    relu: dy *= (y > 0) in place, or done by the next layer (layers.PoolUndoingRelu): a max pool
+              (dy kept where the pool's y > 0) or a global average pool (dx = 0 where its x <= 0);
               linear: dW = dy.T @ x, db = sum_n dy, dx = dy @ W;
               conv2d: implicit GEMM (conv_gemm: dW and db from split partial sums, dx = the forward on dy
-              with the flipped weight, or Winograd's with "algorithm": "winograd"), else dy -> [O, N*P], db, cols = im2col(x), dW = dy @ cols.T,
-              dcols = W.T @ dy, dx = col2im (a gather: no atomics); maxpool2d: tiled windows (kernel ==
-              stride, no padding) write each window's cells from one thread, else dx gathers dy where
-              argmax points at the cell.
+              with the flipped weight, or Winograd's where chosen), else dy -> [O, N*P], db,
+              cols = im2col(x), dW = dy @ cols.T, dcols = W.T @ dy, dx = col2im (a gather: no atomics);
+              maxpool2d: tiled windows (kernel == stride, no padding) write each window's cells from one
+              thread, else dx gathers dy where argmax points at the cell.
               Gradients are WRITTEN (the eager path zeroes and adds: the same for one micro-batch).
   statistics  stats = [loss sum, correct rows, global gradient L2 norm] on the device (two-pass
               deterministic reductions); read only when the caller asks (DeviceStepResult).
@@ -45,6 +46,7 @@ import math
 import numpy as np
 
 from lnn.formats.errors import LnnError
+from lnn.runtime.cuda.conv_gemm import ceil_div
 
 GRAPH_OPS = ("linear", "conv2d", "maxpool2d", "global_avg_pool", "flatten")
 GRAPH_OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -90,7 +92,7 @@ def unsupported_reason(model, config, optimizer_config: dict, amp: bool, dtype) 
 
 def reduce_chunks(elements: int) -> int:
     """Blocks of the first reduction pass over `elements` values of one channel."""
-    return max(1, min(MAX_REDUCE_CHUNKS, -(-elements // REDUCE_CHUNK)))
+    return max(1, min(MAX_REDUCE_CHUNKS, ceil_div(elements, REDUCE_CHUNK)))
 
 
 KERNELS = r"""
@@ -142,7 +144,7 @@ __global__ void lnn_maxpool_forward(const float* x, float* y, unsigned char* arg
 
 // Tiled windows (kernel == stride, no padding, H = OH * KH, W = OW * KW): each input cell is in exactly one
 // window, so one thread per window writes all its cells: dy at the argmax cell, 0 elsewhere. relu_mask:
-// the layer before ends in relu, undone here (layers.MaxPoolLayer): dy dropped where the pool's y <= 0.
+// the layer before ends in relu, undone here (layers.PoolUndoingRelu): dy dropped where the pool's y <= 0.
 __global__ void lnn_maxpool_backward_tiled(const float* dy, const unsigned char* argmax, const float* y, float* dx,
                                            long long total, int out_h, int out_w, int kernel_h, int kernel_w,
                                            int relu_mask) {
@@ -196,7 +198,7 @@ __global__ void lnn_global_avg_pool_forward(const float* x, float* y, long long 
     y[i] = sum / (float)positions;
 }
 
-// relu_mask: the layer before the pool ends in relu; its backward is done here (dx = 0 where x <= 0)
+// relu_mask: the layer before ends in relu, undone here (layers.PoolUndoingRelu): dx = 0 where x <= 0
 __global__ void lnn_global_avg_pool_backward(const float* dy, const float* x, float* dx, long long total,
                                              int positions, int relu_mask) {
     const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
@@ -499,7 +501,6 @@ class GraphStep:
         self.zeros = cupy.zeros(widest, dtype=np.float32)
         self.multiplier, self.offset = (a.reshape(-1) for a in trainer._normalizer)
         self.launches = []            # the step, as a list of zero-argument callables (launch order)
-        self.relu_done = set()        # layers whose relu backward the next layer's backward did
         partial_sizes = [1]
         self._build(partial_sizes)
         self.partial = cupy.empty(max(partial_sizes), dtype=np.float32)
@@ -510,7 +511,7 @@ class GraphStep:
 
     def _kernel(self, name, total, *args, grid=None):
         function = self.module.get_function(name)
-        grid = grid or (-(-int(total) // THREADS),)
+        grid = grid or (ceil_div(int(total), THREADS),)
         self.launches.append(lambda: function(grid, (THREADS,), args))
 
     def _channel_sum(self, x, out, outer, channels, inner, partial_sizes, square=False, take_sqrt=False):
@@ -602,18 +603,11 @@ class GraphStep:
         (kh, kw), (sh, sw), (ph, pw) = attrs["kernel_size"], attrs["stride"], attrs["padding"]
         return tuple(np.int32(v) for v in (x.shape[2], x.shape[3], y.shape[2], y.shape[3], kh, kw, sh, sw, ph, pw))
 
-    def _relu_before(self, index: int) -> bool:
-        """Whether layer index-1 ends in a fused relu whose output is layer `index`'s input."""
-        if index == 0 or self.plan.trains_alias[index - 1]:
-            return False
-        activation = self.trainer.model.nodes[index - 1].attrs.get("activation")
-        return bool(activation) and activation.get("type") == "relu"
-
     def _backward(self, node, c, partial_sizes):
         n, attrs = self.n, node.attrs
         x, y, dy, dx = c["x"], c["y"], c["dy"], c["dx"]
         layer = self.plan.layers[node.index]
-        if node.attrs.get("activation") and not layer.relu_undone_by_next and node.index not in self.relu_done:
+        if node.attrs.get("activation") and not layer.relu_undone_by_next:
             self._kernel("lnn_relu_backward", dy.size, dy, y, np.int64(dy.size))
         if node.op == "conv2d" and layer.implicit:
             kernels, weight, grads = layer.implicit_kernels(), c["params"]["weight"], c["grads"]
@@ -666,11 +660,8 @@ class GraphStep:
                 self._kernel("lnn_maxpool_backward", dx.size, dy, c["ws"]["argmax"], dx, np.int64(dx.size),
                              *self._pool_geometry(dx, dy, attrs))
         elif node.op == "global_avg_pool" and dx is not None:
-            relu = self._relu_before(node.index)
             self._kernel("lnn_global_avg_pool_backward", dx.size, dy, x, dx, np.int64(dx.size),
-                         np.int32(dx[0, 0].size), np.int32(relu))
-            if relu:
-                self.relu_done.add(node.index - 1)
+                         np.int32(dx[0, 0].size), np.int32(layer.takes_relu_backward))
 
     def _update(self):
         trainer, plan = self.trainer, self.plan

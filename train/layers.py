@@ -19,6 +19,7 @@ import numpy as np
 
 from lnn.formats.errors import ModelSpecError
 from lnn.formats.ops import ACTIVATIONS
+from lnn.runtime.cuda import winograd           # the rule and the sizing only: importing it imports no CuPy
 from lnn.train import kernels as K
 
 COMPUTE = "compute"        # a workspace dtype meaning: the plan's activation dtype
@@ -37,7 +38,7 @@ class Layer:
     needs_input = False
     needs_output = False
     alias = False
-    relu_undone_by_next = False     # the next layer (a max pool) undoes this layer's relu (see MaxPoolLayer)
+    relu_undone_by_next = False     # the next layer (a pool) undoes this layer's relu (see PoolUndoingRelu)
 
     def __init__(self, node):
         self.node = node
@@ -99,8 +100,6 @@ class Conv2dLayer(Layer):
         self._implicit = self._winograd = None
 
     def use_implicit_gemm(self) -> None:
-        from lnn.runtime.cuda import winograd     # the rule only: no CuPy import
-
         self.implicit = True
         self.winograd = winograd.chosen(self.attrs, self.node.in_shape[0], self.node.out_shape[0])
 
@@ -123,10 +122,8 @@ class Conv2dLayer(Layer):
         cin, h, w = self.node.in_shape
         cout, oh, ow = self.node.out_shape
         if self.winograd:
-            from lnn.runtime.cuda.winograd import workspace_shapes
-
-            v, m = workspace_shapes(cin, cout, (h, w), (oh, ow), n)
-            v_b, m_b = workspace_shapes(cout, cin, (oh, ow), (h, w), n)
+            v, m = winograd.workspace_shapes(cin, cout, (h, w), (oh, ow), n)
+            v_b, m_b = winograd.workspace_shapes(cout, cin, (oh, ow), (h, w), n)
             return [("winograd_v", v, COMPUTE, "forward"), ("winograd_m", m, COMPUTE, "forward"),
                     ("winograd_v_b", v_b, COMPUTE, "input_gradient"), ("winograd_m_b", m_b, COMPUTE, "input_gradient")]
         if self.implicit:
@@ -165,17 +162,25 @@ class Conv2dLayer(Layer):
             self.implicit_kernels().input_gradient(c.dy, weight, c.dx)
 
 
-class MaxPoolLayer(Layer):
-    """With `takes_relu_backward`, the layer before ends in relu and this backward undoes it: relu and max
-    commute, so the pool's own output is the winning input and dy is kept where it is > 0. The layer
-    before then need not keep its (larger) output for the backward."""
+class PoolUndoingRelu(Layer):
+    """A pool whose backward also undoes the relu the layer right before it ends in (make_layers): that
+    layer then skips its relu backward and need not keep its output for it. `relu_mask_from` names the
+    buffer that shows where the relu let values through: "output" (a max pool: relu and max commute, so
+    the pool's output is the winning input) or "input" (a global average pool: the relu's own output)."""
     takes_relu_backward = False
+    relu_mask_from = "output"
 
     def take_relu_backward_of(self, previous: Layer) -> None:
-        self.takes_relu_backward = self.needs_output = True
+        self.takes_relu_backward = True
+        if self.relu_mask_from == "output":
+            self.needs_output = True
+        else:
+            self.needs_input = True
         previous.relu_undone_by_next = True
         previous.needs_output = False
 
+
+class MaxPoolLayer(PoolUndoingRelu):
     def workspaces(self, n):
         index_dtype = np.uint8 if math.prod(self.attrs["kernel_size"]) <= 255 else np.int32
         spaces = [("argmax", (n,) + tuple(self.node.out_shape), index_dtype, "saved")]
@@ -218,12 +223,16 @@ class AvgPoolLayer(Layer):
         K.avgpool2d_backward(c.xp, c.dy, self.attrs, self.divisor(c.xp, c.dy.dtype), c.dx, c.ws.get("padded_b"))
 
 
-class GlobalAvgPoolLayer(Layer):
+class GlobalAvgPoolLayer(PoolUndoingRelu):
+    relu_mask_from = "input"
+
     def forward(self, c, training):
         K.global_avg_pool_forward(c.xp, c.x, c.y)
 
     def backward(self, c):
         K.global_avg_pool_backward(c.xp, c.dy, c.dx)
+        if self.takes_relu_backward:
+            K.activation_backward(c.xp, RELU, c.dx, c.x, c.dx)
 
 
 class FlattenLayer(Layer):
@@ -294,9 +303,10 @@ def make_layer(node) -> Layer:
 
 
 def make_layers(nodes) -> list:
-    """The layers of a model, a relu right before a max pool undone by the pool's backward."""
+    """The layers of a model, a relu right before a max pool or global average pool undone by the
+    pool's backward."""
     layers = [make_layer(node) for node in nodes]
     for previous, layer in zip(layers, layers[1:]):
-        if isinstance(layer, MaxPoolLayer) and (previous.activation or {}).get("type") == "relu":
+        if isinstance(layer, PoolUndoingRelu) and (previous.activation or {}).get("type") == "relu":
             layer.take_relu_backward_of(previous)
     return layers

@@ -99,6 +99,8 @@ CASES = {
     # a relu right before a max pool is undone by the pool's backward (train/layers.py make_layers)
     "conv_relu_maxpool": ((2, 8, 8), [{"type": "conv2d", "out_channels": 3, "kernel_size": 3, "padding": 1,
                                        "activation": "relu"}, {"type": "maxpool2d", "kernel_size": 2}]),
+    "conv_relu_global_avg_pool": ((2, 6, 5), [{"type": "conv2d", "out_channels": 3, "kernel_size": 3, "padding": 1,
+                                               "activation": "relu"}, {"type": "global_avg_pool"}]),
     "conv_relu_maxpool_overlap": ((2, 7, 7), [{"type": "conv2d", "out_channels": 3, "kernel_size": 3,
                                                "activation": "relu"},
                                               {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
