@@ -27,6 +27,7 @@ import numpy as np
 
 from lnn.formats.model import Model
 from lnn.formats.ops import get_op
+from lnn.runtime.cuda import conv_gemm          # the rule and the sizing only: importing it imports no CuPy
 from lnn.train.layers import COMPUTE, Call, make_layers
 
 POOL_ALIGN = 256            # bytes: every pooled buffer starts on this boundary
@@ -138,8 +139,6 @@ class Plan:
 
     def _use_implicit_conv(self):
         """GPU float32: convolutions that qualify run as implicit GEMM (no im2col workspaces)."""
-        from lnn.runtime.cuda import conv_gemm        # the sizing and the rule only: no CuPy import
-
         for node, layer in zip(self.model.nodes, self.layers):
             if node.op == "conv2d" and conv_gemm.supported(node.attrs):
                 layer.use_implicit_gemm()

@@ -167,7 +167,6 @@ class Conv2dLayer(GemmLayer):
             steps += self.epilogue.steps_in_place(out)
         return out, steps
 
-
     def _implicit_gemm_steps(self, src, out, device: Device) -> list:
         """The trainer's kernels: implicit GEMM (no im2col buffer), or Winograd where winograd.chosen()
         (weights transformed here, once); bias and relu in their epilogue, other activations
@@ -175,9 +174,9 @@ class Conv2dLayer(GemmLayer):
         if winograd.chosen(self.attrs, self.in_shape[0], self.out_shape[0]):
             kernels = winograd.WinogradKernels(self.attrs, self.in_shape, self.out_shape, backward=False)
             kernels.transform_weight(self.weight_on_device)
-            v, m = (device.xp.empty(shape, FLOAT) for shape in
-                    winograd.workspace_shapes(self.in_shape[0], self.out_shape[0], self.in_shape[1:], self.out_shape[1:],
-                                              src.shape[0]))
+            shapes = winograd.workspace_shapes(self.in_shape[0], self.out_shape[0], self.in_shape[1:],
+                                               self.out_shape[1:], src.shape[0])
+            v, m = (device.xp.empty(shape, FLOAT) for shape in shapes)
             convolve = partial(kernels.forward, v=v, m=m, weight_ready=True)
         else:
             convolve = conv_gemm.ConvKernels(self.attrs, self.in_shape, self.out_shape, backward=False).forward

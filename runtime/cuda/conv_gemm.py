@@ -290,7 +290,8 @@ __global__ void lnn_conv_flip_weight(const float* __restrict__ weight, float* __
     const int a = (i / window_w) % window_h;
     const int o = (i / window_w / window_h) % out_channels;
     const int c = i / (window_w * window_h * out_channels);
-    flipped[i] = weight[(((long long)o * channels + c) * window_h + (window_h - 1 - a)) * window_w + (window_w - 1 - b)];
+    flipped[i] = weight[(((long long)o * channels + c) * window_h + (window_h - 1 - a)) * window_w
+                        + (window_w - 1 - b)];
 }
 
 }
@@ -332,6 +333,11 @@ def max_chunks(out_channels: int, reduction: int, bias: bool) -> int:
     return max(1, ceil_div(TARGET_BLOCKS, tiles))
 
 
+def partial_elements(out_channels: int, reduction: int, bias: bool) -> int:
+    """Size of the weight gradient's partial sums [max_chunks, O, K + bias]."""
+    return max_chunks(out_channels, reduction, bias) * out_channels * (reduction + bias)
+
+
 def chunking(columns: int, limit: int) -> tuple:
     """(chunk length, chunks) covering `columns` positions with at most `limit` chunks of >= 256."""
     wanted = max(1, min(limit, ceil_div(columns, 256)))
@@ -345,8 +351,7 @@ def scratch_bytes(attrs: dict, in_shape, out_shape) -> int:
     kh, kw = attrs["kernel_size"]
     reduction = channels * kh * kw
     tables = 4 * 3 * reduction + 4 * 3 * out_channels * kh * kw
-    partial = 4 * max_chunks(out_channels, reduction, attrs["bias"]) * out_channels * (reduction + attrs["bias"])
-    return tables + 4 * out_channels * reduction + partial
+    return tables + 4 * out_channels * reduction + 4 * partial_elements(out_channels, reduction, attrs["bias"])
 
 
 _MODULE = None
@@ -370,7 +375,6 @@ class ConvKernels:
     def __init__(self, attrs: dict, in_shape, out_shape, backward: bool = True):
         import cupy
 
-        self.cupy = cupy
         self.channels, self.height, self.width = in_shape
         self.out_channels, self.out_h, self.out_w = out_shape
         self.kernel_h, self.kernel_w = attrs["kernel_size"]
@@ -387,7 +391,7 @@ class ConvKernels:
                                                       self.kernel_w))
             self.flipped = cupy.empty((self.channels, self.out_channels, self.kernel_h, self.kernel_w), np.float32)
             self.chunk_limit = max_chunks(self.out_channels, self.reduction, self.bias)
-            self.partial = cupy.empty(self.chunk_limit * self.out_channels * (self.reduction + self.bias), np.float32)
+            self.partial = cupy.empty(partial_elements(self.out_channels, self.reduction, self.bias), np.float32)
             self._wgrad = {bn: module.get_function(f"lnn_conv_wgrad<{rows_tile(self.out_channels)}, {bn}>")
                            for bn in (32, 64)}
             self._reduce = module.get_function("lnn_conv_wgrad_reduce")

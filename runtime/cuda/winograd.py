@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lnn.runtime.cuda.conv_gemm import ceil_div
+
 THREADS = 256
 MIN_CHUNK_BYTES = 8 * 2 ** 20       # V and M of one chunk of images take about max(this, x + y of the batch)
 AUTO_MIN_CHANNELS = 32              # "auto" picks Winograd when both channel counts reach this
@@ -146,7 +148,7 @@ def chosen(attrs: dict, channels: int, out_channels: int) -> bool:
 
 
 def tiles(out_h: int, out_w: int) -> tuple:
-    return -(-out_h // 2), -(-out_w // 2)
+    return ceil_div(out_h, 2), ceil_div(out_w, 2)
 
 
 def chunk_images(channels: int, out_channels: int, in_hw: tuple, out_hw: tuple, batch: int) -> int:
@@ -206,7 +208,7 @@ class WinogradKernels:
     def transform_weight(self, weight, flipped: bool = False):
         """U from weight [O, C, 3, 3] (the flipped, transposed one for the input gradient)."""
         pairs = self.out_channels * self.channels
-        self._weight((-(-pairs // THREADS),), (THREADS,),
+        self._weight((ceil_div(pairs, THREADS),), (THREADS,),
                      (weight, self.u_flipped if flipped else self.u, np.int32(self.out_channels),
                       np.int32(self.channels), np.int32(flipped)))
 
@@ -224,11 +226,11 @@ class WinogradKernels:
             count = chunk * per_image
             v_chunk = v[:16 * channels * count].reshape(16, channels, count)
             m_chunk = m[:16 * out_channels * count].reshape(16, out_channels, count)
-            self._input((-(-(channels * count) // THREADS),), (THREADS,),
+            self._input((ceil_div(channels * count, THREADS),), (THREADS,),
                         (x[start:start + chunk], v_chunk,
                          *(np.int32(a) for a in (chunk, channels, height, width, tiles_h, tiles_w, pad_h, pad_w))))
             matmul(m_chunk, u, v_chunk)
-            self._output((-(-(out_channels * count) // THREADS),), (THREADS,),
+            self._output((ceil_div(out_channels * count, THREADS),), (THREADS,),
                          (m_chunk, self.no_bias if bias is None else bias, y[start:start + chunk],
                           *(np.int32(a) for a in (chunk, out_channels, out_h, out_w, tiles_h, tiles_w,
                                                   bias is not None, relu))))
