@@ -1,6 +1,7 @@
 """Shared test fixtures: where ../shared lies (or $LNN_SHARED: the GPU machine gets a copy), and
 skipping cleanly when it does not."""
 
+import importlib
 import os
 from pathlib import Path
 
@@ -27,11 +28,21 @@ def reference_models() -> Path:
 
 
 def gpu_cupy():
-    """CuPy when it imports and sees a GPU; otherwise the calling test is skipped with the reason."""
+    """CuPy when it imports and sees a GPU; otherwise the calling test (or, called at import, the whole
+    test module) is skipped with the reason."""
     cupy = pytest.importorskip("cupy")
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("CuPy sees no GPU")
+            pytest.skip("CuPy sees no GPU", allow_module_level=True)
     except Exception as err:                               # noqa: BLE001 - any CUDA failure means: no GPU here
-        pytest.skip(f"CuPy sees no GPU ({err})")
+        pytest.skip(f"CuPy sees no GPU ({err})", allow_module_level=True)
     return cupy
+
+
+def runtime_devices() -> list:
+    """numpy always; cpu (Numba) when lnn.runtime.cpu is there and imports."""
+    try:
+        importlib.import_module("lnn.runtime.cpu").BACKEND
+    except (ImportError, AttributeError):
+        return ["numpy"]
+    return ["numpy", "cpu"]

@@ -2,14 +2,13 @@
 (MatMul + Add, Clip, Reshape, Constant, Gemm alpha/beta) match onnxruntime; everything lnn cannot
 express is refused with one line naming the node."""
 
-import importlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import REFERENCE_MODELS, REFERENCE_NAMES, need
+from conftest import REFERENCE_MODELS, REFERENCE_NAMES, need, runtime_devices
 from lnn.formats.binfile import read_bin
 from lnn.formats.errors import LnnError
 from lnn.runtime import load
@@ -26,15 +25,6 @@ TOLERANCE = 1e-4
 LEAF_LABELS = ["healthy", "early_blight", "late_blight", "leaf_mold"]
 
 
-def devices() -> list:
-    """numpy always; cpu (Numba) when lnn.runtime.cpu is there and imports."""
-    try:
-        importlib.import_module("lnn.runtime.cpu").BACKEND
-    except (ImportError, AttributeError):
-        return ["numpy"]
-    return ["numpy", "cpu"]
-
-
 @pytest.mark.parametrize("name", REFERENCE_NAMES)
 def test_reference_onnx_reproduces_pytorch_outputs(name, tmp_path, capsys):
     source = need(REFERENCE_MODELS / f"{name}.onnx")
@@ -47,7 +37,7 @@ def test_reference_onnx_reproduces_pytorch_outputs(name, tmp_path, capsys):
     assert sorted(bin_model.tensors) == sorted(state_dict.files)           # layers named after PyTorch's modules
     for key in state_dict.files:
         assert np.array_equal(bin_model.tensors[key], state_dict[key])
-    for device in devices():
+    for device in runtime_devices():
         out = load(tmp_path / "m.bin", device=device).run(samples["input"])
         error = np.abs(out - samples["expected"]).max()
         print(f"{name} imported, {device}: max |lnn - pytorch| {error:.2e}")

@@ -29,6 +29,8 @@ from lnn.formats.errors import LnnError  # noqa: E402
 from lnn.formats.onnx_import import import_onnx  # noqa: E402
 from lnn.runtime import backend_class  # noqa: E402
 
+from conftest import runtime_devices  # noqa: E402
+
 RTOL = ATOL = 1e-4
 
 # ONNX op -> the onnx.backend.test.case.node module that makes its cases
@@ -178,15 +180,7 @@ def adapt(model, inputs, outputs):
     return lnn_model, weights, batch, expected
 
 
-def devices() -> list:
-    try:
-        importlib.import_module("lnn.runtime.cpu").BACKEND
-    except (ImportError, AttributeError):
-        return ["numpy"]
-    return ["numpy", "cpu"]
-
-
-DEVICES = devices()
+DEVICES = runtime_devices()
 RESULTS = {"ran": 0, "passed": 0, "skipped": 0}
 
 

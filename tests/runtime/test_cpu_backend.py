@@ -195,28 +195,38 @@ def test_padded_inputs_are_written_in_place():
     assert np.copyto not in [getattr(step, "func", None) for step in backend._plan(2).steps]
 
 
-def test_does_not_modify_weights_or_input():
+def check_weights_and_input_left_alone(make_backend):
+    """make_backend(model, weights) runs a folded batch norm without changing its weights or input."""
     input_shape, layers = CASES["batchnorm2d_folded_into_conv"]
     model = parse_model({"input_shape": input_shape, "layers": layers})
     weights = random_weights(model, np.random.default_rng(7))
     frozen = {k: v.copy() for k, v in weights.items()}
     x = np.random.default_rng(8).standard_normal((2, *input_shape)).astype(np.float32)
     x_before = x.copy()
-    cpu_backend(model, weights).run(x)
+    make_backend(model, weights).run(x)
     assert all(np.array_equal(weights[k], frozen[k]) for k in weights)
     assert np.array_equal(x, x_before)
 
 
-@pytest.mark.parametrize("name", REFERENCE_NAMES)
-def test_reference_model_through_bin(name):
+def test_does_not_modify_weights_or_input():
+    check_weights_and_input_left_alone(cpu_backend)
+
+
+def check_reference_model_through_bin(name, device):
+    """The PyTorch-made reference model `name`, encoded as .bin, gives its golden outputs on `device`."""
     folder = need(REFERENCE_MODELS)
     model = load_model(EXAMPLES / "reference" / f"{name}.json")
     weights = dict(np.load(folder / f"{name}.weights.npz"))
     samples = np.load(folder / f"{name}.samples.npz")
-    session = Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), "cpu")
-    assert session.backend.name == "cpu"
+    session = Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), device)
+    assert session.backend.name == device
     np.testing.assert_allclose(session.run(samples["input"]), samples["expected"], rtol=0, atol=TOLERANCE)
     np.testing.assert_allclose(session.run(samples["input"][:1]), samples["expected"][:1], rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+def test_reference_model_through_bin(name):
+    check_reference_model_through_bin(name, "cpu")
 
 
 def test_no_allocation_after_first_call_per_batch_size():

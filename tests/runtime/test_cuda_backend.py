@@ -12,20 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import EXAMPLES, REFERENCE_MODELS, REFERENCE_NAMES, need
-from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes, write_bin
+from conftest import EXAMPLES, REFERENCE_NAMES, gpu_cupy
+from lnn.formats.binfile import build_metadata, write_bin
 from lnn.formats.model import load_model, parse_model
 from lnn.formats.ops import OPS
-from lnn.runtime import Session
 from lnn.runtime.reference import NumpyBackend
-from test_cpu_backend import CASES, TOLERANCE, random_weights
+from test_cpu_backend import CASES, TOLERANCE, check_reference_model_through_bin, random_weights
 
-cupy = pytest.importorskip("cupy")
-try:
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        pytest.skip("CuPy sees no GPU", allow_module_level=True)
-except Exception as err:                                   # noqa: BLE001 - any CUDA failure means: no GPU here
-    pytest.skip(f"CuPy sees no GPU ({err})", allow_module_level=True)
+cupy = gpu_cupy()                  # skips the whole module without CuPy and a GPU
 
 import lnn  # noqa: E402
 from lnn.runtime.cuda.backend import CudaBackend  # noqa: E402
@@ -70,13 +64,7 @@ def test_reference_architectures_with_random_weights_through_bin(name, tmp_path)
 
 @pytest.mark.parametrize("name", REFERENCE_NAMES)
 def test_reference_model_golden_outputs(name):
-    folder = need(REFERENCE_MODELS)
-    model = load_model(EXAMPLES / "reference" / f"{name}.json")
-    weights = dict(np.load(folder / f"{name}.weights.npz"))
-    samples = np.load(folder / f"{name}.samples.npz")
-    session = Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), "cuda")
-    np.testing.assert_allclose(session.run(samples["input"]), samples["expected"], rtol=0, atol=TOLERANCE)
-    np.testing.assert_allclose(session.run(samples["input"][:1]), samples["expected"][:1], rtol=0, atol=TOLERANCE)
+    check_reference_model_through_bin(name, "cuda")
 
 
 def test_plans_are_reused_and_input_left_alone():

@@ -19,7 +19,7 @@ from conftest import EXAMPLES, REFERENCE_NAMES
 from lnn.formats.model import load_model, parse_model
 from lnn.runtime.cuda.backend import CudaBackend
 from lnn.runtime.reference import NumpyBackend
-from test_cpu_backend import CASES, TOLERANCE, random_weights
+from test_cpu_backend import CASES, TOLERANCE, check_weights_and_input_left_alone, random_weights
 
 
 def numpy_plan(model, weights):
@@ -61,15 +61,7 @@ def test_batchnorm_folds_and_activations_join_epilogues():
 
 
 def test_does_not_modify_weights_or_input():
-    input_shape, layers = CASES["batchnorm2d_folded_into_conv"]
-    model = parse_model({"input_shape": input_shape, "layers": layers})
-    weights = random_weights(model, np.random.default_rng(7))
-    frozen = {k: v.copy() for k, v in weights.items()}
-    x = np.random.default_rng(8).standard_normal((2, *input_shape)).astype(np.float32)
-    x_before = x.copy()
-    numpy_plan(model, weights).run(x)
-    assert all(np.array_equal(weights[k], frozen[k]) for k in weights)
-    assert np.array_equal(x, x_before)
+    check_weights_and_input_left_alone(numpy_plan)
 
 
 def test_importing_the_kernels_and_backend_does_not_import_cupy():

@@ -12,15 +12,10 @@ from lnn.formats.model import load_model, parse_model
 from lnn.train import MemmapDataset, Trainer
 from lnn.train.plan import Plan
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, gpu_cupy
 from test_gradients import CASES
 
-cupy = pytest.importorskip("cupy")
-try:
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        pytest.skip("CuPy sees no GPU", allow_module_level=True)
-except Exception as err:                                   # noqa: BLE001 - any CUDA failure means: no GPU here
-    pytest.skip(f"CuPy sees no GPU ({err})", allow_module_level=True)
+cupy = gpu_cupy()                  # skips the whole module without CuPy and a GPU
 
 
 def _run_plan(xp, model, params, stats, x, r, keys):
