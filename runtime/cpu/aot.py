@@ -120,15 +120,16 @@ def compile_kernels(output_dir: Path, target_cpu: str = "") -> Path:
     target_cpu "" is LLVM's generic model for this architecture (portable); "host" tunes for this CPU."""
     from numba.pycc import CC
 
-    if missing_compiler():
-        raise RuntimeError(missing_compiler())
-    unlisted = sorted(set(jit_kernels()) - set(SIGNATURES) - INLINE_ONLY)
+    problem = missing_compiler()
+    if problem:
+        raise RuntimeError(problem)
+    kernels = jit_kernels()
+    unlisted = sorted(set(kernels) - set(SIGNATURES) - INLINE_ONLY)
     if unlisted:
         raise RuntimeError(f"kernels without an ahead-of-time signature in lnn.runtime.cpu.aot.SIGNATURES: {unlisted}")
     compiler = CC(MODULE)
     compiler.output_dir = str(output_dir)
     compiler.target_cpu = target_cpu
-    kernels = jit_kernels()
     for key, arguments in SIGNATURES.items():
         compiler.export(symbol(key), f"void({', '.join(arguments)})")(kernels[key].py_func)
     compiler.compile()
