@@ -24,9 +24,10 @@ CODES = {None: NONE, "relu": RELU, "relu6": RELU6, "leaky_relu": LEAKY_RELU, "si
          "tanh": TANH, "softmax": SOFTMAX}
 
 
-def is_monotone(code: int) -> bool:
-    """Element-wise and non-decreasing: max-pooling commutes with it (and with adding a bias)."""
-    return code != SOFTMAX
+def is_monotone(code: int, slope: float) -> bool:
+    """Element-wise and non-decreasing: max-pooling commutes with it (and with adding a bias).
+    Softmax mixes channels; a leaky relu with a negative slope decreases below 0."""
+    return code != SOFTMAX and not (code == LEAKY_RELU and slope < 0)
 
 
 @dataclass

@@ -106,7 +106,8 @@ def build_layers(model: Model, weights: dict) -> list:
             previous.epilogue.set_activation(node.attrs)
             continue
         if (node.op == "maxpool2d" and isinstance(previous, Conv2dLayer) and not previous.has_pool
-                and is_monotone(previous.epilogue.code)):
+                and is_monotone(previous.epilogue.code, previous.epilogue.slope)
+                and (previous.epilogue.scale >= 0).all()):
             previous.fuse_max_pool(LAYERS[node.op](node, weights))
             continue
         layers.append(LAYERS[node.op](node, weights))

@@ -53,6 +53,8 @@ CASES = {
                                                        conv(4, kernel_size=[3, 1], padding=[1, 0], stride=[2, 1])]),
     "conv_then_activation_layer_then_pool": ([3, 12, 10], [conv(13, padding=1), {"type": "leaky_relu"},
                                                            {"type": "maxpool2d", "kernel_size": 2}]),
+    "conv_negative_leaky_relu_then_maxpool": ([3, 12, 10], [conv(8, padding=1, activation={"type": "leaky_relu", "negative_slope": -0.5}),
+                                                            {"type": "maxpool2d", "kernel_size": 2}]),
     "conv_winograd_auto_relu_maxpool": ([16, 12, 10], [conv(24, padding=1, activation="relu"),
                                                         {"type": "maxpool2d", "kernel_size": 2}]),
     "conv_winograd_odd_unpadded": ([5, 9, 11], [conv(7, algorithm="winograd", activation="sigmoid")]),
@@ -166,6 +168,23 @@ def test_fusions_happen():
     assert conv_layer.has_pool and conv_layer.out_shape == (24, 6, 7)
     assert [type(layer).__name__ for layer in layers_of([conv(5, activation="softmax"), {"type": "maxpool2d", "kernel_size": 2}])] \
         == ["Conv2dLayer", "MaxPool2dLayer"]
+    assert layer_types("conv_negative_leaky_relu_then_maxpool") == ["Conv2dLayer", "MaxPool2dLayer"]
+
+
+def test_non_monotone_activation_before_max_pool_matches_onnxruntime(tmp_path):
+    """Conv -> LeakyRelu(-0.5) -> MaxPool: the pool must not run before the activation (it did: 4.9 off)."""
+    pytest.importorskip("onnx")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from lnn.formats.onnx_export import export_onnx
+
+    input_shape, layers = CASES["conv_negative_leaky_relu_then_maxpool"]
+    model = parse_model({"name": "leaky_pool", "input_shape": input_shape, "layers": layers})
+    rng = np.random.default_rng(7)
+    weights = random_weights(model, rng)
+    export_onnx(model, weights, tmp_path / "leaky_pool.onnx")
+    x = rng.standard_normal((2, *input_shape)).astype(np.float32)
+    ort = onnxruntime.InferenceSession(str(tmp_path / "leaky_pool.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(cpu_backend(model, weights).run(x), ort.run(None, {"input": x})[0], rtol=0, atol=TOLERANCE)
 
 
 def test_conv_algorithm_choice():
