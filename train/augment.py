@@ -53,7 +53,10 @@ batch's row indices); the Trainer's row order derives from (training seed, epoch
 augments exactly as the uninterrupted run would have.
 
 Speed: OpenCV and NumPy's array loops release the GIL, so `workers` threads scale across cores
-(default: every core). AugmentedDataset.batch is what the Trainer's Prefetcher thread calls for a
+(default: every core) as far as the Python between those calls (about a sixth of an image's time)
+lets them; with `processes=True` the rows go to `workers` spawned processes instead (the settings are
+still drawn here, so the images are identical either way), which lnn-train uses on machines of more
+than PROCESSES_ABOVE cores. AugmentedDataset.batch is what the Trainer's Prefetcher thread calls for a
 non-in-memory dataset, so augmentation of the next batches overlaps the training step of the current
 one. benchmarks/augment_speed.py measures images/s.
 """
@@ -62,7 +65,7 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -87,6 +90,7 @@ def _opencv():
 # grey level weights (ITU-R BT.601) in the image's channel order
 GREY = {"rgb": (0.299, 0.587, 0.114), "bgr": (0.114, 0.587, 0.299), "gray": (1.0,)}
 ERASING_ASPECT = (1 / 3, 3.0)
+PROCESSES_ABOVE = 4                     # cores; above this lnn-train augments in processes, not threads
 SHADOW_OFFSET = 0.04                    # drop shadow: shifted by up to this share of the side
 
 
@@ -129,10 +133,24 @@ class Augmenter:
     noise_sigma: tuple = (2.0, 10.0)
     jpeg_p: float = 0.0
     jpeg_quality: tuple = (30, 90)
-    workers: int | None = None           # threads (default: the CPU count)
+    workers: int | None = None           # threads or processes (default: the CPU count)
+    processes: bool = False              # spawned worker processes instead of threads
 
     def __post_init__(self):
         self._pool = None
+
+    def __getstate__(self):              # what a worker process receives: the settings, not the pool
+        return {key: value for key, value in self.__dict__.items() if key != "_pool"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._pool = None
+
+    def close(self) -> None:
+        """Stop the worker threads or processes (they start again when needed)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     @property
     def uses_masks(self) -> bool:
@@ -318,11 +336,21 @@ class Augmenter:
         images = np.asarray(images)
         count, _, height, width = images.shape
         settings = self.draw(rng, count, height, width)
-        out = np.empty_like(images)
         workers = self.workers or os.cpu_count() or 1
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lnn-augment")
         chunks = np.array_split(np.arange(count), min(workers, count))
+        if self._pool is None:
+            if self.processes:
+                import multiprocessing
+
+                self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+            else:
+                self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lnn-augment")
+        if self.processes:
+            parts = self._pool.map(augment_rows, [self] * len(chunks), [images[rows] for rows in chunks],
+                                   [None if masks is None else np.asarray(masks[rows]) for rows in chunks],
+                                   [{key: value[rows] for key, value in settings.items()} for rows in chunks])
+            return np.concatenate(list(parts))
+        out = np.empty_like(images)
 
         def run(rows):
             for i in rows:
@@ -330,6 +358,14 @@ class Augmenter:
 
         list(self._pool.map(run, chunks))
         return out
+
+
+def augment_rows(augmenter: Augmenter, images: np.ndarray, masks, settings: dict) -> np.ndarray:
+    """Every row of `images` with its row of `settings` (what a worker process runs)."""
+    out = np.empty_like(images)
+    for i in range(len(images)):
+        augmenter.augment_one(images[i], settings, i, out[i], None if masks is None else masks[i])
+    return out
 
 
 # --------------------------------------------------------------------------- the description's block
@@ -445,14 +481,14 @@ def parse_augment(value) -> dict | None:
     return settings
 
 
-def augmenter_from_block(value, color: str, workers: int | None = None) -> Augmenter | None:
+def augmenter_from_block(value, color: str, workers: int | None = None, processes: bool = False) -> Augmenter | None:
     """An Augmenter for the description's training.augment (None when it is false)."""
     settings = parse_augment(value)
     if settings is None:
         return None
     if color == "gray" and settings.get("background_p", 0) > 0:
         raise ModelSpecError("training.augment.background needs colour images (a gray model has no leaf masks)")
-    return Augmenter(color=color, workers=workers, **settings)
+    return Augmenter(color=color, workers=workers, processes=processes, **settings)
 
 
 # --------------------------------------------------------------------------- datasets

@@ -128,12 +128,14 @@ def clutter(rng, height, width):
     angle = rng.uniform(0, 2 * math.pi)
     ramp = (xs / width * math.cos(angle) + ys / height * math.sin(angle) + 1) / 2
     picture = start + np.clip(ramp, 0, 1)[..., None] * (end - start)
-    blobs = np.zeros_like(picture)
+    small = (max(1, height // 8), max(1, width // 8))           # blurred blobs, drawn at 1/8 size
+    blobs = np.zeros(small + (3,), np.float32)
     for _ in range(int(rng.integers(2, 7))):
-        centre = (int(rng.integers(0, width)), int(rng.integers(0, height)))
-        cv2.circle(blobs, centre, int(rng.integers(width // 10, width // 3)),
+        centre = (int(rng.integers(0, small[1])), int(rng.integers(0, small[0])))
+        cv2.circle(blobs, centre, int(rng.integers(max(1, small[1] // 10), max(2, small[1] // 3))),
                    hsv_colour(rng.uniform(0, 360), rng.uniform(0.2, 1), rng.uniform(0.3, 1)), -1)
-    picture = 0.6 * picture + 0.4 * cv2.GaussianBlur(blobs, (0, 0), width / 10)
+    blobs = cv2.resize(cv2.GaussianBlur(blobs, (0, 0), 1.2), (width, height), interpolation=cv2.INTER_CUBIC)
+    picture = 0.6 * picture + 0.4 * blobs
     for _ in range(int(rng.integers(4, 16))):
         colour = hsv_colour(rng.uniform(0, 360), rng.uniform(0, 1), rng.uniform(0.05, 1))
         shape = int(rng.integers(0, 4))

@@ -327,7 +327,7 @@ def folder_datasets(folder, description: dict, augment: bool = True, val_fractio
     its photos is mixed into the training rows for outlier exposure (lnn.train.exposure; training.outliers
     sets the ratio); validation stays the folder's own photos."""
     from lnn.formats.model import parse_model
-    from lnn.train.augment import AugmentedDataset, augmenter_from_block
+    from lnn.train.augment import PROCESSES_ABOVE, AugmentedDataset, augmenter_from_block
     from lnn.train.config import TrainingConfig
 
     log = log or print
@@ -337,7 +337,8 @@ def folder_datasets(folder, description: dict, augment: bool = True, val_fractio
                             "and an input_shape [C, H, W]")
     config = TrainingConfig.parse(model.extra.get("training"))
     color = model.preprocess["color"]
-    augmenter = augmenter_from_block(config.augment, color) if augment else None
+    processes = (os.cpu_count() or 1) > PROCESSES_ABOVE
+    augmenter = augmenter_from_block(config.augment, color, processes=processes) if augment else None
     images = ImageFolder.load(folder, model.input_shape, color, log=log, progress=progress)
     described = dict(description, labels=images.model_labels(description.get("labels")))
     train, val = images.datasets(val_fraction, seed, augmenter)

@@ -343,3 +343,19 @@ def test_lnn_train_outliers_folder_errors_are_one_line(tmp_path, monkeypatch, ca
     assert code == 1 and "no such folder of outlier photos" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(LnnInputError):
         split_outliers(tmp_path / "nowhere")
+
+
+@pytest.mark.slow
+def test_worker_processes_make_the_same_images_as_threads():
+    image, _ = leaf_photo()
+    images = np.stack([image] * 6)
+    masks = np.stack([leaf_mask(image)] * 6)
+    block = {name: True for name in RECOMMENDED}
+    threads = augmenter_from_block(block, "rgb", workers=2)(images, np.random.default_rng(4), masks)
+    augmenter = augmenter_from_block(block, "rgb", workers=2, processes=True)
+    try:
+        assert np.array_equal(augmenter(images, np.random.default_rng(4), masks), threads)
+        assert np.array_equal(augmenter(images, np.random.default_rng(4), None),
+                              augmenter_from_block(block, "rgb", workers=1)(images, np.random.default_rng(4)))
+    finally:
+        augmenter.close()
