@@ -99,7 +99,7 @@ def main():
     augmenter = augmenter_from_block(recipe_block, "rgb")
     save_grid(augmenter, images, masks, PICTURE)
     body = "\n".join([
-        "## Training augmentation throughput (CPU worker threads)",
+        "## Training augmentation throughput (CPU worker threads and processes)",
         "",
         f"`python benchmarks/augment_speed.py` — {machine_line(('numpy', 'opencv-python-headless'))}. "
         f"{len(images)} tomato photos at 128x128 from the image-folder cache, batches of 32, best of "

@@ -135,7 +135,11 @@ def main():
     if args.no_write:
         return
     save_picture(copies, PICTURE)
-    digests = ", ".join(f"{name} = `{path}` (sha256 {hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]})"
+    def shown(path) -> str:
+        path = Path(path).resolve()
+        return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
+
+    digests = ", ".join(f"{name} = `{shown(path)}` (sha256 {hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]})"
                         for name, path in models)
     body = "\n".join([
         "## Accuracy outside the lab: the validation split and shifted copies of it",

@@ -342,7 +342,8 @@ class Augmenter:
             if self.processes:
                 import multiprocessing
 
-                self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_one_opencv_thread)
             else:
                 self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lnn-augment")
         if self.processes:
@@ -358,6 +359,11 @@ class Augmenter:
 
         list(self._pool.map(run, chunks))
         return out
+
+
+def _one_opencv_thread() -> None:
+    """A worker process's OpenCV runs on one thread (the processes already fill the cores)."""
+    _opencv().setNumThreads(1)
 
 
 def augment_rows(augmenter: Augmenter, images: np.ndarray, masks, settings: dict) -> np.ndarray:
