@@ -10,7 +10,11 @@ Data: mnist:FOLDER (the four MNIST IDX files, gzipped or raw); training uses the
 images (--limit-train keeps the first N), evaluation the 10,000 test images after every epoch.
 folder:DIR (one sub-folder of photos per class; see lnn.train.images): decoded once into a cache at
 the model's input size, split by leaf into training and validation (--val-fraction, seed 0, the
-split lnn-eval --split val uses), classes balanced, training images augmented (--no-augment: not).
+split lnn-eval --split val uses), classes balanced, training images augmented as the description's
+training.augment says (--no-augment: not). --outliers DIR (folder data only): outlier exposure with
+the "fit" part of DIR's photos (lnn.train.outliers), mixed in as training.outliers says (default 1
+per 4 training rows, uniform-posterior loss weight 0.5); validation accuracy stays on the folder's
+own photos.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ def build_parser():
     parser.add_argument("--quiet", action="store_true", help="no progress bar (one line per epoch stays)")
     parser.add_argument("--val-fraction", type=float, default=0.2, help="folder: share of each class kept for validation")
     parser.add_argument("--no-augment", action="store_true", help="folder: train on the photos as they are")
+    parser.add_argument("--outliers", metavar="DIR",
+                        help="folder: outlier exposure with the fit part of these non-leaf photos (training.outliers)")
     return parser
 
 
@@ -63,7 +69,9 @@ def load_data(spec: str, description: dict, args):
         from lnn.train.images import folder_datasets
 
         return folder_datasets(path, description, augment=not args.no_augment, val_fraction=args.val_fraction,
-                               progress=not args.quiet)
+                               progress=not args.quiet, outliers=args.outliers)
+    if args.outliers:
+        raise LnnInputError("--outliers needs --data folder:DIR (outlier exposure trains an image-folder model)")
     from lnn.train.data import load_mnist
 
     train, test = load_mnist(path)
@@ -106,7 +114,8 @@ def body(args) -> int:
     from lnn.train.trainer import Trainer
 
     trainer = Trainer(model, device=args.device, seed=args.seed, batch_size=args.batch, lr=args.lr, amp=args.amp,
-                      cuda_graph="auto" if args.cuda_graph is None else args.cuda_graph)
+                      cuda_graph="auto" if args.cuda_graph is None else args.cuda_graph,
+                      outliers=args.outliers is not None)
     memory = trainer.plan.memory_report()
     print(f"{model.name}: {model.num_params:,} parameters on {trainer.device}"
           f"{' (amp)' if trainer.amp else ''}{', cuda graph' if trainer.graph_mode else ''}, batch {trainer.plan.batch_size}"

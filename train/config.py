@@ -9,7 +9,15 @@
         "patience": null,             # stop after this many epochs without a better validation
                                       #   result (null: never stop early)
         "seed": 0,                    # weights, shuffling and dropout all derive from it
-        "lr_schedule": {"type": "constant"}
+        "lr_schedule": {"type": "constant"},
+        "augment": {...},             # image folders: the augmentation (lnn.train.augment's doc has the
+                                      #   schema; false: none; absent: the classic crop/flip/colour set)
+        "outliers": {"ratio": 0.25, "weight": 0.5}
+                                      # outlier exposure, used when lnn-train gets --outliers DIR: the
+                                      #   "fit" photos of DIR (lnn.train.outliers) are mixed in, `ratio`
+                                      #   outlier rows per training row, with the uniform posterior as
+                                      #   target; loss = mean CE over the labelled rows + weight * mean
+                                      #   over the outlier rows of mean_k(-log softmax_k)
     }
 
 lr_schedule types (the base learning rate is the optimizer block's "lr"):
@@ -36,7 +44,8 @@ SCHEDULES = {
     "step": {"warmup_epochs": 0.0, "step_epochs": 10, "gamma": 0.1},
 }
 TRAINING_FIELDS = {"epochs": 10, "batch_size": 64, "accumulate": 1, "grad_clip": None, "patience": None,
-                   "seed": 0, "lr_schedule": {"type": "constant"}}
+                   "seed": 0, "lr_schedule": {"type": "constant"}, "augment": None, "outliers": None}
+OUTLIER_FIELDS = {"ratio": 0.25, "weight": 0.5}       # Hendrycks et al. 2019 use weight 0.5
 
 
 def _number(value) -> bool:
@@ -58,6 +67,8 @@ class TrainingConfig:
     patience: int | None = None
     seed: int = 0
     lr_schedule: dict = field(default_factory=lambda: {"type": "constant", "warmup_epochs": 0.0})
+    augment: object = None            # the description's value, checked (lnn.train.augment.parse_augment)
+    outliers: dict = field(default_factory=lambda: dict(OUTLIER_FIELDS))
 
     @classmethod
     def parse(cls, block) -> "TrainingConfig":
@@ -82,7 +93,30 @@ class TrainingConfig:
             raise ModelSpecError(f"training: seed must be a non-negative integer, not {seed!r}")
         config.seed = seed
         config.lr_schedule = parse_schedule(block.get("lr_schedule", {"type": "constant"}))
+        from lnn.train.augment import parse_augment
+
+        parse_augment(block.get("augment"))
+        config.augment = block.get("augment")
+        config.outliers = parse_outliers(block.get("outliers"))
         return config
+
+
+def parse_outliers(value) -> dict:
+    """training.outliers -> {"ratio", "weight"} with the defaults filled in."""
+    if value is None:
+        return dict(OUTLIER_FIELDS)
+    if not isinstance(value, dict):
+        raise ModelSpecError(f"training.outliers must be an object with {', '.join(OUTLIER_FIELDS)}, not {value!r}")
+    unknown = sorted(set(value) - set(OUTLIER_FIELDS))
+    if unknown:
+        raise ModelSpecError(f"training.outliers: unknown field {unknown[0]!r}; known: {', '.join(OUTLIER_FIELDS)}")
+    out = dict(OUTLIER_FIELDS, **value)
+    for key in OUTLIER_FIELDS:
+        if not _number(out[key]) or out[key] <= 0 or (key == "ratio" and out[key] > 4):
+            raise ModelSpecError(f"training.outliers.{key} must be a positive number"
+                                 f"{' up to 4' if key == 'ratio' else ''}, not {out[key]!r}")
+        out[key] = float(out[key])
+    return out
 
 
 def parse_schedule(value) -> dict:

@@ -9,6 +9,8 @@ Classes are the sorted names of the sub-folders holding images; files other than
 lnn.runtime.preprocess.read_image and brought to the model's colour order and size with
 preprocess_image (so training sees exactly the pixels `lnn-infer` would), kept as uint8
 [N, C, H, W] in a MemmapDataset. A file that cannot be decoded is reported, counted and skipped.
+Colour images also get their leaf mask (lnn.train.segment.leaf_mask, uint8 [N, H, W], 255 = leaf) in
+`masks.npy` beside them, computed once here for the augmentation's background replacement.
 
 Cache: `<cache root>/datasets/<key>/` where the cache root is $LNN_CACHE_DIR, else the per-user
 cache folder (~/.cache/lnn on Linux; see lnn.runtime.cpu.cache.default_cache_root). The key
@@ -48,7 +50,7 @@ from lnn.runtime import preprocess as image_io
 from lnn.train.data import ArrayDataset, MemmapDataset
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
-CACHE_VERSION = 1                 # bump when the cached pixels would change for the same files
+CACHE_VERSION = 2                 # bump when the cached pixels would change for the same files (2: leaf masks)
 DEFAULT_VAL_FRACTION = 0.2
 DEFAULT_SPLIT_SEED = 0
 LEAF_NUMBER = re.compile(r"leaf[ _]+(\d+)", re.IGNORECASE)
@@ -108,17 +110,23 @@ def _build_cache(folder: Path, files: list, labels: list, size: tuple, color: st
     """Decode every file into a new cache folder, then rename it to `target` (atomic)."""
     from tqdm import tqdm
 
+    from lnn.train.segment import leaf_mask
+
     channels = 1 if color == "gray" else 3
     target.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         data = MemmapDataset.create(building / "all", len(files), (channels,) + tuple(size))
+        masks = (np.lib.format.open_memmap(building / "all.masks.npy", mode="w+", dtype=np.uint8,
+                                           shape=(len(files),) + tuple(size)) if channels == 3 else None)
         decoded = np.zeros(len(files), bool)
         skipped = []
 
         def decode(i):
             try:
                 data.images[i] = decode_for_model(folder / files[i], size, color)
+                if masks is not None:
+                    masks[i] = leaf_mask(data.images[i], color)
                 decoded[i] = True
             except LnnInputError as err:
                 skipped.append((files[i], str(err)))
@@ -133,17 +141,22 @@ def _build_cache(folder: Path, files: list, labels: list, size: tuple, color: st
             raise LnnInputError(f"{folder}: none of its {len(files)} image files could be decoded")
         data.labels[...] = labels
         data.flush()
+        if masks is not None:
+            masks.flush()
+        parts = ("images", "labels", "masks") if masks is not None else ("images", "labels")
         if len(kept) < len(files):                  # compact: the cache holds decoded images only
             compact = MemmapDataset.create(building / "images", len(kept), data.sample_shape)
             compact.images[...] = data.images[kept]
             compact.labels[...] = data.labels[kept]
             compact.flush()
-            del data, compact                       # unmap before removing (Windows keeps mapped files)
-            for part in ("images", "labels"):
+            if masks is not None:
+                np.save(building / "images.masks.npy", masks[kept])
+            del data, compact, masks                # unmap before removing (Windows keeps mapped files)
+            for part in parts:
                 (building / f"all.{part}.npy").unlink()
         else:
-            del data
-            for part in ("images", "labels"):
+            del data, masks
+            for part in parts:
                 os.replace(building / f"all.{part}.npy", building / f"images.{part}.npy")
         index = {"files": [files[i] for i in kept], "skipped": sorted(skipped), "size": list(size), "color": color}
         (building / "index.json").write_text(json.dumps(index))
@@ -156,6 +169,28 @@ def _build_cache(folder: Path, files: list, labels: list, size: tuple, color: st
                 raise
     finally:
         shutil.rmtree(building, ignore_errors=True)
+
+
+def open_cache(folder, files: list, labels: list, size: tuple, color: str, cache_root=None, workers=None,
+               log=None, progress: bool = True, what: str = "images"):
+    """(cache folder, its index, MemmapDataset of the decoded files, leaf masks or None) for the given files
+    of `folder` (paths relative to it) at `size` (H, W) in `color` order, decoding them first when no cache
+    for exactly these files exists."""
+    log = log or (lambda message: print(message, flush=True))
+    folder = Path(folder)
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    target = root / cache_key(folder, files, size, color)
+    if not (target / "index.json").exists():
+        log(f"{folder}: decoding {len(files)} {what} at {size[0]}x{size[1]} into {target} (once)")
+        _build_cache(folder, files, labels, size, color, target, workers or min(8, os.cpu_count() or 1), log, progress)
+    index = json.loads((target / "index.json").read_text())
+    if index["skipped"]:
+        log(f"{folder}: {len(index['skipped'])} of {len(files)} image files could not be decoded and are "
+            f"left out (first: {index['skipped'][0][1]})")
+    data = MemmapDataset.open(target / "images", name=folder.name)
+    masks_file = target / "images.masks.npy"
+    masks = np.load(masks_file, mmap_mode="r") if masks_file.exists() else None
+    return target, index, data, masks
 
 
 # --------------------------------------------------------------------------- leaves and the split
@@ -213,7 +248,8 @@ def balanced_rows(rows: np.ndarray, labels, seed: int = DEFAULT_SPLIT_SEED) -> n
 
 @dataclass
 class ImageFolder:
-    """A decoded image folder: `data` (uint8 [N, C, H, W] and labels, memory-mapped), its classes and files."""
+    """A decoded image folder: `data` (uint8 [N, C, H, W] and labels, memory-mapped), its classes and files,
+    `masks` (uint8 [N, H, W] leaf masks, memory-mapped; None for gray images)."""
 
     folder: Path
     classes: list
@@ -221,6 +257,7 @@ class ImageFolder:
     skipped: list
     data: MemmapDataset
     cache_dir: Path
+    masks: np.ndarray | None = None
 
     @classmethod
     def load(cls, folder, input_shape, color: str, cache_root=None, workers: int | None = None,
@@ -233,19 +270,9 @@ class ImageFolder:
             raise LnnInputError(f"a {color} model needs {1 if color == 'gray' else 3} input channels, "
                                 f"the model takes {channels}")
         classes, files, labels = scan_folder(folder)
-        root = Path(cache_root) if cache_root is not None else default_cache_root()
-        target = root / cache_key(folder, files, (height, width), color)
-        if not (target / "index.json").exists():
-            log(f"{folder}: decoding {len(files)} images of {len(classes)} classes at {height}x{width} "
-                f"into {target} (once)")
-            _build_cache(folder, files, labels, (height, width), color, target,
-                         workers or min(8, os.cpu_count() or 1), log, progress)
-        index = json.loads((target / "index.json").read_text())
-        if index["skipped"]:
-            log(f"{folder}: {len(index['skipped'])} of {len(files)} image files could not be decoded and are "
-                f"left out (first: {index['skipped'][0][1]})")
-        data = MemmapDataset.open(target / "images", name=folder.name)
-        return cls(folder, classes, index["files"], index["skipped"], data, target)
+        target, index, data, masks = open_cache(folder, files, labels, (height, width), color, cache_root, workers,
+                                                log, progress, what=f"images of {len(classes)} classes")
+        return cls(folder, classes, index["files"], index["skipped"], data, target, masks)
 
     @property
     def labels(self) -> np.ndarray:
@@ -271,7 +298,8 @@ class ImageFolder:
         val = self.subset(val_rows, f"{self.folder.name} validation")
         if augmenter is None:
             return self.subset(train_rows, f"{self.folder.name} training"), val
-        return AugmentedDataset(self.data, train_rows, augmenter, augment_seed, f"{self.folder.name} training"), val
+        return AugmentedDataset(self.data, train_rows, augmenter, augment_seed, f"{self.folder.name} training",
+                                masks=self.masks), val
 
     def model_labels(self, described=None) -> list:
         """The label list for a model of these classes: the description's (checked against the folder),
@@ -290,23 +318,41 @@ class ImageFolder:
 
 
 def folder_datasets(folder, description: dict, augment: bool = True, val_fraction: float = DEFAULT_VAL_FRACTION,
-                    seed: int = DEFAULT_SPLIT_SEED, log=None, progress: bool = True):
+                    seed: int = DEFAULT_SPLIT_SEED, log=None, progress: bool = True, outliers=None):
     """lnn-train's `--data folder:DIR`: (training, validation, the description with the folder's labels).
 
     The images are decoded at the description's input size and colour order (its preprocess block);
-    training rows are class-balanced and, with augment=True, augmented on worker threads."""
+    training rows are class-balanced and, with augment=True, augmented on worker threads as the
+    description's training.augment says (lnn.train.augment). With `outliers` (a folder), the fit part of
+    its photos is mixed into the training rows for outlier exposure (lnn.train.exposure; training.outliers
+    sets the ratio); validation stays the folder's own photos."""
     from lnn.formats.model import parse_model
-    from lnn.train.augment import Augmenter
+    from lnn.train.augment import PROCESSES_ABOVE, AugmentedDataset, augmenter_from_block
+    from lnn.train.config import TrainingConfig
 
+    log = log or print
     model = parse_model({key: value for key, value in description.items() if key != "labels"})
     if model.preprocess is None:
         raise LnnInputError("an image folder needs an image model: give the description a preprocess block "
                             "and an input_shape [C, H, W]")
+    config = TrainingConfig.parse(model.extra.get("training"))
     color = model.preprocess["color"]
+    processes = (os.cpu_count() or 1) > PROCESSES_ABOVE
+    augmenter = augmenter_from_block(config.augment, color, processes=processes) if augment else None
     images = ImageFolder.load(folder, model.input_shape, color, log=log, progress=progress)
     described = dict(description, labels=images.model_labels(description.get("labels")))
-    train, val = images.datasets(val_fraction, seed, Augmenter(color=color) if augment else None)
-    (log or print)(f"{images.folder}: {len(images.classes)} classes, {len(train)} training rows (classes balanced), "
-                   f"{len(val)} validation images (split seed {seed}, leaves kept on one side)"
-                   f"{', augmented' if augment else ''}")
+    train, val = images.datasets(val_fraction, seed, augmenter)
+    log(f"{images.folder}: {len(images.classes)} classes, {len(train)} training rows (classes balanced), "
+        f"{len(val)} validation images (split seed {seed}, leaves kept on one side)"
+        f"{', augmented' if augmenter else ''}"
+        f"{' with background replacement' if augmenter and augmenter.uses_masks else ''}")
+    if outliers is not None:
+        from lnn.train.exposure import OutlierMix, outlier_images
+
+        photos = outlier_images(outliers, model.input_shape, color, log=log, progress=progress)
+        if augmenter is not None:
+            photos = AugmentedDataset(photos, np.arange(len(photos)), augmenter, seed=1, name="outliers")
+        train = OutlierMix(train, photos, config.outliers["ratio"], train.name)
+        log(f"{outliers}: outlier exposure with {len(photos)} photos (the fit part), {train.outlier_rows} outlier "
+            f"rows per epoch ({config.outliers['ratio']:g} per training row), loss weight {config.outliers['weight']:g}")
     return train, val, described

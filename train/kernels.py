@@ -243,32 +243,43 @@ def dropout_backward(xp, dy, p: float, key: int, index, dx):
 # softmax + CE (log-sum-exp with the max subtracted). d(logits) = (softmax - onehot) * scale,
 # where scale = (loss scale) / (rows in the whole optimizer step): mean over the batch, and the
 # same update for k accumulated micro-batches as for one k-times larger batch.
+# Outlier exposure (Hendrycks et al. 2019): a row labelled -1 (any negative label) has the uniform
+# posterior as its target: loss outlier_weight * mean_k(-log softmax_k) = outlier_weight * (lse -
+# mean_k z_k), gradient (softmax - 1/K) * outlier_weight * scale. The returned loss sum is in the
+# units of `scale` (objective = loss_sum * scale); such rows are never counted correct.
 # Computed in float32 (float64 in a float64 plan) whatever the logits' dtype.
 
-def softmax_cross_entropy_forward(xp, logits, labels):
+def _per_row_loss(xp, z, lse, labels, outlier_weight: float):
+    outlier = labels < 0
+    safe = xp.where(outlier, 0, labels)
+    picked = xp.take_along_axis(z, safe.reshape(-1, 1), axis=1)[:, 0]
+    return xp.where(outlier, outlier_weight * (lse - z.mean(axis=1)), lse - picked), outlier, safe
+
+
+def softmax_cross_entropy_forward(xp, logits, labels, outlier_weight: float = 0.0):
     """-> (sum of per-row losses, number of rows whose argmax is the label), both 0-d arrays."""
     z = logits.astype(np.float64 if logits.dtype == np.float64 else np.float32)
     top = z.max(axis=1, keepdims=True)
     lse = xp.log(xp.exp(z - top).sum(axis=1)) + top[:, 0]
-    picked = xp.take_along_axis(z, labels.reshape(-1, 1), axis=1)[:, 0]
+    losses, _, _ = _per_row_loss(xp, z, lse, labels, outlier_weight)
     correct = (z.argmax(axis=1) == labels).sum()
-    return (lse - picked).sum(), correct
+    return losses.sum(), correct
 
 
-def softmax_cross_entropy_forward_backward(xp, logits, labels, scale: float, dlogits):
+def softmax_cross_entropy_forward_backward(xp, logits, labels, scale: float, dlogits, outlier_weight: float = 0.0):
     z = logits.astype(np.float64 if logits.dtype == np.float64 else np.float32)
     top = z.max(axis=1, keepdims=True)
     e = xp.exp(z - top)
     total = e.sum(axis=1, keepdims=True)
     lse = xp.log(total[:, 0]) + top[:, 0]
-    rows = xp.arange(z.shape[0])
-    loss_sum = (lse - z[rows, labels]).sum()
+    losses, outlier, safe = _per_row_loss(xp, z, lse, labels, outlier_weight)
     correct = (z.argmax(axis=1) == labels).sum()
     e /= total                                   # softmax
-    e[rows, labels] -= 1
-    e *= scale
+    e[xp.arange(z.shape[0]), safe] -= (~outlier).astype(e.dtype)
+    e -= outlier.astype(e.dtype)[:, None] * e.dtype.type(1 / z.shape[1])
+    e *= xp.where(outlier, outlier_weight * scale, scale).astype(e.dtype)[:, None]
     dlogits[...] = e
-    return loss_sum, correct
+    return losses.sum(), correct
 
 
 # Mean squared error over predictions [N, ...] and targets of the same shape, mean over every

@@ -16,6 +16,10 @@ after 2000 clean steps); a step whose gradients overflow is skipped and counted.
 CUDA graph (cuda_graph="auto" | True | False): on the GPU, full batches of uint8 images run as one
 replayed CUDA graph when every op is supported (train/cuda_graph.py); its StepResult numbers stay on
 the device until read, and fit() reads them every 10 steps. Other batches run eagerly.
+Outlier exposure (outliers=True, cross_entropy): rows labelled -1 are outlier photos whose target is
+the uniform posterior; the step's loss is the mean CE over its labelled rows plus training.outliers'
+weight times the mean over its outlier rows of mean_k(-log softmax_k) (Hendrycks et al. 2019), and
+accuracy counts labelled rows only. Such steps run eagerly (not as a CUDA graph).
 Inspection: `trainer.gradients`, `trainer.weights()` always; `trainer.activations["conv1"]`
 (each layer's output of the last forward) only with inspect=True, because buffers are otherwise
 shared by liveness and later buffers overwrite earlier ones within the step.
@@ -49,6 +53,11 @@ class StepResult:
     correct: int         # rows whose argmax is the label (cross_entropy), else 0
     rows: int
     skipped: bool = False   # amp: the gradients overflowed, no update
+    labelled: int | None = None   # rows with a class label (not outlier rows); None: all rows
+
+    def __post_init__(self):
+        if self.labelled is None:
+            self.labelled = self.rows
 
 
 def as_model(spec) -> Model:
@@ -93,7 +102,8 @@ def initial_weights(model: Model, seed: int) -> dict:
 class Trainer:
     def __init__(self, spec, device: str = "auto", seed: int | None = None, batch_size: int | None = None,
                  accumulate: int | None = None, grad_clip: float | None = None, lr: float | None = None,
-                 amp: bool = False, dtype: str = "float32", inspect: bool = False, log=None, cuda_graph="auto"):
+                 amp: bool = False, dtype: str = "float32", inspect: bool = False, log=None, cuda_graph="auto",
+                 outliers: bool = False):
         self.model = as_model(spec)
         self.log = log or (lambda message: print(message, flush=True))
         config = TrainingConfig.parse(self.model.extra.get("training"))
@@ -102,6 +112,9 @@ class Trainer:
             if value is not None:
                 setattr(config, field_name, value)
         self.config = config
+        if outliers and self.model.loss != "cross_entropy":
+            raise LnnError(f"outlier exposure needs the cross_entropy loss, not {self.model.loss}")
+        self.outliers = bool(outliers)
         self.xp, self.device = select_device(device)
         self.amp = self._amp_possible(amp)
         self.plan = Plan(self.model, config.batch_size, dtype=dtype, amp=self.amp, inspect=inspect,
@@ -137,6 +150,7 @@ class Trainer:
 
         reason = "the device is the CPU" if self.device != "cuda" else (
             "inspect=True keeps every activation" if inspect else
+            "outlier exposure (rows with a uniform target) runs eagerly" if self.outliers else
             unsupported_reason(self.model, self.config, self.optimizer_config, self.amp, dtype))
         if reason and wanted is True:
             raise LnnError(f"cuda graph: {reason}")
@@ -271,7 +285,12 @@ class Trainer:
                 return result
         plan.grads_compute.fill(0)
         outputs = math.prod(self.model.output_shape)
-        scale = self.loss_scale / (rows if self.model.loss == "cross_entropy" else rows * outputs)
+        outlier_rows = int((xp.asarray(y) < 0).sum()) if self.outliers else 0
+        labelled = rows - outlier_rows
+        # cross_entropy: mean over the labelled rows; outlier rows weigh weight / outlier_rows each
+        divisor = max(labelled, 1) if self.model.loss == "cross_entropy" else rows * outputs
+        scale = self.loss_scale / divisor
+        outlier_weight = self.config.outliers["weight"] * divisor / outlier_rows if outlier_rows else 0.0
         loss_sum, correct = 0.0, 0
         for start in range(0, rows, plan.batch_size):
             n = min(plan.batch_size, rows - start)
@@ -281,19 +300,20 @@ class Trainer:
             out = plan.forward(n, training=True, dropout_keys=keys)
             dout = plan.output_grad_buffer(n)
             if self.model.loss == "cross_entropy":
-                part, right = K.softmax_cross_entropy_forward_backward(xp, out, targets, scale, dout)
+                part, right = K.softmax_cross_entropy_forward_backward(xp, out, targets, scale, dout,
+                                                                       outlier_weight)
                 correct = correct + right
             else:
                 part = K.mse_forward_backward(xp, out, targets, scale, dout)
             loss_sum = loss_sum + part
             plan.backward(n, dropout_keys=keys)
         self._last_rows = n
-        loss = float(loss_sum) / (rows if self.model.loss == "cross_entropy" else rows * outputs)
+        loss = float(loss_sum) / divisor
         if self.amp:
             plan.grads[...] = plan.grads_compute
             plan.grads *= plan.grads.dtype.type(1 / self.loss_scale)
         norm = global_norm(xp, plan.grads)
-        result = StepResult(loss, norm, int(correct), rows)
+        result = StepResult(loss, norm, int(correct), rows, labelled=labelled)
         if not math.isfinite(norm):
             if not self.amp:
                 raise LnnError(f"training diverged at step {self.step_count + 1} (loss {loss}, gradient norm "
@@ -421,6 +441,8 @@ class Trainer:
 
         train = self._as_dataset(train_data, "training data")
         val = self._as_dataset(val_data, "validation data")
+        if getattr(train, "has_outliers", False) and not self.outliers:
+            raise LnnError(f"{train.name} holds outlier rows (label -1): create the Trainer with outliers=True")
         epochs = epochs or self.config.epochs
         patience = patience if patience is not None else self.config.patience
         run = RunDirectory(out_dir, self, resume) if out_dir is not None else None
@@ -450,7 +472,7 @@ class Trainer:
         from tqdm import tqdm
 
         order = epoch_order(len(train), self.config.seed, epoch)
-        loss_sum = correct = rows_done = 0
+        loss_sum = correct = rows_done = labelled_done = 0
         norms, pending = [], []
         started = time.perf_counter()
         bar = tqdm(total=len(train), desc=f"epoch {epoch}/{epochs}", unit="img", disable=None if progress else True,
@@ -471,12 +493,13 @@ class Trainer:
                     loss_sum += result.loss * result.rows
                     correct += result.correct
                     rows_done += result.rows
+                    labelled_done += result.labelled
                     norms.append(result.grad_norm)
                     bar.update(result.rows)
                 pending = []
                 postfix = {"loss": f"{loss_sum / rows_done:.4f}", "img/s": f"{rows_done / (time.perf_counter() - started):.0f}"}
                 if self.model.loss == "cross_entropy":
-                    postfix["acc"] = f"{correct / rows_done:.4f}"
+                    postfix["acc"] = f"{correct / max(labelled_done, 1):.4f}"
                 if self.amp:
                     postfix["overflows"] = self.overflow_steps
                 bar.set_postfix(postfix)
@@ -484,7 +507,7 @@ class Trainer:
         entry = {"epoch": epoch, "train_loss": loss_sum / rows_done, "lr": self.lr, "epoch_s": round(seconds, 3),
                  "images_per_s": round(rows_done / seconds, 1), "grad_norm": float(np.mean(norms))}
         if self.model.loss == "cross_entropy":
-            entry["train_accuracy"] = correct / rows_done
+            entry["train_accuracy"] = correct / max(labelled_done, 1)
         if self.amp:
             entry.update(overflow_steps=self.overflow_steps, loss_scale=self.loss_scale)
         return entry
