@@ -20,10 +20,11 @@ own photos.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.formats.model import load_description, parse_model
-from lnn.tools.cli import command_parser, human_bytes, run_command
+from lnn.tools.cli import command_parser, human_bytes, is_bin_file, is_npz_file, read_checkpoint_source, run_command
 
 PROG = "lnn-train"
 DATA_KINDS = ("mnist", "folder")
@@ -48,6 +49,8 @@ def build_parser():
                         help="run every step eagerly on the GPU")
     parser.add_argument("--amp", action="store_true", help="mixed precision on the GPU (float16 activations)")
     parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR after its last checkpoint")
+    parser.add_argument("--init", metavar="MODEL", help="start from this model's weights (a .bin or an lnn-train "
+                        "checkpoint of the same layers) instead of a random initialization: fine-tuning")
     parser.add_argument("--seed", type=int, help="seed of weights, shuffling and dropout (training.seed)")
     parser.add_argument("--patience", type=int, help="stop after this many epochs without a better test accuracy")
     parser.add_argument("--limit-train", type=int, metavar="N", help="train on the first N training images only")
@@ -85,6 +88,17 @@ def mnist_description(description: dict) -> dict:
     return description
 
 
+def initial_weights_from(path: str) -> dict:
+    """--init: the float32 weights of a .bin or of an lnn-train checkpoint (set_weights checks names and shapes)."""
+    from lnn.formats.binfile import read_bin
+
+    if is_bin_file(path):
+        return read_bin(path).weights_fp32()
+    if is_npz_file(path):
+        return read_checkpoint_source(path)[1]
+    raise LnnInputError(f"--init {path}: neither a .bin nor an lnn-train checkpoint")
+
+
 def _positive(name, value):
     if value is not None and value < 1:
         raise LnnError(f"{name} must be at least 1, not {value}")
@@ -116,6 +130,8 @@ def body(args) -> int:
     trainer = Trainer(model, device=args.device, seed=args.seed, batch_size=args.batch, lr=args.lr, amp=args.amp,
                       cuda_graph="auto" if args.cuda_graph is None else args.cuda_graph,
                       outliers=args.outliers is not None)
+    if args.init and not (args.resume and (Path(args.out) / "checkpoint.npz").exists()):
+        trainer.set_weights(initial_weights_from(args.init))
     memory = trainer.plan.memory_report()
     print(f"{model.name}: {model.num_params:,} parameters on {trainer.device}"
           f"{' (amp)' if trainer.amp else ''}{', cuda graph' if trainer.graph_mode else ''}, batch {trainer.plan.batch_size}"

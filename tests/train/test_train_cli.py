@@ -125,3 +125,27 @@ def test_checkpoint_errors(tmp_path):
                           ("missing.npz", "no such checkpoint")]:
         with pytest.raises(LnnFormatError, match=message):
             load_checkpoint(tmp_path / name)
+
+
+def test_init_starts_from_the_given_models_weights(tmp_path):
+    """--init: a run with a vanishing learning rate ends where the given .bin started; a model of other
+    layers is one line."""
+    need(DATA / "mnist")
+    first = subprocess.run(_train_command(tmp_path / "first", "--epochs", 1, "--limit-train", 2000),
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    tuned = subprocess.run(_train_command(tmp_path / "tuned", "--epochs", 1, "--limit-train", 500, "--lr", 1e-12,
+                                          "--lr-schedule", "constant", "--init", tmp_path / "first" / "model.bin"),
+                           capture_output=True, text=True, timeout=300)
+    assert tuned.returncode == 0, tuned.stderr
+    before = lnn.load(tmp_path / "first" / "model.bin", device="numpy").bin.weights_fp32()
+    after = lnn.load(tmp_path / "tuned" / "model.bin", device="numpy").bin.weights_fp32()
+    assert before.keys() == after.keys()
+    assert max(float(np.abs(before[k] - after[k]).max()) for k in before) < 1e-5
+    cnn = lnn.load(EXAMPLES / "trained" / "mnist_cnn.bin", device="numpy")
+    assert cnn.model.name != "mnist_mlp"
+    wrong = subprocess.run(_train_command(tmp_path / "wrong", "--epochs", 1, "--limit-train", 100,
+                                          "--init", EXAMPLES / "trained" / "mnist_cnn.bin"),
+                           capture_output=True, text=True, timeout=300)
+    assert wrong.returncode != 0 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+    assert "lnn-train: error:" in wrong.stderr and "Traceback" not in wrong.stderr
