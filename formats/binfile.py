@@ -21,7 +21,6 @@ import json
 import math
 import mmap
 import os
-import re
 import stat
 import struct
 import tempfile
@@ -32,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.errors import LnnFormatError, ModelSpecError
-from lnn.formats.model import Model, parse_model
+from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
+from lnn.formats.model import Model, json_nesting_depth, parse_model, size_refusals
 from lnn.formats.quantize import QMAX, dequantize, quantize_per_channel, scale_key
 from lnn.version import __version__
 
@@ -65,8 +65,6 @@ MAX_NDIM = 6
 MAX_TENSORS = 65536
 MAX_NAME_BYTES = 1024
 MAX_TENSOR_ELEMENTS = 1 << 31
-MAX_JSON_BYTES = 4 << 20          # parsing the worst 4 MiB takes about a second
-MAX_JSON_DEPTH = 64
 REQUIRED_METADATA = ("input", "preprocess", "labels", "producer", "producer_version")
 OPTIONAL_METADATA = ("description", "model_card")
 LAYOUTS = {1: "NC", 2: "NCL", 3: "NCHW", 4: "NCDHW"}   # by the rank of input_shape (no batch)
@@ -113,7 +111,7 @@ def build_metadata(model: Model, extra: dict | None = None) -> dict:
     meta = {
         "input": {"shape": list(model.input_shape), "layout": input_layout(model.input_shape), "dtype": "float32"},
         "preprocess": model.preprocess,
-        "labels": model.labels,
+        "labels": list(model.labels),
         "producer": "lnn",
         "producer_version": __version__,
     }
@@ -449,17 +447,6 @@ def _finite_float(text: str) -> float:
     return value
 
 
-JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def _nesting_depth(raw: bytes) -> int:
-    """How deep arrays and objects nest in valid JSON text, in linear time without recursion."""
-    brackets = np.frombuffer(JSON_STRING.sub(b"", raw).translate(None, NOT_BRACKETS), np.uint8)
-    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), np.int8(1), np.int8(-1))
-    return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
-
-
 def _read_json(buf, offset: int, size: int, what: str) -> dict:
     if size > MAX_JSON_BYTES:                                                        # rule 19
         raise LnnFormatError(f"{what} is {size} bytes, over the limit of {MAX_JSON_BYTES}")
@@ -470,7 +457,7 @@ def _read_json(buf, offset: int, size: int, what: str) -> dict:
         raise LnnFormatError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (UnicodeDecodeError, ValueError) as err:
         raise LnnFormatError(f"{what} is not valid UTF-8 JSON ({err})") from None
-    if _nesting_depth(raw) > MAX_JSON_DEPTH:                                         # rule 21
+    if json_nesting_depth(raw) > MAX_JSON_DEPTH:                                         # rule 21
         raise LnnFormatError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(value, dict):                                                  # rule 22
         raise LnnFormatError(f"{what} must be a JSON object, not {type(value).__name__}")
@@ -562,10 +549,17 @@ def _model_from(graph: dict, metadata: dict) -> Model:
         if key in metadata:
             desc[key] = metadata[key]
     try:                                                                             # rule 41
-        model = parse_model(desc)
+        model = parse_model(desc, check_sizes=False)
     except ModelSpecError as err:
         section = "metadata" if str(err).startswith(("labels", "preprocess")) else "graph"
         raise LnnFormatError(f"{section}: {err}") from None
+    too_many_inputs, too_many_params, too_much_activation = size_refusals(model.input_shape, model.nodes)
+    if too_many_inputs:                                                              # rule 57
+        raise LnnFormatError(f"graph: {too_many_inputs}")
+    if too_many_params:                                                              # rule 58
+        raise LnnFormatError(f"graph: {too_many_params}")
+    if too_much_activation:                                                          # rule 59
+        raise LnnFormatError(f"graph: {too_much_activation}")
     if _json_bytes(graph_of(model)) != _json_bytes(graph):                           # rule 42
         raise LnnFormatError("graph: not the normalized model description (every layer attribute written out, "
                              "nothing else); re-export the model")

@@ -174,7 +174,7 @@ def build_onnx(model: Model, weights: dict, opset: int = MIN_OPSET):
                                    ir_version=onnx.helper.find_min_ir_version_for(opset_imports))
     onnx.helper.set_model_props(proto, {
         METADATA_KEYS["name"]: model.name,
-        METADATA_KEYS["labels"]: json.dumps(model.labels, ensure_ascii=False),
+        METADATA_KEYS["labels"]: json.dumps(list(model.labels), ensure_ascii=False),
         METADATA_KEYS["preprocess"]: json.dumps(model.preprocess, ensure_ascii=False),
     })
     onnx.checker.check_model(proto)

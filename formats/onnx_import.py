@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
-from lnn.formats.model import Model, parse_model
+from lnn.formats.model import Model, parse_model, size_refusals
 from lnn.formats.onnx_export import METADATA_KEYS, require_onnx
 from lnn.formats.ops import get_op
 
@@ -444,6 +444,9 @@ def _graph_input(graph, consts: dict, onnx) -> tuple:
                                   "only the batch dimension (0) may be dynamic")
         shape.append(dim.dim_value)
     batch = dims[0].dim_value if dims[0].HasField("dim_value") else None
+    too_big = size_refusals(tuple(shape), [])[0]        # before any layer: a huge input is refused at once
+    if too_big:
+        raise OnnxImportError(f'input "{value.name}": {too_big}')
     return value.name, tuple(shape), batch
 
 

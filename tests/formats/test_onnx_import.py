@@ -211,6 +211,15 @@ def test_inputs_lnn_cannot_take_are_refused():
         import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
+def test_sizes_over_the_limits_are_refused_as_the_description_parser_does():
+    message = refusal([helper.make_node("Relu", ["x"], ["y"], name="r")], [], (3, 50000, 50000))
+    assert message == ('input "x": input_shape [3, 50000, 50000] is 7,500,000,000 values, over the limit of '
+                       "16,777,216 values (MAX_INPUT_ELEMENTS in lnn/formats/limits.py)")
+    padded = helper.make_node("Conv", ["x", "w"], ["y"], name="c", pads=[20000] * 4)
+    message = refusal([padded], [tensor("w", np.ones((1, 1, 1, 1)))], (1, 1, 1))
+    assert message.startswith('node 0 "c" (Conv): ') and "MAX_ACTIVATION_BYTES" in message
+
+
 def test_command_errors_are_one_line_with_exit_status(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "lnn.tools.import_onnx", *map(str, args)],
