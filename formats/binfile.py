@@ -32,6 +32,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnFormatError, ModelSpecError
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
+from lnn.formats.npz import NPZ_MAGIC, is_checkpoint_bytes
 from lnn.formats.model import Model, json_nesting_depth, parse_model, size_refusals
 from lnn.formats.quantize import QMAX, dequantize, quantize_per_channel, scale_key
 from lnn.version import __version__
@@ -256,18 +257,24 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
     return HEADER.pack(*fields) + body
 
 
-def check_weights(expected: dict, weights: dict) -> None:
-    """Raise ModelSpecError unless `weights` has exactly the expected keys and shapes, all finite."""
-    missing = [k for k in expected if k not in weights]
+def check_weight_shapes(expected: dict, shapes: dict) -> None:
+    """Raise ModelSpecError unless `shapes` (key -> shape) has exactly the expected keys and shapes."""
+    missing = [k for k in expected if k not in shapes]
     if missing:
         raise ModelSpecError(f"weights: missing {missing[0]!r} (shape {list(expected[missing[0]])})"
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    extra = sorted(set(weights) - set(expected))
+    extra = sorted(set(shapes) - set(expected))
     if extra:
         raise ModelSpecError(f"weights: {extra[0]!r} is not a parameter of the model; expected keys: {', '.join(expected)}")
     for key, shape in expected.items():
-        if tuple(np.shape(weights[key])) != tuple(shape):
-            raise ModelSpecError(f"weights: {key} has shape {list(np.shape(weights[key]))}, the model expects {list(shape)}")
+        if tuple(shapes[key]) != tuple(shape):
+            raise ModelSpecError(f"weights: {key} has shape {list(shapes[key])}, the model expects {list(shape)}")
+
+
+def check_weights(expected: dict, weights: dict) -> None:
+    """Raise ModelSpecError unless `weights` has exactly the expected keys and shapes, all finite."""
+    check_weight_shapes(expected, {key: np.shape(value) for key, value in weights.items()})
+    for key in expected:
         if not np.all(np.isfinite(weights[key])):
             raise ModelSpecError(f"weights: {key} contains NaN or infinity")
 
@@ -349,6 +356,8 @@ def _sniff(head: bytes) -> str:
         return " (it is a JPEG image)"
     if head[:8] == b"\x89PNG\r\n\x1a\n":
         return " (it is a PNG image)"
+    if head[:4] == NPZ_MAGIC:
+        return " (it is a zip archive, such as a NumPy .npz of weights: give lnn-export the model's description and --weights)"
     if head.lstrip()[:1] in (b"{", b"["):
         return " (it looks like JSON: pass a model description to lnn-export first)"
     if head[:1] == b"\x08" and head[1:2] in (b"\x03", b"\x04", b"\x05", b"\x06", b"\x07", b"\x08", b"\x09", b"\x0a"):
@@ -363,7 +372,9 @@ def _parse(path: Path, buf: memoryview, keep_alive) -> BinModel:
      graph_offset, graph_size, meta_offset, meta_size, table_offset, string_offset, string_size,
      data_offset, data_size, file_size, body_crc, header_crc) = HEADER.unpack(head)
     if magic != MAGIC:                                                               # rule 3
-        raise LnnFormatError(f"not an lnn model file: wrong magic bytes{_sniff(head)}")
+        hint = (" (this is a training checkpoint: export it with lnn-export CHECKPOINT -o model.bin)"
+                if is_checkpoint_bytes(buf) else _sniff(head))
+        raise LnnFormatError(f"not an lnn model file: wrong magic bytes{hint}")
     if endian != ENDIAN_TAG:                                                         # rule 4
         raise LnnFormatError(f"endian tag is {endian:#010x}, not 0x01020304: the header is damaged or "
                              "the file was not written little-endian")

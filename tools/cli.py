@@ -80,12 +80,10 @@ def is_bin_file(path: str | Path) -> bool:
         return Path(path).suffix.lower() == ".bin"
 
 
-NPZ_MAGIC = b"PK\x03\x04"                 # an .npz is a zip archive
-CHECKPOINT_META = "meta.npy"               # the entry only lnn-train's checkpoints hold
-
-
 def is_npz_file(path: str | Path) -> bool:
     """True when the file is a zip archive: a NumPy .npz of weights or an lnn-train checkpoint."""
+    from lnn.formats.npz import NPZ_MAGIC
+
     try:
         with open(path, "rb") as f:
             return f.read(len(NPZ_MAGIC)) == NPZ_MAGIC
@@ -96,6 +94,8 @@ def is_npz_file(path: str | Path) -> bool:
 def read_checkpoint_source(path: str | Path):
     """An lnn-train checkpoint (.npz) -> (Model, weights, state); a plain weights .npz is refused in one line."""
     import zipfile
+
+    from lnn.formats.npz import CHECKPOINT_META
 
     try:
         with zipfile.ZipFile(path) as archive:

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from lnn.formats.binfile import write_atomic
-from lnn.formats.errors import LnnError
+from lnn.formats.errors import LnnError, LnnFormatError
 from lnn.train.checkpoint import export_checkpoint, read_checkpoint, save_checkpoint
 
 CHECKPOINT, BEST, METRICS, CURVES, MODEL = "checkpoint.npz", "best.npz", "metrics.jsonl", "curves.png", "model.bin"
@@ -63,9 +63,14 @@ class RunDirectory:
         if not _same_network(meta.get("description", {}), mine):
             raise LnnError(f"{checkpoint} was trained from a different model than this description; "
                            f"use another --out folder")
-        self.trainer.load_state(meta, weights, optimizer_state)
-        self.history = list(meta["history"])
-        self.best = meta.get("best")
+        try:
+            self.trainer.load_state(meta, weights, optimizer_state)
+            self.history = list(meta["history"])
+            self.best = meta.get("best")
+        except (KeyError, TypeError, ValueError) as err:       # a field missing or of the wrong kind
+            what = f"no {err}" if isinstance(err, KeyError) else str(err)
+            raise LnnFormatError(f"{checkpoint}: the checkpoint is damaged ({what}); start a new run in "
+                                 f"another --out folder") from None
         self._write_metrics()
         self.trainer.log(f"resumed {self.folder} after epoch {len(self.history)} (step {meta['step']})")
 

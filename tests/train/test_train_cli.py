@@ -125,3 +125,37 @@ def test_checkpoint_errors(tmp_path):
                           ("missing.npz", "no such checkpoint")]:
         with pytest.raises(LnnFormatError, match=message):
             load_checkpoint(tmp_path / name)
+
+
+def test_resume_from_a_damaged_checkpoint_is_one_line(tmp_path):
+    import io
+    import zipfile
+
+    from lnn.formats.model import parse_model
+    from lnn.train import Trainer
+
+    model = parse_model({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}]})
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.integers(0, 2, 32)
+
+    def fit(resume):
+        trainer = Trainer(model, device="cpu", seed=0, batch_size=16, log=lambda *a: None)
+        trainer.fit((x, y), (x, y), epochs=1, out_dir=tmp_path / "run", resume=resume, progress=False, export=False)
+
+    fit(False)
+    checkpoint = tmp_path / "run" / "checkpoint.npz"
+    with zipfile.ZipFile(checkpoint) as archive:
+        members = {info.filename: archive.read(info) for info in archive.infolist()}
+    for damage, fragment in [(lambda m: m.pop("step"), "the checkpoint is damaged (no 'step')"),
+                             (lambda m: m.update(history=7), "the checkpoint is damaged ("),
+                             (lambda m: m.update(description={"layers": 3}), "model description is unusable")]:
+        meta = json.loads(np.load(io.BytesIO(members["meta.npy"])).tobytes())
+        damage(meta)
+        buffer = io.BytesIO()
+        np.save(buffer, np.frombuffer(json.dumps(meta).encode(), np.uint8))
+        with zipfile.ZipFile(checkpoint, "w") as archive:
+            for name, data in {**members, "meta.npy": buffer.getvalue()}.items():
+                archive.writestr(name, data)
+        with pytest.raises(LnnFormatError) as info:
+            fit(True)
+        assert fragment in str(info.value) and "\n" not in str(info.value)
