@@ -17,6 +17,7 @@ Tensors are stored as float32, float16 (`--fp16`) or int8 with a float32 scale p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -86,14 +87,9 @@ class BinModel:
     def weights_fp32(self) -> dict:
         """Every parameter as float32: fp32 ones are the zero-copy views themselves, float16 ones are
         widened, int8 ones dequantized with their scales (which are not parameters themselves)."""
-        weights = {}
-        for key in self.model.param_shapes():
-            stored = self.tensors[key]
-            if stored.dtype == INT8:
-                weights[key] = dequantize(stored, self.tensors[scale_key(key)])
-            else:
-                weights[key] = stored if stored.dtype == np.float32 else stored.astype(np.float32)
-        return weights
+        scales = {key: self.tensors[scale_key(key)] for key in self.model.param_shapes()
+                  if self.tensors[key].dtype == INT8}
+        return _widened(self.model, self.tensors, scales)
 
     @property
     def stored_dtypes(self) -> dict:
@@ -172,6 +168,20 @@ def _split_quantized(model: Model, weights: dict) -> tuple:
         if np.any(q == -QMAX - 1):
             raise ModelSpecError(f"weights: {key} holds -128; int8 weights are symmetric, -127 to 127")
     return params, scales
+
+
+def _widened(model: Model, params: dict, scales: dict) -> dict:
+    """Every parameter as float32: float32 ones as they are (no copy), float16 widened, int8 dequantized."""
+    return {key: dequantize(params[key], scales[key]) if key in scales else np.asarray(params[key], np.float32)
+            for key in model.param_shapes()}
+
+
+def float32_weights(model: Model, weights: dict) -> dict:
+    """Weights as a .bin stores them (float32, float16, or int8 with `<key>.scale`), checked like
+    check_weights, as float32 for computing or for a float-only format (ONNX)."""
+    params, scales = _split_quantized(model, weights)
+    check_weights(model.param_shapes(), params)
+    return _widened(model, params, scales)
 
 
 def _stored_arrays(model: Model, weights: dict, dtypes: dict) -> list:
@@ -279,27 +289,38 @@ def check_weights(expected: dict, weights: dict) -> None:
             raise ModelSpecError(f"weights: {key} contains NaN or infinity")
 
 
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over `path`.
+@contextlib.contextmanager
+def atomic_output(path: str | Path, mode: str = "wb", **open_args):
+    """`with atomic_output(path, "w", encoding="utf-8") as f:` writes a temporary file in the same folder;
+    when the block ends without error it is flushed, fsynced and renamed over `path`; on any error
+    (a full disk, Ctrl-C) it is removed, so `path` is either the old file or the complete new one.
 
     The file gets the permissions an ordinary new file would (0666 less the umask), not
     mkstemp's private 0600."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         umask = os.umask(0)
         os.umask(umask)
         if hasattr(os, "fchmod"):
             os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        with os.fdopen(fd, mode, **open_args) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(err, OSError) and err.errno is not None and err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from None      # name the file in the one-line error
         raise
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` atomically (see atomic_output)."""
+    with atomic_output(path) as f:
+        f.write(data)
 
 
 def write_bin(path, model: Model, weights: dict, metadata: dict | None = None, dtypes: dict | None = None) -> int:

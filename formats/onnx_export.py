@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lnn.formats.binfile import write_atomic
 from lnn.formats.errors import LnnError
 from lnn.formats.fold import fold_scale_and_shift, scale_and_shift
 from lnn.formats.model import Model
@@ -182,12 +183,12 @@ def build_onnx(model: Model, weights: dict, opset: int = MIN_OPSET):
 
 
 def export_onnx(model: Model, weights: dict, path, opset: int = MIN_OPSET):
-    """Write the model as ONNX to `path`; returns the ModelProto."""
-    onnx = require_onnx()
+    """Write the model as ONNX to `path`, atomically (an older file survives a full disk); returns the ModelProto."""
+    require_onnx()
     proto = build_onnx(model, weights, opset)
     path = Path(path)
     try:
-        onnx.save_model(proto, str(path))
+        write_atomic(path, proto.SerializeToString())
     except OSError as err:
         raise LnnError(f"{path}: cannot write the ONNX file ({err.strerror or err})") from None
     return proto

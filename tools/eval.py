@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lnn.formats.binfile import atomic_output, write_atomic
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.tools.cli import command_parser, run_command
 
@@ -150,7 +151,7 @@ def report_lines(labels: list, matrix: np.ndarray, scores: list, accuracy: float
 
 
 def write_confusion_csv(path: Path, labels: list, matrix: np.ndarray) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with atomic_output(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["true \\ predicted"] + [label["display"] for label in labels])
         for label, row in zip(labels, matrix):
@@ -182,8 +183,11 @@ def plot_confusion(path: Path, labels: list, matrix: np.ndarray, title: str) -> 
             if matrix[i, j]:
                 axes.text(j, i, str(matrix[i, j]), ha="center", va="center",
                           color="white" if shares[i, j] > 0.5 else "black", fontsize=9)
-    figure.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(figure)
+    try:
+        with atomic_output(path) as f:
+            figure.savefig(f, format="png", dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(figure)
 
 
 # --------------------------------------------------------------------------- the command
@@ -241,7 +245,7 @@ def body(args) -> int:
         write_confusion_csv(out / "confusion.csv", labels, matrix)
         plot_confusion(out / "confusion.png", labels, matrix, f"{session.model.name}\naccuracy {accuracy:.2%} "
                                                               f"on {len(rows)} photos")
-        with open(out / "predictions.csv", "w", newline="", encoding="utf-8") as f:
+        with atomic_output(out / "predictions.csv", "w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
             writer.writerow(["file", "true", "predicted", "confidence"])
             for row, t, p, c in zip(rows, true, predicted, confidence):
@@ -252,7 +256,7 @@ def body(args) -> int:
                    "photos": int(len(rows)), "accuracy": accuracy,
                    "classes": {label["name"]: score for label, score in zip(labels, scores)},
                    "threshold": threshold}
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        write_atomic(out / "metrics.json", (json.dumps(metrics, indent=2) + "\n").encode("utf-8"))
         print(f"wrote {out}/confusion.png, confusion.csv, predictions.csv, metrics.json")
     return 0
 

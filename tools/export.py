@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lnn.formats.binfile import (build_metadata, check_weight_shapes, check_weights, encode_bin, fp16_dtypes,
+from lnn.formats.binfile import (build_metadata, check_weight_shapes, encode_bin, float32_weights, fp16_dtypes,
                                  int8_dtypes, parse_bin_bytes, write_atomic)
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.formats.npz import NPZ_READ_ERRORS, array_headers, open_npz
@@ -111,8 +111,7 @@ def export(args) -> int:
     if args.onnx:
         from lnn.formats.onnx_export import export_onnx
 
-        check_weights(model.param_shapes(), weights)
-        export_onnx(model, {key: np.asarray(value, np.float32) for key, value in weights.items()}, args.onnx)
+        export_onnx(model, float32_weights(model, weights), args.onnx)      # int8 and float16 widened
         size = Path(args.onnx).stat().st_size
         print(f"wrote {args.onnx}: {human_bytes(size)} ({size:,} bytes), ONNX, float32, {model.num_params:,} parameters")
     return 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lnn.formats.binfile import write_atomic
+from lnn.formats.binfile import atomic_output, write_atomic
 from lnn.formats.errors import LnnError, LnnFormatError
 from lnn.train.checkpoint import export_checkpoint, read_checkpoint, save_checkpoint
 
@@ -119,10 +119,11 @@ class RunDirectory:
             axes[0][1].set(xlabel="epoch", ylabel="accuracy", title="accuracy")
             axes[0][1].legend()
         figure.tight_layout()
-        temporary = self.folder / f".{CURVES}.tmp.png"
-        figure.savefig(temporary, dpi=100)
-        plt.close(figure)
-        temporary.replace(self.folder / CURVES)
+        try:
+            with atomic_output(self.folder / CURVES) as f:
+                figure.savefig(f, format="png", dpi=100)
+        finally:
+            plt.close(figure)
 
     def finish(self, export: bool):
         if not export or not self.history:

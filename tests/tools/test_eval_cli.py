@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import lnn
-from cli_helpers import assert_one_line_error, run_command
+from cli_helpers import assert_one_line_error, full_disk, run_command, temporaries
 from lnn.formats.binfile import read_bin, write_bin
 from lnn.formats.model import parse_model
 from lnn.tools.eval import choose_threshold, main
@@ -176,3 +176,17 @@ def test_unknown_class_folder_and_non_image_model(tmp_path, capsys):
                                              "linear_0.bias": np.zeros(3, np.float32)})
     code, _, err = run_eval(capsys, tmp_path / "flat.bin", "--data", f"folder:{folder}")
     assert code == 1 and "takes no images" in err
+
+
+def test_a_full_disk_leaves_the_old_outputs_and_no_partial_file(tmp_path, capsys):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
+    out = tmp_path / "ev"
+    out.mkdir()
+    (out / "confusion.csv").write_text("the old matrix\n")
+    assert run_eval(capsys, model, "--data", f"folder:{folder}", "--split", "all")[0] == 0    # the photos' cache
+    with full_disk():
+        code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--split", "all", "--out", out)
+    assert code == 1
+    assert_one_line_error(err, "lnn-eval", "confusion.csv: No space left on device")
+    assert (out / "confusion.csv").read_text() == "the old matrix\n"
+    assert temporaries(out) == [] and sorted(p.name for p in out.iterdir()) == ["confusion.csv"]

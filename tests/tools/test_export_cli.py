@@ -323,3 +323,18 @@ def test_a_checkpoint_given_as_a_model_file_says_to_export_it(tiny_run):
     with pytest.raises(LnnFormatError, match=r"best.npz: not an lnn model file: wrong magic bytes \(this is a training "
                                              r"checkpoint: export it with lnn-export CHECKPOINT -o model.bin\)"):
         read_bin(folder / "best.npz")
+
+
+def test_onnx_on_a_full_disk_keeps_the_older_file_and_leaves_no_partial_one(tiny_run, tmp_path, capsys):
+    pytest.importorskip("onnx")
+    from cli_helpers import full_disk, temporaries
+
+    folder, _, _ = tiny_run
+    old = tmp_path / "model.onnx"
+    old.write_bytes(b"an older export")
+    with full_disk():
+        message = error_of(capsys, [folder / "best.npz", "--onnx", old])
+    assert "model.onnx" in message and "No space left on device" in message
+    assert old.read_bytes() == b"an older export" and temporaries(tmp_path) == []
+    assert main([str(folder / "best.npz"), "--onnx", str(old)]) == 0                # with room, it is replaced
+    assert old.read_bytes()[:2] != b"an"
