@@ -15,7 +15,9 @@ cache folder (~/.cache/lnn on Linux; see lnn.runtime.cpu.cache.default_cache_roo
 hashes every source file's relative path, size and mtime with the image size and colour order,
 so an edited, added or removed photo makes a new cache. It is built in a temporary folder beside
 it and renamed into place, so a killed run never leaves a half-written cache; the next run with
-the same files and size opens it at once without decoding anything.
+the same files and size opens it at once without decoding anything. When the cache folder cannot
+be written (read-only, on a full or missing disk), the images are decoded into a temporary folder
+removed at exit, with one warning, as the Numba kernel cache falls back (runtime/cpu/jit.py).
 
 Split (`split_by_leaf`): deterministic from a seed, stratified per class (the validation share
 of every class is at most, and with small groups left exactly, `val_fraction` of its images,
@@ -31,6 +33,7 @@ augmentation), which the Trainer then shuffles per epoch as usual. No loss weigh
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -45,6 +48,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnInputError
 from lnn.runtime import preprocess as image_io
+from lnn.runtime.cpu.cache import default_cache_root as lnn_cache_root, ensure_writable   # no Numba import
 from lnn.train.data import ArrayDataset, MemmapDataset
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
@@ -77,8 +81,6 @@ def scan_folder(folder) -> tuple[list, list, list]:
 
 
 def default_cache_root() -> Path:
-    from lnn.runtime.cpu.cache import default_cache_root as lnn_cache_root   # no Numba import
-
     return lnn_cache_root() / "datasets"
 
 
@@ -156,6 +158,13 @@ def _build_cache(folder: Path, files: list, labels: list, size: tuple, color: st
                 raise
     finally:
         shutil.rmtree(building, ignore_errors=True)
+
+
+def _scratch_folder() -> Path:
+    """A temporary folder for a cache that cannot be kept, removed when the process ends."""
+    scratch = Path(tempfile.mkdtemp(prefix="lnn-images-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return scratch
 
 
 # --------------------------------------------------------------------------- leaves and the split
@@ -236,6 +245,11 @@ class ImageFolder:
         root = Path(cache_root) if cache_root is not None else default_cache_root()
         target = root / cache_key(folder, files, (height, width), color)
         if not (target / "index.json").exists():
+            problem = ensure_writable(root)
+            if problem:
+                target = _scratch_folder() / target.name
+                log(f"warning: cannot write the image cache: {problem}; decoding into the temporary folder "
+                    f"{target.parent} for this run only (set LNN_CACHE_DIR to a writable folder to decode once)")
             log(f"{folder}: decoding {len(files)} images of {len(classes)} classes at {height}x{width} "
                 f"into {target} (once)")
             _build_cache(folder, files, labels, (height, width), color, target,

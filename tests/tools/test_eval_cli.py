@@ -190,3 +190,14 @@ def test_a_full_disk_leaves_the_old_outputs_and_no_partial_file(tmp_path, capsys
     assert_one_line_error(err, "lnn-eval", "confusion.csv: No space left on device")
     assert (out / "confusion.csv").read_text() == "the old matrix\n"
     assert temporaries(out) == [] and sorted(p.name for p in out.iterdir()) == ["confusion.csv"]
+
+
+def test_an_unwritable_cache_is_one_warning_not_a_failure(tmp_path, monkeypatch, capsys):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("LNN_CACHE_DIR", str(tmp_path / "a_file" / "cache"))      # cannot be created, even by root
+    code, out, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--split", "all")
+    assert code == 0, err
+    assert "6 photos, accuracy" in out
+    assert [line for line in err.splitlines() if "warning" in line] == [next(
+        line for line in err.splitlines() if line.startswith("warning: cannot write the image cache"))]
