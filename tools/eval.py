@@ -194,7 +194,7 @@ def plot_confusion(path: Path, labels: list, matrix: np.ndarray, title: str) -> 
 
 def body(args) -> int:
     import lnn
-    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, scan_folder
+    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, check_split, scan_folder
 
     kind, sep, folder_path = args.data.partition(":")
     if kind != "folder" or not sep or not folder_path:
@@ -205,6 +205,8 @@ def body(args) -> int:
         raise LnnError("--seed and --val-fraction choose the validation split; they mean nothing with --split all")
     seed = DEFAULT_SPLIT_SEED if args.seed is None else args.seed
     val_fraction = DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction
+    if args.split == "val":
+        check_split(val_fraction, seed)                  # before decoding anything
     session = lnn.load(args.model, device=args.device)
     preprocess = session.model.preprocess
     if preprocess is None:

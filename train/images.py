@@ -177,13 +177,20 @@ def leaf_group(file_name: str) -> str:
     return f"leaf {int(match.group(1))}" if match else f"file {Path(file_name).name}"
 
 
+def check_split(val_fraction: float, seed: int) -> None:
+    """Refuse (one line) a validation fraction outside (0, 1) or a seed that is not a non-negative integer."""
+    if not 0 < val_fraction < 1:
+        raise LnnInputError(f"the validation fraction must be between 0 and 1, not {val_fraction}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise LnnInputError(f"the split seed must be a non-negative integer, not {seed}")
+
+
 def split_by_leaf(files: list, labels, val_fraction: float = DEFAULT_VAL_FRACTION,
                   seed: int = DEFAULT_SPLIT_SEED) -> tuple[np.ndarray, np.ndarray]:
     """(train rows, validation rows), sorted. Per class the leaf groups are shuffled from (seed, class)
     and, in that order, each group that still fits goes to validation, up to round(val_fraction *
     class size) images (exactly that many when small groups remain to fill up)."""
-    if not 0 < val_fraction < 1:
-        raise LnnInputError(f"the validation fraction must be between 0 and 1, not {val_fraction}")
+    check_split(val_fraction, seed)
     labels = np.asarray(labels)
     val = []
     for label in np.unique(labels):

@@ -201,3 +201,13 @@ def test_an_unwritable_cache_is_one_warning_not_a_failure(tmp_path, monkeypatch,
     assert "6 photos, accuracy" in out
     assert [line for line in err.splitlines() if "warning" in line] == [next(
         line for line in err.splitlines() if line.startswith("warning: cannot write the image cache"))]
+
+
+@pytest.mark.parametrize("option, fragment", [(["--seed", "-1"], "the split seed must be a non-negative integer, not -1"),
+                                              (["--val-fraction", "1.5"], "between 0 and 1, not 1.5")])
+def test_a_bad_split_is_one_line_before_decoding(tmp_path, capsys, option, fragment):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
+    code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}", *option)
+    assert code == 1
+    assert_one_line_error(err, "lnn-eval", fragment)
+    assert not (tmp_path / "cache").exists()                    # refused before any photo was decoded
