@@ -18,7 +18,8 @@ guessing. Rule: the largest threshold that keeps at least --keep (default 99%) o
 classified evaluated photos at or above it, i.e. at most 1% of right answers are turned into
 "uncertain". Choose it on validation photos (the default split), never on training photos.
 --write-threshold OUT.bin writes a copy of the model whose metadata carries it as
-{"thresholds": {"uncertain_below": t, "rule": "..."}} (lnn-infer reads uncertain_below).
+{"thresholds": {"uncertain_below": t, "rule": "..."}} (lnn-infer reads uncertain_below); when the
+model has a model card, its "accuracy" becomes this evaluation (figure, photos, the command).
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ def body(args) -> int:
               f"{threshold['coverage']:.1%} of these photos answered, {_percent(threshold['accuracy_of_accepted'])} "
               f"of those right, {_percent(threshold['wrong_flagged'])} of the wrong answers turned into 'uncertain'")
     if args.write_threshold:
-        write_with_threshold(session.bin, Path(args.write_threshold), threshold)
+        write_with_threshold(session.bin, Path(args.write_threshold), threshold,
+                             accuracy_summary(args, session.bin.metadata, accuracy, len(rows), what))
         print(f"wrote {args.write_threshold} with thresholds.uncertain_below = {threshold['uncertain_below']}")
 
     if args.out:
@@ -263,12 +265,28 @@ def body(args) -> int:
     return 0
 
 
-def write_with_threshold(bin_model, path: Path, threshold: dict) -> None:
-    """A copy of the model (same tensors, same stored dtypes) whose metadata carries the threshold."""
+def accuracy_summary(args, metadata: dict, accuracy: float, count: int, what: str) -> str:
+    """The model card's "accuracy" field: the figure, on what, and the command that measured it."""
+    command = f"lnn-eval {args.model} --data {args.data}"
+    command += " --split all" if args.split == "all" else "".join(
+        f" --{name.replace('_', '-')} {getattr(args, name)}" for name in ("seed", "val_fraction")
+        if getattr(args, name) is not None)
+    text = f"{accuracy:.2%} on {count:,} photos, {what}: {command}."
+    best = (metadata.get("training") or {}).get("best")
+    if args.split == "val" and isinstance(best, dict) and "epoch" in best:
+        text += f" The epoch kept ({best['epoch']}) was chosen on the same validation split."
+    return text
+
+
+def write_with_threshold(bin_model, path: Path, threshold: dict, accuracy: str) -> None:
+    """A copy of the model (same tensors, same stored dtypes) whose metadata carries the threshold and,
+    when it has a model card, this evaluation as the card's "accuracy"."""
     from lnn.formats.binfile import write_bin
 
     metadata = dict(bin_model.metadata)
     metadata["thresholds"] = {"uncertain_below": threshold["uncertain_below"], "rule": threshold["rule"]}
+    if isinstance(metadata.get("model_card"), dict):
+        metadata["model_card"] = {**metadata["model_card"], "accuracy": accuracy}
     write_bin(path, bin_model.model, bin_model.tensors, metadata, bin_model.stored_dtypes)
 
 

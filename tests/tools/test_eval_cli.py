@@ -211,3 +211,21 @@ def test_a_bad_split_is_one_line_before_decoding(tmp_path, capsys, option, fragm
     assert code == 1
     assert_one_line_error(err, "lnn-eval", fragment)
     assert not (tmp_path / "cache").exists()                    # refused before any photo was decoded
+
+
+def test_the_copy_with_the_threshold_carries_this_evaluation_as_its_card_accuracy(tmp_path, capsys):
+    model = parse_model({
+        "name": "colours", "input_shape": [3, 8, 8], "model_card": {"accuracy": "TO FILL", "task": "colours"},
+        "layers": [{"type": "global_avg_pool"}, {"type": "linear", "name": "fc", "out_features": 3}],
+        "labels": list(COLOURS)})
+    weight = np.zeros((3, 3), np.float32)
+    weight[[0, 1, 2], [2, 1, 0]] = 20.0                         # blue, green, red rows read B, G, R of RGB
+    write_bin(tmp_path / "m.bin", model, {"fc.weight": weight, "fc.bias": np.zeros(3, np.float32)})
+    folder = colour_folder(tmp_path / "photos")
+    code, out, err = run_eval(capsys, tmp_path / "m.bin", "--data", f"folder:{folder}", "--split", "all",
+                              "--write-threshold", tmp_path / "t.bin")
+    assert code == 0, err
+    card = read_bin(tmp_path / "t.bin").metadata["model_card"]
+    assert card["task"] == "colours"
+    assert card["accuracy"] == (f"93.33% on 30 photos, {folder} (all photos): lnn-eval {tmp_path / 'm.bin'} "
+                                f"--data folder:{folder} --split all.")

@@ -231,3 +231,24 @@ def test_running_out_of_memory_is_one_line_with_the_planned_figure(tmp_path, mon
     x, y = np.zeros((32, 4), np.float32), np.zeros(32, np.int64)
     with pytest.raises(LnnError, match=r"^out of memory on the cpu while training at batch 16"):
         trainer.fit((x, y), (x, y), epochs=1, progress=False)
+
+
+def test_model_bin_gets_its_card_trained_field_from_the_run(tmp_path):
+    import datetime
+
+    from lnn.formats.binfile import read_bin
+    from lnn.formats.model import parse_model
+    from lnn.train import Trainer
+
+    model = parse_model({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}],
+                         "optimizer": {"type": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True},
+                         "model_card": {"trained": "TO FILL", "task": "a test"}})
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.integers(0, 2, 32)
+    trainer = Trainer(model, device="numpy", seed=0, batch_size=16, log=lambda *a: None)
+    history = trainer.fit((x, y), (x, y), epochs=3, out_dir=tmp_path / "run", progress=False)
+    card = read_bin(tmp_path / "run" / "model.bin").metadata["model_card"]
+    median = sorted(entry["epoch_s"] for entry in history)[1]
+    assert card == {"task": "a test", "trained": (
+        f"{datetime.date.today().isoformat()} with lnn-train {lnn.__version__} on the CPU (NumPy), 3 epochs, "
+        f"batch 16, SGD nesterov momentum 0.9 lr 0.05 constant, about {median:.1f} s per epoch")}
