@@ -27,14 +27,13 @@ ONNX models written by lnn's exporter carry labels and preprocessing in metadata
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
-from lnn.formats.model import Model, parse_model, size_refusals
+from lnn.formats.model import Model, parse_json_text, parse_model, size_refusals
 from lnn.formats.onnx_export import METADATA_KEYS, require_onnx
 from lnn.formats.ops import get_op
 
@@ -515,9 +514,9 @@ def _lnn_metadata(proto) -> dict:
     for field, key in METADATA_KEYS.items():
         if key in props:
             try:
-                found[field] = json.loads(props[key]) if field != "name" else props[key]
-            except json.JSONDecodeError:
-                raise OnnxImportError(f"metadata_props {key} is not valid JSON") from None
+                found[field] = parse_json_text(props[key], f"metadata_props {key}") if field != "name" else props[key]
+            except ModelSpecError as err:
+                raise OnnxImportError(str(err)) from None
     return found
 
 

@@ -249,3 +249,14 @@ def test_missing_onnx_extra_is_one_clear_line(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "onnx", None)
     with pytest.raises(LnnError, match=r"ONNX support needs the onnx extra: pip install 'lnn\[onnx\]'"):
         import_onnx(tmp_path / "any.onnx")
+
+
+def test_lnn_metadata_in_an_onnx_file_nested_100000_deep_is_one_line():
+    model = make_model([helper.make_node("Relu", ["x"], ["y"], name="r")], [], [2, 6, 6], "y")
+    helper.set_model_props(model, {"lnn.labels": "[" * 100_000 + "]" * 100_000})
+    with pytest.raises(OnnxImportError) as info:
+        import_onnx(model)
+    assert str(info.value) == "metadata_props lnn.labels: nests deeper than 64 levels (MAX_JSON_DEPTH in lnn/formats/limits.py)"
+    helper.set_model_props(model, {"lnn.labels": "[1,"})
+    with pytest.raises(OnnxImportError, match=r"^metadata_props lnn.labels: not valid JSON at line 1"):
+        import_onnx(model)
