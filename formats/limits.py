@@ -35,7 +35,8 @@ MAX_JSON_DEPTH = 64
 
 def refusal(what: str, value: int, limit: int, limit_name: str, unit: str = "") -> str | None:
     """None when `value` is within `limit`; otherwise the one-line reason, e.g.
-    "input [3, 50000, 50000] is 7,500,000,000 values, over the limit of 16,777,216 (MAX_INPUT_ELEMENTS in lnn/formats/limits.py)"."""
+    "input_shape [3, 50000, 50000] is 7,500,000,000 values, over the limit of 16,777,216 values
+    (MAX_INPUT_ELEMENTS in lnn/formats/limits.py)"."""
     if value <= limit:
         return None
     return f"{what} is {value:,}{unit}, over the limit of {limit:,}{unit} ({limit_name} in lnn/formats/limits.py)"

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lnn.formats.errors import ModelSpecError
 from lnn.formats import limits
+from lnn.formats.errors import ModelSpecError
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, refusal
 from lnn.formats.ops import REQUIRED, SpecProblem, get_op, normalize_activation
 
@@ -130,16 +130,6 @@ class Model:
     @property
     def num_params(self) -> int:
         return sum(node.num_params for node in self.nodes)
-
-    @property
-    def input_elements(self) -> int:
-        """Values in one sample of the input."""
-        return math.prod(self.input_shape)
-
-    @property
-    def sample_activation_bytes(self) -> int:
-        """Bytes of the float32 input and every layer's output for one sample."""
-        return activation_bytes(self.input_shape, self.nodes)
 
     def to_description(self) -> dict:
         """The complete normalized description (every attribute written out)."""
