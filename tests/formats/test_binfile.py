@@ -839,3 +839,19 @@ def test_atomic_write_gives_ordinary_file_permissions(tmp_path):
         os.umask(umask)
     assert (tmp_path / "out.bin").stat().st_mode & 0o777 == 0o644
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def test_a_tiny_file_declaring_a_huge_input_is_one_line_in_the_commands(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "huge_input.bin"
+    path.write_bytes(oversized(HUGE_INPUT)(None, None))
+    assert path.stat().st_size < 1500
+    photo = sorted((EXAMPLES / "leaves").glob("*.jpg"))[0]
+    for command, args in [("infer", ["--model", path, photo]), ("summary", [path])]:
+        done = subprocess.run([sys.executable, "-m", f"lnn.tools.{command}", *map(str, args)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 1
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+        assert "input_shape [3, 50000, 50000] is 7,500,000,000 values" in done.stderr and "MAX_INPUT_ELEMENTS" in done.stderr
