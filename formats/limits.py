@@ -24,6 +24,8 @@ MAX_PARAMETERS = 1 << 28
 # single image needs more than a small machine's memory is refused at load, not by MemoryError.
 MAX_ACTIVATION_BYTES = 1 << 31
 
+# --------------------------------------------------------------------------- JSON (descriptions, the .bin's sections)
+
 # A model description file, and each JSON section of a `.bin` (SPEC rule 19): parsing the worst
 # 4 MiB takes about a second; the bundled model's description is 4 KB.
 MAX_JSON_BYTES = 4 << 20

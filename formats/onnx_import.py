@@ -28,6 +28,8 @@ ONNX models written by lnn's exporter carry labels and preprocessing in metadata
 from __future__ import annotations
 
 import math
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -407,6 +409,8 @@ def load_onnx(path):
     onnx = require_onnx()
     path = Path(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode) and not path.is_dir():   # a device or pipe would read for ever
+            raise LnnInputError(f"{path}: is not a regular file (a device, pipe or socket), not an ONNX file")
         with path.open("rb") as f:
             head = f.read(8)
     except FileNotFoundError:
