@@ -10,6 +10,7 @@ Errors reach a person as ONE line on stderr, `lnn-<cmd>: error: <message>`, neve
     usage errors (argparse)                -> exit 2
     LnnError (bad model, weights, image)   -> exit 1
     OSError (cannot read or write a file)  -> exit 1
+    MemoryError                            -> exit 1 ("out of memory ...: give it less at once")
     Ctrl-C                                 -> exit 130, quietly
     a closed output pipe (`... | head`)    -> exit 1, quietly
 This module imports only the standard library and lnn's errors, so `--help` stays cheap.
@@ -63,6 +64,10 @@ def run_command(parser: CommandParser, body, argv=None) -> int:
     except OSError as err:                            # e.g. the output folder does not exist, a full disk
         where = f"{err.filename}: " if err.filename else ""
         error_line(prog, f"{where}{err.strerror or err}")
+        return EXIT_BAD_INPUT
+    except MemoryError as err:                        # what no limit foresaw: still one line
+        detail = f" ({err})" if str(err) else ""
+        error_line(prog, f"out of memory{detail}: give it less at once (a smaller --batch, fewer or smaller inputs)")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(file=sys.stderr)
