@@ -17,11 +17,11 @@ Tensors are stored as float32, float16 (`--fp16`) or int8 with a float32 scale p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
 import os
-import re
 import stat
 import struct
 import tempfile
@@ -32,7 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.errors import LnnFormatError, ModelSpecError
-from lnn.formats.model import Model, parse_model
+from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
+from lnn.formats.npz import NPZ_MAGIC, is_checkpoint_bytes
+from lnn.formats.model import Model, json_nesting_depth, parse_model, size_refusals
 from lnn.formats.quantize import QMAX, dequantize, quantize_per_channel, scale_key
 from lnn.version import __version__
 
@@ -65,8 +67,6 @@ MAX_NDIM = 6
 MAX_TENSORS = 65536
 MAX_NAME_BYTES = 1024
 MAX_TENSOR_ELEMENTS = 1 << 31
-MAX_JSON_BYTES = 4 << 20          # parsing the worst 4 MiB takes about a second
-MAX_JSON_DEPTH = 64
 REQUIRED_METADATA = ("input", "preprocess", "labels", "producer", "producer_version")
 OPTIONAL_METADATA = ("description", "model_card")
 LAYOUTS = {1: "NC", 2: "NCL", 3: "NCHW", 4: "NCDHW"}   # by the rank of input_shape (no batch)
@@ -87,14 +87,9 @@ class BinModel:
     def weights_fp32(self) -> dict:
         """Every parameter as float32: fp32 ones are the zero-copy views themselves, float16 ones are
         widened, int8 ones dequantized with their scales (which are not parameters themselves)."""
-        weights = {}
-        for key in self.model.param_shapes():
-            stored = self.tensors[key]
-            if stored.dtype == INT8:
-                weights[key] = dequantize(stored, self.tensors[scale_key(key)])
-            else:
-                weights[key] = stored if stored.dtype == np.float32 else stored.astype(np.float32)
-        return weights
+        scales = {key: self.tensors[scale_key(key)] for key in self.model.param_shapes()
+                  if self.tensors[key].dtype == INT8}
+        return _widened(self.model, self.tensors, scales)
 
     @property
     def stored_dtypes(self) -> dict:
@@ -113,7 +108,7 @@ def build_metadata(model: Model, extra: dict | None = None) -> dict:
     meta = {
         "input": {"shape": list(model.input_shape), "layout": input_layout(model.input_shape), "dtype": "float32"},
         "preprocess": model.preprocess,
-        "labels": model.labels,
+        "labels": list(model.labels),
         "producer": "lnn",
         "producer_version": __version__,
     }
@@ -173,6 +168,20 @@ def _split_quantized(model: Model, weights: dict) -> tuple:
         if np.any(q == -QMAX - 1):
             raise ModelSpecError(f"weights: {key} holds -128; int8 weights are symmetric, -127 to 127")
     return params, scales
+
+
+def _widened(model: Model, params: dict, scales: dict) -> dict:
+    """Every parameter as float32: float32 ones as they are (no copy), float16 widened, int8 dequantized."""
+    return {key: dequantize(params[key], scales[key]) if key in scales else np.asarray(params[key], np.float32)
+            for key in model.param_shapes()}
+
+
+def float32_weights(model: Model, weights: dict) -> dict:
+    """Weights as a .bin stores them (float32, float16, or int8 with `<key>.scale`), checked like
+    check_weights, as float32 for computing or for a float-only format (ONNX)."""
+    params, scales = _split_quantized(model, weights)
+    check_weights(model.param_shapes(), params)
+    return _widened(model, params, scales)
 
 
 def _stored_arrays(model: Model, weights: dict, dtypes: dict) -> list:
@@ -258,43 +267,60 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
     return HEADER.pack(*fields) + body
 
 
-def check_weights(expected: dict, weights: dict) -> None:
-    """Raise ModelSpecError unless `weights` has exactly the expected keys and shapes, all finite."""
-    missing = [k for k in expected if k not in weights]
+def check_weight_shapes(expected: dict, shapes: dict) -> None:
+    """Raise ModelSpecError unless `shapes` (key -> shape) has exactly the expected keys and shapes."""
+    missing = [k for k in expected if k not in shapes]
     if missing:
         raise ModelSpecError(f"weights: missing {missing[0]!r} (shape {list(expected[missing[0]])})"
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    extra = sorted(set(weights) - set(expected))
+    extra = sorted(set(shapes) - set(expected))
     if extra:
         raise ModelSpecError(f"weights: {extra[0]!r} is not a parameter of the model; expected keys: {', '.join(expected)}")
     for key, shape in expected.items():
-        if tuple(np.shape(weights[key])) != tuple(shape):
-            raise ModelSpecError(f"weights: {key} has shape {list(np.shape(weights[key]))}, the model expects {list(shape)}")
+        if tuple(shapes[key]) != tuple(shape):
+            raise ModelSpecError(f"weights: {key} has shape {list(shapes[key])}, the model expects {list(shape)}")
+
+
+def check_weights(expected: dict, weights: dict) -> None:
+    """Raise ModelSpecError unless `weights` has exactly the expected keys and shapes, all finite."""
+    check_weight_shapes(expected, {key: np.shape(value) for key, value in weights.items()})
+    for key in expected:
         if not np.all(np.isfinite(weights[key])):
             raise ModelSpecError(f"weights: {key} contains NaN or infinity")
 
 
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over `path`.
+@contextlib.contextmanager
+def atomic_output(path: str | Path, mode: str = "wb", **open_args):
+    """`with atomic_output(path, "w", encoding="utf-8") as f:` writes a temporary file in the same folder;
+    when the block ends without error it is flushed, fsynced and renamed over `path`; on any error
+    (a full disk, Ctrl-C) it is removed, so `path` is either the old file or the complete new one.
 
     The file gets the permissions an ordinary new file would (0666 less the umask), not
     mkstemp's private 0600."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         umask = os.umask(0)
         os.umask(umask)
         if hasattr(os, "fchmod"):
             os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        with os.fdopen(fd, mode, **open_args) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(err, OSError) and err.errno is not None and err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from None      # name the file in the one-line error
         raise
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` atomically (see atomic_output)."""
+    with atomic_output(path) as f:
+        f.write(data)
 
 
 def write_bin(path, model: Model, weights: dict, metadata: dict | None = None, dtypes: dict | None = None) -> int:
@@ -351,6 +377,8 @@ def _sniff(head: bytes) -> str:
         return " (it is a JPEG image)"
     if head[:8] == b"\x89PNG\r\n\x1a\n":
         return " (it is a PNG image)"
+    if head[:4] == NPZ_MAGIC:
+        return " (it is a zip archive, such as a NumPy .npz of weights: give lnn-export the model's description and --weights)"
     if head.lstrip()[:1] in (b"{", b"["):
         return " (it looks like JSON: pass a model description to lnn-export first)"
     if head[:1] == b"\x08" and head[1:2] in (b"\x03", b"\x04", b"\x05", b"\x06", b"\x07", b"\x08", b"\x09", b"\x0a"):
@@ -365,7 +393,9 @@ def _parse(path: Path, buf: memoryview, keep_alive) -> BinModel:
      graph_offset, graph_size, meta_offset, meta_size, table_offset, string_offset, string_size,
      data_offset, data_size, file_size, body_crc, header_crc) = HEADER.unpack(head)
     if magic != MAGIC:                                                               # rule 3
-        raise LnnFormatError(f"not an lnn model file: wrong magic bytes{_sniff(head)}")
+        hint = (" (this is a training checkpoint: export it with lnn-export CHECKPOINT -o model.bin)"
+                if is_checkpoint_bytes(buf) else _sniff(head))
+        raise LnnFormatError(f"not an lnn model file: wrong magic bytes{hint}")
     if endian != ENDIAN_TAG:                                                         # rule 4
         raise LnnFormatError(f"endian tag is {endian:#010x}, not 0x01020304: the header is damaged or "
                              "the file was not written little-endian")
@@ -449,17 +479,6 @@ def _finite_float(text: str) -> float:
     return value
 
 
-JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def _nesting_depth(raw: bytes) -> int:
-    """How deep arrays and objects nest in valid JSON text, in linear time without recursion."""
-    brackets = np.frombuffer(JSON_STRING.sub(b"", raw).translate(None, NOT_BRACKETS), np.uint8)
-    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), np.int8(1), np.int8(-1))
-    return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
-
-
 def _read_json(buf, offset: int, size: int, what: str) -> dict:
     if size > MAX_JSON_BYTES:                                                        # rule 19
         raise LnnFormatError(f"{what} is {size} bytes, over the limit of {MAX_JSON_BYTES}")
@@ -470,7 +489,7 @@ def _read_json(buf, offset: int, size: int, what: str) -> dict:
         raise LnnFormatError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (UnicodeDecodeError, ValueError) as err:
         raise LnnFormatError(f"{what} is not valid UTF-8 JSON ({err})") from None
-    if _nesting_depth(raw) > MAX_JSON_DEPTH:                                         # rule 21
+    if json_nesting_depth(raw) > MAX_JSON_DEPTH:                                         # rule 21
         raise LnnFormatError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(value, dict):                                                  # rule 22
         raise LnnFormatError(f"{what} must be a JSON object, not {type(value).__name__}")
@@ -562,10 +581,17 @@ def _model_from(graph: dict, metadata: dict) -> Model:
         if key in metadata:
             desc[key] = metadata[key]
     try:                                                                             # rule 41
-        model = parse_model(desc)
+        model = parse_model(desc, check_sizes=False)
     except ModelSpecError as err:
         section = "metadata" if str(err).startswith(("labels", "preprocess")) else "graph"
         raise LnnFormatError(f"{section}: {err}") from None
+    too_many_inputs, too_many_params, too_much_activation = size_refusals(model.input_shape, model.nodes)
+    if too_many_inputs:                                                              # rule 57
+        raise LnnFormatError(f"graph: {too_many_inputs}")
+    if too_many_params:                                                              # rule 58
+        raise LnnFormatError(f"graph: {too_many_params}")
+    if too_much_activation:                                                          # rule 59
+        raise LnnFormatError(f"graph: {too_much_activation}")
     if _json_bytes(graph_of(model)) != _json_bytes(graph):                           # rule 42
         raise LnnFormatError("graph: not the normalized model description (every layer attribute written out, "
                              "nothing else); re-export the model")

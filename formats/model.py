@@ -19,10 +19,18 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
+import re
+import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from lnn.formats import limits
 from lnn.formats.errors import ModelSpecError
+from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, refusal
 from lnn.formats.ops import REQUIRED, SpecProblem, get_op, normalize_activation
 
 TOP_LEVEL_FIELDS = {"name", "description", "input_shape", "layers", "loss", "optimizer", "preprocess",
@@ -70,6 +78,36 @@ class Node:
         return math.prod(self.out_shape) * FLOAT_BYTES
 
 
+class DefaultLabels(Sequence):
+    """The labels of a model whose description names none: {"name": "<i>", "display": "class <i>"}
+    for each output, made when asked for, so a model with a million outputs costs no memory for
+    them. Compares equal to the list it stands for; `list(labels)` makes that list."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.count))]
+        position = index + self.count if index < 0 else index
+        if not 0 <= position < self.count:
+            raise IndexError(f"label {index} of {self.count}")
+        return {"name": str(position), "display": f"class {position}"}
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, DefaultLabels):
+            return self.count == other.count
+        return isinstance(other, list) and len(other) == self.count and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"DefaultLabels({self.count})"
+
+
 @dataclass
 class Model:
     name: str
@@ -102,7 +140,7 @@ class Model:
                 layer[key] = list(value) if isinstance(value, tuple) else value
             layers.append(layer)
         out = {"name": self.name, "input_shape": list(self.input_shape), "layers": layers,
-               "loss": self.loss, "optimizer": self.optimizer, "labels": self.labels}
+               "loss": self.loss, "optimizer": self.optimizer, "labels": list(self.labels)}
         if self.preprocess is not None:
             out["preprocess"] = self.preprocess
         out.update(self.extra)
@@ -110,27 +148,66 @@ class Model:
 
 
 def load_description(path: str | Path) -> dict:
-    """Read a JSON description file; a missing file or bad JSON becomes a one-line ModelSpecError."""
+    """Read a JSON description file; a missing file, a device or pipe, a file over MAX_JSON_BYTES,
+    bad JSON or JSON nested deeper than MAX_JSON_DEPTH becomes a one-line ModelSpecError."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise ModelSpecError(f"{path}: cannot read the model description (it is a folder)")
+        if not stat.S_ISREG(mode):
+            raise ModelSpecError(f"{path}: cannot read the model description (not a regular file: a device, "
+                                 "pipe or socket)")
+        with path.open("rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError:
         raise ModelSpecError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
+    except OSError as err:
+        raise ModelSpecError(f"{path}: cannot read the model description ({err.strerror or err})") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise ModelSpecError(f"{path}: the model description is over the limit of {MAX_JSON_BYTES:,} bytes "
+                             f"(MAX_JSON_BYTES in lnn/formats/limits.py)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
         raise ModelSpecError(f"{path}: cannot read the model description ({err})") from None
+    return parse_json_text(text, str(path))
+
+
+def parse_json_text(text: str, what: str):
+    """json.loads with lnn's rules: finite numbers only and at most MAX_JSON_DEPTH levels of nesting
+    (checked before parsing, so a file nested 100,000 deep is one line, not a RecursionError)."""
+    if json_nesting_depth(text.encode("utf-8")) > MAX_JSON_DEPTH:
+        raise ModelSpecError(f"{what}: nests deeper than {MAX_JSON_DEPTH} levels "
+                             f"(MAX_JSON_DEPTH in lnn/formats/limits.py)")
     try:
         return json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as err:
-        raise ModelSpecError(f"{path}: not valid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+        raise ModelSpecError(f"{what}: not valid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
     except ValueError as err:
-        raise ModelSpecError(f"{path}: not valid JSON: {err}") from None
+        raise ModelSpecError(f"{what}: not valid JSON: {err}") from None
+
+
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_nesting_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in JSON text (brackets inside strings not counted), in linear
+    time without recursion. For invalid JSON it is a figure the parser will refuse anyway."""
+    brackets = np.frombuffer(JSON_STRING.sub(b"", raw).translate(None, NOT_BRACKETS), np.uint8)
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), np.int8(1), np.int8(-1))
+    return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
 
 
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number; write a finite number")
 
 
-def parse_model(desc: dict) -> Model:
+def parse_model(desc: dict, check_sizes: bool = True) -> Model:
+    """A description (dict) -> Model, or one-line ModelSpecError. The model must be within the sizes of
+    formats/limits.py (`size_refusals`); the `.bin` reader passes check_sizes=False and checks them as
+    its own numbered rules."""
     if not isinstance(desc, dict):
         raise ModelSpecError("the model description must be a JSON object")
     unknown = set(desc) - TOP_LEVEL_FIELDS
@@ -153,6 +230,10 @@ def parse_model(desc: dict) -> Model:
         names.add(node.name)
         nodes.append(node)
         shape = node.out_shape
+    if check_sizes:
+        problem = next(filter(None, size_refusals(input_shape, nodes)), None)
+        if problem:
+            raise ModelSpecError(problem)
 
     extra = {key: desc[key] for key in ("description", "training", "model_card") if key in desc}
     return Model(
@@ -167,6 +248,21 @@ def parse_model(desc: dict) -> Model:
 
 def load_model(path: str | Path) -> Model:
     return parse_model(load_description(path))
+
+
+def activation_bytes(input_shape: tuple, nodes: list) -> int:
+    return math.prod(input_shape) * FLOAT_BYTES + sum(node.activation_bytes for node in nodes)
+
+
+def size_refusals(input_shape: tuple, nodes: list) -> list:
+    """[input, parameters, activations]: each None when within formats/limits.py, else the one-line reason."""
+    return [refusal(f"input_shape {list(input_shape)}", math.prod(input_shape), limits.MAX_INPUT_ELEMENTS,
+                    "MAX_INPUT_ELEMENTS", " values"),
+            refusal("the model's parameter count", sum(node.num_params for node in nodes), limits.MAX_PARAMETERS,
+                    "MAX_PARAMETERS"),
+            refusal("one sample's activations (the input and every layer's float32 output)",
+                    activation_bytes(input_shape, nodes), limits.MAX_ACTIVATION_BYTES, "MAX_ACTIVATION_BYTES",
+                    " bytes")]
 
 
 def _did_you_mean(word: str, known) -> str:
@@ -263,7 +359,7 @@ def _display_name(name: str) -> str:
 def _parse_labels(value, output_shape: tuple) -> list:
     classes = output_shape[0] if len(output_shape) == 1 else None
     if value is None:
-        return [{"name": str(i), "display": f"class {i}"} for i in range(classes or 0)]
+        return DefaultLabels(classes or 0)
     if not isinstance(value, list):
         raise ModelSpecError("labels must be a list of names or of {\"name\", \"display\", \"advice\"} objects")
     labels = []

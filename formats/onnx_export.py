@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lnn.formats.binfile import write_atomic
 from lnn.formats.errors import LnnError
 from lnn.formats.fold import fold_scale_and_shift, scale_and_shift
 from lnn.formats.model import Model
@@ -174,7 +175,7 @@ def build_onnx(model: Model, weights: dict, opset: int = MIN_OPSET):
                                    ir_version=onnx.helper.find_min_ir_version_for(opset_imports))
     onnx.helper.set_model_props(proto, {
         METADATA_KEYS["name"]: model.name,
-        METADATA_KEYS["labels"]: json.dumps(model.labels, ensure_ascii=False),
+        METADATA_KEYS["labels"]: json.dumps(list(model.labels), ensure_ascii=False),
         METADATA_KEYS["preprocess"]: json.dumps(model.preprocess, ensure_ascii=False),
     })
     onnx.checker.check_model(proto)
@@ -182,12 +183,12 @@ def build_onnx(model: Model, weights: dict, opset: int = MIN_OPSET):
 
 
 def export_onnx(model: Model, weights: dict, path, opset: int = MIN_OPSET):
-    """Write the model as ONNX to `path`; returns the ModelProto."""
-    onnx = require_onnx()
+    """Write the model as ONNX to `path`, atomically (an older file survives a full disk); returns the ModelProto."""
+    require_onnx()
     proto = build_onnx(model, weights, opset)
     path = Path(path)
     try:
-        onnx.save_model(proto, str(path))
+        write_atomic(path, proto.SerializeToString())
     except OSError as err:
         raise LnnError(f"{path}: cannot write the ONNX file ({err.strerror or err})") from None
     return proto

@@ -27,14 +27,15 @@ ONNX models written by lnn's exporter carry labels and preprocessing in metadata
 
 from __future__ import annotations
 
-import json
 import math
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
 
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
-from lnn.formats.model import Model, parse_model
+from lnn.formats.model import Model, parse_json_text, parse_model, size_refusals
 from lnn.formats.onnx_export import METADATA_KEYS, require_onnx
 from lnn.formats.ops import get_op
 
@@ -408,6 +409,8 @@ def load_onnx(path):
     onnx = require_onnx()
     path = Path(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode) and not path.is_dir():   # a device or pipe would read for ever
+            raise LnnInputError(f"{path}: is not a regular file (a device, pipe or socket), not an ONNX file")
         with path.open("rb") as f:
             head = f.read(8)
     except FileNotFoundError:
@@ -444,6 +447,9 @@ def _graph_input(graph, consts: dict, onnx) -> tuple:
                                   "only the batch dimension (0) may be dynamic")
         shape.append(dim.dim_value)
     batch = dims[0].dim_value if dims[0].HasField("dim_value") else None
+    too_big = size_refusals(tuple(shape), [])[0]        # before any layer: a huge input is refused at once
+    if too_big:
+        raise OnnxImportError(f'input "{value.name}": {too_big}')
     return value.name, tuple(shape), batch
 
 
@@ -512,9 +518,9 @@ def _lnn_metadata(proto) -> dict:
     for field, key in METADATA_KEYS.items():
         if key in props:
             try:
-                found[field] = json.loads(props[key]) if field != "name" else props[key]
-            except json.JSONDecodeError:
-                raise OnnxImportError(f"metadata_props {key} is not valid JSON") from None
+                found[field] = parse_json_text(props[key], f"metadata_props {key}") if field != "name" else props[key]
+            except ModelSpecError as err:
+                raise OnnxImportError(str(err)) from None
     return found
 
 

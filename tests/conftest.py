@@ -15,10 +15,28 @@ REFERENCE_NAMES = ["mnist_mlp", "mnist_cnn", "leaf_cnn", "leaf_cnn224"]
 EXAMPLES = REPO / "examples"
 
 
+# What each part of the shared data folder holds, for the message of a test that skips without it.
+SHARED_CONTENTS = {
+    "data/mnist": "the MNIST IDX files (train/t10k-images/labels-idx*-ubyte.gz, from yann.lecun.com or any mirror)",
+    "data/tomato": "the PlantVillage tomato-leaf photos (one folder per class, manifest.csv)",
+    "data/outliers": "photos that are not tomato leaves (everyday/, plants_not_tomato/, textures_and_ground/)",
+    "data/ucr": "UCR/UEA time-series files (.ts)",
+    "reference_models": "the PyTorch-made reference models (ONNX, weights .npz, samples with expected outputs)",
+}
+
+
 def need(path: Path) -> Path:
-    """Skip the calling test when a file or folder of ../shared is absent (a user's clone)."""
+    """Skip the calling test when a file or folder of the shared data folder is absent (a user's clone),
+    saying what it needs and how to point the tests at it."""
     if not path.exists():
-        pytest.skip(f"{path} is absent (../shared is only beside the project's own checkouts)")
+        try:
+            relative = path.resolve().relative_to(SHARED).as_posix()
+        except ValueError:
+            relative = None
+        part = relative and next((key for key in SHARED_CONTENTS if relative == key or relative.startswith(key + "/")), None)
+        what = f"{SHARED_CONTENTS[part]}, as {relative} in the shared data folder" if part else "a file of its own"
+        pytest.skip(f"{path} is absent: this test needs {what}; set LNN_SHARED to a folder holding "
+                    f"{relative or path.name} (now {SHARED}) to run it")
     return path
 
 

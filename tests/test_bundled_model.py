@@ -24,6 +24,13 @@ def test_bundled_model_carries_what_a_person_needs():
     assert meta["preprocess"]["color"] == "rgb" and session.input_shape == (3, 128, 128)
 
 
+def test_the_example_description_card_has_no_placeholders_and_says_what_the_bundled_model_says():
+    card = json.loads((EXAMPLES / "tomato_leaf.json").read_text(encoding="utf-8"))["model_card"]
+    assert not [key for key, value in card.items() if "TO FILL" in str(value)]
+    bundled = lnn.load(MODEL, device="numpy").metadata["model_card"]
+    assert card["accuracy"] == bundled["accuracy"] and card["trained"] == bundled["trained"]
+
+
 @pytest.mark.parametrize("device", ["numpy", "cpu"])
 def test_bundled_samples_are_classified_as_their_file_names_say(device):
     assert len(SAMPLES) >= 6

@@ -10,6 +10,7 @@ Errors reach a person as ONE line on stderr, `lnn-<cmd>: error: <message>`, neve
     usage errors (argparse)                -> exit 2
     LnnError (bad model, weights, image)   -> exit 1
     OSError (cannot read or write a file)  -> exit 1
+    MemoryError                            -> exit 1 ("out of memory ...: give it less at once")
     Ctrl-C                                 -> exit 130, quietly
     a closed output pipe (`... | head`)    -> exit 1, quietly
 This module imports only the standard library and lnn's errors, so `--help` stays cheap.
@@ -64,6 +65,10 @@ def run_command(parser: CommandParser, body, argv=None) -> int:
         where = f"{err.filename}: " if err.filename else ""
         error_line(prog, f"{where}{err.strerror or err}")
         return EXIT_BAD_INPUT
+    except MemoryError as err:                        # what no limit foresaw: still one line
+        detail = f" ({err})" if str(err) else ""
+        error_line(prog, f"out of memory{detail}: give it less at once (a smaller --batch, fewer or smaller inputs)")
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -80,12 +85,10 @@ def is_bin_file(path: str | Path) -> bool:
         return Path(path).suffix.lower() == ".bin"
 
 
-NPZ_MAGIC = b"PK\x03\x04"                 # an .npz is a zip archive
-CHECKPOINT_META = "meta.npy"               # the entry only lnn-train's checkpoints hold
-
-
 def is_npz_file(path: str | Path) -> bool:
     """True when the file is a zip archive: a NumPy .npz of weights or an lnn-train checkpoint."""
+    from lnn.formats.npz import NPZ_MAGIC
+
     try:
         with open(path, "rb") as f:
             return f.read(len(NPZ_MAGIC)) == NPZ_MAGIC
@@ -96,6 +99,8 @@ def is_npz_file(path: str | Path) -> bool:
 def read_checkpoint_source(path: str | Path):
     """An lnn-train checkpoint (.npz) -> (Model, weights, state); a plain weights .npz is refused in one line."""
     import zipfile
+
+    from lnn.formats.npz import CHECKPOINT_META
 
     try:
         with zipfile.ZipFile(path) as archive:

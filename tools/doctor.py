@@ -7,12 +7,15 @@
   numba  the Numba CPU backend (lnn.runtime.cpu) runs the same CNN and matches the reference
   cuda   CuPy sees a GPU (name, compute capability, memory, fast fp16 or not); the trainer's
          CuPy forward matches the reference, and a float16 matrix product matches float32
-Exit status 0 when numpy passes (lnn works everywhere it must), 1 otherwise.
+A backend that is not installed is SKIP; one asked for by name that does not work (LNN_CPU_KERNELS
+set to a wrong value, or to aot without the compiled module) is FAIL with the reason.
+Exit status 0 when numpy passes (lnn works everywhere it must) and nothing FAILs, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import traceback
 
 import numpy as np
@@ -67,9 +70,12 @@ def check_numpy() -> tuple[str, str]:
 def check_numba() -> tuple[str, str]:
     if importlib.util.find_spec("numba") is None:
         return "SKIP", "numba is not installed (pip install numba)"
+    chosen = os.environ.get("LNN_CPU_KERNELS")
     try:
         from lnn.runtime.cpu import BACKEND
     except (ImportError, AttributeError) as err:
+        if chosen:                               # asked for by name: not working is a fault, not an absence
+            return "FAIL", f"LNN_CPU_KERNELS={chosen}: the CPU backend does not load ({err})"
         return "SKIP", f"the Numba backend is not available ({err})"
     model, weights, x = _model_and_weights()
     got = BACKEND(model, weights).run(x)
@@ -119,7 +125,7 @@ def body(args) -> int:
             status, detail = "FAIL", f"{type(err).__name__}: {err} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
         results[name] = status
         print(f"{name:6} {status:4}  {' '.join(str(detail).split())}", flush=True)
-    return 0 if results["numpy"] == "PASS" else 1
+    return 0 if results["numpy"] == "PASS" and "FAIL" not in results.values() else 1
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,8 @@ guessing. Rule: the largest threshold that keeps at least --keep (default 99%) o
 classified evaluated photos at or above it, i.e. at most 1% of right answers are turned into
 "uncertain". Choose it on validation photos (the default split), never on training photos.
 --write-threshold OUT.bin writes a copy of the model whose metadata carries it as
-{"thresholds": {"uncertain_below": t, "rule": "..."}} (lnn-infer reads uncertain_below).
+{"thresholds": {"uncertain_below": t, "rule": "..."}} (lnn-infer reads uncertain_below); when the
+model has a model card, its "accuracy" becomes this evaluation (figure, photos, the command).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lnn.formats.binfile import atomic_output, write_atomic
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.tools.cli import command_parser, run_command
 
@@ -150,7 +152,7 @@ def report_lines(labels: list, matrix: np.ndarray, scores: list, accuracy: float
 
 
 def write_confusion_csv(path: Path, labels: list, matrix: np.ndarray) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with atomic_output(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["true \\ predicted"] + [label["display"] for label in labels])
         for label, row in zip(labels, matrix):
@@ -182,15 +184,18 @@ def plot_confusion(path: Path, labels: list, matrix: np.ndarray, title: str) -> 
             if matrix[i, j]:
                 axes.text(j, i, str(matrix[i, j]), ha="center", va="center",
                           color="white" if shares[i, j] > 0.5 else "black", fontsize=9)
-    figure.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(figure)
+    try:
+        with atomic_output(path) as f:
+            figure.savefig(f, format="png", dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(figure)
 
 
 # --------------------------------------------------------------------------- the command
 
 def body(args) -> int:
     import lnn
-    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, scan_folder
+    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, check_split, scan_folder
 
     kind, sep, folder_path = args.data.partition(":")
     if kind != "folder" or not sep or not folder_path:
@@ -201,6 +206,8 @@ def body(args) -> int:
         raise LnnError("--seed and --val-fraction choose the validation split; they mean nothing with --split all")
     seed = DEFAULT_SPLIT_SEED if args.seed is None else args.seed
     val_fraction = DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction
+    if args.split == "val":
+        check_split(val_fraction, seed)                  # before decoding anything
     session = lnn.load(args.model, device=args.device)
     preprocess = session.model.preprocess
     if preprocess is None:
@@ -232,7 +239,8 @@ def body(args) -> int:
               f"{threshold['coverage']:.1%} of these photos answered, {_percent(threshold['accuracy_of_accepted'])} "
               f"of those right, {_percent(threshold['wrong_flagged'])} of the wrong answers turned into 'uncertain'")
     if args.write_threshold:
-        write_with_threshold(session.bin, Path(args.write_threshold), threshold)
+        write_with_threshold(session.bin, Path(args.write_threshold), threshold,
+                             accuracy_summary(args, session.bin.metadata, accuracy, len(rows), what))
         print(f"wrote {args.write_threshold} with thresholds.uncertain_below = {threshold['uncertain_below']}")
 
     if args.out:
@@ -241,7 +249,7 @@ def body(args) -> int:
         write_confusion_csv(out / "confusion.csv", labels, matrix)
         plot_confusion(out / "confusion.png", labels, matrix, f"{session.model.name}\naccuracy {accuracy:.2%} "
                                                               f"on {len(rows)} photos")
-        with open(out / "predictions.csv", "w", newline="", encoding="utf-8") as f:
+        with atomic_output(out / "predictions.csv", "w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
             writer.writerow(["file", "true", "predicted", "confidence"])
             for row, t, p, c in zip(rows, true, predicted, confidence):
@@ -252,17 +260,33 @@ def body(args) -> int:
                    "photos": int(len(rows)), "accuracy": accuracy,
                    "classes": {label["name"]: score for label, score in zip(labels, scores)},
                    "threshold": threshold}
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        write_atomic(out / "metrics.json", (json.dumps(metrics, indent=2) + "\n").encode("utf-8"))
         print(f"wrote {out}/confusion.png, confusion.csv, predictions.csv, metrics.json")
     return 0
 
 
-def write_with_threshold(bin_model, path: Path, threshold: dict) -> None:
-    """A copy of the model (same tensors, same stored dtypes) whose metadata carries the threshold."""
+def accuracy_summary(args, metadata: dict, accuracy: float, count: int, what: str) -> str:
+    """The model card's "accuracy" field: the figure, on what, and the command that measured it."""
+    command = f"lnn-eval {args.model} --data {args.data}"
+    command += " --split all" if args.split == "all" else "".join(
+        f" --{name.replace('_', '-')} {getattr(args, name)}" for name in ("seed", "val_fraction")
+        if getattr(args, name) is not None)
+    text = f"{accuracy:.2%} on {count:,} photos, {what}: {command}."
+    best = (metadata.get("training") or {}).get("best")
+    if args.split == "val" and isinstance(best, dict) and "epoch" in best:
+        text += f" The epoch kept ({best['epoch']}) was chosen on the same validation split."
+    return text
+
+
+def write_with_threshold(bin_model, path: Path, threshold: dict, accuracy: str) -> None:
+    """A copy of the model (same tensors, same stored dtypes) whose metadata carries the threshold and,
+    when it has a model card, this evaluation as the card's "accuracy"."""
     from lnn.formats.binfile import write_bin
 
     metadata = dict(bin_model.metadata)
     metadata["thresholds"] = {"uncertain_below": threshold["uncertain_below"], "rule": threshold["rule"]}
+    if isinstance(metadata.get("model_card"), dict):
+        metadata["model_card"] = {**metadata["model_card"], "accuracy": accuracy}
     write_bin(path, bin_model.model, bin_model.tensors, metadata, bin_model.stored_dtypes)
 
 

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lnn.formats.binfile import (build_metadata, check_weights, encode_bin, fp16_dtypes, int8_dtypes, parse_bin_bytes,
-                                 write_atomic)
-from lnn.formats.errors import LnnError, LnnInputError
-from lnn.formats.npz import NPZ_READ_ERRORS, open_npz
+from lnn.formats.binfile import (build_metadata, check_weight_shapes, encode_bin, float32_weights, fp16_dtypes,
+                                 int8_dtypes, parse_bin_bytes, write_atomic)
+from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
+from lnn.formats.npz import NPZ_READ_ERRORS, array_headers, open_npz
 from lnn.formats.model import Model
 from lnn.tools.eval import class_columns, probabilities
 from lnn.tools.cli import (command_parser, human_bytes, is_npz_file, read_checkpoint_source, read_model_source,
@@ -62,21 +62,26 @@ def build_parser():
 
 
 def load_weights(path: str | Path, model: Model) -> dict:
-    """Read an .npz of named arrays; drop batch norm's num_batches_tracked; refuse non-numeric arrays."""
+    """Read an .npz of named arrays; drop batch norm's num_batches_tracked; refuse non-numeric arrays.
+    Names, shapes and dtypes are checked against the model from the .npy headers before any array is read."""
     archive = open_npz(path, "weights file", "a NumPy .npz archive of named weight arrays", LnnInputError)
     ignored = {f"{node.name}.{key}" for node in model.nodes if node.op == "batchnorm" for key in IGNORED_BATCHNORM_KEYS}
     weights = {}
     with archive:
-        for key in archive.files:
-            if key in ignored:
-                continue
+        headers = {key: header for key, header in array_headers(archive, path, LnnInputError).items()
+                   if key not in ignored}
+        for key, (_shape, dtype) in headers.items():
+            if dtype.kind not in "fiu":
+                raise LnnInputError(f"{path}: {key} has dtype {dtype}, not numbers")
+        try:
+            check_weight_shapes(model.param_shapes(), {key: shape for key, (shape, _dtype) in headers.items()})
+        except ModelSpecError as err:
+            raise LnnInputError(f"{path}: {err}") from None
+        for key in headers:
             try:
-                array = archive[key]
+                weights[key] = archive[key]
             except NPZ_READ_ERRORS as err:
                 raise LnnInputError(f"{path}: cannot read array {key!r} ({err}); the archive is damaged") from None
-            if array.dtype.kind not in "fiu":
-                raise LnnInputError(f"{path}: {key} has dtype {array.dtype}, not numbers")
-            weights[key] = array
     return weights
 
 
@@ -106,8 +111,7 @@ def export(args) -> int:
     if args.onnx:
         from lnn.formats.onnx_export import export_onnx
 
-        check_weights(model.param_shapes(), weights)
-        export_onnx(model, {key: np.asarray(value, np.float32) for key, value in weights.items()}, args.onnx)
+        export_onnx(model, float32_weights(model, weights), args.onnx)      # int8 and float16 widened
         size = Path(args.onnx).stat().st_size
         print(f"wrote {args.onnx}: {human_bytes(size)} ({size:,} bytes), ONNX, float32, {model.num_params:,} parameters")
     return 0

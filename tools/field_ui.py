@@ -28,6 +28,7 @@ from tkinter import filedialog, messagebox, ttk
 
 import numpy as np
 
+from lnn.formats.binfile import atomic_output
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime import resolve_device
 from lnn.runtime.preprocess import read_image, resize_image
@@ -213,7 +214,7 @@ class FieldApp:
 
     def save_report(self, path) -> None:
         """Write the session's history as CSV: one row per photo, best answer first."""
-        with open(path, "w", newline="", encoding="utf-8") as f:
+        with atomic_output(path, "w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
             writer.writerow(REPORT_COLUMNS)
             for when, answer, _, model in self.history:

@@ -14,7 +14,10 @@ split lnn-eval --split val uses), classes balanced, training images augmented as
 training.augment says (--no-augment: not). --outliers DIR (folder data only): outlier exposure with
 the "fit" part of DIR's photos (lnn.train.outliers), mixed in as training.outliers says (default 1
 per 4 training rows, uniform-posterior loss weight 0.5); validation accuracy stays on the folder's
-own photos.
+own photos. --init MODEL starts from a .bin's or a checkpoint's weights (fine-tuning).
+A batch larger than the training rows is cut to their number (said so). Before allocating, the
+plan's memory is compared with what the device has free, and running out of memory later is one
+line with the planned figure: choose a smaller --batch then.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ def build_parser():
     parser.add_argument("--lr", type=float, help="base learning rate (the optimizer block's lr)")
     parser.add_argument("--lr-schedule", choices=("constant", "cosine", "step"),
                         help="learning-rate schedule type, with its default settings (training.lr_schedule)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
-                        help="cuda (CuPy), cpu (NumPy) or auto: cuda when CuPy sees a GPU (default)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "numpy", "cpu"),
+                        help="cuda (CuPy), numpy (NumPy on the CPU) or auto: cuda when CuPy sees a GPU (default); "
+                             "cpu is another name for numpy here (training has no Numba path; elsewhere cpu is Numba)")
     parser.add_argument("--cuda-graph", dest="cuda_graph", action="store_true", default=None,
                         help="replay each step as a captured CUDA graph (an error when the model cannot); "
                              "default: whenever the model, optimizer and device allow it")
@@ -52,7 +56,9 @@ def build_parser():
     parser.add_argument("--init", metavar="MODEL", help="start from this model's weights (a .bin or an lnn-train "
                         "checkpoint of the same layers) instead of a random initialization: fine-tuning")
     parser.add_argument("--seed", type=int, help="seed of weights, shuffling and dropout (training.seed)")
-    parser.add_argument("--patience", type=int, help="stop after this many epochs without a better test accuracy")
+    parser.add_argument("--patience", type=int,
+                        help="stop after this many epochs without a better validation accuracy (for mnist:, "
+                             "measured on the test set)")
     parser.add_argument("--limit-train", type=int, metavar="N", help="train on the first N training images only")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (one line per epoch stays)")
     parser.add_argument("--val-fraction", type=float, default=0.2, help="folder: share of each class kept for validation")
@@ -69,7 +75,9 @@ def load_data(spec: str, description: dict, args):
     if not sep or not path or kind not in DATA_KINDS:
         raise LnnInputError(f"--data must look like KIND:PATH with KIND one of {', '.join(DATA_KINDS)}, not {spec!r}")
     if kind == "folder":
-        from lnn.train.images import folder_datasets
+        from lnn.train.images import DEFAULT_SPLIT_SEED, check_split, folder_datasets
+
+        check_split(args.val_fraction, DEFAULT_SPLIT_SEED)          # before decoding anything
 
         return folder_datasets(path, description, augment=not args.no_augment, val_fraction=args.val_fraction,
                                progress=not args.quiet, outliers=args.outliers)
@@ -124,10 +132,17 @@ def body(args) -> int:
         raise LnnInputError(f"{args.model}: the model takes inputs of shape {list(model.input_shape)} but the "
                             f"{args.data} images are {list(train.sample_shape)}")
 
+    from lnn.train.config import TrainingConfig
     from lnn.train.device import device_bytes_held
     from lnn.train.trainer import Trainer
 
-    trainer = Trainer(model, device=args.device, seed=args.seed, batch_size=args.batch, lr=args.lr, amp=args.amp,
+    train = train.limit(args.limit_train)
+    batch = args.batch or TrainingConfig.parse(model.extra.get("training")).batch_size
+    if batch > len(train):
+        print(f"batch {batch:,} is more than the {len(train):,} training rows: training with batch {len(train):,}",
+              flush=True)
+        batch = len(train)
+    trainer = Trainer(model, device=args.device, seed=args.seed, batch_size=batch, lr=args.lr, amp=args.amp,
                       cuda_graph="auto" if args.cuda_graph is None else args.cuda_graph,
                       outliers=args.outliers is not None)
     if args.init and not (args.resume and (Path(args.out) / "checkpoint.npz").exists()):
@@ -138,7 +153,7 @@ def body(args) -> int:
           f" x {trainer.config.accumulate} accumulated; plan memory {human_bytes(memory['peak'])} "
           f"(activations pooled {human_bytes(memory['activations_pooled'])}, naive "
           f"{human_bytes(memory['activations_naive'])})", flush=True)
-    trainer.fit(train.limit(args.limit_train), test, epochs=args.epochs, out_dir=args.out, resume=args.resume,
+    trainer.fit(train, test, epochs=args.epochs, out_dir=args.out, resume=args.resume,
                 patience=args.patience, progress=not args.quiet)
     held = device_bytes_held(trainer.xp)
     if held is not None:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import io
 import json
+import math
 
 import numpy as np
 
 from lnn.formats.binfile import build_metadata, write_atomic, write_bin
 from lnn.formats.errors import LnnFormatError, ModelSpecError
-from lnn.formats.npz import NPZ_READ_ERRORS, open_npz
-from lnn.formats.model import Model, parse_model
+from lnn.formats.limits import MAX_JSON_BYTES
+from lnn.formats.model import Model, parse_json_text, parse_model
+from lnn.formats.npz import NPZ_READ_ERRORS, array_headers, check_array_fits, open_npz
 
 FORMAT, VERSION = "lnn-checkpoint", 1
 
@@ -43,34 +45,75 @@ def save_checkpoint(path, meta: dict, weights: dict, optimizer_state: dict) -> N
 
 
 def read_checkpoint(path) -> tuple[dict, dict, dict]:
-    """-> (meta, weights, optimizer_state); a damaged or foreign file gives one LnnFormatError line."""
+    """-> (meta, weights, optimizer_state); a damaged or foreign file gives one LnnFormatError line.
+
+    The .npy headers are checked first: the meta entry is bytes of at most MAX_JSON_BYTES, its
+    description a valid model within formats/limits.py, every weight the shape that model gives it
+    and every optimizer array no larger than the flat parameter buffer; only then is data read."""
     archive = open_npz(path, "checkpoint file", "an lnn checkpoint", LnnFormatError)
-    try:
-        with archive:
-            if "meta" not in archive.files:
-                raise LnnFormatError(f"{path}: not an lnn checkpoint (no meta entry)")
-            meta = json.loads(archive["meta"].tobytes().decode("utf-8"))
-            weights = {k[2:]: archive[k] for k in archive.files if k.startswith("w/")}
-            optimizer_state = {k[4:]: archive[k] for k in archive.files if k.startswith("opt/")}
-    except (*NPZ_READ_ERRORS, UnicodeDecodeError):
-        raise LnnFormatError(f"{path}: the checkpoint is damaged (an entry cannot be read)") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise LnnFormatError(f"{path}: not an lnn checkpoint (meta format is not {FORMAT!r})")
-    if meta.get("version") != VERSION:
-        raise LnnFormatError(f"{path}: checkpoint version {meta.get('version')} is not one this lnn reads ({VERSION})")
+    with archive:
+        headers = array_headers(archive, path, LnnFormatError)
+        if "meta" not in headers:
+            raise LnnFormatError(f"{path}: not an lnn checkpoint (no meta entry)")
+        meta_shape, meta_dtype = headers["meta"]
+        if meta_dtype != np.uint8 or len(meta_shape) != 1 or meta_shape[0] > MAX_JSON_BYTES:
+            raise LnnFormatError(f"{path}: the checkpoint is damaged (its meta entry is not JSON bytes of at most "
+                                 f"{MAX_JSON_BYTES:,} bytes)")
+        try:
+            text = archive["meta"].tobytes().decode("utf-8")
+        except (*NPZ_READ_ERRORS, UnicodeDecodeError):
+            raise LnnFormatError(f"{path}: the checkpoint is damaged (an entry cannot be read)") from None
+        try:
+            meta = parse_json_text(text, "its meta entry")
+        except ModelSpecError as err:
+            raise LnnFormatError(f"{path}: the checkpoint is damaged ({err})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise LnnFormatError(f"{path}: not an lnn checkpoint (meta format is not {FORMAT!r})")
+        if meta.get("version") != VERSION:
+            raise LnnFormatError(f"{path}: checkpoint version {meta.get('version')} is not one this lnn reads ({VERSION})")
+        model = _model_of(meta, path)
+        _check_headers(path, model, headers)
+        try:
+            weights = {k[2:]: archive[k] for k in headers if k.startswith("w/")}
+            optimizer_state = {k[4:]: archive[k] for k in headers if k.startswith("opt/")}
+        except NPZ_READ_ERRORS:
+            raise LnnFormatError(f"{path}: the checkpoint is damaged (an entry cannot be read)") from None
     return meta, weights, optimizer_state
+
+
+def _model_of(meta: dict, path) -> Model:
+    try:
+        return parse_model(meta["description"])
+    except (KeyError, ModelSpecError) as err:
+        raise LnnFormatError(f"{path}: the checkpoint's model description is unusable ({err})") from None
+
+
+def _check_headers(path, model: Model, headers: dict) -> None:
+    """Every weight has its layer's shape; an optimizer array holds at most the flat parameter buffer
+    (each parameter padded to PARAM_ALIGN elements) plus its step counter."""
+    from lnn.train.plan import PARAM_ALIGN
+
+    shapes = model.param_shapes()
+    flat = sum(-(-math.prod(shape) // PARAM_ALIGN) * PARAM_ALIGN for shape in shapes.values())
+    for key, (shape, _dtype) in headers.items():
+        if key.startswith("w/"):
+            expected = shapes.get(key[2:])
+            if expected is None:
+                raise LnnFormatError(f"{path}: the checkpoint holds weight {key[2:]!r}, which no layer of its model has")
+            if tuple(shape) != tuple(expected):
+                raise LnnFormatError(f"{path}: weight {key[2:]!r} has shape {list(shape)} in the checkpoint's "
+                                     f"header, its layer expects {list(expected)}")
+        elif key.startswith("opt/"):
+            check_array_fits(path, key, headers[key], max(flat, 1), LnnFormatError)
 
 
 def load_checkpoint(path) -> tuple[Model, dict, dict]:
     """-> (model, weights as float32 arrays keyed like the .bin, state: the meta JSON and optimizer arrays)."""
     meta, weights, optimizer_state = read_checkpoint(path)
-    try:
-        model = parse_model(meta["description"])
-    except (KeyError, ModelSpecError) as err:
-        raise LnnFormatError(f"{path}: the checkpoint's model description is unusable ({err})") from None
+    model = _model_of(meta, path)
     expected = model.param_shapes()
     for key, shape in expected.items():
-        if key not in weights or tuple(weights[key].shape) != tuple(shape):
+        if key not in weights:
             raise LnnFormatError(f"{path}: the checkpoint lacks weight {key!r} of shape {list(shape)}")
     weights = {key: np.asarray(weights[key], np.float32) for key in expected}
     return model, weights, {**meta, "optimizer": optimizer_state}

@@ -1,16 +1,22 @@
 """Where training runs: NumPy on the CPU or CuPy on an NVIDIA GPU, chosen by name.
 
-`select_device("auto" | "cuda" | "cpu")` -> (xp, "cpu" | "cuda"). CuPy is imported only here and
-only when asked for ("auto" tries it and falls back to the CPU quietly).
+`select_device("auto" | "cuda" | "numpy")` -> (xp, "cpu" | "cuda"). CuPy is imported only here and
+only when asked for ("auto" tries it and falls back to the CPU quietly). Training on the CPU is
+NumPy ("cpu" is accepted as another name for it; the trainer has no Numba path).
+
+`check_memory_fits` compares a plan's memory with what the device has free before anything is
+allocated, and `out_of_memory` is the one-line error for an allocation that fails anyway.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
 from lnn.formats.errors import LnnError
 
-DEVICES = ("auto", "cuda", "cpu")
+DEVICES = ("auto", "cuda", "numpy", "cpu")          # cpu: another name for numpy
 
 
 def _cupy_with_gpu():
@@ -31,7 +37,7 @@ def _cupy_with_gpu():
 def select_device(name: str = "auto"):
     if name not in DEVICES:
         raise LnnError(f"device must be one of {', '.join(DEVICES)}, not {name!r}")
-    if name == "cpu":
+    if name in ("numpy", "cpu"):
         return np, "cpu"
     cupy, reason = _cupy_with_gpu()
     if cupy is not None:
@@ -67,3 +73,39 @@ def cuda_info(cupy) -> dict:
     capability = int(device.compute_capability)
     return {"name": name, "compute_capability": f"{capability // 10}.{capability % 10}",
             "memory_total": int(total), "memory_free": int(free), "fast_fp16": capability >= 70}
+
+
+def free_bytes(xp) -> int | None:
+    """Memory the device can still give: the GPU's free memory plus what CuPy's pool holds unused; on
+    the CPU, the kernel's MemAvailable (Linux) or the free physical pages; None when unknown."""
+    if is_cupy(xp):
+        return int(xp.cuda.runtime.memGetInfo()[0] + xp.get_default_memory_pool().free_bytes())
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB ({n:,} bytes)" if n >= 2**30 else f"{n / 2**20:.1f} MiB ({n:,} bytes)"
+
+
+def check_memory_fits(xp, planned: int, batch: int, device: str) -> None:
+    """Refuse (one line) a training plan of `planned` bytes that the device has no room for."""
+    free = free_bytes(xp)
+    if free is not None and planned > free:
+        raise LnnError(f"training at batch {batch:,} plans {_size(planned)} of memory, but the {device} has "
+                       f"{_size(free)} free: choose a smaller --batch")
+
+
+def out_of_memory(planned: int, batch: int, device: str) -> LnnError:
+    """The one-line error for a MemoryError (CuPy's OutOfMemoryError is one) while training."""
+    return LnnError(f"out of memory on the {device} while training at batch {batch:,} (the plan needs "
+                    f"{_size(planned)}, plus the data and the library's workspaces): choose a smaller --batch")

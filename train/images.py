@@ -17,7 +17,9 @@ cache folder (~/.cache/lnn on Linux; see lnn.runtime.cpu.cache.default_cache_roo
 hashes every source file's relative path, size and mtime with the image size and colour order,
 so an edited, added or removed photo makes a new cache. It is built in a temporary folder beside
 it and renamed into place, so a killed run never leaves a half-written cache; the next run with
-the same files and size opens it at once without decoding anything.
+the same files and size opens it at once without decoding anything. When the cache folder cannot
+be written (read-only, on a full or missing disk), the images are decoded into a temporary folder
+removed at exit, with one warning, as the Numba kernel cache falls back (runtime/cpu/jit.py).
 
 Split (`split_by_leaf`): deterministic from a seed, stratified per class (the validation share
 of every class is at most, and with small groups left exactly, `val_fraction` of its images,
@@ -33,6 +35,7 @@ augmentation), which the Trainer then shuffles per epoch as usual. No loss weigh
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -47,6 +50,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnInputError
 from lnn.runtime import preprocess as image_io
+from lnn.runtime.cpu.cache import default_cache_root as lnn_cache_root, ensure_writable   # no Numba import
 from lnn.train.data import ArrayDataset, MemmapDataset
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
@@ -79,8 +83,6 @@ def scan_folder(folder) -> tuple[list, list, list]:
 
 
 def default_cache_root() -> Path:
-    from lnn.runtime.cpu.cache import default_cache_root as lnn_cache_root   # no Numba import
-
     return lnn_cache_root() / "datasets"
 
 
@@ -171,16 +173,29 @@ def _build_cache(folder: Path, files: list, labels: list, size: tuple, color: st
         shutil.rmtree(building, ignore_errors=True)
 
 
+def _scratch_folder() -> Path:
+    """A temporary folder for a cache that cannot be kept, removed when the process ends."""
+    scratch = Path(tempfile.mkdtemp(prefix="lnn-images-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return scratch
+
+
 def open_cache(folder, files: list, labels: list, size: tuple, color: str, cache_root=None, workers=None,
                log=None, progress: bool = True, what: str = "images"):
     """(cache folder, its index, MemmapDataset of the decoded files, leaf masks or None) for the given files
     of `folder` (paths relative to it) at `size` (H, W) in `color` order, decoding them first when no cache
-    for exactly these files exists."""
+    for exactly these files exists (into a temporary folder, with one warning, when the cache root cannot
+    be written)."""
     log = log or (lambda message: print(message, flush=True))
     folder = Path(folder)
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     target = root / cache_key(folder, files, size, color)
     if not (target / "index.json").exists():
+        problem = ensure_writable(root)
+        if problem:
+            target = _scratch_folder() / target.name
+            log(f"warning: cannot write the image cache: {problem}; decoding into the temporary folder "
+                f"{target.parent} for this run only (set LNN_CACHE_DIR to a writable folder to decode once)")
         log(f"{folder}: decoding {len(files)} {what} at {size[0]}x{size[1]} into {target} (once)")
         _build_cache(folder, files, labels, size, color, target, workers or min(8, os.cpu_count() or 1), log, progress)
     index = json.loads((target / "index.json").read_text())
@@ -203,13 +218,20 @@ def leaf_group(file_name: str) -> str:
     return f"leaf {int(match.group(1))}" if match else f"file {Path(file_name).name}"
 
 
+def check_split(val_fraction: float, seed: int) -> None:
+    """Refuse (one line) a validation fraction outside (0, 1) or a seed that is not a non-negative integer."""
+    if not 0 < val_fraction < 1:
+        raise LnnInputError(f"the validation fraction must be between 0 and 1, not {val_fraction}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise LnnInputError(f"the split seed must be a non-negative integer, not {seed}")
+
+
 def split_by_leaf(files: list, labels, val_fraction: float = DEFAULT_VAL_FRACTION,
                   seed: int = DEFAULT_SPLIT_SEED) -> tuple[np.ndarray, np.ndarray]:
     """(train rows, validation rows), sorted. Per class the leaf groups are shuffled from (seed, class)
     and, in that order, each group that still fits goes to validation, up to round(val_fraction *
     class size) images (exactly that many when small groups remain to fill up)."""
-    if not 0 < val_fraction < 1:
-        raise LnnInputError(f"the validation fraction must be between 0 and 1, not {val_fraction}")
+    check_split(val_fraction, seed)
     labels = np.asarray(labels)
     val = []
     for label in np.unique(labels):

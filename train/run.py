@@ -4,7 +4,9 @@
     RUN_DIR/best.npz         the epoch with the best validation result so far (same format)
     RUN_DIR/metrics.jsonl    one JSON object per epoch (rewritten from the checkpoint on resume)
     RUN_DIR/curves.png       loss and accuracy per epoch (matplotlib)
-    RUN_DIR/model.bin        at the end: the best epoch's model, with preprocessing and labels
+    RUN_DIR/model.bin        at the end: the best epoch's model, with preprocessing and labels; when
+                             the description has a model_card, its "trained" field says how this
+                             run trained it (date, device, epochs, batch, optimizer, epoch time)
 "Best" is the highest validation accuracy (cross_entropy), else the lowest validation loss, else
 the lowest training loss. Killing the process at any moment leaves every file either the old or
 the new version (binfile.write_atomic): --resume restarts after the last checkpointed epoch and,
@@ -14,12 +16,14 @@ exactly what the uninterrupted run would have done.
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
-from lnn.formats.binfile import write_atomic
-from lnn.formats.errors import LnnError
+from lnn.formats.binfile import atomic_output, write_atomic
+from lnn.formats.errors import LnnError, LnnFormatError
 from lnn.train.checkpoint import export_checkpoint, read_checkpoint, save_checkpoint
+from lnn.version import __version__
 
 CHECKPOINT, BEST, METRICS, CURVES, MODEL = "checkpoint.npz", "best.npz", "metrics.jsonl", "curves.png", "model.bin"
 
@@ -63,9 +67,14 @@ class RunDirectory:
         if not _same_network(meta.get("description", {}), mine):
             raise LnnError(f"{checkpoint} was trained from a different model than this description; "
                            f"use another --out folder")
-        self.trainer.load_state(meta, weights, optimizer_state)
-        self.history = list(meta["history"])
-        self.best = meta.get("best")
+        try:
+            self.trainer.load_state(meta, weights, optimizer_state)
+            self.history = list(meta["history"])
+            self.best = meta.get("best")
+        except (KeyError, TypeError, ValueError) as err:       # a field missing or of the wrong kind
+            what = f"no {err}" if isinstance(err, KeyError) else str(err)
+            raise LnnFormatError(f"{checkpoint}: the checkpoint is damaged ({what}); start a new run in "
+                                 f"another --out folder") from None
         self._write_metrics()
         self.trainer.log(f"resumed {self.folder} after epoch {len(self.history)} (step {meta['step']})")
 
@@ -114,15 +123,39 @@ class RunDirectory:
             axes[0][1].set(xlabel="epoch", ylabel="accuracy", title="accuracy")
             axes[0][1].legend()
         figure.tight_layout()
-        temporary = self.folder / f".{CURVES}.tmp.png"
-        figure.savefig(temporary, dpi=100)
-        plt.close(figure)
-        temporary.replace(self.folder / CURVES)
+        try:
+            with atomic_output(self.folder / CURVES) as f:
+                figure.savefig(f, format="png", dpi=100)
+        finally:
+            plt.close(figure)
+
+    def trained_summary(self) -> str:
+        """The model card's "trained" field, from this run: date, device, epochs, batch, optimizer and
+        schedule, median epoch time (the card of a description that has one gets it in model.bin)."""
+        trainer, config = self.trainer, self.trainer.config
+        if trainer.device == "cuda":
+            from lnn.train.device import cuda_info
+
+            device = f"one {cuda_info(trainer.xp)['name']} (CuPy)"
+        else:
+            device = "the CPU (NumPy)"
+        optimizer = trainer.optimizer_config
+        settings = [optimizer["type"].upper() if optimizer["type"] == "sgd" else optimizer["type"].capitalize()]
+        if optimizer.get("momentum"):
+            settings.append(f"{'nesterov ' if optimizer.get('nesterov') else ''}momentum {optimizer['momentum']:g}")
+        settings.append(f"lr {trainer.base_lr:g} {config.lr_schedule['type']}")
+        seconds = sorted(entry["epoch_s"] for entry in self.history if "epoch_s" in entry)
+        batch = f"batch {trainer.plan.batch_size}" + (f" x {config.accumulate}" if config.accumulate > 1 else "")
+        epoch_time = f", about {seconds[len(seconds) // 2]:.1f} s per epoch" if seconds else ""
+        return (f"{datetime.date.today().isoformat()} with lnn-train {__version__} on {device}, "
+                f"{len(self.history)} epochs, {batch}, {' '.join(settings)}{epoch_time}")
 
     def finish(self, export: bool):
         if not export or not self.history:
             return
         source = self.folder / (BEST if (self.folder / BEST).exists() else CHECKPOINT)
-        size = export_checkpoint(source, self.folder / MODEL)
+        card = self.trainer.model.extra.get("model_card")
+        extra = {"model_card": {**card, "trained": self.trained_summary()}} if isinstance(card, dict) else None
+        size = export_checkpoint(source, self.folder / MODEL, extra)
         best = f" (epoch {self.best['epoch']})" if self.best else ""
         self.trainer.log(f"wrote {self.folder / MODEL} ({size} bytes) from {source.name}{best}")

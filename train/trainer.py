@@ -39,7 +39,7 @@ from lnn.formats.model import Model, load_description, parse_model
 from lnn.train import kernels as K
 from lnn.train.config import TrainingConfig, learning_rate
 from lnn.train.data import ArrayDataset, DeviceFeeder, PinnedSlots, Prefetcher, epoch_order
-from lnn.train.device import cuda_info, is_cupy, select_device, to_numpy
+from lnn.train.device import check_memory_fits, cuda_info, is_cupy, out_of_memory, select_device, to_numpy
 from lnn.train.optim import clip_by_global_norm, global_norm, make_optimizer
 from lnn.train.plan import Plan
 
@@ -119,7 +119,12 @@ class Trainer:
         self.amp = self._amp_possible(amp)
         self.plan = Plan(self.model, config.batch_size, dtype=dtype, amp=self.amp, inspect=inspect,
                          implicit_conv=is_cupy(self.xp))
-        self.plan.allocate(self.xp)
+        self.memory_planned = self.plan.memory_report()["peak"]
+        check_memory_fits(self.xp, self.memory_planned, config.batch_size, self.device)
+        try:
+            self.plan.allocate(self.xp)
+        except MemoryError:
+            raise self.out_of_memory() from None
         self.optimizer_config = dict(self.model.optimizer)
         if lr is not None:
             if not lr > 0:
@@ -433,10 +438,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
+    def out_of_memory(self) -> LnnError:
+        return out_of_memory(self.memory_planned, self.plan.batch_size, self.device)
+
     def fit(self, train_data, val_data=None, epochs: int | None = None, out_dir=None, resume: bool = False,
             patience: int | None = None, progress: bool = True, export: bool = True) -> list:
         """Train for `epochs`; evaluate on val_data each epoch. With out_dir: checkpoints, metrics.jsonl,
-        curves.png, best.npz and (export=True) model.bin there. Returns the per-epoch history."""
+        curves.png, best.npz and (export=True) model.bin there. Returns the per-epoch history.
+        Running out of memory is one LnnError line naming the planned figure."""
+        try:
+            return self._fit(train_data, val_data, epochs, out_dir, resume, patience, progress, export)
+        except MemoryError:                          # CuPy's OutOfMemoryError is a MemoryError too
+            raise self.out_of_memory() from None
+
+    def _fit(self, train_data, val_data=None, epochs: int | None = None, out_dir=None, resume: bool = False,
+             patience: int | None = None, progress: bool = True, export: bool = True) -> list:
         from lnn.train.run import RunDirectory
 
         train = self._as_dataset(train_data, "training data")

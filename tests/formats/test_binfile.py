@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import EXAMPLES, REPO
-from lnn.formats import binfile
+from lnn.formats import binfile, limits
 from lnn.formats.binfile import (BinModel, build_metadata, encode_bin, fp16_dtypes, graph_of, int8_dtypes,
                                  parse_bin_bytes, read_bin, write_bin)
 from lnn.formats.errors import LnnFormatError, ModelSpecError
@@ -360,6 +360,31 @@ def set_key(path, value):
     return change
 
 
+def oversized(description):
+    """A file for a model over a size limit of formats/limits.py, written by this test's own writer (lnn's
+    refuses such a model), with small weights: the graph declares the size, the tensors stay tiny."""
+    def craft(_model, _weights):
+        model = parse_model(description, check_sizes=False)
+        tensors = tiny_tensors(model, random_weights(model))
+        return join(build(canonical(graph_of(model)), canonical(build_metadata(model)), tensors))
+    return craft
+
+
+HUGE_INPUT = {"name": "huge_input", "input_shape": [3, 50000, 50000], "layers": [
+    {"type": "conv2d", "out_channels": 2, "kernel_size": 1}, {"type": "global_avg_pool"}]}
+HUGE_ACTIVATIONS = {"name": "huge_activations", "input_shape": [1, 1, 1], "layers": [
+    {"type": "conv2d", "out_channels": 1, "kernel_size": 1, "padding": 20000}]}     # out [1, 40001, 40001]
+
+
+@dataclass
+class UnderLimit:
+    """A case run with formats/limits.py's `name` lowered to `value` (a file over the real limit is too big to craft)."""
+
+    name: str
+    value: int
+    craft: object
+
+
 # rule number -> [(case id, craft(model, weights) -> bytes, message pattern)]
 RULE_CASES = {
     3: [("magic", patched(set_header(magic=b"\x89LNX\r\n\x1a\n")), r"not an lnn model file: wrong magic")],
@@ -492,6 +517,14 @@ RULE_CASES = {
           r"tensor 'fc.weight.scale': a scale is zero or negative")],
     56: [("-128", patched(make=with_int8_tensors(lambda t: setattr(t[7], "raw", b"\x80" + t[7].raw[1:]))),
           r"tensor 'fc.weight': holds -128")],
+    57: [("3x50000x50000 input", oversized(HUGE_INPUT),
+          r"graph: input_shape \[3, 50000, 50000\] is 7,500,000,000 values, over the limit of 16,777,216 values "
+          r"\(MAX_INPUT_ELEMENTS in lnn/formats/limits.py\)")],
+    58: [("parameters", UnderLimit("MAX_PARAMETERS", 100, patched()),
+          r"graph: the model's parameter count is 239, over the limit of 100 \(MAX_PARAMETERS")],
+    59: [("40001x40001 activation", oversized(HUGE_ACTIVATIONS),
+          r"graph: one sample's activations .* is 6,400,320,008 bytes, over the limit of 2,147,483,648 bytes "
+          r"\(MAX_ACTIVATION_BYTES")],
 }
 # Rules 1 and 2 concern the file itself (missing, a folder, too short): tested with real files below.
 RULES_TESTED_WITH_FILES = {1: "test_read_bin_refuses_what_is_not_a_model_file",
@@ -507,6 +540,9 @@ def test_each_rule_refuses_its_crafted_file(tiny, monkeypatch, rule, craft, patt
     if craft == "json-cap":
         monkeypatch.setattr(binfile, "MAX_JSON_BYTES", 100)
         data = join(tiny_parts(model, weights))
+    elif isinstance(craft, UnderLimit):
+        monkeypatch.setattr(limits, craft.name, craft.value)
+        data = craft.craft(model, weights)
     else:
         data = craft(model, weights)
     refused(data, pattern)
@@ -803,3 +839,19 @@ def test_atomic_write_gives_ordinary_file_permissions(tmp_path):
         os.umask(umask)
     assert (tmp_path / "out.bin").stat().st_mode & 0o777 == 0o644
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def test_a_tiny_file_declaring_a_huge_input_is_one_line_in_the_commands(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "huge_input.bin"
+    path.write_bytes(oversized(HUGE_INPUT)(None, None))
+    assert path.stat().st_size < 1500
+    photo = sorted((EXAMPLES / "leaves").glob("*.jpg"))[0]
+    for command, args in [("infer", ["--model", path, photo]), ("summary", [path])]:
+        done = subprocess.run([sys.executable, "-m", f"lnn.tools.{command}", *map(str, args)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 1
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+        assert "input_shape [3, 50000, 50000] is 7,500,000,000 values" in done.stderr and "MAX_INPUT_ELEMENTS" in done.stderr

@@ -172,6 +172,52 @@ def test_missing_and_unreadable_files(tmp_path):
         load_model(latin)
 
 
+def test_a_description_nested_100000_deep_is_one_line(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text('{"name": "x", "model_card": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ModelSpecError) as info:
+        load_description(path)
+    assert str(info.value) == f"{path}: nests deeper than 64 levels (MAX_JSON_DEPTH in lnn/formats/limits.py)"
+    path.write_text('{"name": "[[[[", "model_card": ' + "[" * 60 + "]" * 60 + "}")     # brackets in strings do not count
+    assert load_description(path)["name"] == "[[[["
+
+
+def test_descriptions_that_are_no_files_or_too_big_are_refused_without_reading_them(tmp_path):
+    with pytest.raises(ModelSpecError, match=r"^/dev/zero: cannot read the model description \(not a regular file"):
+        load_description("/dev/zero")
+    big = tmp_path / "big.json"
+    big.write_bytes(b'{"name": "' + b"x" * (4 << 20) + b'"}')
+    with pytest.raises(ModelSpecError, match=r"big.json: the model description is over the limit of 4,194,304 bytes "
+                                             r"\(MAX_JSON_BYTES in lnn/formats/limits.py\)"):
+        load_description(big)
+
+
+@pytest.mark.parametrize("desc, limit, figure", [
+    ({"input_shape": [3, 50000, 50000], "layers": [{"type": "flatten"}]}, "MAX_INPUT_ELEMENTS", "7,500,000,000 values"),
+    ({"input_shape": [16], "layers": [{"type": "linear", "out_features": 10**12}]}, "MAX_PARAMETERS", "17,000,000,000,000"),
+    ({"input_shape": [1, 1, 1], "layers": [{"type": "conv2d", "out_channels": 1, "kernel_size": 1, "padding": 20000}]},
+     "MAX_ACTIVATION_BYTES", "6,400,320,008 bytes"),
+], ids=["input", "parameters", "activations"])
+def test_sizes_over_the_limits_are_one_line_naming_the_limit_and_the_figure(desc, limit, figure):
+    message = spec_error(desc)
+    assert f"is {figure}, over the limit of" in message and f"({limit} in lnn/formats/limits.py)" in message
+
+
+def test_default_labels_of_a_wide_output_are_made_only_when_asked_for():
+    import time
+
+    started = time.perf_counter()
+    model = parse_model({"input_shape": [1 << 24], "layers": [{"type": "relu"}], "loss": "mse"})
+    assert time.perf_counter() - started < 0.5          # building 16.8 M label objects takes many seconds and GBs
+    labels = model.labels
+    assert len(labels) == 1 << 24
+    assert labels[7] == {"name": "7", "display": "class 7"} and labels[-1]["name"] == str((1 << 24) - 1)
+    assert labels[1:3] == [{"name": "1", "display": "class 1"}, {"name": "2", "display": "class 2"}]
+    small = parse_model({"input_shape": [3], "layers": [{"type": "relu"}], "loss": "mse"})
+    assert small.labels == [{"name": str(i), "display": f"class {i}"} for i in range(3)]
+    assert small.to_description()["labels"] == list(small.labels)
+
+
 def test_random_damage_to_descriptions_raises_only_model_spec_errors():
     """Any value swapped for a value of another kind gives ModelSpecError (never TypeError, KeyError, ...)."""
     descs = [load_model(EXAMPLES / "reference" / f"{n}.json").to_description() for n in ("mnist_mlp", "mnist_cnn")]

@@ -211,6 +211,15 @@ def test_inputs_lnn_cannot_take_are_refused():
         import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
+def test_sizes_over_the_limits_are_refused_as_the_description_parser_does():
+    message = refusal([helper.make_node("Relu", ["x"], ["y"], name="r")], [], (3, 50000, 50000))
+    assert message == ('input "x": input_shape [3, 50000, 50000] is 7,500,000,000 values, over the limit of '
+                       "16,777,216 values (MAX_INPUT_ELEMENTS in lnn/formats/limits.py)")
+    padded = helper.make_node("Conv", ["x", "w"], ["y"], name="c", pads=[20000] * 4)
+    message = refusal([padded], [tensor("w", np.ones((1, 1, 1, 1)))], (1, 1, 1))
+    assert message.startswith('node 0 "c" (Conv): ') and "MAX_ACTIVATION_BYTES" in message
+
+
 def test_command_errors_are_one_line_with_exit_status(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "lnn.tools.import_onnx", *map(str, args)],
@@ -224,7 +233,8 @@ def test_command_errors_are_one_line_with_exit_status(tmp_path):
     not_onnx.write_bytes(b"\xff\xd8\xff\xe0 this is not a model")
     for args, fragment in [((tmp_path / "bad.onnx", "-o", tmp_path / "x.bin"), '"Resize_3" (Resize)'),
                            ((tmp_path / "missing.onnx", "-o", tmp_path / "x.bin"), "no such file"),
-                           ((not_onnx, "-o", tmp_path / "x.bin"), "not a valid ONNX model")]:
+                           ((not_onnx, "-o", tmp_path / "x.bin"), "not a valid ONNX model"),
+                           (("/dev/zero", "-o", tmp_path / "x.bin"), "/dev/zero: is not a regular file")]:
         result = run(*args)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 1 and len(lines) == 1, result.stderr
@@ -240,3 +250,14 @@ def test_missing_onnx_extra_is_one_clear_line(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "onnx", None)
     with pytest.raises(LnnError, match=r"ONNX support needs the onnx extra: pip install 'lnn\[onnx\]'"):
         import_onnx(tmp_path / "any.onnx")
+
+
+def test_lnn_metadata_in_an_onnx_file_nested_100000_deep_is_one_line():
+    model = make_model([helper.make_node("Relu", ["x"], ["y"], name="r")], [], [2, 6, 6], "y")
+    helper.set_model_props(model, {"lnn.labels": "[" * 100_000 + "]" * 100_000})
+    with pytest.raises(OnnxImportError) as info:
+        import_onnx(model)
+    assert str(info.value) == "metadata_props lnn.labels: nests deeper than 64 levels (MAX_JSON_DEPTH in lnn/formats/limits.py)"
+    helper.set_model_props(model, {"lnn.labels": "[1,"})
+    with pytest.raises(OnnxImportError, match=r"^metadata_props lnn.labels: not valid JSON at line 1"):
+        import_onnx(model)

@@ -1,9 +1,12 @@
 """Helpers shared by the command tests: run a command as a process, check one-line errors, export reference models."""
 
 import contextlib
+import errno
 import io
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +47,41 @@ def reference_bin(tmp_path_factory):
         return made[name]
 
     return make
+
+
+class _FillingFile:
+    """A file object whose first write stores half of its data, then fails as a full disk does."""
+
+    def __init__(self, file):
+        self._file = file
+
+    def write(self, data):
+        self._file.write(data[:len(data) // 2])
+        self._file.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+
+@contextlib.contextmanager
+def full_disk():
+    """Inside the block, the disk fills up half-way through any file written through os.fdopen
+    (atomic_output's temporary files)."""
+    real_fdopen = os.fdopen
+    os.fdopen = lambda *args, **kwargs: _FillingFile(real_fdopen(*args, **kwargs))
+    try:
+        yield
+    finally:
+        os.fdopen = real_fdopen
+
+
+def temporaries(folder) -> list:
+    """The temporary files atomic_output left in `folder` (there must be none)."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.name.endswith(".tmp"))

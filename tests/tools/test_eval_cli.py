@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import lnn
-from cli_helpers import assert_one_line_error, run_command
+from cli_helpers import assert_one_line_error, full_disk, run_command, temporaries
 from lnn.formats.binfile import read_bin, write_bin
 from lnn.formats.model import parse_model
 from lnn.tools.eval import choose_threshold, main
@@ -176,3 +176,56 @@ def test_unknown_class_folder_and_non_image_model(tmp_path, capsys):
                                              "linear_0.bias": np.zeros(3, np.float32)})
     code, _, err = run_eval(capsys, tmp_path / "flat.bin", "--data", f"folder:{folder}")
     assert code == 1 and "takes no images" in err
+
+
+def test_a_full_disk_leaves_the_old_outputs_and_no_partial_file(tmp_path, capsys):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
+    out = tmp_path / "ev"
+    out.mkdir()
+    (out / "confusion.csv").write_text("the old matrix\n")
+    assert run_eval(capsys, model, "--data", f"folder:{folder}", "--split", "all")[0] == 0    # the photos' cache
+    with full_disk():
+        code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--split", "all", "--out", out)
+    assert code == 1
+    assert_one_line_error(err, "lnn-eval", "confusion.csv: No space left on device")
+    assert (out / "confusion.csv").read_text() == "the old matrix\n"
+    assert temporaries(out) == [] and sorted(p.name for p in out.iterdir()) == ["confusion.csv"]
+
+
+def test_an_unwritable_cache_is_one_warning_not_a_failure(tmp_path, monkeypatch, capsys):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("LNN_CACHE_DIR", str(tmp_path / "a_file" / "cache"))      # cannot be created, even by root
+    code, out, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--split", "all")
+    assert code == 0, err
+    assert "6 photos, accuracy" in out
+    assert [line for line in err.splitlines() if "warning" in line] == [next(
+        line for line in err.splitlines() if line.startswith("warning: cannot write the image cache"))]
+
+
+@pytest.mark.parametrize("option, fragment", [(["--seed", "-1"], "the split seed must be a non-negative integer, not -1"),
+                                              (["--val-fraction", "1.5"], "between 0 and 1, not 1.5")])
+def test_a_bad_split_is_one_line_before_decoding(tmp_path, capsys, option, fragment):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
+    code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}", *option)
+    assert code == 1
+    assert_one_line_error(err, "lnn-eval", fragment)
+    assert not (tmp_path / "cache").exists()                    # refused before any photo was decoded
+
+
+def test_the_copy_with_the_threshold_carries_this_evaluation_as_its_card_accuracy(tmp_path, capsys):
+    model = parse_model({
+        "name": "colours", "input_shape": [3, 8, 8], "model_card": {"accuracy": "TO FILL", "task": "colours"},
+        "layers": [{"type": "global_avg_pool"}, {"type": "linear", "name": "fc", "out_features": 3}],
+        "labels": list(COLOURS)})
+    weight = np.zeros((3, 3), np.float32)
+    weight[[0, 1, 2], [2, 1, 0]] = 20.0                         # blue, green, red rows read B, G, R of RGB
+    write_bin(tmp_path / "m.bin", model, {"fc.weight": weight, "fc.bias": np.zeros(3, np.float32)})
+    folder = colour_folder(tmp_path / "photos")
+    code, out, err = run_eval(capsys, tmp_path / "m.bin", "--data", f"folder:{folder}", "--split", "all",
+                              "--write-threshold", tmp_path / "t.bin")
+    assert code == 0, err
+    card = read_bin(tmp_path / "t.bin").metadata["model_card"]
+    assert card["task"] == "colours"
+    assert card["accuracy"] == (f"93.33% on 30 photos, {folder} (all photos): lnn-eval {tmp_path / 'm.bin'} "
+                                f"--data folder:{folder} --split all.")

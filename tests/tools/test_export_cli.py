@@ -232,3 +232,109 @@ def test_a_weights_npz_as_the_model_and_weights_for_a_checkpoint_are_one_line_er
     (tmp_path / "broken.npz").write_bytes((folder / "best.npz").read_bytes()[:200])
     assert "broken.npz" in error_of(capsys, [tmp_path / "broken.npz", "-o", tmp_path / "o.bin"])
     assert not (tmp_path / "o.bin").exists()
+
+
+# --------------------------------------------------------------------------- archives whose headers claim huge arrays
+
+def npy_claiming(shape, dtype="<f4", data_bytes=50_000) -> bytes:
+    """An .npy member whose header claims `shape` but which holds only `data_bytes` of data (a 51 KB file
+    that np.load would allocate the whole claimed array for)."""
+    import io
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": dtype, "fortran_order": False, "shape": tuple(shape)})
+    return header.getvalue() + bytes(data_bytes)
+
+
+def rewrite_archive(source, target, **members) -> None:
+    """Copy a zip archive (an .npz), replacing or adding the members given as name=bytes (name without .npy)."""
+    import zipfile
+
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w") as new:
+        for info in old.infolist():
+            if info.filename[:-len(".npy")] not in members:
+                new.writestr(info, old.read(info))
+        for name, data in members.items():
+            new.writestr(name + ".npy", data)
+
+
+def test_a_weights_archive_claiming_a_huge_array_is_refused_from_its_header(tmp_path, capsys):
+    import time
+    import zipfile
+
+    model = batchnorm_model(tmp_path)
+    with zipfile.ZipFile(tmp_path / "bomb.npz", "w") as archive:
+        archive.writestr("fc.weight.npy", npy_claiming((100000, 100000)))
+    assert (tmp_path / "bomb.npz").stat().st_size < 52_000
+    started = time.perf_counter()
+    message = error_of(capsys, [model, "--weights", tmp_path / "bomb.npz", "-o", tmp_path / "o.bin"])
+    assert time.perf_counter() - started < 5
+    assert "bomb.npz: weights: missing 'conv.weight'" in message            # names checked from the headers
+    rng = np.random.default_rng(0)
+    good = {"conv.weight": rng.normal(size=(3, 2, 3, 3)), "conv.bias": rng.normal(size=3), "bn.weight": np.ones(3),
+            "bn.bias": np.zeros(3), "bn.running_mean": np.zeros(3), "bn.running_var": np.ones(3),
+            "fc.bias": np.zeros(2)}
+    np.savez(tmp_path / "good.npz", **good, **{"fc.weight": np.ones((2, 3))})
+    rewrite_archive(tmp_path / "good.npz", tmp_path / "bomb2.npz", **{"fc.weight": npy_claiming((100000, 100000))})
+    message = error_of(capsys, [model, "--weights", tmp_path / "bomb2.npz", "-o", tmp_path / "o.bin"])
+    assert "weights: fc.weight has shape [100000, 100000], the model expects [2, 3]" in message
+    assert not (tmp_path / "o.bin").exists()
+
+
+@pytest.mark.parametrize("member, claim, fragment", [
+    ("w/fc.weight", (100000, 100000), "weight 'fc.weight' has shape [100000, 100000] in the checkpoint's header, "
+                                      "its layer expects [2, 3]"),
+    ("w/ghost.weight", (4,), "holds weight 'ghost.weight', which no layer of its model has"),
+    ("opt/momentum_buffer", (100000, 100000), "array 'opt/momentum_buffer' claims shape [100000, 100000]"),
+    ("meta", (100000, 100000), "its meta entry is not JSON bytes of at most 4,194,304 bytes"),
+])
+def test_a_checkpoint_claiming_a_huge_array_is_refused_from_its_header(tiny_run, tmp_path, capsys, member, claim,
+                                                                        fragment):
+    folder, _, _ = tiny_run
+    rewrite_archive(folder / "best.npz", tmp_path / "bomb.npz",
+                    **{member: npy_claiming(claim, "|u1" if member == "meta" else "<f4")})
+    assert fragment in error_of(capsys, [tmp_path / "bomb.npz", "-o", tmp_path / "o.bin"])
+
+
+def test_a_checkpoint_with_a_damaged_description_is_one_line(tiny_run, tmp_path, capsys):
+    import io
+    import zipfile
+
+    folder, _, _ = tiny_run
+    with zipfile.ZipFile(folder / "best.npz") as archive:
+        meta = json.loads(np.load(io.BytesIO(archive.read("meta.npy"))).tobytes())
+    for name, description in [("garbage", {"layers": "garbage"}), ("deep", [[[[]]]] * 3 + ["[" * 100]),
+                              ("wrong", {**meta["description"], "input_shape": [3, 50000, 50000]})]:
+        buffer = io.BytesIO()
+        np.save(buffer, np.frombuffer(json.dumps({**meta, "description": description}).encode(), np.uint8))
+        rewrite_archive(folder / "best.npz", tmp_path / f"{name}.npz", meta=buffer.getvalue())
+        assert "the checkpoint's model description is unusable" in error_of(
+            capsys, [tmp_path / f"{name}.npz", "-o", tmp_path / "o.bin"])
+    deep = io.BytesIO()
+    np.save(deep, np.frombuffer(('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}").encode(), np.uint8))
+    rewrite_archive(folder / "best.npz", tmp_path / "nested.npz", meta=deep.getvalue())
+    assert "nests deeper than 64 levels" in error_of(capsys, [tmp_path / "nested.npz", "-o", tmp_path / "o.bin"])
+
+
+def test_a_checkpoint_given_as_a_model_file_says_to_export_it(tiny_run):
+    from lnn.formats.errors import LnnFormatError
+
+    folder, _, _ = tiny_run
+    with pytest.raises(LnnFormatError, match=r"best.npz: not an lnn model file: wrong magic bytes \(this is a training "
+                                             r"checkpoint: export it with lnn-export CHECKPOINT -o model.bin\)"):
+        read_bin(folder / "best.npz")
+
+
+def test_onnx_on_a_full_disk_keeps_the_older_file_and_leaves_no_partial_one(tiny_run, tmp_path, capsys):
+    pytest.importorskip("onnx")
+    from cli_helpers import full_disk, temporaries
+
+    folder, _, _ = tiny_run
+    old = tmp_path / "model.onnx"
+    old.write_bytes(b"an older export")
+    with full_disk():
+        message = error_of(capsys, [folder / "best.npz", "--onnx", old])
+    assert "model.onnx" in message and "No space left on device" in message
+    assert old.read_bytes() == b"an older export" and temporaries(tmp_path) == []
+    assert main([str(folder / "best.npz"), "--onnx", str(old)]) == 0                # with room, it is replaced
+    assert old.read_bytes()[:2] != b"an"

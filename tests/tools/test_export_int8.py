@@ -167,3 +167,24 @@ def test_infer_and_summary_take_compressed_files(compressed_tomato, kind, capsys
     assert summary_main([str(compressed_tomato[kind])]) == 0
     printed = capsys.readouterr().out
     assert kind.replace("fp", "float") in printed
+
+
+@pytest.mark.parametrize("compression", ["--int8", "--fp16"])
+def test_a_compressed_bin_exports_to_onnx_as_its_widened_float_weights(tmp_path, capsys, compression):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    model = parse_model({"name": "small", "input_shape": [2, 6, 6], "layers": [
+        {"type": "conv2d", "name": "conv", "out_channels": 4, "kernel_size": 3, "activation": "relu"},
+        {"type": "flatten"}, {"type": "linear", "name": "fc1", "out_features": 3}]})
+    rng = np.random.default_rng(0)
+    weights = {key: rng.normal(size=shape).astype(np.float32) for key, shape in model.param_shapes().items()}
+    write_bin(tmp_path / "f32.bin", model, weights)
+    args = ["--force"] if compression == "--int8" else []
+    assert export_main([str(tmp_path / "f32.bin"), "-o", str(tmp_path / "small.bin"), compression, *args]) == 0
+    assert export_main([str(tmp_path / "small.bin"), "--onnx", str(tmp_path / "small.onnx")]) == 0
+    capsys.readouterr()
+    x = rng.normal(size=(5, 2, 6, 6)).astype(np.float32)
+    expected = lnn.load(tmp_path / "small.bin", device="numpy").run(x)          # the compressed model's own answers
+    ort = onnxruntime.InferenceSession(str(tmp_path / "small.onnx"))
+    np.testing.assert_allclose(ort.run(None, {ort.get_inputs()[0].name: x})[0], expected, rtol=1e-5, atol=1e-5)
+    float_answers = lnn.load(tmp_path / "f32.bin", device="numpy").run(x)
+    assert not np.allclose(expected, float_answers, rtol=0, atol=1e-7)          # the ONNX is the compressed one

@@ -149,3 +149,27 @@ def test_help_and_version():
     assert result.returncode == 0 and "--batch" in result.stdout
     result = run_command("summary", "--version")
     assert result.returncode == 0 and result.stdout.strip() == f"lnn-summary (lnn) {lnn.__version__}"
+
+
+def test_a_huge_output_without_labels_is_refused_at_once(tmp_path):
+    path = tmp_path / "huge.json"
+    path.write_text('{"input_shape": [4], "layers": [{"type": "linear", "out_features": 1000000000000}]}')
+    result = run_command("summary", path)
+    assert result.returncode == 1
+    assert_one_line_error(result.stderr, "lnn-summary", "parameter count is 5,000,000,000,000", "MAX_PARAMETERS")
+
+
+def test_time_grows_about_linearly_with_the_layer_count(tmp_path, capsys):
+    import time
+
+    def seconds(layers: int) -> float:
+        path = tmp_path / f"deep{layers}.json"
+        path.write_text(json.dumps({"input_shape": [16], "loss": "mse", "layers": [
+            {"type": "linear", "out_features": 16, "activation": "relu"}] * layers}))
+        started = time.perf_counter()
+        summary_of(capsys, path)
+        return time.perf_counter() - started
+
+    seconds(10)                                            # imports
+    took = seconds(2000)
+    assert took < 4, f"2,000 layers took {took:.1f} s (the quadratic placement took 14 s)"

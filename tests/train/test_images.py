@@ -346,3 +346,28 @@ def test_bundled_sample_leaves_are_on_the_validation_side():
         source = manifest[hashlib.sha256(sample.read_bytes()).hexdigest()]      # unchanged bytes
         assert source.split("/")[0] == sample.stem
         assert source in validation, sample.name
+
+
+def unwritable_cache_roots(tmp_path) -> list:
+    """Cache folders that cannot be written: one beneath a plain file (even root cannot create it) and,
+    when the tests do not run as root (who may write anywhere), a read-only folder."""
+    (tmp_path / "a_file").write_text("")
+    roots = [tmp_path / "a_file" / "cache"]
+    if hasattr(os, "geteuid") and os.geteuid() != 0:
+        (tmp_path / "read_only").mkdir()
+        (tmp_path / "read_only").chmod(0o555)
+        roots.append(tmp_path / "read_only" / "cache")
+    return roots
+
+
+def test_an_unwritable_cache_falls_back_to_a_temporary_folder_with_one_warning(tmp_path):
+    folder = make_folder(tmp_path / "photos")
+    reference = ImageFolder.load(folder, (3, 16, 16), "rgb", cache_root=tmp_path / "cache", log=lambda m: None,
+                                 progress=False)
+    for root in unwritable_cache_roots(tmp_path):
+        messages = []
+        data = ImageFolder.load(folder, (3, 16, 16), "rgb", cache_root=root, log=messages.append, progress=False)
+        warnings = [m for m in messages if m.startswith("warning:")]
+        assert len(warnings) == 1 and "cannot write the image cache" in warnings[0] and "LNN_CACHE_DIR" in warnings[0]
+        assert np.array_equal(data.data.images, reference.data.images) and data.files == reference.files
+        assert not data.cache_dir.is_relative_to(root)

@@ -127,6 +127,133 @@ def test_checkpoint_errors(tmp_path):
             load_checkpoint(tmp_path / name)
 
 
+def test_resume_from_a_damaged_checkpoint_is_one_line(tmp_path):
+    import io
+    import zipfile
+
+    from lnn.formats.model import parse_model
+    from lnn.train import Trainer
+
+    model = parse_model({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}]})
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.integers(0, 2, 32)
+
+    def fit(resume):
+        trainer = Trainer(model, device="cpu", seed=0, batch_size=16, log=lambda *a: None)
+        trainer.fit((x, y), (x, y), epochs=1, out_dir=tmp_path / "run", resume=resume, progress=False, export=False)
+
+    fit(False)
+    checkpoint = tmp_path / "run" / "checkpoint.npz"
+    with zipfile.ZipFile(checkpoint) as archive:
+        members = {info.filename: archive.read(info) for info in archive.infolist()}
+    for damage, fragment in [(lambda m: m.pop("step"), "the checkpoint is damaged (no 'step')"),
+                             (lambda m: m.update(history=7), "the checkpoint is damaged ("),
+                             (lambda m: m.update(description={"layers": 3}), "model description is unusable")]:
+        meta = json.loads(np.load(io.BytesIO(members["meta.npy"])).tobytes())
+        damage(meta)
+        buffer = io.BytesIO()
+        np.save(buffer, np.frombuffer(json.dumps(meta).encode(), np.uint8))
+        with zipfile.ZipFile(checkpoint, "w") as archive:
+            for name, data in {**members, "meta.npy": buffer.getvalue()}.items():
+                archive.writestr(name, data)
+        with pytest.raises(LnnFormatError) as info:
+            fit(True)
+        assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def colour_photos(root, per_class=4):
+    """Two classes of small photos: red ones and green ones."""
+    import cv2
+
+    rng = np.random.default_rng(0)
+    for name, channel in (("green", 1), ("red", 2)):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            image = rng.integers(0, 60, (12, 12, 3), dtype=np.uint8)
+            image[:, :, channel] = 200
+            cv2.imwrite(str(root / name / f"{name}_{i}.png"), image)
+    return root
+
+
+COLOUR_MODEL = {"name": "colours", "input_shape": [3, 8, 8], "layers": [
+    {"type": "global_avg_pool"}, {"type": "linear", "out_features": 2}]}
+
+
+def test_a_batch_larger_than_the_data_is_cut_to_it_and_said_so(tmp_path, monkeypatch, capsys):
+    from lnn.tools.train import main
+
+    monkeypatch.setenv("LNN_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "m.json").write_text(json.dumps(COLOUR_MODEL))
+    folder = colour_photos(tmp_path / "photos")
+    code = main([str(tmp_path / "m.json"), "--data", f"folder:{folder}", "--out", str(tmp_path / "run"),
+                 "--batch", "100000000", "--epochs", "1", "--device", "numpy", "--quiet", "--no-augment"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "batch 100,000,000 is more than the 6 training rows: training with batch 6" in out
+    assert "batch 6 x 1 accumulated" in out
+
+
+def test_a_plan_bigger_than_the_free_memory_is_refused_before_allocating(tmp_path, monkeypatch, capsys):
+    from lnn.formats.errors import LnnError
+    from lnn.formats.model import parse_model
+    from lnn.train import Trainer, device
+    from lnn.train.plan import Plan
+
+    model = parse_model({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}]})
+    monkeypatch.setattr(device, "free_bytes", lambda xp: 1000)
+    monkeypatch.setattr(Plan, "allocate", lambda *a: pytest.fail("allocated although it cannot fit"))
+    planned = Plan(model, 256).memory_report()["peak"]
+    with pytest.raises(LnnError) as info:
+        Trainer(model, device="numpy", batch_size=256, log=lambda *a: None)
+    assert str(info.value) == (f"training at batch 256 plans {planned / 2**20:.1f} MiB ({planned:,} bytes) of memory, "
+                               "but the cpu has 0.0 MiB (1,000 bytes) free: choose a smaller --batch")
+
+
+def test_running_out_of_memory_is_one_line_with_the_planned_figure(tmp_path, monkeypatch):
+    from lnn.formats.errors import LnnError
+    from lnn.formats.model import parse_model
+    from lnn.train import Trainer
+    from lnn.train.plan import Plan
+
+    model = parse_model({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}]})
+    real_allocate = Plan.allocate
+
+    def no_memory(*args):
+        raise MemoryError("Unable to allocate 578. GiB")
+
+    monkeypatch.setattr(Plan, "allocate", no_memory)
+    with pytest.raises(LnnError, match=r"^out of memory on the cpu while training at batch 16 \(the plan needs "
+                                       r"[\d.]+ MiB \([\d,]+ bytes\).*choose a smaller --batch$"):
+        Trainer(model, device="numpy", batch_size=16, log=lambda *a: None)
+    monkeypatch.setattr(Plan, "allocate", real_allocate)
+    trainer = Trainer(model, device="numpy", batch_size=16, log=lambda *a: None)
+    monkeypatch.setattr(trainer, "_train_epoch", no_memory)
+    x, y = np.zeros((32, 4), np.float32), np.zeros(32, np.int64)
+    with pytest.raises(LnnError, match=r"^out of memory on the cpu while training at batch 16"):
+        trainer.fit((x, y), (x, y), epochs=1, progress=False)
+
+
+def test_model_bin_gets_its_card_trained_field_from_the_run(tmp_path):
+    import datetime
+
+    from lnn.formats.binfile import read_bin
+    from lnn.formats.model import parse_model
+    from lnn.train import Trainer
+
+    model = parse_model({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}],
+                         "optimizer": {"type": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True},
+                         "model_card": {"trained": "TO FILL", "task": "a test"}})
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.integers(0, 2, 32)
+    trainer = Trainer(model, device="numpy", seed=0, batch_size=16, log=lambda *a: None)
+    history = trainer.fit((x, y), (x, y), epochs=3, out_dir=tmp_path / "run", progress=False)
+    card = read_bin(tmp_path / "run" / "model.bin").metadata["model_card"]
+    median = sorted(entry["epoch_s"] for entry in history)[1]
+    assert card == {"task": "a test", "trained": (
+        f"{datetime.date.today().isoformat()} with lnn-train {lnn.__version__} on the CPU (NumPy), 3 epochs, "
+        f"batch 16, SGD nesterov momentum 0.9 lr 0.05 constant, about {median:.1f} s per epoch")}
+
+
 def test_init_starts_from_the_given_models_weights(tmp_path):
     """--init: a run with a vanishing learning rate ends where the given .bin started; a model of other
     layers is one line."""
