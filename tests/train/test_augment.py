@@ -359,3 +359,28 @@ def test_worker_processes_make_the_same_images_as_threads():
                               augmenter_from_block(block, "rgb", workers=1)(images, np.random.default_rng(4)))
     finally:
         augmenter.close()
+
+
+def test_shifted_copy_is_deterministic_and_uses_held_out_backgrounds(monkeypatch):
+    """benchmarks/shifted_accuracy.py's copies: fixed by the seed, each shift its own change."""
+    import sys
+
+    from conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import shifted_accuracy
+
+    image, _ = leaf_photo()
+    images, masks = np.stack([image] * 3), np.stack([leaf_mask(image)] * 3)
+    assert shifted_accuracy.still_augmenter("rgb").background_kinds == HELD_OUT_KINDS
+    copies = {shift: shifted_accuracy.shifted_copy(images, masks, shift, "rgb", seed=5)
+              for shift in shifted_accuracy.SHIFTS}
+    for shift, copy in copies.items():
+        assert np.array_equal(copy, shifted_accuracy.shifted_copy(images, masks, shift, "rgb", seed=5))
+        assert not np.array_equal(copy, images), shift
+    assert copies["darker"].mean() < 0.65 * images.mean()
+    leaf = masks[0] == 255
+    assert np.array_equal(copies["background"][:, :, leaf], images[:, :, leaf])        # the leaf itself kept
+    assert not np.array_equal(copies["background"], shifted_accuracy.shifted_copy(images, masks, "background",
+                                                                                  "rgb", seed=6))
+    del sys.modules["shifted_accuracy"]
