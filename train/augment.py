@@ -35,7 +35,8 @@ Per image, in this order (each image draws its own settings; p is the probabilit
      kind drawn from `kinds`, with probability `shadow` a soft drop shadow under it. A shrunk leaf
      that draws no new background is composited onto a plain sheet of its photo's own background
      colour (no mirrored copies of the leaf around it). Images without a mask (the outlier photos of
-     outlier exposure) keep theirs, reflected where shrunk;
+     outlier exposure), or whose mask found no leaf, keep theirs, reflected where shrunk (so no class
+     label ever lands on a picture without its leaf);
   3. random erasing: a rectangle of `area` (share of the image, aspect 1/3..3) filled with noise;
   4. lighting as one affine colour map (cv2.transform): brightness (x * b), contrast (blend with the
      mean grey level), saturation (blend with each pixel's grey level), each factor uniform in 1 +-
@@ -286,7 +287,7 @@ class Augmenter:
             return cv2.warpPerspective(pixels, projective, (width, height), flags=flags, borderMode=border_mode)
 
         x = warp(hwc, cv2.BORDER_REFLECT_101).reshape(height, width, channels)
-        if mask is not None and (settings["background"][i] >= 0 or settings["scale"][i] < 1):
+        if mask is not None and mask.max() >= 128 and (settings["background"][i] >= 0 or settings["scale"][i] < 1):
             leaf = warp(np.ascontiguousarray(mask), cv2.BORDER_CONSTANT)
             sheet = sheet_colour(hwc) if settings["background"][i] < 0 else None
             picture = self._background(settings, i, rng, height, width, leaf, sheet).reshape(height, width, channels)

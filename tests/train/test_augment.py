@@ -143,12 +143,14 @@ def test_background_replacement_composites_through_the_mask():
     augmenter = still(background_p=1.0, shadow_p=0.0, background_kinds=("soil",))
     full = np.full(truth.shape, 255, np.uint8)
     assert np.array_equal(run_one(augmenter, image, full, background=0), image)       # all leaf: unchanged
-    empty = np.zeros_like(truth)
+    speck = np.zeros_like(truth)
+    speck[30:32, 30:32] = 255
     settings = settings_of(augmenter, 1, 64, 64, background=0)
     want = background("soil", np.random.default_rng(int(settings["seed"][0])), 64, 64).transpose(2, 0, 1)
     out = np.empty_like(image)
-    augmenter.augment_one(image, settings, 0, out, empty)
-    assert np.array_equal(out, want)                                                  # no leaf: the background
+    augmenter.augment_one(image, settings, 0, out, speck)
+    assert np.array_equal(out[:, speck == 0], want[:, speck == 0])                   # outside the leaf: background
+    assert np.array_equal(run_one(augmenter, image, np.zeros_like(truth), background=0), image)   # no leaf found
     mask = leaf_mask(image)
     mixed = run_one(augmenter, image, mask, background=0)
     assert np.array_equal(mixed[:, mask == 255], image[:, mask == 255])
