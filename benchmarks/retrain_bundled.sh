@@ -8,7 +8,8 @@
 # curves.png and train.log to $OUT (default runs/bundled_out); prints the best validation accuracy and the
 # epoch times. If the command is cut off (a 600 s limit), running it again on the same machine continues
 # after the last finished epoch (--resume). On the H200 with 16 cores: about 3 s per epoch, 80 epochs,
-# 4-5 minutes plus about 30 s to decode the photos and spawn the augmentation processes.
+# 4-5 minutes plus about 30 s to decode the photos and spawn the augmentation processes
+# (LNN_AUGMENT_PROCESSES=0 bash benchmarks/retrain_bundled.sh augments in threads instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-.devdata/gpu}

@@ -386,3 +386,25 @@ def test_shifted_copy_is_deterministic_and_uses_held_out_backgrounds(monkeypatch
     assert not np.array_equal(copies["background"], shifted_accuracy.shifted_copy(images, masks, "background",
                                                                                   "rgb", seed=6))
     del sys.modules["shifted_accuracy"]
+
+
+def test_augment_processes_follow_the_core_count_or_the_environment(tmp_path, monkeypatch):
+    from lnn.train import images
+
+    folder = tiny_tomato(tmp_path, ("healthy", "late_blight"), per_class=3)
+    description = json.loads(small_leaf_description(tmp_path, ("healthy", "late_blight"), size=24).read_text())
+    monkeypatch.setenv("LNN_CACHE_DIR", str(tmp_path / "cache"))
+
+    def processes():
+        train, _, _ = images.folder_datasets(folder, description, log=lambda m: None, progress=False)
+        return train.augmenter.processes
+
+    monkeypatch.setattr(images.os, "cpu_count", lambda: 16)
+    assert processes() is True
+    monkeypatch.setenv("LNN_AUGMENT_PROCESSES", "0")
+    assert processes() is False
+    monkeypatch.setattr(images.os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("LNN_AUGMENT_PROCESSES", "1")
+    assert processes() is True
+    monkeypatch.delenv("LNN_AUGMENT_PROCESSES")
+    assert processes() is False
