@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -139,13 +140,14 @@ class Augmenter:
 
     def __post_init__(self):
         self._pool = None
+        self._pool_lock = threading.Lock()   # batches may be augmented from two threads at once
 
     def __getstate__(self):              # what a worker process receives: the settings, not the pool
-        return {key: value for key, value in self.__dict__.items() if key != "_pool"}
+        return {key: value for key, value in self.__dict__.items() if key not in ("_pool", "_pool_lock")}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._pool = None
+        self.__post_init__()
 
     def close(self) -> None:
         """Stop the worker threads or processes (they start again when needed)."""
@@ -339,14 +341,15 @@ class Augmenter:
         settings = self.draw(rng, count, height, width)
         workers = self.workers or os.cpu_count() or 1
         chunks = np.array_split(np.arange(count), min(workers, count))
-        if self._pool is None:
-            if self.processes:
-                import multiprocessing
+        with self._pool_lock:
+            if self._pool is None:
+                if self.processes:
+                    import multiprocessing
 
-                self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_one_opencv_thread)
-            else:
-                self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lnn-augment")
+                    self._pool = ProcessPoolExecutor(max_workers=workers, initializer=_one_opencv_thread,
+                                                     mp_context=multiprocessing.get_context("spawn"))
+                else:
+                    self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lnn-augment")
         if self.processes:
             parts = self._pool.map(augment_rows, [self] * len(chunks), [images[rows] for rows in chunks],
                                    [None if masks is None else np.asarray(masks[rows]) for rows in chunks],
