@@ -110,6 +110,8 @@ def main():
         summary,
         "",
         f"![48 photos through the recipe's augmentation](images/{PICTURE.name})",
+        "",
+        "(Photos: PlantVillage tomato leaves, Hughes & Salathé 2015, CC BY-SA 3.0; backgrounds drawn procedurally.)",
     ])
     update_section("augment_speed", body)
     print(f"wrote {PICTURE} and the augment_speed section of docs/BENCHMARKS.md")

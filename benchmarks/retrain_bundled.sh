@@ -7,8 +7,12 @@
 # metrics.jsonl, curves.png, model.bin of the best validation epoch) and copies model.bin, metrics.jsonl,
 # curves.png and train.log to $OUT (default runs/bundled_out); prints the best validation accuracy and the
 # epoch times. If the command is cut off (a 600 s limit), running it again on the same machine continues
-# after the last finished epoch (--resume). On the H200 with 16 cores: about 3 s per epoch, 80 epochs,
-# 4-5 minutes plus about 30 s to decode the photos and spawn the augmentation processes.
+# after the last finished epoch (--resume). On the H200 with 16 cores, expected (not yet measured there):
+# about 3 s per epoch (4,000 rows: 3,200 tomato + 800 outlier), 100 epochs, 5-6 minutes plus about 30 s
+# to decode the photos and spawn the augmentation processes. The validation accuracy printed is on the
+# re-encoded copies; lnn-eval RUN_DIR/model.bin --data folder:../shared/data/tomato --split val gives it
+# on the original files
+# (LNN_AUGMENT_PROCESSES=0 bash benchmarks/retrain_bundled.sh augments in threads instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-.devdata/gpu}

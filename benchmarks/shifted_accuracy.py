@@ -155,6 +155,8 @@ def main():
         markdown_table(headers, table),
         "",
         f"![six validation photos, then each shifted copy of them, a row each](images/{PICTURE.name})",
+        "",
+        "(Photos: PlantVillage tomato leaves, Hughes & Salathé 2015, CC BY-SA 3.0; backgrounds drawn procedurally.)",
     ])
     update_section("shifted_accuracy", body)
     print(f"wrote {PICTURE} and the shifted_accuracy section of docs/BENCHMARKS.md")

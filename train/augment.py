@@ -35,7 +35,8 @@ Per image, in this order (each image draws its own settings; p is the probabilit
      kind drawn from `kinds`, with probability `shadow` a soft drop shadow under it. A shrunk leaf
      that draws no new background is composited onto a plain sheet of its photo's own background
      colour (no mirrored copies of the leaf around it). Images without a mask (the outlier photos of
-     outlier exposure) keep theirs, reflected where shrunk;
+     outlier exposure), or whose mask found no leaf, keep theirs, reflected where shrunk (so no class
+     label ever lands on a picture without its leaf);
   3. random erasing: a rectangle of `area` (share of the image, aspect 1/3..3) filled with noise;
   4. lighting as one affine colour map (cv2.transform): brightness (x * b), contrast (blend with the
      mean grey level), saturation (blend with each pixel's grey level), each factor uniform in 1 +-
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -138,13 +140,14 @@ class Augmenter:
 
     def __post_init__(self):
         self._pool = None
+        self._pool_lock = threading.Lock()   # batches may be augmented from two threads at once
 
     def __getstate__(self):              # what a worker process receives: the settings, not the pool
-        return {key: value for key, value in self.__dict__.items() if key != "_pool"}
+        return {key: value for key, value in self.__dict__.items() if key not in ("_pool", "_pool_lock")}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._pool = None
+        self.__post_init__()
 
     def close(self) -> None:
         """Stop the worker threads or processes (they start again when needed)."""
@@ -286,7 +289,7 @@ class Augmenter:
             return cv2.warpPerspective(pixels, projective, (width, height), flags=flags, borderMode=border_mode)
 
         x = warp(hwc, cv2.BORDER_REFLECT_101).reshape(height, width, channels)
-        if mask is not None and (settings["background"][i] >= 0 or settings["scale"][i] < 1):
+        if mask is not None and mask.max() >= 128 and (settings["background"][i] >= 0 or settings["scale"][i] < 1):
             leaf = warp(np.ascontiguousarray(mask), cv2.BORDER_CONSTANT)
             sheet = sheet_colour(hwc) if settings["background"][i] < 0 else None
             picture = self._background(settings, i, rng, height, width, leaf, sheet).reshape(height, width, channels)
@@ -338,14 +341,15 @@ class Augmenter:
         settings = self.draw(rng, count, height, width)
         workers = self.workers or os.cpu_count() or 1
         chunks = np.array_split(np.arange(count), min(workers, count))
-        if self._pool is None:
-            if self.processes:
-                import multiprocessing
+        with self._pool_lock:
+            if self._pool is None:
+                if self.processes:
+                    import multiprocessing
 
-                self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_one_opencv_thread)
-            else:
-                self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lnn-augment")
+                    self._pool = ProcessPoolExecutor(max_workers=workers, initializer=_one_opencv_thread,
+                                                     mp_context=multiprocessing.get_context("spawn"))
+                else:
+                    self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lnn-augment")
         if self.processes:
             parts = self._pool.map(augment_rows, [self] * len(chunks), [images[rows] for rows in chunks],
                                    [None if masks is None else np.asarray(masks[rows]) for rows in chunks],

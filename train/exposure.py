@@ -9,11 +9,14 @@ open_cache, keyed by exactly these files) at the model's input size, exactly as 
 OutlierMix appends round(ratio * len(inliers)) outlier rows to the inlier rows (outlier photo
 j % count for appended row j, so every photo appears equally often, each time augmented anew); the
 Trainer's per-epoch shuffle spreads them over the batches, so a batch holds `ratio` outliers per
-inlier on average. Their label -1 means "uniform posterior" to the loss (train/kernels.py).
+inlier on average. Their label -1 means "uniform posterior" to the loss (train/kernels.py). A batch's
+inlier and outlier rows are read (augmented) at the same time, from two threads, so one augmentation
+pool gets all its rows at once.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +55,7 @@ class OutlierMix(ArrayDataset):
         self.inliers, self.outliers, self.ratio, self.name = inliers, outliers, ratio, name
         self.outlier_rows = max(1, round(ratio * len(inliers)))
         self.labels = np.concatenate([np.asarray(inliers.labels), np.full(self.outlier_rows, OUTLIER_LABEL)])
+        self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lnn-outlier-mix")
 
     def __len__(self) -> int:
         return len(self.inliers) + self.outlier_rows
@@ -71,11 +75,10 @@ class OutlierMix(ArrayDataset):
         inlier = indices < len(self.inliers)
         images = np.empty((len(indices),) + tuple(self.sample_shape), np.uint8)
         labels = np.empty(len(indices), np.int64)
-        for chosen, source, rows in ((inlier, self.inliers, indices[inlier]),
-                                     (~inlier, self.outliers, (indices[~inlier] - len(self.inliers)) % len(self.outliers))):
-            if chosen.any():
-                part_images, part_labels = source.batch(rows)
-                images[chosen] = part_images
-                labels[chosen] = part_labels
+        parts = [(chosen, self._readers.submit(source.batch, rows)) for chosen, source, rows in (
+            (inlier, self.inliers, indices[inlier]),
+            (~inlier, self.outliers, (indices[~inlier] - len(self.inliers)) % len(self.outliers))) if chosen.any()]
+        for chosen, reading in parts:
+            images[chosen], labels[chosen] = reading.result()
         labels[~inlier] = OUTLIER_LABEL
         return images, labels

@@ -344,8 +344,9 @@ def folder_datasets(folder, description: dict, augment: bool = True, val_fractio
     """lnn-train's `--data folder:DIR`: (training, validation, the description with the folder's labels).
 
     The images are decoded at the description's input size and colour order (its preprocess block);
-    training rows are class-balanced and, with augment=True, augmented on worker threads as the
-    description's training.augment says (lnn.train.augment). With `outliers` (a folder), the fit part of
+    training rows are class-balanced and, with augment=True, augmented as the description's
+    training.augment says (lnn.train.augment), in worker processes on machines of more than
+    PROCESSES_ABOVE cores, else threads ($LNN_AUGMENT_PROCESSES=1 or 0 forces either). With `outliers` (a folder), the fit part of
     its photos is mixed into the training rows for outlier exposure (lnn.train.exposure; training.outliers
     sets the ratio); validation stays the folder's own photos."""
     from lnn.formats.model import parse_model
@@ -359,7 +360,8 @@ def folder_datasets(folder, description: dict, augment: bool = True, val_fractio
                             "and an input_shape [C, H, W]")
     config = TrainingConfig.parse(model.extra.get("training"))
     color = model.preprocess["color"]
-    processes = (os.cpu_count() or 1) > PROCESSES_ABOVE
+    wanted = os.environ.get("LNN_AUGMENT_PROCESSES", "").strip()       # "1"/"0" forces processes/threads
+    processes = wanted == "1" if wanted in ("0", "1") else (os.cpu_count() or 1) > PROCESSES_ABOVE
     augmenter = augmenter_from_block(config.augment, color, processes=processes) if augment else None
     images = ImageFolder.load(folder, model.input_shape, color, log=log, progress=progress)
     described = dict(description, labels=images.model_labels(description.get("labels")))

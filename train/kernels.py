@@ -251,7 +251,7 @@ def dropout_backward(xp, dy, p: float, key: int, index, dx):
 
 def _per_row_loss(xp, z, lse, labels, outlier_weight: float):
     outlier = labels < 0
-    safe = xp.where(outlier, 0, labels)
+    safe = labels * ~outlier                      # any valid index for outlier rows (arrays only: CuPy too)
     picked = xp.take_along_axis(z, safe.reshape(-1, 1), axis=1)[:, 0]
     return xp.where(outlier, outlier_weight * (lse - z.mean(axis=1)), lse - picked), outlier, safe
 
@@ -277,7 +277,7 @@ def softmax_cross_entropy_forward_backward(xp, logits, labels, scale: float, dlo
     e /= total                                   # softmax
     e[xp.arange(z.shape[0]), safe] -= (~outlier).astype(e.dtype)
     e -= outlier.astype(e.dtype)[:, None] * e.dtype.type(1 / z.shape[1])
-    e *= xp.where(outlier, outlier_weight * scale, scale).astype(e.dtype)[:, None]
+    e *= ((outlier * (outlier_weight - 1) + 1) * scale).astype(e.dtype)[:, None]       # per row: scale, or weight * scale
     dlogits[...] = e
     return losses.sum(), correct
 

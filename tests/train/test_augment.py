@@ -143,12 +143,14 @@ def test_background_replacement_composites_through_the_mask():
     augmenter = still(background_p=1.0, shadow_p=0.0, background_kinds=("soil",))
     full = np.full(truth.shape, 255, np.uint8)
     assert np.array_equal(run_one(augmenter, image, full, background=0), image)       # all leaf: unchanged
-    empty = np.zeros_like(truth)
+    speck = np.zeros_like(truth)
+    speck[30:32, 30:32] = 255
     settings = settings_of(augmenter, 1, 64, 64, background=0)
     want = background("soil", np.random.default_rng(int(settings["seed"][0])), 64, 64).transpose(2, 0, 1)
     out = np.empty_like(image)
-    augmenter.augment_one(image, settings, 0, out, empty)
-    assert np.array_equal(out, want)                                                  # no leaf: the background
+    augmenter.augment_one(image, settings, 0, out, speck)
+    assert np.array_equal(out[:, speck == 0], want[:, speck == 0])                   # outside the leaf: background
+    assert np.array_equal(run_one(augmenter, image, np.zeros_like(truth), background=0), image)   # no leaf found
     mask = leaf_mask(image)
     mixed = run_one(augmenter, image, mask, background=0)
     assert np.array_equal(mixed[:, mask == 255], image[:, mask == 255])
@@ -359,3 +361,50 @@ def test_worker_processes_make_the_same_images_as_threads():
                               augmenter_from_block(block, "rgb", workers=1)(images, np.random.default_rng(4)))
     finally:
         augmenter.close()
+
+
+def test_shifted_copy_is_deterministic_and_uses_held_out_backgrounds(monkeypatch):
+    """benchmarks/shifted_accuracy.py's copies: fixed by the seed, each shift its own change."""
+    import sys
+
+    from conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import shifted_accuracy
+
+    image, _ = leaf_photo()
+    images, masks = np.stack([image] * 3), np.stack([leaf_mask(image)] * 3)
+    assert shifted_accuracy.still_augmenter("rgb").background_kinds == HELD_OUT_KINDS
+    copies = {shift: shifted_accuracy.shifted_copy(images, masks, shift, "rgb", seed=5)
+              for shift in shifted_accuracy.SHIFTS}
+    for shift, copy in copies.items():
+        assert np.array_equal(copy, shifted_accuracy.shifted_copy(images, masks, shift, "rgb", seed=5))
+        assert not np.array_equal(copy, images), shift
+    assert copies["darker"].mean() < 0.65 * images.mean()
+    leaf = masks[0] == 255
+    assert np.array_equal(copies["background"][:, :, leaf], images[:, :, leaf])        # the leaf itself kept
+    assert not np.array_equal(copies["background"], shifted_accuracy.shifted_copy(images, masks, "background",
+                                                                                  "rgb", seed=6))
+    del sys.modules["shifted_accuracy"]
+
+
+def test_augment_processes_follow_the_core_count_or_the_environment(tmp_path, monkeypatch):
+    from lnn.train import images
+
+    folder = tiny_tomato(tmp_path, ("healthy", "late_blight"), per_class=3)
+    description = json.loads(small_leaf_description(tmp_path, ("healthy", "late_blight"), size=24).read_text())
+    monkeypatch.setenv("LNN_CACHE_DIR", str(tmp_path / "cache"))
+
+    def processes():
+        train, _, _ = images.folder_datasets(folder, description, log=lambda m: None, progress=False)
+        return train.augmenter.processes
+
+    monkeypatch.setattr(images.os, "cpu_count", lambda: 16)
+    assert processes() is True
+    monkeypatch.setenv("LNN_AUGMENT_PROCESSES", "0")
+    assert processes() is False
+    monkeypatch.setattr(images.os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("LNN_AUGMENT_PROCESSES", "1")
+    assert processes() is True
+    monkeypatch.delenv("LNN_AUGMENT_PROCESSES")
+    assert processes() is False
