@@ -5,6 +5,9 @@ Backends are found by name and imported only when asked for:
     "cpu"   -> lnn.runtime.cpu        (Numba kernels, compiled lazily, cached per user)
     "cuda"  -> lnn.runtime.cuda       (CuPy)
     "auto"  -> "cpu" when Numba is installed, else "numpy"
+Backend options: `threads=N` (the cpu backend's threads; accepted and ignored by numpy and cuda, so
+that code written for device="auto" runs on every install). Unknown devices and options are one
+LnnInputError line. A Session is safe to share between threads (see Session).
 Importing this module imports neither CuPy, Numba, OpenCV nor the training side.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +33,7 @@ def resolve_device(device: str) -> str:
         kernels = (importlib.util.find_spec(name) is not None for name in ("numba", COMPILED_KERNELS))
         return "cpu" if any(kernels) else "numpy"
     if device not in BACKENDS:
-        raise ValueError(f"device must be one of auto, {', '.join(BACKENDS)}; not {device!r}")
+        raise LnnInputError(f"device must be one of auto, {', '.join(BACKENDS)}; not {device!r}")
     return device
 
 
@@ -48,13 +52,29 @@ def backend_class(device: str):
     return backend
 
 
+def check_backend_options(device: str, backend, options: dict) -> None:
+    """One LnnInputError line for an option the backend does not take or a threads value that is not a count."""
+    known = [name for name in list(inspect.signature(backend).parameters)[2:]]      # after model, weights
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise LnnInputError(f"the {device} backend takes no option {unknown[0]!r}; "
+                            f"its options: {', '.join(known) or 'none'}")
+    threads = options.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1):
+        raise LnnInputError(f"threads must be a positive whole number, not {threads!r}")
+
+
 def load(path, device: str = "auto", **backend_options) -> "Session":
     """Load and validate a `.bin` (raises LnnFormatError when it is bad) and prepare a backend."""
     return Session(read_bin(path), device, **backend_options)
 
 
 class Session:
-    """A loaded model on one backend. run() gives raw outputs, predict() probabilities."""
+    """A loaded model on one backend. run() gives raw outputs, predict() probabilities.
+
+    A Session is safe to share between threads: calls from several threads at once give exactly the
+    answers each would get alone (the cpu and cuda backends keep their planned buffers per calling
+    thread; tests/runtime/test_threads.py), and on the cpu backend they run in parallel."""
 
     def __init__(self, bin_model: BinModel, device: str = "auto", **backend_options):
         self.bin = bin_model
@@ -62,7 +82,9 @@ class Session:
         self.metadata = bin_model.metadata
         self.labels = self.model.labels
         self.device = resolve_device(device)
-        self.backend = backend_class(self.device)(self.model, bin_model.weights_fp32(), **backend_options)
+        backend = backend_class(self.device)
+        check_backend_options(self.device, backend, backend_options)
+        self.backend = backend(self.model, bin_model.weights_fp32(), **backend_options)
 
     @property
     def input_shape(self) -> tuple:

@@ -64,8 +64,8 @@ def test_predict_image_rgb_arrays_match_their_bgr_twin():
 
 
 def test_unknown_and_unavailable_devices_are_clear():
-    with pytest.raises(ValueError, match="device must be one of"):
-        tiny_session(device="tpu")
+    with pytest.raises(lnn.LnnInputError, match=r"^device must be one of auto, numpy, cpu, cuda; not 'gpu'$"):
+        tiny_session(device="gpu")
 
     try:
         backend_class("cuda")
@@ -73,3 +73,14 @@ def test_unknown_and_unavailable_devices_are_clear():
         assert "cuda backend" in str(err)
     else:
         pytest.skip("a CUDA backend is usable here")
+
+
+def test_threads_is_accepted_everywhere_and_checked_once():
+    source = tiny_session().bin
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(Session(source, "numpy", threads=4).run(x), Session(source, "numpy").run(x))
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(lnn.LnnInputError, match=f"^threads must be a positive whole number, not {bad!r}$"):
+            Session(source, "numpy", threads=bad)
+    with pytest.raises(lnn.LnnInputError, match=r"^the numpy backend takes no option 'thread'; its options: threads$"):
+        Session(source, "numpy", thread=2)
