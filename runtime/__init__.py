@@ -117,21 +117,27 @@ class Session:
         shifted = np.exp(out - out.max(axis=1, keepdims=True))
         return shifted / shifted.sum(axis=1, keepdims=True)
 
-    def prepare_image(self, image, color: str = "bgr") -> np.ndarray:
-        """A path, encoded bytes or an HxW[x3] array -> [C, H, W] float32 with the model's preprocessing."""
-        from lnn.runtime.preprocess import preprocess_image, read_image
+    def prepare_image(self, image, color: str = "bgr", notes: list | None = None) -> np.ndarray:
+        """A path, encoded bytes or an HxW[x3|x4] array -> [C, H, W] float32 with the model's preprocessing.
+
+        Arrays: uint8 0..255, or float 0..255, or float 0..1 (taken as such when every value is within
+        0..1, with a note); anything else (bool, NaN, values out of range, wrong shape) is one LnnInputError.
+        notes: a list that receives one-line remarks on the conversion (a grey photo given to a colour
+        model, a float image read as 0..1); without it they are issued as lnn.LnnWarning."""
+        from lnn.runtime.preprocess import decode_image, preprocess_image
 
         if self.model.preprocess is None:
             raise LnnInputError(f"model {self.model.name!r} takes no images (input shape {list(self.model.input_shape)})")
-        if isinstance(image, (str, Path, bytes, bytearray)):
-            image, color = read_image(image), "bgr"
-        return preprocess_image(image, self.model.preprocess, color)
+        if isinstance(image, (str, Path, bytes, bytearray, memoryview)):
+            image, color = decode_image(image), "bgr"
+        return preprocess_image(image, self.model.preprocess, color, notes)
 
-    def predict_image(self, image, top_k: int | None = None, color: str = "bgr") -> list:
+    def predict_image(self, image, top_k: int | None = None, color: str = "bgr", notes: list | None = None) -> list:
         """[(label, probability), ...] best first, using the model's own preprocessing.
 
-        `image` is a path, encoded bytes, or an array (BGR as OpenCV decodes it, or pass color="rgb")."""
-        probabilities = self.predict(self.prepare_image(image, color)[None])[0]
+        `image` is a path, encoded bytes, or an array (BGR as OpenCV decodes it, or pass color="rgb");
+        notes as for prepare_image."""
+        probabilities = self.predict(self.prepare_image(image, color, notes)[None])[0]
         return self.ranked(probabilities, top_k)
 
     def ranked(self, probabilities: np.ndarray, top_k: int | None = None) -> list:
