@@ -11,12 +11,12 @@ import subprocess
 import sys
 import threading
 import warnings
-import zlib
 
 import numpy as np
 import pytest
 
 from conftest import REPO
+from hostile_images import png_claiming, with_jpeg_size
 from lnn.formats import limits
 from lnn.formats.errors import LnnInputError
 from lnn.runtime import preprocess
@@ -42,23 +42,6 @@ def jpeg(image=None, **options) -> bytes:
     params = [cv2.IMWRITE_JPEG_QUALITY, 92] + [p for key, value in options.items()
                                                 for p in (getattr(cv2, f"IMWRITE_JPEG_{key.upper()}"), value)]
     return cv2.imencode(".jpg", photo() if image is None else image, params)[1].tobytes()
-
-
-def png_chunk(kind: bytes, body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A grey PNG whose header says width x height, with the first rows of zeros as data (about 1 KB)."""
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    rows = zlib.compress(bytes(width + 1) * 4)
-    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", rows) + png_chunk(b"IEND", b"")
-
-
-def with_jpeg_size(data: bytes, width: int, height: int) -> bytes:
-    """The JPEG with its frame header rewritten to say width x height."""
-    at = data.index(b"\xff\xc0") + 5
-    return data[:at] + struct.pack(">HH", height, width) + data[at + 4:]
 
 
 def no_decoding(*args):
@@ -142,7 +125,7 @@ def test_bytes_after_the_end_marker_are_decoded_and_a_truncated_file_is_refused(
         path.write_bytes(whole + trailer)
         assert np.array_equal(preprocess.read_image(path), expected)
         assert decode_for_model(path, (32, 32), "rgb").shape == (3, 32, 32)          # training decodes it too
-    with_thumbnail = whole[:2] + png_chunk(b"", b"") [:0] + b"\xff\xe1" + struct.pack(">H", 2 + 64) \
+    with_thumbnail = whole[:2] + b"\xff\xe1" + struct.pack(">H", 2 + 64) \
         + jpeg(photo(8, 8))[:60] + b"\xff\xd9\x00\x00" + whole[2:]                    # an APP1 holding an end marker
     for cut in (whole[:len(whole) // 2], whole[:200], with_thumbnail[:len(with_thumbnail) // 2]):
         with pytest.raises(LnnInputError, match="<bytes>: the image is truncated"):
