@@ -350,6 +350,9 @@ class CudaBackend:
         self._plans = PerThreadCache(lambda batch: Plan(self.layers, model.input_shape, batch, self.device),
                                      PLANS_KEPT)        # per calling thread: a backend is safe to share
 
+    def _plan(self, batch: int) -> Plan:
+        return self._plans.get(batch)
+
     def run(self, x: np.ndarray) -> np.ndarray:
         """x: C-contiguous float32 [N, *input_shape] -> a new host array [N, *output_shape]."""
-        return self._plans.get(x.shape[0]).run(x)
+        return self._plan(x.shape[0]).run(x)
