@@ -1,8 +1,13 @@
 """Image decoding and the model's own preprocessing, with OpenCV, or with Pillow where OpenCV is absent.
 
-decode:     file or bytes -> HxWx3 uint8 BGR (OpenCV's order), refusing non-images and truncated JPEGs
-preprocess: BGR image -> [C, H, W] float32 per the model's metadata:
-            colour order (rgb/bgr/gray), resize to the input size, x * scale, then (x - mean) / std per channel
+read:       only a regular file, at most MAX_IMAGE_FILE_BYTES (formats/limits.py); its header read before
+            decoding: format, size (refused over MAX_IMAGE_PIXELS), complete (a JPEG walked to its end
+            marker: bytes after it are fine, a file ending before it is truncated)
+decode:     -> HxWx3 uint8 BGR (OpenCV's order), or HxW for a grey image (decode_image; read_image always
+            gives 3 channels); a baseline JPEG over MAX_DECODED_PIXELS decoded reduced by libjpeg
+preprocess: an image array (the rules in _image_array) -> [C, H, W] float32 per the model's metadata:
+            colour order (rgb/bgr/gray), resize to the input size, x * scale, then (x - mean) / std per channel;
+            remarks (grey into a colour model, float 0..1) go to a notes list or are LnnWarnings
 resize:     area averaging when shrinking, bilinear (pixel centres aligned) when enlarging
 
 The image library: OpenCV (lnn's dependency) when it is installed, else Pillow for decoding and NumPy for
