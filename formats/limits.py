@@ -22,9 +22,9 @@ MAX_IMAGE_PIXELS = 250_000_000
 # pixel) is refused above this.
 MAX_DECODED_PIXELS = 50_000_000
 
-# Scans in one JPEG: each is a pass over the whole image (a photo has 1, a progressive one about 10);
-# thousands of tiny scans would keep the decoder busy for minutes.
-MAX_JPEG_SCANS = 100
+# Scans in one JPEG: each is a pass over the whole image (a photo has 1, a progressive one about 10,
+# 5 s for 50 MP on a busy 2-core machine); thousands of tiny scans would keep the decoder busy for minutes.
+MAX_JPEG_SCANS = 50
 
 # Markers (segments) walked in one JPEG's structure before its end marker (a photo has under 50).
 MAX_JPEG_SEGMENTS = 2000

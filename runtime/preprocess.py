@@ -38,7 +38,7 @@ LIBRARIES = ("opencv", "pillow")
 GRAY_WEIGHTS_BGR = (0.114, 0.587, 0.299)
 BAND_ROWS = 256           # rows resized at a time without OpenCV
 WIDE_GRAY_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")     # Pillow's modes for 16-bit grey images
-GRAY_MODES = ("L", "LA", "1", "La")                             # Pillow's other grey modes
+GRAY_MODES = ("LA", "La", "1")                                  # Pillow's grey modes other than L and 16-bit
 EXIF_ORIENTATION = 0x0112
 _cv2 = None
 _library = None
@@ -109,22 +109,25 @@ def _pillow_decode(data: bytes, header: "ImageHeader") -> np.ndarray:
             picture.draft(picture.mode, (header.width // header.reduction, header.height // header.reduction))
         if picture.getexif().get(EXIF_ORIENTATION, 1) != 1:       # OpenCV applies the EXIF orientation too
             picture = ImageOps.exif_transpose(picture)
-        if picture.mode in WIDE_GRAY_MODES:                     # 16-bit grey: keep the high byte, as OpenCV does
-            return (np.asarray(picture).astype(np.uint32) >> 8).clip(0, 255).astype(np.uint8)
         if picture.mode in GRAY_MODES:
-            return _pillow_pixels(picture if picture.mode == "L" else picture.convert("L"))
-        return _pillow_pixels(picture if picture.mode == "RGB" else picture.convert("RGB"))
+            picture = picture.convert("L")
+        elif picture.mode not in ("RGB", "L", *WIDE_GRAY_MODES):
+            picture = picture.convert("RGB")
+        return _pillow_pixels(picture)
 
 
 def _pillow_pixels(picture) -> np.ndarray:
-    """An L or RGB Pillow image -> HxW or HxWx3 BGR uint8, copied in bands of rows: np.asarray(picture)
-    would hold two more whole copies at once (its bytes, then their join): 300 MB more at 50 MP."""
+    """An RGB, L or 16-bit grey Pillow image -> HxWx3 BGR or HxW uint8 (16-bit: the high byte, as OpenCV
+    keeps), copied in bands of rows: np.asarray(picture) would hold two more whole copies at once (its
+    bytes, then their join): 300 MB more at 50 MP."""
     width, height = picture.size
     channels = 3 if picture.mode == "RGB" else 1
     out = np.empty((height, width, channels), np.uint8)
     for top in range(0, height, BAND_ROWS):
         rows = min(BAND_ROWS, height - top)
-        band = np.frombuffer(picture.crop((0, top, width, top + rows)).tobytes(), np.uint8).reshape(rows, width, channels)
+        band = np.asarray(picture.crop((0, top, width, top + rows))).reshape(rows, width, channels)
+        if picture.mode in WIDE_GRAY_MODES:
+            band = (band.astype(np.uint32) >> 8).clip(0, 255)
         out[top:top + rows] = band[:, :, ::-1]                   # RGB -> BGR (grey: one channel, unchanged)
     return out[:, :, 0] if channels == 1 else out
 
