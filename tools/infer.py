@@ -218,6 +218,20 @@ def load_session(model: str | None, device: str, threads: int | None):
     return session
 
 
+def prepare_batch(session, batch: list, bar) -> tuple[dict, dict]:
+    """Decode and preprocess a batch of files: ({index: (input, notes)}, {index: one-line error})."""
+    images, errors = {}, {}
+    for i, path in enumerate(batch):
+        notes = []
+        try:
+            images[i] = (session.prepare_image(path, notes=notes), notes)
+        except LnnError as err:                   # the decoding errors name the file; say which for the others too
+            errors[i] = str(err) if str(err).startswith(str(path)) else f"{path}: {err}"
+        if bar is not None:
+            bar.update(1)
+    return images, errors
+
+
 def infer(args) -> int:
     if args.top_k < 1:
         raise LnnInputError(f"--top-k must be at least 1, not {args.top_k}")
@@ -237,24 +251,17 @@ def infer(args) -> int:
     output.bar = bar = progress_bar(len(paths))
     try:
         for start in range(0, len(paths), BATCH_SIZE):
-            images, problems = {}, {}          # by index in this batch; answers and failures go out in input order
-            for i, path in enumerate(paths[start:start + BATCH_SIZE]):
-                notes = []
-                try:
-                    images[i] = (session.prepare_image(path, notes=notes), notes)
-                except LnnError as err:           # the decoding errors name the file; say which for the others too
-                    problems[i] = str(err) if str(err).startswith(str(path)) else f"{path}: {err}"
-                if bar is not None:
-                    bar.update(1)
+            batch = paths[start:start + BATCH_SIZE]
+            images, errors = prepare_batch(session, batch, bar)
             if images:
                 with np.errstate(all="ignore"):   # a NaN or infinite output is reported below, as that image's error
                     rows = session.predict(np.stack([image for image, _ in images.values()]))
                 probabilities = dict(zip(images, rows))
-            for i, path in enumerate(paths[start:start + BATCH_SIZE]):
+            for i, path in enumerate(batch):                       # answers and failures in input order
                 if i in images and not np.isfinite(probabilities[i]).all():
-                    problems[i] = f"{path}: {NOT_A_NUMBER}"
-                if i in problems:
-                    output.failure(path, problems[i])
+                    errors[i] = f"{path}: {NOT_A_NUMBER}"
+                if i in errors:
+                    output.failure(path, errors[i])
                     failures += 1
                 else:
                     output.answer(Answer(path, probabilities[i], session.labels, top_k, uncertain_below, images[i][1]))
