@@ -97,6 +97,8 @@ class Session:
                                 f"got {list(batch.shape)}")
         if batch.shape[0] == 0:
             raise LnnInputError("the batch is empty")
+        if batch.dtype.kind not in "iuf":
+            raise LnnInputError(f"a batch must hold numbers (float32, already preprocessed), not {batch.dtype}")
         return np.ascontiguousarray(batch, dtype=np.float32)
 
     def run(self, batch) -> np.ndarray:

@@ -26,6 +26,9 @@ def test_run_checks_the_batch_shape():
         session.run(np.zeros((3, 8, 8), np.float32))
     with pytest.raises(lnn.LnnInputError, match="empty"):
         session.run(np.zeros((0, 3, 8, 8), np.float32))
+    for odd in (np.full((1, 3, 8, 8), "x"), np.zeros((1, 3, 8, 8), complex), np.zeros((1, 3, 8, 8), bool)):
+        with pytest.raises(lnn.LnnInputError, match=f"^a batch must hold numbers .*, not {odd.dtype}$"):
+            session.run(odd)
 
 
 def test_predict_is_softmax_of_logits_unless_the_model_ends_in_softmax():
