@@ -115,8 +115,11 @@ def expand_inputs(inputs: list, recursive: bool = False) -> tuple[list, list]:
 
 
 def failure_record(file, message: str) -> dict:
-    """The record of an image that got no answer: what --json prints (and a server would return)."""
-    return {"file": str(file), "error": " ".join(str(message).split())}
+    """The record of an image that got no answer: what --json prints (and a server would return); the
+    error is one line, without the file name the message may start with (the record names the file)."""
+    message = " ".join(str(message).split())
+    prefix = f"{file}: "
+    return {"file": str(file), "error": message[len(prefix):] if message.startswith(prefix) else message}
 
 
 class Answer:
@@ -182,7 +185,7 @@ class Output:
             self._write(json_line(record), sys.stdout)
         elif self.style == "csv":
             self.csv.writerow([record["file"], "", "", "", "", "", "", record["error"]])
-        self._write(f"{PROG}: error: {record['error']}", sys.stderr)
+        self._write(f"{PROG}: error: {record['file']}: {record['error']}", sys.stderr)
 
     def _write(self, text: str, stream) -> None:
         if self.bar is not None:

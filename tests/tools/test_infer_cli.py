@@ -301,6 +301,7 @@ def test_every_good_photo_in_a_hostile_folder_is_answered_and_each_bad_one_gets_
         assert [r["file"] for r in records] == sorted(map(str, good + bad))
         assert {r["file"] for r in records if "label" in r} == set(map(str, good))
         assert all(set(r) == {"file", "error"} for r in records if "label" not in r)
+        assert {r["error"] for r in records if "error" in r} == {line.split(": ", 3)[3] for line in errors}
     elif style == "--csv":
         rows = list(csv.DictReader(io.StringIO(result.stdout)))
         assert {row["file"] for row in rows if row["error"]} == set(map(str, bad))
@@ -323,7 +324,7 @@ def test_a_model_whose_output_is_nan_fails_that_image_and_prints_valid_json(tmp_
     out, err = capsys.readouterr()
     assert status == 1
     records = [strict_json(line) for line in out.splitlines()]
-    assert records == [{"file": str(leaf), "error": f"{leaf}: {infer.NOT_A_NUMBER}"}]
+    assert records == [{"file": str(leaf), "error": infer.NOT_A_NUMBER}]
     assert err.strip() == f"lnn-infer: error: {leaf}: {infer.NOT_A_NUMBER}"
 
 
