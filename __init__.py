@@ -7,8 +7,8 @@
 Importing lnn (or lnn.runtime) never imports CuPy, Numba or the training side.
 """
 
-from lnn.formats.errors import LnnError, LnnFormatError, LnnInputError, ModelSpecError
+from lnn.formats.errors import LnnError, LnnFormatError, LnnInputError, LnnWarning, ModelSpecError
 from lnn.runtime import load
 from lnn.version import __version__
 
-__all__ = ["load", "LnnError", "LnnFormatError", "LnnInputError", "ModelSpecError", "__version__"]
+__all__ = ["load", "LnnError", "LnnFormatError", "LnnInputError", "LnnWarning", "ModelSpecError", "__version__"]

@@ -15,3 +15,8 @@ class ModelSpecError(LnnError):
 
 class LnnInputError(LnnError):
     """Input data is unusable: a missing file, a non-image, a wrongly shaped batch."""
+
+
+class LnnWarning(UserWarning):
+    """Something a person should know about an answer that is still given (e.g. a grey photo given to a
+    colour model); lnn-infer prints these with the answer."""

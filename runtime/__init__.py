@@ -5,6 +5,9 @@ Backends are found by name and imported only when asked for:
     "cpu"   -> lnn.runtime.cpu        (Numba kernels, compiled lazily, cached per user)
     "cuda"  -> lnn.runtime.cuda       (CuPy)
     "auto"  -> "cpu" when Numba is installed, else "numpy"
+Backend options: `threads=N` (the cpu backend's threads; accepted and ignored by numpy and cuda, so
+that code written for device="auto" runs on every install). Unknown devices and options are one
+LnnInputError line. A Session is safe to share between threads (see Session).
 Importing this module imports neither CuPy, Numba, OpenCV nor the training side.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +33,7 @@ def resolve_device(device: str) -> str:
         kernels = (importlib.util.find_spec(name) is not None for name in ("numba", COMPILED_KERNELS))
         return "cpu" if any(kernels) else "numpy"
     if device not in BACKENDS:
-        raise ValueError(f"device must be one of auto, {', '.join(BACKENDS)}; not {device!r}")
+        raise LnnInputError(f"device must be one of auto, {', '.join(BACKENDS)}; not {device!r}")
     return device
 
 
@@ -48,13 +52,29 @@ def backend_class(device: str):
     return backend
 
 
+def check_backend_options(device: str, backend, options: dict) -> None:
+    """One LnnInputError line for an option the backend does not take or a threads value that is not a count."""
+    known = [name for name in list(inspect.signature(backend).parameters)[2:]]      # after model, weights
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise LnnInputError(f"the {device} backend takes no option {unknown[0]!r}; "
+                            f"its options: {', '.join(known) or 'none'}")
+    threads = options.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1):
+        raise LnnInputError(f"threads must be a positive whole number, not {threads!r}")
+
+
 def load(path, device: str = "auto", **backend_options) -> "Session":
     """Load and validate a `.bin` (raises LnnFormatError when it is bad) and prepare a backend."""
     return Session(read_bin(path), device, **backend_options)
 
 
 class Session:
-    """A loaded model on one backend. run() gives raw outputs, predict() probabilities."""
+    """A loaded model on one backend. run() gives raw outputs, predict() probabilities.
+
+    A Session is safe to share between threads: calls from several threads at once give exactly the
+    answers each would get alone (the cpu and cuda backends keep their planned buffers per calling
+    thread; tests/runtime/test_threads.py), and on the cpu backend they run in parallel."""
 
     def __init__(self, bin_model: BinModel, device: str = "auto", **backend_options):
         self.bin = bin_model
@@ -62,7 +82,9 @@ class Session:
         self.metadata = bin_model.metadata
         self.labels = self.model.labels
         self.device = resolve_device(device)
-        self.backend = backend_class(self.device)(self.model, bin_model.weights_fp32(), **backend_options)
+        backend = backend_class(self.device)
+        check_backend_options(self.device, backend, backend_options)
+        self.backend = backend(self.model, bin_model.weights_fp32(), **backend_options)
 
     @property
     def input_shape(self) -> tuple:
@@ -75,6 +97,8 @@ class Session:
                                 f"got {list(batch.shape)}")
         if batch.shape[0] == 0:
             raise LnnInputError("the batch is empty")
+        if batch.dtype.kind not in "iuf":
+            raise LnnInputError(f"a batch must hold numbers (float32, already preprocessed), not {batch.dtype}")
         return np.ascontiguousarray(batch, dtype=np.float32)
 
     def run(self, batch) -> np.ndarray:
@@ -95,21 +119,27 @@ class Session:
         shifted = np.exp(out - out.max(axis=1, keepdims=True))
         return shifted / shifted.sum(axis=1, keepdims=True)
 
-    def prepare_image(self, image, color: str = "bgr") -> np.ndarray:
-        """A path, encoded bytes or an HxW[x3] array -> [C, H, W] float32 with the model's preprocessing."""
-        from lnn.runtime.preprocess import preprocess_image, read_image
+    def prepare_image(self, image, color: str = "bgr", notes: list | None = None) -> np.ndarray:
+        """A path, encoded bytes or an HxW[x3|x4] array -> [C, H, W] float32 with the model's preprocessing.
+
+        Arrays: uint8 0..255, or float 0..255, or float 0..1 (taken as such when every value is within
+        0..1, with a note); anything else (bool, NaN, values out of range, wrong shape) is one LnnInputError.
+        notes: a list that receives one-line remarks on the conversion (a grey photo given to a colour
+        model, a float image read as 0..1); without it they are issued as lnn.LnnWarning."""
+        from lnn.runtime.preprocess import decode_image, preprocess_image
 
         if self.model.preprocess is None:
             raise LnnInputError(f"model {self.model.name!r} takes no images (input shape {list(self.model.input_shape)})")
-        if isinstance(image, (str, Path, bytes, bytearray)):
-            image, color = read_image(image), "bgr"
-        return preprocess_image(image, self.model.preprocess, color)
+        if isinstance(image, (str, Path, bytes, bytearray, memoryview)):
+            image, color = decode_image(image), "bgr"
+        return preprocess_image(image, self.model.preprocess, color, notes)
 
-    def predict_image(self, image, top_k: int | None = None, color: str = "bgr") -> list:
+    def predict_image(self, image, top_k: int | None = None, color: str = "bgr", notes: list | None = None) -> list:
         """[(label, probability), ...] best first, using the model's own preprocessing.
 
-        `image` is a path, encoded bytes, or an array (BGR as OpenCV decodes it, or pass color="rgb")."""
-        probabilities = self.predict(self.prepare_image(image, color)[None])[0]
+        `image` is a path, encoded bytes, or an array (BGR as OpenCV decodes it, or pass color="rgb");
+        notes as for prepare_image."""
+        probabilities = self.predict(self.prepare_image(image, color, notes)[None])[0]
         return self.ranked(probabilities, top_k)
 
     def ranked(self, probabilities: np.ndarray, top_k: int | None = None) -> list:

@@ -1,8 +1,13 @@
 """Image decoding and the model's own preprocessing, with OpenCV, or with Pillow where OpenCV is absent.
 
-decode:     file or bytes -> HxWx3 uint8 BGR (OpenCV's order), refusing non-images and truncated JPEGs
-preprocess: BGR image -> [C, H, W] float32 per the model's metadata:
-            colour order (rgb/bgr/gray), resize to the input size, x * scale, then (x - mean) / std per channel
+read:       only a regular file, at most MAX_IMAGE_FILE_BYTES (formats/limits.py); its header read before
+            decoding: format, size (refused over MAX_IMAGE_PIXELS), complete (a JPEG walked to its end
+            marker: bytes after it are fine, a file ending before it is truncated)
+decode:     -> HxWx3 uint8 BGR (OpenCV's order), or HxW for a grey image (decode_image; read_image always
+            gives 3 channels); a baseline JPEG over MAX_DECODED_PIXELS decoded reduced by libjpeg
+preprocess: an image array (the rules in _image_array) -> [C, H, W] float32 per the model's metadata:
+            colour order (rgb/bgr/gray), resize to the input size, x * scale, then (x - mean) / std per channel;
+            remarks (grey into a colour model, float 0..1) go to a notes list or are LnnWarnings
 resize:     area averaging when shrinking, bilinear (pixel centres aligned) when enlarging
 
 The image library: OpenCV (lnn's dependency) when it is installed, else Pillow for decoding and NumPy for
@@ -17,17 +22,23 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import stat
+import struct
+import warnings
+from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 
-from lnn.formats.errors import LnnError, LnnInputError
+from lnn.formats import limits
+from lnn.formats.errors import LnnError, LnnInputError, LnnWarning
 
 LIBRARIES = ("opencv", "pillow")
 GRAY_WEIGHTS_BGR = (0.114, 0.587, 0.299)
 BAND_ROWS = 256           # rows resized at a time without OpenCV
 WIDE_GRAY_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")     # Pillow's modes for 16-bit grey images
+GRAY_MODES = ("LA", "La", "1")                                  # Pillow's grey modes other than L and 16-bit
 EXIF_ORIENTATION = 0x0112
 _cv2 = None
 _library = None
@@ -65,30 +76,60 @@ def _opencv():
 
 
 def _pillow():
+    """Pillow, its own decompression-bomb limit raised to lnn's (process-wide): every header is checked
+    against formats/limits.py before Pillow opens it, and Pillow's lower default warned on 100 MP photos."""
     from PIL import Image, ImageOps
 
+    if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < limits.MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = limits.MAX_IMAGE_PIXELS
     return Image, ImageOps
 
 
-def _decode(data: bytes):
-    """Encoded bytes -> HxWx3 uint8 BGR, or None when the library cannot decode them."""
+def _decode(data: bytes, header: "ImageHeader"):
+    """Encoded bytes -> HxWx3 uint8 BGR, or HxW uint8 for a grey image, reduced by header.reduction
+    (a JPEG); None when the library cannot decode them."""
     if image_library() == "opencv":
         cv2 = _opencv()
-        return cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
-    Image, ImageOps = _pillow()
+        flags = cv2.IMREAD_ANYCOLOR | OPENCV_REDUCED.get(header.reduction, 0)   # grey stays one channel
+        try:
+            return cv2.imdecode(np.frombuffer(data, np.uint8), flags)
+        except cv2.error:
+            return None
     try:
-        with Image.open(io.BytesIO(data)) as picture:
-            if picture.getexif().get(EXIF_ORIENTATION, 1) != 1:   # OpenCV applies the EXIF orientation too
-                picture = ImageOps.exif_transpose(picture)
-            if picture.mode in WIDE_GRAY_MODES:                 # 16-bit grey: keep the high byte, as OpenCV does
-                picture = Image.fromarray((np.asarray(picture).astype(np.uint32) >> 8).clip(0, 255).astype(np.uint8))
-            rgb = np.asarray(picture if picture.mode == "RGB" else picture.convert("RGB"))
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return _pillow_decode(data, header)
+    except (OSError, SyntaxError, ValueError, _pillow()[0].DecompressionBombError):
         return None
-    bgr = np.empty_like(rgb)
-    for channel in range(3):                 # three plain copies: faster than one copy of a reversed view
-        bgr[:, :, channel] = rgb[:, :, 2 - channel]
-    return bgr
+
+
+def _pillow_decode(data: bytes, header: "ImageHeader") -> np.ndarray:
+    """Pillow: HxWx3 BGR or HxW grey uint8, EXIF orientation applied, reduced by header.reduction."""
+    Image, ImageOps = _pillow()
+    with Image.open(io.BytesIO(data)) as picture:
+        if header.reduction > 1:                                 # libjpeg's scaled decoding, as OpenCV's
+            picture.draft(picture.mode, (header.width // header.reduction, header.height // header.reduction))
+        if picture.getexif().get(EXIF_ORIENTATION, 1) != 1:       # OpenCV applies the EXIF orientation too
+            picture = ImageOps.exif_transpose(picture)
+        if picture.mode in GRAY_MODES:
+            picture = picture.convert("L")
+        elif picture.mode not in ("RGB", "L", *WIDE_GRAY_MODES):
+            picture = picture.convert("RGB")
+        return _pillow_pixels(picture)
+
+
+def _pillow_pixels(picture) -> np.ndarray:
+    """An RGB, L or 16-bit grey Pillow image -> HxWx3 BGR or HxW uint8 (16-bit: the high byte, as OpenCV
+    keeps), copied in bands of rows: np.asarray(picture) would hold two more whole copies at once (its
+    bytes, then their join): 300 MB more at 50 MP."""
+    width, height = picture.size
+    channels = 3 if picture.mode == "RGB" else 1
+    out = np.empty((height, width, channels), np.uint8)
+    for top in range(0, height, BAND_ROWS):
+        rows = min(BAND_ROWS, height - top)
+        band = np.asarray(picture.crop((0, top, width, top + rows))).reshape(rows, width, channels)
+        if picture.mode in WIDE_GRAY_MODES:
+            band = (band.astype(np.uint32) >> 8).clip(0, 255)
+        out[top:top + rows] = band[:, :, ::-1]                   # RGB -> BGR (grey: one channel, unchanged)
+    return out[:, :, 0] if channels == 1 else out
 
 
 def _bgr_to_gray(image: np.ndarray) -> np.ndarray:
@@ -170,61 +211,302 @@ def _linear_side(x: np.ndarray, new: int, axis: int, area_weights: bool = False)
     return low + (high - low) * fraction.reshape(shape)
 
 
-def _looks_truncated(data: bytes) -> bool:
-    if data[:3] == b"\xff\xd8\xff":                 # JPEG: must end with the end-of-image marker
-        return data.rstrip(b"\x00\r\n")[-2:] != b"\xff\xd9"
-    if data[:8] == b"\x89PNG\r\n\x1a\n":            # PNG: must end with the IEND chunk
-        return b"IEND" not in data[-16:]
-    return False
+# --------------------------------------------------------------------------- reading and headers
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What an image file's header says, read before any decoding."""
+
+    format: str                  # JPEG, PNG, BMP, GIF, WebP, TIFF, PNM
+    width: int
+    height: int
+    complete: bool = True        # JPEG and PNG: the data reaches the end marker (bytes after it are allowed)
+    reducible: bool = False      # a baseline JPEG: libjpeg can decode it at 1/2, 1/4, 1/8 of its size
+    reduction: int = 1           # the factor it will be decoded at (set by check_header)
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
 
 
-def read_image(source) -> np.ndarray:
-    """Decode a path or encoded bytes into an HxWx3 uint8 BGR image; bad input raises LnnInputError."""
-    image_library()      # before reading: a missing image library is one clear error
-    if isinstance(source, (bytes, bytearray)):
-        data, name = bytes(source), "<bytes>"
+JPEG_SOF = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}        # start-of-frame markers (C4 DHT, C8 JPG, CC DAC)
+JPEG_BASELINE_SOF = {0xC0, 0xC1}                              # sequential Huffman: decoded in a few rows at a time
+JPEG_STANDALONE = {0x01, *range(0xD0, 0xD8)}                  # TEM, RSTn: markers without a length
+JPEG_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7]")       # in entropy-coded data: 0xFF00 is a stuffed 0xFF
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"                  # the last chunk: always these 12 bytes
+OPENCV_REDUCED = {2: 16, 4: 32, 8: 64}                       # cv2.IMREAD_REDUCED_*_2/4/8's scale bits
+REDUCTIONS = (2, 4, 8)
+FILE_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def read_header(data: bytes) -> ImageHeader | None:
+    """The format and size from an image's header (and, for JPEG and PNG, whether the data is complete);
+    None for data that is none of the formats lnn reads. Raises LnnInputError (without a file name) for a
+    JPEG over the scan or segment limits."""
+    try:
+        if data[:3] == b"\xff\xd8\xff":
+            return _jpeg_header(data)
+        if data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR":
+            width, height = struct.unpack(">II", data[16:24])
+            return ImageHeader("PNG", width, height, complete=PNG_IEND in data)
+        if data[:2] == b"BM":
+            if struct.unpack("<I", data[14:18])[0] == 12:        # OS/2 BITMAPCOREHEADER
+                width, height = struct.unpack("<HH", data[18:22])
+            else:
+                width, height = struct.unpack("<ii", data[18:26])
+            return ImageHeader("BMP", abs(width), abs(height))   # negative height: stored top-down
+        if data[:6] in (b"GIF87a", b"GIF89a"):
+            return ImageHeader("GIF", *struct.unpack("<HH", data[6:10]))
+        if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+            return _webp_header(data)
+        if data[:4] in (b"II*\x00", b"MM\x00*"):
+            return _tiff_header(data)
+        if data[:1] == b"P" and data[1:2] in b"123456" and data[2:3].isspace():
+            width, height = (int(token) for token in re.sub(rb"#[^\n]*", b" ", data[2:4096]).split()[:2])
+            return ImageHeader("PNM", width, height)
+    except (struct.error, ValueError, LookupError):   # a header cut short or garbled: not an image we can read
+        return None
+    return None
+
+
+def _jpeg_header(data: bytes) -> ImageHeader | None:
+    """Walk the JPEG's segments (skipping entropy-coded data) to its end-of-image marker: the frame
+    header gives the size, and data ending before the marker is truncated (bytes after it are allowed:
+    phones append their own)."""
+    frame, scans, position, end = None, 0, 2, len(data)
+    for _ in range(limits.MAX_JPEG_SEGMENTS):
+        if position >= end:
+            break
+        if data[position] != 0xFF:                              # garbled structure: the decoder decides
+            return None if frame is None else _frame_header(frame, complete=True)
+        while position < end and data[position] == 0xFF:        # the marker's 0xFF and any fill bytes
+            position += 1
+        if position >= end:
+            break
+        marker = data[position]
+        position += 1
+        if marker == 0xD9:                                      # end of image
+            return None if frame is None else _frame_header(frame, complete=True)
+        if marker in JPEG_STANDALONE:
+            continue
+        length = struct.unpack(">H", data[position:position + 2])[0]
+        if length < 2:                                          # garbled: the decoder decides
+            return None if frame is None else _frame_header(frame, complete=True)
+        if marker in JPEG_SOF and frame is None:
+            frame = (marker, data[position + 2:position + length])
+        position += length
+        if marker == 0xDA:                                      # start of scan: entropy-coded data follows
+            scans += 1
+            if scans > limits.MAX_JPEG_SCANS:
+                raise LnnInputError(f"the JPEG has more than {limits.MAX_JPEG_SCANS} scans (lnn's limit)")
+            following = JPEG_NEXT_MARKER.search(data, position)
+            if following is None:
+                break
+            position = following.start()
     else:
-        path = Path(source)
-        name = str(path)
+        raise LnnInputError(f"the JPEG has more than {limits.MAX_JPEG_SEGMENTS} segments (lnn's limit)")
+    return ImageHeader("JPEG", 0, 0, complete=False) if frame is None else _frame_header(frame, complete=False)
+
+
+def _frame_header(frame: tuple, complete: bool) -> ImageHeader | None:
+    marker, segment = frame
+    height, width = struct.unpack(">HH", segment[1:5])
+    return ImageHeader("JPEG", width, height, complete=complete, reducible=marker in JPEG_BASELINE_SOF)
+
+
+def _webp_header(data: bytes) -> ImageHeader:
+    chunk = data[12:16]
+    if chunk == b"VP8X":                                        # extended: 24-bit sizes minus one
+        return ImageHeader("WebP", int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1)
+    if chunk == b"VP8L":                                        # lossless: 14-bit sizes minus one
+        bits = int.from_bytes(data[21:25], "little")
+        return ImageHeader("WebP", (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1)
+    if chunk == b"VP8 ":                                        # lossy: after the key frame's start code
+        width, height = struct.unpack("<HH", data[26:30])
+        return ImageHeader("WebP", width & 0x3FFF, height & 0x3FFF)
+    raise ValueError("unknown WebP chunk")
+
+
+def _tiff_header(data: bytes) -> ImageHeader:
+    """The first image's width and height tags (256, 257) from the first IFD."""
+    order = "<" if data[:2] == b"II" else ">"
+    offset = struct.unpack(order + "I", data[4:8])[0]
+    count = struct.unpack(order + "H", data[offset:offset + 2])[0]
+    sizes = {}
+    for entry in range(offset + 2, offset + 2 + 12 * count, 12):
+        tag, kind = struct.unpack(order + "HH", data[entry:entry + 4])
+        if tag in (256, 257):
+            sizes[tag] = struct.unpack(order + ("H" if kind == 3 else "I"), data[entry + 8:entry + (10 if kind == 3 else 12)])[0]
+    return ImageHeader("TIFF", sizes[256], sizes[257])
+
+
+def check_header(header: ImageHeader, name: str) -> ImageHeader:
+    """Refuse an image over the pixel limits (formats/limits.py), or truncated; choose its reduction."""
+    size = f"{header.width}x{header.height} = {header.pixels:,} pixels"
+    if not header.complete:
+        raise LnnInputError(f"{name}: the image is truncated (it ends before its end marker); copy or take it again")
+    if header.pixels == 0:
+        raise LnnInputError(f"{name}: the {header.format} header says the image is {header.width}x{header.height}: "
+                            f"not an image that can be decoded")
+    if header.pixels > limits.MAX_IMAGE_PIXELS:
+        raise LnnInputError(f"{name}: the image is {size}, over lnn's limit of {limits.MAX_IMAGE_PIXELS:,} pixels")
+    if header.pixels <= limits.MAX_DECODED_PIXELS:
+        return header
+    if not header.reducible:
+        kind = "progressive JPEG" if header.format == "JPEG" else header.format
+        raise LnnInputError(f"{name}: the image is {size}; a {kind} cannot be decoded at a reduced size, and "
+                            f"lnn's limit for decoding at full size is {limits.MAX_DECODED_PIXELS:,} pixels "
+                            f"(save it as a baseline JPEG, or scale it down)")
+    reduction = next(factor for factor in REDUCTIONS
+                     if -(-header.width // factor) * -(-header.height // factor) <= limits.MAX_DECODED_PIXELS)
+    return replace(header, reduction=reduction)
+
+
+def read_image_file(path) -> bytes:
+    """A regular file's bytes, up to MAX_IMAGE_FILE_BYTES; anything else is one LnnInputError line.
+
+    Opened without blocking (a named pipe opens at once, then is refused) and checked with fstat."""
+    name = str(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        descriptor = os.open(path, flags)
+    except FileNotFoundError:
+        raise LnnInputError(f"{name}: no such file") from None
+    except IsADirectoryError:
+        raise LnnInputError(f"{name}: is a folder, not an image") from None
+    except OSError as err:
+        raise LnnInputError(f"{name}: cannot read ({err.strerror or err})") from None
+    try:
+        _check_regular_file(os.fstat(descriptor), name)
+    except LnnInputError:
+        os.close(descriptor)
+        raise
+    with os.fdopen(descriptor, "rb") as file:
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise LnnInputError(f"{name}: no such file") from None
-        except IsADirectoryError:
-            raise LnnInputError(f"{name}: is a folder, not an image") from None
+            data = file.read(limits.MAX_IMAGE_FILE_BYTES + 1)
         except OSError as err:
             raise LnnInputError(f"{name}: cannot read ({err.strerror or err})") from None
+    if len(data) > limits.MAX_IMAGE_FILE_BYTES:                  # it grew while being read
+        raise LnnInputError(f"{name}: the file is over lnn's limit of {limits.MAX_IMAGE_FILE_BYTES:,} bytes for an image")
+    return data
+
+
+def _check_regular_file(status: os.stat_result, name: str) -> None:
+    if stat.S_ISDIR(status.st_mode):
+        raise LnnInputError(f"{name}: is a folder, not an image")
+    if not stat.S_ISREG(status.st_mode):
+        kind = next((kind for test, kind in FILE_KINDS if test(status.st_mode)), "not a regular file")
+        raise LnnInputError(f"{name}: is {kind}, not an image file")
+    if status.st_size > limits.MAX_IMAGE_FILE_BYTES:
+        raise LnnInputError(f"{name}: the file is {status.st_size:,} bytes, over lnn's limit of "
+                            f"{limits.MAX_IMAGE_FILE_BYTES:,} bytes for an image")
+
+
+def decode_image(source) -> np.ndarray:
+    """Decode a path or encoded bytes into an HxWx3 uint8 BGR image, or HxW uint8 for a grey one; bad
+    input raises LnnInputError: missing, not a regular file, too large, not an image, truncated, over
+    the pixel limits. A JPEG over MAX_DECODED_PIXELS comes back reduced (1/2, 1/4 or 1/8 of its size)."""
+    image_library()      # before reading: a missing image library is one clear error
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data, name = bytes(source), "<bytes>"
+    else:
+        data, name = read_image_file(source), str(source)
     if not data:
         raise LnnInputError(f"{name}: the file is empty")
-    if _looks_truncated(data):
-        raise LnnInputError(f"{name}: the image is truncated (it ends before its end marker); copy or take it again")
-    image = _decode(data)
-    if image is None:
-        library = "OpenCV" if image_library() == "opencv" else "Pillow"
-        raise LnnInputError(f"{name}: not an image {library} can decode (JPEG, PNG, BMP, TIFF, WebP, ...)")
+    library = "OpenCV" if image_library() == "opencv" else "Pillow"
+    try:
+        header = read_header(data)
+    except LnnInputError as err:
+        raise LnnInputError(f"{name}: {err}") from None
+    if header is None:
+        raise LnnInputError(f"{name}: not an image lnn can read (JPEG, PNG, BMP, TIFF, WebP, GIF, PNM)")
+    header = check_header(header, name)
+    try:
+        image = _decode(data, header)
+    except MemoryError:
+        raise LnnInputError(f"{name}: not enough memory to decode this {header.width}x{header.height} image") from None
+    if image is None or image.size == 0:
+        raise LnnInputError(f"{name}: not an image {library} can decode (a damaged or unusual {header.format})")
     return image
 
 
-def preprocess_image(image: np.ndarray, preprocess: dict, color: str = "bgr") -> np.ndarray:
-    """HxWx3 (in `color` order) or HxW uint8/float image -> [C, H, W] float32 normalized for the model."""
+def read_image(source) -> np.ndarray:
+    """Decode a path or encoded bytes into an HxWx3 uint8 BGR image (grey copied to the three channels,
+    as OpenCV's IMREAD_COLOR does); bad input raises LnnInputError (see decode_image)."""
+    image = decode_image(source)
+    return np.repeat(image[:, :, None], 3, axis=2) if image.ndim == 2 else image
+
+
+# --------------------------------------------------------------------------- arrays -> the model's input
+
+def _image_array(image, notes: list) -> tuple[np.ndarray, bool]:
+    """Any array a caller may pass -> (HxWx3 or HxWx1 array, uint8 or float32 in 0..255; is it grey).
+
+    The rules (one LnnInputError line for anything else):
+      HxW or HxWx1: grey; HxWx3: colour; HxWx4: colour with alpha, the alpha ignored.
+      uint8: 0..255. Other integers: must hold 0..255. bool: refused.
+      float: must be finite and within 0..255; when every value is within 0..1 it is read as 0..1
+             (multiplied by 255) and a note says so."""
     image = np.asarray(image)
+    shape = list(image.shape)
     if image.ndim == 2:
-        image = np.repeat(image[:, :, None], 3, axis=2)
-        color = "bgr"
-    if image.ndim != 3 or image.shape[2] not in (3, 4):
-        raise LnnInputError(f"an image must be HxW or HxWx3, got shape {list(image.shape)}")
-    if image.shape[2] == 4:
-        image = image[:, :, :3]
-    if color == "rgb":
-        image = image[:, :, ::-1]
+        image = image[:, :, None]
+    if image.ndim != 3 or image.shape[2] not in (1, 3, 4):
+        raise LnnInputError(f"an image must be HxW, HxWx3 or HxWx4 (BGRA), got shape {shape}")
+    if image.size == 0:
+        raise LnnInputError(f"the image is empty (shape {shape})")
+    image = image[:, :, :3]
+    kind = image.dtype.kind
+    if kind == "b":
+        raise LnnInputError("a bool array is not an image: pass uint8 values 0..255 (e.g. mask.astype(np.uint8) * 255)")
+    if kind in "iu" and image.dtype != np.uint8:
+        low, high = int(image.min()), int(image.max())
+        if low < 0 or high > 255:
+            raise LnnInputError(f"integer image values must be 0..255 (8-bit), got {low}..{high}; "
+                                f"for a 16-bit image pass (image // 257).astype(np.uint8)")
+        image = image.astype(np.uint8)
+    elif kind == "f":
+        image = image.astype(np.float32, copy=False)
+        if not np.isfinite(image).all():
+            raise LnnInputError("the image holds NaN or infinite values")
+        low, high = float(image.min()), float(image.max())
+        if low < 0 or high > 255:
+            raise LnnInputError(f"float image values must be within 0..1 or 0..255, got {low:g}..{high:g}")
+        if high <= 1:
+            image = image * np.float32(255)
+            notes.append("the float image's values are all within 0..1: read as 0..1 (x 255); "
+                         "pass uint8 0..255 to avoid this guess")
+    elif kind != "u":
+        raise LnnInputError(f"an image must hold numbers (uint8 0..255, or float 0..1 or 0..255), not {image.dtype}")
+    return image, image.shape[2] == 1
+
+
+def preprocess_image(image: np.ndarray, preprocess: dict, color: str = "bgr", notes: list | None = None) -> np.ndarray:
+    """HxW, HxWx3 (in `color` order) or HxWx4 image (see _image_array for the values taken) -> [C, H, W]
+    float32 normalized for the model.
+
+    notes: a list to which one-line remarks about the conversion are appended (a grey image given to a
+    colour model, a float image read as 0..1); without one they are issued as LnnWarning."""
+    remarks = [] if notes is None else notes
+    image, grey = _image_array(image, remarks)
     want = preprocess["color"]
-    if want == "gray":
-        image = _bgr_to_gray(image)[:, :, None]
-    elif want == "rgb":
-        image = image[:, :, ::-1]
+    if want == "gray" and not grey:
+        image = _bgr_to_gray(image if color == "bgr" else image[:, :, ::-1])[:, :, None]
+    elif want != "gray" and grey:
+        remarks.append(f"a grey image given to a colour ({want.upper()}) model: its grey is copied to the "
+                       f"three channels; a colour photo gives a more reliable answer")
     height, width = preprocess["resize"]
-    if image.shape[:2] != (height, width):
+    if image.shape[:2] != (height, width):     # before any channel reordering: a plain copy of fewer pixels
         image = resize_image(image, width, height)
+    if want != "gray" and grey:
+        image = np.repeat(image, 3, axis=2)
+    elif want != "gray" and want != color:
+        image = image[:, :, ::-1]
     x = image.astype(np.float32) * np.float32(preprocess["scale"])
     x = (x - np.asarray(preprocess["mean"], np.float32)) / np.asarray(preprocess["std"], np.float32)
+    if notes is None:
+        for remark in remarks:
+            warnings.warn(remark, LnnWarning, stacklevel=3)
     return np.ascontiguousarray(x.transpose(2, 0, 1))

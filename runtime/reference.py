@@ -13,9 +13,12 @@ from lnn.formats.ops import get_op
 
 
 class NumpyBackend:
+    """Stateless between calls, so safe to share between threads. `threads` is accepted and ignored
+    (NumPy runs on BLAS's own threads), so that the same options work on every device."""
+
     name = "numpy"
 
-    def __init__(self, model: Model, weights: dict):
+    def __init__(self, model: Model, weights: dict, threads: int | None = None):
         self.model = model
         self.params = [{p: weights[node.param_key(p)] for p in node.param_shapes} for node in model.nodes]
 

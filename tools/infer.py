@@ -6,9 +6,12 @@
 Each image gets the best label's display name and confidence, then the top-k. When the model's
 metadata sets thresholds.uncertain_below and the best confidence is under it, the answer is
 "uncertain" with a request for a clearer photo of a single leaf, not a guess. A bad file (missing,
-not an image, truncated) is reported on stderr as one line and skipped; the exit status is 1 at
-the end if any image failed. --json prints one JSON object per image, one per line (JSON Lines);
---csv prints one row per image and rank.
+not an image, truncated, too large, a model output that is not a number) is reported on stderr as
+one line and gets an error row in --json / --csv; the other images are still answered, and the exit
+status is 1 at the end if any failed. --json prints one JSON object per image, one per line (JSON
+Lines; {"file": ..., "error": ...} for a failed one); --csv prints one row per image and rank (one
+with the error for a failed image). Remarks on an answer (a grey photo given to a colour model) are
+its "notes". --recursive also answers the images in sub-folders.
 
 Device "auto" picks by the number of images: up to 8 run on the NumPy backend, which starts at
 once; more run on the Numba backend ("cpu"), whose one-off JIT compile (cached per user) pays back
@@ -19,14 +22,15 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
 import lnn
-from lnn.formats.errors import LnnInputError
-from lnn.tools.cli import command_parser, error_line, run_command
+from lnn.formats.errors import LnnError, LnnInputError
+from lnn.tools.cli import command_parser, run_command
 
 PROG = "lnn-infer"
 DEFAULT_MODEL = Path(lnn.__file__).resolve().parent / "models" / "tomato_leaf.bin"
@@ -35,12 +39,15 @@ FEW_IMAGES = 8            # device auto: up to this many images use NumPy (no JI
 BATCH_SIZE = 32           # images per backend call
 PROGRESS_FROM = 33        # show a progress bar (on a terminal) from this many images on
 CLEARER_PHOTO = "Please take a clearer photo of a single leaf, close up and in good light."
-CSV_COLUMNS = ("file", "rank", "label", "display", "probability", "uncertain")
+CSV_COLUMNS = ("file", "rank", "label", "display", "probability", "uncertain", "notes", "error")
+NOT_A_NUMBER = "the model's output for this image is not a number (NaN or infinity): its weights may be damaged"
 
 
 def build_parser():
     parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("inputs", nargs="+", metavar="IMAGE|DIR", help="image files, or folders of images")
+    parser.add_argument("--recursive", "-r", action="store_true",
+                        help="for a folder, also the images in its sub-folders (sorted by path)")
     parser.add_argument("--model", metavar="M.bin", help="the model file (default: the bundled models/tomato_leaf.bin)")
     parser.add_argument("--top-k", type=int, default=3, metavar="K", help="how many labels to list per image (default 3)")
     formats = parser.add_mutually_exclusive_group()
@@ -62,35 +69,67 @@ def choose_device(requested: str, image_count: int) -> str:
     return resolve_device(requested)
 
 
-def images_in_folder(folder: Path) -> list:
-    """The folder's image files (by suffix), sorted by name; sub-folders are not searched."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+def is_image_name(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_SUFFIXES
 
 
-def expand_inputs(inputs: list) -> tuple[list, int]:
+def images_in_folder(folder: Path, recursive: bool = False) -> list:
+    """The folder's image files (by suffix; anything but a folder, so that a named pipe or a broken link
+    is reported, not skipped), sorted by name; with recursive, those of every sub-folder too, sorted by path
+    (links to folders are not followed)."""
+    if not recursive:
+        return sorted(p for p in folder.iterdir() if is_image_name(p) and not p.is_dir())
+    found = []
+    for top, folders, files in os.walk(folder):
+        folders.sort()
+        found += [Path(top) / name for name in files if is_image_name(Path(name))]
+    return sorted(found, key=lambda path: path.relative_to(folder).parts)
+
+
+def empty_folder_problem(folder: Path) -> str:
+    """Why a folder gave no images, and what to do about it."""
+    sub_folders = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    if sub_folders:
+        shown = ", ".join(sub_folders[:3]) + (", ..." if len(sub_folders) > 3 else "")
+        return (f"{folder}: the folder holds no image files, only {len(sub_folders)} sub-folder"
+                f"{'s' if len(sub_folders) > 1 else ''} ({shown}); pass --recursive to answer the images in them")
+    return f"{folder}: the folder holds no image files ({', '.join(IMAGE_SUFFIXES)})"
+
+
+def expand_inputs(inputs: list, recursive: bool = False) -> tuple[list, list]:
     """Folders become their image files (sorted by name); other paths pass through to be read.
 
-    Returns (paths, failures): a folder with no images is reported here and counts as a failure."""
-    paths, failures = [], 0
+    Returns (paths, problems): problems are (folder, one-line message) for folders that gave no image."""
+    paths, problems = [], []
     for given in inputs:
         path = Path(given)
         if path.is_dir():
-            found = images_in_folder(path)
+            found = images_in_folder(path, recursive)
             if not found:
-                error_line(PROG, f"{path}: the folder holds no image files ({', '.join(IMAGE_SUFFIXES)})")
-                failures += 1
+                problems.append((path, empty_folder_problem(path) if not recursive else
+                                 f"{path}: the folder and its sub-folders hold no image files ({', '.join(IMAGE_SUFFIXES)})"))
             paths.extend(found)
         else:
             paths.append(path)
-    return paths, failures
+    return paths, problems
+
+
+def failure_record(file, message: str) -> dict:
+    """The record of an image that got no answer: what --json prints (and a server would return); the
+    error is one line, without the file name the message may start with (the record names the file)."""
+    message = " ".join(str(message).split())
+    prefix = f"{file}: "
+    return {"file": str(file), "error": message[len(prefix):] if message.startswith(prefix) else message}
 
 
 class Answer:
     """One image's result: the labels ranked best first, and whether it falls under the uncertainty threshold."""
 
-    def __init__(self, path: Path, probabilities: np.ndarray, labels: list, top_k: int, uncertain_below):
+    def __init__(self, path: Path, probabilities: np.ndarray, labels: list, top_k: int, uncertain_below,
+                 notes: list | None = None):
         order = np.argsort(-probabilities, kind="stable")[:top_k]
         self.file = str(path)
+        self.notes = list(notes or [])
         self.ranked = [(labels[i], float(probabilities[i])) for i in order]
         self.best, self.confidence = self.ranked[0]
         self.uncertain_below = uncertain_below
@@ -103,6 +142,7 @@ class Answer:
                          for label, p in self.ranked]}
         if "advice" in self.best and not self.uncertain:
             out["advice"] = self.best["advice"]
+        out["notes"] = self.notes
         return out
 
     def human_lines(self) -> list:
@@ -115,10 +155,10 @@ class Answer:
         lines += [f"  {rank}. {label['display']:<{width}}  {p:6.1%}" for rank, (label, p) in enumerate(self.ranked, 1)]
         if "advice" in self.best and not self.uncertain:
             lines.append(f"  advice: {self.best['advice']}")
-        return lines
+        return lines + [f"  note: {note}" for note in self.notes]
 
     def csv_rows(self) -> list:
-        return [(self.file, rank, label["name"], label["display"], f"{p:.6f}", int(self.uncertain))
+        return [(self.file, rank, label["name"], label["display"], f"{p:.6f}", int(self.uncertain), "; ".join(self.notes), "")
                 for rank, (label, p) in enumerate(self.ranked, 1)]
 
 
@@ -136,18 +176,27 @@ class Output:
         if self.style == "csv":
             self.csv.writerows(answer.csv_rows())
             return
-        text = (json.dumps(answer.as_dict(), ensure_ascii=False) if self.style == "json"
-                else "\n".join(answer.human_lines()))
-        if self.bar is not None:
-            self.bar.write(text, file=sys.stdout)
-        else:
-            print(text, flush=True)
+        self._write(json_line(answer.as_dict()) if self.style == "json" else "\n".join(answer.human_lines()), sys.stdout)
 
-    def failure(self, message: str) -> None:
+    def failure(self, file, message: str) -> None:
+        """A file that got no answer: one line on stderr, and its row in --json / --csv."""
+        record = failure_record(file, message)
+        if self.style == "json":
+            self._write(json_line(record), sys.stdout)
+        elif self.style == "csv":
+            self.csv.writerow([record["file"], "", "", "", "", "", "", record["error"]])
+        self._write(f"{PROG}: error: {record['file']}: {record['error']}", sys.stderr)
+
+    def _write(self, text: str, stream) -> None:
         if self.bar is not None:
-            self.bar.write(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+            self.bar.write(text, file=stream)
         else:
-            error_line(PROG, message)
+            print(text, file=stream, flush=True)
+
+
+def json_line(record: dict) -> str:
+    """One JSON Lines line; a NaN or infinity is an error here, never an invalid `NaN` in the output."""
+    return json.dumps(record, ensure_ascii=False, allow_nan=False)
 
 
 def progress_bar(total: int):
@@ -172,35 +221,53 @@ def load_session(model: str | None, device: str, threads: int | None):
     return session
 
 
+def prepare_batch(session, batch: list, bar) -> tuple[dict, dict]:
+    """Decode and preprocess a batch of files: ({index: (input, notes)}, {index: one-line error})."""
+    images, errors = {}, {}
+    for i, path in enumerate(batch):
+        notes = []
+        try:
+            images[i] = (session.prepare_image(path, notes=notes), notes)
+        except LnnError as err:                   # the decoding errors name the file; say which for the others too
+            errors[i] = str(err) if str(err).startswith(str(path)) else f"{path}: {err}"
+        if bar is not None:
+            bar.update(1)
+    return images, errors
+
+
 def infer(args) -> int:
     if args.top_k < 1:
         raise LnnInputError(f"--top-k must be at least 1, not {args.top_k}")
     if args.threads is not None and args.threads < 1:
         raise LnnInputError(f"--threads must be at least 1, not {args.threads}")
-    paths, failures = expand_inputs(args.inputs)
+    paths, problems = expand_inputs(args.inputs, args.recursive)
+    output = Output("json" if args.json else "csv" if args.csv else "human")
+    for folder, message in problems:
+        output.failure(folder, message)
+    failures = len(problems)
     if not paths:
         return 1
     session = load_session(args.model, choose_device(args.device, len(paths)), args.threads)
     top_k = min(args.top_k, len(session.labels))
     uncertain_below = (session.metadata.get("thresholds") or {}).get("uncertain_below")
 
-    bar = progress_bar(len(paths))
-    output = Output("json" if args.json else "csv" if args.csv else "human", bar)
+    output.bar = bar = progress_bar(len(paths))
     try:
         for start in range(0, len(paths), BATCH_SIZE):
-            prepared = []
-            for path in paths[start:start + BATCH_SIZE]:
-                try:
-                    prepared.append((path, session.prepare_image(path)))
-                except LnnInputError as err:
-                    output.failure(str(err))
+            batch = paths[start:start + BATCH_SIZE]
+            images, errors = prepare_batch(session, batch, bar)
+            if images:
+                with np.errstate(all="ignore"):   # a NaN or infinite output is reported below, as that image's error
+                    rows = session.predict(np.stack([image for image, _ in images.values()]))
+                probabilities = dict(zip(images, rows))
+            for i, path in enumerate(batch):                       # answers and failures in input order
+                if i in images and not np.isfinite(probabilities[i]).all():
+                    errors[i] = f"{path}: {NOT_A_NUMBER}"
+                if i in errors:
+                    output.failure(path, errors[i])
                     failures += 1
-                if bar is not None:
-                    bar.update(1)
-            if prepared:
-                probabilities = session.predict(np.stack([image for _, image in prepared]))
-                for (path, _), row in zip(prepared, probabilities):
-                    output.answer(Answer(path, row, session.labels, top_k, uncertain_below))
+                else:
+                    output.answer(Answer(path, probabilities[i], session.labels, top_k, uncertain_below, images[i][1]))
     finally:
         if bar is not None:
             bar.close()

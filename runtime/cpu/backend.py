@@ -14,7 +14,12 @@ Load time (once):
 First call per batch size: every buffer is allocated and every kernel call is bound to its buffers
 (`steps`, argument-free callables). Later calls with that batch size copy the input into the plan's
 input buffer and run the steps: no allocation. run() returns the plan's output buffer itself, which
-the next call overwrites (Session.run copies it). A backend object is not safe to share between threads.
+the next call of the same thread overwrites (Session.run copies it).
+
+Threads: a backend (so a Session) is safe to share. Each calling thread has its own plans and split
+outputs (runtime/plans.py), so concurrent calls never touch each other's buffers and run in parallel
+(the kernels and BLAS release the GIL). The BLAS thread count is process-wide: overlapping calls
+share one setting (BlasThreads below), which changes speed, never results.
 
 threads=N > 1: a batch worth at least MIN_SPLIT_FLOPS is split into up to N parts, each run by its
 own plan on its own worker thread with one BLAS thread (the kernels release the GIL). On these small
@@ -28,10 +33,11 @@ Adding an op: one file here with a layer class (`__init__(node, weights)`, `out_
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 
 import numpy as np
 
@@ -46,6 +52,7 @@ from lnn.runtime.cpu.jit import CACHE_ENABLED
 from lnn.runtime.cpu.linear import LinearLayer
 from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.pool import AvgPool2dLayer, GlobalAvgPoolLayer, MaxPool2dLayer
+from lnn.runtime.plans import PerThreadCache
 
 LAYERS = {
     "linear": LinearLayer,
@@ -124,8 +131,10 @@ class CpuBackend:
         self.model = model
         self.threads = threads
         self.layers = build_layers(model, weights)
-        self._plans: OrderedDict[tuple, Plan] = OrderedDict()     # (batch, part) -> plan
-        self._outputs: OrderedDict[int, np.ndarray] = OrderedDict()  # batch -> output of a split run
+        self._plans = PerThreadCache(lambda key: Plan(self.layers, model.input_shape, key[0]),   # (batch, part)
+                                     PLANS_KEPT * (threads or 1))
+        self._outputs = PerThreadCache(lambda batch: np.empty((batch, *model.output_shape), np.float32),
+                                       PLANS_KEPT)                                                  # of split runs
         self._flops_per_row = sum(node.flops for node in model.nodes)
         self._blas_limit = _blas_thread_limit(threads)
         self._blas_single = _blas_thread_limit(1) if threads and threads > 1 else None
@@ -133,15 +142,7 @@ class CpuBackend:
         self.compile_seconds: float | None = None     # set by warmup(): first-call compile or cache load
 
     def _plan(self, batch: int, part: int = 0) -> Plan:
-        key = (batch, part)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = Plan(self.layers, self.model.input_shape, batch)
-            if len(self._plans) > PLANS_KEPT * (self.threads or 1):
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
-        return plan
+        return self._plans.get((batch, part))
 
     def run(self, x: np.ndarray) -> np.ndarray:
         """x: C-contiguous float32 [N, *input_shape] -> the plan's output buffer [N, *output_shape]."""
@@ -160,10 +161,6 @@ class CpuBackend:
         parts = [(self._plan(stop - start, part), start, stop)            # planned here, not in the workers
                  for part, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:]))]
         output = self._outputs.get(batch)
-        if output is None:
-            output = self._outputs[batch] = np.empty((batch, *self.model.output_shape), np.float32)
-            if len(self._outputs) > PLANS_KEPT:
-                self._outputs.popitem(last=False)
 
         def run_part(plan: Plan, start: int, stop: int) -> None:
             output[start:stop] = plan.run(x[start:stop])
@@ -190,26 +187,49 @@ class CpuBackend:
 
 
 def _blas_thread_limit(threads: int | None):
-    """A context-manager factory limiting BLAS to `threads` (None: leave BLAS alone).
-
-    It sets and restores the thread count of each BLAS library directly (about 2 us a call):
-    threadpoolctl's `limit()` context re-inspects the libraries each time (about 14 us)."""
+    """A context-manager factory limiting BLAS to `threads` (None: leave BLAS alone)."""
     if threads is None:
         return None
     if threads < 1:
         raise ValueError(f"threads must be a positive integer, not {threads!r}")
-    from threadpoolctl import ThreadpoolController
+    return partial(BLAS_THREADS.limit, threads)
 
-    libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+
+class BlasThreads:
+    """The BLAS libraries' thread count, set for the length of a call and restored after it.
+
+    It sets and restores each library's count directly (about 2 us a call): threadpoolctl's `limit()`
+    context re-inspects the libraries each time (about 14 us). The count is process-wide, so calls
+    overlapping from several threads share it: the first to enter saves the count, the last to leave
+    restores it, each entry sets its own count meanwhile (tests/runtime/test_threads.py checks that
+    the results do not change)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._libraries = None
+        self._active = 0
+        self._saved: list = []
 
     @contextmanager
-    def limit():
-        before = [library.get_num_threads() for library in libraries]
-        for library in libraries:
-            library.set_num_threads(threads)
+    def limit(self, threads: int):
+        with self._lock:
+            if self._libraries is None:
+                from threadpoolctl import ThreadpoolController
+
+                self._libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+            if self._active == 0:
+                self._saved = [library.get_num_threads() for library in self._libraries]
+            self._active += 1
+            for library in self._libraries:
+                library.set_num_threads(threads)
         try:
             yield
         finally:
-            for library, count in zip(libraries, before):
-                library.set_num_threads(count)
-    return limit
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    for library, count in zip(self._libraries, self._saved):
+                        library.set_num_threads(count)
+
+
+BLAS_THREADS = BlasThreads()

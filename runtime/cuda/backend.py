@@ -8,7 +8,8 @@ Load time (once):
   - weights and epilogue vectors are uploaded to the GPU.
 First call per batch size: every device buffer is allocated and every kernel call is bound to its
 buffers (`steps`, argument-free callables). A call copies the input into the plan's input buffer,
-runs the steps and copies the output back to the host (a new NumPy array).
+runs the steps and copies the output back to the host (a new NumPy array). Each calling thread has
+its own plans (runtime/plans.py), so a backend is safe to share between threads.
 
 Kernels: the generic forward kernels of kernels.py (shared with the trainer), with fused.py's CuPy
 kernels in their place where one launch beats several: a stride-1 conv2d that conv_gemm.supported()
@@ -24,7 +25,6 @@ only (how the planning is tested where there is no GPU).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from functools import partial
 
 import numpy as np
@@ -34,6 +34,7 @@ from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS
 from lnn.runtime.cuda import conv_gemm, winograd
 from lnn.runtime.cuda import kernels as K
+from lnn.runtime.plans import PerThreadCache
 from lnn.formats.fold import fold_scale_and_shift, scale_and_shift
 
 IDENTITY_AT_INFERENCE = {"dropout"}
@@ -337,24 +338,20 @@ def _cupy_with_a_gpu():
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, model: Model, weights: dict, array_module=None):
+    def __init__(self, model: Model, weights: dict, threads: int | None = None, array_module=None):
+        """threads: accepted and ignored (the GPU is not threaded by the host), so that the same options
+        work on every device; array_module=numpy runs the plans on NumPy (tests)."""
         self.model = model
         self.device = Device(array_module if array_module is not None else _cupy_with_a_gpu())
         self.layers = build_layers(model, weights)
         for layer in self.layers:
             if hasattr(layer, "upload"):
                 layer.upload(self.device)
-        self._plans: OrderedDict[int, Plan] = OrderedDict()
+        self._plans = PerThreadCache(lambda batch: Plan(self.layers, model.input_shape, batch, self.device),
+                                     PLANS_KEPT)        # per calling thread: a backend is safe to share
 
     def _plan(self, batch: int) -> Plan:
-        plan = self._plans.get(batch)
-        if plan is None:
-            plan = self._plans[batch] = Plan(self.layers, self.model.input_shape, batch, self.device)
-            if len(self._plans) > PLANS_KEPT:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(batch)
-        return plan
+        return self._plans.get(batch)
 
     def run(self, x: np.ndarray) -> np.ndarray:
         """x: C-contiguous float32 [N, *input_shape] -> a new host array [N, *output_shape]."""

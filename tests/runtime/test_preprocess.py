@@ -81,7 +81,7 @@ def test_pillow_refuses_a_non_image_in_one_line(use, tmp_path):
     use("pillow")
     text = tmp_path / "notes.jpg"
     text.write_text("not a photo")
-    with pytest.raises(LnnInputError, match="not an image Pillow can decode"):
+    with pytest.raises(LnnInputError, match=r"notes.jpg: not an image lnn can read \(JPEG, PNG"):
         preprocess.read_image(text)
 
 

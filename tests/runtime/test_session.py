@@ -26,6 +26,9 @@ def test_run_checks_the_batch_shape():
         session.run(np.zeros((3, 8, 8), np.float32))
     with pytest.raises(lnn.LnnInputError, match="empty"):
         session.run(np.zeros((0, 3, 8, 8), np.float32))
+    for odd in (np.full((1, 3, 8, 8), "x"), np.zeros((1, 3, 8, 8), complex), np.zeros((1, 3, 8, 8), bool)):
+        with pytest.raises(lnn.LnnInputError, match=f"^a batch must hold numbers .*, not {odd.dtype}$"):
+            session.run(odd)
 
 
 def test_predict_is_softmax_of_logits_unless_the_model_ends_in_softmax():
@@ -64,8 +67,8 @@ def test_predict_image_rgb_arrays_match_their_bgr_twin():
 
 
 def test_unknown_and_unavailable_devices_are_clear():
-    with pytest.raises(ValueError, match="device must be one of"):
-        tiny_session(device="tpu")
+    with pytest.raises(lnn.LnnInputError, match=r"^device must be one of auto, numpy, cpu, cuda; not 'gpu'$"):
+        tiny_session(device="gpu")
 
     try:
         backend_class("cuda")
@@ -73,3 +76,14 @@ def test_unknown_and_unavailable_devices_are_clear():
         assert "cuda backend" in str(err)
     else:
         pytest.skip("a CUDA backend is usable here")
+
+
+def test_threads_is_accepted_everywhere_and_checked_once():
+    source = tiny_session().bin
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(Session(source, "numpy", threads=4).run(x), Session(source, "numpy").run(x))
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(lnn.LnnInputError, match=f"^threads must be a positive whole number, not {bad!r}$"):
+            Session(source, "numpy", threads=bad)
+    with pytest.raises(lnn.LnnInputError, match=r"^the numpy backend takes no option 'thread'; its options: threads$"):
+        Session(source, "numpy", thread=2)

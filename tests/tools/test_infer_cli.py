@@ -3,6 +3,7 @@ uncertainty threshold and advice come from the model's metadata, and a single im
 
 import csv
 import io
+import os
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import lnn
 from cli_helpers import assert_one_line_error, reference_bin, run_command  # noqa: F401 (reference_bin: fixture)
 from conftest import EXAMPLES, REFERENCE_MODELS, need
+from hostile_images import png_claiming
 from lnn.formats.binfile import read_bin, write_bin
 from lnn.runtime import resolve_device
 from lnn.tools import infer
@@ -115,8 +117,8 @@ def test_folder_expands_to_its_images_sorted_case_insensitively(tmp_path):
     for name in ("b.JPG", "a.png", "c.WebP", "notes.txt", "d.jpeg"):
         (tmp_path / name).write_bytes(b"x")
     (tmp_path / "sub.png").mkdir()
-    paths, failures = infer.expand_inputs([str(tmp_path), "loose.jpg"])
-    assert [p.name for p in paths] == ["a.png", "b.JPG", "c.WebP", "d.jpeg", "loose.jpg"] and failures == 0
+    paths, problems = infer.expand_inputs([str(tmp_path), "loose.jpg"])
+    assert [p.name for p in paths] == ["a.png", "b.JPG", "c.WebP", "d.jpeg", "loose.jpg"] and problems == []
 
 
 def test_device_policy_few_images_numpy_many_numba():
@@ -152,7 +154,9 @@ def test_batch_mode_reports_bad_files_skips_them_and_fails_at_the_end(reference_
     text, truncated = bad_images(folder)
     result = run_command("infer", "--model", reference_bin("mnist_cnn"), "--json", folder, tmp_path / "absent.png")
     assert result.returncode == 1
-    assert [json.loads(line)["file"] for line in result.stdout.splitlines()] == [str(p) for p in good]
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["file"] for r in records if "error" not in r] == [str(p) for p in good]
+    assert [r["file"] for r in records if "error" in r] == [str(text), str(truncated), str(tmp_path / "absent.png")]
     errors = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stderr and len(errors) == 3
     for line, path, why in zip(errors, (text, truncated, tmp_path / "absent.png"),
@@ -229,7 +233,7 @@ def test_help_and_version():
 
 
 def test_ctrl_c_exits_130_quietly(monkeypatch, capsys):
-    def interrupted(inputs):
+    def interrupted(inputs, recursive):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(infer, "expand_inputs", interrupted)
@@ -252,3 +256,98 @@ def test_importing_the_commands_loads_no_opencv_numba_or_tqdm():
             "print(sorted(m for m in ('cv2', 'numba', 'tqdm', 'onnx') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+# --------------------------------------------------------------------------- hostile folders (issue 15)
+
+def strict_json(line: str) -> dict:
+    """json.loads refusing NaN and Infinity, which are not JSON."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def hostile_files(folder):
+    """Among good photos: a pixel bomb, a non-image, a truncated JPEG, a JPEG with bytes after its end
+    (good), a named pipe; returns (good files, bad files) as lnn-infer lists them (sorted)."""
+    photo = cv2.imencode(".jpg", np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8))[1].tobytes()
+    folder.mkdir()
+    (folder / "a_good.jpg").write_bytes(photo)
+    (folder / "b_bomb.png").write_bytes(png_claiming(33000, 33000))
+    (folder / "c_text.jpg").write_text("not a picture\n")
+    (folder / "d_truncated.jpg").write_bytes(photo[:len(photo) // 2])
+    (folder / "e_phone.jpg").write_bytes(photo + b"\x00trailer appended by a phone" * 10)
+    good, bad = [folder / "a_good.jpg", folder / "e_phone.jpg"], [folder / n for n in ("b_bomb.png", "c_text.jpg", "d_truncated.jpg")]
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(folder / "f_pipe.jpg")
+        bad.append(folder / "f_pipe.jpg")
+    return good, bad
+
+
+@pytest.mark.parametrize("style", ["--json", "--csv", "human"])
+def test_every_good_photo_in_a_hostile_folder_is_answered_and_each_bad_one_gets_a_row(tmp_path, style):
+    good, bad = hostile_files(tmp_path / "mixed")
+    args = [tmp_path / "mixed"] + ([style] if style != "human" else [])
+    result = subprocess.run([sys.executable, "-m", "lnn.tools.infer", *map(str, args)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    errors = result.stderr.strip().splitlines()
+    assert [line.split(": ")[2] for line in errors] == [str(p) for p in bad]
+    assert all(line.startswith("lnn-infer: error: ") for line in errors)
+    for path, why in zip(bad, ("over lnn's limit of 250,000,000 pixels", "not an image", "truncated", "named pipe")):
+        assert why in next(line for line in errors if f" {path}: " in line)
+    if style == "--json":
+        records = [strict_json(line) for line in result.stdout.splitlines()]
+        assert [r["file"] for r in records] == sorted(map(str, good + bad))
+        assert {r["file"] for r in records if "label" in r} == set(map(str, good))
+        assert all(set(r) == {"file", "error"} for r in records if "label" not in r)
+        assert {r["error"] for r in records if "error" in r} == {line.split(": ", 3)[3] for line in errors}
+    elif style == "--csv":
+        rows = list(csv.DictReader(io.StringIO(result.stdout)))
+        assert {row["file"] for row in rows if row["error"]} == set(map(str, bad))
+        assert {row["file"] for row in rows if row["label"]} == set(map(str, good))
+    else:
+        assert {line.split(": ")[0] for line in result.stdout.splitlines() if not line.startswith(" ")} == set(map(str, good))
+
+
+@pytest.mark.filterwarnings("error")                    # no RuntimeWarning lines either
+def test_a_model_whose_output_is_nan_fails_that_image_and_prints_valid_json(tmp_path, capsys):
+    source = read_bin(infer.DEFAULT_MODEL)
+    weights = dict(source.weights_fp32())
+    for param in ("weight", "bias"):                             # finite weights whose logits overflow to infinity
+        key = source.model.nodes[-1].param_key(param)
+        weights[key] = np.full_like(weights[key], 3e38)
+    broken = tmp_path / "nan.bin"
+    write_bin(broken, source.model, weights, metadata=source.metadata)
+    leaf = sorted((EXAMPLES / "leaves").glob("*.jpg"))[0]
+    status = main(["--model", str(broken), "--json", str(leaf)])
+    out, err = capsys.readouterr()
+    assert status == 1
+    records = [strict_json(line) for line in out.splitlines()]
+    assert records == [{"file": str(leaf), "error": infer.NOT_A_NUMBER}]
+    assert err.strip() == f"lnn-infer: error: {leaf}: {infer.NOT_A_NUMBER}"
+
+
+def test_a_folder_of_class_folders_suggests_recursive_which_answers_them_sorted(tmp_path, capsys):
+    photo = cv2.imencode(".png", np.random.default_rng(2).integers(0, 255, (40, 40, 3), dtype=np.uint8))[1].tobytes()
+    for name in ("healthy/b.png", "healthy/a.png", "Early_blight/z.png", "Early_blight/deeper/y.png"):
+        (tmp_path / "data" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / name).write_bytes(photo)
+    assert main([str(tmp_path / "data")]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == (f"lnn-infer: error: {tmp_path / 'data'}: the folder holds no image files, only "
+                                         f"2 sub-folders (Early_blight, healthy); pass --recursive to answer the images in them")
+    assert main(["--recursive", "--json", str(tmp_path / "data")]) == 0
+    files = [strict_json(line)["file"] for line in capsys.readouterr().out.splitlines()]
+    assert files == [str(tmp_path / "data" / n) for n in
+                     ("Early_blight/deeper/y.png", "Early_blight/z.png", "healthy/a.png", "healthy/b.png")]
+
+
+def test_a_grey_photo_is_answered_with_a_note(tmp_path, capsys):
+    grey = tmp_path / "grey.png"
+    cv2.imwrite(str(grey), cv2.imread(str(sorted((EXAMPLES / "leaves").glob("*.jpg"))[0]), cv2.IMREAD_GRAYSCALE))
+    assert main(["--json", str(grey)]) == 0
+    record = strict_json(capsys.readouterr().out)
+    assert len(record["notes"]) == 1 and record["notes"][0].startswith("a grey image given to a colour (RGB) model")
+    assert main([str(grey)]) == 0
+    assert "  note: a grey image given to a colour (RGB) model" in capsys.readouterr().out

@@ -134,6 +134,23 @@ def test_cache_holds_the_pixels_lnn_infer_sees_and_skips_bad_files(tmp_path):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [data.cache_dir.name]    # no temporary left
 
 
+def test_the_cache_keeps_phone_jpegs_with_a_trailer_and_skips_a_pixel_bomb(tmp_path):
+    from hostile_images import png_claiming
+
+    folder = make_folder(tmp_path / "photos")
+    good = (folder / "class_a" / "good.jpg").read_bytes()
+    (folder / "class_a" / "phone.jpg").write_bytes(good + b"\x00\x00trailer a phone appended" * 8)
+    (folder / "class_b" / "bomb.png").write_bytes(png_claiming(33000, 33000))
+    messages = []
+    data = ImageFolder.load(folder, (3, 16, 24), "rgb", cache_root=tmp_path / "cache", log=messages.append,
+                            progress=False)
+    assert "class_a/phone.jpg" in data.files
+    assert np.array_equal(data.data.images[data.files.index("class_a/phone.jpg")],
+                          data.data.images[data.files.index("class_a/good.jpg")])
+    assert sorted(f for f, _ in data.skipped) == ["class_b/bomb.png", "class_b/broken.jpg"]
+    assert any("bomb.png" in m and "over lnn's limit of 250,000,000 pixels" in m for m in messages)
+
+
 def test_second_open_does_not_decode_and_a_changed_file_rebuilds(tmp_path, monkeypatch):
     folder = make_folder(tmp_path / "photos")
     first = ImageFolder.load(folder, (3, 16, 16), "rgb", cache_root=tmp_path / "cache", log=lambda m: None,

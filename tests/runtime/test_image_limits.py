@@ -1,0 +1,206 @@
+"""Image decoding limits (formats/limits.py), both decoders: pixel bombs refused from the header before
+any decoding, big baseline JPEGs decoded reduced, only regular files read and at most so many bytes,
+JPEGs with bytes after their end marker decoded, truncated files refused. Every hostile file is made
+here, small (a 33000 x 33000 PNG is a header and a few bytes of data)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from hostile_images import png_claiming, with_jpeg_size
+from lnn.formats import limits
+from lnn.formats.errors import LnnInputError
+from lnn.runtime import preprocess
+from lnn.tools.infer import DEFAULT_MODEL
+
+cv2 = pytest.importorskip("cv2")
+pytest.importorskip("PIL")
+LIBRARIES = ["opencv", "pillow"]
+
+
+@pytest.fixture(params=LIBRARIES)
+def library(request, monkeypatch):
+    monkeypatch.setattr(preprocess, "_library", request.param)
+    return request.param
+
+
+def photo(height=90, width=120) -> np.ndarray:
+    blocks = np.random.default_rng(0).integers(0, 256, (6, 8, 3)).astype(np.uint8)
+    return cv2.resize(blocks, (width, height), interpolation=cv2.INTER_CUBIC)
+
+
+def jpeg(image=None, **options) -> bytes:
+    params = [cv2.IMWRITE_JPEG_QUALITY, 92] + [p for key, value in options.items()
+                                                for p in (getattr(cv2, f"IMWRITE_JPEG_{key.upper()}"), value)]
+    return cv2.imencode(".jpg", photo() if image is None else image, params)[1].tobytes()
+
+
+def no_decoding(*args):
+    raise AssertionError("the decoder was called")
+
+
+BOMBS = {
+    "png_33000": (png_claiming(33000, 33000), "33000x33000 = 1,089,000,000 pixels"),
+    "png_30000": (png_claiming(30000, 30000), "30000x30000 = 900,000,000 pixels"),
+    "jpeg_65000": (with_jpeg_size(jpeg(), 65000, 65000), "65000x65000 = 4,225,000,000 pixels"),
+    "bmp": (b"BM" + bytes(12) + struct.pack("<Iii", 40, 40000, -40000) + bytes(64), "40000x40000"),
+    "gif": (b"GIF89a" + struct.pack("<HH", 65535, 65535) + bytes(64), "65535x65535"),
+    "webp": (b"RIFF" + bytes(4) + b"WEBPVP8X" + bytes(8) + (16383).to_bytes(3, "little") * 2 + bytes(32),
+             "16384x16384 = 268,435,456 pixels"),
+    "tiff": (b"II*\x00" + struct.pack("<IH", 8, 2) + struct.pack("<HHII", 256, 4, 1, 100000)
+             + struct.pack("<HHII", 257, 4, 1, 100000) + bytes(16), "100000x100000"),
+    "pnm": (b"P5\n# made here\n40000 40000\n255\n" + bytes(64), "40000x40000"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOMBS))
+def test_a_pixel_bomb_is_refused_from_its_header_before_decoding(library, monkeypatch, case):
+    data, size = BOMBS[case]
+    monkeypatch.setattr(preprocess, "_decode", no_decoding)
+    with pytest.raises(LnnInputError) as refused:
+        preprocess.read_image(data)
+    assert str(refused.value) == f"<bytes>: the image is {size.split(' =')[0]} = " \
+        f"{int(size.split('x')[0]) * int(size.split('x')[1].split(' ')[0]):,} pixels, " \
+        f"over lnn's limit of {limits.MAX_IMAGE_PIXELS:,} pixels"
+
+
+def test_a_big_png_that_cannot_be_decoded_reduced_is_refused_over_the_decoding_limit(library, monkeypatch):
+    monkeypatch.setattr(preprocess, "_decode", no_decoding)
+    with pytest.raises(LnnInputError, match=r"8000x8000 = 64,000,000 pixels; a PNG cannot be decoded at a reduced "
+                                            r"size, and lnn's limit for decoding at full size is 50,000,000 pixels"):
+        preprocess.read_image(png_claiming(8000, 8000))
+
+
+def test_a_big_baseline_jpeg_is_decoded_reduced_and_a_progressive_one_refused(library, monkeypatch):
+    monkeypatch.setattr(limits, "MAX_DECODED_PIXELS", 4000)        # a 120 x 90 photo stands for a 200 MP one
+    image = preprocess.read_image(jpeg())
+    assert image.shape == (45, 60, 3)                               # 1/2: the least reduction under the limit
+    full = cv2.imdecode(np.frombuffer(jpeg(), np.uint8), cv2.IMREAD_COLOR)
+    expected = cv2.resize(full, (60, 45), interpolation=cv2.INTER_AREA)
+    assert np.abs(image.astype(int) - expected).mean() < 3          # the same picture, at half the size
+    monkeypatch.setattr(limits, "MAX_DECODED_PIXELS", 200)
+    assert preprocess.read_image(jpeg()).shape == (12, 15, 3)       # 1/8
+    with pytest.raises(LnnInputError, match="a progressive JPEG cannot be decoded at a reduced size"):
+        preprocess.read_image(jpeg(progressive=1))
+
+
+def test_both_decoders_reduce_a_big_jpeg_alike(monkeypatch):
+    monkeypatch.setattr(limits, "MAX_DECODED_PIXELS", 4000)
+    decoded = {}
+    for name in LIBRARIES:
+        monkeypatch.setattr(preprocess, "_library", name)
+        decoded[name] = preprocess.read_image(jpeg()).astype(int)
+    assert np.abs(decoded["opencv"] - decoded["pillow"]).max() <= 2
+
+
+def test_pillow_gives_no_decompression_bomb_warning_for_a_100_megapixel_photo(monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setattr(preprocess, "_library", "pillow")
+    data = with_jpeg_size(jpeg(), 12000, 9000)                      # 108 MP: Pillow's default warns above 89 MP
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            preprocess.read_image(data)                             # its data is a small photo's: decoded or refused
+        except LnnInputError as err:
+            assert "not an image Pillow can decode" in str(err)
+
+
+def test_bytes_after_the_end_marker_are_decoded_and_a_truncated_file_is_refused(library, tmp_path):
+    from lnn.train.images import decode_for_model
+
+    whole = jpeg()
+    expected = preprocess.read_image(whole)
+    for trailer in (b"SEFHsamsung trailer" * 20, jpeg(photo(30, 40)), b"\x00" * 100):    # phones append these
+        path = tmp_path / "phone.jpg"
+        path.write_bytes(whole + trailer)
+        assert np.array_equal(preprocess.read_image(path), expected)
+        assert decode_for_model(path, (32, 32), "rgb").shape == (3, 32, 32)          # training decodes it too
+    with_thumbnail = whole[:2] + b"\xff\xe1" + struct.pack(">H", 2 + 64) \
+        + jpeg(photo(8, 8))[:60] + b"\xff\xd9\x00\x00" + whole[2:]                    # an APP1 holding an end marker
+    for cut in (whole[:len(whole) // 2], whole[:200], with_thumbnail[:len(with_thumbnail) // 2]):
+        with pytest.raises(LnnInputError, match="<bytes>: the image is truncated"):
+            preprocess.read_image(cut)
+    png = cv2.imencode(".png", photo())[1].tobytes()
+    assert np.array_equal(preprocess.read_image(png + b"trailing bytes"), preprocess.read_image(png))
+    with pytest.raises(LnnInputError, match="truncated"):
+        preprocess.read_image(png[:-20])
+
+
+def test_a_jpeg_over_the_scan_or_segment_limits_is_refused(library):
+    scan = b"\xff\xda\x00\x08\x01\x01\x00\x00\x3f\x00" + b"\x12\x34"
+    many_scans = jpeg()[:-2] + scan * (limits.MAX_JPEG_SCANS + 1) + b"\xff\xd9"
+    with pytest.raises(LnnInputError, match=f"more than {limits.MAX_JPEG_SCANS} scans"):
+        preprocess.read_image(many_scans)
+    many_segments = b"\xff\xd8" + b"\xff\xfe\x00\x02" * (limits.MAX_JPEG_SEGMENTS + 1) + jpeg()[2:]
+    with pytest.raises(LnnInputError, match=f"more than {limits.MAX_JPEG_SEGMENTS} segments"):
+        preprocess.read_image(many_segments)
+
+
+def finishes(function, seconds=10.0):
+    """function() run on a daemon thread: (finished in time, its exception or None)."""
+    outcome = {}
+
+    def run():
+        try:
+            function()
+        except Exception as err:           # noqa: BLE001 - returned to the test
+            outcome["error"] = err
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive(), outcome.get("error")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_only_regular_files_are_read(library, tmp_path):
+    pipe = tmp_path / "leaf.jpg"
+    os.mkfifo(pipe)
+    done, error = finishes(lambda: preprocess.read_image(pipe))
+    assert done, "reading a named pipe hung"
+    assert isinstance(error, LnnInputError) and str(error) == f"{pipe}: is a named pipe, not an image file"
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(LnnInputError, match="^/dev/zero: is a character device, not an image file$"):
+            preprocess.read_image("/dev/zero")
+    with pytest.raises(LnnInputError, match="is a folder"):
+        preprocess.read_image(tmp_path)
+
+
+def test_at_most_so_many_bytes_are_read(library, monkeypatch, tmp_path):
+    monkeypatch.setattr(limits, "MAX_IMAGE_FILE_BYTES", 1000)
+    big = tmp_path / "big.png"
+    big.write_bytes(cv2.imencode(".png", photo())[1].tobytes())
+    with pytest.raises(LnnInputError, match=rf"big.png: the file is {big.stat().st_size:,} bytes, "
+                                            rf"over lnn's limit of 1,000 bytes for an image"):
+        preprocess.read_image(big)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("image_library", LIBRARIES)
+def test_a_200_megapixel_phone_jpeg_is_answered_within_1_gb(tmp_path, image_library):
+    """lnn-infer on a 16320 x 12240 baseline JPEG (made in a child process): answered, peak memory < 1 GiB."""
+    path = tmp_path / "phone.jpg"
+    make = ("import cv2, numpy as np; y, x = np.ogrid[:12240, :16320]; image = np.empty((12240, 16320, 3), np.uint8); "
+            "image[..., 0] = (x % 256).astype(np.uint8); image[..., 1] = (y % 256).astype(np.uint8); "
+            "image[..., 2] = ((x + y) // 64 % 256).astype(np.uint8); "
+            f"cv2.imwrite({str(path)!r}, image, [cv2.IMWRITE_JPEG_QUALITY, 80])")
+    subprocess.run([sys.executable, "-c", make], check=True)
+    measure = ("import resource, sys; from lnn.tools.infer import main; status = main(sys.argv[1:]); "
+               "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(status)")
+    result = subprocess.run([sys.executable, "-c", measure, "--json", "--model", str(DEFAULT_MODEL), str(path)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env={**os.environ, "LNN_IMAGE_LIBRARY": image_library})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""                                   # no warning lines (Pillow's bomb warning)
+    answer, peak_kib = result.stdout.splitlines()
+    assert '"label"' in answer
+    assert int(peak_kib) < 1024 * 1024, f"peak {int(peak_kib) / 1024:.0f} MiB"
