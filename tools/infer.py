@@ -38,8 +38,8 @@ CLEARER_PHOTO = "Please take a clearer photo of a single leaf, close up and in g
 CSV_COLUMNS = ("file", "rank", "label", "display", "probability", "uncertain")
 
 
-def build_parser():
-    parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+def build_parser(prog: str = PROG):
+    parser = command_parser(prog, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("inputs", nargs="+", metavar="IMAGE|DIR", help="image files, or folders of images")
     parser.add_argument("--model", metavar="M.bin", help="the model file (default: the bundled models/tomato_leaf.bin)")
     parser.add_argument("--top-k", type=int, default=3, metavar="K", help="how many labels to list per image (default 3)")
@@ -50,6 +50,7 @@ def build_parser():
                         help="backend: auto (NumPy for up to 8 images, else Numba), cpu (Numba), numpy, cuda")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads for the Numba backend (device cpu); the NumPy backend keeps BLAS's default")
+    parser.set_defaults(prog=prog)
     return parser
 
 
@@ -67,7 +68,7 @@ def images_in_folder(folder: Path) -> list:
     return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
 
 
-def expand_inputs(inputs: list) -> tuple[list, int]:
+def expand_inputs(inputs: list, prog: str = PROG) -> tuple[list, int]:
     """Folders become their image files (sorted by name); other paths pass through to be read.
 
     Returns (paths, failures): a folder with no images is reported here and counts as a failure."""
@@ -77,7 +78,7 @@ def expand_inputs(inputs: list) -> tuple[list, int]:
         if path.is_dir():
             found = images_in_folder(path)
             if not found:
-                error_line(PROG, f"{path}: the folder holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+                error_line(prog, f"{path}: the folder holds no image files ({', '.join(IMAGE_SUFFIXES)})")
                 failures += 1
             paths.extend(found)
         else:
@@ -125,9 +126,10 @@ class Answer:
 class Output:
     """Writes answers in the chosen format; goes through tqdm when a progress bar is on screen."""
 
-    def __init__(self, style: str, progress_bar=None):
+    def __init__(self, style: str, progress_bar=None, prog: str = PROG):
         self.style = style
         self.bar = progress_bar
+        self.prog = prog
         if style == "csv":
             self.csv = csv.writer(sys.stdout, lineterminator="\n")
             self.csv.writerow(CSV_COLUMNS)
@@ -145,9 +147,9 @@ class Output:
 
     def failure(self, message: str) -> None:
         if self.bar is not None:
-            self.bar.write(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+            self.bar.write(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
         else:
-            error_line(PROG, message)
+            error_line(self.prog, message)
 
 
 def progress_bar(total: int):
@@ -177,7 +179,7 @@ def infer(args) -> int:
         raise LnnInputError(f"--top-k must be at least 1, not {args.top_k}")
     if args.threads is not None and args.threads < 1:
         raise LnnInputError(f"--threads must be at least 1, not {args.threads}")
-    paths, failures = expand_inputs(args.inputs)
+    paths, failures = expand_inputs(args.inputs, args.prog)
     if not paths:
         return 1
     session = load_session(args.model, choose_device(args.device, len(paths)), args.threads)
@@ -185,7 +187,7 @@ def infer(args) -> int:
     uncertain_below = (session.metadata.get("thresholds") or {}).get("uncertain_below")
 
     bar = progress_bar(len(paths))
-    output = Output("json" if args.json else "csv" if args.csv else "human", bar)
+    output = Output("json" if args.json else "csv" if args.csv else "human", bar, args.prog)
     try:
         for start in range(0, len(paths), BATCH_SIZE):
             prepared = []
@@ -207,8 +209,9 @@ def infer(args) -> int:
     return 1 if failures else 0
 
 
-def main(argv=None) -> int:
-    return run_command(build_parser(), infer, argv)
+def main(argv=None, prog: str = PROG) -> int:
+    """lnn-infer; lnn-field --cli runs it with its own program name, which every error line starts with."""
+    return run_command(build_parser(prog), infer, argv)
 
 
 if __name__ == "__main__":

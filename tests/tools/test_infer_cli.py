@@ -229,7 +229,7 @@ def test_help_and_version():
 
 
 def test_ctrl_c_exits_130_quietly(monkeypatch, capsys):
-    def interrupted(inputs):
+    def interrupted(*_):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(infer, "expand_inputs", interrupted)
