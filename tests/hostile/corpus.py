@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import zipfile
 import zlib
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "formats"))   # test_binfile's own SPEC writer crafts what lnn's refuses
 LEAVES = REPO / "examples" / "leaves"
 TOMATO = REPO / "models" / "tomato_leaf.bin"
 GOOD_LEAVES = ("healthy.jpg", "late_blight.jpg")
@@ -41,6 +43,7 @@ TINY_DESCRIPTION = {
     "labels": ["a", "b"],
     "training": {"epochs": 1, "batch_size": 4},
 }
+POOLED_LAYERS = [{"type": "global_avg_pool"}, {"type": "flatten"}, {"type": "linear", "out_features": 2}]
 
 
 def png_bytes(width: int, height: int, rows: bytes, bit_depth: int = 8, color_type: int = 2) -> bytes:
@@ -154,14 +157,27 @@ def tiny_bins(folder: Path) -> dict:
         write_bin(folder / name, model, weights)
         return str(folder / name)
 
-    huge = json.loads(json.dumps(TINY_DESCRIPTION))
-    huge["input_shape"] = [3, 50000, 50000]
-    huge["layers"] = [{"type": "global_avg_pool"}, {"type": "flatten"}, {"type": "linear", "out_features": 2}]
-    nan = json.loads(json.dumps(TINY_DESCRIPTION))
-    nan["layers"] = huge["layers"]
+    nan = {**TINY_DESCRIPTION, "layers": POOLED_LAYERS}
     return {"tiny.bin": write("tiny.bin", TINY_DESCRIPTION),
-            "huge_input.bin": write("huge_input.bin", huge),
+            "huge_input.bin": huge_input_bin(folder / "huge_input.bin"),
             "nan_output.bin": write("nan_output.bin", nan, weight_value=3e38)}    # finite weights, inf logits
+
+
+def huge_input_bin(path: Path) -> str:
+    """A valid .bin of about 1 KB whose input is 3x50000x50000: the network of POOLED_LAYERS (8 parameters,
+    whatever the input size) with its normalized graph and metadata made at 16x16 and the size changed,
+    written by the SPEC tests' own writer (lnn's refuses a model over its size limits)."""
+    from test_binfile import build, canonical, join, random_weights, tiny_tensors
+
+    from lnn.formats.binfile import build_metadata, graph_of
+    from lnn.formats.model import parse_model
+
+    small = parse_model({**TINY_DESCRIPTION, "layers": POOLED_LAYERS})
+    graph, metadata = graph_of(small), build_metadata(small)
+    graph["input_shape"] = metadata["input"]["shape"] = [3, 50000, 50000]
+    metadata["preprocess"]["resize"] = [50000, 50000]
+    path.write_bytes(join(build(canonical(graph), canonical(metadata), tiny_tensors(small, random_weights(small)))))
+    return str(path)
 
 
 def damaged_bins(folder: Path) -> dict:
@@ -231,6 +247,7 @@ def onnx_files(folder: Path, tiny_bin: str) -> dict:
     dims = proto.graph.input[0].type.tensor_type.shape.dim
     for dim, value in zip(dims[1:], (3, 50000, 50000)):
         dim.dim_value = value
+    del proto.metadata_props[:]                       # lnn-export's preprocessing would not match the new size
     onnx.save(proto, str(folder / "huge_input.onnx"))
     return {name: str(folder / name) for name in ("tiny.onnx", "truncated.onnx", "garbage.onnx", "huge_input.onnx")}
 
