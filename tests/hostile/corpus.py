@@ -7,7 +7,7 @@
            flipped, not an image, empty, a folder, a named pipe, a symlink loop, /dev/zero, a valid
            33000x33000 PNG bomb and a 30000x30000 one, a JPEG whose header claims 65000x65000)
   models   tomato_leaf.bin truncated, bit-flipped, random bytes after the magic; a valid tiny .bin whose
-           input is 3x50000x50000; a valid .bin whose output overflows to NaN; an int8 .bin; a checkpoint
+           input is 3x50000x50000; a valid .bin whose output is NaN; an int8 .bin; a checkpoint
   descriptions  out_features 10**12, nesting 100,000 deep, wrong types, NaN and 1e999 numbers,
            3,000 layers; a weights .npz whose header claims a 100000x100000 array
   ONNX     garbage bytes, a truncated export, an input of 3x50000x50000
@@ -157,10 +157,13 @@ def tiny_bins(folder: Path) -> dict:
         write_bin(folder / name, model, weights)
         return str(folder / name)
 
-    nan = {**TINY_DESCRIPTION, "layers": POOLED_LAYERS}
+    # Every weight 3e38 (finite): the first linear layer's outputs are huge and equal, the second's are all
+    # +inf or all -inf, and the softmax of those is NaN.
+    nan = {**TINY_DESCRIPTION, "layers": [*POOLED_LAYERS[:2], {"type": "linear", "out_features": 4},
+                                          {"type": "linear", "out_features": 2}]}
     return {"tiny.bin": write("tiny.bin", TINY_DESCRIPTION),
             "huge_input.bin": huge_input_bin(folder / "huge_input.bin"),
-            "nan_output.bin": write("nan_output.bin", nan, weight_value=3e38)}    # finite weights, inf logits
+            "nan_output.bin": write("nan_output.bin", nan, weight_value=3e38)}
 
 
 def huge_input_bin(path: Path) -> str:

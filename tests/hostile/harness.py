@@ -60,7 +60,8 @@ def command(prog: str, args: list) -> list:
     return [sys.executable, "-m", f"lnn.tools.{MODULES[prog]}", *args]
 
 
-def run_limited(argv: list, env: dict | None = None, cwd=None, file_size: int | None = None) -> Outcome:
+def run_limited(argv: list, env: dict | None = None, cwd=None, file_size: int | None = None,
+                seconds: float = TIME_LIMIT_S) -> Outcome:
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
         if file_size is not None:
@@ -88,7 +89,7 @@ def run_limited(argv: list, env: dict | None = None, cwd=None, file_size: int | 
         except ProcessLookupError:
             pass
 
-    timer = threading.Timer(TIME_LIMIT_S, kill)
+    timer = threading.Timer(seconds, kill)
     timer.start()
     _, status, usage = os.wait4(proc.pid, 0)            # the child's own rusage: its peak resident memory
     seconds = time.monotonic() - start
