@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 MEMORY_LIMIT = 1 << 30            # bytes: address space (RLIMIT_AS) and peak resident memory
 TIME_LIMIT_S = 10
-QUIET_THREADS = {"OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
-                 "NUMBA_NUM_THREADS": "2", "MALLOC_ARENA_MAX": "2"}
+THREADS = str(min(2, os.cpu_count() or 1))
+QUIET_THREADS = {"OPENBLAS_NUM_THREADS": THREADS, "OMP_NUM_THREADS": THREADS, "MKL_NUM_THREADS": THREADS,
+                 "NUMBA_NUM_THREADS": THREADS, "MALLOC_ARENA_MAX": "2"}
 MODULES = {"lnn-infer": "infer", "lnn-field": "field", "lnn-eval": "eval", "lnn-train": "train",
            "lnn-export": "export", "lnn-import": "import_onnx", "lnn-summary": "summary"}
 SESSION_PROG = "lnn-session"      # the prefix the Session snippets below print LnnErrors with
