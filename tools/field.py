@@ -1,6 +1,7 @@
 """lnn-field: the offline desktop app for a plant-health station (Tk), with a --cli mode for scripts.
 
     lnn-field                                  # the window, with the bundled tomato-leaf model
+    lnn-field leaf.jpg more_leaves/            # the window, checking these photos (a folder: its photos)
     lnn-field --model other.bin                # the window, with another model
     lnn-field --cli leaf.jpg more_leaves/      # no window: prints the answers exactly as lnn-infer does
 
@@ -28,13 +29,14 @@ def build_parser():
     parser.add_argument(CLI_FLAG, action="store_true",
                         help="no window: classify the images that follow, printing like lnn-infer (see lnn-infer --help)")
     parser.add_argument("--model", metavar="M.bin", help="the model to start with (default: the bundled tomato-leaf model)")
+    parser.add_argument("photos", nargs="*", metavar="PHOTO|DIR", help="photos (or folders of photos) to check at once")
     return parser
 
 
 def open_window(args) -> int:
     from lnn.tools.field_ui import run_app      # Tk is imported only for the window
 
-    return run_app(args.model)
+    return run_app(args.model, args.photos)
 
 
 def main(argv=None) -> int:
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
         from lnn.tools import infer
 
         argv.remove(CLI_FLAG)
-        return infer.main(argv)
+        return infer.main(argv, prog=PROG)     # its errors say lnn-field:
     return run_command(build_parser(), open_window, argv)
 
 

@@ -5,6 +5,12 @@ it requests (load a model, classify photos) on one queue and reads results from 
 POLL_MS with Tk's `after`, so neither a model load, Numba's first compile nor a folder of photos can
 freeze the window.
 
+Failures never freeze it either: whatever the worker meets (lnn's own errors, and also a MemoryError from
+a model with a huge input or a library's raw exception) becomes a message, the photo gets a "Not checked"
+row in the history, and the worker goes on with the next request; a failure while showing a result
+becomes a dialog and the polling goes on. The failures of one request (a folder, several photos) are
+collected into ONE summary dialog when the request is done.
+
 Device: the app runs on the CPU backend ("cpu"), falling back to NumPy when it cannot load; it answers
 about 8x faster than NumPy per photo, which is what a folder of photos on a Raspberry Pi needs. The
 packaged app has the kernels compiled ahead of time (runtime/cpu/aot.py), so it starts ready; run from a
@@ -39,6 +45,8 @@ POLL_MS = 50                  # how often the window reads the worker's results
 PHOTO_SIZE = 360              # the shown photo fits in this many pixels square
 TOP_K = 3
 UNCERTAIN_HEADLINE = "Uncertain — take a clearer photo of one leaf"
+NOT_CHECKED = "Not checked"
+SUMMARY_LINES = 12            # failures listed by name in one summary dialog; the rest are counted
 REPORT_COLUMNS = ("time", "photo", "result", "confidence", "uncertain", "second", "third", "advice", "model")
 
 
@@ -55,10 +63,35 @@ def photo_ppm(image: np.ndarray) -> bytes:
     return b"P6 %d %d 255\n" % (width, height) + np.ascontiguousarray(image[:, :, ::-1]).tobytes()
 
 
+def failure_text(err: BaseException) -> str:
+    """One line saying why a photo or a model failed: lnn's own message, or the kind of an unexpected failure."""
+    if isinstance(err, LnnError):
+        return str(err)
+    if isinstance(err, MemoryError):
+        return "not enough memory (the photo or the model is too large for this computer)"
+    if isinstance(err, OSError):
+        return f"{err.filename}: {err.strerror or err}" if err.filename else str(err.strerror or err)
+    return f"unexpected error ({type(err).__name__}: {' '.join(str(err).split())})"
+
+
+class Failure:
+    """A photo that could not be checked: its history row says why."""
+
+    def __init__(self, path: Path, message: str):
+        self.file = str(path)
+        self.message = message
+
+    def reason(self) -> str:
+        """The message without the photo's path in front (the row already names the photo)."""
+        return self.message[len(self.file) + 2:] if self.message.startswith(f"{self.file}: ") else self.message
+
+
 class Worker(threading.Thread):
     """Owns the Session. Requests: ("load", path) and ("classify", [paths]); results go to `results`:
     ("preparing", model_path), ("ready", model_path, device), ("model_error", model_path, message),
-    ("answer", Answer, ppm_bytes), ("failed", path, message), ("idle",)."""
+    ("answer", Answer, ppm_bytes), ("failed", path, message), ("checked", photo_count) at the end of a
+    classify request, ("worker_error", message) when a request failed as a whole, ("idle",).
+    No exception ends the thread: it answers every request it takes."""
 
     def __init__(self, results: queue.Queue):
         super().__init__(name="lnn-field-worker", daemon=True)
@@ -70,10 +103,10 @@ class Worker(threading.Thread):
     def run(self):
         while True:
             kind, payload = self.requests.get()
-            if kind == "load":
-                self.load(payload)
-            elif kind == "classify":
-                self.classify(payload)
+            try:
+                {"load": self.load, "classify": self.classify}[kind](payload)
+            except Exception as err:           # noqa: BLE001 - the last resort: report it, keep serving
+                self.results.put(("worker_error", failure_text(err)))
             if self.requests.empty():
                 self.results.put(("idle",))
 
@@ -83,47 +116,53 @@ class Worker(threading.Thread):
             session = load_session(str(model_path), resolve_device("auto"), None)    # the CPU backend, else NumPy
             # Under Numba's JIT the first run compiles the kernels (or loads them from the per-user cache).
             session.predict(np.random.default_rng(0).standard_normal((1, *session.input_shape), np.float32))
-        except (LnnError, OSError) as err:
-            self.results.put(("model_error", model_path, str(err)))
+        except Exception as err:               # noqa: BLE001 - e.g. MemoryError from a model with a huge input
+            self.results.put(("model_error", model_path, failure_text(err)))
             return
         self.session, self.model_path = session, model_path
         self.results.put(("ready", model_path, session.device))
 
     def classify(self, paths: list):
-        if self.session is None:
+        try:
             for path in paths:
-                self.results.put(("failed", path, "no model is loaded; open a model first"))
-            return
-        threshold = (self.session.metadata.get("thresholds") or {}).get("uncertain_below")
-        top_k = min(TOP_K, len(self.session.labels))
-        for path in paths:
-            try:
-                image = read_image(path)                   # decoded once, for the model and the screen
-                probabilities = self.session.predict(self.session.prepare_image(image)[None])[0]
-                ppm = photo_ppm(image)
-            except (LnnError, OSError) as err:
-                self.results.put(("failed", path, str(err)))
-                continue
-            self.results.put(("answer", Answer(path, probabilities, self.session.labels, top_k, threshold), ppm))
+                self.results.put(self.check(path))
+        finally:
+            self.results.put(("checked", len(paths)))
+
+    def check(self, path: Path) -> tuple:
+        """One photo -> an ("answer", ...) or a ("failed", ...) message; never raises."""
+        if self.session is None:
+            return "failed", path, "no model is loaded; open a model first"
+        try:
+            image = read_image(path)                       # decoded once, for the model and the screen
+            probabilities = self.session.predict(self.session.prepare_image(image)[None])[0]
+            threshold = (self.session.metadata.get("thresholds") or {}).get("uncertain_below")
+            answer = Answer(path, probabilities, self.session.labels, min(TOP_K, len(self.session.labels)), threshold)
+            return "answer", answer, photo_ppm(image)
+        except Exception as err:                   # noqa: BLE001 - one bad photo never stops the others
+            return "failed", path, failure_text(err)
 
 
 # --------------------------------------------------------------------------- the window
 
 class FieldApp:
-    """The window. The buttons call open_photos, open_folder, open_model and save_report with what the
-    dialogs return; tests call the same methods directly."""
+    """The window. The buttons call open_photos, open_paths (a folder), open_model and save_report with what
+    the dialogs return; tests call the same methods directly."""
 
-    def __init__(self, root: tk.Tk, model_path: str | Path | None = None):
+    def __init__(self, root: tk.Tk, model_path: str | Path | None = None, photos=()):
         self.root = root
         self.results: queue.Queue = queue.Queue()
         self.worker = Worker(self.results)
-        self.history: list = []             # (time, Answer, ppm bytes, model name), oldest first
+        self.history: list = []             # (time, Answer or Failure, ppm bytes or None, model name), oldest first
+        self.request_failures: list = []    # the Failures of the request being checked, for its one summary
         self.model_name = ""
         self.busy = False
         self.shown_image = None             # keeps the PhotoImage alive while it is on screen
         self._build()
         self.worker.start()
         self.open_model(model_path or DEFAULT_MODEL)
+        if photos:                          # from the command line: checked once the model is ready
+            self.open_paths(photos)
         self.root.after(POLL_MS, self._poll)
 
     def _build(self):
@@ -174,7 +213,7 @@ class FieldApp:
     def _ask_folder(self):
         folder = filedialog.askdirectory(parent=self.root, title="Open a folder of leaf photos", mustexist=True)
         if folder:
-            self.open_folder(folder)
+            self.open_paths([folder])
 
     def _ask_model(self):
         path = filedialog.askopenfilename(parent=self.root, title="Open a model",
@@ -200,13 +239,26 @@ class FieldApp:
         self._set_busy(f"Checking {len(paths)} photo{'s' if len(paths) > 1 else ''}…")
         self.worker.requests.put(("classify", paths))
 
-    def open_folder(self, folder):
-        photos = images_in_folder(Path(folder))
-        if not photos:
-            messagebox.showwarning(TITLE, f"The folder holds no photos ({', '.join(IMAGE_SUFFIXES)}):\n{folder}",
-                                   parent=self.root)
-            return
-        self.open_photos(photos)
+    def open_paths(self, paths):
+        """Photos and folders (a folder gives its photos, sorted by name); a folder without photos, or one
+        that cannot be read, is named in one warning."""
+        photos, unusable = [], []
+        for path in map(Path, paths):
+            if not path.is_dir():
+                photos.append(path)                 # a missing or bad file gets its row from the worker
+                continue
+            try:
+                found = images_in_folder(path)
+            except OSError as err:
+                unusable.append(f"{path}: cannot be read ({err.strerror or err})")
+                continue
+            photos.extend(found)
+            if not found:
+                unusable.append(f"{path}: holds no photos ({', '.join(IMAGE_SUFFIXES)})")
+        if unusable:
+            messagebox.showwarning(TITLE, "\n".join(unusable), parent=self.root)
+        if photos:
+            self.open_photos(photos)
 
     def open_model(self, path):
         self._set_busy("Preparing…")
@@ -218,6 +270,9 @@ class FieldApp:
             writer = csv.writer(f)
             writer.writerow(REPORT_COLUMNS)
             for when, answer, _, model in self.history:
+                if isinstance(answer, Failure):
+                    writer.writerow([when, answer.file, NOT_CHECKED.lower(), "", "", "", "", answer.reason(), model])
+                    continue
                 result = answer.as_dict()
                 others = [f"{item['display']} {item['probability']:.1%}" for item in result["top_k"][1:3]]
                 others += [""] * (2 - len(others))
@@ -236,10 +291,16 @@ class FieldApp:
     def _poll(self):
         try:
             while True:
-                self._handle(self.results.get_nowait())
+                message = self.results.get_nowait()
+                try:
+                    self._handle(message)
+                except Exception as err:       # noqa: BLE001 - e.g. a photo Tk cannot show: say so, keep polling
+                    messagebox.showerror(TITLE, f"Something went wrong showing a result:\n{failure_text(err)}",
+                                         parent=self.root)
         except queue.Empty:
             pass
-        self.root.after(POLL_MS, self._poll)
+        finally:
+            self.root.after(POLL_MS, self._poll)
 
     def _handle(self, message: tuple):
         kind = message[0]
@@ -258,17 +319,45 @@ class FieldApp:
             self.history.append((when, message[1], message[2], self.model_name))
             self._add_row(len(self.history) - 1)
         elif kind == "failed":
-            messagebox.showerror(TITLE, f"This photo could not be checked:\n{message[2]}", parent=self.root)
+            when = datetime.datetime.now().isoformat(timespec="seconds")
+            failure = Failure(message[1], message[2])
+            self.history.append((when, failure, None, self.model_name))
+            self.request_failures.append(failure)
+            self._add_row(len(self.history) - 1)
+        elif kind == "checked":
+            failures, self.request_failures = self.request_failures, []
+            if failures:
+                self._show_failures(failures, message[1])
+        elif kind == "worker_error":
+            messagebox.showerror(TITLE, f"The request could not be finished:\n{message[1]}", parent=self.root)
         elif kind == "idle":
             self.busy = False
             self.root.configure(cursor="")
             if self.model_name and not self.status.get().startswith("Report saved"):
-                self.status.set(f"Ready: model {self.model_name} — {len(self.history)} photo(s) checked")
+                failed = sum(isinstance(entry[1], Failure) for entry in self.history)
+                not_checked = f", {failed} not checked" if failed else ""
+                self.status.set(f"Ready: model {self.model_name} — "
+                                f"{len(self.history) - failed} photo(s) checked{not_checked}")
+
+    def _show_failures(self, failures: list, photo_count: int):
+        """ONE dialog for the failures of one request, however many photos it held."""
+        if photo_count == 1:
+            text = f"This photo could not be checked:\n{failures[0].message}"
+        else:
+            lines = [f"{Path(f.file).name}: {f.reason()}" for f in failures[:SUMMARY_LINES]]
+            if len(failures) > SUMMARY_LINES:
+                lines.append(f"… and {len(failures) - SUMMARY_LINES} more (see the history)")
+            text = f"{len(failures)} of {photo_count} photos could not be checked:\n\n" + "\n".join(lines)
+        messagebox.showerror(TITLE, text, parent=self.root)
 
     def _add_row(self, index: int):
         answer = self.history[index][1]
-        result = "Uncertain" if answer.uncertain else answer.best["display"]
-        self.table.insert("", "end", iid=str(index), values=(Path(answer.file).name, result, f"{answer.confidence:.1%}"))
+        if isinstance(answer, Failure):
+            values = (Path(answer.file).name, NOT_CHECKED, "")
+        else:
+            result = "Uncertain" if answer.uncertain else answer.best["display"]
+            values = (Path(answer.file).name, result, f"{answer.confidence:.1%}")
+        self.table.insert("", "end", iid=str(index), values=values)
         self.select(index)
 
     def select(self, index: int):
@@ -285,6 +374,13 @@ class FieldApp:
     def show(self, index: int):
         """Put one history entry on screen: the photo, the answer in words, the top 3 and the advice."""
         _, answer, ppm, _ = self.history[index]
+        if isinstance(answer, Failure):
+            self.shown_image = None
+            self.photo.configure(image="", text="No photo to show")
+            self.headline.set(f"{NOT_CHECKED} — {Path(answer.file).name}")
+            self.details.set("")
+            self.advice.set(answer.reason())
+            return
         self.shown_image = tk.PhotoImage(data=ppm, format="ppm")
         self.photo.configure(image=self.shown_image, text="")
         if answer.uncertain:
@@ -302,11 +398,11 @@ class FieldApp:
         return "\n".join((self.headline.get(), self.details.get(), self.advice.get()))
 
 
-def run_app(model_path: str | None = None) -> int:
+def run_app(model_path: str | None = None, photos=()) -> int:
     try:
         root = tk.Tk()
     except tk.TclError as err:                   # no display (e.g. over ssh): say so in one line
         raise LnnInputError(f"cannot open a window ({err}); use --cli IMAGE... without a display") from None
-    FieldApp(root, model_path)
+    FieldApp(root, model_path, photos)
     root.mainloop()
     return 0

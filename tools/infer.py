@@ -43,8 +43,8 @@ CSV_COLUMNS = ("file", "rank", "label", "display", "probability", "uncertain", "
 NOT_A_NUMBER = "the model's output for this image is not a number (NaN or infinity): its weights may be damaged"
 
 
-def build_parser():
-    parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+def build_parser(prog: str = PROG):
+    parser = command_parser(prog, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("inputs", nargs="+", metavar="IMAGE|DIR", help="image files, or folders of images")
     parser.add_argument("--recursive", "-r", action="store_true",
                         help="for a folder, also the images in its sub-folders (sorted by path)")
@@ -57,6 +57,7 @@ def build_parser():
                         help="backend: auto (NumPy for up to 8 images, else Numba), cpu (Numba), numpy, cuda")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads for the Numba backend (device cpu); the NumPy backend keeps BLAS's default")
+    parser.set_defaults(prog=prog)
     return parser
 
 
@@ -165,9 +166,10 @@ class Answer:
 class Output:
     """Writes answers in the chosen format; goes through tqdm when a progress bar is on screen."""
 
-    def __init__(self, style: str, progress_bar=None):
+    def __init__(self, style: str, progress_bar=None, prog: str = PROG):
         self.style = style
         self.bar = progress_bar
+        self.prog = prog
         if style == "csv":
             self.csv = csv.writer(sys.stdout, lineterminator="\n")
             self.csv.writerow(CSV_COLUMNS)
@@ -185,7 +187,7 @@ class Output:
             self._write(json_line(record), sys.stdout)
         elif self.style == "csv":
             self.csv.writerow([record["file"], "", "", "", "", "", "", record["error"]])
-        self._write(f"{PROG}: error: {record['file']}: {record['error']}", sys.stderr)
+        self._write(f"{self.prog}: error: {record['file']}: {record['error']}", sys.stderr)
 
     def _write(self, text: str, stream) -> None:
         if self.bar is not None:
@@ -241,7 +243,7 @@ def infer(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise LnnInputError(f"--threads must be at least 1, not {args.threads}")
     paths, problems = expand_inputs(args.inputs, args.recursive)
-    output = Output("json" if args.json else "csv" if args.csv else "human")
+    output = Output("json" if args.json else "csv" if args.csv else "human", prog=args.prog)
     for folder, message in problems:
         output.failure(folder, message)
     failures = len(problems)
@@ -274,8 +276,9 @@ def infer(args) -> int:
     return 1 if failures else 0
 
 
-def main(argv=None) -> int:
-    return run_command(build_parser(), infer, argv)
+def main(argv=None, prog: str = PROG) -> int:
+    """lnn-infer; lnn-field --cli runs it with its own program name, which every error line starts with."""
+    return run_command(build_parser(prog), infer, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """lnn-field's window under a virtual display (Xvfb), driven through the app's own methods (the ones its
 buttons call): open sample photos, wait for the answers the worker thread sends, save the report and
 check it, refuse a bad model while keeping the old one, and keep a screenshot for a person to look at.
+Failures injected into the worker (a MemoryError, a library's raw exception, a request that fails as a
+whole, a photo Tk cannot show, a model that runs out of memory) each give one dialog and leave the window
+answering the next photo; a folder with bad files gives ONE summary; photos given on the command line
+are checked at start.
 
 Tk runs in a child process (this file run as a script), so each scenario gets a fresh Tk and its X
 connection is gone before the Xvfb it used is stopped. Skips when Xvfb or Tk is missing.
@@ -21,6 +25,8 @@ import pytest
 HERE = Path(__file__).resolve()
 LEAVES = HERE.parents[2] / "examples" / "leaves"
 ANSWER_TIMEOUT_S = 180          # a cold Numba compile on a slow CI core, with room to spare
+READY_ANSWER_S = 60             # an answer once the model is ready (a frozen worker never gives one)
+COMMAND_LINE = {"command_line": ["{leaves}/healthy.jpg", "{tmp}/folder"]}     # lnn-field's arguments per scenario
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +79,23 @@ def test_a_bad_model_is_refused_and_the_old_one_kept(display, tmp_path):
     drive(display, "bad_model", tmp_path)
 
 
+def test_worker_failures_give_a_dialog_and_the_next_photo_is_answered(display, tmp_path):
+    drive(display, "worker_failures", tmp_path)
+
+
+def test_a_mixed_folder_gives_one_summary_and_every_good_photo_an_answer(display, tmp_path):
+    drive(display, "mixed_folder", tmp_path)
+    rows = list(csv.DictReader((tmp_path / "report.csv").open(encoding="utf-8")))
+    assert [os.path.basename(row["photo"]) for row in rows] == ["cut.jpg", "empty.jpg", "healthy.jpg",
+                                                                "late_blight.jpg", "notes.png"]
+    assert [row["result"] for row in rows] == ["not checked", "not checked", "Healthy", "Late blight", "not checked"]
+    assert "truncated" in rows[0]["advice"] and "empty" in rows[1]["advice"] and rows[4]["advice"]
+
+
+def test_photos_on_the_command_line_are_checked_at_start(display, tmp_path):
+    drive(display, "command_line", tmp_path)
+
+
 # --------------------------------------------------------------------------- the child process
 
 def pump_until(root, condition, timeout_s=ANSWER_TIMEOUT_S):
@@ -118,9 +141,122 @@ def scenario_bad_model(app, root, tmp_path):
     assert app.shown_text().startswith("Leaf mold"), app.shown_text()
 
 
+def capture_errors(field_ui) -> list:
+    """The texts of the error dialogs the app shows from now on (instead of showing them)."""
+    shown = []
+    field_ui.messagebox.showerror = lambda title, text, **_: shown.append(text)
+    return shown
+
+
+def check_one(app, root, photo: Path, shown_errors: list, expected_error: str | None):
+    """Open one photo; with expected_error, exactly one dialog naming it and a "Not checked" row; else an answer."""
+    from lnn.tools.field_ui import NOT_CHECKED, Failure
+
+    errors_before, rows_before = len(shown_errors), len(app.history)
+    app.open_photos([photo])
+    pump_until(root, lambda: len(app.history) > rows_before and not app.busy, READY_ANSWER_S)
+    new_errors = shown_errors[errors_before:]
+    entry = app.history[-1][1]
+    if expected_error is None:
+        assert not new_errors and not isinstance(entry, Failure), (new_errors, entry)
+        assert not app.shown_text().startswith(NOT_CHECKED), app.shown_text()
+    else:
+        assert len(new_errors) == 1 and expected_error in new_errors[0], new_errors
+        assert isinstance(entry, Failure) and app.shown_text().startswith(NOT_CHECKED), app.shown_text()
+        assert app.table.item(str(len(app.history) - 1))["values"][1] == NOT_CHECKED
+
+
+def scenario_worker_failures(app, root, tmp_path):
+    from lnn.tools import field_ui
+
+    shown_errors = capture_errors(field_ui)
+    leaf = LEAVES / "healthy.jpg"
+    real_read_image = field_ui.read_image
+
+    def faulty_read_image(path):               # what a model with a huge input or a pixel bomb used to cause
+        if path.name == "huge.jpg":
+            raise MemoryError()
+        if path.name == "bomb.png":
+            raise RuntimeError("OpenCV(4.10.0) error: (-215:Assertion failed) pixels <= CV_IO_MAX_IMAGE_PIXELS")
+        return real_read_image(path)
+
+    field_ui.read_image = faulty_read_image
+    for name, expected in (("huge.jpg", "not enough memory"), ("bomb.png", "unexpected error (RuntimeError")):
+        shutil.copy(leaf, tmp_path / name)
+        check_one(app, root, tmp_path / name, shown_errors, expected)
+        check_one(app, root, leaf, shown_errors, None)
+
+    def failing_request(paths):                # a failure outside any one photo: the request as a whole
+        raise RuntimeError("the request broke")
+
+    app.worker.classify = failing_request
+    app.open_photos([leaf])
+    pump_until(root, lambda: shown_errors and "the request broke" in shown_errors[-1] and not app.busy, READY_ANSWER_S)
+    del app.worker.classify
+    check_one(app, root, leaf, shown_errors, None)
+
+    real_photo_ppm = field_ui.photo_ppm        # a photo Tk cannot show: the polling goes on
+    field_ui.photo_ppm = lambda image: b"not a picture"
+    errors_before = len(shown_errors)
+    app.open_photos([leaf])
+    pump_until(root, lambda: len(shown_errors) > errors_before and not app.busy, READY_ANSWER_S)
+    assert "showing a result" in shown_errors[-1], shown_errors
+    field_ui.photo_ppm = real_photo_ppm
+    check_one(app, root, leaf, shown_errors, None)
+    assert app.shown_image.width() > 0
+
+    real_load_session = field_ui.load_session  # a model whose input is too large for the memory
+    field_ui.load_session = lambda *args: (_ for _ in ()).throw(MemoryError())
+    errors_before = len(shown_errors)
+    app.open_model(tmp_path / "huge_input.bin")
+    pump_until(root, lambda: len(shown_errors) > errors_before and not app.busy, READY_ANSWER_S)
+    assert "not enough memory" in shown_errors[-1] and "Still using tomato_leaf.bin" in shown_errors[-1], shown_errors
+    field_ui.load_session = real_load_session
+    check_one(app, root, leaf, shown_errors, None)
+    assert app.shown_text().startswith("Healthy"), app.shown_text()
+
+
+def mixed_folder(tmp_path: Path) -> Path:
+    """Two good leaves and three bad files (truncated, empty, not an image), plus a sub-folder that is left alone."""
+    folder = tmp_path / "folder"
+    (folder / "sub").mkdir(parents=True)
+    for name in ("healthy.jpg", "late_blight.jpg"):
+        shutil.copy(LEAVES / name, folder / name)
+    data = (LEAVES / "leaf_mold.jpg").read_bytes()
+    (folder / "cut.jpg").write_bytes(data[:len(data) // 2])
+    (folder / "empty.jpg").write_bytes(b"")
+    (folder / "notes.png").write_text("a shopping list, not a photo\n")
+    shutil.copy(LEAVES / "leaf_mold.jpg", folder / "sub" / "deeper.jpg")
+    return folder
+
+
+def scenario_mixed_folder(app, root, tmp_path):
+    from lnn.tools import field_ui
+
+    shown_errors = capture_errors(field_ui)
+    app.open_paths([mixed_folder(tmp_path)])
+    pump_until(root, lambda: len(app.history) == 5 and not app.busy, READY_ANSWER_S)
+    assert len(shown_errors) == 1, shown_errors            # ONE summary, not one dialog per bad file
+    summary = shown_errors[0]
+    assert summary.startswith("3 of 5 photos could not be checked"), summary
+    lines = summary.splitlines()[2:]
+    assert [line.split(": ")[0] for line in lines] == ["cut.jpg", "empty.jpg", "notes.png"], summary
+    assert "truncated" in lines[0] and "empty" in lines[1] and "image" in lines[2], summary
+    assert str(tmp_path) not in summary, summary            # each line names the photo once, by its name
+    assert "2 photo(s) checked, 3 not checked" in app.status.get(), app.status.get()
+    app.save_report(tmp_path / "report.csv")
+
+
+def scenario_command_line(app, root, tmp_path):
+    pump_until(root, lambda: len(app.history) == 6 and not app.busy, READY_ANSWER_S)
+    answered = [Path(answer.file).name for _, answer, ppm, _ in app.history if ppm is not None]
+    assert answered == ["healthy.jpg", "healthy.jpg", "late_blight.jpg"], answered
+
+
 def child(scenario: str, tmp_path: Path) -> int:
     import tkinter as tk
 
+    from lnn.tools.field import build_parser
     from lnn.tools.field_ui import FieldApp
 
     try:
@@ -129,10 +265,19 @@ def child(scenario: str, tmp_path: Path) -> int:
         print(f"Tk cannot open the virtual display: {err}")
         return 3
     root.geometry("1000x640+0+0")
-    app = FieldApp(root)
+    if scenario == "command_line":
+        mixed_folder(tmp_path)
+    argv = [arg.format(leaves=LEAVES, tmp=tmp_path) for arg in COMMAND_LINE.get(scenario, [])]
+    args = build_parser().parse_args(argv)
+    if scenario == "command_line":
+        from lnn.tools import field_ui
+
+        capture_errors(field_ui)
+    app = FieldApp(root, args.model, args.photos)
     pump_until(root, lambda: app.model_name and not app.busy)
     assert app.status.get().startswith("Ready"), app.status.get()
-    {"photos": scenario_photos, "bad_model": scenario_bad_model}[scenario](app, root, tmp_path)
+    {"photos": scenario_photos, "bad_model": scenario_bad_model, "worker_failures": scenario_worker_failures,
+     "mixed_folder": scenario_mixed_folder, "command_line": scenario_command_line}[scenario](app, root, tmp_path)
     root.destroy()
     return 0
 
