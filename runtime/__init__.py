@@ -48,21 +48,30 @@ def backend_class(device: str):
     return backend
 
 
-def load(path, device: str = "auto", **backend_options) -> "Session":
-    """Load and validate a `.bin` (raises LnnFormatError when it is bad) and prepare a backend."""
-    return Session(read_bin(path), device, **backend_options)
+def load(path, device: str = "auto", **options) -> "Session":
+    """Load and validate a `.bin` (raises LnnFormatError when it is bad) and prepare a backend
+    (options: Session's `features`, and the backend's own, such as the cpu backend's `threads`)."""
+    return Session(read_bin(path), device, **options)
 
 
 class Session:
-    """A loaded model on one backend. run() gives raw outputs, predict() probabilities."""
+    """A loaded model on one backend. run() gives raw outputs, predict() (calibrated) probabilities,
+    judge() the probabilities with a reason per photo, predict_image() one photo's Prediction."""
 
-    def __init__(self, bin_model: BinModel, device: str = "auto", **backend_options):
+    def __init__(self, bin_model: BinModel, device: str = "auto", features: str | None = None, **backend_options):
+        """features: a node whose output run_with_features() returns (default: the gate's feature node);
+        for fitting a gate to a model that has none yet."""
+        from lnn.runtime.gate import Judge
+
         self.bin = bin_model
         self.model = bin_model.model
         self.metadata = bin_model.metadata
         self.labels = self.model.labels
         self.device = resolve_device(device)
-        self.backend = backend_class(self.device)(self.model, bin_model.weights_fp32(), **backend_options)
+        self.judge_rules = Judge(self.model, self.metadata, bin_model.gate_tensors)
+        self.feature = features or self.judge_rules.feature
+        keep = (self.feature,) if self.feature else ()
+        self.backend = backend_class(self.device)(self.model, bin_model.weights_fp32(), keep=keep, **backend_options)
 
     @property
     def input_shape(self) -> tuple:
@@ -81,36 +90,71 @@ class Session:
         """[N, *input_shape] float32 (already preprocessed) -> the last layer's outputs (e.g. logits)."""
         return np.array(self.backend.run(self._check_batch(batch)), copy=True)
 
+    def run_with_features(self, batch) -> tuple:
+        """(the last layer's outputs, the gate's feature vectors [N, D] or None without a gate), both copies."""
+        if self.feature is None:
+            return self.run(batch), None
+        outputs, kept = self.backend.run_with_features(self._check_batch(batch))
+        return np.array(outputs, copy=True), np.array(kept[self.feature], copy=True)
+
     @property
     def outputs_probabilities(self) -> bool:
-        last = self.model.nodes[-1]
-        activation = last.attrs if last.op in ("softmax", "sigmoid") else last.attrs.get("activation")
-        return bool(activation) and activation.get("type") in ("softmax", "sigmoid")
+        return self.judge_rules.outputs_probabilities
 
     def predict(self, batch) -> np.ndarray:
-        """Class probabilities: a softmax of the outputs unless the model already ends in one."""
-        out = self.run(batch)
-        if self.outputs_probabilities:
-            return out
-        shifted = np.exp(out - out.max(axis=1, keepdims=True))
-        return shifted / shifted.sum(axis=1, keepdims=True)
+        """Class probabilities: a softmax of the outputs (divided by the model's calibration temperature,
+        metadata.calibration) unless the model already ends in a softmax."""
+        return self.judge_rules.probabilities(self.run(batch))
+
+    def judge(self, batch, photo_reasons=None):
+        """Probabilities, gate scores and a reason (None: a diagnosis) per photo: a runtime.gate.Judgement.
+        `photo_reasons`: each photo's photo-check reason (check_photo), when the photos were checked."""
+        outputs, features = self.run_with_features(batch)
+        return self.judge_rules.judge(outputs, features, photo_reasons)
+
+    def check_photo(self, image, color: str = "bgr"):
+        """The model's photo checks (gate.photo_checks) on a decoded photo: a PhotoCheck, or None when
+        the model has none."""
+        from lnn.runtime.photo_checks import check_photo
+
+        if self.judge_rules.photo_checks is None:
+            return None
+        image = np.asarray(image)
+        if color == "rgb" and image.ndim == 3:
+            image = image[:, :, ::-1]
+        return check_photo(image, self.judge_rules.photo_checks)
 
     def prepare_image(self, image, color: str = "bgr") -> np.ndarray:
         """A path, encoded bytes or an HxW[x3] array -> [C, H, W] float32 with the model's preprocessing."""
+        return self.prepare_and_check(image, color, check=False)[0]
+
+    def prepare_and_check(self, image, color: str = "bgr", check: bool = True) -> tuple:
+        """(the model's input [C, H, W], the photo check or None): the photo is decoded once for both."""
         from lnn.runtime.preprocess import preprocess_image, read_image
 
         if self.model.preprocess is None:
             raise LnnInputError(f"model {self.model.name!r} takes no images (input shape {list(self.model.input_shape)})")
         if isinstance(image, (str, Path, bytes, bytearray)):
             image, color = read_image(image), "bgr"
-        return preprocess_image(image, self.model.preprocess, color)
+        checked = self.check_photo(image, color) if check else None
+        return preprocess_image(image, self.model.preprocess, color), checked
 
-    def predict_image(self, image, top_k: int | None = None, color: str = "bgr") -> list:
-        """[(label, probability), ...] best first, using the model's own preprocessing.
+    def predict_image(self, image, top_k: int | None = None, color: str = "bgr"):
+        """A runtime.gate.Prediction: labels ranked best first [(display, probability), ...], `uncertain`,
+        `reason` and `instruction` (the photo checks, the gate and the confidence threshold of the model).
+        It iterates, indexes and compares as the ranked list that this method returned before.
 
         `image` is a path, encoded bytes, or an array (BGR as OpenCV decodes it, or pass color="rgb")."""
-        probabilities = self.predict(self.prepare_image(image, color)[None])[0]
-        return self.ranked(probabilities, top_k)
+        from lnn.runtime.gate import Prediction, instruction
+
+        x, checked = self.prepare_and_check(image, color)
+        photo_reason = checked.reason if checked is not None else None
+        judgement = self.judge(x[None], [photo_reason])
+        reason = judgement.reasons[0]
+        detail = checked.detail if checked is not None and reason == photo_reason else None
+        return Prediction(self.ranked(judgement.probabilities[0], top_k), reason,
+                          instruction(reason, self.judge_rules.subject, detail),
+                          {name: float(values[0]) for name, values in judgement.scores.items()})
 
     def ranked(self, probabilities: np.ndarray, top_k: int | None = None) -> list:
         order = np.argsort(-probabilities, kind="stable")[:top_k]
