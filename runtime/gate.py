@@ -30,20 +30,21 @@ REASONS = ("not_a_leaf", "blurred", "too_dark", "too_bright", "too_small", "low_
 DEFAULT_SUBJECT = "leaf this model knows"
 
 
+INSTRUCTIONS = {
+    "not_a_leaf": "This does not look like a {subject}. Take a photo of one leaf, filling the frame.",
+    "low_confidence": "Please take a clearer photo of a single leaf, close up and in good light.",
+    "blurred": "The photo is blurred. Hold the camera still, let it focus on the leaf, and take it again.",
+    "too_dark": "The photo is too dark. Take it again in daylight or brighter light.",
+    "too_bright": "The photo is overexposed. Take it again out of direct sun and glare.",
+    "too_small": "The photo is too small. Take a photo of one leaf, filling the frame.",
+}
+
+
 def instruction(reason: str | None, subject: str = DEFAULT_SUBJECT, detail: str | None = None) -> str | None:
     """The plain words a person gets for a reason (None for a diagnosis); `detail` replaces a photo check's."""
     if reason is None:
         return None
-    if detail is not None:
-        return detail
-    return {
-        "not_a_leaf": f"This does not look like a {subject}. Take a photo of one leaf, filling the frame.",
-        "low_confidence": "The model is not sure. Please take a clearer photo of a single leaf, close up and in good light.",
-        "blurred": "The photo is blurred. Hold the camera still, let it focus on the leaf, and take it again.",
-        "too_dark": "The photo is too dark. Take it again in daylight or brighter light.",
-        "too_bright": "The photo is overexposed. Take it again out of direct sun and glare.",
-        "too_small": "The photo is too small. Take a photo of one leaf, filling the frame.",
-    }[reason]
+    return detail if detail is not None else INSTRUCTIONS[reason].format(subject=subject)
 
 
 # --------------------------------------------------------------------------- the scores

@@ -31,13 +31,15 @@ import numpy as np
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime import resolve_device
 from lnn.runtime.preprocess import read_image, resize_image
-from lnn.tools.infer import CLEARER_PHOTO, DEFAULT_MODEL, IMAGE_SUFFIXES, Answer, images_in_folder, load_session
+from lnn.tools.infer import DEFAULT_MODEL, IMAGE_SUFFIXES, answers_for, images_in_folder, load_session
 
 TITLE = "lnn field — tomato leaf check"
 POLL_MS = 50                  # how often the window reads the worker's results
 PHOTO_SIZE = 360              # the shown photo fits in this many pixels square
 TOP_K = 3
-UNCERTAIN_HEADLINE = "Uncertain — take a clearer photo of one leaf"
+UNCERTAIN_HEADLINES = {"low_confidence": "Uncertain — take a clearer photo of one leaf",
+                       "not_a_leaf": "Not a leaf this model knows — no diagnosis"}
+RETAKE_HEADLINE = "Retake the photo — no diagnosis"          # the photo checks' reasons
 REPORT_COLUMNS = ("time", "photo", "result", "confidence", "uncertain", "second", "third", "advice", "model")
 
 
@@ -93,17 +95,16 @@ class Worker(threading.Thread):
             for path in paths:
                 self.results.put(("failed", path, "no model is loaded; open a model first"))
             return
-        threshold = (self.session.metadata.get("thresholds") or {}).get("uncertain_below")
         top_k = min(TOP_K, len(self.session.labels))
         for path in paths:
             try:
                 image = read_image(path)                   # decoded once, for the model and the screen
-                probabilities = self.session.predict(self.session.prepare_image(image)[None])[0]
+                answer = answers_for(self.session, [(path, *self.session.prepare_and_check(image))], top_k)[0]
                 ppm = photo_ppm(image)
             except (LnnError, OSError) as err:
                 self.results.put(("failed", path, str(err)))
                 continue
-            self.results.put(("answer", Answer(path, probabilities, self.session.labels, top_k, threshold), ppm))
+            self.results.put(("answer", answer, ppm))
 
 
 # --------------------------------------------------------------------------- the window
@@ -222,7 +223,7 @@ class FieldApp:
                 others += [""] * (2 - len(others))
                 writer.writerow([when, answer.file, "uncertain" if answer.uncertain else result["display"],
                                  f"{answer.confidence:.4f}", int(answer.uncertain), *others,
-                                 result.get("advice", CLEARER_PHOTO if answer.uncertain else ""), model])
+                                 result.get("advice", answer.instruction or ""), model])
         self.status.set(f"Report saved: {path}")
 
     # ---- results from the worker
@@ -287,9 +288,8 @@ class FieldApp:
         self.shown_image = tk.PhotoImage(data=ppm, format="ppm")
         self.photo.configure(image=self.shown_image, text="")
         if answer.uncertain:
-            self.headline.set(UNCERTAIN_HEADLINE)
-            self.advice.set(f"Best guess {answer.best['display']} at {answer.confidence:.0%}, under the model's "
-                            f"{answer.uncertain_below:.0%} threshold. {CLEARER_PHOTO}")
+            self.headline.set(UNCERTAIN_HEADLINES.get(answer.reason, RETAKE_HEADLINE))
+            self.advice.set(answer.explanation)
         else:
             self.headline.set(f"{answer.best['display']} — {answer.confidence:.1%} sure")
             self.advice.set(f"Advice: {answer.best['advice']}" if "advice" in answer.best else "")

@@ -3,9 +3,12 @@
     lnn-infer leaf.jpg                         # the bundled tomato-leaf model
     lnn-infer --model mnist_cnn.bin --top-k 5 --json digits/
 
-Each image gets the best label's display name and confidence, then the top-k. When the model's
-metadata sets thresholds.uncertain_below and the best confidence is under it, the answer is
-"uncertain" with a request for a clearer photo of a single leaf, not a guess. A bad file (missing,
+Each image gets the best label's display name and confidence, then the top-k, and advice for a
+diagnosis. An answer that is not a diagnosis is "uncertain", with a reason and what to do instead
+(lnn.runtime.gate): the model's photo checks (too_small, too_dark, too_bright, blurred), its
+out-of-distribution gate (not_a_leaf: "This does not look like a tomato leaf. Take a photo of one
+leaf, filling the frame."), or a best confidence under thresholds.uncertain_below (low_confidence).
+--json adds "reason" (null for a diagnosis) and "instruction"; --csv a reason column. A bad file (missing,
 not an image, truncated) is reported on stderr as one line and skipped; the exit status is 1 at
 the end if any image failed. --json prints one JSON object per image, one per line (JSON Lines);
 --csv prints one row per image and rank.
@@ -26,6 +29,7 @@ import numpy as np
 
 import lnn
 from lnn.formats.errors import LnnInputError
+from lnn.runtime.gate import DEFAULT_SUBJECT, INSTRUCTIONS, instruction
 from lnn.tools.cli import command_parser, error_line, run_command
 
 PROG = "lnn-infer"
@@ -34,8 +38,8 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 FEW_IMAGES = 8            # device auto: up to this many images use NumPy (no JIT compile to pay)
 BATCH_SIZE = 32           # images per backend call
 PROGRESS_FROM = 33        # show a progress bar (on a terminal) from this many images on
-CLEARER_PHOTO = "Please take a clearer photo of a single leaf, close up and in good light."
-CSV_COLUMNS = ("file", "rank", "label", "display", "probability", "uncertain")
+CLEARER_PHOTO = INSTRUCTIONS["low_confidence"]
+CSV_COLUMNS = ("file", "rank", "label", "display", "probability", "uncertain", "reason")
 
 
 def build_parser():
@@ -86,29 +90,61 @@ def expand_inputs(inputs: list) -> tuple[list, int]:
 
 
 class Answer:
-    """One image's result: the labels ranked best first, and whether it falls under the uncertainty threshold."""
+    """One image's result: the labels ranked best first, and whether (and why) it is not a diagnosis.
 
-    def __init__(self, path: Path, probabilities: np.ndarray, labels: list, top_k: int, uncertain_below):
+    `reason` comes from the Session's decision (photo checks, the out-of-distribution gate, the
+    confidence threshold: lnn.runtime.gate); without one, an answer whose confidence is under
+    `uncertain_below` is "low_confidence", as before the gate existed. `instruction` is what to do instead."""
+
+    def __init__(self, path: Path, probabilities: np.ndarray, labels: list, top_k: int, uncertain_below,
+                 reason: str | None = None, instruction: str | None = None):
         order = np.argsort(-probabilities, kind="stable")[:top_k]
         self.file = str(path)
         self.ranked = [(labels[i], float(probabilities[i])) for i in order]
         self.best, self.confidence = self.ranked[0]
         self.uncertain_below = uncertain_below
-        self.uncertain = uncertain_below is not None and self.confidence < uncertain_below
+        if reason is None and uncertain_below is not None and self.confidence < uncertain_below:
+            reason = "low_confidence"
+        self.reason = reason
+        self.uncertain = reason is not None
+        self.instruction = instruction or (INSTRUCTIONS[reason].format(subject=DEFAULT_SUBJECT) if reason else None)
+
+    @property
+    def headline(self) -> str:
+        """The answer in words: the diagnosis, or why there is none."""
+        if not self.uncertain:
+            return self.best["display"]
+        return "Not sure" if self.reason == "low_confidence" else "No diagnosis"
+
+    @property
+    def explanation(self) -> str:
+        """For an answer that is not a diagnosis: what the model saw, then what to do."""
+        if self.reason == "low_confidence" and self.uncertain_below is not None:
+            seen = (f"Best guess {self.best['display']} at {self.confidence:.0%}, under the model's "
+                    f"{self.uncertain_below:.0%} threshold.")
+        else:
+            seen = f"(The model's best guess would be {self.best['display']} at {self.confidence:.0%}: not a diagnosis.)"
+        return f"{self.instruction} {seen}" if self.reason != "low_confidence" else f"{seen} {self.instruction}"
 
     def as_dict(self) -> dict:
         out = {"file": self.file, "label": self.best["name"], "display": self.best["display"],
-               "confidence": self.confidence, "uncertain": self.uncertain,
+               "confidence": self.confidence, "uncertain": self.uncertain, "reason": self.reason,
                "top_k": [{"label": label["name"], "display": label["display"], "probability": p}
                          for label, p in self.ranked]}
-        if "advice" in self.best and not self.uncertain:
+        if self.uncertain:
+            out["instruction"] = self.instruction
+        elif "advice" in self.best:
             out["advice"] = self.best["advice"]
         return out
 
     def human_lines(self) -> list:
-        if self.uncertain:
-            lines = [f"{self.file}: uncertain (best guess {self.best['display']} at {self.confidence:.1%}, "
-                     f"under the model's {self.uncertain_below:.0%} threshold)", f"  {CLEARER_PHOTO}"]
+        if self.reason == "low_confidence":
+            threshold = f", under the model's {self.uncertain_below:.0%} threshold" if self.uncertain_below else ""
+            lines = [f"{self.file}: uncertain (best guess {self.best['display']} at {self.confidence:.1%}{threshold})",
+                     f"  {self.instruction}"]
+        elif self.uncertain:
+            lines = [f"{self.file}: uncertain ({self.reason.replace('_', ' ')}): {self.instruction}",
+                     "  not a diagnosis; the model's best guesses would be:"]
         else:
             lines = [f"{self.file}: {self.best['display']} ({self.confidence:.1%})"]
         width = max(len(label["display"]) for label, _ in self.ranked)
@@ -118,8 +154,22 @@ class Answer:
         return lines
 
     def csv_rows(self) -> list:
-        return [(self.file, rank, label["name"], label["display"], f"{p:.6f}", int(self.uncertain))
+        return [(self.file, rank, label["name"], label["display"], f"{p:.6f}", int(self.uncertain), self.reason or "")
                 for rank, (label, p) in enumerate(self.ranked, 1)]
+
+
+def answers_for(session, prepared: list, top_k: int) -> list:
+    """Answers for [(path, model input, photo check or None)]: one batch through the Session's decision."""
+    checks = [check for _, _, check in prepared]
+    judgement = session.judge(np.stack([x for _, x, _ in prepared]),
+                              [check.reason if check is not None else None for check in checks])
+    uncertain_below = session.judge_rules.uncertain_below
+    answers = []
+    for (path, _, check), row, reason in zip(prepared, judgement.probabilities, judgement.reasons):
+        detail = check.detail if check is not None and reason == check.reason else None
+        words = instruction(reason, session.judge_rules.subject, detail)
+        answers.append(Answer(path, row, session.labels, top_k, uncertain_below, reason, words))
+    return answers
 
 
 class Output:
@@ -182,7 +232,6 @@ def infer(args) -> int:
         return 1
     session = load_session(args.model, choose_device(args.device, len(paths)), args.threads)
     top_k = min(args.top_k, len(session.labels))
-    uncertain_below = (session.metadata.get("thresholds") or {}).get("uncertain_below")
 
     bar = progress_bar(len(paths))
     output = Output("json" if args.json else "csv" if args.csv else "human", bar)
@@ -191,16 +240,15 @@ def infer(args) -> int:
             prepared = []
             for path in paths[start:start + BATCH_SIZE]:
                 try:
-                    prepared.append((path, session.prepare_image(path)))
+                    prepared.append((path, *session.prepare_and_check(path)))
                 except LnnInputError as err:
                     output.failure(str(err))
                     failures += 1
                 if bar is not None:
                     bar.update(1)
             if prepared:
-                probabilities = session.predict(np.stack([image for _, image in prepared]))
-                for (path, _), row in zip(prepared, probabilities):
-                    output.answer(Answer(path, row, session.labels, top_k, uncertain_below))
+                for answer in answers_for(session, prepared, top_k):
+                    output.answer(answer)
     finally:
         if bar is not None:
             bar.close()
