@@ -3,21 +3,26 @@
 Scores are checked against plain restatements of their formulas; the decision against the NumPy
 backend's on every other backend (the CUDA case is in test_cuda_backend.py); the photo checks on the
 sample leaves (PlantVillage photos: they pass) and on darkened, overexposed, blurred, tiny and
-leaf-small copies of them (each caught with its reason).
+leaf-small copies of them (each caught with its reason; benchmarks/photo_checks.py measures the same on
+all the tomato photos).
 """
 
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import EXAMPLES, runtime_devices
+from conftest import EXAMPLES, REPO, runtime_devices
 from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes
 from lnn.formats.model import parse_model
 from lnn.runtime import Session, backend_class
 from lnn.runtime.gate import Prediction, energy_score, knn_score, mahalanobis_score, unit_rows
 from lnn.runtime.photo_checks import DEFAULTS, check_photo
 from lnn.runtime.preprocess import read_image, resize_image
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from photo_checks import box_blur, spoiled_copies  # noqa: E402  (benchmarks/photo_checks.py: the same copies)
 
 SAMPLES = sorted((EXAMPLES / "leaves").glob("*.jpg"))
 DESCRIPTION = {"name": "gated", "input_shape": [3, 16, 16], "labels": ["a", "b", "c"], "layers": [
@@ -171,33 +176,12 @@ def test_prediction_behaves_as_the_old_ranked_list():
 
 # --------------------------------------------------------------------------- photo checks
 
-def box_blur(image, radius, times=3):
-    x = image.astype(np.float32)
-    for _ in range(times):
-        for axis in (0, 1):
-            padded = np.pad(x, [(radius + 1, radius) if a == axis else (0, 0) for a in range(3)], mode="edge")
-            total = np.cumsum(padded, axis=axis)
-            n = x.shape[axis]
-            x = (np.take(total, np.arange(2 * radius + 1, 2 * radius + 1 + n), axis)
-                 - np.take(total, np.arange(n), axis)) / (2 * radius + 1)
-    return np.clip(x, 0, 255).astype(np.uint8)
-
-
-def spoiled(image):
-    """(reason, what was done to the photo): copies each check is for."""
-    big = np.full((1024, 1024, 3), (120, 125, 130), np.uint8)
-    big[384:640, 384:640] = resize_image(image, 256, 256)
-    overexposed = np.clip(image.astype(np.float32) * 2.2 + 70, 0, 255).astype(np.uint8)
-    return [("too_dark", (image * 0.2).astype(np.uint8)), ("too_bright", overexposed),
-            ("blurred", box_blur(image, 2)), ("too_small", resize_image(image, 64, 64)), ("too_small", big)]
-
-
 @pytest.mark.parametrize("photo", SAMPLES, ids=lambda path: path.stem)
 def test_photo_checks_pass_the_sample_leaves_and_catch_spoiled_copies(photo):
     image = read_image(photo)
     assert check_photo(image).reason is None, check_photo(image).measures
-    for reason, copy in spoiled(image):
-        assert check_photo(copy).reason == reason, (reason, check_photo(copy).measures)
+    for reason, what, copy in spoiled_copies(image):
+        assert check_photo(copy).reason == reason, (what, check_photo(copy).measures)
 
 
 def test_photo_check_thresholds_come_from_the_model_and_predict_image_says_why():
