@@ -18,7 +18,8 @@ photos flagged.
 
 Cost: batch-1 CPU time (Numba backend, one thread, median of --repeat runs on a real photo) of the
 model alone (Session.run), with its gate (Session.judge: the feature copy + the gate's NumPy), and
-the whole photo path (decode, photo checks, preprocessing, model, gate: Session.predict_image).
+the whole photo path (decode, preprocessing, model, gate: Session.predict_image) without and with the
+photo checks.
 Writes the "ood_gate" section of docs/BENCHMARKS.md unless --no-report.
 """
 
@@ -136,13 +137,17 @@ def batch1_cost(path: str, photo: Path, repeat: int) -> list:
             times.append(time.perf_counter() - start)
         return 1e3 * float(np.median(times))
 
-    timings = []
-    for _ in range(3):                       # interleaved, so a busy moment hits every variant alike
-        timings.append((median_ms(lambda: plain.run(x)), median_ms(lambda: gated.judge(x)),
-                        median_ms(lambda: gated.predict_image(photo))))
-    model, gate, photo_path = (min(column) for column in zip(*timings))
-    return [("model alone (Session.run)", model), ("model + gate (Session.judge)", gate),
-            ("photo file -> answer (decode, photo checks, preprocessing, model, gate: predict_image)", photo_path)]
+    unchecked = Session(dataclasses.replace(bin_model, metadata={
+        **bin_model.metadata, "gate": {k: v for k, v in (bin_model.metadata.get("gate") or {}).items()
+                                       if k != "photo_checks"}} if "gate" in bin_model.metadata else bin_model.metadata),
+        "cpu", threads=1, features=feature)
+    variants = [("model alone (Session.run)", lambda: plain.run(x)),
+                ("model + gate (Session.judge)", lambda: gated.judge(x)),
+                ("photo file -> answer without photo checks (decode, preprocessing, model, gate)",
+                 lambda: unchecked.predict_image(photo)),
+                ("photo file -> answer with photo checks (Session.predict_image)", lambda: gated.predict_image(photo))]
+    timings = [[median_ms(call) for _, call in variants] for _ in range(3)]   # interleaved: a busy moment hits all
+    return [(what, min(column)) for (what, _), column in zip(variants, zip(*timings))]
 
 
 def percent(value) -> str:
@@ -172,6 +177,8 @@ def main(argv=None) -> int:
         base = cost[0][1]
         costs += [[Path(path).name, what, f"{ms:.2f}", f"{ms / base - 1:+.1%}" if i else "-"]
                   for i, (what, ms) in enumerate(cost)]
+        costs.append([Path(path).name, "the photo checks alone (difference of the last two)",
+                      f"{cost[3][1] - cost[2][1]:.2f}", ""])
     headers = ["model", "method", *[f"AUROC {g}" for g in FOLDERS], "AUROC all",
                *[f"caught {g}" for g in FOLDERS], "caught all", "tomato val flagged"]
     table = markdown_table(headers, [[row[0], row[1], *[("-" if v is None else f"{v:.3f}") for v in row[2:6]],

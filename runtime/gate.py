@@ -61,15 +61,24 @@ def energy_score(logits: np.ndarray) -> np.ndarray:
     return -(top + np.log(np.exp(z - top[:, None]).sum(axis=1)))
 
 
-def mahalanobis_score(features: np.ndarray, class_means: np.ndarray, precision: np.ndarray) -> np.ndarray:
-    """min_k (f - mu_k)^T P (f - mu_k) for each row f: [N] float64."""
+def mahalanobis_score(features: np.ndarray, class_means: np.ndarray, precision: np.ndarray,
+                      prepared: tuple | None = None) -> np.ndarray:
+    """min_k (f - mu_k)^T P (f - mu_k) for each row f: [N] float64, as f P f - 2 f P mu_k + mu_k P mu_k.
+    `prepared` = prepare_mahalanobis(class_means, precision), computed once per model (the per-photo cost is
+    then one D x D product)."""
+    means, precision, means_precision, means_term = prepared or prepare_mahalanobis(class_means, precision)
     f = np.asarray(features, np.float64)
+    fp = f @ precision                                   # [N, D]
+    distances = (fp * f).sum(axis=1)[:, None] - 2 * fp @ means.T + means_term[None, :]
+    return np.maximum(distances.min(axis=1), 0.0)
+
+
+def prepare_mahalanobis(class_means: np.ndarray, precision: np.ndarray) -> tuple:
+    """(means, precision, means @ precision, mu_k P mu_k per class), float64."""
     means = np.asarray(class_means, np.float64)
     precision = np.asarray(precision, np.float64)
-    fp = f @ precision                                   # [N, D]
-    mp = means @ precision                               # [K, D]
-    distances = ((fp * f).sum(axis=1)[:, None] - 2 * fp @ means.T + (mp * means).sum(axis=1)[None, :])
-    return np.maximum(distances.min(axis=1), 0.0)
+    means_precision = means @ precision
+    return means, precision, means_precision, (means_precision * means).sum(axis=1)
 
 
 def unit_rows(features: np.ndarray) -> np.ndarray:
@@ -86,8 +95,9 @@ def knn_score(features: np.ndarray, train_features: np.ndarray, k: int) -> np.nd
 
 
 def all_scores(names, logits, features, tensors: dict, temperature: float = 1.0, knn_k: int = 1,
-               probabilities=None) -> dict:
-    """{score name: [N] float64} for the named scores (formats/gate.py SCORES)."""
+               probabilities=None, prepared: tuple | None = None) -> dict:
+    """{score name: [N] float64} for the named scores (formats/gate.py SCORES); `prepared`: the
+    Mahalanobis terms that depend on the model only (prepare_mahalanobis)."""
     out = {}
     for name in names:
         if name == "msp":
@@ -96,7 +106,7 @@ def all_scores(names, logits, features, tensors: dict, temperature: float = 1.0,
         elif name == "energy":
             out[name] = energy_score(logits)
         elif name == "mahalanobis":
-            out[name] = mahalanobis_score(features, tensors["gate.class_means"], tensors["gate.precision"])
+            out[name] = mahalanobis_score(features, tensors["gate.class_means"], tensors["gate.precision"], prepared)
         elif name == "knn":
             out[name] = knn_score(features, tensors["gate.train_features"], knn_k)
         else:
@@ -128,6 +138,8 @@ class Judge:
         self.subject = (gate or {}).get("subject", DEFAULT_SUBJECT)
         self.photo_checks = (gate or {}).get("photo_checks")
         self.tensors = {key: np.asarray(value, np.float64) for key, value in gate_tensors.items()}
+        self.prepared = (prepare_mahalanobis(self.tensors["gate.class_means"], self.tensors["gate.precision"])
+                         if "gate.class_means" in self.tensors else None)
 
     def probabilities(self, outputs: np.ndarray) -> np.ndarray:
         """Class probabilities: the outputs themselves when the model ends in a softmax, else
@@ -143,7 +155,7 @@ class Judge:
         scores, flagged = {}, np.zeros(len(outputs), bool)
         if self.gate:
             scores = all_scores(self.gate["scores"], outputs, features, self.tensors, self.temperature,
-                                self.gate.get("knn_k", 1), probabilities)
+                                self.gate.get("knn_k", 1), probabilities, self.prepared)
             for name, values in scores.items():
                 flagged |= values > self.gate["thresholds"][name]
         unsure = (np.zeros(len(outputs), bool) if self.uncertain_below is None

@@ -79,10 +79,11 @@ def measure(image: np.ndarray, check_size: int = DEFAULTS["check_size"]) -> dict
         image = np.repeat(image[:, :, None], 3, axis=2)
     image = image[:, :, :3]
     grey, small = _grey_copy(image, int(check_size))
+    low, high = np.percentile(grey, (1, 99))
     return {
         "width": int(image.shape[1]), "height": int(image.shape[0]),
-        "grey_p1": float(np.percentile(grey, 1)),
-        "grey_p99": float(np.percentile(grey, 99)),
+        "grey_p1": float(low),
+        "grey_p99": float(high),
         "blown_out_share": float(np.mean(grey >= BLOWN_OUT)),
         "laplacian_variance": laplacian_variance(grey),
         "leaf_fill": leaf_fill(small),

@@ -34,6 +34,7 @@ import numpy as np
 from lnn.formats.binfile import (build_metadata, check_weights, encode_bin, fp16_dtypes, int8_dtypes, parse_bin_bytes,
                                  write_atomic)
 from lnn.formats.errors import LnnError, LnnInputError
+from lnn.formats.gate import TENSOR_PREFIX as GATE_TENSORS
 from lnn.formats.npz import NPZ_READ_ERRORS, open_npz
 from lnn.formats.model import Model
 from lnn.tools.eval import class_columns, probabilities
@@ -106,6 +107,7 @@ def export(args) -> int:
     if args.onnx:
         from lnn.formats.onnx_export import export_onnx
 
+        weights = {key: value for key, value in weights.items() if not key.startswith(GATE_TENSORS)}   # not the network's
         check_weights(model.param_shapes(), weights)
         export_onnx(model, {key: np.asarray(value, np.float32) for key, value in weights.items()}, args.onnx)
         size = Path(args.onnx).stat().st_size
