@@ -11,7 +11,8 @@ features: max softmax probability (msp), energy, class-conditional Mahalanobis w
 covariance (the shrinkages lnn-eval --fit-gate tries), kNN on unit-length features (k 1 and 5,
 the bank is the training features), and, when the model carries a gate (lnn-eval --fit-gate
 --write-gate), the model's whole decision as lnn-infer applies it (its gate and low-confidence
-threshold, without the photo checks: outlier photos are not spoiled photos). Reported per outlier
+threshold, without the photo checks), and its whole answer as lnn-infer gives it (photo checks on the
+decoded photo first; benchmarks/photo_checks.py measures those on the tomato photos). Reported per outlier
 sub-folder and overall: AUROC (outliers against tomato validation photos) and the share of outliers
 caught at the threshold keeping 97% of tomato validation photos; and the share of tomato validation
 photos flagged.
@@ -80,6 +81,10 @@ def model_features(path: str, tomato_dir: Path, outlier_dir: Path, batch: int) -
     logits, features = extract(session, path_batches(session, test, batch, skipped), len(test), "outlier test")
     kept_paths = [p for p in test if not any(str(p) in message for message in skipped)]
     out["test"] = (logits, features, np.array([p.relative_to(outlier_dir).parts[0] for p in kept_paths]))
+    if session.judge_rules.photo_checks is not None:       # as lnn-infer sees them: on the decoded photo
+        from lnn.runtime.preprocess import read_image
+
+        out["test_photo_reasons"] = [session.check_photo(read_image(p)).reason for p in kept_paths]
     return out
 
 
@@ -111,6 +116,13 @@ def compare(path: str, data: dict) -> list:
         name = f"**the model's own decision** ({' + '.join(judge.gate['scores'])}, low confidence)"
         rows.append([Path(path).name, name, None, None, None, None,
                      *[test_flagged[groups == g].mean() for g in FOLDERS], test_flagged.mean(), val_flagged.mean()])
+    if "test_photo_reasons" in data:
+        reasons = session.judge_rules.judge(test_logits, test_features, data["test_photo_reasons"]).reasons
+        answered = np.array([r is not None for r in reasons])
+        checks = np.array([r is not None for r in data["test_photo_reasons"]])
+        rows.append([Path(path).name, f"**as lnn-infer answers** (photo checks: {checks.mean():.1%} of these; "
+                                      "then the gate and low confidence)", None, None, None, None,
+                     *[answered[groups == g].mean() for g in FOLDERS], answered.mean(), None])
     return rows
 
 
