@@ -110,21 +110,13 @@ class Answer:
         self.instruction = instruction or (INSTRUCTIONS[reason].format(subject=DEFAULT_SUBJECT) if reason else None)
 
     @property
-    def headline(self) -> str:
-        """The answer in words: the diagnosis, or why there is none."""
-        if not self.uncertain:
-            return self.best["display"]
-        return "Not sure" if self.reason == "low_confidence" else "No diagnosis"
-
-    @property
     def explanation(self) -> str:
         """For an answer that is not a diagnosis: what the model saw, then what to do."""
-        if self.reason == "low_confidence" and self.uncertain_below is not None:
-            seen = (f"Best guess {self.best['display']} at {self.confidence:.0%}, under the model's "
-                    f"{self.uncertain_below:.0%} threshold.")
-        else:
-            seen = f"(The model's best guess would be {self.best['display']} at {self.confidence:.0%}: not a diagnosis.)"
-        return f"{self.instruction} {seen}" if self.reason != "low_confidence" else f"{seen} {self.instruction}"
+        if self.reason == "low_confidence":
+            threshold = f", under the model's {self.uncertain_below:.0%} threshold" if self.uncertain_below else ""
+            return f"Best guess {self.best['display']} at {self.confidence:.0%}{threshold}. {self.instruction}"
+        return (f"{self.instruction} (The model's best guess would be {self.best['display']} at "
+                f"{self.confidence:.0%}: not a diagnosis.)")
 
     def as_dict(self) -> dict:
         out = {"file": self.file, "label": self.best["name"], "display": self.best["display"],

@@ -205,3 +205,10 @@ def test_photo_checks_take_grey_and_four_channel_photos():
 
 def test_sample_photos_exist():
     assert len(SAMPLES) >= 6 and all(Path(p).stat().st_size for p in SAMPLES)
+
+
+def test_photo_check_defaults_are_the_checks_the_format_knows():
+    from lnn.formats.gate import PHOTO_CHECKS
+
+    assert set(DEFAULTS) == set(PHOTO_CHECKS)
+    assert all(PHOTO_CHECKS[k][0] <= v <= PHOTO_CHECKS[k][1] for k, v in DEFAULTS.items())

@@ -252,3 +252,21 @@ def test_importing_the_commands_loads_no_opencv_numba_or_tqdm():
             "print(sorted(m for m in ('cv2', 'numba', 'tqdm', 'onnx') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+def test_answers_that_are_not_diagnoses_carry_a_reason_and_an_instruction():
+    from lnn.tools.infer import Answer
+
+    labels = [{"name": "a", "display": "A", "advice": "do a"}, {"name": "b", "display": "B"}]
+    probabilities = np.array([0.9, 0.1])
+    sure = Answer("x.jpg", probabilities, labels, 2, 0.5)
+    assert sure.as_dict()["reason"] is None and sure.as_dict()["advice"] == "do a" and not sure.uncertain
+    gated = Answer("x.jpg", probabilities, labels, 2, 0.5, "not_a_leaf", "This does not look like a tomato leaf.")
+    record = gated.as_dict()
+    assert record["uncertain"] and record["reason"] == "not_a_leaf" and "advice" not in record
+    assert record["instruction"] == "This does not look like a tomato leaf."
+    assert gated.human_lines()[0] == "x.jpg: uncertain (not a leaf): This does not look like a tomato leaf."
+    assert "not a diagnosis" in gated.explanation
+    unsure = Answer("x.jpg", np.array([0.45, 0.55]), labels, 2, 0.6)       # an old caller: the threshold only
+    assert unsure.reason == "low_confidence" and "clearer photo" in unsure.as_dict()["instruction"]
+    assert unsure.csv_rows()[0][-1] == "low_confidence"
