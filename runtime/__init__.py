@@ -109,8 +109,11 @@ class Session:
     def judge(self, batch, photo_reasons=None):
         """Probabilities, gate scores and a reason (None: a diagnosis) per photo: a runtime.gate.Judgement.
         `photo_reasons`: each photo's photo-check reason (check_photo), when the photos were checked."""
+        if self.judge_rules.gate is not None and self.feature != self.judge_rules.feature:
+            raise LnnError(f"this session keeps node {self.feature!r}, but the model's gate uses "
+                           f"{self.judge_rules.feature!r}: load it without features= to judge photos")
         outputs, features = self.run_with_features(batch)
-        return self.judge_rules.judge(outputs, features, photo_reasons)
+        return self.judge_rules.judge(outputs, features if self.judge_rules.gate else None, photo_reasons)
 
     def check_photo(self, image, color: str = "bgr"):
         """The model's photo checks (gate.photo_checks) on a decoded photo: a PhotoCheck, or None when

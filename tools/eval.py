@@ -273,7 +273,9 @@ def body(args) -> int:
     accuracy = float(correct.mean())
     print("\n".join(report_lines(labels, matrix, scores, accuracy, len(rows), what)))
     print("\n" + calibration_line(session, outputs, true, expected_calibration_error))
-    if session.judge_rules.gate is not None or session.judge_rules.uncertain_below is not None:
+    gate = session.judge_rules.gate
+    if (gate is None and session.judge_rules.uncertain_below is not None) or (
+            gate is not None and session.feature == gate["feature"]):      # not when fitting on another node
         print(decision_line(session.judge_rules.judge(outputs, features).reasons, correct))
     if args.fit_gate or args.write_gate:
         fit_and_write_gate(args, session, folder, columns, (outputs, features, true), val_fraction, seed)

@@ -212,3 +212,12 @@ def test_photo_check_defaults_are_the_checks_the_format_knows():
 
     assert set(DEFAULTS) == set(PHOTO_CHECKS)
     assert all(PHOTO_CHECKS[k][0] <= v <= PHOTO_CHECKS[k][1] for k, v in DEFAULTS.items())
+
+
+def test_a_session_keeping_another_node_refuses_to_judge_with_the_gate():
+    import lnn
+
+    session = Session(gated_bin(scores=("mahalanobis",)), "numpy", features="c2")
+    assert session.run_with_features(inputs(2))[1].shape == (2, 8, 8, 8)
+    with pytest.raises(lnn.LnnError, match="gate uses 'pool'"):
+        session.judge(inputs(2))
