@@ -17,7 +17,7 @@ sub-folder and overall: AUROC (outliers against tomato validation photos) and th
 caught at the threshold keeping 97% of tomato validation photos; and the share of tomato validation
 photos flagged.
 
-Cost: batch-1 CPU time (Numba backend, one thread, median of --repeat runs on a real photo) of the
+Cost: batch-1 CPU time (Numba backend, one thread, median of --repeat round-robin runs on a real photo) of the
 model alone (Session.run), with its gate (Session.judge: the feature copy + the gate's NumPy), and
 the whole photo path (decode, preprocessing, model, gate: Session.predict_image) without and with the
 photo checks.
@@ -56,6 +56,35 @@ def auroc(inliers: np.ndarray, outliers: np.ndarray) -> float:
     return float((ranks[len(inliers):].sum() - n_out * (n_out + 1) / 2) / (n_out * len(inliers)))
 
 
+def photo_sources(outlier_dir: Path, paths: list) -> list:
+    """Each photo's source repository from the folder's manifest.csv ("?" without one)."""
+    import csv
+
+    manifest = outlier_dir / "manifest.csv"
+    sources = {}
+    if manifest.exists():
+        with open(manifest, newline="", encoding="utf-8") as f:
+            sources = {row["path"]: row["source_repo"] for row in csv.DictReader(f)}
+    return [sources.get(p.relative_to(outlier_dir).as_posix(), "?") for p in paths]
+
+
+def by_source(path: str, data: dict) -> list:
+    """[model, sub-folder, source, photos, caught as lnn-infer answers] for a gated model."""
+    session = data["session"]
+    if "test_photo_reasons" not in data:
+        return []
+    test_logits, test_features, groups = data["test"]
+    reasons = session.judge_rules.judge(test_logits, test_features, data["test_photo_reasons"]).reasons
+    answered = np.array([r is not None for r in reasons])
+    sources = np.array(data["test_sources"])
+    rows = []
+    for group in FOLDERS:
+        for source in sorted(set(sources[groups == group])):
+            chosen = (groups == group) & (sources == source)
+            rows.append([Path(path).name, group, source, int(chosen.sum()), f"{answered[chosen].mean():.1%}"])
+    return rows
+
+
 def model_features(path: str, tomato_dir: Path, outlier_dir: Path, batch: int) -> dict:
     from lnn.runtime import Session
     from lnn.formats.binfile import read_bin
@@ -81,6 +110,7 @@ def model_features(path: str, tomato_dir: Path, outlier_dir: Path, batch: int) -
     logits, features = extract(session, path_batches(session, test, batch, skipped), len(test), "outlier test")
     kept_paths = [p for p in test if not any(str(p) in message for message in skipped)]
     out["test"] = (logits, features, np.array([p.relative_to(outlier_dir).parts[0] for p in kept_paths]))
+    out["test_sources"] = photo_sources(outlier_dir, kept_paths)
     if session.judge_rules.photo_checks is not None:       # as lnn-infer sees them: on the decoded photo
         from lnn.runtime.preprocess import read_image
 
@@ -126,40 +156,52 @@ def compare(path: str, data: dict) -> list:
     return rows
 
 
+def calibration_row(path: str, data: dict) -> list:
+    """[model, temperature, ECE at T = 1, ECE at the model's T, accuracy] on the tomato validation photos."""
+    from lnn.runtime.gate import softmax
+    from lnn.train.gate_fit import expected_calibration_error
+
+    logits, _, labels = data["val"]
+    judge = data["session"].judge_rules
+    if judge.outputs_probabilities:
+        return [Path(path).name, "-", f"{expected_calibration_error(logits, labels):.2%}", "-",
+                f"{(logits.argmax(1) == labels).mean():.2%}"]
+    return [Path(path).name, f"{judge.temperature:g}", f"{expected_calibration_error(softmax(logits), labels):.2%}",
+            f"{expected_calibration_error(softmax(logits, judge.temperature), labels):.2%}",
+            f"{(logits.argmax(1) == labels).mean():.2%}"]
+
+
 def batch1_cost(path: str, photo: Path, repeat: int) -> list:
     """[(what, median ms)] at batch 1 on the cpu backend with one BLAS thread."""
-    from lnn.runtime import Session
     from lnn.formats.binfile import read_bin
+    from lnn.runtime import Session
     from lnn.train.gate_fit import default_feature_node
 
     bin_model = read_bin(path)
-    without_gate = {key: value for key, value in bin_model.metadata.items() if key != "gate"}
+    metadata = bin_model.metadata
+    without_gate = {key: value for key, value in metadata.items() if key != "gate"}
+    without_checks = ({**metadata, "gate": {k: v for k, v in metadata["gate"].items() if k != "photo_checks"}}
+                      if "gate" in metadata else metadata)
+    feature = (metadata.get("gate") or {}).get("feature") or default_feature_node(bin_model.model)
     plain = Session(dataclasses.replace(bin_model, metadata=without_gate), "cpu", threads=1)   # no feature kept
-    feature = (bin_model.metadata.get("gate") or {}).get("feature") or default_feature_node(bin_model.model)
     gated = Session(bin_model, "cpu", threads=1, features=feature)
+    unchecked = Session(dataclasses.replace(bin_model, metadata=without_checks), "cpu", threads=1, features=feature)
     x = plain.prepare_image(photo)[None]
-
-    def median_ms(call) -> float:
-        call()
-        call()
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        return 1e3 * float(np.median(times))
-
-    unchecked = Session(dataclasses.replace(bin_model, metadata={
-        **bin_model.metadata, "gate": {k: v for k, v in (bin_model.metadata.get("gate") or {}).items()
-                                       if k != "photo_checks"}} if "gate" in bin_model.metadata else bin_model.metadata),
-        "cpu", threads=1, features=feature)
     variants = [("model alone (Session.run)", lambda: plain.run(x)),
                 ("model + gate (Session.judge)", lambda: gated.judge(x)),
                 ("photo file -> answer without photo checks (decode, preprocessing, model, gate)",
                  lambda: unchecked.predict_image(photo)),
                 ("photo file -> answer with photo checks (Session.predict_image)", lambda: gated.predict_image(photo))]
-    timings = [[median_ms(call) for _, call in variants] for _ in range(3)]   # interleaved: a busy moment hits all
-    return [(what, min(column)) for (what, _), column in zip(variants, zip(*timings))]
+    for _, call in variants:                  # compile, warm up
+        call()
+        call()
+    times = [[] for _ in variants]
+    for _ in range(repeat):                   # round robin: a busy moment of the machine hits every variant alike
+        for column, (_, call) in zip(times, variants):
+            start = time.perf_counter()
+            call()
+            column.append(time.perf_counter() - start)
+    return [(what, 1e3 * float(np.median(column))) for (what, _), column in zip(variants, times)]
 
 
 def percent(value) -> str:
@@ -172,15 +214,17 @@ def main(argv=None) -> int:
     parser.add_argument("--tomato-dir", default=str(SHARED_DATA / "tomato"))
     parser.add_argument("--outliers-dir", default=str(SHARED_DATA / "outliers"))
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=50, help="timed batch-1 runs per variant")
+    parser.add_argument("--repeat", type=int, default=200, help="timed batch-1 runs per variant")
     parser.add_argument("--no-report", action="store_true", help="print only, do not touch docs/BENCHMARKS.md")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    rows, costs, knn_sizes = [], [], []
+    rows, costs, knn_sizes, calibration, sources = [], [], [], [], []
     photo = REPO / "examples" / "leaves" / "late_blight.jpg"
     for path in args.models:
         data = model_features(path, Path(args.tomato_dir), Path(args.outliers_dir), args.batch)
         rows += compare(path, data)
+        calibration.append(calibration_row(path, data))
+        sources += by_source(path, data)
         train_features = data["train"][1]
         knn_sizes.append(f"{Path(path).name}: {len(train_features)} x {train_features.shape[1]} float32 = "
                          f"{train_features.nbytes / 2 ** 20:.1f} MiB of training features in the .bin "
@@ -196,7 +240,12 @@ def main(argv=None) -> int:
     table = markdown_table(headers, [[row[0], row[1], *[("-" if v is None else f"{v:.3f}") for v in row[2:6]],
                                       *[percent(v) for v in row[6:]]] for row in rows])
     cost_table = markdown_table(["model", "batch 1, cpu backend, 1 thread", "median ms", "vs model alone"], costs)
-    print(table + "\n\n" + cost_table + "\n\n" + "\n".join(knn_sizes))
+    calibration_table = markdown_table(["model", "temperature (metadata.calibration)", "ECE, 15 bins, T = 1",
+                                        "ECE at the model's T", "top-1 accuracy"], calibration)
+    source_table = markdown_table(["model", "sub-folder", "source (manifest.csv)", "test photos",
+                                   "uncertain as lnn-infer answers"], sources)
+    print(table + "\n\n" + source_table + "\n\n" + cost_table + "\n\n" + calibration_table + "\n\n"
+          + "\n".join(knn_sizes))
     if not args.no_report:
         from lnn.train.outliers import split_outliers
 
@@ -209,9 +258,11 @@ def main(argv=None) -> int:
                 f"Thresholds keep {KEEP:.0%} of the tomato validation photos (split_by_leaf, seed 0); statistics from "
                 f"the tomato training split; figures on the outlier test part only ({len(test)} photos: {counts}). "
                 f"\"caught\" = share of outlier test photos flagged at that threshold.\n\n{table}\n\n"
+                f"By source (PlantVillage lab leaves of other plants are the hardest):\n\n{source_table}\n\n"
                 f"kNN's bank: {'; '.join(knn_sizes)}.\n\nGate cost (real photo, "
-                f"`examples/leaves/late_blight.jpg`; best of 3 interleaved medians of {args.repeat} runs):\n\n"
-                f"{cost_table}")
+                f"`examples/leaves/late_blight.jpg`; medians of {args.repeat} round-robin runs of each variant):\n\n"
+                f"{cost_table}\n\nCalibration on the {len(data['val'][2])} tomato validation photos (the temperature "
+                f"was fitted on them by lnn-eval --fit-gate; lnn-eval prints the same figures):\n\n{calibration_table}")
         update_section("ood_gate", body)
     return 0
 

@@ -66,10 +66,17 @@ def laplacian_variance(grey: np.ndarray) -> float:
 
 def leaf_fill(bgr: np.ndarray) -> float:
     """Share of pixels that are coloured enough to be leaf (HSV saturation and value over a floor)."""
-    top = bgr.max(axis=2)
-    bottom = bgr.min(axis=2)
-    saturation = (top - bottom) / np.maximum(top, 1.0)
-    return float(np.mean((saturation >= LEAF_SATURATION) & (top >= LEAF_VALUE * 255)))
+    blue, green, red = bgr[:, :, 0], bgr[:, :, 1], bgr[:, :, 2]      # per channel: a reduction over the last,
+    top = np.maximum(np.maximum(blue, green), red)                    # 3-long axis is 20x slower in NumPy
+    bottom = np.minimum(np.minimum(blue, green), red)
+    return float(np.mean((top - bottom >= LEAF_SATURATION * top) & (top >= LEAF_VALUE * 255)))
+
+
+def grey_percentiles(grey: np.ndarray, shares=(0.01, 0.99)) -> list:
+    """The grey levels (whole numbers, 0-255) under which these shares of the pixels lie: a histogram, not a sort."""
+    counts = np.bincount(np.clip(np.rint(grey), 0, 255).astype(np.intp).ravel(), minlength=256)
+    cumulative = np.cumsum(counts) / grey.size
+    return [float(np.searchsorted(cumulative, share)) for share in shares]
 
 
 def measure(image: np.ndarray, check_size: int = DEFAULTS["check_size"]) -> dict:
@@ -79,11 +86,11 @@ def measure(image: np.ndarray, check_size: int = DEFAULTS["check_size"]) -> dict
         image = np.repeat(image[:, :, None], 3, axis=2)
     image = image[:, :, :3]
     grey, small = _grey_copy(image, int(check_size))
-    low, high = np.percentile(grey, (1, 99))
+    low, high = grey_percentiles(grey)
     return {
         "width": int(image.shape[1]), "height": int(image.shape[0]),
-        "grey_p1": float(low),
-        "grey_p99": float(high),
+        "grey_p1": low,
+        "grey_p99": high,
         "blown_out_share": float(np.mean(grey >= BLOWN_OUT)),
         "laplacian_variance": laplacian_variance(grey),
         "leaf_fill": leaf_fill(small),
