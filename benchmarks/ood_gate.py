@@ -130,8 +130,8 @@ def compare(path: str, data: dict) -> list:
     temperature = session.judge_rules.temperature
     rows = []
     for candidate in candidates(train_features, train_labels, len(session.labels), logits_available):
-        val = candidate.compute(val_logits, val_features, temperature)
-        test = candidate.compute(test_logits, test_features, temperature)
+        val = candidate.compute(val_logits, val_features, temperature, not logits_available)
+        test = candidate.compute(test_logits, test_features, temperature, not logits_available)
         thresholds = common_thresholds(val, KEEP)
         caught = flags(test, thresholds)
         single = len(candidate.scores) == 1

@@ -180,8 +180,10 @@ class Candidate:
                 parts.append(score)
         return " + ".join(parts)
 
-    def compute(self, logits, features, temperature: float) -> dict:
-        return all_scores(self.scores, logits, features, self.tensors, temperature, self.knn_k or 1)
+    def compute(self, outputs, features, temperature: float, outputs_probabilities: bool = False) -> dict:
+        """The scores of these outputs (logits, or probabilities for a model ending in a softmax)."""
+        return all_scores(self.scores, outputs, features, self.tensors, temperature, self.knn_k or 1,
+                          outputs if outputs_probabilities else None)
 
 
 def candidates(train_features, train_labels, classes: int, logits_available: bool, with_knn: bool = True) -> list:
@@ -239,17 +241,20 @@ def fit_gate(train: tuple, validation: tuple, outliers: tuple, classes: int, kee
     out_probabilities = softmax(out_logits, temperature) if logits_available else out_logits
     out_low = out_probabilities.max(axis=1) < uncertain_below
     table, best = [], None
+    probabilities_given = not logits_available
     for candidate in candidates(train_features, train_labels, classes, logits_available, with_knn):
-        val_scores = candidate.compute(val_logits, val_features, temperature)
+        val_scores = candidate.compute(val_logits, val_features, temperature, probabilities_given)
         thresholds = common_thresholds(val_scores, keep, low_confidence)
         kept = 1 - (flags(val_scores, thresholds) | low_confidence).mean()
-        caught = (flags(candidate.compute(out_logits, out_features, temperature), thresholds) | out_low).mean()
+        caught = (flags(candidate.compute(out_logits, out_features, temperature, probabilities_given), thresholds)
+                  | out_low).mean()
         table.append((candidate.name, float(caught), float(kept)))
         size = sum(value.size for value in candidate.tensors.values())
         if best is None or (caught, -size) > (best[0], -best[1]):
             best = (caught, size, candidate, thresholds)
     caught, _, chosen, thresholds = best
-    accepted = ~(flags(chosen.compute(val_logits, val_features, temperature), thresholds) | low_confidence)
+    accepted = ~(flags(chosen.compute(val_logits, val_features, temperature, probabilities_given), thresholds)
+                 | low_confidence)
     correct = val_probabilities.argmax(axis=1) == val_labels
     report = {
         "temperature": temperature,
