@@ -120,9 +120,14 @@ def feature_bank(features: np.ndarray, max_rows: int = KNN_MAX_ROWS, seed: int =
 
 
 def threshold_at(scores: np.ndarray, level: float) -> float:
-    """A threshold flagging (score > t) at most 1 - level of these scores: their `level` quantile, from above."""
+    """A threshold flagging (score > t) at most 1 - level of these scores: midway between their `level`
+    quantile and the next larger score, so that rounding noise (another backend, another batch size) does
+    not flip the photo at the boundary."""
     ordered = np.sort(scores)
-    return float(ordered[min(len(ordered) - 1, max(0, math.ceil(level * len(ordered)) - 1))])
+    index = min(len(ordered) - 1, max(0, math.ceil(level * len(ordered)) - 1))
+    if index + 1 < len(ordered):
+        return float((ordered[index] + ordered[index + 1]) / 2)
+    return float(ordered[index])
 
 
 def common_thresholds(scores: dict, keep: float, also_flagged: np.ndarray | None = None) -> dict:
