@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.errors import LnnFormatError, ModelSpecError
+from lnn.formats.gate import TENSOR_PREFIX, check_gate_metadata, check_gate_tensor_shapes, gate_tensor_shapes
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
 from lnn.formats.npz import NPZ_MAGIC, is_checkpoint_bytes
 from lnn.formats.model import Model, json_nesting_depth, parse_model, size_refusals
@@ -90,6 +91,11 @@ class BinModel:
         scales = {key: self.tensors[scale_key(key)] for key in self.model.param_shapes()
                   if self.tensors[key].dtype == INT8}
         return _widened(self.model, self.tensors, scales)
+
+    @property
+    def gate_tensors(self) -> dict:
+        """The out-of-distribution gate's tensors (`gate.*`, float32 views; formats/gate.py), empty without a gate."""
+        return {key: value for key, value in self.tensors.items() if key.startswith(TENSOR_PREFIX)}
 
     @property
     def stored_dtypes(self) -> dict:
@@ -215,6 +221,22 @@ def _stored_arrays(model: Model, weights: dict, dtypes: dict) -> list:
     return out
 
 
+def _gate_arrays(model: Model, metadata: dict, given: dict) -> list:
+    """(key, float32 array) of the gate's tensors in their order: exactly those metadata.gate needs."""
+    shapes = gate_tensor_shapes(metadata, model, {key: np.shape(value) for key, value in given.items()})
+    if set(given) != set(shapes):
+        raise ModelSpecError(f"weights: the gate needs tensors {sorted(shapes) or 'none'}, given {sorted(given)}")
+    arrays = [(key, np.ascontiguousarray(given[key], dtype="<f4")) for key in shapes]
+    try:
+        check_gate_tensor_shapes(shapes, {key: array.shape for key, array in arrays})
+    except LnnFormatError as err:
+        raise ModelSpecError(f"weights: {err}") from None
+    for key, array in arrays:
+        if not np.all(np.isfinite(array)):
+            raise ModelSpecError(f"weights: {key} contains NaN or infinity")
+    return arrays
+
+
 def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None = None,
                alignment: int = DEFAULT_ALIGNMENT) -> bytes:
     """Serialize a model into .bin v1 bytes.
@@ -224,15 +246,18 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
     `dtypes` maps a key to "float32" (the default), "float16" or "int8"; `fp16_dtypes(model)` and
     `int8_dtypes(model)` are the `--fp16` and `--int8` choices. Float weights asked for as int8 are
     quantized per output channel (formats/quantize.py). The metadata is checked by the reader's own
-    rules, so what this writes loads."""
+    rules, so what this writes loads. A metadata `gate` (formats/gate.py) comes with its `gate.*` tensors in
+    `weights`, stored float32 after the parameters."""
     if alignment < MIN_ALIGNMENT or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
         raise ValueError(f"alignment {alignment} is not a power of two between {MIN_ALIGNMENT} and {MAX_ALIGNMENT}")
-    stored = _stored_arrays(model, weights, dtypes or {})
     graph_value = graph_of(model)
     try:
         _model_from(graph_value, metadata)
     except LnnFormatError as err:
         raise ModelSpecError(str(err)) from None
+    gate_keys = [key for key in weights if key.startswith(TENSOR_PREFIX)]
+    stored = _stored_arrays(model, {k: v for k, v in weights.items() if k not in gate_keys}, dtypes or {})
+    stored += _gate_arrays(model, metadata, {key: weights[key] for key in gate_keys})
     names = [key.encode("utf-8") for key, _ in stored]
     table_offset = HEADER_SIZE
     string_offset = table_offset + TENSOR_ENTRY_SIZE * len(stored)
@@ -455,7 +480,7 @@ def _parse(path: Path, buf: memoryview, keep_alive) -> BinModel:
         if any(entry.dtype == dtype for entry in entries) != bool(flags_required & flag):   # rule 39
             raise LnnFormatError(f"the {what} flag in flags_required does not match the stored tensor types")
     model = _model_from(graph, metadata)
-    _check_entries_match(model, entries)
+    _check_entries_match(model, entries, metadata)
     tensors = {}
     for entry in entries:
         array = np.frombuffer(buf, dtype=entry.dtype, count=math.prod(entry.shape), offset=entry.start)
@@ -606,26 +631,36 @@ def _model_from(graph: dict, metadata: dict) -> Model:
     for key in ("producer", "producer_version"):
         if not isinstance(metadata[key], str) or not metadata[key]:                  # rule 46
             raise LnnFormatError(f"metadata: {key} must be a non-empty string")
+    check_gate_metadata(metadata, model)                                             # rules G1-G5, G7, G8
     return model
 
 
-def _check_entries_match(model: Model, entries: list) -> None:
+def _check_entries_match(model: Model, entries: list, metadata: dict) -> None:
     stored = {entry.name: entry for entry in entries}
     expected = {}                     # the graph's parameters, each int8 one followed by its scales
     for key, shape in model.param_shapes().items():
         expected[key] = shape
         if key in stored and stored[key].dtype == INT8:
             expected[scale_key(key)] = tuple(shape[:1])
+    gate = gate_tensor_shapes(metadata, model, {name: entry.shape for name, entry in stored.items()})
     for key, shape in expected.items():
         if key not in stored:                                                        # rule 47
             raise LnnFormatError(f"the graph needs tensor {key!r} (shape {list(shape)}) but the file has none")
         if stored[key].shape != tuple(shape):                                        # rule 48
             raise LnnFormatError(f"tensor {key!r} has shape {list(stored[key].shape)}, its layer expects {list(shape)}")
-    extra = [name for name in stored if name not in expected]
+    missing = [key for key in gate if key not in stored]
+    if missing:                                                                      # rule G6
+        raise LnnFormatError(f"metadata.gate needs tensor {missing[0]!r} but the file has none")
+    check_gate_tensor_shapes(gate, {key: stored[key].shape for key in gate})         # rule G6
+    not_float32 = [key for key in gate if stored[key].dtype != np.float32]
+    if not_float32:                                                                  # rule G6
+        raise LnnFormatError(f"tensor {not_float32[0]!r}: gate tensors are float32, not {stored[not_float32[0]].dtype.name}")
+    extra = [name for name in stored if name not in expected and name not in gate]
     if extra:                                                                        # rule 49
-        raise LnnFormatError(f"tensor {extra[0]!r} belongs to no layer of the graph")
-    if list(stored) != list(expected):                                               # rule 50
-        raise LnnFormatError("tensors are not stored in the graph's layer order")
+        raise LnnFormatError(f"tensor {extra[0]!r} belongs to no layer of the graph"
+                             + (" (and metadata.gate does not use it)" if extra[0].startswith(TENSOR_PREFIX) else ""))
+    if list(stored) != list(expected) + list(gate):                                  # rule 50
+        raise LnnFormatError("tensors are not stored in the graph's layer order (the gate's tensors last)")
 
 
 def _check_int8(entries: list, tensors: dict) -> None:

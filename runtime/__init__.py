@@ -54,7 +54,8 @@ def backend_class(device: str):
 
 def check_backend_options(device: str, backend, options: dict) -> None:
     """One LnnInputError line for an option the backend does not take or a threads value that is not a count."""
-    known = [name for name in list(inspect.signature(backend).parameters)[2:]]      # after model, weights
+    known = [name for name in list(inspect.signature(backend).parameters)[2:]     # after model, weights
+             if name != "keep"]                                                # the Session's own
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise LnnInputError(f"the {device} backend takes no option {unknown[0]!r}; "
@@ -64,19 +65,25 @@ def check_backend_options(device: str, backend, options: dict) -> None:
         raise LnnInputError(f"threads must be a positive whole number, not {threads!r}")
 
 
-def load(path, device: str = "auto", **backend_options) -> "Session":
-    """Load and validate a `.bin` (raises LnnFormatError when it is bad) and prepare a backend."""
-    return Session(read_bin(path), device, **backend_options)
+def load(path, device: str = "auto", **options) -> "Session":
+    """Load and validate a `.bin` (raises LnnFormatError when it is bad) and prepare a backend
+    (options: Session's `features`, and the backend's own, such as the cpu backend's `threads`)."""
+    return Session(read_bin(path), device, **options)
 
 
 class Session:
-    """A loaded model on one backend. run() gives raw outputs, predict() probabilities.
+    """A loaded model on one backend. run() gives raw outputs, predict() (calibrated) probabilities,
+    judge() the probabilities with a reason per photo, predict_image() one photo's Prediction.
 
     A Session is safe to share between threads: calls from several threads at once give exactly the
     answers each would get alone (the cpu and cuda backends keep their planned buffers per calling
     thread; tests/runtime/test_threads.py), and on the cpu backend they run in parallel."""
 
-    def __init__(self, bin_model: BinModel, device: str = "auto", **backend_options):
+    def __init__(self, bin_model: BinModel, device: str = "auto", features: str | None = None, **backend_options):
+        """features: a node whose output run_with_features() returns (default: the gate's feature node);
+        for fitting a gate to a model that has none yet."""
+        from lnn.runtime.gate import Judge
+
         self.bin = bin_model
         self.model = bin_model.model
         self.metadata = bin_model.metadata
@@ -84,7 +91,10 @@ class Session:
         self.device = resolve_device(device)
         backend = backend_class(self.device)
         check_backend_options(self.device, backend, backend_options)
-        self.backend = backend(self.model, bin_model.weights_fp32(), **backend_options)
+        self.judge_rules = Judge(self.model, self.metadata, bin_model.gate_tensors)
+        self.feature = features or self.judge_rules.feature
+        keep = (self.feature,) if self.feature else ()
+        self.backend = backend(self.model, bin_model.weights_fp32(), keep=keep, **backend_options)
 
     @property
     def input_shape(self) -> tuple:
@@ -105,19 +115,40 @@ class Session:
         """[N, *input_shape] float32 (already preprocessed) -> the last layer's outputs (e.g. logits)."""
         return np.array(self.backend.run(self._check_batch(batch)), copy=True)
 
+    def run_with_features(self, batch) -> tuple:
+        """(the last layer's outputs, the gate's feature vectors [N, D] or None without a gate), both copies."""
+        if self.feature is None:
+            return self.run(batch), None
+        outputs, kept = self.backend.run_with_features(self._check_batch(batch))
+        return np.array(outputs, copy=True), np.array(kept[self.feature], copy=True)
+
     @property
     def outputs_probabilities(self) -> bool:
-        last = self.model.nodes[-1]
-        activation = last.attrs if last.op in ("softmax", "sigmoid") else last.attrs.get("activation")
-        return bool(activation) and activation.get("type") in ("softmax", "sigmoid")
+        return self.judge_rules.outputs_probabilities
 
     def predict(self, batch) -> np.ndarray:
-        """Class probabilities: a softmax of the outputs unless the model already ends in one."""
-        out = self.run(batch)
-        if self.outputs_probabilities:
-            return out
-        shifted = np.exp(out - out.max(axis=1, keepdims=True))
-        return shifted / shifted.sum(axis=1, keepdims=True)
+        """Class probabilities: a softmax of the outputs (divided by the model's calibration temperature,
+        metadata.calibration) unless the model already ends in a softmax."""
+        return self.judge_rules.probabilities(self.run(batch))
+
+    def judge(self, batch, photo_reasons=None):
+        """Probabilities, gate scores and a reason (None: a diagnosis) per photo: a runtime.gate.Judgement.
+        `photo_reasons`: each photo's photo-check reason (check_photo), when the photos were checked."""
+        if self.judge_rules.gate is not None and self.feature != self.judge_rules.feature:
+            raise LnnError(f"this session keeps node {self.feature!r}, but the model's gate uses "
+                           f"{self.judge_rules.feature!r}: load it without features= to judge photos")
+        outputs, features = self.run_with_features(batch)
+        return self.judge_rules.judge(outputs, features if self.judge_rules.gate else None, photo_reasons)
+
+    def check_photo(self, image, color: str = "bgr"):
+        """The model's photo checks (gate.photo_checks) on a decoded photo: a PhotoCheck, or None when
+        the model has none."""
+        from lnn.runtime.photo_checks import check_photo
+        from lnn.runtime.preprocess import photo_array
+
+        if self.judge_rules.photo_checks is None:
+            return None
+        return check_photo(photo_array(image, color), self.judge_rules.photo_checks)
 
     def prepare_image(self, image, color: str = "bgr", notes: list | None = None) -> np.ndarray:
         """A path, encoded bytes or an HxW[x3|x4] array -> [C, H, W] float32 with the model's preprocessing.
@@ -126,21 +157,37 @@ class Session:
         0..1, with a note); anything else (bool, NaN, values out of range, wrong shape) is one LnnInputError.
         notes: a list that receives one-line remarks on the conversion (a grey photo given to a colour
         model, a float image read as 0..1); without it they are issued as lnn.LnnWarning."""
+        return self.prepare_and_check(image, color, notes, check=False)[0]
+
+    def prepare_and_check(self, image, color: str = "bgr", notes: list | None = None, check: bool = True) -> tuple:
+        """(the model's input [C, H, W], the photo check or None): the photo is decoded once for both;
+        arguments as for prepare_image."""
         from lnn.runtime.preprocess import decode_image, preprocess_image
 
         if self.model.preprocess is None:
             raise LnnInputError(f"model {self.model.name!r} takes no images (input shape {list(self.model.input_shape)})")
         if isinstance(image, (str, Path, bytes, bytearray, memoryview)):
             image, color = decode_image(image), "bgr"
-        return preprocess_image(image, self.model.preprocess, color, notes)
+        x = preprocess_image(image, self.model.preprocess, color, notes)      # checks the array first
+        return x, (self.check_photo(image, color) if check else None)
 
-    def predict_image(self, image, top_k: int | None = None, color: str = "bgr", notes: list | None = None) -> list:
-        """[(label, probability), ...] best first, using the model's own preprocessing.
+    def predict_image(self, image, top_k: int | None = None, color: str = "bgr", notes: list | None = None):
+        """A runtime.gate.Prediction: labels ranked best first [(display, probability), ...], `uncertain`,
+        `reason` and `instruction` (the photo checks, the gate and the confidence threshold of the model).
+        It iterates, indexes and compares as the ranked list that this method returned before.
 
         `image` is a path, encoded bytes, or an array (BGR as OpenCV decodes it, or pass color="rgb");
         notes as for prepare_image."""
-        probabilities = self.predict(self.prepare_image(image, color, notes)[None])[0]
-        return self.ranked(probabilities, top_k)
+        from lnn.runtime.gate import Prediction, instruction
+
+        x, checked = self.prepare_and_check(image, color, notes)
+        photo_reason = checked.reason if checked is not None else None
+        judgement = self.judge(x[None], [photo_reason])
+        reason = judgement.reasons[0]
+        detail = checked.detail if checked is not None and reason == photo_reason else None
+        return Prediction(self.ranked(judgement.probabilities[0], top_k), reason,
+                          instruction(reason, self.judge_rules.subject, detail),
+                          {name: float(values[0]) for name, values in judgement.scores.items()})
 
     def ranked(self, probabilities: np.ndarray, top_k: int | None = None) -> list:
         order = np.argsort(-probabilities, kind="stable")[:top_k]

@@ -483,6 +483,16 @@ def _image_array(image, notes: list) -> tuple[np.ndarray, bool]:
     return image, image.shape[2] == 1
 
 
+def photo_array(image, color: str = "bgr") -> np.ndarray:
+    """Any image array preprocess_image takes -> HxWx3 uint8 BGR, as the photo checks measure it."""
+    image, grey = _image_array(image, [])
+    if grey:
+        image = np.repeat(image, 3, axis=2)
+    elif color == "rgb":
+        image = image[:, :, ::-1]
+    return image if image.dtype == np.uint8 else np.clip(np.rint(image), 0, 255).astype(np.uint8)
+
+
 def preprocess_image(image: np.ndarray, preprocess: dict, color: str = "bgr", notes: list | None = None) -> np.ndarray:
     """HxW, HxWx3 (in `color` order) or HxWx4 image (see _image_array for the values taken) -> [C, H, W]
     float32 normalized for the model.

@@ -2,6 +2,7 @@
 
 It is the oracle every other backend is tested against, and the fallback that always works
 (no compiler, no GPU). Input [N, *input_shape] float32, output the last layer's values.
+`keep` names nodes whose outputs run_with_features() also returns (the gate's feature node).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import numpy as np
 
 from lnn.formats.model import Model
 from lnn.formats.ops import get_op
+from lnn.runtime.features import check_kept
 
 
 class NumpyBackend:
@@ -18,12 +20,20 @@ class NumpyBackend:
 
     name = "numpy"
 
-    def __init__(self, model: Model, weights: dict, threads: int | None = None):
+    def __init__(self, model: Model, weights: dict, threads: int | None = None, keep: tuple = ()):
         self.model = model
+        self.keep = check_kept(model, keep)
         self.params = [{p: weights[node.param_key(p)] for p in node.param_shapes} for node in model.nodes]
 
-    def run(self, x: np.ndarray) -> np.ndarray:
+    def run_with_features(self, x: np.ndarray) -> tuple:
+        """(the last layer's outputs, {kept node name: its output [N, ...]})."""
+        kept = {}
         for node, params in zip(self.model.nodes, self.params):
             x = get_op(node.op).forward(x, params, node.attrs)
-        return np.asarray(x, dtype=np.float32)
+            if node.name in self.keep:
+                kept[node.name] = np.asarray(x, dtype=np.float32)
+        return np.asarray(x, dtype=np.float32), kept
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        return self.run_with_features(x)[0]
 BACKEND = NumpyBackend

@@ -98,3 +98,30 @@ def test_onnx_export_gives_the_same_top1_on_every_bundled_sample(tmp_path, optim
     ours, theirs = session.run(batch), peer.run(None, {"input": batch})[0]
     np.testing.assert_allclose(theirs, ours, atol=1e-4)
     assert (theirs.argmax(1) == ours.argmax(1)).all()
+
+
+def test_bundled_model_carries_a_gate_that_diagnoses_the_samples():
+    session = lnn.load(MODEL, device="numpy")
+    meta = session.metadata
+    assert meta["gate"]["feature"] == "global_avg_pool_14" and "mahalanobis" in meta["gate"]["scores"]
+    assert meta["calibration"]["temperature"] > 0 and meta["gate"]["photo_checks"]
+    for photo in SAMPLES:
+        answer = session.predict_image(photo)
+        assert answer.reason is None and not answer.uncertain, (photo.name, answer.scores)
+
+
+def test_bundled_model_says_not_a_tomato_leaf_for_outlier_test_photos():
+    from conftest import DATA, need
+    from lnn.train.outliers import split_outliers
+
+    test = split_outliers(need(DATA / "outliers"))["test"]
+    everyday = [p for p in test if p.parent.name == "everyday"][:12]
+    done = run_infer("--json", *everyday)
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line) for line in done.stdout.splitlines()]
+    assert all(a["uncertain"] for a in answers) and {a["reason"] for a in answers} <= {
+        "not_a_leaf", "blurred", "too_dark", "too_bright", "too_small"}
+    assert sum(a["reason"] == "not_a_leaf" for a in answers) >= 10
+    assert all("advice" not in a and a["instruction"] for a in answers)
+    text = run_infer(everyday[0]).stdout
+    assert "uncertain" in text.splitlines()[0] and "advice" not in text

@@ -20,6 +20,21 @@ classified evaluated photos at or above it, i.e. at most 1% of right answers are
 --write-threshold OUT.bin writes a copy of the model whose metadata carries it as
 {"thresholds": {"uncertain_below": t, "rule": "..."}} (lnn-infer reads uncertain_below); when the
 model has a model card, its "accuracy" becomes this evaluation (figure, photos, the command).
+
+Calibration: the expected calibration error (ECE, 15 bins) is printed for the raw softmax and, when
+the model carries a temperature (metadata.calibration), for the calibrated probabilities too.
+
+--fit-gate fits the out-of-distribution gate and the calibration (lnn/train/gate_fit.py) and
+--write-gate OUT.bin writes the model with them (metadata gate, calibration, thresholds; tensors
+gate.*; formats/SPEC.md rules G1-G8):
+    lnn-eval model.bin --data folder:DIR --outliers OUTLIER_DIR --fit-gate --write-gate gated.bin
+Features of the training split give the statistics; on the validation split the temperature is fitted
+(minimum NLL) and the thresholds chosen so that the whole decision keeps --gate-keep (97%) of the
+photos, --confidence-share (1%) of them at most under the low-confidence threshold; the candidate
+gates (max softmax, energy, Mahalanobis, kNN and pairs) are compared on the "validation" part of
+the outlier folder (lnn.train.outliers.split_outliers) only. Its "test" part is left for
+benchmarks/ood_gate.py. The photo checks' thresholds (lnn/runtime/photo_checks.py DEFAULTS) are
+stored with the gate.
 """
 
 from __future__ import annotations
@@ -56,6 +71,19 @@ def build_parser():
     parser.add_argument("--keep", type=float, default=DEFAULT_KEEP,
                         help="share of correct answers the threshold keeps (default 0.99)")
     parser.add_argument("--write-threshold", metavar="OUT.bin", help="write a copy of the model with the threshold")
+    gate = parser.add_argument_group("out-of-distribution gate and calibration")
+    gate.add_argument("--fit-gate", action="store_true", help="fit the gate and the temperature (see below)")
+    gate.add_argument("--outliers", metavar="DIR", help="photos that are not the model's subject (their validation part "
+                                                       "chooses the gate)")
+    gate.add_argument("--write-gate", metavar="OUT.bin", help="write a copy of the model with the fitted gate")
+    gate.add_argument("--gate-keep", type=float, default=0.97,
+                      help="share of validation photos the whole decision keeps (default 0.97)")
+    gate.add_argument("--confidence-share", type=float, default=0.01,
+                      help="at most this share of validation photos under the low-confidence threshold (default 0.01)")
+    gate.add_argument("--feature", metavar="NODE", help="the node whose output the gate uses (default: the "
+                                                        "penultimate vector, e.g. the global average pool)")
+    gate.add_argument("--subject", help="what the photos should show, for the answer's words (e.g. 'tomato leaf')")
+    gate.add_argument("--no-knn", action="store_true", help="leave the kNN candidates out (they store training features)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -117,21 +145,34 @@ def class_columns(folder_classes: list, labels: list, folder) -> np.ndarray:
     return np.array([names.index(c) for c in folder_classes])
 
 
-def probabilities(session, images, batch: int, progress: bool) -> np.ndarray:
-    """uint8 [N, C, H, W] in the model's colour order and size -> [N, K] class probabilities."""
-    from tqdm import tqdm
-
+def input_batches(session, images, batch: int):
+    """uint8 [N, C, H, W] in the model's colour order and size -> preprocessed float32 batches."""
     color = session.model.preprocess["color"]
-    out = []
-    with tqdm(total=len(images), desc="evaluating", unit="img", disable=None if progress else True,
-              leave=False) as bar:
-        for start in range(0, len(images), batch):
-            part = np.asarray(images[start:start + batch])
-            pixels = [image[0] if color == "gray" else image.transpose(1, 2, 0) for image in part]
-            inputs = np.stack([session.prepare_image(p, color="bgr" if color == "gray" else color) for p in pixels])
-            out.append(session.predict(inputs))
-            bar.update(len(part))
-    return np.concatenate(out)
+    for start in range(0, len(images), batch):
+        part = np.asarray(images[start:start + batch])
+        pixels = [image[0] if color == "gray" else image.transpose(1, 2, 0) for image in part]
+        yield np.stack([session.prepare_image(p, color="bgr" if color == "gray" else color) for p in pixels])
+
+
+def probabilities(session, images, batch: int, progress: bool) -> np.ndarray:
+    """uint8 [N, C, H, W] in the model's colour order and size -> [N, K] class probabilities (calibrated)."""
+    from lnn.train.gate_fit import extract
+
+    outputs, _ = extract(session, input_batches(session, images, batch), len(images), "evaluating", progress)
+    return session.judge_rules.probabilities(outputs)
+
+
+def path_batches(session, paths: list, batch: int, skipped: list):
+    """Image files -> preprocessed batches; a file that cannot be decoded is left out and noted in `skipped`."""
+    for start in range(0, len(paths), batch):
+        inputs = []
+        for path in paths[start:start + batch]:
+            try:
+                inputs.append(session.prepare_image(path))
+            except LnnInputError as err:
+                skipped.append(str(err))
+        if inputs:
+            yield np.stack(inputs)
 
 
 # --------------------------------------------------------------------------- output
@@ -208,7 +249,11 @@ def body(args) -> int:
     val_fraction = DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction
     if args.split == "val":
         check_split(val_fraction, seed)                  # before decoding anything
-    session = lnn.load(args.model, device=args.device)
+    if (args.fit_gate or args.write_gate) and not (args.fit_gate and args.write_gate and args.outliers):
+        raise LnnError("--fit-gate, --write-gate OUT.bin and --outliers DIR go together")
+    if (args.fit_gate or args.write_gate) and args.split != "val":
+        raise LnnError("--fit-gate chooses thresholds on the validation split: leave out --split all")
+    session = lnn.load(args.model, device=args.device, features=gate_feature(args))
     preprocess = session.model.preprocess
     if preprocess is None:
         raise LnnInputError(f"{args.model}: model {session.model.name!r} takes no images "
@@ -220,8 +265,11 @@ def body(args) -> int:
     what = (f"{folder.folder} (validation split: seed {seed}, {val_fraction:.0%} per class)" if args.split == "val"
             else f"{folder.folder} (all photos)")
 
-    probs = probabilities(session, folder.data.images[rows] if args.split == "val" else folder.data.images,
-                          args.batch, not args.quiet)
+    from lnn.train.gate_fit import expected_calibration_error, extract
+
+    outputs, features = extract(session, input_batches(session, folder.data.images[rows], args.batch), len(rows),
+                                "evaluating", not args.quiet)
+    probs = session.judge_rules.probabilities(outputs)
     true = columns[folder.labels[rows]]
     predicted = probs.argmax(axis=1)
     confidence = probs.max(axis=1)
@@ -231,6 +279,13 @@ def body(args) -> int:
     scores = per_class_scores(matrix)
     accuracy = float(correct.mean())
     print("\n".join(report_lines(labels, matrix, scores, accuracy, len(rows), what)))
+    print("\n" + calibration_line(session, outputs, true, expected_calibration_error))
+    gate = session.judge_rules.gate
+    if (gate is None and session.judge_rules.uncertain_below is not None) or (
+            gate is not None and session.feature == gate["feature"]):      # not when fitting on another node
+        print(decision_line(session.judge_rules.judge(outputs, features).reasons, correct))
+    if args.fit_gate or args.write_gate:
+        fit_and_write_gate(args, session, folder, columns, (outputs, features, true), val_fraction, seed)
 
     threshold = None
     if args.choose_threshold or args.write_threshold:
@@ -276,6 +331,83 @@ def accuracy_summary(args, metadata: dict, accuracy: float, count: int, what: st
     if args.split == "val" and isinstance(best, dict) and "epoch" in best:
         text += f" The epoch kept ({best['epoch']}) was chosen on the same validation split."
     return text
+
+
+def gate_feature(args) -> str | None:
+    """The node the gate is fitted on: --feature, else the model's gate's, else the penultimate vector."""
+    if not (args.fit_gate or args.write_gate):
+        return None
+    if args.feature:
+        return args.feature
+    from lnn.formats.binfile import read_bin
+    from lnn.train.gate_fit import default_feature_node
+
+    bin_model = read_bin(args.model)
+    return (bin_model.metadata.get("gate") or {}).get("feature") or default_feature_node(bin_model.model)
+
+
+def calibration_line(session, outputs, true, ece) -> str:
+    if session.outputs_probabilities:
+        return f"calibration: expected calibration error (15 bins) {ece(outputs, true):.2%} (the model ends in a softmax)"
+    from lnn.runtime.gate import softmax
+
+    line = f"calibration: expected calibration error (15 bins) {ece(softmax(outputs), true):.2%} at temperature 1"
+    temperature = session.judge_rules.temperature
+    if "calibration" in session.metadata:
+        line += f", {ece(softmax(outputs, temperature), true):.2%} at the model's temperature {temperature:g}"
+    return line
+
+
+def decision_line(reasons: list, correct: np.ndarray) -> str:
+    """How the model's own decision rules treat these (in-distribution) photos."""
+    flagged = np.array([reason is not None for reason in reasons])
+    counts = {reason: reasons.count(reason) for reason in sorted(set(reasons) - {None})}
+    parts = ", ".join(f"{reason} {count / len(reasons):.1%}" for reason, count in counts.items())
+    kept_right = f"{correct[~flagged].mean():.2%}" if (~flagged).any() else "-"
+    return (f"the model's decision: {flagged.mean():.1%} of these photos not answered ({parts or 'none'}); "
+            f"accuracy of the answered {kept_right}")
+
+
+def fit_and_write_gate(args, session, folder, columns, validation: tuple, val_fraction: float, seed: int) -> None:
+    """Features of the training split, the outlier validation part; fit (train/gate_fit.py) and write."""
+    from lnn.formats.binfile import write_bin
+    from lnn.runtime.photo_checks import DEFAULTS as PHOTO_CHECKS
+    from lnn.train.gate_fit import extract, fit_gate, gated_metadata
+    from lnn.train.outliers import split_outliers
+
+    outlier_paths = split_outliers(args.outliers)["validation"]
+    if not outlier_paths:
+        raise LnnInputError(f"{args.outliers}: no photo falls in the outlier split's validation part")
+    train_rows = folder.split(val_fraction, seed)[0]
+    _, train_features = extract(session, input_batches(session, folder.data.images[train_rows], args.batch),
+                                len(train_rows), "training features", not args.quiet)
+    skipped: list = []
+    outlier_outputs, outlier_features = extract(session, path_batches(session, outlier_paths, args.batch, skipped),
+                                                len(outlier_paths), "outlier photos", not args.quiet)
+    for message in skipped:
+        print(f"{PROG}: skipped an outlier photo: {message}", file=sys.stderr)
+    val_outputs, val_features, true = validation
+    logits = not session.outputs_probabilities
+    fitted = fit_gate((train_features, columns[folder.labels[train_rows]]), (val_outputs, val_features, true),
+                      (outlier_outputs, outlier_features), len(session.labels), args.gate_keep,
+                      args.confidence_share, logits, with_knn=not args.no_knn)
+    print(f"\ngate candidates (thresholds keeping {args.gate_keep:.0%} of the {len(true)} validation photos; "
+          f"caught: share of the {len(outlier_outputs)} outlier validation photos flagged):")
+    width = max(len(name) for name, _, _ in fitted.table)
+    for name, caught, kept in fitted.table:
+        print(f"  {name:<{width}}  caught {caught:6.1%}  kept {kept:6.1%}")
+    report = fitted.report
+    print(f"chosen: {fitted.candidate.name}, thresholds {fitted.thresholds}; low confidence under "
+          f"{fitted.uncertain_below}; temperature {fitted.temperature:g}: expected calibration error "
+          f"{report['ece_before']:.2%} -> {report['ece_after']:.2%}; validation photos kept "
+          f"{report['validation_kept']:.1%}, accuracy of the kept {report['accuracy_of_kept']:.2%}")
+    metadata = gated_metadata(session.metadata, session.feature, fitted, args.gate_keep, args.confidence_share,
+                              args.subject or (session.metadata.get("gate") or {}).get("subject"), PHOTO_CHECKS, logits)
+    tensors = {key: value for key, value in session.bin.tensors.items() if not key.startswith("gate.")}
+    write_bin(args.write_gate, session.model, {**tensors, **fitted.candidate.tensors}, metadata,
+              session.bin.stored_dtypes)
+    print(f"wrote {args.write_gate} with the gate ({', '.join(fitted.candidate.scores)} on {session.feature}), "
+          f"calibration and thresholds")
 
 
 def write_with_threshold(bin_model, path: Path, threshold: dict, accuracy: str) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 from lnn.formats.binfile import (build_metadata, check_weight_shapes, encode_bin, float32_weights, fp16_dtypes,
                                  int8_dtypes, parse_bin_bytes, write_atomic)
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
+from lnn.formats.gate import TENSOR_PREFIX as GATE_TENSORS
 from lnn.formats.npz import NPZ_READ_ERRORS, array_headers, open_npz
 from lnn.formats.model import Model
 from lnn.tools.eval import class_columns, probabilities
@@ -111,7 +112,8 @@ def export(args) -> int:
     if args.onnx:
         from lnn.formats.onnx_export import export_onnx
 
-        export_onnx(model, float32_weights(model, weights), args.onnx)      # int8 and float16 widened
+        network = {key: value for key, value in weights.items() if not key.startswith(GATE_TENSORS)}  # not the gate's
+        export_onnx(model, float32_weights(model, network), args.onnx)      # int8 and float16 widened
         size = Path(args.onnx).stat().st_size
         print(f"wrote {args.onnx}: {human_bytes(size)} ({size:,} bytes), ONNX, float32, {model.num_params:,} parameters")
     return 0

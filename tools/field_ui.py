@@ -38,15 +38,17 @@ from lnn.formats.binfile import atomic_output
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime import resolve_device
 from lnn.runtime.preprocess import read_image, resize_image
-from lnn.tools.infer import CLEARER_PHOTO, DEFAULT_MODEL, IMAGE_SUFFIXES, Answer, images_in_folder, load_session
+from lnn.tools.infer import DEFAULT_MODEL, IMAGE_SUFFIXES, answers_for, images_in_folder, load_session
 
 TITLE = "lnn field — tomato leaf check"
 POLL_MS = 50                  # how often the window reads the worker's results
 PHOTO_SIZE = 360              # the shown photo fits in this many pixels square
 TOP_K = 3
-UNCERTAIN_HEADLINE = "Uncertain — take a clearer photo of one leaf"
 NOT_CHECKED = "Not checked"
 SUMMARY_LINES = 12            # failures listed by name in one summary dialog; the rest are counted
+UNCERTAIN_HEADLINES = {"low_confidence": "Uncertain — take a clearer photo of one leaf",
+                       "not_a_leaf": "Not a leaf this model knows — no diagnosis"}
+RETAKE_HEADLINE = "Retake the photo — no diagnosis"          # the photo checks' reasons
 REPORT_COLUMNS = ("time", "photo", "result", "confidence", "uncertain", "second", "third", "advice", "model")
 
 
@@ -135,9 +137,12 @@ class Worker(threading.Thread):
             return "failed", path, "no model is loaded; open a model first"
         try:
             image = read_image(path)                       # decoded once, for the model and the screen
-            probabilities = self.session.predict(self.session.prepare_image(image)[None])[0]
-            threshold = (self.session.metadata.get("thresholds") or {}).get("uncertain_below")
-            answer = Answer(path, probabilities, self.session.labels, min(TOP_K, len(self.session.labels)), threshold)
+            top_k = min(TOP_K, len(self.session.labels))
+            notes: list = []
+            [answer] = answers_for(self.session, [(path, *self.session.prepare_and_check(image, notes=notes), notes)],
+                                   top_k)
+            if isinstance(answer, str):                    # the model's output is not a number
+                return "failed", path, answer
             return "answer", answer, photo_ppm(image)
         except Exception as err:                   # noqa: BLE001 - one bad photo never stops the others
             return "failed", path, failure_text(err)
@@ -278,7 +283,7 @@ class FieldApp:
                 others += [""] * (2 - len(others))
                 writer.writerow([when, answer.file, "uncertain" if answer.uncertain else result["display"],
                                  f"{answer.confidence:.4f}", int(answer.uncertain), *others,
-                                 result.get("advice", CLEARER_PHOTO if answer.uncertain else ""), model])
+                                 result.get("advice", answer.instruction or ""), model])
         self.status.set(f"Report saved: {path}")
 
     # ---- results from the worker
@@ -384,9 +389,8 @@ class FieldApp:
         self.shown_image = tk.PhotoImage(data=ppm, format="ppm")
         self.photo.configure(image=self.shown_image, text="")
         if answer.uncertain:
-            self.headline.set(UNCERTAIN_HEADLINE)
-            self.advice.set(f"Best guess {answer.best['display']} at {answer.confidence:.0%}, under the model's "
-                            f"{answer.uncertain_below:.0%} threshold. {CLEARER_PHOTO}")
+            self.headline.set(UNCERTAIN_HEADLINES.get(answer.reason, RETAKE_HEADLINE))
+            self.advice.set(answer.explanation)
         else:
             self.headline.set(f"{answer.best['display']} — {answer.confidence:.1%} sure")
             self.advice.set(f"Advice: {answer.best['advice']}" if "advice" in answer.best else "")

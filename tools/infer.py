@@ -3,15 +3,18 @@
     lnn-infer leaf.jpg                         # the bundled tomato-leaf model
     lnn-infer --model mnist_cnn.bin --top-k 5 --json digits/
 
-Each image gets the best label's display name and confidence, then the top-k. When the model's
-metadata sets thresholds.uncertain_below and the best confidence is under it, the answer is
-"uncertain" with a request for a clearer photo of a single leaf, not a guess. A bad file (missing,
-not an image, truncated, too large, a model output that is not a number) is reported on stderr as
-one line and gets an error row in --json / --csv; the other images are still answered, and the exit
-status is 1 at the end if any failed. --json prints one JSON object per image, one per line (JSON
-Lines; {"file": ..., "error": ...} for a failed one); --csv prints one row per image and rank (one
-with the error for a failed image). Remarks on an answer (a grey photo given to a colour model) are
-its "notes". --recursive also answers the images in sub-folders.
+Each image gets the best label's display name and confidence, then the top-k, and advice for a
+diagnosis. An answer that is not a diagnosis is "uncertain", with a reason and what to do instead
+(lnn.runtime.gate): the model's photo checks (too_small, too_dark, too_bright, blurred), its
+out-of-distribution gate (not_a_leaf: "This does not look like a tomato leaf. Take a photo of one
+leaf, filling the frame."), or a best confidence under thresholds.uncertain_below (low_confidence).
+--json adds "reason" (null for a diagnosis) and "instruction"; --csv a reason column. A bad file
+(missing, not an image, truncated, too large, a model output that is not a number) is reported on
+stderr as one line and gets an error row in --json / --csv; the other images are still answered,
+and the exit status is 1 at the end if any failed. --json prints one JSON object per image, one per
+line (JSON Lines; {"file": ..., "error": ...} for a failed one); --csv prints one row per image and
+rank (one with the error for a failed image). Remarks on an answer (a grey photo given to a colour
+model) are its "notes". --recursive also answers the images in sub-folders.
 
 Device "auto" picks by the number of images: up to 8 run on the NumPy backend, which starts at
 once; more run on the Numba backend ("cpu"), whose one-off JIT compile (cached per user) pays back
@@ -30,6 +33,7 @@ import numpy as np
 
 import lnn
 from lnn.formats.errors import LnnError, LnnInputError
+from lnn.runtime.gate import DEFAULT_SUBJECT, INSTRUCTIONS, instruction
 from lnn.tools.cli import command_parser, run_command
 
 PROG = "lnn-infer"
@@ -38,8 +42,8 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 FEW_IMAGES = 8            # device auto: up to this many images use NumPy (no JIT compile to pay)
 BATCH_SIZE = 32           # images per backend call
 PROGRESS_FROM = 33        # show a progress bar (on a terminal) from this many images on
-CLEARER_PHOTO = "Please take a clearer photo of a single leaf, close up and in good light."
-CSV_COLUMNS = ("file", "rank", "label", "display", "probability", "uncertain", "notes", "error")
+CLEARER_PHOTO = INSTRUCTIONS["low_confidence"]
+CSV_COLUMNS = ("file", "rank", "label", "display", "probability", "uncertain", "reason", "notes", "error")
 NOT_A_NUMBER = "the model's output for this image is not a number (NaN or infinity): its weights may be damaged"
 
 
@@ -124,32 +128,56 @@ def failure_record(file, message: str) -> dict:
 
 
 class Answer:
-    """One image's result: the labels ranked best first, and whether it falls under the uncertainty threshold."""
+    """One image's result: the labels ranked best first, and whether (and why) it is not a diagnosis.
+
+    `reason` comes from the Session's decision (photo checks, the out-of-distribution gate, the
+    confidence threshold: lnn.runtime.gate); without one, an answer whose confidence is under
+    `uncertain_below` is "low_confidence", as before the gate existed. `instruction` is what to do
+    instead; `notes`, remarks on how the photo was read (a grey photo given to a colour model)."""
 
     def __init__(self, path: Path, probabilities: np.ndarray, labels: list, top_k: int, uncertain_below,
-                 notes: list | None = None):
+                 reason: str | None = None, instruction: str | None = None, notes: list | None = None):
         order = np.argsort(-probabilities, kind="stable")[:top_k]
         self.file = str(path)
         self.notes = list(notes or [])
         self.ranked = [(labels[i], float(probabilities[i])) for i in order]
         self.best, self.confidence = self.ranked[0]
         self.uncertain_below = uncertain_below
-        self.uncertain = uncertain_below is not None and self.confidence < uncertain_below
+        if reason is None and uncertain_below is not None and self.confidence < uncertain_below:
+            reason = "low_confidence"
+        self.reason = reason
+        self.uncertain = reason is not None
+        self.instruction = instruction or (INSTRUCTIONS[reason].format(subject=DEFAULT_SUBJECT) if reason else None)
+
+    @property
+    def explanation(self) -> str:
+        """For an answer that is not a diagnosis: what the model saw, then what to do."""
+        if self.reason == "low_confidence":
+            threshold = f", under the model's {self.uncertain_below:.0%} threshold" if self.uncertain_below else ""
+            return f"Best guess {self.best['display']} at {self.confidence:.0%}{threshold}. {self.instruction}"
+        return (f"{self.instruction} (The model's best guess would be {self.best['display']} at "
+                f"{self.confidence:.0%}: not a diagnosis.)")
 
     def as_dict(self) -> dict:
         out = {"file": self.file, "label": self.best["name"], "display": self.best["display"],
-               "confidence": self.confidence, "uncertain": self.uncertain,
+               "confidence": self.confidence, "uncertain": self.uncertain, "reason": self.reason,
                "top_k": [{"label": label["name"], "display": label["display"], "probability": p}
                          for label, p in self.ranked]}
-        if "advice" in self.best and not self.uncertain:
+        if self.uncertain:
+            out["instruction"] = self.instruction
+        elif "advice" in self.best:
             out["advice"] = self.best["advice"]
         out["notes"] = self.notes
         return out
 
     def human_lines(self) -> list:
-        if self.uncertain:
-            lines = [f"{self.file}: uncertain (best guess {self.best['display']} at {self.confidence:.1%}, "
-                     f"under the model's {self.uncertain_below:.0%} threshold)", f"  {CLEARER_PHOTO}"]
+        if self.reason == "low_confidence":
+            threshold = f", under the model's {self.uncertain_below:.0%} threshold" if self.uncertain_below else ""
+            lines = [f"{self.file}: uncertain (best guess {self.best['display']} at {self.confidence:.1%}{threshold})",
+                     f"  {self.instruction}"]
+        elif self.uncertain:
+            lines = [f"{self.file}: uncertain ({self.reason.replace('_', ' ')}): {self.instruction}",
+                     "  not a diagnosis; the model's best guesses would be:"]
         else:
             lines = [f"{self.file}: {self.best['display']} ({self.confidence:.1%})"]
         width = max(len(label["display"]) for label, _ in self.ranked)
@@ -159,8 +187,30 @@ class Answer:
         return lines + [f"  note: {note}" for note in self.notes]
 
     def csv_rows(self) -> list:
-        return [(self.file, rank, label["name"], label["display"], f"{p:.6f}", int(self.uncertain), "; ".join(self.notes), "")
+        return [(self.file, rank, label["name"], label["display"], f"{p:.6f}", int(self.uncertain), self.reason or "",
+                 "; ".join(self.notes), "")
                 for rank, (label, p) in enumerate(self.ranked, 1)]
+
+
+def answers_for(session, prepared: list, top_k: int) -> list:
+    """For [(path, model input, photo check or None, notes)]: one batch through the Session's decision
+    -> an Answer each, or, for an image whose model output is not a number, its one-line error (str)."""
+    if not prepared:
+        return []
+    checks = [check for _, _, check, _ in prepared]
+    with np.errstate(all="ignore"):              # a NaN or infinite output is that image's error, below
+        judgement = session.judge(np.stack([x for _, x, _, _ in prepared]),
+                                  [check.reason if check is not None else None for check in checks])
+    uncertain_below = session.judge_rules.uncertain_below
+    answers = []
+    for (path, _, check, notes), row, reason in zip(prepared, judgement.probabilities, judgement.reasons):
+        if not np.isfinite(row).all():
+            answers.append(f"{path}: {NOT_A_NUMBER}")
+            continue
+        detail = check.detail if check is not None and reason == check.reason else None
+        words = instruction(reason, session.judge_rules.subject, detail)
+        answers.append(Answer(path, row, session.labels, top_k, uncertain_below, reason, words, notes))
+    return answers
 
 
 class Output:
@@ -186,7 +236,7 @@ class Output:
         if self.style == "json":
             self._write(json_line(record), sys.stdout)
         elif self.style == "csv":
-            self.csv.writerow([record["file"], "", "", "", "", "", "", record["error"]])
+            self.csv.writerow([record["file"], *[""] * (len(CSV_COLUMNS) - 2), record["error"]])
         self._write(f"{self.prog}: error: {record['file']}: {record['error']}", sys.stderr)
 
     def _write(self, text: str, stream) -> None:
@@ -224,12 +274,12 @@ def load_session(model: str | None, device: str, threads: int | None):
 
 
 def prepare_batch(session, batch: list, bar) -> tuple[dict, dict]:
-    """Decode and preprocess a batch of files: ({index: (input, notes)}, {index: one-line error})."""
+    """Decode, check and preprocess a batch of files: ({index: (input, photo check, notes)}, {index: one-line error})."""
     images, errors = {}, {}
     for i, path in enumerate(batch):
         notes = []
         try:
-            images[i] = (session.prepare_image(path, notes=notes), notes)
+            images[i] = (*session.prepare_and_check(path, notes=notes), notes)
         except LnnError as err:                   # the decoding errors name the file; say which for the others too
             errors[i] = str(err) if str(err).startswith(str(path)) else f"{path}: {err}"
         if bar is not None:
@@ -251,25 +301,20 @@ def infer(args) -> int:
         return 1
     session = load_session(args.model, choose_device(args.device, len(paths)), args.threads)
     top_k = min(args.top_k, len(session.labels))
-    uncertain_below = (session.metadata.get("thresholds") or {}).get("uncertain_below")
 
     output.bar = bar = progress_bar(len(paths))
     try:
         for start in range(0, len(paths), BATCH_SIZE):
             batch = paths[start:start + BATCH_SIZE]
             images, errors = prepare_batch(session, batch, bar)
-            if images:
-                with np.errstate(all="ignore"):   # a NaN or infinite output is reported below, as that image's error
-                    rows = session.predict(np.stack([image for image, _ in images.values()]))
-                probabilities = dict(zip(images, rows))
+            answers = dict(zip(images, answers_for(session, [(batch[i], *images[i]) for i in images], top_k)))
             for i, path in enumerate(batch):                       # answers and failures in input order
-                if i in images and not np.isfinite(probabilities[i]).all():
-                    errors[i] = f"{path}: {NOT_A_NUMBER}"
-                if i in errors:
-                    output.failure(path, errors[i])
-                    failures += 1
+                result = errors.get(i, answers.get(i))
+                if isinstance(result, Answer):
+                    output.answer(result)
                 else:
-                    output.answer(Answer(path, probabilities[i], session.labels, top_k, uncertain_below, images[i][1]))
+                    output.failure(path, result)
+                    failures += 1
     finally:
         if bar is not None:
             bar.close()

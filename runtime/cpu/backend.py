@@ -13,8 +13,10 @@ Load time (once):
     does not commute with the max).
 First call per batch size: every buffer is allocated and every kernel call is bound to its buffers
 (`steps`, argument-free callables). Later calls with that batch size copy the input into the plan's
-input buffer and run the steps: no allocation. run() returns the plan's output buffer itself, which
-the next call of the same thread overwrites (Session.run copies it).
+input buffer and run the steps: no allocation. keep=(node names): fusion stops at those nodes and
+the plan copies their values into buffers of their own, which run_with_features() returns (the
+out-of-distribution gate's features; runtime/features.py). run() returns the plan's output buffer
+itself, which the next call of the same thread overwrites (Session.run copies it).
 
 Threads: a backend (so a Session) is safe to share. Each calling thread has its own plans and split
 outputs (runtime/plans.py), so concurrent calls never touch each other's buffers and run in parallel
@@ -53,6 +55,7 @@ from lnn.runtime.cpu.linear import LinearLayer
 from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.pool import AvgPool2dLayer, GlobalAvgPoolLayer, MaxPool2dLayer
 from lnn.runtime.plans import PerThreadCache
+from lnn.runtime.features import LayerOutputs, check_kept
 
 LAYERS = {
     "linear": LinearLayer,
@@ -71,14 +74,18 @@ ALIGNMENT = 64          # bytes
 
 
 class Plan:
-    def __init__(self, layers: list, input_shape: tuple, batch: int):
+    def __init__(self, layers: list, input_shape: tuple, batch: int, kept_after: dict | None = None):
         first_padding = getattr(layers[0], "input_padding", (0, 0)) if layers else (0, 0)
         _, self.input = padded_buffer((batch, *input_shape), *first_padding, self._new_buffer)
         self.steps = []
+        self.kept = {}                   # kept node name -> its own buffer, filled right after its layer
         x = self.input
-        for layer in layers:
+        for index, layer in enumerate(layers):
             x, steps = layer.plan(x, self._new_buffer)
             self.steps += steps
+            for name in (kept_after or {}).get(index, ()):
+                copy = self.kept[name] = self._new_buffer(x.shape)
+                self.steps.append(partial(np.copyto, copy, x))
         self.output = x
 
     @staticmethod
@@ -97,27 +104,35 @@ class Plan:
         return self.output
 
 
-def build_layers(model: Model, weights: dict) -> list:
+def build_layers(model: Model, weights: dict, outputs: LayerOutputs | None = None) -> list:
+    """The fused layers; `outputs` (when given) records which node each layer's output is the value of,
+    and fusion stops at a layer whose output is kept."""
+    outputs = outputs or LayerOutputs(frozenset())
     layers = []
     for node in model.nodes:
-        previous = layers[-1] if layers else None
+        previous = layers[-1] if layers and outputs.may_fuse() else None
         owner_of_epilogue = isinstance(previous, (Conv2dLayer, LinearLayer, BatchNormLayer, ActivationLayer))
         if node.op in IDENTITY_AT_INFERENCE:
+            outputs.skipped(node)
             continue
         if (node.op == "batchnorm" and isinstance(previous, (Conv2dLayer, LinearLayer))
                 and previous.epilogue.code == NONE and not getattr(previous, "has_pool", False)):
             previous.fold(*scale_and_shift(node, weights))
             previous.epilogue.set_activation(node.attrs["activation"])
+            outputs.fused(node)
             continue
         if node.op in ACTIVATIONS and owner_of_epilogue and previous.epilogue.code == NONE:
             previous.epilogue.set_activation(node.attrs)
+            outputs.fused(node)
             continue
         if (node.op == "maxpool2d" and isinstance(previous, Conv2dLayer) and not previous.has_pool
                 and is_monotone(previous.epilogue.code, previous.epilogue.slope)
                 and (previous.epilogue.scale >= 0).all()):
             previous.fuse_max_pool(LAYERS[node.op](node, weights))
+            outputs.fused(node)
             continue
         layers.append(LAYERS[node.op](node, weights))
+        outputs.added(node)
     for layer, following in zip(layers, layers[1:]):
         if isinstance(layer, Conv2dLayer) and isinstance(following, Conv2dLayer):
             layer.output_padding = following.input_padding
@@ -127,14 +142,19 @@ def build_layers(model: Model, weights: dict) -> list:
 class CpuBackend:
     name = "cpu"
 
-    def __init__(self, model: Model, weights: dict, threads: int | None = None):
+    def __init__(self, model: Model, weights: dict, threads: int | None = None, keep: tuple = ()):
         self.model = model
         self.threads = threads
-        self.layers = build_layers(model, weights)
-        self._plans = PerThreadCache(lambda key: Plan(self.layers, model.input_shape, key[0]),   # (batch, part)
-                                     PLANS_KEPT * (threads or 1))
-        self._outputs = PerThreadCache(lambda batch: np.empty((batch, *model.output_shape), np.float32),
-                                       PLANS_KEPT)                                                  # of split runs
+        outputs = LayerOutputs(check_kept(model, keep))
+        self.layers = build_layers(model, weights, outputs)
+        self._kept_after = outputs.kept_after()
+        kept_shapes = {node.name: node.out_shape for node in model.nodes if node.name in outputs.keep}
+        self._plans = PerThreadCache(lambda key: Plan(self.layers, model.input_shape, key[0], self._kept_after),
+                                     PLANS_KEPT * (threads or 1))                                  # (batch, part)
+        self._outputs = PerThreadCache(                                    # batch -> (output, kept) of split runs
+            lambda batch: (np.empty((batch, *model.output_shape), np.float32),
+                           {name: np.empty((batch, *shape), np.float32) for name, shape in kept_shapes.items()}),
+            PLANS_KEPT)
         self._flops_per_row = sum(node.flops for node in model.nodes)
         self._blas_limit = _blas_thread_limit(threads)
         self._blas_single = _blas_thread_limit(1) if threads and threads > 1 else None
@@ -146,29 +166,35 @@ class CpuBackend:
 
     def run(self, x: np.ndarray) -> np.ndarray:
         """x: C-contiguous float32 [N, *input_shape] -> the plan's output buffer [N, *output_shape]."""
+        return self.run_with_features(x)[0]
+
+    def run_with_features(self, x: np.ndarray) -> tuple:
+        """(output, {kept node name: its value [N, ...]}), both the plan's buffers (overwritten by the next call)."""
         batch = x.shape[0]
         if self._workers is not None and batch > 1 and batch * self._flops_per_row >= MIN_SPLIT_FLOPS:
             return self._run_split(x)
         plan = self._plan(batch)
         if self._blas_limit is None:
-            return plan.run(x)
+            return plan.run(x), plan.kept
         with self._blas_limit():
-            return plan.run(x)
+            return plan.run(x), plan.kept
 
-    def _run_split(self, x: np.ndarray) -> np.ndarray:
+    def _run_split(self, x: np.ndarray) -> tuple:
         batch = x.shape[0]
         bounds = np.linspace(0, batch, min(self.threads, batch) + 1).astype(int)
         parts = [(self._plan(stop - start, part), start, stop)            # planned here, not in the workers
                  for part, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:]))]
-        output = self._outputs.get(batch)
+        output, kept = self._outputs.get(batch)
 
         def run_part(plan: Plan, start: int, stop: int) -> None:
             output[start:stop] = plan.run(x[start:stop])
+            for name, value in plan.kept.items():
+                kept[name][start:stop] = value
 
         with self._blas_single():
             for done in [self._workers.submit(run_part, *part) for part in parts]:
                 done.result()
-        return output
+        return output, kept
 
     def warmup(self, batch: int = 1) -> float:
         """Compile (or load from the cache) every kernel this model uses; return and record the seconds it took.

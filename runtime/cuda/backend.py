@@ -9,7 +9,9 @@ Load time (once):
 First call per batch size: every device buffer is allocated and every kernel call is bound to its
 buffers (`steps`, argument-free callables). A call copies the input into the plan's input buffer,
 runs the steps and copies the output back to the host (a new NumPy array). Each calling thread has
-its own plans (runtime/plans.py), so a backend is safe to share between threads.
+its own plans (runtime/plans.py), so a backend is safe to share between threads. keep=(node names):
+fusion stops at those nodes and their values are copied into buffers of their own, which
+run_with_features() returns too (the out-of-distribution gate's features; runtime/features.py).
 
 Kernels: the generic forward kernels of kernels.py (shared with the trainer), with fused.py's CuPy
 kernels in their place where one launch beats several: a stride-1 conv2d that conv_gemm.supported()
@@ -36,6 +38,7 @@ from lnn.runtime.cuda import conv_gemm, winograd
 from lnn.runtime.cuda import kernels as K
 from lnn.runtime.plans import PerThreadCache
 from lnn.formats.fold import fold_scale_and_shift, scale_and_shift
+from lnn.runtime.features import LayerOutputs, check_kept
 
 IDENTITY_AT_INFERENCE = {"dropout"}
 PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
@@ -284,43 +287,57 @@ LAYERS = {
 }
 
 
-def build_layers(model: Model, weights: dict) -> list:
+def build_layers(model: Model, weights: dict, outputs: LayerOutputs | None = None) -> list:
+    """The fused layers; `outputs` (when given) records which node each layer's output is the value of,
+    and fusion stops at a layer whose output is kept."""
+    outputs = outputs or LayerOutputs(frozenset())
     layers = []
     for node in model.nodes:
         if node.op in IDENTITY_AT_INFERENCE:
+            outputs.skipped(node)
             continue
-        previous = layers[-1] if layers else None
+        previous = layers[-1] if layers and outputs.may_fuse() else None
         open_epilogue = getattr(previous, "epilogue", None) is not None and previous.epilogue.activation is None
         if node.op == "batchnorm" and isinstance(previous, (Conv2dLayer, LinearLayer)) and open_epilogue:
             previous.fold(*scale_and_shift(node, weights))
             previous.epilogue.activation = node.attrs["activation"]
+            outputs.fused(node)
             continue
         if node.op in ACTIVATIONS and open_epilogue:
             previous.epilogue.activation = node.attrs
+            outputs.fused(node)
             continue
         layers.append(LAYERS[node.op](node, weights))
+        outputs.added(node)
     return layers
 
 
 class Plan:
-    def __init__(self, layers: list, input_shape: tuple, batch: int, device: Device):
+    def __init__(self, layers: list, input_shape: tuple, batch: int, device: Device, kept_after: dict | None = None):
         self.device = device
         self.input = device.xp.empty((batch, *input_shape), FLOAT)
         self.steps = []
+        self.kept = {}                   # kept node name -> its own device buffer, filled right after its layer
         x = self.input
-        for layer in layers:
+        for index, layer in enumerate(layers):
             x, steps = layer.plan(x, device)
             self.steps += steps
+            for name in (kept_after or {}).get(index, ()):
+                copy = self.kept[name] = device.xp.empty(x.shape, FLOAT)
+                self.steps.append(partial(device.xp.copyto, copy, x))
         self.output = x
 
-    def run(self, x: np.ndarray) -> np.ndarray:
+    def run(self, x: np.ndarray) -> tuple:
+        """(output, {kept name: value}) as new host arrays."""
         if self.device.fused is None:
             np.copyto(self.input, x)
         else:
             self.input.set(x)
         for step in self.steps:
             step()
-        return self.output.get() if self.device.fused is not None else self.output.copy()
+        if self.device.fused is not None:
+            return self.output.get(), {name: value.get() for name, value in self.kept.items()}
+        return self.output.copy(), {name: value.copy() for name, value in self.kept.items()}
 
 
 def _cupy_with_a_gpu():
@@ -338,21 +355,27 @@ def _cupy_with_a_gpu():
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, model: Model, weights: dict, threads: int | None = None, array_module=None):
+    def __init__(self, model: Model, weights: dict, threads: int | None = None, array_module=None, keep: tuple = ()):
         """threads: accepted and ignored (the GPU is not threaded by the host), so that the same options
-        work on every device; array_module=numpy runs the plans on NumPy (tests)."""
+        work on every device; array_module=numpy runs the plans on NumPy (tests); keep: see the header."""
         self.model = model
         self.device = Device(array_module if array_module is not None else _cupy_with_a_gpu())
-        self.layers = build_layers(model, weights)
+        outputs = LayerOutputs(check_kept(model, keep))
+        self.layers = build_layers(model, weights, outputs)
+        self._kept_after = outputs.kept_after()
         for layer in self.layers:
             if hasattr(layer, "upload"):
                 layer.upload(self.device)
-        self._plans = PerThreadCache(lambda batch: Plan(self.layers, model.input_shape, batch, self.device),
-                                     PLANS_KEPT)        # per calling thread: a backend is safe to share
+        self._plans = PerThreadCache(                   # per calling thread: a backend is safe to share
+            lambda batch: Plan(self.layers, model.input_shape, batch, self.device, self._kept_after), PLANS_KEPT)
 
     def _plan(self, batch: int) -> Plan:
         return self._plans.get(batch)
 
     def run(self, x: np.ndarray) -> np.ndarray:
         """x: C-contiguous float32 [N, *input_shape] -> a new host array [N, *output_shape]."""
+        return self._plan(x.shape[0]).run(x)[0]
+
+    def run_with_features(self, x: np.ndarray) -> tuple:
+        """(output, {kept node name: its value [N, ...]}), new host arrays."""
         return self._plan(x.shape[0]).run(x)

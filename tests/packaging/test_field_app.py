@@ -106,8 +106,25 @@ def pump_until(root, condition, timeout_s=ANSWER_TIMEOUT_S):
         time.sleep(0.02)
 
 
+def write_two_colour_png(path):
+    import numpy as np
+
+    from lnn.runtime.preprocess import image_library
+
+    image = np.zeros((300, 300, 3), np.uint8)
+    image[:, :150], image[:, 150:] = (220, 160, 40), (30, 60, 200)      # RGB
+    if image_library() == "opencv":
+        import cv2
+
+        cv2.imwrite(str(path), image[:, :, ::-1])
+    else:
+        from PIL import Image
+
+        Image.fromarray(image).save(path)
+
+
 def scenario_photos(app, root, tmp_path):
-    from lnn.tools.field_ui import UNCERTAIN_HEADLINE
+    from lnn.tools.field_ui import RETAKE_HEADLINE, UNCERTAIN_HEADLINES
 
     app.open_photos([LEAVES / "late_blight.jpg", LEAVES / "healthy.jpg"])
     assert app.busy                         # the window returns at once; the worker answers later
@@ -116,11 +133,19 @@ def scenario_photos(app, root, tmp_path):
     assert shown.startswith("Healthy") and "Advice:" in shown, shown
     app.select(0)
     shown = app.shown_text()
-    assert shown.startswith("Late blight") and UNCERTAIN_HEADLINE not in shown, shown
+    assert shown.startswith("Late blight"), shown
+    assert not any(headline in shown for headline in (RETAKE_HEADLINE, *UNCERTAIN_HEADLINES.values())), shown
     assert shown.count("%") >= 4, shown     # headline + top 3
     assert app.shown_image.width() > 0
     app.save_report(tmp_path / "report.csv")
     root.update()
+    not_a_leaf = tmp_path / "two_colours.png"               # a photo of nothing leaf-like: the gate answers
+    write_two_colour_png(not_a_leaf)
+    app.open_photos([not_a_leaf])
+    pump_until(root, lambda: len(app.history) == 3 and not app.busy)
+    shown = app.shown_text()
+    assert shown.startswith(UNCERTAIN_HEADLINES["not_a_leaf"]), shown
+    assert "does not look like a tomato leaf" in shown and "Advice:" not in shown, shown
     if shutil.which("import"):              # ImageMagick: the whole virtual screen, which is the window
         subprocess.run(["import", "-window", "root", str(tmp_path / "field_app.png")], check=True, timeout=60)
         print(f"screenshot: {tmp_path / 'field_app.png'}")

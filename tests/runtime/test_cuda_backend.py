@@ -79,3 +79,23 @@ def test_plans_are_reused_and_input_left_alone():
     np.testing.assert_array_equal(backend.run(x), first)
     assert backend._plan(4) is plan
     assert np.array_equal(x, x_before)
+
+
+def test_gate_features_and_decision_match_numpy():
+    """The out-of-distribution gate on the GPU: the kept feature node and the Session's decision equal NumPy's."""
+    from lnn.runtime import Session
+    from test_gate import DESCRIPTION, gated_bin, inputs, thresholds_in_gaps, weights_for
+
+    model = parse_model(DESCRIPTION)
+    weights = weights_for(model)
+    x = inputs()
+    keep = ("c1", "bn", "pool")
+    _, expected = NumpyBackend(model, weights, keep=keep).run_with_features(x)
+    _, got = CudaBackend(model, weights, keep=keep).run_with_features(x)
+    for name in keep:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    gated = gated_bin(thresholds=thresholds_in_gaps(Session(gated_bin(), "numpy").judge(x).scores))
+    reference, judged = Session(gated, "numpy").judge(x), Session(gated, "cuda").judge(x)
+    assert judged.reasons == reference.reasons
+    for name, values in reference.scores.items():
+        np.testing.assert_allclose(judged.scores[name], values, rtol=1e-4, err_msg=name)

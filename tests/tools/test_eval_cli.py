@@ -229,3 +229,48 @@ def test_the_copy_with_the_threshold_carries_this_evaluation_as_its_card_accurac
     assert card["task"] == "colours"
     assert card["accuracy"] == (f"93.33% on 30 photos, {folder} (all photos): lnn-eval {tmp_path / 'm.bin'} "
                                 f"--data folder:{folder} --split all.")
+
+
+def grey_folder(root, count=30):
+    """Outlier photos for the colour model: grey, with a little noise (no dominant colour)."""
+    rng = np.random.default_rng(2)
+    (root / "grey").mkdir(parents=True)
+    for i in range(count):
+        image = np.clip(rng.integers(60, 200) + rng.normal(0, 3, (16, 16, 3)), 0, 255).astype(np.uint8)
+        cv2.imwrite(str(root / "grey" / f"g_{i:02d}.png"), image)
+    return root
+
+
+def test_fit_gate_writes_a_gated_model_that_keeps_the_validation_photos_and_flags_outliers(tmp_path, capsys):
+    from lnn.train.outliers import split_outliers
+
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=20)
+    outliers = grey_folder(tmp_path / "outliers")
+    code, out, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--outliers", outliers, "--fit-gate",
+                              "--write-gate", tmp_path / "gated.bin", "--subject", "coloured leaf")
+    assert code == 0, err
+    assert "expected calibration error" in out and "chosen: " in out and "mahalanobis" in out
+    gated = read_bin(tmp_path / "gated.bin")
+    meta = gated.metadata
+    assert meta["gate"]["feature"] == "global_avg_pool_0" and meta["gate"]["subject"] == "coloured leaf"
+    assert meta["calibration"]["temperature"] > 0 and "photo_checks" in meta["gate"]
+    assert np.array_equal(gated.tensors["fc.weight"], read_bin(model).tensors["fc.weight"])
+    session = lnn.load(tmp_path / "gated.bin", device="numpy")
+    _, files, labels = scan_folder(folder)
+    validation = split_by_leaf(files, labels)[1]
+    batch = np.stack([session.prepare_image(folder / files[i]) for i in validation])
+    assert session.judge(batch).reasons.count(None) >= 0.97 * len(validation) - 1
+    test = split_outliers(outliers)["test"]
+    reasons = session.judge(np.stack([session.prepare_image(p) for p in test])).reasons
+    assert reasons.count("not_a_leaf") >= 0.9 * len(test), reasons
+    answer = session.predict_image(test[0])
+    assert answer.reason in ("not_a_leaf", "too_small") and answer.uncertain
+    # lnn-eval on the gated model reports its decision and the calibrated ECE
+    code, out, _ = run_eval(capsys, tmp_path / "gated.bin", "--data", f"folder:{folder}")
+    assert code == 0 and "at the model's temperature" in out and "the model's decision" in out
+
+
+def test_fit_gate_needs_its_companions(tmp_path, capsys):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos")
+    code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--fit-gate")
+    assert code != 0 and "go together" in err and len(err.strip().splitlines()) == 1

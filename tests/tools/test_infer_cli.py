@@ -313,7 +313,7 @@ def test_every_good_photo_in_a_hostile_folder_is_answered_and_each_bad_one_gets_
 @pytest.mark.filterwarnings("error")                    # no RuntimeWarning lines either
 def test_a_model_whose_output_is_nan_fails_that_image_and_prints_valid_json(tmp_path, capsys):
     source = read_bin(infer.DEFAULT_MODEL)
-    weights = dict(source.weights_fp32())
+    weights = {**source.weights_fp32(), **source.gate_tensors}  # the network's and its gate's
     for param in ("weight", "bias"):                             # finite weights whose logits overflow to infinity
         key = source.model.nodes[-1].param_key(param)
         weights[key] = np.full_like(weights[key], 3e38)
@@ -351,3 +351,21 @@ def test_a_grey_photo_is_answered_with_a_note(tmp_path, capsys):
     assert len(record["notes"]) == 1 and record["notes"][0].startswith("a grey image given to a colour (RGB) model")
     assert main([str(grey)]) == 0
     assert "  note: a grey image given to a colour (RGB) model" in capsys.readouterr().out
+
+
+def test_answers_that_are_not_diagnoses_carry_a_reason_and_an_instruction():
+    from lnn.tools.infer import Answer
+
+    labels = [{"name": "a", "display": "A", "advice": "do a"}, {"name": "b", "display": "B"}]
+    probabilities = np.array([0.9, 0.1])
+    sure = Answer("x.jpg", probabilities, labels, 2, 0.5)
+    assert sure.as_dict()["reason"] is None and sure.as_dict()["advice"] == "do a" and not sure.uncertain
+    gated = Answer("x.jpg", probabilities, labels, 2, 0.5, "not_a_leaf", "This does not look like a tomato leaf.")
+    record = gated.as_dict()
+    assert record["uncertain"] and record["reason"] == "not_a_leaf" and "advice" not in record
+    assert record["instruction"] == "This does not look like a tomato leaf."
+    assert gated.human_lines()[0] == "x.jpg: uncertain (not a leaf): This does not look like a tomato leaf."
+    assert "not a diagnosis" in gated.explanation
+    unsure = Answer("x.jpg", np.array([0.45, 0.55]), labels, 2, 0.6)       # an old caller: the threshold only
+    assert unsure.reason == "low_confidence" and "clearer photo" in unsure.as_dict()["instruction"]
+    assert unsure.csv_rows()[0][infer.CSV_COLUMNS.index("reason")] == "low_confidence"
