@@ -9,7 +9,7 @@ The GPU machine receives at most 64 MiB per call and has no ../shared, so this w
 re-encoded as JPEG quality --quality. The names stay the same, so split_by_leaf gives the same
 validation photos and split_outliers the same part: both are checked here, and the validation and
 test outlier photos are never written. Prints the total size; it must stay under ~50 MiB to travel
-with the working tree (carry) beside the code. benchmarks/retrain_bundled.sh reads it.
+with the working tree (carry) beside the code. benchmarks/retrain_outdoor.sh reads it.
 """
 
 from __future__ import annotations
