@@ -35,7 +35,8 @@ from lnn.formats.errors import LnnFormatError, ModelSpecError
 from lnn.formats.gate import TENSOR_PREFIX, check_gate_metadata, check_gate_tensor_shapes, gate_tensor_shapes
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
 from lnn.formats.npz import NPZ_MAGIC, is_checkpoint_bytes
-from lnn.formats.model import Model, json_nesting_depth, parse_model, size_refusals
+from lnn.formats.model import (Model, finite_json_float, json_nesting_depth, parse_model, reject_json_constant,
+                               size_refusals)
 from lnn.formats.quantize import QMAX, dequantize, quantize_per_channel, scale_key
 from lnn.version import __version__
 
@@ -493,23 +494,12 @@ def _parse(path: Path, buf: memoryview, keep_alive) -> BinModel:
     return BinModel(path, model, tensors, metadata, (major, minor), alignment, keep_alive)
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not allowed")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text} is out of range")
-    return value
-
-
 def _read_json(buf, offset: int, size: int, what: str) -> dict:
     if size > MAX_JSON_BYTES:                                                        # rule 19
         raise LnnFormatError(f"{what} is {size} bytes, over the limit of {MAX_JSON_BYTES}")
     raw = bytes(buf[offset:offset + size])
     try:                                                                             # rule 20
-        value = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(raw.decode("utf-8"), parse_constant=reject_json_constant, parse_float=finite_json_float)
     except RecursionError:
         raise LnnFormatError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (UnicodeDecodeError, ValueError) as err:

@@ -181,7 +181,7 @@ def parse_json_text(text: str, what: str):
         raise ModelSpecError(f"{what}: nests deeper than {MAX_JSON_DEPTH} levels "
                              f"(MAX_JSON_DEPTH in lnn/formats/limits.py)")
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=reject_json_constant, parse_float=finite_json_float)
     except json.JSONDecodeError as err:
         raise ModelSpecError(f"{what}: not valid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
     except ValueError as err:
@@ -200,8 +200,17 @@ def json_nesting_depth(raw: bytes) -> int:
     return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
 
 
-def _reject_constant(name: str):
+def reject_json_constant(name: str):
+    """json.loads' parse_constant: NaN, Infinity and -Infinity are not JSON numbers."""
     raise ValueError(f"{name} is not a JSON number; write a finite number")
+
+
+def finite_json_float(text: str) -> float:
+    """json.loads' parse_float: a number too large for a float (1e999) is refused, not read as infinity."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of range; write a finite number")
+    return value
 
 
 def parse_model(desc: dict, check_sizes: bool = True) -> Model:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -74,10 +75,21 @@ def run_command(parser: CommandParser, body, argv=None) -> int:
         return EXIT_INTERRUPTED
 
 
+def is_regular_file(path: str | Path) -> bool:
+    """Not a folder, device, pipe or socket: a file that can be opened without waiting (False when missing)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def is_bin_file(path: str | Path) -> bool:
-    """True when the file starts with the `.bin` magic bytes (a missing file is judged by its suffix)."""
+    """True when the file starts with the `.bin` magic bytes (a missing file is judged by its suffix; a
+    pipe or device is never opened here: the reader that follows refuses it in one line)."""
     from lnn.formats.binfile import MAGIC
 
+    if not is_regular_file(path):
+        return Path(path).suffix.lower() == ".bin" and not os.path.exists(path)
     try:
         with open(path, "rb") as f:
             return f.read(len(MAGIC)) == MAGIC
@@ -89,6 +101,8 @@ def is_npz_file(path: str | Path) -> bool:
     """True when the file is a zip archive: a NumPy .npz of weights or an lnn-train checkpoint."""
     from lnn.formats.npz import NPZ_MAGIC
 
+    if not is_regular_file(path):
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(len(NPZ_MAGIC)) == NPZ_MAGIC
