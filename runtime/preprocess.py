@@ -379,13 +379,14 @@ def read_image_file(path) -> bytes:
     except OSError as err:
         raise LnnInputError(f"{name}: cannot read ({err.strerror or err})") from None
     try:
-        _check_regular_file(os.fstat(descriptor), name)
+        status = os.fstat(descriptor)
+        _check_regular_file(status, name)
     except LnnInputError:
         os.close(descriptor)
         raise
     with os.fdopen(descriptor, "rb") as file:
-        try:
-            data = file.read(limits.MAX_IMAGE_FILE_BYTES + 1)
+        try:            # read(n) reserves n bytes up front: ask for the file's own size (+1 to see it grow)
+            data = file.read(min(status.st_size, limits.MAX_IMAGE_FILE_BYTES) + 1)
         except OSError as err:
             raise LnnInputError(f"{name}: cannot read ({err.strerror or err})") from None
     if len(data) > limits.MAX_IMAGE_FILE_BYTES:                  # it grew while being read

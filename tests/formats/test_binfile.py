@@ -419,7 +419,7 @@ RULE_CASES = {
     19: [("json cap", "json-cap", r"graph JSON is \d+ bytes, over the limit of 100")],
     20: [("not json", patched(make=with_graph(lambda g: b"{layers")), r"graph JSON is not valid UTF-8 JSON"),
          ("not utf-8", patched(make=with_meta(lambda m: b'{"a":"\xff"}')), r"metadata JSON is not valid UTF-8 JSON"),
-         ("NaN", patched(make=with_meta(lambda m: b'{"a":NaN}')), r"metadata JSON is not valid .*NaN is not allowed"),
+         ("NaN", patched(make=with_meta(lambda m: b'{"a":NaN}')), r"metadata JSON is not valid .*NaN is not a JSON number"),
          ("overflow", patched(make=with_meta(lambda m: b'{"a":1e999}')), r"metadata JSON is not valid .*out of range")],
     21: [("depth 65", patched(make=with_graph(deep(65))), r"graph JSON nests deeper than 64 levels"),
          ("depth 100000", patched(make=with_graph(deep(100000))), r"graph JSON nests deeper than 64 levels")],
