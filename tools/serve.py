@@ -1,0 +1,190 @@
+"""lnn-serve: the station's box answers the phones on its network, merging requests into batches.
+
+    lnn-serve                                   # the bundled tomato-leaf model on http://127.0.0.1:8080/
+    lnn-serve --host 0.0.0.0                    # phones on the station's Wi-Fi open http://<this box>:8080/
+    curl -F file=@leaf.jpg http://127.0.0.1:8080/v1/classify
+
+Phones open the page at / (a camera button, the answer in words with its advice, the last answers).
+POST /v1/classify takes a photo (the body, or a multipart `file` field) and returns lnn-infer --json's
+object. Requests that arrive together are merged into one batch of up to --max-batch images, waiting at
+most --max-delay-ms after the first. Over --queue requests at once: 503 with Retry-After; a body over
+--max-body: 413; not an image, truncated or over --max-pixels: 400 with lnn-infer's reason; no answer
+within --timeout: 504. GET /v1/model, /healthz, /readyz (warmed up) and /metrics (Prometheus).
+SIGTERM finishes the requests in flight, then exits 0. Needs the serve extra: pip install 'lnn[serve]'.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+
+from lnn.formats.errors import LnnError, LnnInputError
+from lnn.tools.cli import command_parser, error_line, run_command
+
+PROG = "lnn-serve"
+DEFAULT_PORT = 8080
+ALL_NETWORKS = ("0.0.0.0", "::")
+NO_ROUTE_PROBE = ("10.255.255.255", 1)      # a private address: connecting a UDP socket sends nothing
+BANNER = "serving on"                       # the first line on stderr: "lnn-serve: serving on http://HOST:PORT/ ..."
+
+
+def build_parser():
+    parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--model", metavar="M.bin", help="the model file (default: the bundled models/tomato_leaf.bin)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1, this computer only; 0.0.0.0 for every network)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free port)")
+    parser.add_argument("--max-batch", type=int, default=16, metavar="N", help="most images per batch (default 16; 1 = no batching)")
+    parser.add_argument("--max-delay-ms", type=float, default=10.0, metavar="MS",
+                        help="longest wait for more images after a batch's first (default 10)")
+    parser.add_argument("--queue", type=int, default=64, metavar="N",
+                        help="most requests in the server at once; more are refused with 503 (default 64)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="threads for the Numba backend and for decoding photos (default: the CPU count)")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="S", help="seconds before a request gets 504 (default 10)")
+    parser.add_argument("--max-body", type=int, default=10_000_000, metavar="BYTES",
+                        help="largest upload; bigger ones get 413 (default 10000000)")
+    parser.add_argument("--max-pixels", type=int, default=50_000_000, metavar="N",
+                        help="largest image in pixels; bigger ones get 400 (default 50000000, a 48-megapixel phone photo)")
+    parser.add_argument("--top-k", type=int, default=3, metavar="K", help="labels per answer unless the request asks (default 3)")
+    parser.add_argument("--device", choices=("auto", "cpu", "numpy"), default="auto",
+                        help="backend: auto (Numba when installed, else NumPy), cpu (Numba), numpy")
+    return parser
+
+
+def lan_address() -> str:
+    """This computer's address on its local network (the one phones on the same Wi-Fi reach), or 127.0.0.1
+    when it has none. Asks the routing table only: no packet is sent."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(NO_ROUTE_PROBE)
+        return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        probe.close()
+
+
+def phone_url(host: str, port: int) -> str:
+    """The address phones should open: the LAN address when listening on every network."""
+    return f"http://{lan_address() if host in ALL_NETWORKS else host}:{port}/"
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """Bind here, not in uvicorn, so a port in use is one clear error before anything starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise LnnInputError(f"cannot listen on {host}:{port} ({err.strerror or err})") from None
+    sock.listen(128)
+    return sock
+
+
+def check_options(args) -> None:
+    for name in ("max_batch", "queue", "max_body", "max_pixels", "top_k", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise LnnInputError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
+    for name in ("max_delay_ms", "timeout"):
+        if getattr(args, name) < 0 or (name == "timeout" and args.timeout == 0):
+            raise LnnInputError(f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}")
+    if not 0 <= args.port < 65536:
+        raise LnnInputError(f"--port must be between 0 (any free port) and 65535, not {args.port}")
+
+
+def server_for(model, host: str, port: int, device: str = "auto", threads: int | None = None, **settings):
+    """(uvicorn.Server, its bound socket) for a model: the whole server, ready to run on any thread.
+
+    settings: ServeConfig's fields (max_batch, max_delay_s, queue, timeout_s, max_body, max_pixels, top_k)."""
+    try:
+        import uvicorn
+
+        from lnn.tools.serve_app import ServeConfig, create_app
+    except ImportError as err:
+        raise LnnError(f"lnn-serve needs the serve extra ({err}): pip install 'lnn[serve]'") from None
+    from lnn.runtime import resolve_device
+    from lnn.tools.infer import load_session
+
+    threads = threads or os.cpu_count() or 1
+    device = resolve_device(device)
+    session = load_session(model, device, threads if device == "cpu" else None)
+    config = ServeConfig(decode_threads=threads, **settings)
+    sock = listening_socket(host, port)
+    app = create_app(session, config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                           timeout_graceful_shutdown=config.timeout_s + 5))
+    return server, sock
+
+
+class BackgroundServer:
+    """lnn-serve on a thread of this process (lnn-field's menu): start() binds and starts, stop() drains and ends."""
+
+    def __init__(self, model, host: str = "0.0.0.0", port: int = DEFAULT_PORT):
+        self.server, sock = server_for(model, host, port)
+        self.host, self.port = host, sock.getsockname()[1]
+        self.url = phone_url(host, self.port)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       name="lnn-serve", daemon=True)
+        self.thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+
+def serve(args) -> int:
+    check_options(args)
+    server, sock = server_for(args.model, args.host, args.port, args.device, args.threads,
+                              max_batch=args.max_batch, max_delay_s=args.max_delay_ms / 1000, queue=args.queue,
+                              timeout_s=args.timeout, max_body=args.max_body, max_pixels=args.max_pixels,
+                              top_k=args.top_k)
+    port = sock.getsockname()[1]
+    where = f"http://{args.host}:{port}/"
+    if args.host in ALL_NETWORKS:
+        where += f" (phones on this network open {phone_url(args.host, port)})"
+    print(f"{PROG}: {BANNER} {where} (Ctrl-C or SIGTERM stops)", file=sys.stderr, flush=True)
+    # uvicorn catches SIGTERM, drains the requests in flight, puts the previous handler back and raises the
+    # signal again; this handler makes that second delivery a no-op, so a drained server exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run(sockets=[sock])
+    if not server.started:
+        error_line(PROG, "the server did not start (see the message above)")
+        return 1
+    return 0
+
+
+def launch_process(*args, timeout_s: float = 120.0, **popen_options) -> tuple:
+    """lnn-serve ARGS... as a child process -> (Popen, base URL) once it listens (its banner line read from
+    stderr; stderr stays a pipe, read it after the process ends). Pass --port 0 for a free port. For tests,
+    benchmarks and scripts that need a real server; raises LnnError when it exits or stays silent instead."""
+    import select
+    import subprocess
+
+    process = subprocess.Popen([sys.executable, "-m", "lnn.tools.serve", *map(str, args)], stderr=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, text=True, **popen_options)
+    ready, _, _ = select.select([process.stderr], [], [], timeout_s)
+    line = process.stderr.readline() if ready else ""
+    if f" {BANNER} " not in line:
+        process.kill()
+        process.wait()
+        raise LnnError(f"lnn-serve did not start: {' '.join((line + process.stderr.read()).split()) or 'no output'}")
+    return process, line.split(f" {BANNER} ", 1)[1].split()[0]
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser(), serve, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
