@@ -7,7 +7,7 @@
 Phones open the page at / (a camera button, the answer in words with its advice, the last answers).
 POST /v1/classify takes a photo (the body, or a multipart `file` field) and returns lnn-infer --json's
 object. Requests that arrive together are merged into one batch of up to --max-batch images, waiting at
-most --max-delay-ms after the first. Over --queue requests at once: 503 with Retry-After; a body over
+most --max-delay-ms after the first for photos still being decoded (none on the way: no wait). Over --queue requests at once: 503 with Retry-After; a body over
 --max-body: 413; not an image, truncated or over --max-pixels: 400 with lnn-infer's reason; no answer
 within --timeout: 504. GET /v1/model, /healthz, /readyz (warmed up) and /metrics (Prometheus).
 SIGTERM finishes the requests in flight, then exits 0. Needs the serve extra: pip install 'lnn[serve]'.
@@ -39,11 +39,12 @@ def build_parser():
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free port)")
     parser.add_argument("--max-batch", type=int, default=16, metavar="N", help="most images per batch (default 16; 1 = no batching)")
     parser.add_argument("--max-delay-ms", type=float, default=10.0, metavar="MS",
-                        help="longest wait for more images after a batch's first (default 10)")
+                        help="longest wait for photos still being decoded after a batch's first (default 10)")
     parser.add_argument("--queue", type=int, default=64, metavar="N",
                         help="most requests in the server at once; more are refused with 503 (default 64)")
-    parser.add_argument("--threads", type=int, metavar="N",
-                        help="threads for the Numba backend and for decoding photos (default: the CPU count)")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="threads for the Numba backend's batch (default 1: inference takes one core, decoding "
+                             "and HTTP the others; more threads fought them on 2 cores)")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="S", help="seconds before a request gets 504 (default 10)")
     parser.add_argument("--max-body", type=int, default=10_000_000, metavar="BYTES",
                         help="largest upload; bigger ones get 413 (default 10000000)")
@@ -76,7 +77,8 @@ def phone_url(host: str, port: int) -> str:
 def listening_socket(host: str, port: int) -> socket.socket:
     """Bind here, not in uvicorn, so a port in use is one clear error before anything starts."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)   # IPPROTO_TCP: asyncio then sets
+    # TCP_NODELAY on each connection (with proto 0 it does not, and every answer waited ~40 ms for an ACK)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -99,10 +101,11 @@ def check_options(args) -> None:
         raise LnnInputError(f"--port must be between 0 (any free port) and 65535, not {args.port}")
 
 
-def server_for(model, host: str, port: int, device: str = "auto", threads: int | None = None, **settings):
+def server_for(model, host: str, port: int, device: str = "auto", threads: int = 1, **settings):
     """(uvicorn.Server, its bound socket) for a model: the whole server, ready to run on any thread.
 
-    settings: ServeConfig's fields (max_batch, max_delay_s, queue, timeout_s, max_body, max_pixels, top_k)."""
+    threads: the Numba backend's; photos decode on one thread per core. settings: ServeConfig's fields
+    (max_batch, max_delay_s, queue, timeout_s, max_body, max_pixels, top_k)."""
     try:
         import uvicorn
 
@@ -112,10 +115,9 @@ def server_for(model, host: str, port: int, device: str = "auto", threads: int |
     from lnn.runtime import resolve_device
     from lnn.tools.infer import load_session
 
-    threads = threads or os.cpu_count() or 1
     device = resolve_device(device)
     session = load_session(model, device, threads if device == "cpu" else None)
-    config = ServeConfig(decode_threads=threads, **settings)
+    config = ServeConfig(decode_threads=os.cpu_count() or 1, **settings)
     sock = listening_socket(host, port)
     app = create_app(session, config)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
@@ -149,11 +151,7 @@ def serve(args) -> int:
                               max_batch=args.max_batch, max_delay_s=args.max_delay_ms / 1000, queue=args.queue,
                               timeout_s=args.timeout, max_body=args.max_body, max_pixels=args.max_pixels,
                               top_k=args.top_k)
-    port = sock.getsockname()[1]
-    where = f"http://{args.host}:{port}/"
-    if args.host in ALL_NETWORKS:
-        where += f" (phones on this network open {phone_url(args.host, port)})"
-    print(f"{PROG}: {BANNER} {where} (Ctrl-C or SIGTERM stops)", file=sys.stderr, flush=True)
+    print_banner(args.host, sock)
     # uvicorn catches SIGTERM, drains the requests in flight, puts the previous handler back and raises the
     # signal again; this handler makes that second delivery a no-op, so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -164,14 +162,24 @@ def serve(args) -> int:
     return 0
 
 
-def launch_process(*args, timeout_s: float = 120.0, **popen_options) -> tuple:
+def print_banner(host: str, sock: socket.socket) -> None:
+    """The first line on stderr, which launch_process() waits for: the address, and the phones' one."""
+    port = sock.getsockname()[1]
+    where = f"http://{host}:{port}/"
+    if host in ALL_NETWORKS:
+        where += f" (phones on this network open {phone_url(host, port)})"
+    print(f"{PROG}: {BANNER} {where} (Ctrl-C or SIGTERM stops)", file=sys.stderr, flush=True)
+
+
+def launch_process(*args, program=("-m", "lnn.tools.serve"), timeout_s: float = 120.0, **popen_options) -> tuple:
     """lnn-serve ARGS... as a child process -> (Popen, base URL) once it listens (its banner line read from
     stderr; stderr stays a pipe, read it after the process ends). Pass --port 0 for a free port. For tests,
-    benchmarks and scripts that need a real server; raises LnnError when it exits or stays silent instead."""
+    benchmarks and scripts that need a real server (`program`: another Python program that prints the same
+    banner); raises LnnError when it exits or stays silent instead."""
     import select
     import subprocess
 
-    process = subprocess.Popen([sys.executable, "-m", "lnn.tools.serve", *map(str, args)], stderr=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, *program, *map(str, args)], stderr=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, text=True, **popen_options)
     ready, _, _ = select.select([process.stderr], [], [], timeout_s)
     line = process.stderr.readline() if ready else ""

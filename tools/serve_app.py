@@ -145,9 +145,10 @@ class Job:
 class Batcher:
     """Merges the images waiting into one Session call on a single inference thread.
 
-    After the first image of a batch arrives it waits at most max_delay_s for more, and stops at max_batch;
-    images that arrive while a batch computes are already waiting when it ends, so under load batches fill
-    without any wait. A job whose request gave up (timeout) is dropped before it is computed."""
+    A batch takes every image waiting, up to max_batch. While other requests are still being decoded it waits
+    up to max_delay_s for them; with none on the way it runs at once (waiting could gain nothing, so a lone
+    phone never pays the delay). Images that arrive while a batch computes are waiting when it ends, so
+    under load batches fill without any wait. A job whose request gave up (timeout) is dropped unrun."""
 
     def __init__(self, session, max_batch: int, max_delay_s: float, metrics: Metrics):
         self.session = session
@@ -155,6 +156,7 @@ class Batcher:
         self.max_delay_s = max_delay_s
         self.metrics = metrics
         self.waiting: asyncio.Queue = asyncio.Queue()
+        self.being_decoded = 0               # requests whose image is on the decode pool: soon waiting here
         self.inference = ThreadPoolExecutor(1, thread_name_prefix="lnn-serve-inference")
         self.ready = asyncio.Event()
         self._task = None
@@ -171,6 +173,15 @@ class Batcher:
             await asyncio.get_running_loop().run_in_executor(self.inference, self.session.predict, batch)
         self.ready.set()
 
+    @contextlib.contextmanager
+    def decoding(self):
+        """Around a request's decoding: the batcher knows an image is on its way."""
+        self.being_decoded += 1
+        try:
+            yield
+        finally:
+            self.being_decoded -= 1
+
     async def classify(self, image: np.ndarray) -> np.ndarray:
         job = Job(image, asyncio.get_running_loop().create_future())
         self.waiting.put_nowait(job)
@@ -182,16 +193,16 @@ class Batcher:
         batch = [await self.waiting.get()]
         deadline = loop.time() + self.max_delay_s
         while len(batch) < self.max_batch:
-            if self.waiting.empty():
-                left = deadline - loop.time()
-                if left <= 0:
-                    break
-                try:
-                    batch.append(await asyncio.wait_for(self.waiting.get(), left))
-                except asyncio.TimeoutError:
-                    break
-            else:
+            if not self.waiting.empty():
                 batch.append(self.waiting.get_nowait())
+                continue
+            left = deadline - loop.time()
+            if left <= 0 or self.being_decoded == 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self.waiting.get(), left))
+            except asyncio.TimeoutError:
+                break
         self.metrics.queue_depth.dec(len(batch))
         return [job for job in batch if not job.answer.done()]       # done = its request gave up
 
@@ -328,11 +339,13 @@ def create_app(session, config: ServeConfig) -> Starlette:
         data, name = await upload_from(request, config.max_body)
         top_k = requested_top_k(request, config.top_k, len(session.labels))
         loop = asyncio.get_running_loop()
+        batcher = request.app.state.batcher
         try:
-            image = await loop.run_in_executor(decoders, prepare_upload, session, data, config.max_pixels)
+            with batcher.decoding():
+                image = await loop.run_in_executor(decoders, prepare_upload, session, data, config.max_pixels)
         except LnnInputError as err:
             raise Refused(400, " ".join(str(err).split()), "bad_image") from None
-        probabilities = await request.app.state.batcher.classify(image)
+        probabilities = await batcher.classify(image)
         return answer_record(session, probabilities, name, top_k)
 
     async def classify(request: Request) -> Response:
