@@ -228,7 +228,8 @@ def start_servers(onnx_path: Path) -> dict:
     return {"lnn, batching (max 16, 10 ms)": launch_process(*common),
             "lnn, no batching (max 1)": launch_process(*common, "--max-batch", "1"),
             "onnxruntime, no batching": launch_process("--onnx-server", onnx_path, "--port", "0",
-                                                       program=(__file__,))}
+                                                       program=(__file__,)),
+            "lnn, batching, --threads 2": launch_process(*common, "--threads", "2")}
 
 
 def draw(rows: list, path: Path) -> None:
@@ -295,7 +296,8 @@ def run_load(args, photos, labels, onnx_path) -> None:
         f"Load average when it started: {load_before:.2f}{args.note}.",
         f"Loopback only; each server its own process (`lnn-serve --device cpu`: one inference thread with one "
         f"Numba/BLAS thread, photos decoded on a pool of one thread per core; onnxruntime with one intra-op "
-        f"thread per call, one call per request on Starlette's thread pool, so calls run side by side), the clients in this "
+        f"thread per call, one call per request on Starlette's thread pool, so calls run side by side; the last "
+        f"server splits each batch over 2 Numba threads), the clients in this "
         f"script's process on the same cores. Closed loop: each client sends a 256×256 JPEG of a real leaf "
         f"({len(photos)} photos) and waits for the answer; {WARMUP_S:g} s of warm-up, then {args.seconds:g} s "
         f"measured. Latency is the client's, send to answer. CPU ms per request: the server process's user + "
