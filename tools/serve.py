@@ -7,10 +7,11 @@
 Phones open the page at / (a camera button, the answer in words with its advice, the last answers).
 POST /v1/classify takes a photo (the body, or a multipart `file` field) and returns lnn-infer --json's
 object. Requests that arrive together are merged into one batch of up to --max-batch images, waiting at
-most --max-delay-ms after the first for photos still being decoded (none on the way: no wait). Over --queue requests at once: 503 with Retry-After; a body over
---max-body: 413; not an image, truncated or over --max-pixels: 400 with lnn-infer's reason; no answer
-within --timeout: 504. GET /v1/model, /healthz, /readyz (warmed up) and /metrics (Prometheus).
-SIGTERM finishes the requests in flight, then exits 0. Needs the serve extra: pip install 'lnn[serve]'.
+most --max-delay-ms after the first for photos still being decoded (none on the way: no wait). Over
+--queue requests at once: 503 with Retry-After; a body over --max-body: 413; not an image, truncated or
+over --max-pixels: 400 with lnn-infer's reason; no answer within --timeout: 504. GET /v1/model, /healthz,
+/readyz (warmed up) and /metrics (Prometheus). SIGTERM finishes the requests in flight, then exits 0.
+Needs the serve extra: pip install 'lnn[serve]'.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import signal
 import socket
 import sys
 import threading
+from dataclasses import dataclass
 
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.tools.cli import command_parser, error_line, run_command
@@ -31,26 +33,46 @@ NO_ROUTE_PROBE = ("10.255.255.255", 1)      # a private address: connecting a UD
 BANNER = "serving on"                       # the first line on stderr: "lnn-serve: serving on http://HOST:PORT/ ..."
 
 
+@dataclass
+class ServeConfig:
+    """The server's settings; their defaults are the command's."""
+    max_batch: int = 16
+    max_delay_s: float = 0.010
+    queue: int = 64                     # requests in the server at once (reading, decoding, waiting, computing)
+    timeout_s: float = 10.0
+    max_body: int = 10_000_000          # bytes
+    max_pixels: int = 50_000_000        # a 48-megapixel phone photo passes
+    top_k: int = 3
+    decode_threads: int = os.cpu_count() or 1
+
+
+DEFAULTS = ServeConfig()
+
+
 def build_parser():
     parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--model", metavar="M.bin", help="the model file (default: the bundled models/tomato_leaf.bin)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1, this computer only; 0.0.0.0 for every network)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free port)")
-    parser.add_argument("--max-batch", type=int, default=16, metavar="N", help="most images per batch (default 16; 1 = no batching)")
-    parser.add_argument("--max-delay-ms", type=float, default=10.0, metavar="MS",
-                        help="longest wait for photos still being decoded after a batch's first (default 10)")
-    parser.add_argument("--queue", type=int, default=64, metavar="N",
-                        help="most requests in the server at once; more are refused with 503 (default 64)")
+    parser.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch, metavar="N",
+                        help=f"most images per batch (default {DEFAULTS.max_batch}; 1 = no batching)")
+    parser.add_argument("--max-delay-ms", type=float, default=DEFAULTS.max_delay_s * 1000, metavar="MS",
+                        help=f"longest wait for photos still being decoded after a batch's first "
+                             f"(default {DEFAULTS.max_delay_s * 1000:g})")
+    parser.add_argument("--queue", type=int, default=DEFAULTS.queue, metavar="N",
+                        help=f"most requests in the server at once; more are refused with 503 (default {DEFAULTS.queue})")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
                         help="threads for the Numba backend's batch (default 1: inference takes one core, decoding "
                              "and HTTP the others; more threads fought them on 2 cores)")
-    parser.add_argument("--timeout", type=float, default=10.0, metavar="S", help="seconds before a request gets 504 (default 10)")
-    parser.add_argument("--max-body", type=int, default=10_000_000, metavar="BYTES",
-                        help="largest upload; bigger ones get 413 (default 10000000)")
-    parser.add_argument("--max-pixels", type=int, default=50_000_000, metavar="N",
-                        help="largest image in pixels; bigger ones get 400 (default 50000000, a 48-megapixel phone photo)")
-    parser.add_argument("--top-k", type=int, default=3, metavar="K", help="labels per answer unless the request asks (default 3)")
+    parser.add_argument("--timeout", type=float, default=DEFAULTS.timeout_s, metavar="S",
+                        help=f"seconds before a request gets 504 (default {DEFAULTS.timeout_s:g})")
+    parser.add_argument("--max-body", type=int, default=DEFAULTS.max_body, metavar="BYTES",
+                        help=f"largest upload; bigger ones get 413 (default {DEFAULTS.max_body})")
+    parser.add_argument("--max-pixels", type=int, default=DEFAULTS.max_pixels, metavar="N",
+                        help=f"largest image in pixels; bigger ones get 400 (default {DEFAULTS.max_pixels})")
+    parser.add_argument("--top-k", type=int, default=DEFAULTS.top_k, metavar="K",
+                        help=f"labels per answer unless the request asks (default {DEFAULTS.top_k})")
     parser.add_argument("--device", choices=("auto", "cpu", "numpy"), default="auto",
                         help="backend: auto (Numba when installed, else NumPy), cpu (Numba), numpy")
     return parser
@@ -109,7 +131,7 @@ def server_for(model, host: str, port: int, device: str = "auto", threads: int =
     try:
         import uvicorn
 
-        from lnn.tools.serve_app import ServeConfig, create_app
+        from lnn.tools.serve_app import create_app
     except ImportError as err:
         raise LnnError(f"lnn-serve needs the serve extra ({err}): pip install 'lnn[serve]'") from None
     from lnn.runtime import resolve_device

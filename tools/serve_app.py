@@ -39,24 +39,13 @@ from starlette.routing import Route
 
 from lnn.formats.errors import LnnInputError
 from lnn.tools.infer import Answer
+from lnn.tools.serve import ServeConfig
 
 UPLOAD_NAME = "upload"                  # the answer's "file" for a raw-body upload (multipart gives its filename)
 RETRY_AFTER_S = 1                       # what a 503 asks the phone to wait
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 disable_created_metrics()               # no *_created series: only what a station's dashboard reads
-
-
-@dataclass
-class ServeConfig:
-    max_batch: int = 16
-    max_delay_s: float = 0.010
-    queue: int = 64                     # requests in the server at once (reading, decoding, waiting, computing)
-    timeout_s: float = 10.0
-    max_body: int = 10_000_000
-    max_pixels: int = 40_000_000
-    top_k: int = 3
-    decode_threads: int = os.cpu_count() or 1
 
 
 # --------------------------------------------------------------------------- one image: decode, answer

@@ -27,8 +27,8 @@ import lnn  # noqa: E402
 from cli_helpers import assert_one_line_error, run_command  # noqa: E402
 from conftest import EXAMPLES  # noqa: E402
 from lnn.tools.infer import DEFAULT_MODEL, Answer  # noqa: E402
-from lnn.tools.serve import launch_process, listening_socket  # noqa: E402
-from lnn.tools.serve_app import ServeConfig, batch_sizes, create_app, predict_padded  # noqa: E402
+from lnn.tools.serve import ServeConfig, launch_process, listening_socket  # noqa: E402
+from lnn.tools.serve_app import batch_sizes, create_app, predict_padded  # noqa: E402
 
 LEAVES = sorted((EXAMPLES / "leaves").glob("*.jpg"))
 
