@@ -105,4 +105,7 @@ def test_uncertain_answer_shows_the_retake_reason(browser, server_url):
     page.wait_for_function("document.querySelector('#headline').textContent.includes('Uncertain')", timeout=WAIT_MS)
     assert "blurred" in page.text_content("#advice") and "Hold the phone still" in page.text_content("#advice")
     assert page.locator("#others li").count() == 2           # the guesses are listed, not given as the answer
+    answer.update(reason="not_a_leaf", instruction="Photograph one tomato leaf, close up.")    # the server's words win
+    page.locator("#photo").set_input_files(str(EXAMPLES / "leaves" / "healthy.jpg"))
+    page.wait_for_function("document.querySelector('#advice').textContent.includes('close up.')", timeout=WAIT_MS)
     page.close()
