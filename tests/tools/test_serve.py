@@ -28,7 +28,7 @@ from cli_helpers import assert_one_line_error, run_command  # noqa: E402
 from conftest import EXAMPLES  # noqa: E402
 from lnn.tools.infer import DEFAULT_MODEL, Answer  # noqa: E402
 from lnn.tools.serve import ServeConfig, launch_process, listening_socket  # noqa: E402
-from lnn.tools.serve_app import batch_sizes, create_app, predict_padded  # noqa: E402
+from lnn.tools.serve_app import chunk_sizes, create_app, predict_in_chunks  # noqa: E402
 
 LEAVES = sorted((EXAMPLES / "leaves").glob("*.jpg"))
 
@@ -171,12 +171,12 @@ def slow_upload(photo: bytes, pause_s: float):
     yield photo[1000:]
 
 
-def test_padded_batches_give_the_unpadded_answers(session):
-    images = np.stack([session.prepare_image(path) for path in LEAVES[:5]])
-    assert batch_sizes(16) == [1, 2, 4, 8, 16] and batch_sizes(12) == [1, 2, 4, 8, 12] and batch_sizes(1) == [1]
-    padded = predict_padded(session, images, 16)             # computed as a batch of 8
-    assert padded.shape == (5, len(session.labels))
-    np.testing.assert_allclose(padded, session.predict(images), rtol=1e-5, atol=1e-6)
+def test_batches_computed_in_chunks_give_the_whole_batchs_answers(session):
+    images = np.stack([session.prepare_image(path) for path in LEAVES] + [session.prepare_image(LEAVES[0])] * 5)
+    assert chunk_sizes(13) == [8, 4, 1] and chunk_sizes(16) == [8, 8] and chunk_sizes(7) == [4, 2, 1]
+    chunked = predict_in_chunks(session, images)
+    assert chunked.shape == (13, len(session.labels))
+    np.testing.assert_allclose(chunked, session.predict(images), rtol=1e-5, atol=1e-6)
 
 
 def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
