@@ -1,6 +1,7 @@
 """lnn-serve's page for phones in a real headless Chromium (Debian's `chromium`, driven by Playwright):
 take a photo (the file input), read the answer in words with its advice, see it in this phone's history,
-get a retake reason for an uncertain answer, and a one-line reason for a file that is not a photo.
+get a retake reason for an uncertain answer, and a one-line reason for a file that is not a photo; a
+large photo is shrunk to 1600 px on the phone before it is sent.
 
 The server is the real command on a free loopback port. The retake case answers with a routed response
 carrying the trust gate's `reason` field, so the page's wording is tested whatever the model answers.
@@ -89,6 +90,31 @@ def test_not_a_photo_gets_the_servers_reason(browser, server_url, tmp_path):
     page.wait_for_function("document.querySelector('#headline').textContent.includes('No answer')", timeout=WAIT_MS)
     assert "not an image" in page.text_content("#advice")
     assert page.locator("#history li").count() == 0
+    page.close()
+
+
+def test_a_large_photo_is_shrunk_on_the_phone_before_sending(browser, server_url, tmp_path):
+    import cv2
+    import numpy as np
+
+    leaf = cv2.imread(str(EXAMPLES / "leaves" / "late_blight.jpg"))
+    cv2.imwrite(str(tmp_path / "big.jpg"), cv2.resize(leaf, (2400, 1800)))
+    sent = []
+
+    def keep_and_send(route):
+        sent.append(route.request.post_data_buffer)
+        route.continue_()
+
+    page = browser.new_page(viewport=PHONE)
+    wait_ready(page, server_url)
+    page.goto(server_url)
+    page.route("**/v1/classify", keep_and_send)
+    page.locator("#photo").set_input_files(str(tmp_path / "big.jpg"))
+    page.wait_for_function("document.querySelector('#headline').textContent.includes('Late blight')", timeout=WAIT_MS)
+    body = sent[0]
+    jpeg = body[body.index(b"\xff\xd8\xff"):]                # the form's file part
+    height, width = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR).shape[:2]
+    assert (width, height) == (1600, 1200)
     page.close()
 
 
