@@ -29,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+from PIL import Image                   # the upload's header only (check_pixels); the serve extra installs it
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 from starlette.applications import Starlette
@@ -38,6 +39,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from lnn.formats.errors import LnnInputError
+from lnn.tools.cli import error_line
 from lnn.tools.infer import Answer
 from lnn.tools.serve import ServeConfig
 
@@ -54,8 +56,6 @@ def check_pixels(data: bytes, max_pixels: int) -> None:
     """Refuse an image whose header declares more than max_pixels, before anything decodes it (a
     decompression bomb: a small file that would expand into gigabytes). Pillow reads the header only;
     a file Pillow cannot parse is left to the decoder, which names the problem."""
-    from PIL import Image
-
     over = f"over the limit of {max_pixels:,} pixels; send a smaller photo"
     try:
         with Image.open(io.BytesIO(data)) as header:
@@ -76,9 +76,7 @@ def prepare_upload(session, data: bytes, max_pixels: int) -> np.ndarray:
 
 
 def load_image_libraries() -> None:
-    """Import the decoders at startup, so the first photo does not pay for it (OpenCV's import is ~0.2 s)."""
-    from PIL import Image  # noqa: F401
-
+    """Import the decoder at startup, so the first photo does not pay for it (OpenCV's import is ~0.2 s)."""
     from lnn.runtime.preprocess import image_library
 
     image_library()
@@ -320,12 +318,17 @@ def create_app(session, config: ServeConfig) -> Starlette:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(decoders, load_image_libraries)
         warming = loop.create_task(batcher.warm_up())           # /healthz answers meanwhile; /readyz once done
+        warming.add_done_callback(report_failed_warm_up)
         try:
             yield
         finally:
             warming.cancel()
             await batcher.close()
             decoders.shutdown(wait=False, cancel_futures=True)
+
+    def report_failed_warm_up(task) -> None:
+        if not task.cancelled() and task.exception() is not None:      # /readyz stays 503, requests get 504
+            error_line("lnn-serve", f"the model failed its warm-up and answers nothing: {task.exception()}")
 
     async def answer(request: Request) -> dict:
         data, name = await upload_from(request, config.max_body)
