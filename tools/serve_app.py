@@ -9,10 +9,11 @@
 
 A request's path: admission (more than --queue requests in the server -> 503 with Retry-After), the body
 read up to --max-body (413), decode + preprocessing on a thread pool (400 with lnn-infer's one-line reason),
-then the Batcher, which merges the images waiting into one Session call (up to --max-batch images, waiting
-at most --max-delay-ms for more after the first) on ONE inference thread, so decoding the next requests
-runs while a batch is computed. No answer within --timeout -> 504. Every request gets exactly one of
-200 / 4xx / 503 / 504, and each is counted in /metrics.
+then the Batcher, which merges the images waiting into one batch (up to --max-batch images, waiting at
+most --max-delay-ms after the first while other photos are still being decoded) computed on ONE inference
+thread, so decoding the next requests runs while a batch is computed. No answer within --timeout -> 504.
+Every request gets exactly one of 200 / 4xx / 503 / 504 (500 only for a fault of the server itself), and
+each is counted in /metrics.
 """
 
 from __future__ import annotations
