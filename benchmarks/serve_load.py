@@ -1,7 +1,7 @@
 """lnn-serve under load, on loopback only: dynamic batching on and off, against onnxruntime behind the same
 Starlette + uvicorn stack without batching (the server a user would otherwise write), side by side.
 
-    python benchmarks/serve_load.py                    # clients 1, 4, 16, 64 (+ an overload row), ~4 minutes
+    python benchmarks/serve_load.py                    # clients 1, 4, 16, 64 (+ an overload row), ~6 minutes
     python benchmarks/serve_load.py --soak 300         # also the 5-minute soak at 16 clients (RSS growth)
 
 Each server is its own process on 127.0.0.1 (a free port); this script is the clients: closed-loop, each
@@ -231,7 +231,8 @@ def start_servers(onnx_path: Path) -> dict:
             "lnn, no batching (max 1)": launch_process(*common, "--max-batch", "1"),
             "onnxruntime, no batching": launch_process("--onnx-server", onnx_path, "--port", "0",
                                                        program=(__file__,)),
-            "lnn, batching, --threads 2": launch_process(*common, "--threads", "2")}
+            "lnn, batching, --threads 2": launch_process(*common, "--threads", "2"),
+            "lnn, batching, --max-delay-ms 0": launch_process(*common, "--max-delay-ms", "0")}
 
 
 def draw(rows: list, path: Path) -> None:
@@ -339,8 +340,9 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
         f"Load average when it started: {load_before:.2f}{args.note}.",
         f"Loopback only; each server its own process (`lnn-serve --device cpu`: one inference thread with one "
         f"Numba/BLAS thread, photos decoded on a pool of one thread per core; onnxruntime with one intra-op "
-        f"thread per call, one call per request on Starlette's thread pool, so calls run side by side; the last "
-        f"server splits each batch over 2 Numba threads), the clients in this "
+        f"thread per call, one call per request on Starlette's thread pool, so calls run side by side; "
+        f"`--threads 2` splits each batch over 2 Numba threads; `--max-delay-ms 0` never waits for photos "
+        f"still being decoded), the clients in this "
         f"script's process on the same cores. Closed loop: each client sends a 256×256 JPEG of a real leaf "
         f"({len(photos)} photos) and waits for the answer; {WARMUP_S:g} s of warm-up, then {args.seconds:g} s "
         f"measured. Latency is the client's, send to answer. CPU ms per request: the server process's user + "
@@ -407,7 +409,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--overload", type=int, default=128, help="clients of the overload row (batching server)")
-    parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per run")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per run")
     parser.add_argument("--max-requests", type=int, default=50_000, help="most requests per run")
     parser.add_argument("--soak", type=float, default=0, metavar="S", help="also soak for S seconds (300 = the target)")
     parser.add_argument("--no-load", action="store_true", help="only the soak")
