@@ -20,6 +20,9 @@ few images) suits a process that answers once and exits.
 
 The answer's wording (labels, uncertainty, advice) comes from lnn-infer's Answer class, so the window
 and the command line always agree.
+
+The Phones menu runs lnn-serve (tools/serve.py's BackgroundServer) on a thread of this process, on every
+network, port 8080, with the window's model, and shows the address phones on the station's Wi-Fi open.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ UNCERTAIN_HEADLINES = {"low_confidence": "Uncertain — take a clearer photo of 
                        "not_a_leaf": "Not a leaf this model knows — no diagnosis"}
 RETAKE_HEADLINE = "Retake the photo — no diagnosis"          # the photo checks' reasons
 REPORT_COLUMNS = ("time", "photo", "result", "confidence", "uncertain", "second", "third", "advice", "model")
+PHONE_SERVER_HOST, PHONE_SERVER_PORT = "0.0.0.0", 8080      # every network of this computer: the station's Wi-Fi
 
 
 # --------------------------------------------------------------------------- the worker thread
@@ -163,6 +167,7 @@ class FieldApp:
         self.model_name = ""
         self.busy = False
         self.shown_image = None             # keeps the PhotoImage alive while it is on screen
+        self.phone_server = None            # lnn-serve's BackgroundServer while the Phones menu has it running
         self._build()
         self.worker.start()
         self.open_model(model_path or DEFAULT_MODEL)
@@ -174,6 +179,11 @@ class FieldApp:
         root = self.root
         root.title(TITLE)
         root.minsize(760, 520)
+        menubar = tk.Menu(root)
+        self.phones_menu = tk.Menu(menubar, tearoff=False)
+        self.phones_menu.add_command(label="Start the phone server…", command=self.toggle_phone_server)
+        menubar.add_cascade(label="Phones", menu=self.phones_menu)
+        root.configure(menu=menubar)
         bar = ttk.Frame(root, padding=6)
         bar.pack(side="top", fill="x")
         ttk.Button(bar, text="Open photo…", command=self._ask_photos).pack(side="left")
@@ -285,6 +295,36 @@ class FieldApp:
                                  f"{answer.confidence:.4f}", int(answer.uncertain), *others,
                                  result.get("advice", answer.instruction or ""), model])
         self.status.set(f"Report saved: {path}")
+
+    def toggle_phone_server(self, host: str = PHONE_SERVER_HOST, port: int = PHONE_SERVER_PORT) -> str:
+        """The Phones menu: start lnn-serve in the background with the model in use, or stop it. The dialog
+        says which address phones open; returns its text."""
+        from lnn.tools.serve import ALL_NETWORKS, BackgroundServer, lan_address
+
+        if self.phone_server is not None:
+            self.phone_server.stop()
+            self.phone_server = None
+            self.phones_menu.entryconfigure(0, label="Start the phone server…")
+            text = "The phone server is stopped; phones get no more answers from this computer."
+            messagebox.showinfo(TITLE, text, parent=self.root)
+            return text
+        try:
+            self.phone_server = BackgroundServer(self.worker.model_path or DEFAULT_MODEL, host, port)
+        except LnnError as err:                 # no serve extra, the port in use, a bad model: one line
+            text = f"The phone server could not start:\n{err}"
+            messagebox.showerror(TITLE, text, parent=self.root)
+            return text
+        url = self.phone_server.url
+        self.phones_menu.entryconfigure(0, label=f"Stop the phone server ({url})")
+        reach = (f"The server listens on every network of this computer ({host}), so any phone on the same Wi-Fi "
+                 f"reaches it" if host in ALL_NETWORKS else f"The server listens on {host} only")
+        text = (f"Phones on this station's Wi-Fi can now open\n\n    {url}\n\nin their browser, take a photo of "
+                f"a leaf and get the answer. {reach}; no internet is needed. Stop it from the Phones menu.")
+        if host in ALL_NETWORKS and lan_address() == "127.0.0.1":
+            text += ("\n\nThis computer is on no network now: connect it to the station's Wi-Fi, then stop and "
+                     "start the phone server again to see its address there.")
+        messagebox.showinfo(TITLE, text, parent=self.root)
+        return text
 
     # ---- results from the worker
 

@@ -1,0 +1,441 @@
+"""lnn-serve under load, on loopback only: dynamic batching on and off, against onnxruntime behind the same
+Starlette + uvicorn stack without batching (the server a user would otherwise write), side by side.
+
+    python benchmarks/serve_load.py                    # clients 1, 4, 16, 64 (+ an overload row), ~6 minutes
+    python benchmarks/serve_load.py --soak 300         # also the 5-minute soak at 16 clients (RSS growth)
+
+Each server is its own process on 127.0.0.1 (a free port); this script is the clients: closed-loop, each
+sends a 256x256 JPEG of a real tomato leaf (from ../shared/data/tomato, else examples/leaves) as the body,
+waits for the answer, sends the next; a 503 waits its Retry-After. Every run is bounded in time and in
+requests, and the servers are stopped at the end. Reported per server and client count: throughput (answers
+per second), p50/p95/p99 latency of the answers, the batch-size distribution (lnn's /metrics), refusals
+(503), requests without an answer (none expected) and answers that differ from lnn's own for that photo.
+Writes the `serve_load` (and `serve_soak`) sections of docs/BENCHMARKS.md and docs/images/serve_load.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import machine_line, markdown_table, update_section  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = REPO / "models" / "tomato_leaf.bin"
+SHARED = Path(os.environ.get("LNN_SHARED") or REPO.parent / "shared")
+TOMATO = SHARED / "data" / "tomato"
+REFERENCE_MODELS = SHARED / "reference_models"
+PICTURE = REPO / "docs" / "images" / "serve_load.png"
+UPLOAD_SIDE = 256
+PHOTOS = 64
+WARMUP_S = 3.0
+BATCH_EDGES = (1, 2, 4, 8, 16)           # batch-size histogram buckets shown (from lnn's /metrics)
+
+
+# --------------------------------------------------------------------------- the onnxruntime anchor server
+
+def onnx_server(onnx_path: str, model_path: str, host: str, port: int) -> None:
+    """onnxruntime behind Starlette + uvicorn, one InferenceSession call per request on Starlette's thread
+    pool (onnxruntime releases the GIL, so requests compute side by side, one intra-op thread each), lnn's
+    decoding, preprocessing and answer: no batching."""
+    import onnxruntime
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    import lnn
+    from lnn.formats.errors import LnnInputError
+    from lnn.tools.serve import listening_socket, print_banner
+    from lnn.tools.serve_app import answer_record
+
+    session = lnn.load(model_path, device="numpy")          # labels and preprocessing only
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1            # requests run side by side on the pool: one thread each
+    ort = onnxruntime.InferenceSession(onnx_path, options, providers=["CPUExecutionProvider"])
+    input_name = ort.get_inputs()[0].name
+
+    def probabilities(image):
+        out = ort.run(None, {input_name: image[None]})[0][0]
+        if session.outputs_probabilities:
+            return out
+        shifted = np.exp(out - out.max())
+        return shifted / shifted.sum()
+
+    async def classify(request):
+        try:
+            image = await run_in_threadpool(session.prepare_image, await request.body())
+        except LnnInputError as err:
+            return JSONResponse({"error": str(err), "status": 400}, 400)
+        return JSONResponse(answer_record(session, await run_in_threadpool(probabilities, image), "upload", 3))
+
+    async def ready(request):
+        return JSONResponse({"ready": True})
+
+    app = Starlette(routes=[Route("/v1/classify", classify, methods=["POST"]), Route("/readyz", ready)])
+    sock = listening_socket(host, port)
+    print_banner(host, sock)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+
+
+# --------------------------------------------------------------------------- photos and clients
+
+def upload_photos(count: int) -> list:
+    """`count` real leaf photos, each resized to 256x256 and encoded as JPEG (quality 90), in memory only."""
+    import cv2
+
+    paths = sorted(TOMATO.rglob("*.jpg")) if TOMATO.is_dir() else []
+    paths = paths[::max(1, len(paths) // count)][:count] or sorted((REPO / "examples" / "leaves").glob("*.jpg"))
+    photos = []
+    for path in paths:
+        image = cv2.resize(cv2.imread(str(path)), (UPLOAD_SIDE, UPLOAD_SIDE), interpolation=cv2.INTER_AREA)
+        photos.append(cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, 90])[1].tobytes())
+    return photos
+
+
+def expected_labels(photos: list, model: Path = MODEL) -> list:
+    """lnn's own answer for each upload, computed here without a server."""
+    import lnn
+
+    session = lnn.load(model, device="numpy")
+    batch = np.stack([session.prepare_image(photo) for photo in photos])
+    return [session.labels[i]["name"] for i in session.predict(batch).argmax(axis=1)]
+
+
+class Tally:
+    def __init__(self):
+        self.latencies, self.statuses, self.no_answer, self.mismatched = [], collections.Counter(), 0, 0
+
+
+async def closed_loop(url: str, photos: list, labels: list, clients: int, seconds: float, max_requests: int,
+                      tally: Tally | None) -> None:
+    """`clients` clients, each sending a photo and waiting for its answer, for `seconds` or `max_requests`."""
+    import httpx
+
+    end = time.perf_counter() + seconds
+    sent = 0
+
+    async def one_client(number: int):        # a client of its own each (httpx's shared pool costs O(clients))
+        nonlocal sent
+        index = number
+        async with httpx.AsyncClient(timeout=60, verify=False) as client:      # http only: no certificates to load
+            while time.perf_counter() < end and sent < max_requests:
+                sent += 1
+                photo = index % len(photos)
+                index += clients
+                started = time.perf_counter()
+                try:
+                    response = await client.post(url + "v1/classify", content=photos[photo],
+                                                 headers={"content-type": "image/jpeg"})
+                except httpx.HTTPError:
+                    if tally is not None:
+                        tally.no_answer += 1
+                    continue
+                elapsed = time.perf_counter() - started
+                if tally is not None:
+                    tally.statuses[response.status_code] += 1
+                    if response.status_code == 200:
+                        tally.latencies.append(elapsed)
+                        tally.mismatched += response.json()["label"] != labels[photo]
+                if response.status_code == 503:
+                    await asyncio.sleep(float(response.headers.get("Retry-After", 1)))
+
+    await asyncio.gather(*(one_client(number) for number in range(clients)))
+
+
+def batch_buckets(url: str) -> dict | None:
+    """lnn_serve_batch_size's cumulative bucket counts from /metrics (None for a server without them)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(url + "metrics")
+    if response.status_code != 200:
+        return None
+    return {float(sample.labels["le"]): sample.value for family in text_string_to_metric_families(response.text)
+            for sample in family.samples if sample.name == "lnn_serve_batch_size_bucket"}
+
+
+def batch_distribution(before: dict | None, after: dict | None) -> str:
+    if before is None:
+        return "— (no batching)"
+    counts = {edge: after[edge] - before[edge] for edge in after}
+    total = counts[float("inf")]
+    if not total:
+        return "—"
+    parts, previous, low = [], 0.0, 1
+    for edge in BATCH_EDGES:
+        share = (counts[float(edge)] - previous) / total
+        previous = counts[float(edge)]
+        if share >= 0.005:
+            parts.append(f"{low if low == edge else f'{low}–{edge}'}: {share:.0%}")
+        low = edge + 1
+    return ", ".join(parts)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (its threads included), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def wait_ready(url: str, timeout_s: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(url + "readyz").status_code != 200:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{url} never became ready")
+        time.sleep(0.1)
+
+
+def measure(url, pid, photos, labels, clients, seconds, max_requests) -> dict:
+    asyncio.run(closed_loop(url, photos, labels, clients, WARMUP_S, max_requests, None))
+    before = batch_buckets(url)
+    tally = Tally()
+    server_cpu, client_cpu, started = cpu_seconds(pid), time.process_time(), time.perf_counter()
+    asyncio.run(closed_loop(url, photos, labels, clients, seconds, max_requests, tally))
+    elapsed = time.perf_counter() - started
+    server_cpu, client_cpu = cpu_seconds(pid) - server_cpu, time.process_time() - client_cpu
+    requests = sum(tally.statuses.values()) or 1
+    latencies = np.array(tally.latencies) * 1000
+    p50, p95, p99 = np.percentile(latencies, [50, 95, 99]) if len(latencies) else (float("nan"),) * 3
+    return {"clients": clients, "throughput": len(latencies) / elapsed, "p50": p50, "p95": p95, "p99": p99,
+            "batches": batch_distribution(before, batch_buckets(url)), "refused": tally.statuses[503],
+            "errors": sum(n for status, n in tally.statuses.items() if status not in (200, 503)),
+            "no_answer": tally.no_answer, "mismatched": tally.mismatched, "answers": len(latencies),
+            "server_cpu_ms": 1000 * server_cpu / requests, "client_cpu_ms": 1000 * client_cpu / requests}
+
+
+# --------------------------------------------------------------------------- the runs
+
+def start_servers(onnx_path: Path) -> dict:
+    from lnn.tools.serve import launch_process
+
+    common = ("--model", MODEL, "--port", "0", "--device", "cpu")
+    return {"lnn, batching (max 16, 10 ms)": launch_process(*common),
+            "lnn, no batching (max 1)": launch_process(*common, "--max-batch", "1"),
+            "onnxruntime, no batching": launch_process("--onnx-server", onnx_path, "--port", "0",
+                                                       program=(__file__,)),
+            "lnn, batching, --threads 2": launch_process(*common, "--threads", "2"),
+            "lnn, batching, --max-delay-ms 0": launch_process(*common, "--max-delay-ms", "0")}
+
+
+def draw(rows: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for server in dict.fromkeys(row["server"] for row in rows):
+        mine = [row for row in rows if row["server"] == server and row["clients"] in (1, 4, 16, 64)]
+        clients = [row["clients"] for row in mine]
+        left.plot(clients, [row["throughput"] for row in mine], marker="o", label=server)
+        right.plot(clients, [row["p99"] for row in mine], marker="o", label=server)
+    for axis, title in ((left, "answers per second"), (right, "p99 latency, ms")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("parallel clients")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    right.set_yscale("log")
+    left.legend(fontsize=8)
+    figure.suptitle("lnn-serve on loopback, tomato_leaf, 256x256 JPEG uploads (benchmarks/serve_load.py)")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+
+
+def run_plan(servers: dict, plan: list, photos, labels, args) -> list:
+    """Measure each (server name, clients) of the plan; the servers are stopped at the end."""
+    from tqdm import tqdm
+
+    rows = []
+    try:
+        for _, url in servers.values():
+            wait_ready(url)
+        for name, clients in tqdm(plan, desc="load runs", unit="run"):
+            process, url = servers[name]
+            row = measure(url, process.pid, photos, labels, clients, args.seconds, args.max_requests)
+            rows.append({"server": name, **row})
+            tqdm.write(f"{name:32} {clients:3} clients  {row['throughput']:7.1f}/s  p50 {row['p50']:7.1f}  "
+                       f"p99 {row['p99']:7.1f} ms  batches {row['batches']}  503: {row['refused']}  "
+                       f"errors {row['errors']}  unanswered {row['no_answer']}  mismatched {row['mismatched']}  "
+                       f"CPU ms/request server {row['server_cpu_ms']:.1f} client {row['client_cpu_ms']:.1f}")
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=60)
+    return rows
+
+
+def rows_table(rows: list) -> str:
+    return markdown_table(
+        ["server", "clients", "answers/s", "p50 ms", "p95 ms", "p99 ms", "batch sizes", "503 refused",
+         "other errors", "no answer", "answers ≠ lnn's", "server CPU ms/req", "client CPU ms/req"],
+        [[row["server"], row["clients"], f"{row['throughput']:.1f}", f"{row['p50']:.1f}", f"{row['p95']:.1f}",
+          f"{row['p99']:.1f}", row["batches"], row["refused"], row["errors"], row["no_answer"], row["mismatched"],
+          f"{row['server_cpu_ms']:.1f}", f"{row['client_cpu_ms']:.1f}"]
+         for row in rows])
+
+
+def heavy_model(folder: Path) -> Path | None:
+    """The reference leaf_cnn224 (224x224 input, random weights) as a .bin, from ../shared/reference_models;
+    None when that is absent."""
+    import contextlib
+    import io
+
+    from lnn.tools.export import main as export_main
+
+    weights = REFERENCE_MODELS / "leaf_cnn224.weights.npz"
+    if not weights.exists():
+        return None
+    out = folder / "leaf_cnn224.bin"
+    with contextlib.redirect_stdout(io.StringIO()):
+        export_main([str(REPO / "examples" / "reference" / "leaf_cnn224.json"), "--weights", str(weights), "-o", str(out)])
+    return out
+
+
+def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
+    from lnn.tools.serve import launch_process
+
+    load_before = os.getloadavg()[0]
+    servers = start_servers(onnx_path)
+    plan = [(name, clients) for name in servers for clients in args.clients] + [(next(iter(servers)), args.overload)]
+    rows = run_plan(servers, plan, photos, labels, args)
+    draw(rows, PICTURE)
+    by = {(row["server"], row["clients"]): row for row in rows}
+    batched, unbatched = (by[(name, 16)]["throughput"] for name in list(servers)[:2])
+    heavy_part = []
+    if heavy is not None:
+        common = ("--model", heavy, "--port", "0", "--device", "cpu")
+        heavy_servers = {"leaf_cnn224, batching, --threads 2": launch_process(*common, "--threads", "2"),
+                         "leaf_cnn224, no batching": launch_process(*common, "--max-batch", "1")}
+        heavy_rows = run_plan(heavy_servers, [(name, 16) for name in heavy_servers], photos,
+                              expected_labels(photos, heavy), args)
+        heavy_part = ["### A model whose inference dominates: the reference leaf_cnn224, 16 clients",
+                      "The same uploads and clients; leaf_cnn224 (224×224 input, random reference weights: "
+                      "its answers mean nothing) costs several times the bundled model's server CPU per photo, "
+                      "so inference, not HTTP and decoding, takes most of it. A batch split over 2 Numba threads "
+                      "can use both cores; one photo at a time cannot (2 BLAS threads on one photo's small "
+                      "products made it about 10× slower on the busy machine).",
+                      rows_table(heavy_rows)]
+    update_section("serve_load", "\n\n".join([
+        "## lnn-serve under load (dynamic batching on and off, onnxruntime behind the same stack)",
+        f"Command: `python benchmarks/serve_load.py --seconds {args.seconds:g}`. Machine: {machine_line()}. "
+        f"Load average when it started: {load_before:.2f}{args.note}.",
+        f"Loopback only; each server its own process (`lnn-serve --device cpu`: one inference thread with one "
+        f"Numba/BLAS thread, photos decoded on a pool of one thread per core; onnxruntime with one intra-op "
+        f"thread per call, one call per request on Starlette's thread pool, so calls run side by side; "
+        f"`--threads 2` splits each batch over 2 Numba threads; `--max-delay-ms 0` never waits for photos "
+        f"still being decoded), the clients in this "
+        f"script's process on the same cores. Closed loop: each client sends a 256×256 JPEG of a real leaf "
+        f"({len(photos)} photos) and waits for the answer; {WARMUP_S:g} s of warm-up, then {args.seconds:g} s "
+        f"measured. Latency is the client's, send to answer. CPU ms per request: the server process's user + "
+        f"system time (all its threads) and this client's, over the requests sent, a figure less sensitive to "
+        f"other work on the machine than the wall times. The last row overloads the batching server past "
+        f"its --queue 64 on purpose: the refused get 503 and wait their Retry-After.",
+        f"At 16 clients: batching {batched:.1f} answers/s against {unbatched:.1f} without "
+        f"({batched / unbatched:.2f}×; target ≥ 2×), p99 {by[(list(servers)[0], 16)]['p99']:.0f} ms "
+        f"(target ≤ 200 ms).",
+        rows_table(rows),
+        "![throughput and p99 latency](images/serve_load.png)",
+        *heavy_part]))
+    print(f"wrote the serve_load section of docs/BENCHMARKS.md and {PICTURE}")
+
+
+def run_soak(args, photos, labels) -> None:
+    """16 clients against the batching server for args.soak seconds; RSS sampled every few seconds."""
+    from tqdm import tqdm
+
+    from lnn.tools.serve import launch_process
+
+    load_before = os.getloadavg()[0]
+    process, url = launch_process("--model", MODEL, "--port", "0", "--device", "cpu")
+    samples = []
+    tally = Tally()
+    try:
+        wait_ready(url)
+        warmup = min(30.0, args.soak / 10)
+        chunk = 5.0
+        started = time.perf_counter()
+        with tqdm(total=int(args.soak), desc="soak", unit="s") as bar:
+            while (done := time.perf_counter() - started) < args.soak:
+                seconds = min(chunk, args.soak - done)
+                asyncio.run(closed_loop(url, photos, labels, 16, seconds, 10**9,
+                                        tally if done >= warmup else None))
+                samples.append((time.perf_counter() - started, rss_mib(process.pid)))
+                bar.update(int(samples[-1][0]) - bar.n)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    after_warmup = next(rss for at, rss in samples if at >= warmup)
+    peak, last = max(rss for at, rss in samples if at >= warmup), samples[-1][1]
+    growth = (last - after_warmup) / after_warmup
+    answers = tally.statuses[200]
+    errors = sum(n for status, n in tally.statuses.items() if status not in (200, 503))
+    measured = args.soak - warmup
+    summary = (f"soak {args.soak:g} s at 16 clients: {answers} answers ({answers / measured:.1f}/s), "
+               f"p99 {np.percentile(np.array(tally.latencies) * 1000, 99):.1f} ms, 503 refused {tally.statuses[503]}, "
+               f"other errors {errors}, no answer {tally.no_answer}, answers ≠ lnn's {tally.mismatched}; RSS after "
+               f"{warmup:g} s warm-up {after_warmup:.1f} MiB, peak {peak:.1f} MiB, at the end {last:.1f} MiB "
+               f"(growth {growth:+.1%}; target ≤ +10%)")
+    print(summary)
+    update_section("serve_soak", "\n\n".join([
+        f"## lnn-serve soak: 16 clients for {args.soak / 60:g} minutes, RSS",
+        f"Command: `python benchmarks/serve_load.py --soak {args.soak:g}`. Machine: {machine_line()}. "
+        f"Load average when it started: {load_before:.2f}{args.note}.",
+        "The batching server (`lnn-serve --device cpu`, defaults), 16 closed-loop clients on loopback; the "
+        "server's resident memory (VmRSS) sampled every 5 s; figures counted after the warm-up.",
+        summary + ".",
+        markdown_table(["seconds", "RSS MiB"], [[f"{at:.0f}", f"{rss:.1f}"] for at, rss in samples[::6]])]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--overload", type=int, default=128, help="clients of the overload row (batching server)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per run")
+    parser.add_argument("--max-requests", type=int, default=50_000, help="most requests per run")
+    parser.add_argument("--soak", type=float, default=0, metavar="S", help="also soak for S seconds (300 = the target)")
+    parser.add_argument("--no-load", action="store_true", help="only the soak")
+    parser.add_argument("--note", default="", help="text added after the load average (e.g. who else used the machine)")
+    parser.add_argument("--onnx-server", metavar="X.onnx", help=argparse.SUPPRESS)     # the anchor's own process
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.onnx_server:
+        onnx_server(args.onnx_server, str(MODEL), "127.0.0.1", args.port)
+        return 0
+    import tempfile
+
+    from lnn.formats.binfile import read_bin
+    from lnn.formats.onnx_export import export_bin_to_onnx
+
+    photos = upload_photos(PHOTOS)
+    labels = expected_labels(photos)
+    with tempfile.TemporaryDirectory() as folder:
+        onnx_path = Path(folder) / "tomato_leaf.onnx"
+        export_bin_to_onnx(read_bin(MODEL), onnx_path)
+        if not args.no_load:
+            run_load(args, photos, labels, onnx_path, heavy_model(Path(folder)))
+    if args.soak:
+        run_soak(args, photos, labels)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

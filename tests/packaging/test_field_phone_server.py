@@ -1,0 +1,77 @@
+"""lnn-field's Phones menu: it starts lnn-serve in the background with the window's model, the dialog
+gives the address phones open, a photo sent there gets its answer, and the same menu stops it.
+
+Runs the window on the virtual display of test_field_app.py (a child process per scenario, skipping
+without Xvfb or Tk). The test listens on loopback only (the menu's default is every network, 0.0.0.0)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_field_app import ANSWER_TIMEOUT_S, LEAVES, display, pump_until  # noqa: F401 (display: fixture)
+
+HERE = Path(__file__).resolve()
+
+
+def test_phones_menu_starts_and_stops_the_server(display):
+    pytest.importorskip("uvicorn")
+    result = subprocess.run([sys.executable, str(HERE)], env={**os.environ, "DISPLAY": display},
+                            capture_output=True, text=True, timeout=2 * ANSWER_TIMEOUT_S)
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_address_for_phones_is_the_lan_address_on_every_network():
+    from lnn.tools.serve import lan_address, phone_url
+
+    assert phone_url("0.0.0.0", 8080) == f"http://{lan_address()}:8080/"
+    assert phone_url("127.0.0.1", 9000) == "http://127.0.0.1:9000/"
+    assert lan_address().count(".") == 3
+
+
+def child() -> int:
+    import time
+    import tkinter as tk
+
+    import httpx
+
+    from lnn.tools import field_ui
+
+    try:
+        root = tk.Tk()
+    except tk.TclError as err:
+        print(f"Tk cannot open the virtual display: {err}")
+        return 3
+    dialogs = []
+    field_ui.messagebox.showinfo = lambda title, text, **_: dialogs.append(text)
+    app = field_ui.FieldApp(root)
+    pump_until(root, lambda: app.model_name and not app.busy)
+
+    text = app.toggle_phone_server("127.0.0.1", 0)
+    url = app.phone_server.url
+    assert url.startswith("http://127.0.0.1:") and url in text and url in app.phones_menu.entrycget(0, "label"), text
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    while httpx.get(url + "readyz").status_code != 200:
+        assert time.monotonic() < deadline, "the phone server never became ready"
+        time.sleep(0.1)
+    answer = httpx.post(url + "v1/classify", content=(LEAVES / "late_blight.jpg").read_bytes(), timeout=60).json()
+    assert answer["display"] == "Late blight", answer
+
+    assert "stopped" in app.toggle_phone_server()
+    assert app.phone_server is None and app.phones_menu.entrycget(0, "label").startswith("Start")
+    try:
+        httpx.get(url + "healthz", timeout=5)
+        raise AssertionError("the phone server still answers after Stop")
+    except httpx.ConnectError:
+        pass
+    assert len(dialogs) == 2
+    root.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child())

@@ -1,0 +1,304 @@
+"""lnn-serve: answers equal lnn-infer's, batches really merge (each request still gets its own image's
+answer), bad and excess input gets 400 / 413 / 503 / 504 with a one-line reason, metrics count what was
+sent, SIGTERM drains a request in flight and exits 0, and the command's own errors are one line.
+
+In-process tests run the app under uvicorn on a thread of the test, on a free loopback port, on the NumPy
+backend (no JIT compile); the process tests start the real command the same way."""
+
+import contextlib
+import hashlib
+import json
+import signal
+import struct
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+httpx = pytest.importorskip("httpx")
+import uvicorn  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+import lnn  # noqa: E402
+from cli_helpers import assert_one_line_error, run_command  # noqa: E402
+from conftest import EXAMPLES  # noqa: E402
+from lnn.tools.infer import DEFAULT_MODEL, Answer  # noqa: E402
+from lnn.tools.serve import ServeConfig, launch_process, listening_socket  # noqa: E402
+from lnn.tools.serve_app import chunk_sizes, create_app, predict_in_chunks  # noqa: E402
+
+LEAVES = sorted((EXAMPLES / "leaves").glob("*.jpg"))
+
+
+@pytest.fixture(scope="module")
+def session():
+    return lnn.load(DEFAULT_MODEL, device="numpy")
+
+
+def reference_answer(session, path, name, top_k=3) -> dict:
+    """lnn-infer's JSON object for one photo, computed without the server."""
+    probabilities = session.predict(session.prepare_image(path)[None])[0]
+    uncertain_below = session.metadata["thresholds"]["uncertain_below"]
+    return Answer(name, probabilities, session.labels, top_k, uncertain_below).as_dict()
+
+
+def assert_same_answer(got: dict, want: dict) -> None:
+    assert {k: v for k, v in got.items() if k not in ("confidence", "top_k")} == \
+        {k: v for k, v in want.items() if k not in ("confidence", "top_k")}
+    assert got["confidence"] == pytest.approx(want["confidence"], abs=1e-5)
+    assert [t["label"] for t in got["top_k"]] == [t["label"] for t in want["top_k"]]
+    assert [t["probability"] for t in got["top_k"]] == pytest.approx([t["probability"] for t in want["top_k"]], abs=1e-5)
+
+
+def wait_ready(client, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.get("/readyz").status_code != 200:
+        assert time.monotonic() < deadline, "the server never became ready"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def client_for(session, **settings):
+    """An httpx client of the app, served by uvicorn on a thread, on a free loopback port, once it is ready."""
+    sock = listening_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(session, ServeConfig(decode_threads=2, **settings)),
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60) as client:
+            deadline = time.monotonic() + 30
+            while not server.started:
+                assert time.monotonic() < deadline, "uvicorn did not start"
+                time.sleep(0.02)
+            assert client.get("/healthz").json() == {"alive": True}
+            wait_ready(client)
+            yield client
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def metric_samples(client) -> dict:
+    """(name, sorted label items) -> value, from /metrics parsed as Prometheus text."""
+    text = client.get("/metrics").text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+@pytest.fixture(scope="module")
+def served(session):
+    """One server for the tests that need no settings of their own (max batch 4, at most 1 megapixel)."""
+    with client_for(session, max_batch=4, max_pixels=1_000_000) as client:
+        yield client
+
+
+def counted(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A small, valid-looking PNG whose header declares width x height (a decompression bomb's shape)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 1024)) + chunk(b"IEND", b"")
+
+
+def test_answers_equal_lnn_infer_for_raw_and_multipart_uploads(session, served):
+    for path in LEAVES[:3]:
+        raw = served.post("/v1/classify", content=path.read_bytes())
+        assert raw.status_code == 200, raw.text
+        assert_same_answer(raw.json(), reference_answer(session, path, "upload"))
+        form = served.post("/v1/classify?top_k=5", files={"file": (path.name, path.read_bytes(), "image/jpeg")})
+        assert form.status_code == 200, form.text
+        assert_same_answer(form.json(), reference_answer(session, path, path.name, top_k=5))
+
+
+def test_lnn_infer_json_line_is_the_servers_object(served):
+    """Against the command itself: the same keys and values as `lnn-infer --json`."""
+    path = LEAVES[0]
+    result = run_command("infer", "--json", "--device", "numpy", path)
+    assert result.returncode == 0, result.stderr
+    answer = served.post("/v1/classify", files={"file": (str(path), path.read_bytes())}).json()
+    assert_same_answer(answer, json.loads(result.stdout))
+
+
+def test_batches_merge_and_each_request_gets_its_own_answer(session):
+    """Eight different photos sent at once, max batch 4: they are computed in merged batches, and each
+    answer is its own photo's (not a neighbour's in the batch)."""
+    with client_for(session, max_batch=4, max_delay_s=2.0) as client:
+        answers = {}
+
+        def send(path):
+            answers[path] = client.post("/v1/classify", files={"file": (path.name, path.read_bytes())})
+
+        threads = [threading.Thread(target=send, args=(path,)) for path in LEAVES]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        for path in LEAVES:
+            assert answers[path].status_code == 200
+            assert_same_answer(answers[path].json(), reference_answer(session, path, path.name))
+        assert len({answers[p].json()["label"] for p in LEAVES}) >= 6        # really different photos
+        metrics = metric_samples(client)
+    batches = metrics[("lnn_serve_batch_size_count", ())]
+    assert metrics[("lnn_serve_batch_size_sum", ())] == 8 and batches < 8
+    assert metrics[("lnn_serve_batch_size_bucket", (("le", "2.0"),))] < batches      # a batch of 3 or 4
+    assert metrics[("lnn_serve_requests_total", (("status", "200"),))] == 8
+
+
+def test_a_lone_request_does_not_wait_for_a_batch(session):
+    """With nobody else on the way the batch runs at once: a 5 s --max-delay-ms costs a lone phone nothing."""
+    photo = LEAVES[0].read_bytes()
+    with client_for(session, max_batch=16, max_delay_s=5.0) as client:
+        client.post("/v1/classify", content=photo)
+        started = time.perf_counter()
+        assert client.post("/v1/classify", content=photo).status_code == 200
+        assert time.perf_counter() - started < 2.5
+
+
+def slow_upload(photo: bytes, pause_s: float):
+    """A photo sent in two parts with a pause between (a phone on a weak Wi-Fi): the request stays in flight."""
+    yield photo[:1000]
+    time.sleep(pause_s)
+    yield photo[1000:]
+
+
+def test_batches_computed_in_chunks_give_the_whole_batchs_answers(session):
+    images = np.stack([session.prepare_image(path) for path in LEAVES] + [session.prepare_image(LEAVES[0])] * 5)
+    assert chunk_sizes(13) == [8, 4, 1] and chunk_sizes(16) == [8, 8] and chunk_sizes(7) == [4, 2, 1]
+    chunked = predict_in_chunks(session, images)
+    assert chunked.shape == (13, len(session.labels))
+    np.testing.assert_allclose(chunked, session.predict(images), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
+    truncated = LEAVES[0].read_bytes()[:2000]
+    (tmp_path / "cut.jpg").write_bytes(truncated)
+    cli = run_command("infer", "--device", "numpy", tmp_path / "cut.jpg")
+    cli_reason = cli.stderr.split("cut.jpg: ", 1)[1].strip()
+    before = metric_samples(served)
+    cases = {"not an image": b"hello, not a photo", "truncated": truncated, "empty": b"",
+             "over the limit of 1,000,000 pixels": png_declaring(5000, 5000)}
+    for fragment, body in cases.items():
+        response = served.post("/v1/classify", content=body)
+        assert response.status_code == 400, (fragment, response.text)
+        reason = response.json()["error"]
+        assert "\n" not in reason and (fragment in reason or fragment == "empty" and "empty" in reason), reason
+    assert served.post("/v1/classify", content=truncated).json()["error"].endswith(cli_reason)
+    no_field = served.post("/v1/classify", files={"photo": ("leaf.jpg", LEAVES[0].read_bytes())})
+    assert no_field.status_code == 400 and "`file` field" in no_field.json()["error"]
+    bad_k = served.post("/v1/classify?top_k=0", content=LEAVES[0].read_bytes())
+    assert bad_k.status_code == 400 and "top_k" in bad_k.json()["error"]
+    after = metric_samples(served)
+    assert counted(before, after, "lnn_serve_requests_total", status="400") == 7
+    assert counted(before, after, "lnn_serve_rejected_total", reason="bad_image") == 5
+
+
+def test_oversized_body_gets_413_declared_or_streamed(session):
+    photo = LEAVES[0].read_bytes()
+    with client_for(session, max_body=len(photo) - 1) as client:
+        declared = client.post("/v1/classify", content=photo)
+        streamed = client.post("/v1/classify", content=iter([photo[:1000], photo[1000:]]))   # chunked, no length
+        assert declared.status_code == streamed.status_code == 413
+        assert "limit" in declared.json()["error"]
+        assert client.post("/v1/classify", content=photo[:-2000]).status_code == 400        # under it: decoded
+
+
+def test_full_queue_gets_503_with_retry_after_and_slow_answers_504(session):
+    photo = LEAVES[0].read_bytes()
+    with client_for(session, queue=1, timeout_s=10) as client:
+        first = {}
+        holder = threading.Thread(target=lambda: first.setdefault(
+            "r", client.post("/v1/classify", content=slow_upload(photo, 1.5))))
+        holder.start()
+        time.sleep(0.5)                                 # the first request is still uploading
+        refused = client.post("/v1/classify", content=photo)
+        holder.join(30)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        assert "busy" in refused.json()["error"]
+        assert first["r"].status_code == 200
+        assert client.post("/v1/classify", content=photo).status_code == 200        # the slot is free again
+    with client_for(session, timeout_s=2.0) as client:
+        late = client.post("/v1/classify", content=slow_upload(photo, 3.0))
+        assert late.status_code == 504 and "2 s" in late.json()["error"]
+        assert client.post("/v1/classify", content=photo).status_code == 200
+        metrics = metric_samples(client)
+    assert metrics[("lnn_serve_rejected_total", (("reason", "timeout"),))] == 1
+    assert metrics[("lnn_serve_requests_total", (("status", "504"),))] == 1
+
+
+def test_model_page_and_metrics_endpoints(session, served):
+    info = served.get("/v1/model").json()
+    page = served.get("/")
+    metrics = served.get("/metrics")
+    assert info["sha256"] == hashlib.sha256(DEFAULT_MODEL.read_bytes()).hexdigest()
+    assert [label["label"] for label in info["labels"]] == [label["name"] for label in session.labels]
+    assert info["input"]["shape"] == list(session.input_shape) and info["name"] == session.model.name
+    assert page.status_code == 200 and 'capture="environment"' in page.text and "http" not in page.text.split("<script>")[1]
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert "lnn_serve_queue_depth" in metrics.text and "lnn_serve_request_seconds_bucket" in metrics.text
+
+
+def test_sigterm_drains_the_request_in_flight_and_exits_0():
+    """A real lnn-serve on a free loopback port: a request still uploading when SIGTERM arrives gets its
+    answer, and the process then exits 0."""
+    process, url = launch_process("--port", "0", "--device", "numpy")
+    try:
+        with httpx.Client(base_url=url) as client:
+            wait_ready(client)
+        result = {}
+        sender = threading.Thread(target=lambda: result.setdefault(
+            "r", httpx.post(url + "v1/classify", content=slow_upload(LEAVES[0].read_bytes(), 1.5), timeout=30)))
+        sender.start()
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        sender.join(30)
+        assert process.wait(timeout=30) == 0, "".join(process.stderr_lines)
+        assert result["r"].status_code == 200 and result["r"].json()["label"]
+        time.sleep(0.2)                                 # the reading thread reaches the end of the pipe
+        assert "Traceback" not in "".join(process.stderr_lines)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_command_errors_are_one_line(tmp_path):
+    process, url = launch_process("--port", "0", "--device", "numpy")
+    try:
+        port = url.rsplit(":", 1)[1].strip("/")
+        taken = run_command("serve", "--port", port, "--device", "numpy")
+        assert taken.returncode == 1
+        assert_one_line_error(taken.stderr, "lnn-serve", f"cannot listen on 127.0.0.1:{port}")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    (tmp_path / "broken.bin").write_bytes(b"LNN1 not really")
+    broken = run_command("serve", "--model", tmp_path / "broken.bin", "--port", "0")
+    assert broken.returncode == 1 and broken.stderr.count("\n") == 1 and "Traceback" not in broken.stderr
+    bad_batch = run_command("serve", "--max-batch", "0")
+    assert_one_line_error(bad_batch.stderr, "lnn-serve", "--max-batch must be at least 1")
+
+
+def test_answers_on_a_kept_alive_connection_do_not_wait_for_delayed_acks(served):
+    """The listening socket is TCP, so each connection gets TCP_NODELAY: without it every answer (headers,
+    then body) waited for the client's delayed ACK, about 40 ms, even for /healthz."""
+    import http.client
+
+    host, port = served.base_url.host, served.base_url.port
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    connection.request("GET", "/healthz")
+    connection.getresponse().read()
+    started = time.perf_counter()
+    for _ in range(10):
+        connection.request("GET", "/healthz")
+        assert connection.getresponse().read() == b'{"alive":true}'
+    assert time.perf_counter() - started < 0.3                  # 10 x 40 ms before
+    connection.close()

@@ -1,0 +1,137 @@
+"""lnn-serve's page for phones in a real headless Chromium (Debian's `chromium`, driven by Playwright):
+take a photo (the file input), read the answer in words with its advice, see it in this phone's history,
+get a retake reason for an uncertain answer, and a one-line reason for a file that is not a photo; a
+large photo is shrunk to 1600 px on the phone before it is sent.
+
+The server is the real command on a free loopback port. The retake case answers with a routed response
+carrying the trust gate's `reason` field, so the page's wording is tested whatever the model answers.
+A screenshot of a phone-sized page is written to the test's tmp folder; set LNN_SCREENSHOT to a path
+relative to the repository to copy it there too (docs/images/serve_page.png was made this way)."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("uvicorn")
+sync_api = pytest.importorskip("playwright.sync_api")
+
+from conftest import EXAMPLES, REPO  # noqa: E402
+from lnn.tools.serve import launch_process  # noqa: E402
+
+PHONE = {"width": 390, "height": 844}
+WAIT_MS = 60_000
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    process, url = launch_process("--port", "0", "--device", "numpy")
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run installs it)")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+def wait_ready(page, url):
+    for _ in range(600):
+        if page.request.get(url + "readyz").ok:
+            return
+        page.wait_for_timeout(100)
+    pytest.fail("lnn-serve never became ready")
+
+
+def test_photo_answer_history_and_screenshot(browser, server_url, tmp_path):
+    page = browser.new_page(viewport=PHONE)
+    wait_ready(page, server_url)
+    page.goto(server_url)
+    photo = page.locator("#photo")
+    assert photo.get_attribute("capture") == "environment" and photo.get_attribute("accept") == "image/*"
+
+    photo.set_input_files(str(EXAMPLES / "leaves" / "late_blight.jpg"))
+    page.wait_for_function("document.querySelector('#headline').textContent.includes('Late blight')", timeout=WAIT_MS)
+    assert "sure" in page.text_content("#headline")
+    assert page.text_content("#advice").startswith("Advice: Remove and destroy infected leaves")
+    assert page.locator("#others li").count() == 2
+
+    photo.set_input_files(str(EXAMPLES / "leaves" / "healthy.jpg"))
+    page.wait_for_function("document.querySelector('#headline').textContent.includes('Healthy')", timeout=WAIT_MS)
+    history = page.locator("#history li")
+    assert history.count() == 2 and "Healthy" in history.nth(0).text_content()
+    assert "Late blight" in history.nth(1).text_content()
+
+    page.screenshot(path=str(tmp_path / "serve_page.png"), full_page=True)
+    print(f"screenshot: {tmp_path / 'serve_page.png'}")
+    if os.environ.get("LNN_SCREENSHOT"):
+        shutil.copyfile(tmp_path / "serve_page.png", REPO / os.environ["LNN_SCREENSHOT"])
+
+    page.reload()                                        # the history is kept on the phone
+    assert page.locator("#history li").count() == 2
+    page.close()
+
+
+def test_not_a_photo_gets_the_servers_reason(browser, server_url, tmp_path):
+    page = browser.new_page(viewport=PHONE)
+    wait_ready(page, server_url)
+    page.goto(server_url)
+    (tmp_path / "notes.jpg").write_text("a shopping list, not a photo")
+    page.locator("#photo").set_input_files(str(tmp_path / "notes.jpg"))
+    page.wait_for_function("document.querySelector('#headline').textContent.includes('No answer')", timeout=WAIT_MS)
+    assert "not an image" in page.text_content("#advice")
+    assert page.locator("#history li").count() == 0
+    page.close()
+
+
+def test_a_large_photo_is_shrunk_on_the_phone_before_sending(browser, server_url, tmp_path):
+    import cv2
+    import numpy as np
+
+    leaf = cv2.imread(str(EXAMPLES / "leaves" / "late_blight.jpg"))
+    cv2.imwrite(str(tmp_path / "big.jpg"), cv2.resize(leaf, (2400, 1800)))
+    sent = []
+
+    def keep_and_send(route):
+        sent.append(route.request.post_data_buffer)
+        route.continue_()
+
+    page = browser.new_page(viewport=PHONE)
+    wait_ready(page, server_url)
+    page.goto(server_url)
+    page.route("**/v1/classify", keep_and_send)
+    page.locator("#photo").set_input_files(str(tmp_path / "big.jpg"))
+    page.wait_for_function("document.querySelector('#headline').textContent.includes('Late blight')", timeout=WAIT_MS)
+    body = sent[0]
+    jpeg = body[body.index(b"\xff\xd8\xff"):]                # the form's file part
+    height, width = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR).shape[:2]
+    assert (width, height) == (1600, 1200)
+    page.close()
+
+
+def test_uncertain_answer_shows_the_retake_reason(browser, server_url):
+    page = browser.new_page(viewport=PHONE)
+    page.goto(server_url)
+    answer = {"file": "leaf.jpg", "label": "late_blight", "display": "Late blight", "confidence": 0.41,
+              "uncertain": True, "reason": "blurred",
+              "top_k": [{"label": "late_blight", "display": "Late blight", "probability": 0.41},
+                        {"label": "early_blight", "display": "Early blight", "probability": 0.33}]}
+    page.route("**/v1/classify", lambda route: route.fulfill(status=200, content_type="application/json",
+                                                              body=json.dumps(answer)))
+    page.locator("#photo").set_input_files(str(EXAMPLES / "leaves" / "early_blight.jpg"))
+    page.wait_for_function("document.querySelector('#headline').textContent.includes('Uncertain')", timeout=WAIT_MS)
+    assert "blurred" in page.text_content("#advice") and "Hold the phone still" in page.text_content("#advice")
+    assert page.locator("#others li").count() == 2           # the guesses are listed, not given as the answer
+    answer.update(reason="not_a_leaf", instruction="Photograph one tomato leaf, close up.")    # the server's words win
+    page.locator("#photo").set_input_files(str(EXAMPLES / "leaves" / "healthy.jpg"))
+    page.wait_for_function("document.querySelector('#advice').textContent.includes('close up.')", timeout=WAIT_MS)
+    page.close()

@@ -1,0 +1,223 @@
+"""lnn-serve: the station's box answers the phones on its network, merging requests into batches.
+
+    lnn-serve                                   # the bundled tomato-leaf model on http://127.0.0.1:8080/
+    lnn-serve --host 0.0.0.0                    # phones on the station's Wi-Fi open http://<this box>:8080/
+    curl -F file=@leaf.jpg http://127.0.0.1:8080/v1/classify
+
+Phones open the page at / (a camera button, the answer in words with its advice, the last answers).
+POST /v1/classify takes a photo (the body, or a multipart `file` field) and returns lnn-infer --json's
+object. Requests that arrive together are merged into one batch of up to --max-batch images, waiting at
+most --max-delay-ms after the first for photos still being decoded (none on the way: no wait). Over
+--queue requests at once: 503 with Retry-After; a body over --max-body: 413; not an image, truncated or
+over --max-pixels: 400 with lnn-infer's reason; no answer within --timeout: 504. GET /v1/model, /healthz,
+/readyz (warmed up) and /metrics (Prometheus). SIGTERM finishes the requests in flight, then exits 0.
+Needs the serve extra: pip install 'lnn[serve]'.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+
+from lnn.formats.errors import LnnError, LnnInputError
+from lnn.tools.cli import command_parser, error_line, run_command
+
+PROG = "lnn-serve"
+DEFAULT_PORT = 8080
+ALL_NETWORKS = ("0.0.0.0", "::")
+NO_ROUTE_PROBE = ("10.255.255.255", 1)      # a private address: connecting a UDP socket sends nothing
+BANNER = "serving on"                       # the first line on stderr: "lnn-serve: serving on http://HOST:PORT/ ..."
+
+
+@dataclass
+class ServeConfig:
+    """The server's settings; their defaults are the command's."""
+    max_batch: int = 16
+    max_delay_s: float = 0.010
+    queue: int = 64                     # requests in the server at once (reading, decoding, waiting, computing)
+    timeout_s: float = 10.0
+    max_body: int = 10_000_000          # bytes
+    max_pixels: int = 50_000_000        # a 48-megapixel phone photo passes
+    top_k: int = 3
+    decode_threads: int = os.cpu_count() or 1
+
+
+DEFAULTS = ServeConfig()
+
+
+def build_parser():
+    parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--model", metavar="M.bin", help="the model file (default: the bundled models/tomato_leaf.bin)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1, this computer only; 0.0.0.0 for every network)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free port)")
+    parser.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch, metavar="N",
+                        help=f"most images per batch (default {DEFAULTS.max_batch}; 1 = no batching)")
+    parser.add_argument("--max-delay-ms", type=float, default=DEFAULTS.max_delay_s * 1000, metavar="MS",
+                        help=f"longest wait for photos still being decoded after a batch's first "
+                             f"(default {DEFAULTS.max_delay_s * 1000:g})")
+    parser.add_argument("--queue", type=int, default=DEFAULTS.queue, metavar="N",
+                        help=f"most requests in the server at once; more are refused with 503 (default {DEFAULTS.queue})")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="threads for the Numba backend's batch (default 1: inference takes one core, decoding "
+                             "and HTTP the others; more threads fought them on 2 cores)")
+    parser.add_argument("--timeout", type=float, default=DEFAULTS.timeout_s, metavar="S",
+                        help=f"seconds before a request gets 504 (default {DEFAULTS.timeout_s:g})")
+    parser.add_argument("--max-body", type=int, default=DEFAULTS.max_body, metavar="BYTES",
+                        help=f"largest upload; bigger ones get 413 (default {DEFAULTS.max_body})")
+    parser.add_argument("--max-pixels", type=int, default=DEFAULTS.max_pixels, metavar="N",
+                        help=f"largest image in pixels; bigger ones get 400 (default {DEFAULTS.max_pixels})")
+    parser.add_argument("--top-k", type=int, default=DEFAULTS.top_k, metavar="K",
+                        help=f"labels per answer unless the request asks (default {DEFAULTS.top_k})")
+    parser.add_argument("--device", choices=("auto", "cpu", "numpy"), default="auto",
+                        help="backend: auto (Numba when installed, else NumPy), cpu (Numba), numpy")
+    return parser
+
+
+def lan_address() -> str:
+    """This computer's address on its local network (the one phones on the same Wi-Fi reach), or 127.0.0.1
+    when it has none. Asks the routing table only: no packet is sent."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(NO_ROUTE_PROBE)
+        return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        probe.close()
+
+
+def phone_url(host: str, port: int) -> str:
+    """The address phones should open: the LAN address when listening on every network."""
+    return f"http://{lan_address() if host in ALL_NETWORKS else host}:{port}/"
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """Bind here, not in uvicorn, so a port in use is one clear error before anything starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)   # IPPROTO_TCP: asyncio then sets
+    # TCP_NODELAY on each connection (with proto 0 it does not, and every answer waited ~40 ms for an ACK)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise LnnInputError(f"cannot listen on {host}:{port} ({err.strerror or err})") from None
+    sock.listen(128)
+    return sock
+
+
+def check_options(args) -> None:
+    for name in ("max_batch", "queue", "max_body", "max_pixels", "top_k", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise LnnInputError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
+    for name in ("max_delay_ms", "timeout"):
+        if getattr(args, name) < 0 or (name == "timeout" and args.timeout == 0):
+            raise LnnInputError(f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}")
+    if not 0 <= args.port < 65536:
+        raise LnnInputError(f"--port must be between 0 (any free port) and 65535, not {args.port}")
+
+
+def server_for(model, host: str, port: int, device: str = "auto", threads: int = 1, **settings):
+    """(uvicorn.Server, its bound socket) for a model: the whole server, ready to run on any thread.
+
+    threads: the Numba backend's; photos decode on one thread per core. settings: ServeConfig's fields
+    (max_batch, max_delay_s, queue, timeout_s, max_body, max_pixels, top_k)."""
+    try:
+        import uvicorn
+
+        from lnn.tools.serve_app import create_app
+    except ImportError as err:
+        raise LnnError(f"lnn-serve needs the serve extra ({err}): pip install 'lnn[serve]'") from None
+    from lnn.runtime import resolve_device
+    from lnn.tools.infer import load_session
+
+    device = resolve_device(device)
+    session = load_session(model, device, threads if device == "cpu" else None)
+    config = ServeConfig(decode_threads=os.cpu_count() or 1, **settings)
+    sock = listening_socket(host, port)
+    app = create_app(session, config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                           timeout_graceful_shutdown=config.timeout_s + 5))
+    return server, sock
+
+
+class BackgroundServer:
+    """lnn-serve on a thread of this process (lnn-field's menu): start() binds and starts, stop() drains and ends."""
+
+    def __init__(self, model, host: str = "0.0.0.0", port: int = DEFAULT_PORT):
+        self.server, sock = server_for(model, host, port)
+        self.host, self.port = host, sock.getsockname()[1]
+        self.url = phone_url(host, self.port)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       name="lnn-serve", daemon=True)
+        self.thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+
+def serve(args) -> int:
+    check_options(args)
+    server, sock = server_for(args.model, args.host, args.port, args.device, args.threads,
+                              max_batch=args.max_batch, max_delay_s=args.max_delay_ms / 1000, queue=args.queue,
+                              timeout_s=args.timeout, max_body=args.max_body, max_pixels=args.max_pixels,
+                              top_k=args.top_k)
+    print_banner(args.host, sock)
+    # uvicorn catches SIGTERM, drains the requests in flight, puts the previous handler back and raises the
+    # signal again; this handler makes that second delivery a no-op, so a drained server exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run(sockets=[sock])
+    if not server.started:
+        error_line(PROG, "the server did not start (see the message above)")
+        return 1
+    return 0
+
+
+def print_banner(host: str, sock: socket.socket) -> None:
+    """The first line on stderr, which launch_process() waits for: the address, and the phones' one."""
+    port = sock.getsockname()[1]
+    where = f"http://{host}:{port}/"
+    if host in ALL_NETWORKS:
+        where += f" (phones on this network open {phone_url(host, port)})"
+    print(f"{PROG}: {BANNER} {where} (Ctrl-C or SIGTERM stops)", file=sys.stderr, flush=True)
+
+
+def launch_process(*args, program=("-m", "lnn.tools.serve"), timeout_s: float = 120.0, **popen_options) -> tuple:
+    """lnn-serve ARGS... as a child process -> (Popen, base URL) once it listens (its banner line on stderr).
+    Pass --port 0 for a free port. A thread keeps reading its stderr (so a chatty server never blocks on a
+    full pipe) into the list `process.stderr_lines`. For tests, benchmarks and scripts that need a real
+    server (`program`: another Python program printing the same banner); raises LnnError when it exits or
+    stays silent instead."""
+    import select
+    import subprocess
+
+    process = subprocess.Popen([sys.executable, *program, *map(str, args)], stderr=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, text=True, **popen_options)
+    ready, _, _ = select.select([process.stderr], [], [], timeout_s)
+    line = process.stderr.readline() if ready else ""
+    if f" {BANNER} " not in line:
+        process.kill()
+        process.wait()
+        raise LnnError(f"lnn-serve did not start: {' '.join((line + process.stderr.read()).split()) or 'no output'}")
+    process.stderr_lines = [line]
+    threading.Thread(target=lambda: process.stderr_lines.extend(process.stderr), daemon=True).start()
+    return process, line.split(f" {BANNER} ", 1)[1].split()[0]
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser(), serve, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

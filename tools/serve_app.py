@@ -1,0 +1,393 @@
+"""lnn-serve's web application (Starlette, run by uvicorn): the phone page, the classify API, health and metrics.
+
+    POST /v1/classify[?top_k=K]   an image as the body, or multipart/form-data with a `file` field
+                                  -> lnn-infer --json's object for it (answer_record, below)
+    GET  /v1/model                the model's name, labels, input and checksum
+    GET  /healthz, /readyz        alive; model loaded and warmed up
+    GET  /metrics                 Prometheus text: requests by status, latency, batch sizes, queue depth, rejections
+    GET  /                        the page for phones (serve_page.html, shipped in the package)
+
+A request's path: admission (more than --queue requests in the server -> 503 with Retry-After), the body
+read up to --max-body (413), decode + preprocessing on a thread pool (400 with lnn-infer's one-line reason),
+then the Batcher, which merges the images waiting into one batch (up to --max-batch images, waiting at
+most --max-delay-ms after the first while other photos are still being decoded) computed on ONE inference
+thread, so decoding the next requests runs while a batch is computed. No answer within --timeout -> 504.
+Every request gets exactly one of 200 / 4xx / 503 / 504 (500 only for a fault of the server itself), and
+each is counted in /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+from PIL import Image                   # the upload's header only (check_pixels); the serve extra installs it
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+from starlette.applications import Starlette
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from lnn.formats.errors import LnnInputError
+from lnn.tools.cli import error_line
+from lnn.tools.infer import Answer
+from lnn.tools.serve import ServeConfig
+
+UPLOAD_NAME = "upload"                  # the answer's "file" for a raw-body upload (multipart gives its filename)
+RETRY_AFTER_S = 1                       # what a 503 asks the phone to wait
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+disable_created_metrics()               # no *_created series: only what a station's dashboard reads
+
+
+# --------------------------------------------------------------------------- one image: decode, answer
+
+def check_pixels(data: bytes, max_pixels: int) -> None:
+    """Refuse an image whose header declares more than max_pixels, before anything decodes it (a
+    decompression bomb: a small file that would expand into gigabytes). Pillow reads the header only;
+    a file Pillow cannot parse is left to the decoder, which names the problem."""
+    over = f"over the limit of {max_pixels:,} pixels; send a smaller photo"
+    try:
+        with Image.open(io.BytesIO(data)) as header:
+            width, height = header.size
+    except Image.DecompressionBombError:               # Pillow's own limit, far above any sensible max_pixels
+        raise LnnInputError(f"the image declares a decompression bomb's size, {over}") from None
+    except (OSError, SyntaxError, ValueError):
+        return
+    if width * height > max_pixels:
+        raise LnnInputError(f"the image is {width}x{height} = {width * height:,} pixels, {over}")
+
+
+def prepare_upload(session, data: bytes, max_pixels: int) -> np.ndarray:
+    """Encoded image bytes -> [C, H, W] float32 for the model (lnn-infer's decoding and preprocessing);
+    bad bytes raise LnnInputError with lnn-infer's one-line reason. Runs on the decode pool."""
+    check_pixels(data, max_pixels)
+    return session.prepare_image(data)
+
+
+def load_image_libraries() -> None:
+    """Import the decoder at startup, so the first photo does not pay for it (OpenCV's import is ~0.2 s)."""
+    from lnn.runtime.preprocess import image_library
+
+    image_library()
+
+
+def answer_record(session, probabilities: np.ndarray, name: str, top_k: int) -> dict:
+    """THE one place a request's answer is made: lnn-infer --json's object for one image."""
+    uncertain_below = (session.metadata.get("thresholds") or {}).get("uncertain_below")
+    return Answer(name, probabilities, session.labels, top_k, uncertain_below).as_dict()
+
+
+def model_record(session) -> dict:
+    """GET /v1/model: what a client needs to know about the model answering it."""
+    checksum = hashlib.sha256(Path(session.bin.path).read_bytes()).hexdigest()
+    return {"name": session.model.name, "file": os.path.basename(session.bin.path), "sha256": checksum,
+            "device": session.device, "input": {"shape": list(session.input_shape), "preprocess": session.model.preprocess},
+            "labels": [{"label": label["name"], "display": label["display"]} for label in session.labels],
+            "uncertain_below": (session.metadata.get("thresholds") or {}).get("uncertain_below")}
+
+
+# --------------------------------------------------------------------------- metrics
+
+class Metrics:
+    """The Prometheus series, in a registry of their own (one per app, so tests can build several)."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("lnn_serve_requests", "classify requests answered, by HTTP status",
+                                ["status"], registry=self.registry)
+        self.latency = Histogram("lnn_serve_request_seconds", "classify request time, arrival to answer",
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_size = Histogram("lnn_serve_batch_size", "images per Session call",
+                                    buckets=BATCH_BUCKETS, registry=self.registry)
+        self.queue_depth = Gauge("lnn_serve_queue_depth", "images decoded and waiting for a batch",
+                                 registry=self.registry)
+        self.in_flight = Gauge("lnn_serve_requests_in_flight", "classify requests in the server now",
+                               registry=self.registry)
+        self.rejected = Counter("lnn_serve_rejected", "classify requests refused, by reason",
+                                ["reason"], registry=self.registry)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# --------------------------------------------------------------------------- dynamic batching
+
+@dataclass
+class Job:
+    image: np.ndarray
+    answer: asyncio.Future               # -> this image's row of probabilities
+
+
+class Batcher:
+    """Merges the images waiting into one Session call on a single inference thread.
+
+    A batch takes every image waiting, up to max_batch. While other requests are still being decoded it waits
+    up to max_delay_s for them; with none on the way it runs at once (waiting could gain nothing, so a lone
+    phone never pays the delay). Images that arrive while a batch computes are waiting when it ends, so
+    under load batches fill without any wait. A job whose request gave up (timeout) is dropped unrun."""
+
+    def __init__(self, session, max_batch: int, max_delay_s: float, metrics: Metrics):
+        self.session = session
+        self.max_batch = max_batch
+        self.max_delay_s = max_delay_s
+        self.metrics = metrics
+        self.waiting: asyncio.Queue = asyncio.Queue()
+        self.being_decoded = 0               # requests whose image is on the decode pool: soon waiting here
+        self.inference = ThreadPoolExecutor(1, thread_name_prefix="lnn-serve-inference")
+        self.ready = asyncio.Event()
+        self._task = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def warm_up(self) -> None:
+        """Run every chunk size once (Numba's compile or cache load, and the CPU backend's buffers), then be
+        ready. The NumPy backend has neither: one call does."""
+        rng = np.random.default_rng(0)
+        for size in CHUNK_SIZES if self.session.device == "cpu" else [1]:
+            batch = rng.standard_normal((size, *self.session.input_shape)).astype(np.float32)
+            await asyncio.get_running_loop().run_in_executor(self.inference, self.session.predict, batch)
+        self.ready.set()
+
+    @contextlib.contextmanager
+    def decoding(self):
+        """Around a request's decoding: the batcher knows an image is on its way."""
+        self.being_decoded += 1
+        try:
+            yield
+        finally:
+            self.being_decoded -= 1
+
+    async def classify(self, image: np.ndarray) -> np.ndarray:
+        job = Job(image, asyncio.get_running_loop().create_future())
+        self.waiting.put_nowait(job)
+        self.metrics.queue_depth.inc()
+        return await job.answer
+
+    async def _next_batch(self) -> list:
+        loop = asyncio.get_running_loop()
+        batch = [await self.waiting.get()]
+        deadline = loop.time() + self.max_delay_s
+        while len(batch) < self.max_batch:
+            if not self.waiting.empty():
+                batch.append(self.waiting.get_nowait())
+                continue
+            left = deadline - loop.time()
+            if left <= 0 or self.being_decoded == 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self.waiting.get(), left))
+            except asyncio.TimeoutError:
+                break
+        self.metrics.queue_depth.dec(len(batch))
+        return [job for job in batch if not job.answer.done()]       # done = its request gave up
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        await self.ready.wait()
+        while True:
+            jobs = await self._next_batch()
+            if not jobs:
+                continue
+            self.metrics.batch_size.observe(len(jobs))
+            images = np.stack([job.image for job in jobs])
+            try:
+                probabilities = await loop.run_in_executor(self.inference, predict_in_chunks, self.session, images)
+            except Exception as err:                  # noqa: BLE001 - each waiting request answers 500, none hangs
+                for job in jobs:
+                    if not job.answer.done():
+                        job.answer.set_exception(err)
+                continue
+            for job, row in zip(jobs, probabilities):
+                if not job.answer.done():
+                    job.answer.set_result(row)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.inference.shutdown(wait=True)
+
+
+CHUNK_SIZES = (8, 4, 2, 1)      # the CPU backend keeps buffers for 4 batch sizes (PLANS_KEPT): these four
+
+
+def chunk_sizes(count: int) -> list:
+    """A batch of `count` images as Session calls of CHUNK_SIZES, largest first (13 -> 8, 4, 1)."""
+    sizes = []
+    for size in CHUNK_SIZES:
+        sizes += [size] * (count // size)
+        count %= size
+    return sizes
+
+
+def predict_in_chunks(session, images: np.ndarray) -> np.ndarray:
+    """Probabilities for a batch, computed in chunks of CHUNK_SIZES. The CPU backend plans buffers per batch
+    size and keeps 4: a batch of any other size re-planned on every call (about 2x slower when sizes varied
+    from 1 to 16); padding to those sizes instead wasted up to half the work. On one thread a chunk of 8
+    costs what 8 single images do, so nothing is lost by not calling it with 16."""
+    rows, start = [], 0
+    for size in chunk_sizes(len(images)):
+        rows.append(session.predict(images[start:start + size]))
+        start += size
+    return np.concatenate(rows)
+
+
+# --------------------------------------------------------------------------- the application
+
+class Refused(Exception):
+    """A request answered with an error status and a one-line reason."""
+
+    def __init__(self, status: int, reason: str, kind: str, headers: dict | None = None):
+        super().__init__(reason)
+        self.status, self.reason, self.kind, self.headers = status, reason, kind, headers or {}
+
+
+async def read_body(request: Request, max_body: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to pass max_body (its Content-Length, or
+    the bytes received so far), so an oversized upload is never held whole."""
+    too_large = Refused(413, f"the upload is over the server's limit of {max_body:,} bytes; send a smaller photo",
+                        "too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def upload_from(request: Request, max_body: int) -> tuple[bytes, str]:
+    """(image bytes, name) from a raw body or a multipart form's `file` field."""
+    body = await read_body(request, max_body)
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        return body, UPLOAD_NAME
+
+    async def once():
+        yield body
+
+    try:
+        form = await MultiPartParser(request.headers, once(), max_files=1, max_fields=8, max_part_size=max_body).parse()
+    except MultiPartException as err:
+        raise Refused(400, f"the multipart form cannot be read ({err.message})", "bad_form") from None
+    upload = form.get("file")
+    if upload is None or isinstance(upload, str):
+        raise Refused(400, "the multipart form has no `file` field holding the photo", "bad_form")
+    data = await upload.read()
+    await upload.close()
+    return data, upload.filename or UPLOAD_NAME
+
+
+def requested_top_k(request: Request, default: int, labels: int) -> int:
+    given = request.query_params.get("top_k")
+    if given is None:
+        return min(default, labels)
+    if not given.isdigit() or int(given) < 1:
+        raise Refused(400, f"top_k must be a whole number of at least 1, not {given!r}", "bad_query")
+    return min(int(given), labels)
+
+
+def create_app(session, config: ServeConfig) -> Starlette:
+    """The application for one loaded Session; the Batcher lives from startup to shutdown (the lifespan)."""
+    metrics = Metrics()
+    decoders = ThreadPoolExecutor(config.decode_threads, thread_name_prefix="lnn-serve-decode")
+    state = {"in_flight": 0}
+    page = resources.files("lnn.tools").joinpath("serve_page.html").read_text(encoding="utf-8")
+    model_info = model_record(session)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        batcher = Batcher(session, config.max_batch, config.max_delay_s, metrics)
+        app.state.batcher = batcher
+        batcher.start()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(decoders, load_image_libraries)
+        warming = loop.create_task(batcher.warm_up())           # /healthz answers meanwhile; /readyz once done
+        warming.add_done_callback(report_failed_warm_up)
+        try:
+            yield
+        finally:
+            warming.cancel()
+            await batcher.close()
+            decoders.shutdown(wait=False, cancel_futures=True)
+
+    def report_failed_warm_up(task) -> None:
+        if not task.cancelled() and task.exception() is not None:      # /readyz stays 503, requests get 504
+            error_line("lnn-serve", f"the model failed its warm-up and answers nothing: {task.exception()}")
+
+    async def answer(request: Request) -> dict:
+        data, name = await upload_from(request, config.max_body)
+        top_k = requested_top_k(request, config.top_k, len(session.labels))
+        loop = asyncio.get_running_loop()
+        batcher = request.app.state.batcher
+        try:
+            with batcher.decoding():
+                image = await loop.run_in_executor(decoders, prepare_upload, session, data, config.max_pixels)
+        except LnnInputError as err:
+            raise Refused(400, " ".join(str(err).split()), "bad_image") from None
+        probabilities = await batcher.classify(image)
+        return answer_record(session, probabilities, name, top_k)
+
+    async def classify(request: Request) -> Response:
+        started = time.perf_counter()
+        if state["in_flight"] >= config.queue:
+            response = refusal(Refused(503, f"the server is busy ({config.queue} requests waiting); try again in a "
+                                            f"moment", "queue_full", {"Retry-After": str(RETRY_AFTER_S)}))
+        else:
+            state["in_flight"] += 1
+            metrics.in_flight.inc()
+            try:
+                response = JSONResponse(await asyncio.wait_for(answer(request), config.timeout_s))
+            except Refused as refused:
+                response = refusal(refused)
+            except asyncio.TimeoutError:
+                response = refusal(Refused(504, f"no answer within {config.timeout_s:g} s; try again", "timeout"))
+            except Exception as err:                  # noqa: BLE001 - a fault of the server, still one answer
+                response = refusal(Refused(500, f"the server failed on this photo ({type(err).__name__}: "
+                                                f"{' '.join(str(err).split())})", "server_error"))
+            finally:
+                state["in_flight"] -= 1
+                metrics.in_flight.dec()
+        metrics.requests.labels(str(response.status_code)).inc()
+        metrics.latency.observe(time.perf_counter() - started)
+        return response
+
+    def refusal(refused: Refused) -> Response:
+        metrics.rejected.labels(refused.kind).inc()
+        return JSONResponse({"error": refused.reason, "status": refused.status}, refused.status, refused.headers)
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"alive": True})
+
+    async def readyz(request: Request) -> Response:
+        ready = request.app.state.batcher.ready.is_set()
+        return JSONResponse({"ready": ready}, 200 if ready else 503)
+
+    async def model(request: Request) -> Response:
+        return JSONResponse(model_info)
+
+    async def metrics_page(request: Request) -> Response:
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    async def home(request: Request) -> Response:
+        return HTMLResponse(page)
+
+    routes = [Route("/", home), Route("/v1/classify", classify, methods=["POST"]), Route("/v1/model", model),
+              Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics_page)]
+    return Starlette(routes=routes, lifespan=lifespan)
