@@ -76,7 +76,8 @@ def onnx_server(onnx_path: str, model_path: str, host: str, port: int) -> None:
             image = await run_in_threadpool(session.prepare_image, await request.body())
         except LnnInputError as err:
             return JSONResponse({"error": str(err), "status": 400}, 400)
-        return JSONResponse(answer_record(session, await run_in_threadpool(probabilities, image), "upload", 3))
+        judged = (await run_in_threadpool(probabilities, image), None)      # no gate: what a plain ONNX server has
+        return JSONResponse(answer_record(session, judged, (image, None, []), "upload", 3))
 
     async def ready(request):
         return JSONResponse({"ready": True})

@@ -192,25 +192,31 @@ class Answer:
                 for rank, (label, p) in enumerate(self.ranked, 1)]
 
 
+def judge_images(session, images: list, checks: list) -> tuple:
+    """(probabilities [N, K], reasons) for model inputs and their photo checks (None: not checked), as the
+    Session decides: the photo checks, the gate, the confidence threshold."""
+    with np.errstate(all="ignore"):              # a NaN or infinite output is that image's error (answer_for)
+        judgement = session.judge(np.stack(images), [check.reason if check is not None else None for check in checks])
+    return judgement.probabilities, judgement.reasons
+
+
+def answer_for(session, path, probabilities: np.ndarray, reason, check, notes: list, top_k: int):
+    """One image's Answer from the Session's decision on it, or, when the model's output for it is not
+    a number, its one-line error (str). lnn-infer, lnn-field and lnn-serve all answer through here."""
+    if not np.isfinite(probabilities).all():
+        return f"{path}: {NOT_A_NUMBER}"
+    detail = check.detail if check is not None and reason == check.reason else None
+    words = instruction(reason, session.judge_rules.subject, detail)
+    return Answer(path, probabilities, session.labels, top_k, session.judge_rules.uncertain_below, reason, words, notes)
+
+
 def answers_for(session, prepared: list, top_k: int) -> list:
-    """For [(path, model input, photo check or None, notes)]: one batch through the Session's decision
-    -> an Answer each, or, for an image whose model output is not a number, its one-line error (str)."""
+    """answer_for each of [(path, model input, photo check or None, notes)], judged as one batch."""
     if not prepared:
         return []
-    checks = [check for _, _, check, _ in prepared]
-    with np.errstate(all="ignore"):              # a NaN or infinite output is that image's error, below
-        judgement = session.judge(np.stack([x for _, x, _, _ in prepared]),
-                                  [check.reason if check is not None else None for check in checks])
-    uncertain_below = session.judge_rules.uncertain_below
-    answers = []
-    for (path, _, check, notes), row, reason in zip(prepared, judgement.probabilities, judgement.reasons):
-        if not np.isfinite(row).all():
-            answers.append(f"{path}: {NOT_A_NUMBER}")
-            continue
-        detail = check.detail if check is not None and reason == check.reason else None
-        words = instruction(reason, session.judge_rules.subject, detail)
-        answers.append(Answer(path, row, session.labels, top_k, uncertain_below, reason, words, notes))
-    return answers
+    probabilities, reasons = judge_images(session, [x for _, x, _, _ in prepared], [check for _, _, check, _ in prepared])
+    return [answer_for(session, path, row, reason, check, notes, top_k)
+            for (path, _, check, notes), row, reason in zip(prepared, probabilities, reasons)]
 
 
 class Output:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,6 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
-from PIL import Image                   # the upload's header only (check_pixels); the serve extra installs it
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 from starlette.applications import Starlette
@@ -41,7 +39,8 @@ from starlette.routing import Route
 
 from lnn.formats.errors import LnnInputError
 from lnn.tools.cli import error_line
-from lnn.tools.infer import Answer
+from lnn.runtime.preprocess import read_header
+from lnn.tools.infer import answer_for, judge_images
 from lnn.tools.serve import ServeConfig
 
 UPLOAD_NAME = "upload"                  # the answer's "file" for a raw-body upload (multipart gives its filename)
@@ -54,26 +53,22 @@ disable_created_metrics()               # no *_created series: only what a stati
 # --------------------------------------------------------------------------- one image: decode, answer
 
 def check_pixels(data: bytes, max_pixels: int) -> None:
-    """Refuse an image whose header declares more than max_pixels, before anything decodes it (a
-    decompression bomb: a small file that would expand into gigabytes). Pillow reads the header only;
-    a file Pillow cannot parse is left to the decoder, which names the problem."""
-    over = f"over the limit of {max_pixels:,} pixels; send a smaller photo"
-    try:
-        with Image.open(io.BytesIO(data)) as header:
-            width, height = header.size
-    except Image.DecompressionBombError:               # Pillow's own limit, far above any sensible max_pixels
-        raise LnnInputError(f"the image declares a decompression bomb's size, {over}") from None
-    except (OSError, SyntaxError, ValueError):
-        return
-    if width * height > max_pixels:
-        raise LnnInputError(f"the image is {width}x{height} = {width * height:,} pixels, {over}")
+    """Refuse an image whose header declares more than the server's --max-pixels, before anything decodes
+    it (a decompression bomb: a small file that would expand into gigabytes). The header is read as
+    lnn-infer reads it (runtime/preprocess.py, which also applies lnn's own limits when decoding)."""
+    header = read_header(data)
+    if header is not None and header.pixels > max_pixels:
+        raise LnnInputError(f"the image is {header.width}x{header.height} = {header.pixels:,} pixels, over the "
+                            f"server's limit of {max_pixels:,} pixels; send a smaller photo")
 
 
-def prepare_upload(session, data: bytes, max_pixels: int) -> np.ndarray:
-    """Encoded image bytes -> [C, H, W] float32 for the model (lnn-infer's decoding and preprocessing);
-    bad bytes raise LnnInputError with lnn-infer's one-line reason. Runs on the decode pool."""
+def prepare_upload(session, data: bytes, max_pixels: int) -> tuple:
+    """Encoded image bytes -> (the model's input [C, H, W], its photo check, notes): lnn-infer's decoding,
+    photo checks and preprocessing; bad bytes raise LnnInputError with lnn-infer's one-line reason. Runs
+    on the decode pool."""
     check_pixels(data, max_pixels)
-    return session.prepare_image(data)
+    notes: list = []
+    return (*session.prepare_and_check(data, notes=notes), notes)
 
 
 def load_image_libraries() -> None:
@@ -83,10 +78,15 @@ def load_image_libraries() -> None:
     image_library()
 
 
-def answer_record(session, probabilities: np.ndarray, name: str, top_k: int) -> dict:
-    """THE one place a request's answer is made: lnn-infer --json's object for one image."""
-    uncertain_below = (session.metadata.get("thresholds") or {}).get("uncertain_below")
-    return Answer(name, probabilities, session.labels, top_k, uncertain_below).as_dict()
+def answer_record(session, judged: tuple, prepared: tuple, name: str, top_k: int) -> dict:
+    """THE one place a request's answer is made: lnn-infer --json's object for one image, from the batch's
+    decision on it (probabilities, reason) and its prepare_upload (input, photo check, notes)."""
+    probabilities, reason = judged
+    _, check, notes = prepared
+    answer = answer_for(session, name, probabilities, reason, check, notes, top_k)
+    if isinstance(answer, str):                       # the model's output is not a number: a fault of the model
+        raise RuntimeError(answer)
+    return answer.as_dict()
 
 
 def model_record(session) -> dict:
@@ -127,7 +127,8 @@ class Metrics:
 @dataclass
 class Job:
     image: np.ndarray
-    answer: asyncio.Future               # -> this image's row of probabilities
+    check: object                        # its photo check (runtime/photo_checks.PhotoCheck) or None
+    answer: asyncio.Future               # -> (this image's row of probabilities, its reason)
 
 
 class Batcher:
@@ -170,8 +171,8 @@ class Batcher:
         finally:
             self.being_decoded -= 1
 
-    async def classify(self, image: np.ndarray) -> np.ndarray:
-        job = Job(image, asyncio.get_running_loop().create_future())
+    async def classify(self, image: np.ndarray, check) -> tuple:
+        job = Job(image, check, asyncio.get_running_loop().create_future())
         self.waiting.put_nowait(job)
         self.metrics.queue_depth.inc()
         return await job.answer
@@ -204,15 +205,16 @@ class Batcher:
             self.metrics.batch_size.observe(len(jobs))
             images = np.stack([job.image for job in jobs])
             try:
-                probabilities = await loop.run_in_executor(self.inference, predict_in_chunks, self.session, images)
+                probabilities, reasons = await loop.run_in_executor(self.inference, judge_in_chunks, self.session,
+                                                                    images, [job.check for job in jobs])
             except Exception as err:                  # noqa: BLE001 - each waiting request answers 500, none hangs
                 for job in jobs:
                     if not job.answer.done():
                         job.answer.set_exception(err)
                 continue
-            for job, row in zip(jobs, probabilities):
+            for job, row, reason in zip(jobs, probabilities, reasons):
                 if not job.answer.done():
-                    job.answer.set_result(row)
+                    job.answer.set_result((row, reason))
 
     async def close(self) -> None:
         if self._task is not None:
@@ -234,16 +236,18 @@ def chunk_sizes(count: int) -> list:
     return sizes
 
 
-def predict_in_chunks(session, images: np.ndarray) -> np.ndarray:
-    """Probabilities for a batch, computed in chunks of CHUNK_SIZES. The CPU backend plans buffers per batch
+def judge_in_chunks(session, images: np.ndarray, checks: list) -> tuple:
+    """(probabilities, reasons) for a batch (lnn-infer's judge_images), computed in chunks of CHUNK_SIZES. The CPU backend plans buffers per batch
     size and keeps 4: a batch of any other size re-planned on every call (about 2x slower when sizes varied
     from 1 to 16); padding to those sizes instead wasted up to half the work. On one thread a chunk of 8
     costs what 8 single images do, so nothing is lost by not calling it with 16."""
-    rows, start = [], 0
+    rows, reasons, start = [], [], 0
     for size in chunk_sizes(len(images)):
-        rows.append(session.predict(images[start:start + size]))
+        chunk_rows, chunk_reasons = judge_images(session, list(images[start:start + size]), checks[start:start + size])
+        rows.append(chunk_rows)
+        reasons += chunk_reasons
         start += size
-    return np.concatenate(rows)
+    return np.concatenate(rows), reasons
 
 
 # --------------------------------------------------------------------------- the application
@@ -338,11 +342,11 @@ def create_app(session, config: ServeConfig) -> Starlette:
         batcher = request.app.state.batcher
         try:
             with batcher.decoding():
-                image = await loop.run_in_executor(decoders, prepare_upload, session, data, config.max_pixels)
+                prepared = await loop.run_in_executor(decoders, prepare_upload, session, data, config.max_pixels)
         except LnnInputError as err:
             raise Refused(400, " ".join(str(err).split()), "bad_image") from None
-        probabilities = await batcher.classify(image)
-        return answer_record(session, probabilities, name, top_k)
+        judged = await batcher.classify(prepared[0], prepared[1])
+        return answer_record(session, judged, prepared, name, top_k)
 
     async def classify(request: Request) -> Response:
         started = time.perf_counter()

@@ -14,6 +14,7 @@ import threading
 import time
 import zlib
 
+import cv2
 import numpy as np
 import pytest
 
@@ -26,9 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 import lnn  # noqa: E402
 from cli_helpers import assert_one_line_error, run_command  # noqa: E402
 from conftest import EXAMPLES  # noqa: E402
-from lnn.tools.infer import DEFAULT_MODEL, Answer  # noqa: E402
+from lnn.tools.infer import DEFAULT_MODEL, answers_for  # noqa: E402
 from lnn.tools.serve import ServeConfig, launch_process, listening_socket  # noqa: E402
-from lnn.tools.serve_app import chunk_sizes, create_app, predict_in_chunks  # noqa: E402
+from lnn.tools.serve_app import chunk_sizes, create_app, judge_in_chunks  # noqa: E402
 
 LEAVES = sorted((EXAMPLES / "leaves").glob("*.jpg"))
 
@@ -39,10 +40,10 @@ def session():
 
 
 def reference_answer(session, path, name, top_k=3) -> dict:
-    """lnn-infer's JSON object for one photo, computed without the server."""
-    probabilities = session.predict(session.prepare_image(path)[None])[0]
-    uncertain_below = session.metadata["thresholds"]["uncertain_below"]
-    return Answer(name, probabilities, session.labels, top_k, uncertain_below).as_dict()
+    """lnn-infer's JSON object for one photo (photo checks, gate and all), computed without the server."""
+    notes: list = []
+    [answer] = answers_for(session, [(name, *session.prepare_and_check(path, notes=notes), notes)], top_k)
+    return answer.as_dict()
 
 
 def assert_same_answer(got: dict, want: dict) -> None:
@@ -120,6 +121,22 @@ def test_answers_equal_lnn_infer_for_raw_and_multipart_uploads(session, served):
         assert_same_answer(form.json(), reference_answer(session, path, path.name, top_k=5))
 
 
+def test_photos_that_are_not_diagnoses_get_lnn_infers_reason(session, served, tmp_path):
+    """A dark photo (photo checks) and a photo of no leaf at all (the gate) answer as lnn-infer does."""
+    leaf = cv2.imread(str(LEAVES[0]))
+    dark = cv2.imencode(".jpg", (leaf * 0.1).astype(np.uint8))[1].tobytes()
+    stripes = np.zeros((256, 256, 3), np.uint8)
+    stripes[:, ::16] = (40, 90, 200)                               # orange and white stripes: no leaf
+    stripes[:, 8::16] = 255
+    for name, data in (("dark.jpg", dark), ("stripes.jpg", cv2.imencode(".jpg", stripes)[1].tobytes())):
+        (tmp_path / name).write_bytes(data)
+        got = served.post("/v1/classify", files={"file": (name, data, "image/jpeg")}).json()
+        cli = json.loads(run_command("infer", "--json", "--device", "numpy", tmp_path / name).stdout)
+        assert got["uncertain"] and got["reason"] is not None and "advice" not in got, got
+        assert got["reason"] == cli["reason"] and got["instruction"] == cli["instruction"]
+        assert_same_answer(got, reference_answer(session, tmp_path / name, name))
+
+
 def test_lnn_infer_json_line_is_the_servers_object(served):
     """Against the command itself: the same keys and values as `lnn-infer --json`."""
     path = LEAVES[0]
@@ -174,9 +191,11 @@ def slow_upload(photo: bytes, pause_s: float):
 def test_batches_computed_in_chunks_give_the_whole_batchs_answers(session):
     images = np.stack([session.prepare_image(path) for path in LEAVES] + [session.prepare_image(LEAVES[0])] * 5)
     assert chunk_sizes(13) == [8, 4, 1] and chunk_sizes(16) == [8, 8] and chunk_sizes(7) == [4, 2, 1]
-    chunked = predict_in_chunks(session, images)
+    chunked, reasons = judge_in_chunks(session, images, [None] * len(images))
     assert chunked.shape == (13, len(session.labels))
-    np.testing.assert_allclose(chunked, session.predict(images), rtol=1e-5, atol=1e-6)
+    whole = session.judge(images)
+    np.testing.assert_allclose(chunked, whole.probabilities, rtol=1e-5, atol=1e-6)
+    assert reasons == whole.reasons
 
 
 def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
@@ -186,7 +205,7 @@ def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
     cli_reason = cli.stderr.split("cut.jpg: ", 1)[1].strip()
     before = metric_samples(served)
     cases = {"not an image": b"hello, not a photo", "truncated": truncated, "empty": b"",
-             "over the limit of 1,000,000 pixels": png_declaring(5000, 5000)}
+             "over the server's limit of 1,000,000 pixels": png_declaring(5000, 5000)}
     for fragment, body in cases.items():
         response = served.post("/v1/classify", content=body)
         assert response.status_code == 400, (fragment, response.text)
