@@ -434,8 +434,9 @@ class FieldApp:
         else:
             self.headline.set(f"{answer.best['display']} — {answer.confidence:.1%} sure")
             self.advice.set(f"Advice: {answer.best['advice']}" if "advice" in answer.best else "")
-        self.details.set("\n".join(f"{rank}. {label['display']:<28} {p:6.1%}"
-                                   for rank, (label, p) in enumerate(answer.ranked, 1)))
+        refused = answer.uncertain and answer.reason != "low_confidence"     # a score beside a disease reads as one
+        self.details.set("" if refused else "\n".join(f"{rank}. {label['display']:<28} {p:6.1%}"
+                                                      for rank, (label, p) in enumerate(answer.ranked, 1)))
 
     def shown_text(self) -> str:
         """What the answer panel says, as one string (for tests and screen readers)."""

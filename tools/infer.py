@@ -155,8 +155,7 @@ class Answer:
         if self.reason == "low_confidence":
             threshold = f", under the model's {self.uncertain_below:.0%} threshold" if self.uncertain_below else ""
             return f"Best guess {self.best['display']} at {self.confidence:.0%}{threshold}. {self.instruction}"
-        return (f"{self.instruction} (The model's best guess would be {self.best['display']} at "
-                f"{self.confidence:.0%}: not a diagnosis.)")
+        return f"{self.instruction} No diagnosis is given for this photo."
 
     def as_dict(self) -> dict:
         out = {"file": self.file, "label": self.best["name"], "display": self.best["display"],
@@ -175,9 +174,9 @@ class Answer:
             threshold = f", under the model's {self.uncertain_below:.0%} threshold" if self.uncertain_below else ""
             lines = [f"{self.file}: uncertain (best guess {self.best['display']} at {self.confidence:.1%}{threshold})",
                      f"  {self.instruction}"]
-        elif self.uncertain:
-            lines = [f"{self.file}: uncertain ({self.reason.replace('_', ' ')}): {self.instruction}",
-                     "  not a diagnosis; the model's best guesses would be:"]
+        elif self.uncertain:               # no ranking: a percentage beside a disease name reads as a diagnosis
+            return [f"{self.file}: uncertain ({self.reason.replace('_', ' ')}): {self.instruction}",
+                    "  not a diagnosis (--json still lists the model's scores)"] + [f"  note: {note}" for note in self.notes]
         else:
             lines = [f"{self.file}: {self.best['display']} ({self.confidence:.1%})"]
         width = max(len(label["display"]) for label, _ in self.ranked)

@@ -146,6 +146,7 @@ def scenario_photos(app, root, tmp_path):
     shown = app.shown_text()
     assert shown.startswith(UNCERTAIN_HEADLINES["not_a_leaf"]), shown
     assert "does not look like a tomato leaf" in shown and "Advice:" not in shown, shown
+    assert "%" not in shown, shown                          # no disease score beside the refusal
     if shutil.which("import"):              # ImageMagick: the whole virtual screen, which is the window
         subprocess.run(["import", "-window", "root", str(tmp_path / "field_app.png")], check=True, timeout=60)
         print(f"screenshot: {tmp_path / 'field_app.png'}")

@@ -365,7 +365,8 @@ def test_answers_that_are_not_diagnoses_carry_a_reason_and_an_instruction():
     assert record["uncertain"] and record["reason"] == "not_a_leaf" and "advice" not in record
     assert record["instruction"] == "This does not look like a tomato leaf."
     assert gated.human_lines()[0] == "x.jpg: uncertain (not a leaf): This does not look like a tomato leaf."
-    assert "not a diagnosis" in gated.explanation
+    assert not any("%" in line for line in gated.human_lines())      # no disease score beside the refusal
+    assert "No diagnosis" in gated.explanation and "%" not in gated.explanation
     unsure = Answer("x.jpg", np.array([0.45, 0.55]), labels, 2, 0.6)       # an old caller: the threshold only
     assert unsure.reason == "low_confidence" and "clearer photo" in unsure.as_dict()["instruction"]
     assert unsure.csv_rows()[0][infer.CSV_COLUMNS.index("reason")] == "low_confidence"
