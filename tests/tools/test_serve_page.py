@@ -130,8 +130,12 @@ def test_uncertain_answer_shows_the_retake_reason(browser, server_url):
     page.locator("#photo").set_input_files(str(EXAMPLES / "leaves" / "early_blight.jpg"))
     page.wait_for_function("document.querySelector('#headline').textContent.includes('Uncertain')", timeout=WAIT_MS)
     assert "blurred" in page.text_content("#advice") and "Hold the phone still" in page.text_content("#advice")
-    assert page.locator("#others li").count() == 2           # the guesses are listed, not given as the answer
+    assert page.locator("#others li").count() == 0           # a photo to retake shows no disease scores
     answer.update(reason="not_a_leaf", instruction="Photograph one tomato leaf, close up.")    # the server's words win
     page.locator("#photo").set_input_files(str(EXAMPLES / "leaves" / "healthy.jpg"))
     page.wait_for_function("document.querySelector('#advice').textContent.includes('close up.')", timeout=WAIT_MS)
+    assert page.locator("#others li").count() == 0
+    answer.update(reason="low_confidence", instruction=None)             # a best guess under the threshold: listed
+    page.locator("#photo").set_input_files(str(EXAMPLES / "leaves" / "late_blight.jpg"))
+    page.wait_for_function("document.querySelectorAll('#others li').length == 2", timeout=WAIT_MS)
     page.close()
