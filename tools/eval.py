@@ -29,7 +29,7 @@ the model carries a temperature (metadata.calibration), for the calibrated proba
 gate.*; formats/SPEC.md rules G1-G8):
     lnn-eval model.bin --data folder:DIR --outliers OUTLIER_DIR --fit-gate --write-gate gated.bin
 Features of the training split give the statistics; on the validation split the temperature is fitted
-(minimum NLL) and the thresholds chosen so that the whole decision keeps --gate-keep (97%) of the
+(minimum NLL) and the thresholds chosen so that the whole decision keeps --gate-keep (97.5%) of the
 photos, --confidence-share (1%) of them at most under the low-confidence threshold; the candidate
 gates (max softmax, energy, Mahalanobis, kNN and pairs) are compared on the "validation" part of
 the outlier folder (lnn.train.outliers.split_outliers) only. Its "test" part is left for
@@ -52,6 +52,7 @@ from lnn.formats.errors import LnnError, LnnInputError
 from lnn.tools.cli import command_parser, run_command
 
 PROG = "lnn-eval"
+DEFAULT_GATE_KEEP = 0.975     # --fit-gate: 97.5% of the validation photos answered (the target: <= 3% refused)
 DEFAULT_KEEP = 0.99
 
 
@@ -76,8 +77,9 @@ def build_parser():
     gate.add_argument("--outliers", metavar="DIR", help="photos that are not the model's subject (their validation part "
                                                        "chooses the gate)")
     gate.add_argument("--write-gate", metavar="OUT.bin", help="write a copy of the model with the fitted gate")
-    gate.add_argument("--gate-keep", type=float, default=0.97,
-                      help="share of validation photos the whole decision keeps (default 0.97)")
+    gate.add_argument("--gate-keep", type=float, default=DEFAULT_GATE_KEEP,
+                      help=f"share of validation photos the whole decision keeps (default {DEFAULT_GATE_KEEP}: half "
+                           f"a point of margin, so that new photos of the same kind stay under 3%% refused)")
     gate.add_argument("--confidence-share", type=float, default=0.01,
                       help="at most this share of validation photos under the low-confidence threshold (default 0.01)")
     gate.add_argument("--feature", metavar="NODE", help="the node whose output the gate uses (default: the "
@@ -391,7 +393,7 @@ def fit_and_write_gate(args, session, folder, columns, validation: tuple, val_fr
     fitted = fit_gate((train_features, columns[folder.labels[train_rows]]), (val_outputs, val_features, true),
                       (outlier_outputs, outlier_features), len(session.labels), args.gate_keep,
                       args.confidence_share, logits, with_knn=not args.no_knn)
-    print(f"\ngate candidates (thresholds keeping {args.gate_keep:.0%} of the {len(true)} validation photos; "
+    print(f"\ngate candidates (thresholds keeping {args.gate_keep:.1%} of the {len(true)} validation photos; "
           f"caught: share of the {len(outlier_outputs)} outlier validation photos flagged):")
     width = max(len(name) for name, _, _ in fitted.table)
     for name, caught, kept in fitted.table:
