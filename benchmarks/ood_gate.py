@@ -217,6 +217,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=200, help="timed batch-1 runs per variant")
     parser.add_argument("--no-report", action="store_true", help="print only, do not touch docs/BENCHMARKS.md")
+    parser.add_argument("--note", default="", help="a sentence for the section (which model is which, how busy the machine was)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     rows, costs, knn_sizes, calibration, sources = [], [], [], [], []
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
                            for g in FOLDERS)
         body = (f"## Out-of-distribution gate: methods side by side, and its cost\n\n"
                 f"`python benchmarks/ood_gate.py {' '.join(args.models)}`; {machine_line(('numpy', 'numba'))}; "
-                f"{time.perf_counter() - started:.0f} s; the machine was shared with other engineers' jobs.\n\n"
+                f"{time.perf_counter() - started:.0f} s. {args.note}\n\n"
                 f"Thresholds keep {KEEP:.0%} of the tomato validation photos (split_by_leaf, seed 0); statistics from "
                 f"the tomato training split; figures on the outlier test part only ({len(test)} photos: {counts}). "
                 f"\"caught\" = share of outlier test photos flagged at that threshold.\n\n{table}\n\n"
