@@ -52,11 +52,12 @@ from lnn.formats.errors import LnnError, LnnInputError
 from lnn.tools.cli import command_parser, run_command
 
 PROG = "lnn-eval"
-DEFAULT_GATE_KEEP = 0.975     # --fit-gate: 97.5% of the validation photos answered (the target: <= 3% refused)
 DEFAULT_KEEP = 0.99
 
 
 def build_parser():
+    from lnn.train.gate_fit import DEFAULT_CONFIDENCE_SHARE, DEFAULT_GATE_KEEP
+
     parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("model", metavar="MODEL.bin", help="the model to evaluate")
     parser.add_argument("--data", required=True, metavar="folder:DIR", help="an image folder, one sub-folder per class")
@@ -80,8 +81,9 @@ def build_parser():
     gate.add_argument("--gate-keep", type=float, default=DEFAULT_GATE_KEEP,
                       help=f"share of validation photos the whole decision keeps (default {DEFAULT_GATE_KEEP}: half "
                            f"a point of margin, so that new photos of the same kind stay under 3%% refused)")
-    gate.add_argument("--confidence-share", type=float, default=0.01,
-                      help="at most this share of validation photos under the low-confidence threshold (default 0.01)")
+    gate.add_argument("--confidence-share", type=float, default=DEFAULT_CONFIDENCE_SHARE,
+                      help=f"at most this share of validation photos under the low-confidence threshold "
+                           f"(default {DEFAULT_CONFIDENCE_SHARE})")
     gate.add_argument("--feature", metavar="NODE", help="the node whose output the gate uses (default: the "
                                                         "penultimate vector, e.g. the global average pool)")
     gate.add_argument("--subject", help="what the photos should show, for the answer's words (e.g. 'tomato leaf')")

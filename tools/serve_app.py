@@ -95,7 +95,7 @@ def model_record(session) -> dict:
     return {"name": session.model.name, "file": os.path.basename(session.bin.path), "sha256": checksum,
             "device": session.device, "input": {"shape": list(session.input_shape), "preprocess": session.model.preprocess},
             "labels": [{"label": label["name"], "display": label["display"]} for label in session.labels],
-            "uncertain_below": (session.metadata.get("thresholds") or {}).get("uncertain_below")}
+            "uncertain_below": session.judge_rules.uncertain_below}
 
 
 # --------------------------------------------------------------------------- metrics

@@ -54,6 +54,10 @@ def extract(session, batches, total: int, what: str, progress: bool = True) -> t
     return np.concatenate(outputs), None if features[0] is None else np.concatenate(features)
 
 
+DEFAULT_GATE_KEEP = 0.975          # share of the validation photos the whole decision answers: half a point of
+                                   # margin, so new photos of the same kind stay under 3% refused (issue 11)
+DEFAULT_CONFIDENCE_SHARE = 0.01    # of those, at most this share refused for low confidence
+
 # --------------------------------------------------------------------------- calibration
 
 def nll(logits: np.ndarray, labels: np.ndarray, temperature: float) -> float:
@@ -229,8 +233,9 @@ def low_confidence_threshold(probabilities: np.ndarray, share: float) -> float:
     return math.floor(float(best[index - 1]) * 1e4) / 1e4
 
 
-def fit_gate(train: tuple, validation: tuple, outliers: tuple, classes: int, keep: float = 0.97,
-             confidence_share: float = 0.01, logits_available: bool = True, with_knn: bool = True) -> FittedGate:
+def fit_gate(train: tuple, validation: tuple, outliers: tuple, classes: int, keep: float = DEFAULT_GATE_KEEP,
+             confidence_share: float = DEFAULT_CONFIDENCE_SHARE, logits_available: bool = True,
+             with_knn: bool = True) -> FittedGate:
     """train: (features, labels); validation: (logits, features, labels); outliers: (logits, features) of the
     outlier validation part. Temperature and thresholds from `validation`, the choice on `outliers`."""
     train_features, train_labels = train
