@@ -60,6 +60,7 @@ def onnx_server(onnx_path: str, model_path: str, host: str, port: int) -> None:
 
     import lnn
     from lnn.formats.errors import LnnInputError
+    from lnn.runtime.gate import softmax
     from lnn.tools.serve import listening_socket, print_banner
     from lnn.tools.serve_app import answer_record
 
@@ -70,11 +71,8 @@ def onnx_server(onnx_path: str, model_path: str, host: str, port: int) -> None:
     input_name = ort.get_inputs()[0].name
 
     def probabilities(image):
-        out = ort.run(None, {input_name: image[None]})[0][0]
-        if session.outputs_probabilities:
-            return out
-        shifted = np.exp(out - out.max())
-        return shifted / shifted.sum()
+        out = ort.run(None, {input_name: image[None]})[0]
+        return out[0] if session.outputs_probabilities else softmax(out)[0]
 
     async def classify(request):
         try:
