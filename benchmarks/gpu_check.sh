@@ -17,5 +17,5 @@ python3 -m pytest -q -p no:cacheprovider tests/train/test_gpu.py tests/train/tes
 python3 benchmarks/gpu_train.py --mnist "$MNIST" --out runs/gpu_train 2>&1 | tee "$OUT/gpu_train.log"
 python3 benchmarks/gpu_infer.py 2>&1 | tee "$OUT/gpu_infer.log"
 python3 benchmarks/gpu_train_step.py 2>&1 | tee "$OUT/gpu_train_step.log"
-python3 benchmarks/gpu_step_profile.py --side lnn --models leaf_cnn mnist_cnn --batches 256 2>&1 | tee "$OUT/gpu_step_profile.log"
+python3 benchmarks/gpu_step_profile.py --side lnn --models leaf_cnn tomato_leaf --batches 256 2>&1 | tee "$OUT/gpu_step_profile.log"
 cp docs/BENCHMARKS.md runs/gpu_train/gpu_train.json "$OUT/"

@@ -1,9 +1,9 @@
-"""Where the lnn graph training step spends its time, launch by launch, next to PyTorch's kernels.
+"""Where an lnn training step spends its GPU time, layer by layer, next to PyTorch's kernels.
 
-    python benchmarks/gpu_step_profile.py [--models leaf_cnn mnist_cnn] [--batches 256 64] [--algorithm winograd]
+    python benchmarks/gpu_step_profile.py [--models leaf_cnn tomato_leaf] [--batches 256 64] [--amp] [--algorithm winograd]
 
-lnn: the graph step's launch list (train/cuda_graph.py) run eagerly on its stream, each launch between
-two CUDA events, median of 20 repetitions; labelled by layer, phase and the source line that queued it.
+lnn: each layer's forward and backward of the step (train/layers.py, the code the captured graph
+replays) run on their own between two CUDA events, median of `reps` repetitions, plus the optimizer.
 PyTorch: torch.profiler over 10 eager fp32 steps (TF32 off), CUDA kernel time per kernel name.
 Prints tables (a diagnostic; it writes nothing to docs/).
 """
@@ -20,59 +20,55 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def lnn_profile(model_name: str, batch: int, algorithm: str, reps: int = 20):
+def description_of(model_name: str) -> dict:
+    path = REPO / "examples" / (f"{model_name}.json" if model_name == "tomato_leaf" else f"reference/{model_name}.json")
+    return json.loads(path.read_text())
+
+
+def lnn_profile(model_name: str, batch: int, algorithm: str, amp: bool, reps: int = 10):
     import cupy
 
-    from lnn.train import cuda_graph
+    from lnn.train.layers import Call
     from lnn.train.trainer import Trainer
 
-    labels = []
-    original_forward, original_backward = cuda_graph.GraphStep._forward, cuda_graph.GraphStep._backward
-
-    def tagged(phase, method):
-        def wrapper(self, node, *args):
-            start = len(self.launches)
-            method(self, node, *args)
-            labels.extend([(start, len(self.launches), f"{phase} {node.index}:{node.op}")])
-        return wrapper
-
-    cuda_graph.GraphStep._forward = tagged("fwd", original_forward)
-    cuda_graph.GraphStep._backward = tagged("bwd", original_backward)
-    description = json.loads((REPO / "examples" / "reference" / f"{model_name}.json").read_text())
+    description = description_of(model_name)
     for layer in description["layers"]:
-        if layer["type"] == "conv2d":
+        if layer["type"] == "conv2d" and algorithm != "auto":
             layer["algorithm"] = algorithm
-    trainer = Trainer(description, device="cuda", batch_size=batch, cuda_graph=True, log=lambda m: None)
+    trainer = Trainer(description, device="cuda", batch_size=batch, amp=amp, cuda_graph=False, log=lambda m: None)
+    plan = trainer.plan
     shape = (batch,) + tuple(trainer.model.input_shape)
     x = cupy.random.randint(0, 256, shape, dtype=cupy.uint8)
     y = cupy.random.randint(0, trainer.model.output_shape[0], batch)
     for _ in range(3):
         trainer.step(x, y)
-    step = trainer._graph
-    cuda_graph.GraphStep._forward, cuda_graph.GraphStep._backward = original_forward, original_backward
-    where = {}
-    for start, end, label in labels:
-        for k in range(start, end):
-            where[k] = label
+
+    def timed(function):
+        function()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(reps):
+            function()
+        end.record()
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(start, end) / reps
+
+    views = plan.views(batch)
     rows = []
-    with step.stream:
-        for k, launch in enumerate(step.launches):
-            times = []
-            for _ in range(reps):
-                a, b = cupy.cuda.Event(), cupy.cuda.Event()
-                a.record(step.stream)
-                launch()
-                b.record(step.stream)
-                b.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(a, b))
-            code = launch.__code__
-            rows.append((where.get(k, "other"), f"line {code.co_firstlineno}", sorted(times)[reps // 2]))
-    total = sum(r[2] for r in rows)
-    print(f"\n== lnn {model_name} batch {batch} ({algorithm}): {len(rows)} launches, sum of medians {total:.3f} ms; "
-          f"peak pool {cupy.get_default_memory_pool().total_bytes() / 2**20:.0f} MiB")
-    for label, line, ms in rows:
-        if ms >= 0.005:
-            print(f"  {label:22s} {line:10s} {ms:8.3f} ms")
+    for i, layer in enumerate(plan.layers):
+        if plan.trains_alias[i]:
+            continue
+        call = Call(cupy, key=0, index=plan.dropout_index, **views["calls"][i])
+        label = f"{i}:{plan.model.nodes[i].op}"
+        rows.append((f"fwd {label}", timed(lambda: layer.run_forward(call, True))))
+        if plan.runs_backward[i]:
+            rows.append((f"bwd {label}", timed(lambda: layer.run_backward(call))))
+    rows.append(("optimizer", timed(lambda: trainer.optimizer.update(plan.grads, 0.0))))
+    total = sum(ms for _, ms in rows)
+    print(f"\n== lnn {model_name} batch {batch}{' amp' if amp else ''} ({algorithm}): sum {total:.3f} ms; "
+          f"pool {cupy.get_default_memory_pool().total_bytes() / 2**20:.0f} MiB")
+    for label, ms in rows:
+        print(f"  {label:28s} {ms:8.3f} ms")
 
 
 def torch_profile(model_name: str, batch: int):
@@ -81,11 +77,11 @@ def torch_profile(model_name: str, batch: int):
     from torch.profiler import ProfilerActivity, profile
     from torch_peer import torch_sequential
 
-    from lnn.formats.model import load_model
+    from lnn.formats.model import parse_model
 
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = load_model(REPO / "examples" / "reference" / f"{model_name}.json")
+    model = parse_model(description_of(model_name))
     net = torch_sequential(model)
     opt = model.optimizer
     optimizer = torch.optim.SGD(net.parameters(), lr=opt["lr"], momentum=opt["momentum"])
@@ -123,11 +119,12 @@ def main():
     parser.add_argument("--side", choices=["lnn", "torch", "both"], default="both")
     parser.add_argument("--algorithm", choices=["auto", "im2col", "winograd"], default="auto",
                         help="the conv layers' algorithm field for the lnn side")
+    parser.add_argument("--amp", action="store_true", help="the lnn side in mixed precision")
     args = parser.parse_args()
     for model_name in args.models:
         for batch in args.batches:
             if args.side in ("lnn", "both"):
-                lnn_profile(model_name, batch, args.algorithm)
+                lnn_profile(model_name, batch, args.algorithm, args.amp)
             if args.side in ("torch", "both"):
                 torch_profile(model_name, batch)
 

@@ -52,6 +52,8 @@ def build_parser():
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                         help="run every step eagerly on the GPU")
     parser.add_argument("--amp", action="store_true", help="mixed precision on the GPU (float16 activations)")
+    parser.add_argument("--tf32", action="store_true",
+                        help="float32 GEMMs on TF32 tensor cores (GPU; 10-bit mantissa inputs; off by default)")
     parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR after its last checkpoint")
     parser.add_argument("--init", metavar="MODEL", help="start from this model's weights (a .bin or an lnn-train "
                         "checkpoint of the same layers) instead of a random initialization: fine-tuning")
@@ -142,14 +144,14 @@ def body(args) -> int:
         print(f"batch {batch:,} is more than the {len(train):,} training rows: training with batch {len(train):,}",
               flush=True)
         batch = len(train)
-    trainer = Trainer(model, device=args.device, seed=args.seed, batch_size=batch, lr=args.lr, amp=args.amp,
+    trainer = Trainer(model, device=args.device, seed=args.seed, batch_size=batch, lr=args.lr, amp=args.amp, tf32=args.tf32,
                       cuda_graph="auto" if args.cuda_graph is None else args.cuda_graph,
                       outliers=args.outliers is not None)
     if args.init and not (args.resume and (Path(args.out) / "checkpoint.npz").exists()):
         trainer.set_weights(initial_weights_from(args.init))
     memory = trainer.plan.memory_report()
     print(f"{model.name}: {model.num_params:,} parameters on {trainer.device}"
-          f"{' (amp)' if trainer.amp else ''}{', cuda graph' if trainer.graph_mode else ''}, batch {trainer.plan.batch_size}"
+          f"{' (amp)' if trainer.amp else ''}{' (tf32)' if trainer.tf32 else ''}{', cuda graph' if trainer.graph_mode else ''}, batch {trainer.plan.batch_size}"
           f" x {trainer.config.accumulate} accumulated; plan memory {human_bytes(memory['peak'])} "
           f"(activations pooled {human_bytes(memory['activations_pooled'])}, naive "
           f"{human_bytes(memory['activations_naive'])})", flush=True)

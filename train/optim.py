@@ -10,19 +10,21 @@ p, g: flat arrays (the same layout; padding between parameters stays zero). g is
 Weight decay applies to every learned parameter (biases and batch-norm scales too, as PyTorch's
 default); batch-norm running statistics are not in these buffers.
 `clip_by_global_norm` scales g in place so that ||g||_2 <= max_norm (PyTorch's clip_grad_norm_).
+Everything stays on the device: the learning rate, the step count (Adam's bias corrections), the norm
+and amp's "skip this step" flag are arrays, so a step can be captured as a CUDA graph and replayed.
 """
 
 from __future__ import annotations
 
 
-def global_norm(xp, grads) -> float:
-    return float(xp.sqrt(xp.dot(grads, grads)))
+def global_norm(xp, grads):
+    """||grads||_2 as a 0-d array on the device (no host sync)."""
+    return xp.sqrt((grads * grads).sum())
 
 
-def clip_by_global_norm(xp, grads, norm: float, max_norm: float) -> None:
-    coefficient = max_norm / (norm + 1e-6)
-    if coefficient < 1:
-        grads *= grads.dtype.type(coefficient)
+def clip_by_global_norm(xp, grads, norm, max_norm: float) -> None:
+    """grads *= min(1, max_norm / (norm + 1e-6)), with norm a 0-d device array."""
+    grads *= xp.minimum(max_norm / (norm + 1e-6), 1).astype(grads.dtype)
 
 
 class Optimizer:
@@ -32,18 +34,33 @@ class Optimizer:
         self.xp = xp
         self.params = params
         self.config = dict(config)
-        self.steps = 0
+        self.step_number = xp.zeros((), params.dtype)        # steps taken (skipped ones not counted), on the device
         self.state = {name: xp.zeros_like(params) for name in self.state_names}
 
-    def update(self, grads, lr: float) -> None:
-        self.steps += 1
-        self._update(grads, lr)
+    @property
+    def steps(self) -> int:
+        return int(self.step_number)
+
+    def update(self, grads, lr, skip=None) -> None:
+        """One step at learning rate `lr` (a number or a 0-d array). `skip`: a 0-d boolean array; where
+        it is true, nothing changes (amp's overflowed step), decided on the device without a host sync."""
+        xp = self.xp
+        lr = xp.asarray(lr, dtype=self.params.dtype)
+        keep = None if skip is None else ~skip
+        self.step_number += 1 if keep is None else keep.astype(self.step_number.dtype)
+        self._update(grads, lr, keep)
+
+    def _write(self, target, value, keep) -> None:
+        if keep is None:
+            target[...] = value
+        else:
+            self.xp.copyto(target, value, where=keep)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, **self.state}
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps = int(state["steps"])
+        self.step_number[...] = int(state["steps"])
         for name in self.state_names:
             self.state[name][...] = self.xp.asarray(state[name])
 
@@ -53,45 +70,40 @@ class SGD(Optimizer):
         self.state_names = ("momentum_buffer",) if config.get("momentum", 0) else ()
         super().__init__(xp, params, config)
 
-    def _update(self, grads, lr):
+    def _update(self, grads, lr, keep):
         c, p, g = self.config, self.params, grads
         t = p.dtype.type
         if c["weight_decay"]:
             g = g + t(c["weight_decay"]) * p
         if c["momentum"]:
-            buf = self.state["momentum_buffer"]
-            if self.steps == 1:
-                buf[...] = g
-            else:
-                buf *= t(c["momentum"])
-                buf += g
+            buf = t(c["momentum"]) * self.state["momentum_buffer"] + g     # the buffer starts at 0: buf = g first
+            self._write(self.state["momentum_buffer"], buf, keep)
             g = g + t(c["momentum"]) * buf if c["nesterov"] else buf
-        p -= t(lr) * g
+        self._write(p, p - lr * g, keep)
 
 
 class Adam(Optimizer):
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = False
 
-    def _update(self, grads, lr):
+    def _update(self, grads, lr, keep):
         c, p, g, xp = self.config, self.params, grads, self.xp
         t = p.dtype.type
         beta1, beta2 = c["betas"]
+        param = p
         if c["weight_decay"]:
             if self.decoupled:
-                p *= t(1 - lr * c["weight_decay"])
+                param = p * (1 - lr * t(c["weight_decay"]))
             else:
                 g = g + t(c["weight_decay"]) * p
-        m, v = self.state["exp_avg"], self.state["exp_avg_sq"]
-        m *= t(beta1)
-        m += t(1 - beta1) * g
-        v *= t(beta2)
-        v += t(1 - beta2) * g * g
-        bias1 = 1 - beta1 ** self.steps
-        bias2 = 1 - beta2 ** self.steps
-        denominator = xp.sqrt(v / t(bias2))
-        denominator += t(c["eps"])
-        p -= t(lr / bias1) * m / denominator
+        m = t(beta1) * self.state["exp_avg"] + t(1 - beta1) * g
+        v = t(beta2) * self.state["exp_avg_sq"] + t(1 - beta2) * g * g
+        step = xp.maximum(self.step_number, 1)                # a skipped first step divides by nothing
+        bias1 = 1 - t(beta1) ** step
+        bias2 = 1 - t(beta2) ** step
+        self._write(self.state["exp_avg"], m, keep)
+        self._write(self.state["exp_avg_sq"], v, keep)
+        self._write(p, param - (lr / bias1) * m / (xp.sqrt(v / bias2) + t(c["eps"])), keep)
 
 
 class AdamW(Adam):
@@ -103,4 +115,3 @@ OPTIMIZER_CLASSES = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
 
 def make_optimizer(xp, params, config: dict) -> Optimizer:
     return OPTIMIZER_CLASSES[config["type"]](xp, params, config)
-

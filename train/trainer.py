@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from lnn.formats.errors import LnnError, ModelSpecError
 from lnn.formats.model import Model, load_description, parse_model
+from lnn.runtime.cuda import blas
 from lnn.train import kernels as K
 from lnn.train.config import TrainingConfig, learning_rate
 from lnn.train.data import ArrayDataset, DeviceFeeder, PinnedSlots, Prefetcher, epoch_order
@@ -46,18 +46,77 @@ from lnn.train.plan import Plan
 LOSS_SCALE_START, LOSS_SCALE_GROWTH_INTERVAL = 2.0 ** 16, 2000
 
 
-@dataclass
-class StepResult:
-    loss: float          # mean loss over the step's rows
-    grad_norm: float     # global L2 norm of the gradients (before clipping)
-    correct: int         # rows whose argmax is the label (cross_entropy), else 0
-    rows: int
-    skipped: bool = False   # amp: the gradients overflowed, no update
-    labelled: int | None = None   # rows with a class label (not outlier rows); None: all rows
+STATS = ("loss", "correct", "grad_norm", "skipped", "labelled")
 
-    def __post_init__(self):
-        if self.labelled is None:
-            self.labelled = self.rows
+
+class StepResult:
+    """One step's numbers, kept on the device until first read (then one copy for all)."""
+
+    def __init__(self, stats, rows: int):
+        self._stats, self.rows, self._values = stats, rows, None
+
+    def _read(self) -> dict:
+        if self._values is None:
+            values = to_numpy(self._stats).astype(np.float64)
+            self._values = dict(zip(STATS, values))
+        return self._values
+
+    loss = property(lambda self: float(self._read()["loss"]))             # mean loss over the step's rows
+    grad_norm = property(lambda self: float(self._read()["grad_norm"]))   # global L2 norm before clipping
+    correct = property(lambda self: int(round(self._read()["correct"])))  # rows whose argmax is the label
+    skipped = property(lambda self: bool(self._read()["skipped"]))        # amp: the gradients overflowed, no update
+    labelled = property(lambda self: int(round(self._read()["labelled"])))  # rows with a class label
+
+
+class StepInputs:
+    """The fixed buffers one step reads, for steps of `rows` rows: the inputs x, the targets y, and the
+    per-step scalars (learning rate, dropout keys) as uint32 words, staged from the host before each
+    step (on the GPU through a ring of pinned slots, so staging never waits for the device). A captured
+    graph reads these same buffers at every replay; `stats` receives the step's numbers."""
+
+    PINNED_SLOTS = 16
+
+    def __init__(self, xp, rows, micro_batches, x_dtype, sample_shape, target_shape, target_dtype, param_dtype):
+        self.xp, self.rows, self.micro_batches = xp, rows, micro_batches
+        self.x = xp.empty((rows,) + sample_shape, x_dtype)
+        self.y = xp.empty((rows,) + target_shape, target_dtype)
+        self.lr_words = np.dtype(param_dtype).itemsize // 4
+        self._keys_shape = (micro_batches, -1)
+        self.words = None
+        self.param_dtype = np.dtype(param_dtype)
+        self.stats = xp.zeros(len(STATS), np.float64 if self.param_dtype == np.float64 else np.float32)
+        self._pinned, self._events, self._slot = None, None, 0
+
+    def scalars(self, lr: float, keys: np.ndarray) -> np.ndarray:
+        host = np.concatenate([np.asarray([lr], self.param_dtype).view(np.uint32), keys.reshape(-1)])
+        if self.words is None:
+            self.words = self.xp.zeros(host.size, np.uint32)
+            self.lr = self.words[:self.lr_words].view(self.param_dtype).reshape(())
+            self.keys = self.words[self.lr_words:].reshape(keys.shape)
+        return host
+
+    def stage(self, x, targets, host_words) -> None:
+        """Copy this step's rows and scalars into the buffers, on the current stream."""
+        xp = self.xp
+        if xp is np:
+            self.x[...] = x
+            self.y[...] = targets
+            self.words[...] = host_words
+            return
+        self.x.set(x) if isinstance(x, np.ndarray) else xp.copyto(self.x, x)
+        xp.copyto(self.y, targets.reshape(self.y.shape), casting="unsafe")
+        if self._pinned is None:
+            import cupyx
+
+            self._pinned = cupyx.empty_pinned((self.PINNED_SLOTS, host_words.size), np.uint32)
+            self._events = [None] * self.PINNED_SLOTS
+        slot = self._slot
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()           # this slot's last copy has been read
+        self._pinned[slot] = host_words
+        self.words.set(self._pinned[slot], stream=xp.cuda.get_current_stream())
+        self._events[slot] = xp.cuda.get_current_stream().record()
+        self._slot = (slot + 1) % self.PINNED_SLOTS
 
 
 def as_model(spec) -> Model:
@@ -103,7 +162,7 @@ class Trainer:
     def __init__(self, spec, device: str = "auto", seed: int | None = None, batch_size: int | None = None,
                  accumulate: int | None = None, grad_clip: float | None = None, lr: float | None = None,
                  amp: bool = False, dtype: str = "float32", inspect: bool = False, log=None, cuda_graph="auto",
-                 outliers: bool = False):
+                 outliers: bool = False, tf32: bool = False):
         self.model = as_model(spec)
         self.log = log or (lambda message: print(message, flush=True))
         config = TrainingConfig.parse(self.model.extra.get("training"))
@@ -133,50 +192,31 @@ class Trainer:
         self.base_lr = self.lr = self.optimizer_config["lr"]
         self.optimizer = make_optimizer(self.xp, self.plan.params, self.optimizer_config)
         self.set_weights(initial_weights(self.model, config.seed))
-        self.step_count = 0
+        self.step_count = 0              # steps run (amp's skipped steps included)
         self.dropout_calls = 0
-        self.loss_scale = LOSS_SCALE_START if self.amp else 1.0
-        self.overflow_steps = 0
-        self._clean_steps = 0
+        # amp's dynamic loss scale [scale, clean steps in a row, overflowed steps], kept on the device
+        self._amp_state = self.xp.asarray([LOSS_SCALE_START if self.amp else 1.0, 0, 0], np.float32)
+        self.tf32 = bool(tf32) and self.device == "cuda" and self.plan.compute_dtype == np.float32
         self._normalizer = self._make_normalizer()
         self._device_data = {}
         self._last_rows = None
         self.gradients = self.plan.param_views(self.plan.grads)
-        self._graph = None
-        self.graph_mode = self._choose_graph_mode(cuda_graph, dtype, inspect)
+        self._step_inputs = {}
+        self._graphs = {}
+        self.graph_mode = self._choose_graph_mode(cuda_graph)
 
-    def _choose_graph_mode(self, wanted, dtype, inspect) -> bool:
-        """Whether full batches of uint8 images run as a captured CUDA graph (train/cuda_graph.py)."""
+    def _choose_graph_mode(self, wanted) -> bool:
+        """Whether full steps on the GPU replay as a captured CUDA graph (train/cuda_graph.py)."""
         if wanted not in (True, False, "auto"):
             raise LnnError(f"cuda_graph must be True, False or 'auto', not {wanted!r}")
-        if wanted is False:
-            return False
-        from lnn.train.cuda_graph import unsupported_reason
+        if wanted is True and self.device != "cuda":
+            raise LnnError("cuda graph: the device is the CPU")
+        return wanted is not False and self.device == "cuda"
 
-        reason = "the device is the CPU" if self.device != "cuda" else (
-            "inspect=True keeps every activation" if inspect else
-            "outlier exposure (rows with a uniform target) runs eagerly" if self.outliers else
-            unsupported_reason(self.model, self.config, self.optimizer_config, self.amp, dtype))
-        if reason and wanted is True:
-            raise LnnError(f"cuda graph: {reason}")
-        return reason is None
-
-    def _graph_step(self, x, y):
-        """The step as a graph replay, or None (after one log line) when the graph path fails."""
-        from lnn.train.cuda_graph import GraphFailure, GraphStep
-
-        try:
-            if self._graph is None:
-                self._graph = GraphStep(self)
-            return self._graph.step(x, y, self.lr)
-        except GraphFailure as err:
-            self.log(f"cuda graph: {err}; training continues eagerly")
-        except Exception as err:                      # noqa: BLE001 - any GPU-side surprise: fall back, say why
-            self.log(f"cuda graph: unexpected {type(err).__name__}: {' '.join(str(err).split())[:300]}; "
-                     f"training continues eagerly")
-        self.graph_mode = False
-        self._graph = None
-        return None
+    # amp's loss-scale state, read from the device (a host sync: for logs and checkpoints)
+    loss_scale = property(lambda self: float(self._amp_state[0]))
+    overflow_steps = property(lambda self: int(self._amp_state[2]))
+    _clean_steps = property(lambda self: int(self._amp_state[1]))
 
     # ------------------------------------------------------------------ setup
 
@@ -266,79 +306,147 @@ class Trainer:
             return one_hot
         return y.astype(np.float64 if self.plan.param_dtype == np.float64 else np.float32).reshape(out_shape)
 
-    def _dropout_keys(self) -> dict:
-        keys = {}
-        for i, node in enumerate(self.model.nodes):
-            if node.op == "dropout":
+    def _dropout_keys(self, micro_batches: int) -> np.ndarray:
+        """uint32 keys [micro-batch, dropout layer] of this step (lowbias32 of the seed and a call counter)."""
+        layers = sum(node.op == "dropout" for node in self.model.nodes)
+        keys = np.zeros((micro_batches, max(layers, 1)), np.uint32)
+        for j in range(micro_batches):
+            for slot in range(layers):
                 self.dropout_calls += 1
-                keys[i] = hash32(hash32(self.config.seed) ^ hash32(self.dropout_calls + 0x9E3779B9))
+                keys[j, slot] = hash32(hash32(self.config.seed) ^ hash32(self.dropout_calls + 0x9E3779B9))
         return keys
 
     def step(self, x, y) -> StepResult:
-        xp, plan = self.xp, self.plan
+        """One optimizer step over len(x) rows: the same device code runs eagerly or, for full steps on
+        the GPU, as a replayed CUDA graph. Its numbers are read from the device when first used."""
         rows = len(x)
         if rows == 0:
             raise LnnError("step: the batch is empty")
         if len(y) != rows:
             raise LnnError(f"step: {rows} inputs but {len(y)} targets")
-        if (self.graph_mode and rows == plan.batch_size and getattr(x, "dtype", None) == np.uint8
-                and tuple(x.shape[1:]) == tuple(self.model.input_shape) and getattr(y, "ndim", 1) == 1):
-            result = self._graph_step(x, y)
-            if result is not None:
-                self.step_count += 1
-                self._last_rows = rows
-                return result
-        plan.grads_compute.fill(0)
-        outputs = math.prod(self.model.output_shape)
-        outlier_rows = int((xp.asarray(y) < 0).sum()) if self.outliers else 0
-        labelled = rows - outlier_rows
-        # cross_entropy: mean over the labelled rows; outlier rows weigh weight / outlier_rows each
-        divisor = max(labelled, 1) if self.model.loss == "cross_entropy" else rows * outputs
-        scale = self.loss_scale / divisor
-        outlier_weight = self.config.outliers["weight"] * divisor / outlier_rows if outlier_rows else 0.0
-        loss_sum, correct = 0.0, 0
-        for start in range(0, rows, plan.batch_size):
-            n = min(plan.batch_size, rows - start)
-            self._load_input(x[start:start + n], n)
-            targets = self._targets(y[start:start + n], n)
-            keys = self._dropout_keys()
-            out = plan.forward(n, training=True, dropout_keys=keys)
-            dout = plan.output_grad_buffer(n)
+        if tuple(x.shape[1:]) != tuple(self.model.input_shape):
+            raise LnnError(f"step: inputs of shape {list(x.shape[1:])}, the model takes {list(self.model.input_shape)}")
+        if x.dtype == np.uint8 and self._normalizer is None:
+            raise LnnError("uint8 inputs need an image model with a preprocess block")
+        full = rows == self.plan.batch_size * self.config.accumulate
+        inputs = self._inputs_for(rows, np.dtype(x.dtype))
+        graph = self._graph_for(inputs) if self.graph_mode and full else None
+        targets = self._targets(y, rows)
+        scalars = inputs.scalars(self.lr, self._dropout_keys(inputs.micro_batches))
+        if graph is not None:
+            ran = graph.run(lambda: inputs.stage(x, targets, scalars), lambda: self._device_step(inputs))
+            if not ran:
+                self.graph_mode = False
+                self._graphs.clear()
+        if graph is None or not ran:
+            inputs.stage(x, targets, scalars)
+            with np.errstate(all="ignore"):            # a diverged step is reported below, not as warnings
+                self._device_step(inputs)
+        self.step_count += 1
+        self._last_rows = min(rows - (inputs.micro_batches - 1) * self.plan.batch_size, self.plan.batch_size)
+        result = StepResult(inputs.stats.copy(), rows)
+        if graph is None or not ran:                     # eager: report a diverged fp32 step at once
+            self._check_finite(result)
+        return result
+
+    def graph_pool_bytes(self) -> int:
+        """GPU bytes the captured steps' private memory pools hold (their temporaries)."""
+        return sum(graph.pool.total_bytes() for graph in self._graphs.values())
+
+    def _check_finite(self, result) -> None:
+        if not result.skipped and not math.isfinite(result.grad_norm):
+            raise LnnError(f"training diverged by step {self.step_count} (loss {result.loss}, gradient norm "
+                           f"{result.grad_norm}); lower the learning rate or set training.grad_clip")
+
+    def _inputs_for(self, rows: int, x_dtype) -> StepInputs:
+        key = (rows, x_dtype)
+        if key not in self._step_inputs:
             if self.model.loss == "cross_entropy":
-                part, right = K.softmax_cross_entropy_forward_backward(xp, out, targets, scale, dout,
-                                                                       outlier_weight)
-                correct = correct + right
+                target_shape, target_dtype = (), np.int64
             else:
-                part = K.mse_forward_backward(xp, out, targets, scale, dout)
-            loss_sum = loss_sum + part
-            plan.backward(n, dropout_keys=keys)
-        self._last_rows = n
-        loss = float(loss_sum) / divisor
+                target_shape = tuple(self.model.output_shape)
+                target_dtype = np.float64 if self.plan.param_dtype == np.float64 else np.float32
+            self._step_inputs[key] = StepInputs(self.xp, rows, math.ceil(rows / self.plan.batch_size), x_dtype,
+                                                tuple(self.model.input_shape), target_shape, target_dtype,
+                                                self.plan.param_dtype)
+        return self._step_inputs[key]
+
+    def _graph_for(self, inputs):
+        from lnn.train.cuda_graph import CapturedStep
+
+        key = id(inputs)
+        if key not in self._graphs:
+            self._graphs[key] = CapturedStep(self.xp, self.log)
+        return self._graphs[key]
+
+    def _device_step(self, inputs: StepInputs) -> None:
+        """The whole step on the device, reading only `inputs` and the plan: no host sync, no per-step
+        Python values (lr, keys and the loss scale are device arrays), so it can be captured as is.
+        Micro-batches of at most batch_size rows; gradients summed with the loss normalized over all rows
+        (cross_entropy: over the labelled rows; outlier rows weigh training.outliers' weight in all);
+        amp: unscale, and an overflow skips the update and halves the scale (doubled after
+        LOSS_SCALE_GROWTH_INTERVAL clean steps); then the global norm, clipping, the optimizer."""
+        xp, plan = self.xp, self.plan
+        stat_dtype = np.float64 if plan.param_dtype == np.float64 else np.float32
+        rows = inputs.rows
+        plan.grads_compute.fill(0)
+        loss_scale = self._amp_state[0] if self.amp else 1.0
+        if self.model.loss != "cross_entropy":
+            labelled = divisor = rows * math.prod(self.model.output_shape)
+            outlier_weight = 0.0
+        elif self.outliers:
+            outlier_rows = (inputs.y < 0).sum()
+            labelled = rows - outlier_rows
+            divisor = xp.maximum(labelled, 1).astype(stat_dtype)
+            outlier_weight = self.config.outliers["weight"] * divisor / xp.maximum(outlier_rows, 1)
+        else:
+            labelled = divisor = rows
+            outlier_weight = 0.0
+        scale = loss_scale / divisor
+        dropout_layers = [i for i, node in enumerate(self.model.nodes) if node.op == "dropout"]
+        loss_sum = correct = 0
+        with blas.tf32(self.tf32):
+            for j, start in enumerate(range(0, rows, plan.batch_size)):
+                n = min(plan.batch_size, rows - start)
+                self._load_input(inputs.x[start:start + n], n)
+                targets = inputs.y[start:start + n]
+                keys = {i: inputs.keys[j, slot] for slot, i in enumerate(dropout_layers)}
+                out = plan.forward(n, training=True, dropout_keys=keys)
+                dout = plan.output_grad_buffer(n)
+                if self.model.loss == "cross_entropy":
+                    part, right = K.softmax_cross_entropy_forward_backward(xp, out, targets, scale, dout,
+                                                                           outlier_weight)
+                    correct = correct + right
+                else:
+                    part = K.mse_forward_backward(xp, out, targets, scale, dout)
+                loss_sum = loss_sum + part
+                plan.backward(n, dropout_keys=keys)
         if self.amp:
             plan.grads[...] = plan.grads_compute
-            plan.grads *= plan.grads.dtype.type(1 / self.loss_scale)
+            plan.grads /= loss_scale
         norm = global_norm(xp, plan.grads)
-        result = StepResult(loss, norm, int(correct), rows, labelled=labelled)
-        if not math.isfinite(norm):
-            if not self.amp:
-                raise LnnError(f"training diverged at step {self.step_count + 1} (loss {loss}, gradient norm "
-                               f"{norm}); lower the learning rate or set training.grad_clip")
-            self.overflow_steps += 1
-            self.loss_scale /= 2
-            self._clean_steps = 0
-            result.skipped = True
-            return result
+        skipped = ~xp.isfinite(norm)
         if self.config.grad_clip is not None:
             clip_by_global_norm(xp, plan.grads, norm, self.config.grad_clip)
-        self.optimizer.update(plan.grads, self.lr)
+        self.optimizer.update(plan.grads, inputs.lr, skip=skipped)
         self._sync_compute_params()
-        self.step_count += 1
         if self.amp:
-            self._clean_steps += 1
-            if self._clean_steps == LOSS_SCALE_GROWTH_INTERVAL:
-                self.loss_scale *= 2
-                self._clean_steps = 0
-        return result
+            self._update_loss_scale(skipped)
+        stats = inputs.stats
+        stats[0] = loss_sum / divisor
+        stats[1] = correct
+        stats[2] = norm
+        stats[3] = skipped
+        stats[4] = labelled
+
+    def _update_loss_scale(self, skipped) -> None:
+        """On the device: halve the scale on an overflow, double it after LOSS_SCALE_GROWTH_INTERVAL clean steps."""
+        xp, state = self.xp, self._amp_state
+        clean = xp.where(skipped, 0, state[1] + 1)
+        grow = clean >= LOSS_SCALE_GROWTH_INTERVAL
+        state[0] = xp.where(skipped, state[0] / 2, xp.where(grow, state[0] * 2, state[0]))
+        state[1] = xp.where(grow, 0, clean)
+        state[2] += skipped
 
     # ------------------------------------------------------------------ evaluation
 
@@ -431,9 +539,8 @@ class Trainer:
         self.optimizer.load_state_dict({key: np.asarray(v) for key, v in optimizer_state.items()})
         self.step_count = int(meta["step"])
         self.lr = float(meta["lr"])
-        self.loss_scale = float(meta["loss_scale"]) if self.amp else 1.0
-        self.overflow_steps = int(meta["overflow_steps"])
-        self._clean_steps = int(meta["clean_steps"])
+        self._amp_state[...] = self.xp.asarray([float(meta["loss_scale"]) if self.amp else 1.0,
+                                                float(meta["clean_steps"]), float(meta["overflow_steps"])], np.float32)
         self.dropout_calls = int(meta["rng"]["dropout_calls"])
 
     # ------------------------------------------------------------------ the loop
@@ -496,16 +603,14 @@ class Trainer:
         with bar:
             batches = self._batches(train, order, rows_per_step)
             for index, (images, labels, done) in enumerate(batches):
-                self.lr = learning_rate(self.base_lr, self.config.lr_schedule, self.step_count + self.overflow_steps,
-                                        steps_per_epoch, epochs)
+                self.lr = learning_rate(self.base_lr, self.config.lr_schedule, self.step_count, steps_per_epoch,
+                                        epochs)
                 pending.append(self.step(images, labels))
                 done()
                 if index % 10 and rows_done + sum(r.rows for r in pending) < len(train):
                     continue                 # graph steps keep their numbers on the device until read here
                 for result in pending:
-                    if not result.skipped and not math.isfinite(result.grad_norm):
-                        raise LnnError(f"training diverged by step {self.step_count} (gradient norm "
-                                       f"{result.grad_norm}); lower the learning rate or set training.grad_clip")
+                    self._check_finite(result)
                     loss_sum += result.loss * result.rows
                     correct += result.correct
                     rows_done += result.rows

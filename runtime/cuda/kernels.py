@@ -2,6 +2,7 @@
 
 Every function takes the array namespace `xp` (numpy or cupy) first and uses only functions both
 provide, so the same code runs on the CPU and the GPU (and is tested on NumPy where there is no GPU).
+Every GEMM goes through blas.matmul (np.matmul, or cuBLAS in a form CUDA-graph capture accepts).
 runtime/cuda/fused.py holds CuPy-only kernels that replace some of these on the GPU (same results).
 
 Conventions (PyTorch's, and formats/ops.py's reference forward, which these must reproduce):
@@ -15,6 +16,8 @@ offset: no as_strided, and the same code on numpy and cupy.
 from __future__ import annotations
 
 import numpy as np
+
+from lnn.runtime.cuda.blas import matmul
 
 # --------------------------------------------------------------------------- window helpers
 
@@ -82,7 +85,7 @@ def activation_forward(xp, activation: dict, x, out):
 # x [N, I], weight [O, I], bias [O] -> y [N, O];  y = x @ W.T + b
 
 def linear_forward(xp, x, weight, bias, out):
-    xp.matmul(x, weight.T, out=out)
+    matmul(xp, x, weight.T, out)
     if bias is not None:
         out += bias
     return out
@@ -109,7 +112,7 @@ def grouped_weight(weight, groups):
 def conv2d_gemm(xp, weight, groups, cols, gemm_out):
     """gemm_out [O, N, OH, OW] = the grouped product of the weight with cols (no bias)."""
     columns = cols.reshape(groups, -1, cols[0, 0, 0].size)                 # [g, C/g*KH*KW, N*OH*OW]
-    xp.matmul(grouped_weight(weight, groups), columns, out=gemm_out.reshape(groups, weight.shape[0] // groups, -1))
+    matmul(xp, grouped_weight(weight, groups), columns, gemm_out.reshape(groups, weight.shape[0] // groups, -1))
     return gemm_out
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lnn.runtime.cuda.blas import matmul
 from lnn.runtime.cuda.conv_gemm import ceil_div
 
 THREADS = 256
@@ -178,22 +179,15 @@ def _module():
     return _MODULE
 
 
-def cupy_batched_matmul(out, a, b):
-    """out [B, M, N] = a [B, M, K] @ b [B, K, N] with CuPy (cuBLAS, strided batched)."""
-    import cupy
-
-    cupy.matmul(a, b, out=out)
-
-
 class WinogradKernels:
     """One 3x3 conv layer's Winograd launches. Holds its transformed weights (forward, and with
-    `backward` the input gradient's); V and M come from the caller (workspace_shapes).
-    `matmul(out, a, b)` does the 16 products (CuPy's by default; the CUDA-graph step passes its own
-    cuBLAS call, as CuPy's refuse stream capture)."""
+    `backward` the input gradient's); V and M come from the caller (workspace_shapes). The 16 products
+    are one strided-batched GEMM (blas.matmul, which CUDA-graph capture accepts)."""
 
     def __init__(self, attrs: dict, in_shape, out_shape, backward: bool = True):
         import cupy
 
+        self.cupy = cupy
         self.channels, self.height, self.width = in_shape
         self.out_channels, self.out_h, self.out_w = out_shape
         self.pad_h, self.pad_w = attrs["padding"]
@@ -212,7 +206,7 @@ class WinogradKernels:
                      (weight, self.u_flipped if flipped else self.u, np.int32(self.out_channels),
                       np.int32(self.channels), np.int32(flipped)))
 
-    def _convolve(self, x, u, bias, y, v, m, pad_h, pad_w, relu, matmul):
+    def _convolve(self, x, u, bias, y, v, m, pad_h, pad_w, relu):
         """Chunk by chunk of images: V = input transform, M = U @ V (16 products), y = output transform."""
         n, channels, height, width = x.shape
         out_channels, out_h, out_w = y.shape[1:]
@@ -229,22 +223,21 @@ class WinogradKernels:
             self._input((ceil_div(channels * count, THREADS),), (THREADS,),
                         (x[start:start + chunk], v_chunk,
                          *(np.int32(a) for a in (chunk, channels, height, width, tiles_h, tiles_w, pad_h, pad_w))))
-            matmul(m_chunk, u, v_chunk)
+            matmul(self.cupy, u, v_chunk, m_chunk)
             self._output((ceil_div(out_channels * count, THREADS),), (THREADS,),
                          (m_chunk, self.no_bias if bias is None else bias, y[start:start + chunk],
                           *(np.int32(a) for a in (chunk, out_channels, out_h, out_w, tiles_h, tiles_w,
                                                   bias is not None, relu))))
 
-    def forward(self, x, weight, bias, y, v, m, relu: bool = False, weight_ready: bool = False,
-                matmul=cupy_batched_matmul):
+    def forward(self, x, weight, bias, y, v, m, relu: bool = False, weight_ready: bool = False):
         """y [N, O, OH, OW] = act(conv(x) + bias); V and M (workspace_shapes) are scratch.
         weight_ready: U already holds this weight's transform (inference: done once)."""
         if not weight_ready:
             self.transform_weight(weight)
-        self._convolve(x, self.u, bias, y, v, m, self.pad_h, self.pad_w, relu, matmul)
+        self._convolve(x, self.u, bias, y, v, m, self.pad_h, self.pad_w, relu)
 
-    def input_gradient(self, dy, weight, dx, v, m, matmul=cupy_batched_matmul):
+    def input_gradient(self, dy, weight, dx, v, m):
         """dx [N, C, H, W] = conv(dy, flipped transposed weight, padding 2 - p); V and M from
         workspace_shapes(O, C, (OH, OW), (H, W), N)."""
         self.transform_weight(weight, flipped=True)
-        self._convolve(dy, self.u_flipped, None, dx, v, m, 2 - self.pad_h, 2 - self.pad_w, False, matmul)
+        self._convolve(dy, self.u_flipped, None, dx, v, m, 2 - self.pad_h, 2 - self.pad_w, False)
