@@ -26,8 +26,8 @@ import numpy as np
 
 from lnn.runtime.cuda.blas import matmul
 from lnn.runtime.cuda.kernels import (  # noqa: F401 - the forward half of each pair, used as K.*_forward
-    activation_forward, avgpool2d_forward, avgpool_divisor, batchnorm_eval_forward, conv2d_forward,
-    global_avg_pool_forward, grouped_weight, im2col, linear_forward, maxpool2d_forward, per_channel,
+    activation_forward, avgpool2d_forward, avgpool_divisor, batchnorm_eval_forward, channel_affine, conv2d_forward,
+    global_avg_pool_forward, gpu_kernels, grouped_weight, im2col, linear_forward, maxpool2d_forward, per_channel,
     window_slices)
 
 # --------------------------------------------------------------------------- window helpers
@@ -88,6 +88,9 @@ def linear_backward(xp, dy, x, weight, dweight, dbias, dx):
 # d(cols), then scatters it back (col2im) with one strided add per kernel offset.
 
 def col2im(xp, cols, attrs, padded, dx):
+    fused = gpu_kernels(xp, cols, dx)
+    if fused is not None:
+        return fused.col2im(cols, attrs, dx)
     target = padded if padded is not None else dx
     target.fill(0)
     for _, i, j, rows, columns in window_slices(attrs, cols.shape[4:]):
@@ -118,7 +121,14 @@ def conv2d_backward(xp, dy, x, weight, attrs, dweight, dbias, dx, padded, cols, 
 # int32) records which kernel offset won (the first on ties, as PyTorch): the forward writes it
 # (runtime/cuda/kernels.py), the backward routes dy through it.
 
-def maxpool2d_backward(xp, dy, attrs, argmax, dx, padded):
+def maxpool2d_backward(xp, dy, attrs, argmax, dx, padded, relu_output=None):
+    """relu_output: the pool's output y when the relu before the pool is undone here (dy counts where y > 0)."""
+    fused = gpu_kernels(xp, dy, dx)
+    if fused is not None:
+        return fused.maxpool2d_backward(dy, argmax, dy if relu_output is None else relu_output,
+                                        relu_output is not None, attrs, dx)
+    if relu_output is not None:
+        dy = dy * (relu_output > 0)
     target = padded if padded is not None else dx
     target.fill(0)
     for k, _, _, rows, columns in window_slices(attrs, dy.shape[2:]):
@@ -195,10 +205,7 @@ def batchnorm_train_forward(xp, x, weight, bias, running_mean, running_var, attr
     running_mean += momentum * mean
     running_var *= 1 - momentum
     running_var += (momentum * count / max(count - 1, 1)) * var
-    scale = (weight * inv_std).astype(x.dtype)
-    shift = (bias - mean * weight * inv_std).astype(x.dtype)
-    out[...] = x * per_channel(scale, x) + per_channel(shift, x)
-    return out
+    return channel_affine(xp, x, weight * inv_std, bias - mean * weight * inv_std, out)
 
 
 def batchnorm_backward(xp, dy, x, weight, saved, dweight, dbias, dx):
@@ -211,6 +218,12 @@ def batchnorm_backward(xp, dy, x, weight, saved, dweight, dbias, dx):
         count = x.size // x.shape[1]
         # dx = w * inv_std / m * (m * dy - sum(dy) - x_hat * sum(dy * x_hat)),  x_hat = (x - mean) * inv_std
         k = weight * inv_std
+        fused = gpu_kernels(xp, dy, x, dx)
+        if fused is not None:
+            f32 = np.float32
+            return fused.batchnorm_input_gradient(dy, x, mean.astype(f32), inv_std.astype(f32), k.astype(f32),
+                                                  (sum_dy / count).astype(f32), (sum_dy_xhat / count).astype(f32),
+                                                  x.size // (x.shape[0] * x.shape[1]), x.shape[1], dx)
         x_hat = (x - per_channel(mean, x).astype(x.dtype)) * per_channel(inv_std, x).astype(x.dtype)
         dx[...] = (per_channel(k, x) * (dy - per_channel(sum_dy / count, x)
                                         - x_hat * per_channel(sum_dy_xhat / count, x))).astype(dx.dtype)

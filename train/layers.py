@@ -193,9 +193,8 @@ class MaxPoolLayer(PoolUndoingRelu):
         K.maxpool2d_forward(c.xp, c.x, self.attrs, c.y, c.ws.get("padded"), c.ws["argmax"])
 
     def backward(self, c):
-        if self.takes_relu_backward:
-            K.activation_backward(c.xp, RELU, c.dy, c.y, c.dy)
-        K.maxpool2d_backward(c.xp, c.dy, self.attrs, c.ws["argmax"], c.dx, c.ws.get("padded_b"))
+        K.maxpool2d_backward(c.xp, c.dy, self.attrs, c.ws["argmax"], c.dx, c.ws.get("padded_b"),
+                             relu_output=c.y if self.takes_relu_backward else None)
 
 
 class AvgPoolLayer(Layer):

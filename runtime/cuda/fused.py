@@ -8,7 +8,11 @@ epilogue_from_gemm: src [C, N, P] (a conv's GEMM output) -> y [N, C, P]:  y = ac
 im2col: x [N, C, H, W] -> cols [C, KH, KW, N, OH, OW] with zero padding read in place (no padded copy);
     the same cols as kernels.im2col.
 maxpool2d: x [N, C, H, W] -> y [N, C, OH, OW], max over the window's cells inside the image (the
-    reference pads with -inf, and padding <= half the kernel keeps every window non-empty).
+    reference pads with -inf, and padding <= half the kernel keeps every window non-empty), and for
+    training the winning offset; maxpool2d_backward routes dy back through it (the one max pool of the GPU).
+channel_affine: batch norm's y = x * scale[c] + shift[c]; batchnorm_input_gradient: its dx.
+The window, im2col and batch-norm kernels take float32 or float16 (amp), computing in float32; the
+trainer's kernels (train/kernels.py) call them on CuPy when `fits`, so training and inference share them.
 `i` and `n` are reserved names in ElementwiseKernel bodies. Importing this module imports CuPy; the
 kernels compile on first use (CuPy caches them on disk).
 """
@@ -51,11 +55,12 @@ epilogue_from_gemm = cupy.ElementwiseKernel(
     "y = lnn_activate(src[((long long)c * batch + image) * positions + p] * scale[c] + shift[c], code, slope);",
     "lnn_epilogue_from_gemm", preamble=_ACTIVATE)
 
+# T: float32 or float16 (amp), computed in float32. Window kernels index planes [N*C, H, W].
 _im2col = cupy.ElementwiseKernel(
-    "raw float32 x, int32 batch, int32 channels, int32 height, int32 width, int32 out_h, int32 out_w, "
+    "raw T x, int32 batch, int32 channels, int32 height, int32 width, int32 out_h, int32 out_w, "
     "int32 kernel_h, int32 kernel_w, int32 stride_h, int32 stride_w, int32 pad_h, int32 pad_w, "
     "int32 dilation_h, int32 dilation_w",
-    "float32 cols",
+    "T cols",
     "long long t = i;"
     "const int ow = (int)(t % out_w); t /= out_w;"
     "const int oh = (int)(t % out_h); t /= out_h;"
@@ -66,28 +71,124 @@ _im2col = cupy.ElementwiseKernel(
     "const int h = oh * stride_h - pad_h + kh * dilation_h;"
     "const int w = ow * stride_w - pad_w + kw * dilation_w;"
     "cols = (h >= 0 && h < height && w >= 0 && w < width)"
-    "    ? x[(((long long)image * channels + c) * height + h) * width + w] : 0.0f;",
+    "    ? x[(((long long)image * channels + c) * height + h) * width + w] : (T)0.0f;",
     "lnn_im2col")
 
-_maxpool2d = cupy.ElementwiseKernel(
-    "raw float32 x, int32 height, int32 width, int32 out_h, int32 out_w, int32 kernel_h, int32 kernel_w, "
-    "int32 stride_h, int32 stride_w, int32 pad_h, int32 pad_w",
-    "float32 y",
-    "const int ow = (int)(i % out_w);"
-    "const int oh = (int)((i / out_w) % out_h);"
-    "const long long plane = (i / out_w / out_h) * (long long)height * width;"
-    "float best = __int_as_float(0xff800000);"   # -inf, without math headers
+# the inverse of im2col for gradients: dx [N, C, H, W] gathers the cols entries that read each cell
+_col2im = cupy.ElementwiseKernel(
+    "raw T cols, int32 batch, int32 channels, int32 height, int32 width, int32 out_h, int32 out_w, "
+    "int32 kernel_h, int32 kernel_w, int32 stride_h, int32 stride_w, int32 pad_h, int32 pad_w, "
+    "int32 dilation_h, int32 dilation_w",
+    "T dx",
+    "const int w = (int)(i % width);"
+    "const int h = (int)((i / width) % height);"
+    "const int c = (int)((i / width / height) % channels);"
+    "const int image = (int)(i / width / height / channels);"
+    "float sum = 0.0f;"
     "for (int a = 0; a < kernel_h; ++a) {"
-    "    const int h = oh * stride_h - pad_h + a;"
-    "    if (h < 0 || h >= height) continue;"
+    "    const int hs = h + pad_h - a * dilation_h;"
+    "    if (hs < 0 || hs % stride_h) continue;"
+    "    const int oh = hs / stride_h;"
+    "    if (oh >= out_h) continue;"
     "    for (int b = 0; b < kernel_w; ++b) {"
-    "        const int w = ow * stride_w - pad_w + b;"
-    "        if (w < 0 || w >= width) continue;"
-    "        best = fmaxf(best, x[plane + (long long)h * width + w]);"
+    "        const int ws = w + pad_w - b * dilation_w;"
+    "        if (ws < 0 || ws % stride_w) continue;"
+    "        const int ow = ws / stride_w;"
+    "        if (ow >= out_w) continue;"
+    "        const long long row = ((long long)c * kernel_h + a) * kernel_w + b;"
+    "        sum += (float)cols[((row * batch + image) * out_h + oh) * out_w + ow];"
     "    }"
     "}"
-    "y = best;",
-    "lnn_maxpool2d")
+    "dx = (T)sum;",
+    "lnn_col2im")
+
+_WINDOW_MAX = r"""
+// The max over one pooling window of plane `plane` and the kernel offset that won (the first on ties);
+// cells outside the image are -inf, as the reference's padding.
+template <typename T>
+__device__ float lnn_window_max(const T* x, long long i, int height, int width, int out_h, int out_w,
+                                int kernel_h, int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w,
+                                int* winner) {
+    const int ow = (int)(i % out_w);
+    const int oh = (int)((i / out_w) % out_h);
+    const T* plane = x + (i / out_w / out_h) * (long long)height * width;
+    float best = __int_as_float(0xff800000);
+    *winner = 0;
+    for (int a = 0; a < kernel_h; ++a) {
+        const int h = oh * stride_h - pad_h + a;
+        if (h < 0 || h >= height) continue;
+        for (int b = 0; b < kernel_w; ++b) {
+            const int w = ow * stride_w - pad_w + b;
+            if (w < 0 || w >= width) continue;
+            const float v = (float)plane[h * width + w];
+            if (v > best) { best = v; *winner = a * kernel_w + b; }
+        }
+    }
+    return best;
+}
+"""
+
+_POOL_ARGS = ("int32 height, int32 width, int32 out_h, int32 out_w, int32 kernel_h, int32 kernel_w, "
+              "int32 stride_h, int32 stride_w, int32 pad_h, int32 pad_w")
+_POOL_CALL = "height, width, out_h, out_w, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w"
+
+_maxpool2d = cupy.ElementwiseKernel(
+    "raw T x, " + _POOL_ARGS, "T y",
+    f"int winner; y = (T)lnn_window_max(&x[0], i, {_POOL_CALL}, &winner);",
+    "lnn_maxpool2d", preamble=_WINDOW_MAX)
+
+_maxpool2d_argmax = cupy.ElementwiseKernel(
+    "raw T x, " + _POOL_ARGS, "T y, I argmax",
+    f"int winner; y = (T)lnn_window_max(&x[0], i, {_POOL_CALL}, &winner); argmax = (I)winner;",
+    "lnn_maxpool2d_argmax", preamble=_WINDOW_MAX)
+
+# dx [planes, H, W] = the sum of dy over the windows whose argmax is this cell; relu_mask: the layer
+# before ends in relu, undone here (train/layers.py PoolUndoingRelu): dy counts only where the pool's y > 0.
+_maxpool2d_backward = cupy.ElementwiseKernel(
+    "raw T dy, raw I argmax, raw T y, int32 relu_mask, " + _POOL_ARGS, "T dx",
+    "const int w = (int)(i % width);"
+    "const int h = (int)((i / width) % height);"
+    "const long long plane = (i / width / height) * (long long)out_h * out_w;"
+    "float sum = 0.0f;"
+    "for (int a = 0; a < kernel_h; ++a) {"
+    "    const int hs = h + pad_h - a;"
+    "    if (hs < 0 || hs % stride_h) continue;"
+    "    const int oh = hs / stride_h;"
+    "    if (oh >= out_h) continue;"
+    "    for (int b = 0; b < kernel_w; ++b) {"
+    "        const int ws = w + pad_w - b;"
+    "        if (ws < 0 || ws % stride_w) continue;"
+    "        const int ow = ws / stride_w;"
+    "        if (ow >= out_w) continue;"
+    "        const long long o = plane + (long long)oh * out_w + ow;"
+    "        if ((int)argmax[o] == a * kernel_w + b && (!relu_mask || (float)y[o] > 0.0f)) sum += (float)dy[o];"
+    "    }"
+    "}"
+    "dx = (T)sum;",
+    "lnn_maxpool2d_backward")
+
+# y [N, C, P] = x * scale[c] + shift[c] (batch norm's affine, from batch or running statistics)
+channel_affine = cupy.ElementwiseKernel(
+    "T x, raw float32 scale, raw float32 shift, int64 positions, int32 channels", "T y",
+    "const int c = (int)((i / positions) % channels);"
+    "y = (T)((float)x * scale[c] + shift[c]);",
+    "lnn_channel_affine")
+
+# batch norm's input gradient: dx = k[c] * (dy - mean_dy[c] - x_hat * mean_dy_xhat[c]), x_hat = (x - mean[c]) * inv_std[c]
+batchnorm_input_gradient = cupy.ElementwiseKernel(
+    "T dy, T x, raw float32 mean, raw float32 inv_std, raw float32 k, raw float32 mean_dy, raw float32 mean_dy_xhat, "
+    "int64 positions, int32 channels", "T dx",
+    "const int c = (int)((i / positions) % channels);"
+    "const float x_hat = ((float)x - mean[c]) * inv_std[c];"
+    "dx = (T)(k[c] * ((float)dy - mean_dy[c] - x_hat * mean_dy_xhat[c]));",
+    "lnn_batchnorm_input_gradient")
+
+FAST_TYPES = ("float32", "float16")
+
+
+def fits(*arrays) -> bool:
+    """These kernels take C-contiguous float32 or float16 arrays."""
+    return all(a.dtype.name in FAST_TYPES and a.flags.c_contiguous for a in arrays)
 
 
 def im2col(x, attrs, cols):
@@ -98,7 +199,28 @@ def im2col(x, attrs, cols):
     return _im2col(x, n, c, h, w, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, cols)
 
 
-def maxpool2d(x, attrs, out):
-    """kernels.maxpool2d_forward in one launch: x [N, C, H, W] -> out [N, C, OH, OW]."""
+def col2im(cols, attrs, dx):
+    """train/kernels.col2im in one launch (a gather: no atomics): cols [C, KH, KW, N, OH, OW] -> dx [N, C, H, W]."""
+    n, c, h, w = dx.shape
+    oh, ow = cols.shape[4:]
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = attrs["kernel_size"], attrs["stride"], attrs["padding"], attrs["dilation"]
+    return _col2im(cols, n, c, h, w, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, dx)
+
+
+def _pool_geometry(x, out, attrs):
     (kh, kw), (sh, sw), (ph, pw) = attrs["kernel_size"], attrs["stride"], attrs["padding"]
-    return _maxpool2d(x, x.shape[2], x.shape[3], out.shape[2], out.shape[3], kh, kw, sh, sw, ph, pw, out)
+    return x.shape[2], x.shape[3], out.shape[2], out.shape[3], kh, kw, sh, sw, ph, pw
+
+
+def maxpool2d(x, attrs, out, argmax=None):
+    """kernels.maxpool2d_forward in one launch: x [N, C, H, W] -> out [N, C, OH, OW] (and the winning
+    kernel offset per output into `argmax`, for the trainer's backward)."""
+    if argmax is None:
+        return _maxpool2d(x, *_pool_geometry(x, out, attrs), out)
+    _maxpool2d_argmax(x, *_pool_geometry(x, out, attrs), out, argmax)
+    return out
+
+
+def maxpool2d_backward(dy, argmax, y, relu_mask: bool, attrs, dx):
+    """train/kernels.maxpool2d_backward in one launch (a gather: no atomics); relu_mask drops dy where y <= 0."""
+    return _maxpool2d_backward(dy, argmax, y, int(relu_mask), *_pool_geometry(dx, dy, attrs), dx)

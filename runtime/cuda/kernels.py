@@ -19,6 +19,16 @@ import numpy as np
 
 from lnn.runtime.cuda.blas import matmul
 
+def gpu_kernels(xp, *arrays):
+    """runtime/cuda/fused.py (one launch per op) when xp is CuPy and its kernels take these arrays
+    (C-contiguous float32 or float16), else None: the generic code below runs."""
+    if xp is np:
+        return None
+    from lnn.runtime.cuda import fused
+
+    return fused if fused.fits(*arrays) else None
+
+
 # --------------------------------------------------------------------------- window helpers
 
 
@@ -98,6 +108,9 @@ def linear_forward(xp, x, weight, bias, out):
 # Workspaces: `padded` [N, C, H+2ph, W+2pw] (None without padding), `cols`, `gemm_out` [O, N, OH, OW].
 
 def im2col(xp, x, attrs, padded, cols):
+    fused = gpu_kernels(xp, x, cols)
+    if fused is not None:
+        return fused.im2col(x, attrs, cols)
     source = pad_into(xp, x, attrs["padding"], 0, padded)
     for _, i, j, rows, columns in window_slices(attrs, cols.shape[4:]):
         cols[:, i, j] = source[:, :, rows, columns].transpose(1, 0, 2, 3)
@@ -131,6 +144,9 @@ def conv2d_forward(xp, x, weight, bias, attrs, out, padded, cols, gemm_out):
 # trainer's backward; inference passes None.
 
 def maxpool2d_forward(xp, x, attrs, out, padded, argmax=None):
+    fused = gpu_kernels(xp, x, out)
+    if fused is not None:
+        return fused.maxpool2d(x, attrs, out, argmax)
     source = pad_into(xp, x, attrs["padding"], -np.inf, padded)
     for k, _, _, rows, columns in window_slices(attrs, out.shape[2:]):
         window = source[:, :, rows, columns]
@@ -186,6 +202,14 @@ def global_avg_pool_forward(xp, x, out):
 
 def batchnorm_eval_forward(xp, x, weight, bias, running_mean, running_var, attrs, out):
     scale = weight / xp.sqrt(running_var + attrs["eps"])
-    shift = bias - running_mean * scale
+    return channel_affine(xp, x, scale, bias - running_mean * scale, out)
+
+
+def channel_affine(xp, x, scale, shift, out):
+    """out = x * scale[c] + shift[c] for x [N, C] or [N, C, H, W]."""
+    fused = gpu_kernels(xp, x, out)
+    if fused is not None:
+        return fused.channel_affine(x, scale.astype(np.float32), shift.astype(np.float32),
+                                    x.size // (x.shape[0] * x.shape[1]), x.shape[1], out)
     out[...] = x * per_channel(scale.astype(x.dtype), x) + per_channel(shift.astype(x.dtype), x)
     return out
