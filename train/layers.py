@@ -87,28 +87,32 @@ class LinearLayer(Layer):
 
 class Conv2dLayer(Layer):
     """im2col + GEMM (kernels.py), or on the GPU when the plan asks for it and the convolution qualifies:
-    implicit GEMM (runtime/cuda/conv_gemm.py: no workspaces), or where winograd.chosen() ("winograd", or
+    implicit GEMM (runtime/cuda/conv_gemm.py: no workspaces; float32 or float16), or in float32 where winograd.chosen() ("winograd", or
     "auto" with >= 32 channels in and out) Winograd F(2x2, 3x3) for the forward and the input gradient
     (runtime/cuda/winograd.py: its V and M buffers are workspaces) and implicit GEMM for the weight
     gradient."""
     needs_input = True
     implicit = False            # GPU kernels (set by the plan)
+    dtype = np.dtype(np.float32)
     winograd = False
 
     def __init__(self, node):
         super().__init__(node)
         self._implicit = self._winograd = None
 
-    def use_implicit_gemm(self) -> None:
+    def use_implicit_gemm(self, dtype) -> None:
+        """dtype: the plan's activations (float32; float16 with amp, where Winograd, float32 only, is not chosen)."""
         self.implicit = True
-        self.winograd = winograd.chosen(self.attrs, self.node.in_shape[0], self.node.out_shape[0])
+        self.dtype = np.dtype(dtype)
+        self.winograd = self.dtype == np.float32 and winograd.chosen(self.attrs, self.node.in_shape[0],
+                                                                     self.node.out_shape[0])
 
     def implicit_kernels(self):
         """The layer's ConvKernels (made on first use: imports CuPy, allocates tables and scratch)."""
         if self._implicit is None:
             from lnn.runtime.cuda.conv_gemm import ConvKernels
 
-            self._implicit = ConvKernels(self.attrs, self.node.in_shape, self.node.out_shape)
+            self._implicit = ConvKernels(self.attrs, self.node.in_shape, self.node.out_shape, dtype=self.dtype)
         return self._implicit
 
     def winograd_kernels(self):

@@ -117,7 +117,7 @@ class Plan:
         self.layers = make_layers(model.nodes)
         self.num_layers = len(self.layers)
         self.conv_scratch = 0           # bytes the implicit-GEMM convolutions hold outside the pool
-        if implicit_conv and self.compute_dtype == np.float32:
+        if implicit_conv and self.compute_dtype in (np.float32, np.float16):
             self._use_implicit_conv()
         self._layout_parameters()
         self._fold_final_softmax()
@@ -148,10 +148,10 @@ class Plan:
         self.num_learned = sum(s.size for s in self.param_slots.values())
 
     def _use_implicit_conv(self):
-        """GPU float32: convolutions that qualify run as implicit GEMM (no im2col workspaces)."""
+        """GPU float32 or float16: convolutions that qualify run as implicit GEMM (no im2col workspaces)."""
         for node, layer in zip(self.model.nodes, self.layers):
             if node.op == "conv2d" and conv_gemm.supported(node.attrs):
-                layer.use_implicit_gemm()
+                layer.use_implicit_gemm(self.compute_dtype)
                 self.conv_scratch += conv_gemm.scratch_bytes(node.attrs, node.in_shape, node.out_shape)
 
     def _fold_final_softmax(self):

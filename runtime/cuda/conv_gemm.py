@@ -17,7 +17,8 @@ Tiles: forward <BM, BN, TN>: BM output channels x BN positions per block of 256 
 4 x TN results, 16 reduction rows per shared-memory step. Weight gradient <BM, BN>: BM output channels
 x BN columns of k (32 or 64), each thread 4 x 4 results, 32 positions per step shared by 256 / (BM*BN/16)
 groups of threads. The offset of each k = (c, kh, kw) inside a window comes from a
-table [3, K] (offset, kh, kw) built once per layer. float32 in and out, float32 accumulation.
+table [3, K] (offset, kh, kw) built once per layer. float32 or float16 (amp) in and out, float32
+accumulation (CUDA cores, not tensor cores).
 CuPy is imported when a ConvKernels is made (the sizing functions here do not need it).
 """
 
@@ -33,11 +34,25 @@ FORWARD_TILES = {16: (256, 4), 32: (128, 4), 64: (128, 8)}      # BM -> (BN, TN)
 SOURCE = r"""
 #define THREADS 256
 
+// T is float or unsigned short (the bits of a float16, amp): loaded into and stored from float
+__device__ __forceinline__ float lnn_load(float v) { return v; }
+__device__ __forceinline__ float lnn_load(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ void lnn_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void lnn_store(unsigned short* p, float v) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    *p = h;
+}
+
 // table [3, K]: for k = (c, kh, kw): c*H*W + kh*W + kw, then kh, then kw
-template <int BM, int BN, int TN>
+template <typename T, int BM, int BN, int TN>
 __global__ void __launch_bounds__(THREADS) lnn_conv_igemm(
-        const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias,
-        const int* __restrict__ table, float* __restrict__ y,
+        const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
+        const int* __restrict__ table, T* __restrict__ y,
         int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
         int pad_h, int pad_w, int reduction, int has_bias, int relu) {
     constexpr int BK = 16, TM = 4;
@@ -84,7 +99,7 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_igemm(
         for (int t = 0; t < A_LOADS; ++t) {
             const int e = threadIdx.x + t * THREADS;
             const int o = o0 + e / BK, k = k0 + e % BK;
-            a_next[t] = (o < out_channels && k < reduction) ? weight[(long long)o * reduction + k] : 0.0f;
+            a_next[t] = (o < out_channels && k < reduction) ? lnn_load(weight[(long long)o * reduction + k]) : 0.0f;
         }
         #pragma unroll
         for (int t = 0; t < B_LOADS; ++t) {
@@ -92,7 +107,7 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_igemm(
             float v = 0.0f;
             if (column_valid && k < reduction) {
                 const int h = corner_h + k_h[k], w = corner_w + k_w[k];
-                if (h >= 0 && h < height && w >= 0 && w < width) v = x[base + k_offset[k]];
+                if (h >= 0 && h < height && w >= 0 && w < width) v = lnn_load(x[base + k_offset[k]]);
             }
             b_next[t] = v;
         }
@@ -134,9 +149,9 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_igemm(
         for (int i = 0; i < TM; ++i) {
             const int o = o0 + ty + ROW_THREADS * i;
             if (o >= out_channels) continue;
-            float v = acc[i][j] + (has_bias ? bias[o] : 0.0f);
+            float v = acc[i][j] + (has_bias ? lnn_load(bias[o]) : 0.0f);
             if (relu) v = fmaxf(v, 0.0f);
-            y[(n * out_channels + o) * positions + p] = v;
+            lnn_store(&y[(n * out_channels + o) * positions + p], v);
         }
     }
 }
@@ -144,9 +159,9 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_igemm(
 // partial [chunks, O, K + has_bias]: this block's chunk of sum_q dy[o, q] * X[k, q] (X[K, q] = 1).
 // The BM x BN tile is covered by (BM/4) x (BN/4) threads with 4 x 4 results each; the block's other
 // threads form more such groups, each summing every GROUPS-th position; the groups add up at the end.
-template <int BM, int BN>
+template <typename T, int BM, int BN>
 __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad(
-        const float* __restrict__ dy, const float* __restrict__ x, const int* __restrict__ table,
+        const T* __restrict__ dy, const T* __restrict__ x, const int* __restrict__ table,
         float* __restrict__ partial,
         int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
         int pad_h, int pad_w, int reduction, int has_bias, long long chunk) {
@@ -197,7 +212,7 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad(
         #pragma unroll
         for (int t = 0; t < A_LOADS; ++t) {
             const int o = o0 + load_group + t * LOAD_GROUPS;
-            a_next[t] = (valid && o < out_channels) ? dy[(n * out_channels + o) * positions + p] : 0.0f;
+            a_next[t] = (valid && o < out_channels) ? lnn_load(dy[(n * out_channels + o) * positions + p]) : 0.0f;
         }
         #pragma unroll
         for (int t = 0; t < B_LOADS; ++t) {
@@ -206,7 +221,7 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad(
             if (valid) {
                 if (k < reduction) {
                     const int h = corner_h + k_h[k], w = corner_w + k_w[k];
-                    if (h >= 0 && h < height && w >= 0 && w < width) v = x[base + k_offset[k]];
+                    if (h >= 0 && h < height && w >= 0 && w < width) v = lnn_load(x[base + k_offset[k]]);
                 } else if (k < columns_k) {
                     v = 1.0f;
                 }
@@ -266,10 +281,9 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad(
     }
 }
 
-extern "C" {
-
 // dweight [O, K] (and dbias [O]) = (or +=) the sum of partial [chunks, O, K + has_bias] over chunks
-__global__ void lnn_conv_wgrad_reduce(const float* __restrict__ partial, float* dweight, float* dbias, int chunks,
+template <typename T>
+__global__ void lnn_conv_wgrad_reduce(const float* __restrict__ partial, T* dweight, T* dbias, int chunks,
                                       int out_channels, int reduction, int has_bias, int accumulate) {
     const int columns_k = reduction + has_bias;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -277,12 +291,13 @@ __global__ void lnn_conv_wgrad_reduce(const float* __restrict__ partial, float* 
     float sum = 0.0f;
     for (int s = 0; s < chunks; ++s) sum += partial[(long long)s * out_channels * columns_k + i];
     const int o = i / columns_k, k = i % columns_k;
-    float* target = k < reduction ? dweight + (long long)o * reduction + k : dbias + o;
-    *target = accumulate ? *target + sum : sum;
+    T* target = k < reduction ? dweight + (long long)o * reduction + k : dbias + o;
+    lnn_store(target, accumulate ? lnn_load(*target) + sum : sum);
 }
 
 // weight [O, C, KH, KW] -> flipped [C, O, KH, KW], flipped[c, o, a, b] = weight[o, c, KH-1-a, KW-1-b]
-__global__ void lnn_conv_flip_weight(const float* __restrict__ weight, float* __restrict__ flipped,
+template <typename T>
+__global__ void lnn_conv_flip_weight(const T* __restrict__ weight, T* __restrict__ flipped,
                                      int out_channels, int channels, int window_h, int window_w) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= out_channels * channels * window_h * window_w) return;
@@ -292,8 +307,6 @@ __global__ void lnn_conv_flip_weight(const float* __restrict__ weight, float* __
     const int c = i / (window_w * window_h * out_channels);
     flipped[i] = weight[(((long long)o * channels + c) * window_h + (window_h - 1 - a)) * window_w
                         + (window_w - 1 - b)];
-}
-
 }
 """
 
@@ -355,6 +368,7 @@ def scratch_bytes(attrs: dict, in_shape, out_shape) -> int:
 
 
 _MODULE = None
+KERNEL_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "unsigned short"}   # float16 as its bits
 
 
 def _module():
@@ -362,8 +376,11 @@ def _module():
     if _MODULE is None:
         import cupy
 
-        names = [f"lnn_conv_igemm<{bm}, {bn}, {tn}>" for bm, (bn, tn) in FORWARD_TILES.items()]
-        names += [f"lnn_conv_wgrad<{bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
+        names = []
+        for kind in KERNEL_TYPES.values():
+            names += [f"lnn_conv_igemm<{kind}, {bm}, {bn}, {tn}>" for bm, (bn, tn) in FORWARD_TILES.items()]
+            names += [f"lnn_conv_wgrad<{kind}, {bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
+            names += [f"lnn_conv_wgrad_reduce<{kind}>", f"lnn_conv_flip_weight<{kind}>"]
         _MODULE = cupy.RawModule(code=SOURCE, options=("-std=c++17",), name_expressions=names)
     return _MODULE
 
@@ -372,9 +389,11 @@ class ConvKernels:
     """One conv2d layer's implicit-GEMM launches (any batch). Allocates its tables, and with `backward`
     the flipped weight and partial sums, here, once: the launches allocate nothing (CUDA-graph safe)."""
 
-    def __init__(self, attrs: dict, in_shape, out_shape, backward: bool = True):
+    def __init__(self, attrs: dict, in_shape, out_shape, backward: bool = True, dtype=np.float32):
         import cupy
 
+        dtype = np.dtype(dtype)
+        kind = KERNEL_TYPES[dtype]
         self.channels, self.height, self.width = in_shape
         self.out_channels, self.out_h, self.out_w = out_shape
         self.kernel_h, self.kernel_w = attrs["kernel_size"]
@@ -382,20 +401,20 @@ class ConvKernels:
         self.bias = bool(attrs["bias"])
         self.reduction = self.channels * self.kernel_h * self.kernel_w
         self.table = cupy.asarray(window_table(self.channels, self.height, self.width, self.kernel_h, self.kernel_w))
-        self.no_bias = cupy.zeros(1, np.float32)
+        self.no_bias = cupy.zeros(1, dtype)
         module = _module()
-        self._forward_functions = {bm: module.get_function(f"lnn_conv_igemm<{bm}, {bn}, {tn}>")
+        self._forward_functions = {bm: module.get_function(f"lnn_conv_igemm<{kind}, {bm}, {bn}, {tn}>")
                                    for bm, (bn, tn) in FORWARD_TILES.items()}
         if backward:
             self.table_dx = cupy.asarray(window_table(self.out_channels, self.out_h, self.out_w, self.kernel_h,
                                                       self.kernel_w))
-            self.flipped = cupy.empty((self.channels, self.out_channels, self.kernel_h, self.kernel_w), np.float32)
+            self.flipped = cupy.empty((self.channels, self.out_channels, self.kernel_h, self.kernel_w), dtype)
             self.chunk_limit = max_chunks(self.out_channels, self.reduction, self.bias)
             self.partial = cupy.empty(partial_elements(self.out_channels, self.reduction, self.bias), np.float32)
-            self._wgrad = {bn: module.get_function(f"lnn_conv_wgrad<{rows_tile(self.out_channels)}, {bn}>")
+            self._wgrad = {bn: module.get_function(f"lnn_conv_wgrad<{kind}, {rows_tile(self.out_channels)}, {bn}>")
                            for bn in (32, 64)}
-            self._reduce = module.get_function("lnn_conv_wgrad_reduce")
-            self._flip = module.get_function("lnn_conv_flip_weight")
+            self._reduce = module.get_function(f"lnn_conv_wgrad_reduce<{kind}>")
+            self._flip = module.get_function(f"lnn_conv_flip_weight<{kind}>")
 
     def _igemm(self, x, weight, bias, table, y, pad_h, pad_w, relu: bool):
         """y [N, O', H', W'] = act(conv(x [N, C', H', W'], weight [O', C'*KH*KW]) + bias), stride 1."""

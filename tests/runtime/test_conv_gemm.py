@@ -224,3 +224,32 @@ def test_winograd_forward_and_input_gradient_match_float64_numpy(case, chunk_byt
     kernels.input_gradient(cupy.asarray(dy), cupy.asarray(weight), dx, cupy.empty(v_shape, np.float32),
                            cupy.empty(m_shape, np.float32))
     np.testing.assert_allclose(dx.get(), dx_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: "x".join(map(str, c[:5])) + f"k{c[5][0]}{c[5][1]}p{c[6][0]}")
+def test_float16_kernels_match_float64_numpy_on_float16_inputs(case):
+    """amp: the same kernels read and write float16 and accumulate in float32; against float64 on the same
+    (float16-rounded) inputs, the error is float16's output rounding (about 1e-3 relative)."""
+    cupy = gpu_cupy()
+    n, c, h, w, o, kernel, padding, bias = case
+    rng = np.random.default_rng(sum(case[:5]) + 1)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float16)
+    weight = (rng.standard_normal((o, c) + kernel) / np.sqrt(c * kernel[0] * kernel[1])).astype(np.float16)
+    b = rng.standard_normal(o).astype(np.float16) if bias else None
+    y_ref, backward = reference_conv(x.astype(np.float64), weight.astype(np.float64),
+                                     None if b is None else b.astype(np.float64), padding)
+    dy = rng.standard_normal(y_ref.shape).astype(np.float16)
+    dweight_ref, dbias_ref, dx_ref = backward(dy.astype(np.float64))
+    kernels = conv_gemm.ConvKernels(attrs_of(kernel, padding, bias), (c, h, w), y_ref.shape[1:], dtype=np.float16)
+    gx, gw, gdy = cupy.asarray(x), cupy.asarray(weight), cupy.asarray(dy)
+    y = cupy.empty(y_ref.shape, np.float16)
+    kernels.forward(gx, gw, None if b is None else cupy.asarray(b), y)
+    np.testing.assert_allclose(y.get().astype(np.float64), y_ref, rtol=2e-3, atol=2e-3)
+    dweight = cupy.empty(weight.shape, np.float16)
+    dbias = None if b is None else cupy.empty(o, np.float16)
+    dx = cupy.empty(x.shape, np.float16)
+    kernels.weight_gradient(gdy, gx, dweight, dbias, accumulate=False)
+    kernels.input_gradient(gdy, gw, dx)
+    scale = np.sqrt(n * y_ref.shape[2] * y_ref.shape[3])
+    np.testing.assert_allclose(dweight.get().astype(np.float64), dweight_ref, rtol=2e-3, atol=2e-3 * scale)
+    np.testing.assert_allclose(dx.get().astype(np.float64), dx_ref, rtol=2e-3, atol=2e-3)
