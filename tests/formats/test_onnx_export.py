@@ -202,3 +202,12 @@ def test_errors_are_one_line_lnn_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnx", None)              # as if the onnx extra were not installed
     with pytest.raises(LnnError, match=r"ONNX support needs the onnx extra: pip install 'lnn\[onnx\]'"):
         build_onnx(model, weights)
+
+
+def test_every_op_of_the_registry_is_in_the_export_and_import_cases():
+    """EVERY_OP drives the ONNX export and round-trip tests above: an op added to formats/ops.py without an
+    ONNX mapping fails here until it joins them."""
+    from lnn.formats.ops import OPS
+
+    covered = {node.op for node in parse_model(EVERY_OP).nodes}
+    assert set(OPS) <= covered, f"ops without ONNX export/import tests: {sorted(set(OPS) - covered)}"
