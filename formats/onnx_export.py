@@ -28,7 +28,7 @@ import numpy as np
 
 from lnn.formats.binfile import write_atomic
 from lnn.formats.errors import LnnError
-from lnn.formats.fold import fold_scale_and_shift, scale_and_shift
+from lnn.formats.fold import fold_scale_and_shift, folds_into_previous, scale_and_shift
 from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS, get_op
 from lnn.version import __version__
@@ -58,8 +58,7 @@ def _inference_layers(model: Model, weights: dict) -> list:
             continue
         params = {p: np.asarray(weights[node.param_key(p)], dtype=np.float32) for p in node.param_shapes}
         previous = layers[-1] if layers else None
-        if (node.op == "batchnorm" and previous is not None and previous[0].op in ("conv2d", "linear")
-                and previous[2] is None):
+        if folds_into_previous(node, previous[0].op if previous else None, previous is not None and previous[2] is None):
             prev_node, prev_params, _ = previous
             weight, bias = fold_scale_and_shift(prev_params["weight"], prev_params.get("bias"),
                                                 *scale_and_shift(node, weights))

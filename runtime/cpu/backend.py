@@ -43,6 +43,7 @@ from functools import partial
 
 import numpy as np
 
+from lnn.formats.fold import folds_into_previous
 from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS
 from lnn.runtime.cpu import cache
@@ -115,8 +116,9 @@ def build_layers(model: Model, weights: dict, outputs: LayerOutputs | None = Non
         if node.op in IDENTITY_AT_INFERENCE:
             outputs.skipped(node)
             continue
-        if (node.op == "batchnorm" and isinstance(previous, (Conv2dLayer, LinearLayer))
-                and previous.epilogue.code == NONE and not getattr(previous, "has_pool", False)):
+        previous_op = "conv2d" if isinstance(previous, Conv2dLayer) else "linear" if isinstance(previous, LinearLayer) else None
+        if folds_into_previous(node, previous_op, previous_op is not None and previous.epilogue.code == NONE
+                               and not getattr(previous, "has_pool", False)):
             previous.fold(*scale_and_shift(node, weights))
             previous.epilogue.set_activation(node.attrs["activation"])
             outputs.fused(node)

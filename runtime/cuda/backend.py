@@ -37,7 +37,7 @@ from lnn.formats.ops import ACTIVATIONS
 from lnn.runtime.cuda import conv_gemm, winograd
 from lnn.runtime.cuda import kernels as K
 from lnn.runtime.plans import PerThreadCache
-from lnn.formats.fold import fold_scale_and_shift, scale_and_shift
+from lnn.formats.fold import fold_scale_and_shift, folds_into_previous, scale_and_shift
 from lnn.runtime.features import LayerOutputs, check_kept
 
 IDENTITY_AT_INFERENCE = {"dropout"}
@@ -298,7 +298,8 @@ def build_layers(model: Model, weights: dict, outputs: LayerOutputs | None = Non
             continue
         previous = layers[-1] if layers and outputs.may_fuse() else None
         open_epilogue = getattr(previous, "epilogue", None) is not None and previous.epilogue.activation is None
-        if node.op == "batchnorm" and isinstance(previous, (Conv2dLayer, LinearLayer)) and open_epilogue:
+        previous_op = "conv2d" if isinstance(previous, Conv2dLayer) else "linear" if isinstance(previous, LinearLayer) else None
+        if folds_into_previous(node, previous_op, open_epilogue):
             previous.fold(*scale_and_shift(node, weights))
             previous.epilogue.activation = node.attrs["activation"]
             outputs.fused(node)
