@@ -145,11 +145,17 @@ _maxpool2d_argmax = cupy.ElementwiseKernel(
 # dx [planes, H, W] = the sum of dy over the windows whose argmax is this cell; relu_mask: the layer
 # before ends in relu, undone here (train/layers.py PoolUndoingRelu): dy counts only where the pool's y > 0.
 _maxpool2d_backward = cupy.ElementwiseKernel(
-    "raw T dy, raw I argmax, raw T y, int32 relu_mask, " + _POOL_ARGS, "T dx",
+    "raw T dy, raw I argmax, raw T y, int32 relu_mask, int32 tiled, " + _POOL_ARGS, "T dx",
     "const int w = (int)(i % width);"
     "const int h = (int)((i / width) % height);"
     "const long long plane = (i / width / height) * (long long)out_h * out_w;"
     "float sum = 0.0f;"
+    "if (tiled) {"          # kernel == stride, no padding, windows tile the image: one window per cell
+    "    const int oh = h / kernel_h, ow = w / kernel_w;"
+    "    const long long o = plane + (long long)oh * out_w + ow;"
+    "    const bool wins = (int)argmax[o] == (h - oh * kernel_h) * kernel_w + (w - ow * kernel_w);"
+    "    if (wins && (!relu_mask || (float)y[o] > 0.0f)) sum = (float)dy[o];"
+    "} else {"
     "for (int a = 0; a < kernel_h; ++a) {"
     "    const int hs = h + pad_h - a;"
     "    if (hs < 0 || hs % stride_h) continue;"
@@ -163,6 +169,7 @@ _maxpool2d_backward = cupy.ElementwiseKernel(
     "        const long long o = plane + (long long)oh * out_w + ow;"
     "        if ((int)argmax[o] == a * kernel_w + b && (!relu_mask || (float)y[o] > 0.0f)) sum += (float)dy[o];"
     "    }"
+    "}"
     "}"
     "dx = (T)sum;",
     "lnn_maxpool2d_backward")
@@ -223,4 +230,7 @@ def maxpool2d(x, attrs, out, argmax=None):
 
 def maxpool2d_backward(dy, argmax, y, relu_mask: bool, attrs, dx):
     """train/kernels.maxpool2d_backward in one launch (a gather: no atomics); relu_mask drops dy where y <= 0."""
-    return _maxpool2d_backward(dy, argmax, y, int(relu_mask), *_pool_geometry(dx, dy, attrs), dx)
+    geometry = _pool_geometry(dx, dy, attrs)
+    height, width, out_h, out_w, kh, kw, sh, sw, ph, pw = geometry
+    tiled = (sh, sw) == (kh, kw) and (ph, pw) == (0, 0) and height == out_h * kh and width == out_w * kw
+    return _maxpool2d_backward(dy, argmax, y, int(relu_mask), int(tiled), *geometry, dx)

@@ -57,6 +57,7 @@ GPU_CASES = {
         {"type": "conv2d", "out_channels": 8, "kernel_size": 3, "stride": 2, "padding": 1, "activation": "leaky_relu"},
         {"type": "conv2d", "out_channels": 8, "kernel_size": 3, "padding": 1, "groups": 2, "activation": "relu6"},
         {"type": "conv2d", "out_channels": 8, "kernel_size": 3, "padding": 1, "groups": 8, "activation": "tanh"},
+        {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1},      # overlapping windows, padded
         {"type": "avgpool2d", "kernel_size": 2}, {"type": "sigmoid"}, {"type": "flatten"},
         {"type": "linear", "out_features": 24}, {"type": "batchnorm"}, {"type": "relu"}, {"type": "dropout", "p": 0.3},
         {"type": "linear", "out_features": 16}, {"type": "leaky_relu", "negative_slope": 0.1}, {"type": "relu6"},
