@@ -10,6 +10,8 @@ The graph takes `input` [N, *input_shape] float32 (N is a dynamic dimension name
                     otherwise a BatchNormalization node
     maxpool2d       MaxPool;  avgpool2d: AveragePool with count_include_pad (maxpool1d, avgpool1d: the same, 1-D)
     global_avg_pool GlobalAveragePool (global_max_pool: GlobalMaxPool), then Flatten(axis=1) unless keepdims
+    layernorm       LayerNormalization(axis = -len(normalized_shape), epsilon); Scale of ones without
+                    elementwise_affine (ONNX requires it), no B without bias
     flatten         Flatten(axis=1)
     dropout         removed (inference graph)
     activations     (fused or stand-alone) Relu, Clip(0, 6), LeakyRelu(alpha), Sigmoid, Tanh, Softmax(axis=1)
@@ -143,6 +145,12 @@ def _emit_layer(graph: _GraphBuilder, node, params: dict) -> None:
         graph.add("GlobalAveragePool" if node.op == "global_avg_pool" else "GlobalMaxPool", name)
         if not attrs["keepdims"]:
             graph.add("Flatten", f"{name}/flatten", axis=1)
+    elif node.op == "layernorm":
+        scale = params.get("weight", np.ones(attrs["normalized_shape"], np.float32))
+        inputs = [graph.constant(f"{name}.weight", scale)]
+        if "bias" in params:
+            inputs.append(graph.constant(f"{name}.bias", params["bias"]))
+        graph.add("LayerNormalization", name, inputs, axis=-len(attrs["normalized_shape"]), epsilon=attrs["eps"])
     elif node.op == "flatten":
         graph.add("Flatten", name, axis=1)
     elif node.op in ACTIVATIONS:

@@ -13,6 +13,8 @@ ONNX nodes map to lnn layers as follows:
     GlobalMaxPool              with a Flatten right after it)
     Flatten, Reshape           flatten (Flatten on axis 1; Reshape only to [N, -1] / [0, -1] / [N, K])
     BatchNormalization         batchnorm (inference mode)
+    LayerNormalization         layernorm (normalized_shape: the input's dimensions from axis on; Scale and B
+                               broadcast to it)
     Relu, Clip, LeakyRelu,     relu, relu6 (Clip 0..6; Clip 0..inf is relu), leaky_relu, sigmoid, tanh,
     Sigmoid, Tanh, Softmax     softmax (over the last axis of [N, K]); folded into the conv2d / linear /
                                batchnorm before them as its `activation` when that has none yet
@@ -305,6 +307,27 @@ def _batchnorm(node: _Node, chain: _Chain) -> None:
                   "eps": float(attrs["epsilon"])}, params)
 
 
+def _layernorm(node: _Node, chain: _Chain) -> None:
+    attrs = node.attributes(axis=-1, epsilon=1e-5, stash_type=1)
+    rank = len(node.in_shape) + 1
+    axis = attrs["axis"] + rank if attrs["axis"] < 0 else attrs["axis"]
+    if not 1 <= axis < rank:
+        raise node.error(f"axis {attrs['axis']} of a rank-{rank} input: lnn normalizes within a sample (axis >= 1)")
+    shape = list(node.in_shape[axis - 1:])
+    scale, bias = node.weight(1, "Scale"), node.weight(2, "B", optional=True)
+    params = {}
+    for key, value in (("weight", scale), ("bias", bias)):
+        if value is None:
+            continue
+        try:
+            params[key] = np.ascontiguousarray(np.broadcast_to(value, shape), dtype=np.float32)
+        except ValueError:
+            raise node.error(f"{'Scale' if key == 'weight' else 'B'} of shape {list(value.shape)} does not fit "
+                             f"the normalized shape {shape}") from None
+    chain.append({"type": "layernorm", "name": chain.unique_name(node.proto.input[1], "layernorm"),
+                  "normalized_shape": shape, "eps": float(attrs["epsilon"]), "bias": bias is not None}, params)
+
+
 def _global_pool(lnn_op: str):
     def convert(node: _Node, chain: _Chain) -> None:
         node.attributes()
@@ -422,6 +445,7 @@ def _identity(node, chain):
 
 CONVERTERS = {
     "Conv": _conv, "Gemm": _gemm, "MatMul": _matmul, "Add": _add, "BatchNormalization": _batchnorm,
+    "LayerNormalization": _layernorm,
     "MaxPool": _max_pool, "AveragePool": _average_pool,
     "GlobalAveragePool": _global_pool("global_avg_pool"), "GlobalMaxPool": _global_pool("global_max_pool"),
     "Flatten": _flatten, "Reshape": _reshape,

@@ -5,12 +5,14 @@ Each op states, in one place:
   - its parameter tensors and their shapes,
   - shape inference (per-sample shapes, no batch dimension),
   - its cost: FLOPs (a multiply-add counts 2) and other element-wise operations,
-  - a plain NumPy reference forward on batched NCHW / NC arrays.
+  - a plain NumPy reference forward on batched NCHW / NCT / NC arrays.
 
 The reference forward is the semantics every backend must reproduce (the NumPy runtime runs
 it as is; the Numba and CUDA backends are checked against it). Conventions follow PyTorch:
-conv weight [O, I/groups, KH, KW] (conv1d [O, I/groups, K] on series [N, C, T]), linear weight [out, in] with y = x @ W.T + b, flatten in
-(C, H, W) order, batch norm y = (x - mean) / sqrt(var + eps) * weight + bias.
+conv weight [O, I/groups, KH, KW], linear weight [out, in] with y = x @ W.T + b, flatten in
+(C, H, W) order, batch norm y = (x - mean) / sqrt(var + eps) * weight + bias. A series sample is
+channel-first [C, T] (conv1d weight [O, I/groups, K]); a 1-D window op (conv1d, maxpool1d,
+avgpool1d) is its 2-D op on [C, 1, T] (`two_d`, `as_2d`), so its costs and reference are that op's.
 
 Adding an op means adding one class here, registering it in OPS, and one kernel per backend.
 """
@@ -180,6 +182,7 @@ class Op:
     attr_defaults: dict = {}       # a default of REQUIRED means the field must be given
     has_activation_field = False   # may carry "activation": ...
     trainable = True               # parameters (if any) are learned
+    kernel_params: tuple = ()      # parameters that are kernels: what `--fp16` / `--int8` compress (binfile.py)
 
     def normalize(self, attrs: dict, in_shape: tuple) -> dict:
         """Check and complete the attributes against the input shape; return the normalized dict."""
@@ -206,10 +209,10 @@ class Op:
     def forward(self, x: np.ndarray, params: dict, attrs: dict, training: bool = False) -> np.ndarray:
         raise NotImplementedError
 
-    two_d = ""                     # a 1-D window op over [C, T]: the 2-D op it is on [C, 1, T] ...
+    two_d = ""                     # a 1-D window op over [C, T]: the name of the 2-D op it is on [C, 1, T]
 
     def as_2d(self, attrs: dict) -> dict:
-        """... with these attributes (model.as_rows makes the whole 2-D node)."""
+        """A 1-D window op's attributes as those of its `two_d` op (model.as_rows makes the whole 2-D node)."""
         raise NotImplementedError
 
 
@@ -218,6 +221,7 @@ REQUIRED = object()
 
 class Linear(Op):
     name = "linear"
+    kernel_params = ("weight",)
     attr_defaults = {"out_features": REQUIRED, "in_features": None, "bias": True, "activation": None}
     has_activation_field = True
 
@@ -256,6 +260,7 @@ class Linear(Op):
 
 class Conv2d(Op):
     name = "conv2d"
+    kernel_params = ("weight",)
     attr_defaults = {"out_channels": REQUIRED, "kernel_size": REQUIRED, "in_channels": None, "stride": 1,
                      "padding": 0, "dilation": 1, "groups": 1, "bias": True, "activation": None,
                      "algorithm": "auto"}
@@ -362,6 +367,7 @@ class Conv1d(Op):
 
     name = "conv1d"
     two_d = "conv2d"
+    kernel_params = ("weight",)
     attr_defaults = {"out_channels": REQUIRED, "kernel_size": REQUIRED, "in_channels": None, "stride": 1,
                      "padding": 0, "dilation": 1, "groups": 1, "bias": True, "activation": None}
     has_activation_field = True
@@ -498,14 +504,14 @@ class _Pool1d(Op):
         return (c, _window_out(length, attrs["kernel_size"], attrs["stride"], attrs["padding"], 1, "kernel_size"))
 
     def elementwise_ops(self, attrs, in_shape, out_shape):
-        return OPS[self.two_d].elementwise_ops(pool1d_as_2d(attrs), (in_shape[0], 1, in_shape[1]),
+        return OPS[self.two_d].elementwise_ops(self.as_2d(attrs), (in_shape[0], 1, in_shape[1]),
                                                (out_shape[0], 1, out_shape[1]))
 
     def as_2d(self, attrs):
         return pool1d_as_2d(attrs)
 
     def forward(self, x, params, attrs, training=False):
-        return OPS[self.two_d].forward(x[:, :, None], params, pool1d_as_2d(attrs))[:, :, 0]
+        return OPS[self.two_d].forward(x[:, :, None], params, self.as_2d(attrs))[:, :, 0]
 
 
 class MaxPool1d(_Pool1d):
@@ -612,6 +618,61 @@ class BatchNorm(Op):
         return apply_activation(y, attrs["activation"])
 
 
+class LayerNorm(Op):
+    """Layer norm over the trailing dimensions of a sample (PyTorch nn.LayerNorm(normalized_shape) on the
+    tensor as laid out; ONNX LayerNormalization(axis)): y = (x - mean) / sqrt(var + eps) * weight + bias, with
+    mean and the biased var over the normalized_shape values of each sample (of each position before them).
+    normalized_shape defaults to the whole sample; weight and bias are normalized_shape, as PyTorch's."""
+
+    name = "layernorm"
+    attr_defaults = {"normalized_shape": None, "eps": 1e-5, "elementwise_affine": True, "bias": True}
+
+    def normalize(self, attrs, in_shape):
+        out = dict(attrs)
+        shape = attrs["normalized_shape"]
+        if shape is None:
+            shape = list(in_shape)
+        elif isinstance(shape, int) and not isinstance(shape, bool):
+            shape = [shape]
+        if (not isinstance(shape, (list, tuple)) or not shape
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in shape)):
+            raise SpecProblem("normalized_shape", f"normalized_shape must be an integer or a list of integers, "
+                                                  f"not {attrs['normalized_shape']!r}")
+        if len(shape) > len(in_shape) or tuple(shape) != tuple(in_shape[len(in_shape) - len(shape):]):
+            raise SpecProblem("normalized_shape", f"normalized_shape {list(shape)} must be the last dimensions of "
+                                                  f"the input {list(in_shape)}")
+        out["normalized_shape"] = tuple(shape)
+        if isinstance(attrs["eps"], bool) or not isinstance(attrs["eps"], (int, float)) or attrs["eps"] <= 0:
+            raise SpecProblem("eps", f"eps must be a positive number, not {attrs['eps']!r}")
+        out["eps"] = float(attrs["eps"])
+        out["elementwise_affine"] = _flag("elementwise_affine", attrs["elementwise_affine"])
+        out["bias"] = _flag("bias", attrs["bias"]) and out["elementwise_affine"]
+        return out
+
+    def param_shapes(self, attrs, in_shape):
+        shapes = {}
+        if attrs["elementwise_affine"]:
+            shapes["weight"] = attrs["normalized_shape"]
+            if attrs["bias"]:
+                shapes["bias"] = attrs["normalized_shape"]
+        return shapes
+
+    def elementwise_ops(self, attrs, in_shape, out_shape):
+        # per value: sum for the mean, subtract, square and sum for the variance, scale; then weight and bias
+        return math.prod(in_shape) * (5 + len(self.param_shapes(attrs, in_shape)))
+
+    def forward(self, x, params, attrs, training=False):
+        axes = tuple(range(x.ndim - len(attrs["normalized_shape"]), x.ndim))
+        wide = x.astype(np.float64)
+        centered = wide - wide.mean(axis=axes, keepdims=True)
+        y = centered / np.sqrt((centered * centered).mean(axis=axes, keepdims=True) + attrs["eps"])
+        if "weight" in params:
+            y = y * params["weight"]
+        if "bias" in params:
+            y = y + params["bias"]
+        return y.astype(x.dtype)
+
+
 class Dropout(Op):
     """Identity at inference; the trainer implements the training-time mask."""
 
@@ -649,7 +710,7 @@ class Activation(Op):
 
 OPS: dict[str, Op] = {op.name: op for op in (
     Linear(), Conv1d(), Conv2d(), MaxPool1d(), AvgPool1d(), MaxPool2d(), AvgPool2d(), GlobalAvgPool(),
-    GlobalMaxPool(), Flatten(), BatchNorm(), Dropout(),
+    GlobalMaxPool(), Flatten(), BatchNorm(), LayerNorm(), Dropout(),
     *(Activation(kind) for kind in ACTIVATIONS),
 )}
 
@@ -659,6 +720,7 @@ ALIASES = {
     "global_avgpool": "global_avg_pool", "globalavgpool": "global_avg_pool",
     "global_maxpool": "global_max_pool", "globalmaxpool": "global_max_pool",
     "batchnorm1d": "batchnorm", "batchnorm2d": "batchnorm", "batch_norm": "batchnorm",
+    "layer_norm": "layernorm",
 }
 
 

@@ -26,8 +26,8 @@ import numpy as np
 
 from lnn.runtime.cuda.kernels import (  # noqa: F401 - the forward half of each pair, used as K.*_forward
     activation_forward, avgpool2d_forward, avgpool_divisor, batchnorm_eval_forward, conv2d_forward,
-    global_avg_pool_forward, global_max_pool_forward, grouped_weight, im2col, linear_forward, maxpool2d_forward,
-    per_channel, window_slices)
+    global_avg_pool_forward, global_max_pool_forward, grouped_weight, im2col, layernorm_forward, linear_forward,
+    maxpool2d_forward, per_channel, window_slices)
 
 # --------------------------------------------------------------------------- window helpers
 
@@ -205,6 +205,27 @@ def batchnorm_backward(xp, dy, x, weight, saved, dweight, dbias, dx):
         k = weight * inv_std
         dx[...] = (per_channel(k, x) * (dy - per_channel(sum_dy / count, x)
                                         - x_hat * per_channel(sum_dy_xhat / count, x))).astype(dx.dtype)
+    return dx
+
+
+# --------------------------------------------------------------------------- layer norm
+# Rows [R, M] as the forward (runtime/cuda/kernels.py layernorm_forward, which saved each row's mean and
+# 1/sqrt(var + eps)); x_hat is recomputed from x. With g = dy * w (dy without affine):
+#   dw += sum over rows of dy * x_hat,  db += sum over rows of dy,
+#   dx = inv_std * (g - mean_M(g) - x_hat * mean_M(g * x_hat)).
+
+def layernorm_backward(xp, dy, x, weight, saved, count: int, dweight, dbias, dx):
+    rows, grads = x.reshape(-1, count), dy.reshape(-1, count)
+    mean, inv_std = saved[0].reshape(-1, 1), saved[1].reshape(-1, 1)
+    x_hat = (rows - mean) * inv_std
+    if dweight is not None:
+        dweight += (grads * x_hat).sum(axis=0).reshape(dweight.shape).astype(dweight.dtype)
+    if dbias is not None:
+        dbias += grads.sum(axis=0).reshape(dbias.shape).astype(dbias.dtype)
+    if dx is not None:
+        g = grads * weight.reshape(1, -1) if weight is not None else grads
+        dx.reshape(-1, count)[...] = inv_std * (g - g.mean(axis=1, keepdims=True)
+                                                - x_hat * (g * x_hat).mean(axis=1, keepdims=True))
     return dx
 
 

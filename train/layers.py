@@ -333,6 +333,27 @@ class BatchNormLayer(Layer):
                              c.grads["bias"], c.dx)
 
 
+class LayerNormLayer(Layer):
+    """Rows of prod(normalized_shape) values; the forward saves each row's mean and 1/sqrt(var + eps)."""
+    needs_input = True
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.count = math.prod(node.attrs["normalized_shape"])
+        self.rows_per_sample = math.prod(node.in_shape) // self.count
+
+    def workspaces(self, n):
+        return [("saved", (2, n * self.rows_per_sample), "float32", "saved")]
+
+    def forward(self, c, training):
+        K.layernorm_forward(c.xp, c.x, c.params.get("weight"), c.params.get("bias"), self.attrs["eps"], self.count,
+                            c.y, c.ws["saved"])
+
+    def backward(self, c):
+        K.layernorm_backward(c.xp, c.dy, c.x, c.params.get("weight"), c.ws["saved"], self.count,
+                             c.grads.get("weight"), c.grads.get("bias"), c.dx)
+
+
 class DropoutLayer(Layer):
     """Needs the key the forward used (the plan passes it as c.key) and the uint32 index buffer."""
 
@@ -370,6 +391,7 @@ class ActivationLayer(Layer):
 LAYERS = {"linear": LinearLayer, "conv1d": Conv1dLayer, "conv2d": Conv2dLayer, "maxpool1d": MaxPool1dLayer,
           "avgpool1d": AvgPool1dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
           "global_avg_pool": GlobalAvgPoolLayer, "global_max_pool": GlobalMaxPoolLayer, "flatten": FlattenLayer, "batchnorm": BatchNormLayer,
+          "layernorm": LayerNormLayer,
           "dropout": DropoutLayer, **{kind: ActivationLayer for kind in ACTIVATIONS}}
 
 

@@ -52,6 +52,7 @@ from lnn.runtime.cpu.conv1d import Conv1dLayer
 from lnn.runtime.cpu.conv2d import Conv2dLayer
 from lnn.runtime.cpu.flatten import FlattenLayer
 from lnn.runtime.cpu.jit import CACHE_ENABLED
+from lnn.runtime.cpu.layernorm import LayerNormLayer
 from lnn.runtime.cpu.linear import LinearLayer
 from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.pool import (AvgPool1dLayer, AvgPool2dLayer, GlobalAvgPoolLayer, GlobalMaxPoolLayer,
@@ -71,6 +72,7 @@ LAYERS = {
     "global_max_pool": GlobalMaxPoolLayer,
     "flatten": FlattenLayer,
     "batchnorm": BatchNormLayer,
+    "layernorm": LayerNormLayer,
     **{kind: ActivationLayer for kind in ACTIVATIONS},
 }
 IDENTITY_AT_INFERENCE = {"dropout"}

@@ -21,12 +21,13 @@ im2col (fused) + one grouped GEMM
 (kernels.conv2d_gemm, cuBLAS) + one epilogue that moves the GEMM's [O, N, P] layout to [N, O, P] and
 applies bias and activation (at batch 1 the GEMM writes the output directly and the epilogue runs in
 place); linear is a GEMM + in-place epilogue; max pool is one kernel; avg pool, global average and max
-pool and softmax are the generic kernels; the 1-D pools are the 2-D layers on [N, C, 1, T] views. `array_module=numpy` runs the same plan with the generic kernels
+pool, layer norm and softmax are the generic kernels; the 1-D pools are the 2-D layers on [N, C, 1, T] views. `array_module=numpy` runs the same plan with the generic kernels
 only (how the planning is tested where there is no GPU).
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import numpy as np
@@ -317,6 +318,22 @@ class GlobalPoolLayer:
         return out, [partial(self.forward, device.xp, src, out)]
 
 
+class LayerNormLayer:
+    """layernorm: the generic kernel over rows of prod(normalized_shape) values."""
+
+    def __init__(self, node, weights):
+        self.eps, self.count = node.attrs["eps"], math.prod(node.attrs["normalized_shape"])
+        self.params = {p: np.array(weights[node.param_key(p)], FLOAT).reshape(-1) for p in node.param_shapes}
+
+    def upload(self, device: Device) -> None:
+        self.on_device = {p: device.upload(value) for p, value in self.params.items()}
+
+    def plan(self, src, device: Device):
+        out = device.xp.empty(src.shape, FLOAT)
+        return out, [partial(K.layernorm_forward, device.xp, src, self.on_device.get("weight"),
+                             self.on_device.get("bias"), self.eps, self.count, out)]
+
+
 class FlattenLayer:
     """A view of its input: no buffer, no work."""
 
@@ -339,6 +356,7 @@ LAYERS = {
     "global_max_pool": GlobalPoolLayer,
     "flatten": FlattenLayer,
     "batchnorm": AffineLayer.batchnorm,
+    "layernorm": LayerNormLayer,
     **{kind: AffineLayer.activation for kind in ACTIVATIONS},
 }
 

@@ -195,3 +195,27 @@ def batchnorm_eval_forward(xp, x, weight, bias, running_mean, running_var, attrs
     shift = bias - running_mean * scale
     out[...] = x * per_channel(scale.astype(x.dtype), x) + per_channel(shift.astype(x.dtype), x)
     return out
+
+
+# --------------------------------------------------------------------------- layer norm
+# x [N, ...] seen as rows [R, M] (M = prod(normalized_shape)): y = (x - mean) / sqrt(var + eps) * w + b per
+# row, var biased; weight and bias [M] (None without elementwise_affine / bias). `saved` [2, R] (float32,
+# float64 in a float64 plan), when given, keeps each row's mean and 1/sqrt(var + eps) for the trainer's
+# backward. Statistics are computed in float32 even when x is float16.
+
+def layernorm_forward(xp, x, weight, bias, eps: float, count: int, out, saved=None):
+    rows = x.reshape(-1, count)
+    stat_dtype = np.float64 if x.dtype == np.float64 else np.float32
+    mean = rows.mean(axis=1, keepdims=True, dtype=stat_dtype)
+    centered = rows - mean
+    inv_std = 1 / xp.sqrt((centered * centered).mean(axis=1, keepdims=True) + eps)
+    y = centered * inv_std
+    if weight is not None:
+        y = y * weight.reshape(1, -1)
+    if bias is not None:
+        y = y + bias.reshape(1, -1)
+    out.reshape(-1, count)[...] = y
+    if saved is not None:
+        saved[0] = mean[:, 0]
+        saved[1] = inv_std[:, 0]
+    return out

@@ -101,6 +101,23 @@ def test_1d_pools_and_global_pools_over_time():
     assert model.nodes[0].elementwise_ops == 4 * 5 * 2 and model.num_params == 0   # comparisons: kernel - 1 per output
 
 
+def test_layernorm_normalized_shape_is_trailing_dims_and_params_are_pytorchs():
+    model = parse_model({"input_shape": [4, 15], "loss": "mse", "layers": [
+        {"type": "layernorm", "name": "whole"}, {"type": "layer_norm", "name": "last", "normalized_shape": 15},
+        {"type": "layernorm", "name": "plain", "normalized_shape": [4, 15], "elementwise_affine": False},
+        {"type": "layernorm", "name": "nobias", "normalized_shape": [15], "bias": False, "eps": 1e-3}]})
+    assert [n.out_shape for n in model.nodes] == [(4, 15)] * 4
+    assert [n.attrs["normalized_shape"] for n in model.nodes] == [(4, 15), (15,), (4, 15), (15,)]
+    assert model.param_shapes() == {"whole.weight": (4, 15), "whole.bias": (4, 15), "last.weight": (15,),
+                                    "last.bias": (15,), "nobias.weight": (15,)}
+    assert model.nodes[0].num_params == 2 * 60                # nn.LayerNorm([4, 15]): weight and bias of 60
+    assert parse_model(model.to_description()).to_description() == model.to_description()
+    assert 'normalized_shape [4] must be the last dimensions of the input [4, 15]' in spec_error(
+        {"input_shape": [4, 15], "layers": [{"type": "layernorm", "normalized_shape": [4]}]})
+    assert "eps must be a positive number" in spec_error(
+        {"input_shape": [4, 15], "layers": [{"type": "layernorm", "eps": 0}]})
+
+
 def test_batchnorm_dropout_and_activation_layers_keep_the_shape():
     layers = [{"type": "batchnorm"}, {"type": "dropout", "p": 0.3}] + [
         {"type": kind} for kind in ("relu", "relu6", "leaky_relu", "sigmoid", "tanh")]
@@ -122,8 +139,8 @@ def test_linear_and_in_features_in_channels_num_features_checked_when_given():
 
 def test_every_registered_op_is_covered_by_a_shape_test():
     covered = {"linear", "conv1d", "conv2d", "maxpool1d", "avgpool1d", "maxpool2d", "avgpool2d", "global_avg_pool",
-               "global_max_pool", "flatten", "batchnorm", "dropout",
-               "relu", "relu6", "leaky_relu", "sigmoid", "tanh", "softmax"}
+               "global_max_pool", "flatten", "batchnorm", "layernorm",
+               "dropout", "relu", "relu6", "leaky_relu", "sigmoid", "tanh", "softmax"}
     assert set(OPS) == covered, "a new op needs its shape inference tested here"
 
 

@@ -59,7 +59,8 @@ EVERY_OP = {
 
 # The sequence ops on [C, T]: conv1d with "same" (even kernel: one more zero on the right), asymmetric pads,
 # stride, dilation, groups, a batch norm folded into it and one that cannot fold; 1-D pools with padding
-# (both count_include_pad), global max pool with keepdims then flatten, global average pool.
+# (both count_include_pad), layer norms (the whole sample, the time axis without bias, without affine, a
+# flat vector), global max pool with keepdims then flatten, global average pool.
 EVERY_SERIES_OP = {
     "name": "every_series_op", "input_shape": [3, 41],
     "layers": [
@@ -72,9 +73,13 @@ EVERY_SERIES_OP = {
         {"type": "avgpool1d", "kernel_size": 3, "stride": 1, "padding": 1, "count_include_pad": False},
         {"type": "conv1d", "name": "c_valid", "out_channels": 4, "kernel_size": 3, "padding": "valid"},
         {"type": "avgpool1d", "kernel_size": 2, "padding": 1},
+        {"type": "layernorm", "name": "ln_whole"},
+        {"type": "layernorm", "name": "ln_time", "normalized_shape": 5, "bias": False, "eps": 1e-3},
+        {"type": "layernorm", "name": "ln_plain", "normalized_shape": [5], "elementwise_affine": False},
         {"type": "global_max_pool", "keepdims": True},
         {"type": "flatten"},
         {"type": "linear", "name": "fc", "out_features": 3},
+        {"type": "layernorm", "name": "ln_flat"},
     ],
 }
 SERIES_AVERAGE = {"name": "series_average", "input_shape": [3, 17], "layers": [
@@ -164,7 +169,9 @@ def test_every_series_op_matches_lnn_to_1e5_and_imports_back(tmp_path):
     back, back_weights = import_onnx(tmp_path / "series.onnx")
     assert [(n.op, n.attrs.get("padding")) for n in back.nodes if n.op != "linear"] == [
         ("conv1d", (3, 4)), ("maxpool1d", 1), ("conv1d", (1, 2)), ("batchnorm", None), ("avgpool1d", 1),
-        ("conv1d", (0, 0)), ("avgpool1d", 1), ("global_max_pool", None)]
+        ("conv1d", (0, 0)), ("avgpool1d", 1), ("layernorm", None), ("layernorm", None), ("layernorm", None),
+        ("global_max_pool", None), ("layernorm", None)]
+    assert [n.attrs["normalized_shape"] for n in back.nodes if n.op == "layernorm"] == [(4, 5), (5,), (5,), (3,)]
     assert np.abs(numpy_session(back, back_weights).run(batch) - lnn_out).max() <= 1e-5
     average = parse_model(SERIES_AVERAGE)
     weights = random_weights(average, seed=13)

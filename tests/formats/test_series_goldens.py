@@ -32,7 +32,7 @@ def session(model, weights, device: str) -> Session:
 
 def test_the_fixtures_are_there():
     assert {"conv1d_same_even_bn_relu", "conv1d_stride_padding_depthwise", "pools_max_avg_global_avg",
-            "global_max_pool"} <= set(CASES)
+            "global_max_pool", "layernorm"} <= set(CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -52,5 +52,6 @@ def test_pytorch_onnx_export_imports_and_matches(case):
     model, weights, x, expected = golden(case)
     imported, imported_weights = import_onnx(GOLDENS / f"{case}.onnx")
     assert imported.input_shape == model.input_shape and imported.output_shape == model.output_shape
-    assert imported.num_params <= model.num_params           # batch norms may come folded into the conv before
+    # PyTorch writes AdaptiveMaxPool1d(1) + Flatten as a MaxPool over the whole series and a Flatten
+    assert {node.op for node in imported.nodes} <= {node.op for node in model.nodes} | {"maxpool1d", "flatten"}
     np.testing.assert_allclose(session(imported, imported_weights, "numpy").run(x), expected, rtol=0, atol=TOLERANCE)

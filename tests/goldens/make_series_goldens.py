@@ -54,12 +54,24 @@ CASES = {
         [conv1d("0", 4, 3, activation="tanh"), {"type": "maxpool1d", "kernel_size": 2},
          {"type": "global_max_pool"}],
         lambda: nn.Sequential(nn.Conv1d(2, 4, 3), nn.Tanh(), nn.MaxPool1d(2), nn.AdaptiveMaxPool1d(1), nn.Flatten())),
+    "layernorm": (
+        (3, 12),
+        [conv1d("0", 4, 3, padding=1), {"type": "layernorm", "name": "1"},
+         {"type": "layernorm", "name": "2", "normalized_shape": 12, "bias": False, "eps": 1e-3},
+         {"type": "layernorm", "name": "3", "normalized_shape": [12], "elementwise_affine": False}],
+        lambda: nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.LayerNorm([4, 12]),
+                              nn.LayerNorm(12, bias=False, eps=1e-3), nn.LayerNorm(12, elementwise_affine=False))),
 }
 
 
 def randomize(module: nn.Module, rng: np.random.Generator) -> None:
-    """Batch norms get statistics and affine values away from their defaults (so folding is tested)."""
+    """Batch norms get statistics and affine values away from their defaults (so folding is tested), layer
+    norms affine values away from ones and zeros."""
     for layer in module.modules():
+        if isinstance(layer, nn.LayerNorm) and layer.elementwise_affine:
+            layer.weight.data.copy_(torch.tensor(rng.normal(1, 0.2, layer.weight.shape)))
+            if layer.bias is not None:
+                layer.bias.data.copy_(torch.tensor(rng.normal(0, 0.3, layer.bias.shape)))
         if isinstance(layer, nn.modules.batchnorm._BatchNorm):
             c = layer.num_features
             layer.running_mean.copy_(torch.tensor(rng.normal(0, 0.5, c)))

@@ -102,6 +102,12 @@ CASES = {
                                                             {"type": "global_avg_pool", "keepdims": True},
                                                             {"type": "flatten"}]),
     "global_max_pool_image_keepdims": ([13, 7, 5], [{"type": "global_max_pool", "keepdims": True}]),
+    "layernorm_series_whole_then_last_axis": ([6, 13], [conv1d(8, 3, padding=1), {"type": "layernorm"},
+                                                        {"type": "layernorm", "normalized_shape": [13], "bias": False},
+                                                        {"type": "layernorm", "normalized_shape": 13,
+                                                         "elementwise_affine": False, "eps": 1e-2}]),
+    "layernorm_image_and_flat": ([3, 5, 7], [{"type": "layernorm", "normalized_shape": [5, 7]}, {"type": "flatten"},
+                                             {"type": "linear", "out_features": 24}, {"type": "layernorm"}]),
     "conv1d_valid_stride3_then_linear": ([3, 31], [conv1d(4, 7, stride=3, padding="valid", activation="relu6"),
                                                   {"type": "flatten"}, {"type": "linear", "out_features": 3}]),
 }
