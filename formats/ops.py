@@ -402,11 +402,11 @@ class Conv1d(Op):
         return (attrs["out_channels"], length)
 
     def flops(self, attrs, in_shape, out_shape):
-        return OPS["conv2d"].flops(conv1d_as_conv2d(attrs), (in_shape[0], 1, in_shape[1]), (out_shape[0], 1, out_shape[1]))
+        return OPS[self.two_d].flops(self.as_2d(attrs), (in_shape[0], 1, in_shape[1]), (out_shape[0], 1, out_shape[1]))
 
     def elementwise_ops(self, attrs, in_shape, out_shape):
-        return OPS["conv2d"].elementwise_ops(conv1d_as_conv2d(attrs), (in_shape[0], 1, in_shape[1]),
-                                             (out_shape[0], 1, out_shape[1]))
+        return OPS[self.two_d].elementwise_ops(self.as_2d(attrs), (in_shape[0], 1, in_shape[1]),
+                                               (out_shape[0], 1, out_shape[1]))
 
     def as_2d(self, attrs):
         return conv1d_as_conv2d(attrs)
@@ -414,7 +414,7 @@ class Conv1d(Op):
     def forward(self, x, params, attrs, training=False):
         x = np.pad(x, ((0, 0), (0, 0), attrs["padding"]))
         rows = {key: value[:, :, None] if key == "weight" else value for key, value in params.items()}
-        return OPS["conv2d"].forward(x[:, :, None], rows, conv1d_as_conv2d(attrs, (0, 0)))[:, :, 0]
+        return OPS[self.two_d].forward(x[:, :, None], rows, conv1d_as_conv2d(attrs, (0, 0)))[:, :, 0]
 
 
 class _Pool2d(Op):

@@ -288,7 +288,7 @@ class AvgPool1dLayer(OnRows, AvgPoolLayer):
 
 class GlobalMaxPoolLayer(Layer):
     """The winning position of each (sample, channel) is saved by the forward; the backward routes dy to it
-    through `positions` (0..P-1, made once per array module and dtype, like AvgPoolLayer's divisor)."""
+    through `positions` (0..P-1, made once per array module, as AvgPoolLayer makes its divisor)."""
 
     def __init__(self, node):
         super().__init__(node)
@@ -390,8 +390,8 @@ class ActivationLayer(Layer):
 
 LAYERS = {"linear": LinearLayer, "conv1d": Conv1dLayer, "conv2d": Conv2dLayer, "maxpool1d": MaxPool1dLayer,
           "avgpool1d": AvgPool1dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
-          "global_avg_pool": GlobalAvgPoolLayer, "global_max_pool": GlobalMaxPoolLayer, "flatten": FlattenLayer, "batchnorm": BatchNormLayer,
-          "layernorm": LayerNormLayer,
+          "global_avg_pool": GlobalAvgPoolLayer, "global_max_pool": GlobalMaxPoolLayer, "flatten": FlattenLayer,
+          "batchnorm": BatchNormLayer, "layernorm": LayerNormLayer,
           "dropout": DropoutLayer, **{kind: ActivationLayer for kind in ACTIVATIONS}}
 
 
