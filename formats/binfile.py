@@ -37,6 +37,7 @@ from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
 from lnn.formats.npz import NPZ_MAGIC, is_checkpoint_bytes
 from lnn.formats.model import (Model, finite_json_float, json_nesting_depth, parse_model, reject_json_constant,
                                size_refusals)
+from lnn.formats.ops import get_op
 from lnn.formats.quantize import QMAX, dequantize, quantize_per_channel, scale_key
 from lnn.version import __version__
 
@@ -133,12 +134,11 @@ def graph_of(model: Model) -> dict:
 
 
 def compressed_weights(model: Model) -> list:
-    """The keys `--fp16` and `--int8` compress: multi-dimensional `weight` tensors (linear and conv kernels).
+    """The keys `--fp16` and `--int8` compress: the kernels (linear and conv weights, each op's `kernel_params`).
 
-    Biases and batch-norm tensors (weight, bias, running_mean, running_var: all 1-D) stay float32:
-    they are a tiny share of the bytes, and a variance near eps loses its meaning in fp16."""
-    return [node.param_key(param) for node in model.nodes
-            for param, shape in node.param_shapes.items() if param == "weight" and len(shape) >= 2]
+    Biases, batch-norm and layer-norm tensors stay float32: they are a tiny share of the bytes, a
+    variance near eps loses its meaning in fp16, and a layer norm's weight [C, T] has no output channels."""
+    return [node.param_key(param) for node in model.nodes for param in get_op(node.op).kernel_params]
 
 
 def fp16_dtypes(model: Model) -> dict:

@@ -2,7 +2,7 @@
 the ONNX export, which all decide by `folds_into_previous`.
 
 At inference a batch norm is a per-channel y = x * scale + shift (formats/ops.py BatchNorm.forward).
-After a conv2d [O, C/g, KH, KW] or linear [O, I] layer without an activation it folds into that
+After a conv1d [O, C/g, K], conv2d [O, C/g, KH, KW] or linear [O, I] layer without an activation it folds into that
 layer: weight[o] *= scale[o], bias[o] = bias[o] * scale[o] + shift[o].
 """
 
@@ -27,10 +27,10 @@ def fold_scale_and_shift(weight: np.ndarray, bias: np.ndarray | None, scale: np.
     return (weight * per_output).astype(np.float32), (bias * scale + shift).astype(np.float32)
 
 
-FOLD_TARGETS = ("conv2d", "linear")
+FOLD_TARGETS = ("conv1d", "conv2d", "linear")
 
 
 def folds_into_previous(node, previous_op: str | None, previous_is_open: bool) -> bool:
     """The one rule: a batch norm folds into the layer right before it when that layer is a conv2d or linear
-    whose output nothing has transformed yet (`previous_is_open`: no activation, no fused pool)."""
+    (conv1d: a conv2d of height 1) whose output nothing has transformed yet (`previous_is_open`: no activation, no fused pool)."""
     return node.op == "batchnorm" and previous_op in FOLD_TARGETS and previous_is_open

@@ -4,11 +4,14 @@ The graph takes `input` [N, *input_shape] float32 (N is a dynamic dimension name
 `logits` [N, *output_shape] (`output` when the model ends in softmax or sigmoid). Layer by layer:
 
     conv2d          Conv (pads written as [top, left, bottom, right])
+    conv1d          Conv with a 3-D weight (pads [left, right])
     linear          Gemm(transB=1): y = x @ W.T + b, W kept as lnn stores it ([out, in])
-    batchnorm       folded into the conv2d / linear just before it when that layer has no activation;
+    batchnorm       folded into the conv1d / conv2d / linear just before it when that layer has no activation;
                     otherwise a BatchNormalization node
-    maxpool2d       MaxPool;  avgpool2d: AveragePool with count_include_pad
-    global_avg_pool GlobalAveragePool, then Flatten(axis=1) unless keepdims
+    maxpool2d       MaxPool;  avgpool2d: AveragePool with count_include_pad (maxpool1d, avgpool1d: the same, 1-D)
+    global_avg_pool GlobalAveragePool (global_max_pool: GlobalMaxPool), then Flatten(axis=1) unless keepdims
+    layernorm       LayerNormalization(axis = -len(normalized_shape), epsilon); Scale of ones without
+                    elementwise_affine (ONNX requires it), no B without bias
     flatten         Flatten(axis=1)
     dropout         removed (inference graph)
     activations     (fused or stand-alone) Relu, Clip(0, 6), LeakyRelu(alpha), Sigmoid, Tanh, Softmax(axis=1)
@@ -30,7 +33,7 @@ from lnn.formats.binfile import write_atomic
 from lnn.formats.errors import LnnError
 from lnn.formats.fold import fold_scale_and_shift, folds_into_previous, scale_and_shift
 from lnn.formats.model import Model
-from lnn.formats.ops import ACTIVATIONS, get_op
+from lnn.formats.ops import ACTIVATIONS, get_op, pool1d_as_2d
 from lnn.version import __version__
 
 MIN_OPSET = 17
@@ -51,7 +54,7 @@ def require_onnx(module: str = "onnx"):
 
 def _inference_layers(model: Model, weights: dict) -> list:
     """The model's layers as (node, params, fused activation or None), dropout removed and batch norm folded
-    into the conv2d / linear before it where that layer has no activation of its own."""
+    into the conv1d / conv2d / linear before it where that layer has no activation of its own."""
     layers = []
     for node in model.nodes:
         if node.op == "dropout":
@@ -117,6 +120,10 @@ def _emit_layer(graph: _GraphBuilder, node, params: dict) -> None:
             inputs.append(graph.constant(f"{name}.bias", params["bias"]))
         graph.add("Conv", name, inputs, kernel_shape=list(attrs["kernel_size"]), strides=list(attrs["stride"]),
                   pads=_pads(attrs["padding"]), dilations=list(attrs["dilation"]), group=attrs["groups"])
+    elif node.op == "conv1d":
+        inputs = [graph.constant(f"{name}.{p}", params[p]) for p in ("weight", "bias") if p in params]
+        graph.add("Conv", name, inputs, kernel_shape=[attrs["kernel_size"]], strides=[attrs["stride"]],
+                  pads=list(attrs["padding"]), dilations=[attrs["dilation"]], group=attrs["groups"])
     elif node.op == "linear":
         inputs = [graph.constant(f"{name}.weight", params["weight"])]
         if "bias" in params:
@@ -125,16 +132,24 @@ def _emit_layer(graph: _GraphBuilder, node, params: dict) -> None:
     elif node.op == "batchnorm":
         inputs = [graph.constant(f"{name}.{p}", params[p]) for p in ("weight", "bias", "running_mean", "running_var")]
         graph.add("BatchNormalization", name, inputs, epsilon=attrs["eps"])
-    elif node.op == "maxpool2d":
-        graph.add("MaxPool", name, kernel_shape=list(attrs["kernel_size"]), strides=list(attrs["stride"]),
-                  pads=_pads(attrs["padding"]))
-    elif node.op == "avgpool2d":
-        graph.add("AveragePool", name, kernel_shape=list(attrs["kernel_size"]), strides=list(attrs["stride"]),
-                  pads=_pads(attrs["padding"]), count_include_pad=int(attrs["count_include_pad"]))
-    elif node.op == "global_avg_pool":
-        graph.add("GlobalAveragePool", name)
+    elif node.op in ("maxpool2d", "maxpool1d", "avgpool2d", "avgpool1d"):
+        window = pool1d_as_2d(attrs) if node.op.endswith("1d") else attrs
+        axes = slice(1, 2) if node.op.endswith("1d") else slice(0, 2)            # a 1-D pool: the T axis only
+        fields = dict(kernel_shape=list(window["kernel_size"][axes]), strides=list(window["stride"][axes]),
+                      pads=list(window["padding"][axes]) * 2)
+        if node.op.startswith("avg"):
+            fields["count_include_pad"] = int(attrs["count_include_pad"])
+        graph.add("MaxPool" if node.op.startswith("max") else "AveragePool", name, **fields)
+    elif node.op in ("global_avg_pool", "global_max_pool"):
+        graph.add("GlobalAveragePool" if node.op == "global_avg_pool" else "GlobalMaxPool", name)
         if not attrs["keepdims"]:
             graph.add("Flatten", f"{name}/flatten", axis=1)
+    elif node.op == "layernorm":
+        scale = params.get("weight", np.ones(attrs["normalized_shape"], np.float32))
+        inputs = [graph.constant(f"{name}.weight", scale)]
+        if "bias" in params:
+            inputs.append(graph.constant(f"{name}.bias", params["bias"]))
+        graph.add("LayerNormalization", name, inputs, axis=-len(attrs["normalized_shape"]), epsilon=attrs["eps"])
     elif node.op == "flatten":
         graph.add("Flatten", name, axis=1)
     elif node.op in ACTIVATIONS:

@@ -4,13 +4,17 @@ The graph must be a chain: one float32 input [N, *shape] (dim 0 is the batch, th
 each node reading the tensor the node before it wrote (plus constants), one output at the end.
 ONNX nodes map to lnn layers as follows:
 
-    Conv                       conv2d (2-D; symmetric pads, or auto_pad VALID / SAME that comes out symmetric)
+    Conv                       conv2d (2-D; symmetric pads, or auto_pad VALID / SAME that comes out symmetric),
+                               conv1d (1-D, a 3-D weight; any pads or auto_pad)
     Gemm, MatMul (+ Add)       linear: weight [out, in] = B.T (B when transB=1), times alpha; bias = beta * C
-    MaxPool, AveragePool       maxpool2d, avgpool2d (2-D, symmetric pads, no dilation; ceil_mode only where it
-                               gives the same size as floor)
-    GlobalAveragePool          global_avg_pool (keepdims; merged with a Flatten right after it)
+    MaxPool, AveragePool       maxpool2d, avgpool2d, or on [N, C, T] maxpool1d, avgpool1d (symmetric pads, no
+                               dilation; ceil_mode only where it gives the same size as floor)
+    GlobalAveragePool,         global_avg_pool, global_max_pool ([N, C, T] or [N, C, H, W]; keepdims, merged
+    GlobalMaxPool              with a Flatten right after it)
     Flatten, Reshape           flatten (Flatten on axis 1; Reshape only to [N, -1] / [0, -1] / [N, K])
     BatchNormalization         batchnorm (inference mode)
+    LayerNormalization         layernorm (normalized_shape: the input's dimensions from axis on; Scale and B
+                               broadcast to it)
     Relu, Clip, LeakyRelu,     relu, relu6 (Clip 0..6; Clip 0..inf is relu), leaky_relu, sigmoid, tanh,
     Sigmoid, Tanh, Softmax     softmax (over the last axis of [N, K]); folded into the conv2d / linear /
                                batchnorm before them as its `activation` when that has none yet
@@ -136,30 +140,37 @@ class _Chain:
 
 # --------------------------------------------------------------------------- padding and pooling helpers
 
-def _symmetric_padding(node: _Node, attrs: dict, kernel, strides, dilations) -> list:
-    """ONNX pads / auto_pad -> lnn's [pad_h, pad_w] (the same on both sides)."""
+def _padding(node: _Node, attrs: dict, kernel, strides, dilations) -> tuple[list, list]:
+    """ONNX pads / auto_pad -> (padding before, padding after) per spatial axis."""
+    rank = len(kernel)
     auto_pad = attrs["auto_pad"]
     if auto_pad == "VALID":
-        pads = [0, 0, 0, 0]
-    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        return [0] * rank, [0] * rank
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         begins, ends = [], []
         for size, k, s, d in zip(node.in_shape[1:], kernel, strides, dilations):
             total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
             small, large = total // 2, total - total // 2
             begins.append(small if auto_pad == "SAME_UPPER" else large)
             ends.append(large if auto_pad == "SAME_UPPER" else small)
-        pads = begins + ends
-    elif auto_pad == "NOTSET":
-        pads = list(attrs["pads"] or [0, 0, 0, 0])
-    else:
+        return begins, ends
+    if auto_pad != "NOTSET":
         raise node.error(f"auto_pad {auto_pad!r} is not supported")
-    if len(pads) != 4:
-        raise node.error(f"pads {pads} are not 2-D ([top, left, bottom, right])")
-    if pads[0] != pads[2] or pads[1] != pads[3]:
-        raise node.error(f"asymmetric pads {pads} ([top, left, bottom, right]"
-                         + (f" from auto_pad {auto_pad}" if auto_pad != "NOTSET" else "")
+    pads = [int(p) for p in (attrs["pads"] or [0] * 2 * rank)]
+    if len(pads) != 2 * rank:
+        raise node.error(f"pads {pads} are not {rank}-D ([" + ", ".join(["begin"] * rank + ["end"] * rank) + "])")
+    return pads[:rank], pads[rank:]
+
+
+def _symmetric_padding(node: _Node, attrs: dict, kernel, strides, dilations) -> list:
+    """ONNX pads / auto_pad -> lnn's padding per axis ([pad_h, pad_w]; the same on both sides)."""
+    begins, ends = _padding(node, attrs, kernel, strides, dilations)
+    if begins != ends:
+        raise node.error(f"asymmetric pads {begins + ends} ([" + ("top, left, bottom, right" if len(kernel) == 2
+                                                                   else "begin, end") + "]"
+                         + (f" from auto_pad {attrs['auto_pad']}" if attrs["auto_pad"] != "NOTSET" else "")
                          + ") are not supported: lnn pads both sides alike")
-    return [int(pads[0]), int(pads[1])]
+    return begins
 
 
 def _two_d(node: _Node, values, name: str, default) -> list:
@@ -169,31 +180,37 @@ def _two_d(node: _Node, values, name: str, default) -> list:
     return [int(v) for v in values]
 
 
-def _pool_layer(node: _Node, lnn_op: str, **extra_defaults) -> tuple[dict, dict]:
+def _pool_layer(node: _Node, kind: str, **extra_defaults) -> tuple[dict, dict]:
+    """MaxPool / AveragePool -> `kind`pool2d on [N, C, H, W], `kind`pool1d on [N, C, T] (an integer per field)."""
     attrs = node.attributes(auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None,
                             strides=None, **extra_defaults)
-    node.need_rank((3,), "a 4-D [N, C, H, W]")
+    node.need_rank((2, 3), "a 3-D [N, C, T] or 4-D [N, C, H, W]")
+    rank = len(node.in_shape) - 1
     if attrs["kernel_shape"] is None:
         raise node.error("needs kernel_shape")
-    kernel = _two_d(node, attrs["kernel_shape"], "kernel_shape", None)
-    strides = _two_d(node, attrs["strides"], "strides", [1, 1])
-    if _two_d(node, attrs["dilations"], "dilations", [1, 1]) != [1, 1]:
+    kernel = [int(v) for v in attrs["kernel_shape"]]
+    strides = [int(v) for v in attrs["strides"] or [1] * rank]
+    if len(kernel) != rank or len(strides) != rank:
+        raise node.error(f"kernel_shape {kernel} / strides {strides} do not fit a {rank}-D input")
+    if list(attrs["dilations"] or [1] * rank) != [1] * rank:
         raise node.error(f"dilations {list(attrs['dilations'])} are not supported for pooling")
-    padding = _symmetric_padding(node, attrs, kernel, strides, [1, 1])
+    padding = _symmetric_padding(node, attrs, kernel, strides, [1] * rank)
     if attrs["ceil_mode"]:
         for size, k, s, p in zip(node.in_shape[1:], kernel, strides, padding):
             if (size + 2 * p - k) % s:
                 raise node.error("ceil_mode=1 gives a larger output than lnn's floor rounding here; not supported")
-    return {"type": lnn_op, "kernel_size": kernel, "stride": strides, "padding": padding}, attrs
+    if rank == 1:
+        return {"type": f"{kind}pool1d", "kernel_size": kernel[0], "stride": strides[0], "padding": padding[0]}, attrs
+    return {"type": f"{kind}pool2d", "kernel_size": kernel, "stride": strides, "padding": padding}, attrs
 
 
 def _max_pool(node: _Node, chain: _Chain) -> None:
-    layer, _ = _pool_layer(node, "maxpool2d", storage_order=0)   # storage_order only orders the unused Indices
+    layer, _ = _pool_layer(node, "max", storage_order=0)   # storage_order only orders the unused Indices
     chain.append(layer)
 
 
 def _average_pool(node: _Node, chain: _Chain) -> None:
-    layer, attrs = _pool_layer(node, "avgpool2d", count_include_pad=0)
+    layer, attrs = _pool_layer(node, "avg", count_include_pad=0)
     layer["count_include_pad"] = bool(attrs["count_include_pad"])
     chain.append(layer)
 
@@ -201,21 +218,32 @@ def _average_pool(node: _Node, chain: _Chain) -> None:
 # --------------------------------------------------------------------------- converters: node -> chain
 
 def _conv(node: _Node, chain: _Chain) -> None:
+    """Conv with a 4-D weight -> conv2d; with a 3-D weight -> conv1d (its pads may differ left and right)."""
     attrs = node.attributes(auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None)
-    node.need_rank((3,), "a 4-D [N, C, H, W]")
     weight = node.weight(1, "weight")
-    if weight.ndim != 4:
-        raise node.error(f"weight of shape {list(weight.shape)}: only 2-D convolution (a 4-D weight) is supported")
+    if weight.ndim not in (3, 4):
+        raise node.error(f"weight of shape {list(weight.shape)}: only 1-D and 2-D convolution (a 3-D or 4-D weight) "
+                         "are supported")
+    one_d = weight.ndim == 3
+    node.need_rank((2,) if one_d else (3,), "a 3-D [N, C, T]" if one_d else "a 4-D [N, C, H, W]")
     kernel = list(weight.shape[2:])
     if attrs["kernel_shape"] is not None and list(attrs["kernel_shape"]) != kernel:
         raise node.error(f"kernel_shape {list(attrs['kernel_shape'])} does not match the weight's {kernel}")
-    strides = _two_d(node, attrs["strides"], "strides", [1, 1])
-    dilations = _two_d(node, attrs["dilations"], "dilations", [1, 1])
     bias = node.weight(2, "bias", optional=True)
-    layer = {"type": "conv2d", "name": chain.unique_name(node.proto.input[1], "conv2d"),
-             "out_channels": int(weight.shape[0]), "kernel_size": kernel, "stride": strides,
-             "padding": _symmetric_padding(node, attrs, kernel, strides, dilations), "dilation": dilations,
-             "groups": int(attrs["group"]), "bias": bias is not None}
+    lnn_op = "conv1d" if one_d else "conv2d"
+    layer = {"type": lnn_op, "name": chain.unique_name(node.proto.input[1], lnn_op),
+             "out_channels": int(weight.shape[0]), "groups": int(attrs["group"]), "bias": bias is not None}
+    if one_d:
+        strides, dilations = [int(v) for v in attrs["strides"] or [1]], [int(v) for v in attrs["dilations"] or [1]]
+        if len(strides) != 1 or len(dilations) != 1:
+            raise node.error(f"strides {strides} / dilations {dilations}: a 1-D convolution takes one of each")
+        begins, ends = _padding(node, attrs, kernel, strides, dilations)
+        layer.update(kernel_size=kernel[0], stride=strides[0], dilation=dilations[0], padding=begins + ends)
+    else:
+        strides = _two_d(node, attrs["strides"], "strides", [1, 1])
+        dilations = _two_d(node, attrs["dilations"], "dilations", [1, 1])
+        layer.update(kernel_size=kernel, stride=strides, dilation=dilations,
+                     padding=_symmetric_padding(node, attrs, kernel, strides, dilations))
     chain.append(layer, {"weight": weight} if bias is None else {"weight": weight, "bias": bias})
 
 
@@ -279,16 +307,39 @@ def _batchnorm(node: _Node, chain: _Chain) -> None:
                   "eps": float(attrs["epsilon"])}, params)
 
 
-def _global_avg_pool(node: _Node, chain: _Chain) -> None:
-    node.attributes()
-    node.need_rank((3,), "a 4-D [N, C, H, W]")
-    chain.append({"type": "global_avg_pool", "keepdims": True})
+def _layernorm(node: _Node, chain: _Chain) -> None:
+    attrs = node.attributes(axis=-1, epsilon=1e-5, stash_type=1)
+    rank = len(node.in_shape) + 1
+    axis = attrs["axis"] + rank if attrs["axis"] < 0 else attrs["axis"]
+    if not 1 <= axis < rank:
+        raise node.error(f"axis {attrs['axis']} of a rank-{rank} input: lnn normalizes within a sample (axis >= 1)")
+    shape = list(node.in_shape[axis - 1:])
+    scale, bias = node.weight(1, "Scale"), node.weight(2, "B", optional=True)
+    params = {}
+    for key, value in (("weight", scale), ("bias", bias)):
+        if value is None:
+            continue
+        try:
+            params[key] = np.ascontiguousarray(np.broadcast_to(value, shape), dtype=np.float32)
+        except ValueError:
+            raise node.error(f"{'Scale' if key == 'weight' else 'B'} of shape {list(value.shape)} does not fit "
+                             f"the normalized shape {shape}") from None
+    chain.append({"type": "layernorm", "name": chain.unique_name(node.proto.input[1], "layernorm"),
+                  "normalized_shape": shape, "eps": float(attrs["epsilon"]), "bias": bias is not None}, params)
+
+
+def _global_pool(lnn_op: str):
+    def convert(node: _Node, chain: _Chain) -> None:
+        node.attributes()
+        node.need_rank((2, 3), "a 3-D [N, C, T] or 4-D [N, C, H, W]")
+        chain.append({"type": lnn_op, "keepdims": True})
+    return convert
 
 
 def _flatten_layer(chain: _Chain) -> None:
     last = chain.last
-    if last and last["type"] == "global_avg_pool" and last["keepdims"]:
-        last["keepdims"] = False          # GlobalAveragePool + Flatten is one lnn layer
+    if last and last["type"] in ("global_avg_pool", "global_max_pool") and last["keepdims"]:
+        last["keepdims"] = False          # GlobalAveragePool / GlobalMaxPool + Flatten is one lnn layer
     else:
         chain.append({"type": "flatten"})
 
@@ -394,8 +445,10 @@ def _identity(node, chain):
 
 CONVERTERS = {
     "Conv": _conv, "Gemm": _gemm, "MatMul": _matmul, "Add": _add, "BatchNormalization": _batchnorm,
+    "LayerNormalization": _layernorm,
     "MaxPool": _max_pool, "AveragePool": _average_pool,
-    "GlobalAveragePool": _global_avg_pool, "Flatten": _flatten, "Reshape": _reshape,
+    "GlobalAveragePool": _global_pool("global_avg_pool"), "GlobalMaxPool": _global_pool("global_max_pool"),
+    "Flatten": _flatten, "Reshape": _reshape,
     "Relu": _relu, "Clip": _clip, "Sigmoid": _sigmoid, "Tanh": _tanh, "LeakyRelu": _leaky_relu,
     "Softmax": _softmax, "Dropout": _dropout, "Identity": _identity,
 }

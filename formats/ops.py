@@ -5,12 +5,14 @@ Each op states, in one place:
   - its parameter tensors and their shapes,
   - shape inference (per-sample shapes, no batch dimension),
   - its cost: FLOPs (a multiply-add counts 2) and other element-wise operations,
-  - a plain NumPy reference forward on batched NCHW / NC arrays.
+  - a plain NumPy reference forward on batched NCHW / NCT / NC arrays.
 
 The reference forward is the semantics every backend must reproduce (the NumPy runtime runs
 it as is; the Numba and CUDA backends are checked against it). Conventions follow PyTorch:
 conv weight [O, I/groups, KH, KW], linear weight [out, in] with y = x @ W.T + b, flatten in
-(C, H, W) order, batch norm y = (x - mean) / sqrt(var + eps) * weight + bias.
+(C, H, W) order, batch norm y = (x - mean) / sqrt(var + eps) * weight + bias. A series sample is
+channel-first [C, T] (conv1d weight [O, I/groups, K]); a 1-D window op (conv1d, maxpool1d,
+avgpool1d) is its 2-D op on [C, 1, T] (`two_d`, `as_2d`), so its costs and reference are that op's.
 
 Adding an op means adding one class here, registering it in OPS, and one kernel per backend.
 """
@@ -147,8 +149,10 @@ def _require_rank(in_shape, ranks, what):
 
 
 def _window_out(size, kernel, stride, pad, dilation, field_hint):
+    """Outputs of a window along one axis; `pad` is the padding on each side, or a (before, after) pair."""
     span = dilation * (kernel - 1) + 1
-    out = (size + 2 * pad - span) // stride + 1
+    total = sum(pad) if isinstance(pad, tuple) else 2 * pad
+    out = (size + total - span) // stride + 1
     if out < 1:
         raise SpecProblem(field_hint, f"window {kernel} (dilation {dilation}) does not fit input size {size} with padding {pad}")
     return out
@@ -178,6 +182,7 @@ class Op:
     attr_defaults: dict = {}       # a default of REQUIRED means the field must be given
     has_activation_field = False   # may carry "activation": ...
     trainable = True               # parameters (if any) are learned
+    kernel_params: tuple = ()      # parameters that are kernels: what `--fp16` / `--int8` compress (binfile.py)
 
     def normalize(self, attrs: dict, in_shape: tuple) -> dict:
         """Check and complete the attributes against the input shape; return the normalized dict."""
@@ -204,12 +209,19 @@ class Op:
     def forward(self, x: np.ndarray, params: dict, attrs: dict, training: bool = False) -> np.ndarray:
         raise NotImplementedError
 
+    two_d = ""                     # a 1-D window op over [C, T]: the name of the 2-D op it is on [C, 1, T]
+
+    def as_2d(self, attrs: dict) -> dict:
+        """A 1-D window op's attributes as those of its `two_d` op (model.as_rows makes the whole 2-D node)."""
+        raise NotImplementedError
+
 
 REQUIRED = object()
 
 
 class Linear(Op):
     name = "linear"
+    kernel_params = ("weight",)
     attr_defaults = {"out_features": REQUIRED, "in_features": None, "bias": True, "activation": None}
     has_activation_field = True
 
@@ -248,6 +260,7 @@ class Linear(Op):
 
 class Conv2d(Op):
     name = "conv2d"
+    kernel_params = ("weight",)
     attr_defaults = {"out_channels": REQUIRED, "kernel_size": REQUIRED, "in_channels": None, "stride": 1,
                      "padding": 0, "dilation": 1, "groups": 1, "bias": True, "activation": None,
                      "algorithm": "auto"}
@@ -315,6 +328,95 @@ class Conv2d(Op):
         return apply_activation(y, attrs["activation"])
 
 
+def _padding_1d(value, kernel: int, stride: int, dilation: int) -> tuple[int, int]:
+    """conv1d's padding -> (left, right): an integer (both sides), [left, right], "valid" (none) or "same"
+    (PyTorch's: stride 1, total dilation * (kernel - 1), the odd one on the right)."""
+    if value == "valid":
+        return (0, 0)
+    if value == "same":
+        if stride != 1:
+            raise SpecProblem("padding", f"padding \"same\" needs stride 1, not {stride} (as PyTorch's Conv1d)")
+        total = dilation * (kernel - 1)
+        return (total // 2, total - total // 2)
+    if isinstance(value, str):
+        raise SpecProblem("padding", f"padding must be an integer, [left, right], \"same\" or \"valid\", not {value!r}")
+    return _pair("padding", value, 0)
+
+
+def conv1d_as_conv2d(attrs: dict, padding: tuple | None = None) -> dict:
+    """conv1d's attributes as those of the conv2d that computes it on the input viewed as [C, 1, T] (weight
+    [O, C/g, 1, K]): kernel (1, K), stride (1, S), dilation (1, D), padding (0, left) or (0, padding[1]) when
+    `padding` (a pair) is given. The right padding attrs["padding"][1] may differ from the left (an even kernel
+    with "same"): the 2-D window kernels pad from their padded buffer's size (`conv1d_padded_length`) or read
+    zeros past the input, so only the buffer's size needs it."""
+    pad = attrs["padding"] if padding is None else padding
+    return {"out_channels": attrs["out_channels"], "in_channels": attrs["in_channels"],
+            "kernel_size": (1, attrs["kernel_size"]), "stride": (1, attrs["stride"]), "padding": (0, pad[0]),
+            "dilation": (1, attrs["dilation"]), "groups": attrs["groups"], "bias": attrs["bias"],
+            "activation": attrs["activation"], "algorithm": "im2col"}
+
+
+def conv1d_padded_length(attrs: dict, length: int) -> int:
+    """T + left + right: the length of conv1d's zero-padded input."""
+    return length + sum(attrs["padding"])
+
+
+class Conv1d(Op):
+    """1-D convolution over [C, T] (PyTorch Conv1d: weight [O, C/groups, K]); computed as the conv2d of height
+    1 that conv1d_as_conv2d describes, so shapes, costs and the reference are conv2d's."""
+
+    name = "conv1d"
+    two_d = "conv2d"
+    kernel_params = ("weight",)
+    attr_defaults = {"out_channels": REQUIRED, "kernel_size": REQUIRED, "in_channels": None, "stride": 1,
+                     "padding": 0, "dilation": 1, "groups": 1, "bias": True, "activation": None}
+    has_activation_field = True
+
+    def normalize(self, attrs, in_shape):
+        _require_rank(in_shape, (2,), "a [C, T]")
+        out = dict(attrs)
+        cin = in_shape[0]
+        if attrs["in_channels"] is not None and attrs["in_channels"] != cin:
+            raise SpecProblem("in_channels", f"in_channels is {cin} from the previous layer, not {attrs['in_channels']}")
+        out["in_channels"] = cin
+        out["out_channels"] = _positive_int("out_channels", attrs["out_channels"])
+        for key in ("kernel_size", "stride", "dilation"):
+            out[key] = _positive_int(key, attrs[key])
+        out["padding"] = _padding_1d(attrs["padding"], out["kernel_size"], out["stride"], out["dilation"])
+        groups = _positive_int("groups", attrs["groups"])
+        if cin % groups or out["out_channels"] % groups:
+            raise SpecProblem("groups", f"groups {groups} must divide in_channels {cin} and out_channels {out['out_channels']}")
+        out["groups"] = groups
+        out["bias"] = _flag("bias", attrs["bias"])
+        return out
+
+    def param_shapes(self, attrs, in_shape):
+        shapes = {"weight": (attrs["out_channels"], attrs["in_channels"] // attrs["groups"], attrs["kernel_size"])}
+        if attrs["bias"]:
+            shapes["bias"] = (attrs["out_channels"],)
+        return shapes
+
+    def infer(self, attrs, in_shape):
+        length = _window_out(in_shape[1], attrs["kernel_size"], attrs["stride"], attrs["padding"], attrs["dilation"],
+                             "kernel_size")
+        return (attrs["out_channels"], length)
+
+    def flops(self, attrs, in_shape, out_shape):
+        return OPS[self.two_d].flops(self.as_2d(attrs), (in_shape[0], 1, in_shape[1]), (out_shape[0], 1, out_shape[1]))
+
+    def elementwise_ops(self, attrs, in_shape, out_shape):
+        return OPS[self.two_d].elementwise_ops(self.as_2d(attrs), (in_shape[0], 1, in_shape[1]),
+                                               (out_shape[0], 1, out_shape[1]))
+
+    def as_2d(self, attrs):
+        return conv1d_as_conv2d(attrs)
+
+    def forward(self, x, params, attrs, training=False):
+        x = np.pad(x, ((0, 0), (0, 0), attrs["padding"]))
+        rows = {key: value[:, :, None] if key == "weight" else value for key, value in params.items()}
+        return OPS[self.two_d].forward(x[:, :, None], rows, conv1d_as_conv2d(attrs, (0, 0)))[:, :, 0]
+
+
 class _Pool2d(Op):
     attr_defaults = {"kernel_size": REQUIRED, "stride": None, "padding": 0}
     trainable = False
@@ -371,25 +473,100 @@ class AvgPool2d(_Pool2d):
         return (sums / counts).astype(x.dtype)
 
 
-class GlobalAvgPool(Op):
-    """Mean over H and W: [C, H, W] -> [C] (keepdims: [C, 1, 1])."""
+def pool1d_as_2d(attrs: dict) -> dict:
+    """A 1-D pool's attributes as those of its 2-D pool on the input viewed as [C, 1, T]: kernel (1, K),
+    stride (1, S), padding (0, P) (and count_include_pad as it is)."""
+    return dict(attrs, kernel_size=(1, attrs["kernel_size"]), stride=(1, attrs["stride"]), padding=(0, attrs["padding"]))
 
-    name = "global_avg_pool"
-    attr_defaults = {"keepdims": False}
+
+class _Pool1d(Op):
+    """A pool over T of [C, T] (PyTorch MaxPool1d / AvgPool1d): its 2-D op (`two_d`) on [C, 1, T]
+    (pool1d_as_2d), so its costs and its reference forward are that op's."""
+
+    attr_defaults = {"kernel_size": REQUIRED, "stride": None, "padding": 0}
     trainable = False
+    two_d = ""
 
     def normalize(self, attrs, in_shape):
-        _require_rank(in_shape, (3,), "a [C, H, W]")
+        _require_rank(in_shape, (2,), "a [C, T]")
+        out = dict(attrs)
+        out["kernel_size"] = _positive_int("kernel_size", attrs["kernel_size"])
+        out["stride"] = out["kernel_size"] if attrs["stride"] is None else _positive_int("stride", attrs["stride"])
+        padding = attrs["padding"]
+        if not isinstance(padding, int) or isinstance(padding, bool) or padding < 0:
+            raise SpecProblem("padding", f"padding must be an integer >= 0, not {padding!r}")
+        if 2 * padding > out["kernel_size"]:
+            raise SpecProblem("padding", f"padding {padding} must be at most half of kernel_size {out['kernel_size']}")
+        return out
+
+    def infer(self, attrs, in_shape):
+        c, length = in_shape
+        return (c, _window_out(length, attrs["kernel_size"], attrs["stride"], attrs["padding"], 1, "kernel_size"))
+
+    def elementwise_ops(self, attrs, in_shape, out_shape):
+        return OPS[self.two_d].elementwise_ops(self.as_2d(attrs), (in_shape[0], 1, in_shape[1]),
+                                               (out_shape[0], 1, out_shape[1]))
+
+    def as_2d(self, attrs):
+        return pool1d_as_2d(attrs)
+
+    def forward(self, x, params, attrs, training=False):
+        return OPS[self.two_d].forward(x[:, :, None], params, self.as_2d(attrs))[:, :, 0]
+
+
+class MaxPool1d(_Pool1d):
+    name = "maxpool1d"
+    two_d = "maxpool2d"
+
+
+class AvgPool1d(_Pool1d):
+    """Average pooling over T; padded cells count as zeros unless count_include_pad is false (PyTorch's)."""
+
+    name = "avgpool1d"
+    two_d = "avgpool2d"
+    attr_defaults = {**_Pool1d.attr_defaults, "count_include_pad": True}
+
+    def normalize(self, attrs, in_shape):
+        out = super().normalize(attrs, in_shape)
+        out["count_include_pad"] = _flag("count_include_pad", attrs["count_include_pad"])
+        return out
+
+
+class _GlobalPool(Op):
+    """A reduction over everything after the channel: [C, T] or [C, H, W] -> [C] (keepdims: [C, 1] or
+    [C, 1, 1]); over time for a series, over the image for an image."""
+
+    attr_defaults = {"keepdims": False}
+    trainable = False
+    reduce = ""           # the NumPy reduction: "mean" or "max"
+
+    def normalize(self, attrs, in_shape):
+        _require_rank(in_shape, (2, 3), "a [C, T] or [C, H, W]")
         return {"keepdims": _flag("keepdims", attrs["keepdims"])}
 
     def infer(self, attrs, in_shape):
-        return (in_shape[0], 1, 1) if attrs["keepdims"] else (in_shape[0],)
+        return (in_shape[0],) + (1,) * (len(in_shape) - 1) if attrs["keepdims"] else (in_shape[0],)
 
     def elementwise_ops(self, attrs, in_shape, out_shape):
         return math.prod(in_shape)
 
     def forward(self, x, params, attrs, training=False):
-        return x.mean(axis=(2, 3), keepdims=attrs["keepdims"], dtype=x.dtype)
+        axes = tuple(range(2, x.ndim))
+        return getattr(x, self.reduce)(axis=axes, keepdims=attrs["keepdims"]).astype(x.dtype, copy=False)
+
+
+class GlobalAvgPool(_GlobalPool):
+    """Mean over T (or H and W)."""
+
+    name = "global_avg_pool"
+    reduce = "mean"
+
+
+class GlobalMaxPool(_GlobalPool):
+    """Maximum over T (or H and W) (PyTorch AdaptiveMaxPool1d(1) / 2d(1), ONNX GlobalMaxPool)."""
+
+    name = "global_max_pool"
+    reduce = "max"
 
 
 class Flatten(Op):
@@ -404,14 +581,14 @@ class Flatten(Op):
 
 
 class BatchNorm(Op):
-    """Batch norm over channels: [C] (1d) or [C, H, W] (2d); inference uses the running statistics."""
+    """Batch norm over channels: [C] or [C, T] (1d) or [C, H, W] (2d); inference uses the running statistics."""
 
     name = "batchnorm"
     attr_defaults = {"num_features": None, "eps": 1e-5, "momentum": 0.1, "activation": None}
     has_activation_field = True
 
     def normalize(self, attrs, in_shape):
-        _require_rank(in_shape, (1, 3), "a [C] or [C, H, W]")
+        _require_rank(in_shape, (1, 2, 3), "a [C], [C, T] or [C, H, W]")
         out = dict(attrs)
         c = in_shape[0]
         if attrs["num_features"] is not None and attrs["num_features"] != c:
@@ -439,6 +616,61 @@ class BatchNorm(Op):
         shift = params["bias"] - params["running_mean"] * scale
         y = x * scale.reshape(shape).astype(x.dtype) + shift.reshape(shape).astype(x.dtype)
         return apply_activation(y, attrs["activation"])
+
+
+class LayerNorm(Op):
+    """Layer norm over the trailing dimensions of a sample (PyTorch nn.LayerNorm(normalized_shape) on the
+    tensor as laid out; ONNX LayerNormalization(axis)): y = (x - mean) / sqrt(var + eps) * weight + bias, with
+    mean and the biased var over the normalized_shape values of each sample (of each position before them).
+    normalized_shape defaults to the whole sample; weight and bias are normalized_shape, as PyTorch's."""
+
+    name = "layernorm"
+    attr_defaults = {"normalized_shape": None, "eps": 1e-5, "elementwise_affine": True, "bias": True}
+
+    def normalize(self, attrs, in_shape):
+        out = dict(attrs)
+        shape = attrs["normalized_shape"]
+        if shape is None:
+            shape = list(in_shape)
+        elif isinstance(shape, int) and not isinstance(shape, bool):
+            shape = [shape]
+        if (not isinstance(shape, (list, tuple)) or not shape
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in shape)):
+            raise SpecProblem("normalized_shape", f"normalized_shape must be an integer or a list of integers, "
+                                                  f"not {attrs['normalized_shape']!r}")
+        if len(shape) > len(in_shape) or tuple(shape) != tuple(in_shape[len(in_shape) - len(shape):]):
+            raise SpecProblem("normalized_shape", f"normalized_shape {list(shape)} must be the last dimensions of "
+                                                  f"the input {list(in_shape)}")
+        out["normalized_shape"] = tuple(shape)
+        if isinstance(attrs["eps"], bool) or not isinstance(attrs["eps"], (int, float)) or attrs["eps"] <= 0:
+            raise SpecProblem("eps", f"eps must be a positive number, not {attrs['eps']!r}")
+        out["eps"] = float(attrs["eps"])
+        out["elementwise_affine"] = _flag("elementwise_affine", attrs["elementwise_affine"])
+        out["bias"] = _flag("bias", attrs["bias"]) and out["elementwise_affine"]
+        return out
+
+    def param_shapes(self, attrs, in_shape):
+        shapes = {}
+        if attrs["elementwise_affine"]:
+            shapes["weight"] = attrs["normalized_shape"]
+            if attrs["bias"]:
+                shapes["bias"] = attrs["normalized_shape"]
+        return shapes
+
+    def elementwise_ops(self, attrs, in_shape, out_shape):
+        # per value: sum for the mean, subtract, square and sum for the variance, scale; then weight and bias
+        return math.prod(in_shape) * (5 + len(self.param_shapes(attrs, in_shape)))
+
+    def forward(self, x, params, attrs, training=False):
+        axes = tuple(range(x.ndim - len(attrs["normalized_shape"]), x.ndim))
+        wide = x.astype(np.float64)
+        centered = wide - wide.mean(axis=axes, keepdims=True)
+        y = centered / np.sqrt((centered * centered).mean(axis=axes, keepdims=True) + attrs["eps"])
+        if "weight" in params:
+            y = y * params["weight"]
+        if "bias" in params:
+            y = y + params["bias"]
+        return y.astype(x.dtype)
 
 
 class Dropout(Op):
@@ -477,7 +709,8 @@ class Activation(Op):
 
 
 OPS: dict[str, Op] = {op.name: op for op in (
-    Linear(), Conv2d(), MaxPool2d(), AvgPool2d(), GlobalAvgPool(), Flatten(), BatchNorm(), Dropout(),
+    Linear(), Conv1d(), Conv2d(), MaxPool1d(), AvgPool1d(), MaxPool2d(), AvgPool2d(), GlobalAvgPool(),
+    GlobalMaxPool(), Flatten(), BatchNorm(), LayerNorm(), Dropout(),
     *(Activation(kind) for kind in ACTIVATIONS),
 )}
 
@@ -485,7 +718,9 @@ OPS: dict[str, Op] = {op.name: op for op in (
 ALIASES = {
     "dense": "linear", "conv": "conv2d", "maxpool": "maxpool2d", "avgpool": "avgpool2d",
     "global_avgpool": "global_avg_pool", "globalavgpool": "global_avg_pool",
+    "global_maxpool": "global_max_pool", "globalmaxpool": "global_max_pool",
     "batchnorm1d": "batchnorm", "batchnorm2d": "batchnorm", "batch_norm": "batchnorm",
+    "layer_norm": "layernorm",
 }
 
 

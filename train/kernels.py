@@ -27,8 +27,8 @@ import numpy as np
 from lnn.runtime.cuda.blas import matmul
 from lnn.runtime.cuda.kernels import (  # noqa: F401 - the forward half of each pair, used as K.*_forward
     activation_forward, avgpool2d_forward, avgpool_divisor, batchnorm_eval_forward, channel_affine, conv2d_forward,
-    global_avg_pool_forward, gpu_kernels, grouped_weight, im2col, linear_forward, maxpool2d_forward, per_channel,
-    window_slices)
+    global_avg_pool_forward, global_max_pool_forward, gpu_kernels, grouped_weight, im2col, layernorm_forward,
+    linear_forward, maxpool2d_forward, per_channel, window_slices)
 
 # --------------------------------------------------------------------------- window helpers
 
@@ -153,24 +153,32 @@ def avgpool2d_backward(xp, dy, attrs, divisor, dx, padded):
     return dx
 
 
-# --------------------------------------------------------------------------- global average pool
-# x [N, C, H, W] -> y [N, C] (or [N, C, 1, 1]); dx = dy / (H*W) everywhere.
+# --------------------------------------------------------------------------- global average / max pool
+# x [N, C, T] or [N, C, H, W] -> y [N, C] (or keepdims). Average: dx = dy / P everywhere (P = T or H*W).
+# Max: dx = dy at the saved winning position of each row, 0 elsewhere; `positions` is 0..P-1 (int32).
 
 def global_avg_pool_backward(xp, dy, dx):
-    n, c, h, w = dx.shape
-    dx[...] = dy.reshape(n, c, 1, 1) / dx.dtype.type(h * w)
+    n, c = dx.shape[:2]
+    rows = dx.reshape(n, c, -1)
+    rows[...] = dy.reshape(n, c, 1) / dx.dtype.type(rows.shape[2])
+    return dx
+
+
+def global_max_pool_backward(xp, dy, argmax, positions, dx):
+    n, c = dx.shape[:2]
+    xp.multiply(positions == argmax.reshape(n, c, 1), dy.reshape(n, c, 1), out=dx.reshape(n, c, -1))
     return dx
 
 
 # --------------------------------------------------------------------------- batch norm
-# x [N, C] or [N, C, H, W]; statistics per channel over N (and H, W), m values each.
+# x [N, C], [N, C, T] or [N, C, H, W]; statistics per channel over N (and T or H, W), m values each.
 # Training: y = (x - mean) / sqrt(var + eps) * w + b with the batch's biased var; the running
 # statistics move by `momentum` towards the batch's mean and UNBIASED var (PyTorch semantics).
 # `saved` [2, C] float32 keeps mean and 1/sqrt(var + eps) for the backward, which recomputes
 # x_hat from x. Statistics are computed in float32 even when x is float16.
 
 def _channel_axes(x):
-    return (0,) if x.ndim == 2 else (0, 2, 3)
+    return (0,) + tuple(range(2, x.ndim))
 
 
 def channel_sums(xp, a, b, shift_a, shift_b):
@@ -227,6 +235,27 @@ def batchnorm_backward(xp, dy, x, weight, saved, dweight, dbias, dx):
         x_hat = (x - per_channel(mean, x).astype(x.dtype)) * per_channel(inv_std, x).astype(x.dtype)
         dx[...] = (per_channel(k, x) * (dy - per_channel(sum_dy / count, x)
                                         - x_hat * per_channel(sum_dy_xhat / count, x))).astype(dx.dtype)
+    return dx
+
+
+# --------------------------------------------------------------------------- layer norm
+# Rows [R, M] as the forward (runtime/cuda/kernels.py layernorm_forward, which saved each row's mean and
+# 1/sqrt(var + eps)); x_hat is recomputed from x. With g = dy * w (dy without affine):
+#   dw += sum over rows of dy * x_hat,  db += sum over rows of dy,
+#   dx = inv_std * (g - mean_M(g) - x_hat * mean_M(g * x_hat)).
+
+def layernorm_backward(xp, dy, x, weight, saved, count: int, dweight, dbias, dx):
+    rows, grads = x.reshape(-1, count), dy.reshape(-1, count)
+    mean, inv_std = saved[0].reshape(-1, 1), saved[1].reshape(-1, 1)
+    x_hat = (rows - mean) * inv_std
+    if dweight is not None:
+        dweight += (grads * x_hat).sum(axis=0).reshape(dweight.shape).astype(dweight.dtype)
+    if dbias is not None:
+        dbias += grads.sum(axis=0).reshape(dbias.shape).astype(dbias.dtype)
+    if dx is not None:
+        g = grads * weight.reshape(1, -1) if weight is not None else grads
+        dx.reshape(-1, count)[...] = inv_std * (g - g.mean(axis=1, keepdims=True)
+                                                - x_hat * (g * x_hat).mean(axis=1, keepdims=True))
     return dx
 
 

@@ -18,7 +18,8 @@ import math
 import numpy as np
 
 from lnn.formats.errors import ModelSpecError
-from lnn.formats.ops import ACTIVATIONS
+from lnn.formats.model import as_rows
+from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length
 from lnn.runtime.cuda import winograd           # the rule and the sizing only: importing it imports no CuPy
 from lnn.train import kernels as K
 
@@ -138,9 +139,12 @@ class Conv2dLayer(Layer):
                   ("gemm", (cout, n, oh, ow), COMPUTE, "forward"),
                   ("gemm_b", (cout, n, oh, ow), COMPUTE, "backward")]
         if any(self.attrs["padding"]):
-            padded = _padded_shape(n, self.node.in_shape, self.attrs["padding"])
+            padded = self.padded_shape(n)
             spaces += [("padded", padded, COMPUTE, "forward"), ("padded_b", padded, COMPUTE, "backward")]
         return spaces
+
+    def padded_shape(self, n: int) -> tuple:
+        return _padded_shape(n, self.node.in_shape, self.attrs["padding"])
 
     def forward(self, c, training):
         weight, bias = c.params["weight"], c.params.get("bias")
@@ -164,6 +168,45 @@ class Conv2dLayer(Layer):
             self.winograd_kernels().input_gradient(c.dy, weight, c.dx, c.ws["winograd_v_b"], c.ws["winograd_m_b"])
         else:
             self.implicit_kernels().input_gradient(c.dy, weight, c.dx)
+
+
+def _rows(array):
+    """[N, C, T] -> the [N, C, 1, T] view the 2-D window kernels take (None stays None)."""
+    return None if array is None else array.reshape(array.shape[0], array.shape[1], 1, array.shape[2])
+
+
+class OnRows:
+    """A 1-D window layer (conv1d, the 1-D pools): its 2-D layer (the class this is mixed into) on the node
+    formats/model.py as_rows gives, its kernels called on [N, C, 1, T] views of x, y, dy and dx."""
+
+    def __init__(self, node):
+        super().__init__(as_rows(node))
+
+    @staticmethod
+    def on_rows(c) -> Call:
+        views = {**vars(c), **{name: _rows(getattr(c, name, None)) for name in ("x", "y", "dy", "dx")}}
+        return Call(**views)
+
+    def forward(self, c, training):
+        super().forward(self.on_rows(c), training)
+
+    def backward(self, c):
+        super().backward(self.on_rows(c))
+
+
+class Conv1dLayer(OnRows, Conv2dLayer):
+    """conv1d: the conv2d of height 1 of formats/ops.py conv1d_as_conv2d, with the weight [O, C/g, K] as it is
+    (the kernels group it as [g, O/g, C/g*K]). The 2-D padding is (0, left) and the padded workspaces are
+    T + left + right long, which is how a right padding other than the left one is made (pad_into /
+    unpad_into place the input at `left` and leave the rest of the row zero). im2col + GEMM on the CPU and
+    the GPU (no implicit GEMM yet)."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.length = conv1d_padded_length(node.attrs, node.in_shape[1])
+
+    def padded_shape(self, n):
+        return (n, self.node.in_shape[0], 1, self.length)
 
 
 class PoolUndoingRelu(Layer):
@@ -238,6 +281,37 @@ class GlobalAvgPoolLayer(PoolUndoingRelu):
             K.activation_backward(c.xp, RELU, c.dx, c.x, c.dx)
 
 
+class MaxPool1dLayer(OnRows, MaxPoolLayer):
+    pass
+
+
+class AvgPool1dLayer(OnRows, AvgPoolLayer):
+    pass
+
+
+class GlobalMaxPoolLayer(Layer):
+    """The winning position of each (sample, channel) is saved by the forward; the backward routes dy to it
+    through `positions` (0..P-1, made once per array module, as AvgPoolLayer makes its divisor)."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self._positions = {}
+
+    def positions(self, xp):
+        if xp.__name__ not in self._positions:
+            self._positions[xp.__name__] = xp.arange(math.prod(self.node.in_shape[1:]), dtype=np.int32)
+        return self._positions[xp.__name__]
+
+    def workspaces(self, n):
+        return [("argmax", (n, self.node.in_shape[0]), np.int32, "saved")]
+
+    def forward(self, c, training):
+        K.global_max_pool_forward(c.xp, c.x, c.y, c.ws["argmax"])
+
+    def backward(self, c):
+        K.global_max_pool_backward(c.xp, c.dy, c.ws["argmax"], self.positions(c.xp), c.dx)
+
+
 class FlattenLayer(Layer):
     alias = True
 
@@ -260,6 +334,27 @@ class BatchNormLayer(Layer):
     def backward(self, c):
         K.batchnorm_backward(c.xp, c.dy, c.x, c.params["weight"], c.ws["saved"], c.grads["weight"],
                              c.grads["bias"], c.dx)
+
+
+class LayerNormLayer(Layer):
+    """Rows of prod(normalized_shape) values; the forward saves each row's mean and 1/sqrt(var + eps)."""
+    needs_input = True
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.count = math.prod(node.attrs["normalized_shape"])
+        self.rows_per_sample = math.prod(node.in_shape) // self.count
+
+    def workspaces(self, n):
+        return [("saved", (2, n * self.rows_per_sample), "float32", "saved")]
+
+    def forward(self, c, training):
+        K.layernorm_forward(c.xp, c.x, c.params.get("weight"), c.params.get("bias"), self.attrs["eps"], self.count,
+                            c.y, c.ws["saved"])
+
+    def backward(self, c):
+        K.layernorm_backward(c.xp, c.dy, c.x, c.params.get("weight"), c.ws["saved"], self.count,
+                             c.grads.get("weight"), c.grads.get("bias"), c.dx)
 
 
 class DropoutLayer(Layer):
@@ -296,8 +391,10 @@ class ActivationLayer(Layer):
         K.activation_backward(c.xp, self.function, c.dy, c.y, c.dx)
 
 
-LAYERS = {"linear": LinearLayer, "conv2d": Conv2dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
-          "global_avg_pool": GlobalAvgPoolLayer, "flatten": FlattenLayer, "batchnorm": BatchNormLayer,
+LAYERS = {"linear": LinearLayer, "conv1d": Conv1dLayer, "conv2d": Conv2dLayer, "maxpool1d": MaxPool1dLayer,
+          "avgpool1d": AvgPool1dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
+          "global_avg_pool": GlobalAvgPoolLayer, "global_max_pool": GlobalMaxPoolLayer, "flatten": FlattenLayer,
+          "batchnorm": BatchNormLayer, "layernorm": LayerNormLayer,
           "dropout": DropoutLayer, **{kind: ActivationLayer for kind in ACTIVATIONS}}
 
 

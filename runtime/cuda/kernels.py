@@ -188,11 +188,20 @@ def avgpool2d_forward(xp, x, attrs, divisor, out, padded):
     return out
 
 
-# --------------------------------------------------------------------------- global average pool
-# x [N, C, H, W] -> y [N, C] (or [N, C, 1, 1]).
+# --------------------------------------------------------------------------- global average / max pool
+# x [N, C, T] or [N, C, H, W] -> y [N, C] (or keepdims: [N, C, 1] / [N, C, 1, 1]). The max pool's `argmax`
+# [N, C] (int32), when given, records which position won (the trainer's backward routes dy through it).
 
 def global_avg_pool_forward(xp, x, out):
-    out[...] = x.mean(axis=(2, 3)).reshape(out.shape)
+    out[...] = x.mean(axis=tuple(range(2, x.ndim))).reshape(out.shape)
+    return out
+
+
+def global_max_pool_forward(xp, x, out, argmax=None):
+    rows = x.reshape(x.shape[0], x.shape[1], -1)
+    out[...] = rows.max(axis=2).reshape(out.shape)
+    if argmax is not None:
+        argmax[...] = rows.argmax(axis=2)
     return out
 
 
@@ -212,4 +221,28 @@ def channel_affine(xp, x, scale, shift, out):
         return fused.channel_affine(x, scale.astype(np.float32), shift.astype(np.float32),
                                     x.size // (x.shape[0] * x.shape[1]), x.shape[1], out)
     out[...] = x * per_channel(scale.astype(x.dtype), x) + per_channel(shift.astype(x.dtype), x)
+    return out
+
+
+# --------------------------------------------------------------------------- layer norm
+# x [N, ...] seen as rows [R, M] (M = prod(normalized_shape)): y = (x - mean) / sqrt(var + eps) * w + b per
+# row, var biased; weight and bias [M] (None without elementwise_affine / bias). `saved` [2, R] (float32,
+# float64 in a float64 plan), when given, keeps each row's mean and 1/sqrt(var + eps) for the trainer's
+# backward. Statistics are computed in float32 even when x is float16.
+
+def layernorm_forward(xp, x, weight, bias, eps: float, count: int, out, saved=None):
+    rows = x.reshape(-1, count)
+    stat_dtype = np.float64 if x.dtype == np.float64 else np.float32
+    mean = rows.mean(axis=1, keepdims=True, dtype=stat_dtype)
+    centered = rows - mean
+    inv_std = 1 / xp.sqrt((centered * centered).mean(axis=1, keepdims=True) + eps)
+    y = centered * inv_std
+    if weight is not None:
+        y = y * weight.reshape(1, -1)
+    if bias is not None:
+        y = y + bias.reshape(1, -1)
+    out.reshape(-1, count)[...] = y
+    if saved is not None:
+        saved[0] = mean[:, 0]
+        saved[1] = inv_std[:, 0]
     return out

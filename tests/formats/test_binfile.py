@@ -633,6 +633,15 @@ def test_fp32_round_trip_is_exact(tiny, tmp_path):
         np.testing.assert_array_equal(array, weights[key])
 
 
+def test_fp16_and_int8_compress_conv1d_kernels_not_layernorm_tensors():
+    model = parse_model({"input_shape": [3, 10], "layers": [
+        {"type": "conv1d", "name": "c", "out_channels": 4, "kernel_size": 3}, {"type": "layernorm", "name": "ln"},
+        {"type": "flatten"}, {"type": "linear", "name": "fc", "out_features": 2}]})
+    assert model.param_shapes()["ln.weight"] == (4, 8)        # 2-D, but no output channels to quantize by
+    assert fp16_dtypes(model) == {"c.weight": "float16", "fc.weight": "float16"}
+    assert int8_dtypes(model) == {"c.weight": "int8", "fc.weight": "int8"}
+
+
 def test_fp16_stores_kernels_as_float16_and_keeps_1d_tensors_float32(tiny, tmp_path):
     model, weights = tiny
     assert fp16_dtypes(model) == {"conv.weight": "float16", "fc.weight": "float16"}

@@ -42,6 +42,28 @@ def test_conv2d_output_size_follows_the_window_formula():
     assert shapes([3, 9, 9], {"type": "conv2d", "out_channels": 6, "kernel_size": 3, "dilation": 3}) == [(6, 3, 3)]
 
 
+def test_conv1d_output_length_padding_same_and_weight_shape():
+    # out = (T + left + right - dilation*(kernel-1) - 1) // stride + 1; "same" is PyTorch's (odd pad on the right)
+    assert shapes([3, 50], {"type": "conv1d", "out_channels": 8, "kernel_size": 5}) == [(8, 46)]
+    assert shapes([3, 50], {"type": "conv1d", "out_channels": 8, "kernel_size": 5, "stride": 2, "padding": 2,
+                            "dilation": 2}) == [(8, 23)]                       # (50+4-9)//2+1
+    assert shapes([3, 50], {"type": "conv1d", "out_channels": 8, "kernel_size": 5, "padding": [0, 3]}) == [(8, 49)]
+    model = parse_model({"input_shape": [4, 20], "loss": "mse", "layers": [
+        {"type": "conv1d", "name": "c", "out_channels": 6, "kernel_size": 8, "padding": "same", "dilation": 3,
+         "groups": 2}]})
+    assert model.nodes[0].attrs["padding"] == (10, 11) and model.nodes[0].out_shape == (6, 20)
+    assert model.param_shapes() == {"c.weight": (6, 2, 8), "c.bias": (6,)}
+    assert model.nodes[0].flops == 2 * 6 * 20 * 2 * 8 and model.num_params == 6 * 2 * 8 + 6
+    assert parse_model(model.to_description()).to_description() == model.to_description()
+    assert spec_error({"input_shape": [3, 50], "layers": [{"type": "conv1d", "out_channels": 2, "kernel_size": 3,
+                                                           "stride": 2, "padding": "same"}]}) == \
+        'layer 0 (conv1d): padding "same" needs stride 1, not 2 (as PyTorch\'s Conv1d)'
+    assert "needs a [C, T] input" in spec_error({"input_shape": [3, 5, 5], "layers": [
+        {"type": "conv1d", "out_channels": 2, "kernel_size": 3}]})
+    assert "does not fit input size 4" in spec_error({"input_shape": [3, 4], "layers": [
+        {"type": "conv1d", "out_channels": 2, "kernel_size": 7}]})
+
+
 def test_grouped_and_depthwise_conv_weight_shapes():
     model = parse_model({"input_shape": [12, 8, 8], "loss": "mse", "layers": [
         {"type": "conv2d", "name": "grouped", "out_channels": 6, "kernel_size": 3, "groups": 3, "bias": False},
@@ -60,6 +82,40 @@ def test_pools_global_pool_flatten():
     assert shapes([4, 7, 5], {"type": "global_avg_pool"}) == [(4,)]
     assert shapes([4, 7, 5], {"type": "global_avg_pool", "keepdims": True}, {"type": "flatten"}) == [(4, 1, 1), (4,)]
     assert shapes([4, 7, 5], {"type": "flatten"}) == [(140,)]
+
+
+def test_1d_pools_and_global_pools_over_time():
+    assert shapes([4, 15], {"type": "maxpool1d", "kernel_size": 2}) == [(4, 7)]            # stride defaults to kernel
+    assert shapes([4, 15], {"type": "maxpool1d", "kernel_size": 3, "stride": 2, "padding": 1}) == [(4, 8)]
+    assert shapes([4, 15], {"type": "avgpool1d", "kernel_size": 4, "stride": 1, "padding": 2}) == [(4, 16)]
+    assert shapes([4, 15], {"type": "global_avg_pool"}) == [(4,)]
+    assert shapes([4, 15], {"type": "global_max_pool", "keepdims": True}, {"type": "flatten"}) == [(4, 1), (4,)]
+    assert shapes([4, 7, 5], {"type": "global_max_pool"}) == [(4,)]
+    assert "padding 2 must be at most half of kernel_size 3" in spec_error(
+        {"input_shape": [4, 15], "layers": [{"type": "maxpool1d", "kernel_size": 3, "padding": 2}]})
+    assert "needs a [C, T] input" in spec_error({"input_shape": [4, 5, 5], "layers": [{"type": "avgpool1d",
+                                                                                      "kernel_size": 2}]})
+    assert "needs a [C, T] or [C, H, W] input" in spec_error({"input_shape": [4], "layers": [
+        {"type": "global_max_pool"}]})
+    model = parse_model({"input_shape": [4, 15], "loss": "mse", "layers": [{"type": "maxpool1d", "kernel_size": 3}]})
+    assert model.nodes[0].elementwise_ops == 4 * 5 * 2 and model.num_params == 0   # comparisons: kernel - 1 per output
+
+
+def test_layernorm_normalized_shape_is_trailing_dims_and_params_are_pytorchs():
+    model = parse_model({"input_shape": [4, 15], "loss": "mse", "layers": [
+        {"type": "layernorm", "name": "whole"}, {"type": "layer_norm", "name": "last", "normalized_shape": 15},
+        {"type": "layernorm", "name": "plain", "normalized_shape": [4, 15], "elementwise_affine": False},
+        {"type": "layernorm", "name": "nobias", "normalized_shape": [15], "bias": False, "eps": 1e-3}]})
+    assert [n.out_shape for n in model.nodes] == [(4, 15)] * 4
+    assert [n.attrs["normalized_shape"] for n in model.nodes] == [(4, 15), (15,), (4, 15), (15,)]
+    assert model.param_shapes() == {"whole.weight": (4, 15), "whole.bias": (4, 15), "last.weight": (15,),
+                                    "last.bias": (15,), "nobias.weight": (15,)}
+    assert model.nodes[0].num_params == 2 * 60                # nn.LayerNorm([4, 15]): weight and bias of 60
+    assert parse_model(model.to_description()).to_description() == model.to_description()
+    assert 'normalized_shape [4] must be the last dimensions of the input [4, 15]' in spec_error(
+        {"input_shape": [4, 15], "layers": [{"type": "layernorm", "normalized_shape": [4]}]})
+    assert "eps must be a positive number" in spec_error(
+        {"input_shape": [4, 15], "layers": [{"type": "layernorm", "eps": 0}]})
 
 
 def test_batchnorm_dropout_and_activation_layers_keep_the_shape():
@@ -82,8 +138,9 @@ def test_linear_and_in_features_in_channels_num_features_checked_when_given():
 
 
 def test_every_registered_op_is_covered_by_a_shape_test():
-    covered = {"linear", "conv2d", "maxpool2d", "avgpool2d", "global_avg_pool", "flatten", "batchnorm", "dropout",
-               "relu", "relu6", "leaky_relu", "sigmoid", "tanh", "softmax"}
+    covered = {"linear", "conv1d", "conv2d", "maxpool1d", "avgpool1d", "maxpool2d", "avgpool2d", "global_avg_pool",
+               "global_max_pool", "flatten", "batchnorm", "layernorm",
+               "dropout", "relu", "relu6", "leaky_relu", "sigmoid", "tanh", "softmax"}
     assert set(OPS) == covered, "a new op needs its shape inference tested here"
 
 
@@ -111,7 +168,7 @@ def test_the_issue_example_error_exactly():
 
 
 @pytest.mark.parametrize("change, expected", [
-    (lambda d: d["layers"][0].update(type="conv3d"), "layer 0: unknown layer type 'conv3d'; known: avgpool2d, "),
+    (lambda d: d["layers"][0].update(type="conv3d"), "layer 0: unknown layer type 'conv3d'; known: avgpool1d, "),
     (lambda d: d["layers"][0].update(kernal_size=3),
      "layer 0 (conv2d): unknown field 'kernal_size' (did you mean 'kernel_size'?); known: type, name, out_channels"),
     (lambda d: d.update(lables=[]), "unknown top-level field 'lables' (did you mean 'labels'?)"),

@@ -57,6 +57,36 @@ EVERY_OP = {
 }
 
 
+# The sequence ops on [C, T]: conv1d with "same" (even kernel: one more zero on the right), asymmetric pads,
+# stride, dilation, groups, a batch norm folded into it and one that cannot fold; 1-D pools with padding
+# (both count_include_pad), layer norms (the whole sample, the time axis without bias, without affine, a
+# flat vector), global max pool with keepdims then flatten, global average pool.
+EVERY_SERIES_OP = {
+    "name": "every_series_op", "input_shape": [3, 41],
+    "layers": [
+        {"type": "conv1d", "name": "c_same", "out_channels": 8, "kernel_size": 8, "padding": "same", "bias": False},
+        {"type": "batchnorm", "name": "bn_folded", "activation": "relu"},
+        {"type": "maxpool1d", "kernel_size": 3, "stride": 2, "padding": 1},
+        {"type": "conv1d", "name": "c_grouped", "out_channels": 6, "kernel_size": 3, "stride": 2, "dilation": 2,
+         "padding": [1, 2], "groups": 2, "activation": "tanh"},
+        {"type": "batchnorm", "name": "bn_alone"},
+        {"type": "avgpool1d", "kernel_size": 3, "stride": 1, "padding": 1, "count_include_pad": False},
+        {"type": "conv1d", "name": "c_valid", "out_channels": 4, "kernel_size": 3, "padding": "valid"},
+        {"type": "avgpool1d", "kernel_size": 2, "padding": 1},
+        {"type": "layernorm", "name": "ln_whole"},
+        {"type": "layernorm", "name": "ln_time", "normalized_shape": 5, "bias": False, "eps": 1e-3},
+        {"type": "layernorm", "name": "ln_plain", "normalized_shape": [5], "elementwise_affine": False},
+        {"type": "global_max_pool", "keepdims": True},
+        {"type": "flatten"},
+        {"type": "linear", "name": "fc", "out_features": 3},
+        {"type": "layernorm", "name": "ln_flat"},
+    ],
+}
+SERIES_AVERAGE = {"name": "series_average", "input_shape": [3, 17], "layers": [
+    {"type": "conv1d", "name": "c", "out_channels": 5, "kernel_size": 3, "activation": "relu"},
+    {"type": "global_avg_pool"}]}
+
+
 def random_weights(model, seed=0) -> dict:
     """Random-normal weights scaled by fan-in (so activations stay near 1), batch norm statistics around 1."""
     rng = np.random.default_rng(seed)
@@ -124,6 +154,32 @@ def test_every_op_matches_lnn_numpy_runtime(tmp_path):
                                for a in node.attribute if a.name == "count_include_pad")
     assert count_include_pad == [0, 1]
     assert proto.graph.output[0].name == "output"             # ends in softmax: probabilities, not logits
+
+
+def test_every_series_op_matches_lnn_to_1e5_and_imports_back(tmp_path):
+    model = parse_model(EVERY_SERIES_OP)
+    weights = random_weights(model, seed=11)
+    proto = export_onnx(model, weights, tmp_path / "series.onnx")
+    onnx.checker.check_model(proto, full_check=True)
+    assert [node.op_type for node in proto.graph.node].count("BatchNormalization") == 1
+    batch = np.random.default_rng(12).standard_normal((4, 3, 41)).astype(np.float32)
+    lnn_out = numpy_session(model, weights).run(batch)
+    for level_name, level in LEVELS.items():
+        assert np.abs(ort_run(tmp_path / "series.onnx", batch, level) - lnn_out).max() <= 1e-5, level_name
+    back, back_weights = import_onnx(tmp_path / "series.onnx")
+    assert [(n.op, n.attrs.get("padding")) for n in back.nodes if n.op != "linear"] == [
+        ("conv1d", (3, 4)), ("maxpool1d", 1), ("conv1d", (1, 2)), ("batchnorm", None), ("avgpool1d", 1),
+        ("conv1d", (0, 0)), ("avgpool1d", 1), ("layernorm", None), ("layernorm", None), ("layernorm", None),
+        ("global_max_pool", None), ("layernorm", None)]
+    assert [n.attrs["normalized_shape"] for n in back.nodes if n.op == "layernorm"] == [(4, 5), (5,), (5,), (3,)]
+    assert np.abs(numpy_session(back, back_weights).run(batch) - lnn_out).max() <= 1e-5
+    average = parse_model(SERIES_AVERAGE)
+    weights = random_weights(average, seed=13)
+    export_onnx(average, weights, tmp_path / "average.onnx")
+    batch = np.random.default_rng(14).standard_normal((2, 3, 17)).astype(np.float32)
+    ort_out = ort_run(tmp_path / "average.onnx", batch, LEVELS["default optimizations"])
+    assert ort_out.shape == (2, 5)
+    assert np.abs(ort_out - numpy_session(average, weights).run(batch)).max() <= 1e-5
 
 
 def test_batchnorm_folding_changes_only_rounding():
@@ -205,9 +261,9 @@ def test_errors_are_one_line_lnn_errors(tmp_path, monkeypatch):
 
 
 def test_every_op_of_the_registry_is_in_the_export_and_import_cases():
-    """EVERY_OP drives the ONNX export and round-trip tests above: an op added to formats/ops.py without an
+    """EVERY_OP and the series cases drive the ONNX export and round-trip tests above: an op added to formats/ops.py without an
     ONNX mapping fails here until it joins them."""
     from lnn.formats.ops import OPS
 
-    covered = {node.op for node in parse_model(EVERY_OP).nodes}
+    covered = {node.op for case in (EVERY_OP, EVERY_SERIES_OP, SERIES_AVERAGE) for node in parse_model(case).nodes}
     assert set(OPS) <= covered, f"ops without ONNX export/import tests: {sorted(set(OPS) - covered)}"

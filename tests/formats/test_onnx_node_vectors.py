@@ -36,15 +36,17 @@ RTOL = ATOL = 1e-4
 # ONNX op -> the onnx.backend.test.case.node module that makes its cases
 CLAIMED_OPS = {
     "Conv": "conv", "MaxPool": "maxpool", "AveragePool": "averagepool", "GlobalAveragePool": "globalaveragepool",
+    "GlobalMaxPool": "globalmaxpool",
     "Gemm": "gemm", "MatMul": "matmul", "Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh",
     "LeakyRelu": "leakyrelu", "Clip": "clip", "Softmax": "softmax", "BatchNormalization": "batch_normalization",
+    "LayerNormalization": "layernormalization",
     "Flatten": "flatten", "Reshape": "reshape", "Dropout": "dropout", "Identity": "identity",
 }
 
 ELEMENTWISE = {"Relu", "Sigmoid", "Tanh", "LeakyRelu", "Clip", "Dropout"}
 
 # Why a case cannot run as an lnn model. Each is refused by lnn-import with an error naming the node.
-POOL_NOT_2D = "1-D or 3-D pooling: lnn pools 2-D [N, C, H, W] only"
+POOL_3D = "3-D pooling: lnn pools [N, C, T] and [N, C, H, W] only"
 CEIL_MODE = "ceil_mode=1 makes the output one larger here; lnn's pooling rounds down (PyTorch's default)"
 POOL_DILATION = "dilated pooling: lnn's pooling has no dilation"
 PADS_OVER_HALF_KERNEL = "pads 2 around a 3-wide window: lnn (like PyTorch) pads pooling at most half the kernel"
@@ -62,17 +64,18 @@ GEMM_MATRIX_BIAS = "a bias matrix [M, N] differs per batch row; lnn's linear has
 MATMUL_BATCHED = "batched MatMul (rank > 2): lnn's linear takes [N, K]"
 RESHAPE_NOT_FLATTEN = "a Reshape that is not a flatten to [N, -1]: lnn has no general reshape"
 SOFTMAX_AXIS = "softmax over one axis of a rank-3 tensor: lnn's softmax takes [N, K]"
+LAYERNORM_BATCH = "layer norm from axis 0: lnn normalizes within a sample, never across the batch"
 
 SKIPS = {
-    "test_averagepool_1d_default": POOL_NOT_2D, "test_averagepool_3d_default": POOL_NOT_2D,
-    "test_averagepool_3d_dilations_large_count_include_pad_is_0_ceil_mode_is_False": POOL_NOT_2D,
-    "test_averagepool_3d_dilations_large_count_include_pad_is_0_ceil_mode_is_True": POOL_NOT_2D,
-    "test_averagepool_3d_dilations_large_count_include_pad_is_1_ceil_mode_is_False": POOL_NOT_2D,
-    "test_averagepool_3d_dilations_large_count_include_pad_is_1_ceil_mode_is_True": POOL_NOT_2D,
-    "test_averagepool_3d_dilations_small": POOL_NOT_2D, "test_maxpool_1d_default": POOL_NOT_2D,
-    "test_maxpool_3d_default": POOL_NOT_2D, "test_maxpool_3d_dilations": POOL_NOT_2D,
-    "test_maxpool_3d_dilations_use_ref_impl": POOL_NOT_2D,
-    "test_maxpool_3d_dilations_use_ref_impl_large": POOL_NOT_2D,
+    "test_averagepool_3d_default": POOL_3D,
+    "test_averagepool_3d_dilations_large_count_include_pad_is_0_ceil_mode_is_False": POOL_3D,
+    "test_averagepool_3d_dilations_large_count_include_pad_is_0_ceil_mode_is_True": POOL_3D,
+    "test_averagepool_3d_dilations_large_count_include_pad_is_1_ceil_mode_is_False": POOL_3D,
+    "test_averagepool_3d_dilations_large_count_include_pad_is_1_ceil_mode_is_True": POOL_3D,
+    "test_averagepool_3d_dilations_small": POOL_3D, 
+    "test_maxpool_3d_default": POOL_3D, "test_maxpool_3d_dilations": POOL_3D,
+    "test_maxpool_3d_dilations_use_ref_impl": POOL_3D,
+    "test_maxpool_3d_dilations_use_ref_impl_large": POOL_3D,
     "test_averagepool_2d_ceil": CEIL_MODE, "test_averagepool_2d_ceil_last_window_starts_on_pad": CEIL_MODE,
     "test_maxpool_2d_ceil": CEIL_MODE, "test_maxpool_2d_ceil_output_size_reduce_by_one": CEIL_MODE,
     "test_averagepool_2d_dilations": POOL_DILATION, "test_maxpool_2d_dilations": POOL_DILATION,
@@ -111,6 +114,10 @@ SKIPS = {
     "test_reshape_zero_and_negative_dim": RESHAPE_NOT_FLATTEN, "test_reshape_zero_dim": RESHAPE_NOT_FLATTEN,
     "test_softmax_axis_0": SOFTMAX_AXIS, "test_softmax_axis_1": SOFTMAX_AXIS, "test_softmax_axis_2": SOFTMAX_AXIS,
     "test_softmax_default_axis": SOFTMAX_AXIS, "test_softmax_negative_axis": SOFTMAX_AXIS,
+    "test_layer_normalization_2d_axis0": LAYERNORM_BATCH, "test_layer_normalization_2d_axis_negative_2": LAYERNORM_BATCH,
+    "test_layer_normalization_3d_axis0_epsilon": LAYERNORM_BATCH,
+    "test_layer_normalization_3d_axis_negative_3_epsilon": LAYERNORM_BATCH,
+    "test_layer_normalization_4d_axis0": LAYERNORM_BATCH, "test_layer_normalization_4d_axis_negative_4": LAYERNORM_BATCH,
 }
 
 
@@ -159,7 +166,8 @@ def adapt(model, inputs, outputs):
     """A node test -> (lnn Model, weights, input batch, expected output).
 
     Every input after the first becomes an initializer holding its test value. An element-wise op on a
-    rank-1 vector [K] runs as a batch of one, [1, K] (the values do not depend on the shape)."""
+    rank-1 vector [K] runs as a batch of one, [1, K] (the values do not depend on the shape). The optional
+    Mean and InvStdDev outputs of LayerNormalization are dropped (only Y is compared)."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     graph = model.graph
     batch, expected = inputs[0], outputs[0]
@@ -171,6 +179,9 @@ def adapt(model, inputs, outputs):
             constant = numpy_helper.from_array(np.asarray(value), value_info.name)
         graph.initializer.append(constant)
     del graph.input[1:]
+    if graph.node[0].op_type == "LayerNormalization":
+        del graph.output[1:]
+        del graph.node[0].output[1:]
     if graph.node[0].op_type in ELEMENTWISE and isinstance(batch, np.ndarray) and batch.ndim == 1:
         batch, expected = batch[None], expected[None]
         for value_info in (graph.input[0], graph.output[0]):

@@ -31,6 +31,10 @@ def conv(out_channels, kernel_size=3, **attrs):
     return {"type": "conv2d", "out_channels": out_channels, "kernel_size": kernel_size, **attrs}
 
 
+def conv1d(out_channels, kernel_size, **attrs):
+    return {"type": "conv1d", "out_channels": out_channels, "kernel_size": kernel_size, **attrs}
+
+
 # id -> (input_shape, layers)
 CASES = {
     "conv_pad_relu": ([13, 9, 11], [conv(24, padding=1, activation="relu")]),
@@ -81,6 +85,31 @@ CASES = {
                                                  {"type": "relu6"}, {"type": "sigmoid"}, {"type": "tanh"},
                                                  {"type": "leaky_relu", "negative_slope": 0.3}, {"type": "softmax"}]),
     "linear_then_softmax_layer": ([13], [{"type": "linear", "out_features": 5}, {"type": "softmax"}]),
+    "conv1d_same_even_kernel_groups_batchnorm": ([6, 23], [conv1d(9, 8, padding="same", groups=3), {"type": "batchnorm"},
+                                                          {"type": "relu"}, conv1d(5, 3, padding=2, stride=2, dilation=2)]),
+    "conv1d_asymmetric_depthwise_pointwise": ([5, 17], [conv1d(10, 5, padding=[1, 3], activation="tanh"),
+                                                       conv1d(10, 3, groups=10, padding="same", bias=False),
+                                                       conv1d(7, 1, activation="softmax")]),
+    "conv1d_relu_maxpool1d_fused_then_pools": ([6, 37], [conv1d(9, 5, padding=2, activation="relu"),
+                                                         {"type": "maxpool1d", "kernel_size": 3, "stride": 2, "padding": 1},
+                                                         {"type": "avgpool1d", "kernel_size": 3, "stride": 1, "padding": 1,
+                                                          "count_include_pad": False},
+                                                         {"type": "maxpool1d", "kernel_size": 2},
+                                                         {"type": "avgpool1d", "kernel_size": 2, "padding": 1},
+                                                         {"type": "global_max_pool"}]),
+    "conv1d_tanh_maxpool1d_global_avg_keepdims": ([5, 20], [conv1d(7, 3, activation="tanh"),
+                                                            {"type": "maxpool1d", "kernel_size": 2},
+                                                            {"type": "global_avg_pool", "keepdims": True},
+                                                            {"type": "flatten"}]),
+    "global_max_pool_image_keepdims": ([13, 7, 5], [{"type": "global_max_pool", "keepdims": True}]),
+    "layernorm_series_whole_then_last_axis": ([6, 13], [conv1d(8, 3, padding=1), {"type": "layernorm"},
+                                                        {"type": "layernorm", "normalized_shape": [13], "bias": False},
+                                                        {"type": "layernorm", "normalized_shape": 13,
+                                                         "elementwise_affine": False, "eps": 1e-2}]),
+    "layernorm_image_and_flat": ([3, 5, 7], [{"type": "layernorm", "normalized_shape": [5, 7]}, {"type": "flatten"},
+                                             {"type": "linear", "out_features": 24}, {"type": "layernorm"}]),
+    "conv1d_valid_stride3_then_linear": ([3, 31], [conv1d(4, 7, stride=3, padding="valid", activation="relu6"),
+                                                  {"type": "flatten"}, {"type": "linear", "out_features": 3}]),
 }
 
 
