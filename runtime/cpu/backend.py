@@ -54,6 +54,7 @@ from lnn.runtime.cpu.jit import CACHE_ENABLED
 from lnn.runtime.cpu.linear import LinearLayer
 from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.pool import AvgPool2dLayer, GlobalAvgPoolLayer, MaxPool2dLayer
+from lnn.runtime.cpu.recurrent import RecurrentLayer
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
 
@@ -65,6 +66,8 @@ LAYERS = {
     "global_avg_pool": GlobalAvgPoolLayer,
     "flatten": FlattenLayer,
     "batchnorm": BatchNormLayer,
+    "lstm": RecurrentLayer,
+    "gru": RecurrentLayer,
     **{kind: ActivationLayer for kind in ACTIVATIONS},
 }
 IDENTITY_AT_INFERENCE = {"dropout"}
