@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from lnn.formats.errors import ModelSpecError
-from lnn.formats.ops import ACTIVATIONS
+from lnn.formats.ops import ACTIVATIONS, get_op
 from lnn.runtime.cuda import winograd           # the rule and the sizing only: importing it imports no CuPy
 from lnn.train import kernels as K
 
@@ -259,6 +259,27 @@ class BatchNormLayer(Layer):
                              c.grads["bias"], c.dx)
 
 
+class RecurrentLayer(Layer):
+    """lstm and gru: the forward (runtime/cuda/kernels.py recurrent_forward, shared with GPU inference)
+    keeps the gates and states of every step in "saved" workspaces, which the backward (backpropagation
+    through time, train/kernels.py recurrent_backward) reads; it needs neither x nor y themselves."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.op = get_op(node.op)
+
+    def workspaces(self, n):
+        args = (self.op, self.attrs, self.node.in_shape, n)
+        return [(name, shape, COMPUTE, phase) for name, shape, phase in
+                K.recurrent_workspaces(*args) + K.recurrent_backward_workspaces(*args)]
+
+    def forward(self, c, training):
+        K.recurrent_forward(c.xp, self.op, c.x, c.params, self.attrs, c.y, c.ws)
+
+    def backward(self, c):
+        K.recurrent_backward(c.xp, self.op, c.dy, c.params, c.grads, self.attrs, c.dx, c.ws)
+
+
 class DropoutLayer(Layer):
     """Needs the key the forward used (the plan passes it as c.key) and the uint32 index buffer."""
 
@@ -295,7 +316,7 @@ class ActivationLayer(Layer):
 
 LAYERS = {"linear": LinearLayer, "conv2d": Conv2dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
           "global_avg_pool": GlobalAvgPoolLayer, "flatten": FlattenLayer, "batchnorm": BatchNormLayer,
-          "dropout": DropoutLayer, **{kind: ActivationLayer for kind in ACTIVATIONS}}
+          "dropout": DropoutLayer, "lstm": RecurrentLayer, "gru": RecurrentLayer, **{kind: ActivationLayer for kind in ACTIVATIONS}}
 
 
 def make_layer(node) -> Layer:

@@ -21,7 +21,8 @@ im2col (fused) + one grouped GEMM
 (kernels.conv2d_gemm, cuBLAS) + one epilogue that moves the GEMM's [O, N, P] layout to [N, O, P] and
 applies bias and activation (at batch 1 the GEMM writes the output directly and the epilogue runs in
 place); linear is a GEMM + in-place epilogue; max pool is one kernel; avg pool, global average pool
-and softmax are the generic kernels. `array_module=numpy` runs the same plan with the generic kernels
+and softmax are the generic kernels; lstm and gru are the trainer's generic forward
+(kernels.recurrent_forward). `array_module=numpy` runs the same plan with the generic kernels
 only (how the planning is tested where there is no GPU).
 """
 
@@ -265,6 +266,27 @@ class GlobalAvgPoolLayer:
         return out, [partial(K.global_avg_pool_forward, device.xp, src, out)]
 
 
+class RecurrentLayer:
+    """lstm and gru: the trainer's forward (kernels.recurrent_forward: one GEMM for every step's input
+    projections per layer and direction, then per step a recurrent GEMM and the gate arithmetic as
+    in-place CuPy calls) on workspaces planned per batch size."""
+
+    def __init__(self, node, weights):
+        from lnn.formats.ops import get_op
+
+        self.op, self.attrs, self.in_shape, self.out_shape = get_op(node.op), node.attrs, node.in_shape, node.out_shape
+        self.weights = {p: np.asarray(weights[node.param_key(p)], FLOAT) for p in node.param_shapes}
+
+    def upload(self, device: Device) -> None:
+        self.on_device = {p: device.upload(w) for p, w in self.weights.items()}
+
+    def plan(self, src, device: Device):
+        xp, n = device.xp, src.shape[0]
+        out = xp.empty((n, *self.out_shape), FLOAT)
+        ws = {name: xp.empty(shape, FLOAT) for name, shape, _ in K.recurrent_workspaces(self.op, self.attrs, self.in_shape, n)}
+        return out, [partial(K.recurrent_forward, xp, self.op, src, self.on_device, self.attrs, out, ws)]
+
+
 class FlattenLayer:
     """A view of its input: no buffer, no work."""
 
@@ -282,6 +304,8 @@ LAYERS = {
     "avgpool2d": AvgPool2dLayer,
     "global_avg_pool": GlobalAvgPoolLayer,
     "flatten": FlattenLayer,
+    "lstm": RecurrentLayer,
+    "gru": RecurrentLayer,
     "batchnorm": AffineLayer.batchnorm,
     **{kind: AffineLayer.activation for kind in ACTIVATIONS},
 }
