@@ -129,10 +129,11 @@ def _pads(padding) -> list:
 ONNX_GATE_ORDER = {"lstm": (0, 3, 1, 2), "gru": (1, 0, 2)}
 
 
-def onnx_gate_blocks(array: np.ndarray, op: str, hidden: int) -> np.ndarray:
-    """Reorder the gate blocks (axis 0, H rows each) between PyTorch's order and ONNX's (its own inverse
-    for gru; formats/onnx_import.py applies the inverse permutation)."""
-    return np.concatenate([array[k * hidden:(k + 1) * hidden] for k in ONNX_GATE_ORDER[op]])
+def onnx_gate_blocks(array: np.ndarray, op: str, hidden: int, to_onnx: bool = True) -> np.ndarray:
+    """Reorder the gate blocks (axis 0, H rows each) from PyTorch's order to ONNX's, or (to_onnx=False,
+    formats/onnx_import.py) back."""
+    order = ONNX_GATE_ORDER[op] if to_onnx else tuple(np.argsort(ONNX_GATE_ORDER[op]))
+    return np.concatenate([array[k * hidden:(k + 1) * hidden] for k in order])
 
 
 def _emit_recurrent(graph: _GraphBuilder, node, params: dict) -> None:

@@ -111,3 +111,53 @@ def test_fast_tanh_is_within_4e_7_of_tanh():
         assert abs(float(fast_tanh(x)) - math.tanh(float(x))) <= 4e-7, x
         assert abs(float(fast_sigmoid(x)) - 1 / (1 + math.exp(-float(x)))) <= 4e-7, x
     assert math.isnan(fast_tanh(np.float32("nan")))
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_pytorch_exported_onnx_imports_and_matches(kind):
+    """torch.onnx's export (dynamic batch: zero initial states computed from the input's Shape) of a
+    2-layer bidirectional nn.LSTM / nn.GRU between channel-first Transposes imports as one layer."""
+    pytest.importorskip("onnx")
+    from lnn.formats.onnx_import import import_onnx
+    from lnn.runtime import Session
+
+    samples = np.load(HERE / "onnx_samples.npz")
+    model, weights = import_onnx(HERE / f"torch_{kind}.onnx")
+    assert [node.op for node in model.nodes] == [kind]
+    node = model.nodes[0]
+    assert node.attrs["num_layers"] == 2 and node.attrs["bidirectional"] and node.attrs["return"] == "sequence"
+    assert set(node.param_shapes) == {f"{w}_l{l}{s}" for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+                                      for l in (0, 1) for s in ("", "_reverse")}
+    x, y = samples[f"{kind}.x"], samples[f"{kind}.y"]
+    for device in ("numpy", "cpu"):
+        session = Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), device)
+        np.testing.assert_allclose(session.run(x), y, atol=3e-6, rtol=1e-5)
+
+
+def test_onnx_round_trip_through_lnn_export(tmp_path):
+    pytest.importorskip("onnx")
+    from lnn.formats.onnx_export import export_onnx
+    from lnn.formats.onnx_import import import_onnx
+    from lnn.runtime import Session
+
+    for case in ("lstm_nobias_bi_seq", "gru_nobias_2_seq"):
+        model, params, x, y = golden(case)
+        export_onnx(model, {f"rnn.{key}": value for key, value in params.items()}, tmp_path / f"{case}.onnx")
+        back, weights = import_onnx(tmp_path / f"{case}.onnx")
+        assert back.nodes[0].attrs == model.nodes[0].attrs
+        session = Session(parse_bin_bytes(encode_bin(back, weights, build_metadata(back))), "numpy")
+        np.testing.assert_allclose(session.run(x), y, atol=3e-6, rtol=1e-5)
+
+
+def test_onnx_import_refuses_what_lnn_does_not_compute(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from lnn.formats.onnx_import import OnnxImportError, import_onnx
+
+    proto = onnx.load(HERE / "torch_gru.onnx")
+    for node in proto.graph.node:
+        if node.op_type == "GRU":
+            for attribute in node.attribute:
+                if attribute.name == "linear_before_reset":
+                    attribute.i = 0
+    with pytest.raises(OnnxImportError, match="linear_before_reset=0 is not PyTorch's GRU"):
+        import_onnx(proto)
