@@ -133,12 +133,13 @@ def graph_of(model: Model) -> dict:
 
 
 def compressed_weights(model: Model) -> list:
-    """The keys `--fp16` and `--int8` compress: multi-dimensional `weight` tensors (linear and conv kernels).
+    """The keys `--fp16` and `--int8` compress: multi-dimensional weight tensors (`weight` of linear and conv
+    kernels, `weight_ih_l*` / `weight_hh_l*` of lstm and gru: one int8 scale per gate unit).
 
     Biases and batch-norm tensors (weight, bias, running_mean, running_var: all 1-D) stay float32:
     they are a tiny share of the bytes, and a variance near eps loses its meaning in fp16."""
     return [node.param_key(param) for node in model.nodes
-            for param, shape in node.param_shapes.items() if param == "weight" and len(shape) >= 2]
+            for param, shape in node.param_shapes.items() if param.startswith("weight") and len(shape) >= 2]
 
 
 def fp16_dtypes(model: Model) -> dict:

@@ -161,3 +161,17 @@ def test_onnx_import_refuses_what_lnn_does_not_compute(tmp_path):
                     attribute.i = 0
     with pytest.raises(OnnxImportError, match="linear_before_reset=0 is not PyTorch's GRU"):
         import_onnx(proto)
+
+
+def test_fp16_and_int8_files_compress_the_recurrent_matrices():
+    from lnn.formats.binfile import fp16_dtypes, int8_dtypes
+
+    model, params, x, y = golden("lstm_bi2_last")
+    weights = {f"rnn.{key}": value for key, value in params.items()}
+    assert sorted(int8_dtypes(model)) == sorted(key for key in weights if ".weight_" in key)
+    for dtypes, tolerance in ((fp16_dtypes(model), 2e-3), (int8_dtypes(model), 3e-2)):
+        data = encode_bin(model, weights, build_metadata(model), dtypes)
+        assert len(data) < len(encode_bin(model, weights, build_metadata(model)))
+        from lnn.runtime import Session
+
+        np.testing.assert_allclose(Session(parse_bin_bytes(data), "cpu").run(x), y, atol=tolerance)
