@@ -34,7 +34,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnError
 from lnn.formats.model import Model
-from lnn.formats.ops import ACTIVATIONS
+from lnn.formats.ops import ACTIVATIONS, get_op
 from lnn.runtime.cuda import conv_gemm, winograd
 from lnn.runtime.cuda import kernels as K
 from lnn.runtime.plans import PerThreadCache
@@ -272,8 +272,6 @@ class RecurrentLayer:
     in-place CuPy calls) on workspaces planned per batch size."""
 
     def __init__(self, node, weights):
-        from lnn.formats.ops import get_op
-
         self.op, self.attrs, self.in_shape, self.out_shape = get_op(node.op), node.attrs, node.in_shape, node.out_shape
         self.weights = {p: np.asarray(weights[node.param_key(p)], FLOAT) for p in node.param_shapes}
 
