@@ -11,12 +11,15 @@ Time-major inside. The input is copied once to seq [T, N, C]. Per layer and dire
     applies the gate nonlinearities, updates the state and writes h into the layer's output sequence
     out[t, :, d*H:(d+1)*H] (the next layer's input, or the model's output).
     Above SEQUENCE_KERNEL_MAX_BATCH rows the recurrent GEMM is numpy's BLAS, one Python-level call per
-    step for it and one for the gate kernel. Up to it, a call per step would cost more than the step
-    (at batch 1 a step is a 128 x 512 matrix-vector product, a few microseconds), so the whole time loop
-    runs in one kernel (lstm_sequence / gru_sequence) with its own recurrent product, which matched BLAS
-    at batch 1 and was 2.4x slower at batch 32 (hidden 128).
+    step for it and one for the gate kernel. Up to it, the whole time loop runs in one kernel
+    (lstm_sequence / gru_sequence) with its own recurrent product (recurrent_product: dot products of
+    W_hh's rows with four rows of h, the sums in registers): at batch 1 a step is a 128 x 512
+    matrix-vector product of a few microseconds, less than two Python-level calls cost. Measured with
+    hidden 128 on the shared 2-core machine: the one kernel was faster than BLAS per step from batch 1
+    to 24 (batch 1: 0.66 against 0.77 ms, 16: 11.2 against 14.6 ms) and slower at 32 (29 against 24 ms).
 The gates' tanh and sigmoid are fast_tanh (a rational function, within 4e-7 of tanh) so that the gate
-loops vectorize; libm's tanhf and expf were most of a step's time at batch 32.
+loops vectorize; libm's tanhf and expf were most of a step's time at batch 32. These kernels are
+@ieee_kernel (jit.py): IEEE division and reassociated sums, without which neither loop vectorizes.
 Directions run in their own time order (the backward one from T-1 down to 0). The output is out
 transposed to [N, H*D, T], or for "last" the top layer's forward state after step T-1 and backward state
 after step 0 (PyTorch's h_n).
@@ -87,29 +90,50 @@ def gru_cell(xw, hw, b_hn, prev, out, offset):
             out[n, offset + j] = candidate + z * (prev[n, offset + j] - candidate)
 
 
-@kernel
+@ieee_kernel
 def recurrent_product(h, offset, w, out):
-    """The recurrent GEMM of one step for small batches: out [N, G*H] = h[:, offset:offset + H] @ w [H, G*H],
-    four rows at a time (each row of w is read once per four rows of h)."""
+    """The recurrent GEMM of one step for small batches: out [N, G*H] = h[:, offset:offset + H] @ w.T with
+    w = W_hh [G*H, H], as dot products of w's rows with four rows of h at a time, the sums in registers
+    (an axpy form over W_hh.T, storing into out for every j, was up to ten times slower for some
+    buffer layouts and batches from 3 on: stores and loads 4 KiB apart stall each other)."""
     batch = out.shape[0]
-    hidden, width = w.shape
+    width, hidden = w.shape
     n = 0
+    while n + 4 <= batch:
+        h0 = h[n, offset:offset + hidden]
+        h1 = h[n + 1, offset:offset + hidden]
+        h2 = h[n + 2, offset:offset + hidden]
+        h3 = h[n + 3, offset:offset + hidden]
+        for k in range(width):
+            weights = w[k]
+            a0 = np.float32(0)
+            a1 = np.float32(0)
+            a2 = np.float32(0)
+            a3 = np.float32(0)
+            for j in range(hidden):
+                v = weights[j]
+                a0 += v * h0[j]
+                a1 += v * h1[j]
+                a2 += v * h2[j]
+                a3 += v * h3[j]
+            out[n, k] = a0
+            out[n + 1, k] = a1
+            out[n + 2, k] = a2
+            out[n + 3, k] = a3
+        n += 4
     while n < batch:
-        rows = min(4, batch - n)
-        for r in range(rows):
-            out[n + r, :] = 0
-        for j in range(hidden):
-            weights = w[j]
-            for r in range(rows):
-                a = h[n + r, offset + j]
-                target = out[n + r]
-                for k in range(width):
-                    target[k] += a * weights[k]
-        n += rows
+        h0 = h[n, offset:offset + hidden]
+        for k in range(width):
+            weights = w[k]
+            a0 = np.float32(0)
+            for j in range(hidden):
+                a0 += weights[j] * h0[j]
+            out[n, k] = a0
+        n += 1
 
 
 @kernel
-def lstm_sequence(xw, w_hh_t, hw, c, out, offset, reverse):
+def lstm_sequence(xw, w_hh, hw, c, out, offset, reverse):
     """A whole direction of one layer in one call (small batches, where a call per step would cost more
     than the step): per step recurrent_product then lstm_cell. xw [T, N, 4H], out [T, N, D*H]."""
     steps = xw.shape[0]
@@ -118,12 +142,12 @@ def lstm_sequence(xw, w_hh_t, hw, c, out, offset, reverse):
     for s in range(steps):
         t = steps - 1 - s if reverse else s
         if s > 0:
-            recurrent_product(out[t + 1 if reverse else t - 1], offset, w_hh_t, hw)
+            recurrent_product(out[t + 1 if reverse else t - 1], offset, w_hh, hw)
         lstm_cell(xw[t], hw, c, out[t], offset)
 
 
 @kernel
-def gru_sequence(xw, w_hh_t, b_hn, hw, zero_h, out, offset, reverse):
+def gru_sequence(xw, w_hh, b_hn, hw, zero_h, out, offset, reverse):
     """gru's counterpart of lstm_sequence; zero_h [N, D*H] is zeros (the state before the first step)."""
     steps = xw.shape[0]
     hw[:] = 0
@@ -131,13 +155,13 @@ def gru_sequence(xw, w_hh_t, b_hn, hw, zero_h, out, offset, reverse):
         t = steps - 1 - s if reverse else s
         if s > 0:
             previous = out[t + 1 if reverse else t - 1]
-            recurrent_product(previous, offset, w_hh_t, hw)
+            recurrent_product(previous, offset, w_hh, hw)
             gru_cell(xw[t], hw, b_hn, previous, out[t], offset)
         else:
             gru_cell(xw[t], hw, b_hn, zero_h, out[t], offset)
 
 
-SEQUENCE_KERNEL_MAX_BATCH = 4     # up to this batch a direction runs as one lstm_sequence / gru_sequence call
+SEQUENCE_KERNEL_MAX_BATCH = 16    # up to this batch a direction runs as one lstm_sequence / gru_sequence call
 
 
 class RecurrentLayer:
@@ -148,7 +172,7 @@ class RecurrentLayer:
         self.directions = op.directions(node.attrs)
         h, g = node.attrs["hidden_size"], op.gates
         self.hidden = h
-        self.cells = []          # per layer, per direction: (W_ih.T [in, G*H], W_hh.T [H, G*H], xw bias [G*H], b_hn [H])
+        self.cells = []          # per layer, per direction: (W_ih.T [in, G*H], W_hh [G*H, H], W_hh.T, xw bias [G*H], b_hn [H])
         for layer in range(node.attrs["num_layers"]):
             cells = []
             for direction in range(self.directions):
@@ -162,9 +186,9 @@ class RecurrentLayer:
                     if node.op == "gru":
                         bias[2 * h:] = b_ih[2 * h:]
                         b_hn = b_hh[2 * h:].copy()
+                w_hh = np.ascontiguousarray(weights[node.param_key(w_hh)], np.float32)
                 cells.append((np.ascontiguousarray(np.asarray(weights[node.param_key(w_ih)], np.float32).T),
-                              np.ascontiguousarray(np.asarray(weights[node.param_key(w_hh)], np.float32).T),
-                              bias, b_hn))
+                              w_hh, np.ascontiguousarray(w_hh.T), bias, b_hn))
             self.cells.append(cells)
 
     def plan(self, src, new_buffer):
@@ -181,15 +205,15 @@ class RecurrentLayer:
         outputs = [new_buffer((steps, n, h * d)) for _ in range(min(2, len(self.cells)))]
         for layer, cells in enumerate(self.cells):
             out = outputs[layer % 2]
-            for direction, (w_ih_t, w_hh_t, bias, b_hn) in enumerate(cells):
+            for direction, (w_ih_t, w_hh, w_hh_t, bias, b_hn) in enumerate(cells):
                 plan += [partial(np.matmul, seq.reshape(steps * n, -1), w_ih_t, out=xw.reshape(steps * n, -1)),
                          partial(np.add, xw, bias, out=xw)]
                 offset = direction * h
                 if n <= SEQUENCE_KERNEL_MAX_BATCH:
                     if self.op.name == "lstm":
-                        plan.append(partial(lstm_sequence, xw, w_hh_t, hw, state, out, offset, direction))
+                        plan.append(partial(lstm_sequence, xw, w_hh, hw, state, out, offset, direction))
                     else:
-                        plan.append(partial(gru_sequence, xw, w_hh_t, b_hn, hw, zero_h, out, offset, direction))
+                        plan.append(partial(gru_sequence, xw, w_hh, b_hn, hw, zero_h, out, offset, direction))
                     continue
                 if self.op.name == "lstm":
                     plan.append(partial(state.fill, 0))
