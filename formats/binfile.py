@@ -134,11 +134,12 @@ def graph_of(model: Model) -> dict:
 
 
 def compressed_weights(model: Model) -> list:
-    """The keys `--fp16` and `--int8` compress: the kernels (linear and conv weights, each op's `kernel_params`).
+    """The keys `--fp16` and `--int8` compress: the kernels (each op's `kernel_param_names`: linear and conv
+    weights, lstm and gru's weight_ih_l* / weight_hh_l*, with one int8 scale per gate unit).
 
     Biases, batch-norm and layer-norm tensors stay float32: they are a tiny share of the bytes, a
     variance near eps loses its meaning in fp16, and a layer norm's weight [C, T] has no output channels."""
-    return [node.param_key(param) for node in model.nodes for param in get_op(node.op).kernel_params]
+    return [node.param_key(param) for node in model.nodes for param in get_op(node.op).kernel_param_names(node.attrs)]
 
 
 def fp16_dtypes(model: Model) -> dict:

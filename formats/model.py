@@ -75,8 +75,9 @@ class Node:
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes of this layer's float32 output for one sample."""
-        return math.prod(self.out_shape) * FLOAT_BYTES
+        """Bytes of this layer's float32 output for one sample (a recurrent layer's: with its gates and
+        states at every step; formats/ops.py Op.activation_bytes)."""
+        return get_op(self.op).activation_bytes(self.attrs, self.in_shape, self.out_shape)
 
 
 def as_rows(node: Node) -> Node:

@@ -13,6 +13,12 @@ The graph takes `input` [N, *input_shape] float32 (N is a dynamic dimension name
     layernorm       LayerNormalization(axis = -len(normalized_shape), epsilon); Scale of ones without
                     elementwise_affine (ONNX requires it), no B without bias
     flatten         Flatten(axis=1)
+    lstm, gru       Transpose [N, C, T] -> [T, N, C], then per layer one LSTM / GRU node (W, R and B as
+                    ONNX wants them: gate blocks reordered from PyTorch's i, f, g, o to ONNX's i, o, f, c
+                    and from r, z, n to z, r, h; GRU with linear_before_reset=1, PyTorch's semantics),
+                    its Y [T, D, N, H] brought to [T, N, D*H] (Squeeze, or Transpose + Reshape when
+                    bidirectional); then Transpose back to [N, H*D, T], or for "last" the top node's
+                    Y_h [D, N, H] as [N, D*H]
     dropout         removed (inference graph)
     activations     (fused or stand-alone) Relu, Clip(0, 6), LeakyRelu(alpha), Sigmoid, Tanh, Softmax(axis=1)
 
@@ -90,6 +96,15 @@ class _GraphBuilder:
                                                      **attributes))
         self.current = output
 
+    def add_node(self, op_type: str, name: str, inputs: list, outputs: list, **attributes) -> None:
+        """A node of several inputs and outputs; the first output flows on."""
+        self.nodes.append(self.onnx.helper.make_node(op_type, inputs, outputs, name=name, **attributes))
+        self.current = outputs[0]
+
+    def integers(self, name: str, values) -> str:
+        self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(values, dtype=np.int64), name))
+        return name
+
     def activation(self, activation: dict, name: str) -> None:
         kind = activation["type"]
         if kind == "relu":
@@ -110,6 +125,51 @@ class _GraphBuilder:
 
 def _pads(padding) -> list:
     return [padding[0], padding[1], padding[0], padding[1]]
+
+
+# ONNX's gate blocks, as indices of PyTorch's (= lnn's) blocks: LSTM i, o, f, c of i, f, g, o; GRU z, r, h of r, z, n
+ONNX_GATE_ORDER = {"lstm": (0, 3, 1, 2), "gru": (1, 0, 2)}
+
+
+def onnx_gate_blocks(array: np.ndarray, op: str, hidden: int, to_onnx: bool = True) -> np.ndarray:
+    """Reorder the gate blocks (axis 0, H rows each) from PyTorch's order to ONNX's, or (to_onnx=False,
+    formats/onnx_import.py) back."""
+    order = ONNX_GATE_ORDER[op] if to_onnx else tuple(np.argsort(ONNX_GATE_ORDER[op]))
+    return np.concatenate([array[k * hidden:(k + 1) * hidden] for k in order])
+
+
+def _emit_recurrent(graph: _GraphBuilder, node, params: dict) -> None:
+    op, attrs = get_op(node.op), node.attrs
+    h, d, name = attrs["hidden_size"], op.directions(attrs), node.name
+    graph.add("Transpose", f"{name}/time_major", perm=[2, 0, 1])                 # [N, C, T] -> [T, N, C]
+    for layer in range(attrs["num_layers"]):
+        w, r, b = [], [], []
+        for direction in range(d):
+            w_ih, w_hh, b_ih, b_hh = op.param_names(attrs, layer, direction)
+            w.append(onnx_gate_blocks(params[w_ih], node.op, h))
+            r.append(onnx_gate_blocks(params[w_hh], node.op, h))
+            if attrs["bias"]:
+                b.append(np.concatenate([onnx_gate_blocks(params[b_ih], node.op, h),
+                                         onnx_gate_blocks(params[b_hh], node.op, h)]))
+        step = f"{name}/l{layer}"
+        inputs = [graph.current, graph.constant(f"{step}.W", np.stack(w)), graph.constant(f"{step}.R", np.stack(r))]
+        if b:
+            inputs.append(graph.constant(f"{step}.B", np.stack(b)))
+        extra = {"linear_before_reset": 1} if node.op == "gru" else {}
+        graph.add_node(node.op.upper(), step, inputs, [f"{step}/Y", f"{step}/Y_h"], hidden_size=h,
+                       direction="bidirectional" if d == 2 else "forward", **extra)
+        last = layer == attrs["num_layers"] - 1
+        if last and attrs["return"] == "last":
+            graph.current = f"{step}/Y_h"                                          # [D, N, H]
+            graph.add("Transpose", f"{name}/h_n", perm=[1, 0, 2])
+            graph.add("Reshape", f"{name}/last", [graph.integers(f"{name}/last.shape", [0, -1])])
+            return
+        if d == 1:                                                                 # [T, 1, N, H] -> [T, N, H]
+            graph.add("Squeeze", f"{step}/steps", [graph.integers(f"{step}/steps.axes", [1])])
+        else:                                                                      # [T, 2, N, H] -> [T, N, 2H]
+            graph.add("Transpose", f"{step}/directions", perm=[0, 2, 1, 3])
+            graph.add("Reshape", f"{step}/steps", [graph.integers(f"{step}/steps.shape", [0, 0, -1])])
+    graph.add("Transpose", f"{name}/channels_first", perm=[1, 2, 0])            # [T, N, F] -> [N, F, T]
 
 
 def _emit_layer(graph: _GraphBuilder, node, params: dict) -> None:
@@ -152,6 +212,8 @@ def _emit_layer(graph: _GraphBuilder, node, params: dict) -> None:
         graph.add("LayerNormalization", name, inputs, axis=-len(attrs["normalized_shape"]), epsilon=attrs["eps"])
     elif node.op == "flatten":
         graph.add("Flatten", name, axis=1)
+    elif node.op in ("lstm", "gru"):
+        _emit_recurrent(graph, node, params)
     elif node.op in ACTIVATIONS:
         graph.activation(attrs, name)
     else:

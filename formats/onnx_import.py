@@ -21,6 +21,12 @@ ONNX nodes map to lnn layers as follows:
     Dropout                    dropout (the identity at inference; lnn-export drops it again)
     Identity                   nothing
     Constant                   a constant for the nodes after it
+    LSTM, GRU                  lstm, gru (PyTorch's export: Transpose [N, C, T] -> [T, N, C] before, Squeeze or
+                               Transpose + Reshape to [T, N, D*H] after each node, Transpose [1, 2, 0] back to
+                               [N, H*D, T]; consecutive nodes become one layer with num_layers; gate blocks
+                               reordered from ONNX's i, o, f, c / z, r, h to PyTorch's; GRU only with
+                               linear_before_reset=1; zero initial states, also when computed from the
+                               input's Shape, as PyTorch writes them for a dynamic batch)
 
 Initializers become weights keyed `<layer name>.weight` etc. A layer's name comes from its weight's
 initializer name when that ends in `.weight` (PyTorch: `conv1.weight` -> layer `conv1`), otherwise
@@ -40,7 +46,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.formats.model import Model, parse_json_text, parse_model, size_refusals
-from lnn.formats.onnx_export import METADATA_KEYS, require_onnx
+from lnn.formats.onnx_export import METADATA_KEYS, onnx_gate_blocks, require_onnx
 from lnn.formats.ops import get_op
 
 
@@ -59,10 +65,12 @@ def _where(proto, index: int) -> str:
 class _Node:
     """One ONNX node being converted: its attributes, its constant inputs, the shape flowing in."""
 
-    def __init__(self, proto, index: int, consts: dict, in_shape: tuple, opset: int, batch: int | None):
+    def __init__(self, proto, index: int, consts: dict, in_shape: tuple, opset: int, batch: int | None,
+                 zeros: frozenset = frozenset()):
         from onnx.helper import get_attribute_value
 
         self.proto, self.consts, self.in_shape, self.opset, self.batch = proto, consts, in_shape, opset, batch
+        self.zeros = zeros          # computed tensors known to be all zeros (initial states from ConstantOfShape)
         self.op = proto.op_type
         self.where = _where(proto, index)
         self.given = {}
@@ -111,6 +119,10 @@ class _Chain:
         self.input_shape = input_shape
         self.layers, self.params = [], []
         self.shape = input_shape
+        # Where a series is time-major around LSTM / GRU nodes: None (lnn's own [N, C, T] layout),
+        # "time_major" ([T, N, F]), "directions" (an RNN's Y [T, D, N, H]), "directions_last" ([T, N, D, H]).
+        self.layout = None
+        self.rnn_open = False       # the time-major tensor is the output of the last lstm / gru layer
 
     @property
     def last(self) -> dict | None:
@@ -354,6 +366,8 @@ def _flatten(node: _Node, chain: _Chain) -> None:
 
 
 def _reshape(node: _Node, chain: _Chain) -> None:
+    if chain.layout == "directions_last":
+        return _rnn_reshape(node, chain)
     attrs = node.attributes(allowzero=0)
     target = [int(v) for v in node.const(1, "shape").reshape(-1)]
     features = math.prod(node.in_shape)
@@ -443,6 +457,116 @@ def _identity(node, chain):
     node.attributes()
 
 
+# --------------------------------------------------------------------------- recurrent layers and their layouts
+
+RNN_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"]}
+
+
+def _transpose(node: _Node, chain: _Chain) -> None:
+    perm = [int(v) for v in node.attributes(perm=None)["perm"] or []]
+    if chain.layout is None and len(node.in_shape) == 2 and perm == [2, 0, 1]:
+        chain.layout = "time_major"                     # [N, C, T] -> [T, N, C], for an LSTM / GRU
+    elif chain.layout == "directions" and perm == [0, 2, 1, 3]:
+        chain.layout = "directions_last"                # Y [T, D, N, H] -> [T, N, D, H]
+    elif chain.layout == "time_major" and chain.rnn_open and perm == [1, 2, 0]:
+        chain.layout, chain.rnn_open = None, False      # [T, N, D*H] -> lnn's [N, D*H, T]
+    else:
+        raise node.error(f"Transpose with perm {perm} is not supported here: lnn takes Transpose only around "
+                         "LSTM / GRU nodes of a channel-first [N, C, T] series")
+
+
+def _squeeze(node: _Node, chain: _Chain) -> None:
+    node.attributes(axes=None)
+    axes = node.given.get("axes")
+    if axes is None and len(node.proto.input) > 1:
+        axes = node.const(1, "axes").reshape(-1).tolist()
+    if chain.layout != "directions" or [int(a) for a in axes or []] != [1]:
+        raise node.error("Squeeze is supported only as the directions axis (1) of a one-direction LSTM / GRU output")
+    if chain.last["bidirectional"]:
+        raise node.error("Squeeze of axis 1 of a bidirectional LSTM / GRU output (2 directions)")
+    chain.layout = "time_major"
+
+
+def _rnn_zero_state(node: _Node, position: int, what: str) -> None:
+    names = node.proto.input
+    if position >= len(names) or not names[position] or names[position] in node.zeros:
+        return
+    value = node.const(position, what)
+    if np.any(value != 0):
+        raise node.error(f"{what} is not zero: lnn's lstm and gru start from zero states")
+
+
+def _recurrent(node: _Node, chain: _Chain) -> None:
+    lnn_op = node.op.lower()
+    defaults = dict(activation_alpha=None, activation_beta=None, activations=None, clip=None, direction="forward",
+                    hidden_size=None, layout=0)
+    defaults.update(input_forget=0) if node.op == "LSTM" else defaults.update(linear_before_reset=0)
+    attrs = node.attributes(**defaults)
+    if chain.layout != "time_major":
+        raise node.error("needs a time-major [T, N, F] input: lnn takes series channel-first [N, C, T], so the "
+                         "graph must Transpose (perm [2, 0, 1]) right before it")
+    if attrs["layout"] != 0:
+        raise node.error("layout=1 (batch first) is not supported")
+    if attrs["clip"] is not None or attrs["activation_alpha"] or attrs["activation_beta"]:
+        raise node.error("clip and activation parameters are not supported")
+    if attrs["activations"] is not None and list(attrs["activations"]) != RNN_ACTIVATIONS[node.op] * (len(attrs["activations"]) // len(RNN_ACTIVATIONS[node.op])):
+        raise node.error(f"activations {list(attrs['activations'])}: lnn has {node.op} with {RNN_ACTIVATIONS[node.op]} only")
+    if node.op == "LSTM" and attrs["input_forget"]:
+        raise node.error("input_forget=1 (coupled input and forget gates) is not supported")
+    if node.op == "GRU" and attrs["linear_before_reset"] != 1:
+        raise node.error("linear_before_reset=0 is not PyTorch's GRU: lnn computes n = tanh(W_in x + b_in + "
+                         "r * (W_hn h + b_hn)), which is linear_before_reset=1")
+    if attrs["direction"] not in ("forward", "bidirectional"):
+        raise node.error(f"direction {attrs['direction']!r} is not supported (forward or bidirectional)")
+    names = node.proto.input
+    if len(names) > 4 and names[4]:
+        raise node.error("sequence_lens is not supported: every series has the graph's length")
+    if len(names) > 7 and names[7]:
+        raise node.error("peephole weights (P) are not supported")
+    _rnn_zero_state(node, 5, "initial_h")
+    if node.op == "LSTM":
+        _rnn_zero_state(node, 6, "initial_c")
+    w, r, b = node.weight(1, "W"), node.weight(2, "R"), node.weight(3, "B", optional=True)
+    directions = 2 if attrs["direction"] == "bidirectional" else 1
+    gates = get_op(lnn_op).gates
+    hidden = r.shape[-1] if r.ndim == 3 else 0
+    if (w.ndim != 3 or r.ndim != 3 or w.shape[0] != directions or r.shape != (directions, gates * hidden, hidden)
+            or w.shape[1] != gates * hidden or (b is not None and b.shape != (directions, 2 * gates * hidden))
+            or (attrs["hidden_size"] is not None and attrs["hidden_size"] != hidden)):
+        raise node.error(f"W {list(w.shape)}, R {list(r.shape)}" + (f", B {list(b.shape)}" if b is not None else "")
+                         + f" do not fit {directions} direction(s) of {node.op} with hidden size {hidden}")
+    last = chain.last
+    merge = (chain.rnn_open and last["type"] == lnn_op and last["hidden_size"] == hidden
+             and last["bidirectional"] == (directions == 2) and last["bias"] == (b is not None))
+    if merge:
+        layer_index, params = last["num_layers"], chain.params[-1]
+        last["num_layers"] += 1
+    else:
+        chain.append({"type": lnn_op, "name": chain.unique_name(names[1], lnn_op), "hidden_size": hidden,
+                      "num_layers": 1, "bidirectional": directions == 2, "bias": b is not None})
+        layer_index, params = 0, chain.params[-1]
+    for direction in range(directions):
+        suffix = f"_l{layer_index}" + ("_reverse" if direction else "")
+        params[f"weight_ih{suffix}"] = onnx_gate_blocks(w[direction], lnn_op, hidden, to_onnx=False)
+        params[f"weight_hh{suffix}"] = onnx_gate_blocks(r[direction], lnn_op, hidden, to_onnx=False)
+        if b is not None:
+            params[f"bias_ih{suffix}"] = onnx_gate_blocks(b[direction, :gates * hidden], lnn_op, hidden, to_onnx=False)
+            params[f"bias_hh{suffix}"] = onnx_gate_blocks(b[direction, gates * hidden:], lnn_op, hidden, to_onnx=False)
+    chain.layout, chain.rnn_open = "directions", True
+
+
+def _rnn_reshape(node: _Node, chain: _Chain) -> None:
+    """[T, N, D, H] -> [T, N, D*H]: a bidirectional RNN's output merged back into features."""
+    node.attributes(allowzero=0)
+    target = [int(v) for v in node.const(1, "shape").reshape(-1)]
+    features = chain.last["hidden_size"] * 2
+    if len(target) != 3 or target[0] not in (0, chain.shape[-1]) or target[1] not in {0, -1, node.batch} - {None} \
+            or target[2] not in (-1, features):
+        raise node.error(f"Reshape to {target} is not supported after a bidirectional LSTM / GRU: lnn takes "
+                         f"[0, 0, -1] ([T, N, {features}])")
+    chain.layout = "time_major"
+
+
 CONVERTERS = {
     "Conv": _conv, "Gemm": _gemm, "MatMul": _matmul, "Add": _add, "BatchNormalization": _batchnorm,
     "LayerNormalization": _layernorm,
@@ -451,6 +575,7 @@ CONVERTERS = {
     "Flatten": _flatten, "Reshape": _reshape,
     "Relu": _relu, "Clip": _clip, "Sigmoid": _sigmoid, "Tanh": _tanh, "LeakyRelu": _leaky_relu,
     "Softmax": _softmax, "Dropout": _dropout, "Identity": _identity,
+    "Transpose": _transpose, "Squeeze": _squeeze, "LSTM": _recurrent, "GRU": _recurrent,
 }
 SUPPORTED_OPS = sorted([*CONVERTERS, "Constant"])
 
@@ -513,6 +638,36 @@ def _opset(proto) -> int:
     raise OnnxImportError("the model imports no standard ONNX opset")
 
 
+SHAPE_SIDE_OPS = {"Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "ConstantOfShape", "Slice", "Expand",
+                  "Reshape", "Cast", "Identity"}
+ZERO_PRESERVING = {"Slice", "Expand", "Squeeze", "Unsqueeze", "Reshape", "Cast", "Identity", "Gather"}
+
+
+def _shape_side(graph, onnx, constant_names: set) -> tuple[set, set]:
+    """The nodes (by index) that only compute from the data's Shape, as PyTorch writes zero initial RNN states
+    for a dynamic batch (Shape -> Gather -> Concat -> ConstantOfShape -> Slice), and which of their outputs
+    are all zeros. They are skipped by the chain walk; an LSTM / GRU accepts a zero one as its initial state."""
+    side_nodes, side, zeros = set(), set(), set()
+    known = set(constant_names)
+    for index, proto_node in enumerate(graph.node):
+        if proto_node.op_type == "Constant":
+            known.update(proto_node.output)
+            continue
+        inputs = [name for name in proto_node.input if name]
+        if proto_node.op_type == "Shape" or (
+                proto_node.op_type in SHAPE_SIDE_OPS and inputs and all(n in known or n in side for n in inputs)
+                and any(n in side for n in inputs)):
+            side_nodes.add(index)
+            side.update(proto_node.output)
+            if proto_node.op_type == "ConstantOfShape":
+                value = [a.t for a in proto_node.attribute if a.name == "value"]
+                if not value or not np.any(onnx.numpy_helper.to_array(value[0])):
+                    zeros.update(proto_node.output)
+            elif proto_node.op_type in ZERO_PRESERVING and inputs[0] in zeros:
+                zeros.update(proto_node.output)
+    return side_nodes, zeros
+
+
 def convert_graph(proto) -> tuple[dict, list]:
     """An ONNX ModelProto -> (partial lnn description {name, input_shape, layers}, per-layer params)."""
     onnx = require_onnx()
@@ -520,8 +675,12 @@ def convert_graph(proto) -> tuple[dict, list]:
     consts = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
     current, input_shape, batch = _graph_input(graph, consts, onnx)
     chain = _Chain(input_shape)
+    side_nodes, zeros = _shape_side(graph, onnx, set(consts))
+    side_outputs = {name for index in side_nodes for name in graph.node[index].output}
     consumers = {}
-    for proto_node in graph.node:
+    for index, proto_node in enumerate(graph.node):
+        if index in side_nodes:
+            continue
         for name in proto_node.input:
             consumers[name] = consumers.get(name, 0) + 1
     graph_outputs = [value.name for value in graph.output]
@@ -536,11 +695,13 @@ def convert_graph(proto) -> tuple[dict, list]:
                 raise OnnxImportError(f"{where}: only a Constant with a tensor `value` is supported")
             consts[proto_node.output[0]] = onnx.numpy_helper.to_array(proto_node.attribute[0].t)
             continue
+        if index in side_nodes:
+            continue
         converter = CONVERTERS.get(proto_node.op_type)
         if converter is None:
             raise OnnxImportError(f"{where}: op {proto_node.op_type} is not supported by lnn; "
                                   f"supported: {', '.join(SUPPORTED_OPS)}")
-        data_inputs = [name for name in proto_node.input if name and name not in consts]
+        data_inputs = [name for name in proto_node.input if name and name not in consts and name not in side_outputs]
         if data_inputs != [current]:
             raise OnnxImportError(f"{where}: reads {data_inputs or 'only constants'}, but lnn needs a chain where each "
                                   f'node reads only the previous output ("{current}") and constants')
@@ -550,7 +711,7 @@ def convert_graph(proto) -> tuple[dict, list]:
         for extra in proto_node.output[1:]:
             if extra and (extra in consumers or extra in graph_outputs):
                 raise OnnxImportError(f'{where}: its second output "{extra}" is used; lnn gives only the first')
-        node = _Node(proto_node, index, consts, chain.shape, opset, batch)
+        node = _Node(proto_node, index, consts, chain.shape, opset, batch, frozenset(zeros))
         converter(node, chain)
         chain.infer_shape(node)
         current = proto_node.output[0]
@@ -560,6 +721,9 @@ def convert_graph(proto) -> tuple[dict, list]:
                               f'("{current}")')
     if not chain.layers:
         raise OnnxImportError("the graph has no layer lnn runs (only Identity nodes)")
+    if chain.layout is not None:
+        raise OnnxImportError("the graph ends in a time-major LSTM / GRU output; lnn needs it back in [N, H*D, T] "
+                              "(Transpose perm [1, 2, 0])")
     description = {"name": graph.name or "model", "input_shape": list(input_shape), "layers": chain.layers}
     return description, chain.params
 

@@ -11,8 +11,9 @@ The reference forward is the semantics every backend must reproduce (the NumPy r
 it as is; the Numba and CUDA backends are checked against it). Conventions follow PyTorch:
 conv weight [O, I/groups, KH, KW], linear weight [out, in] with y = x @ W.T + b, flatten in
 (C, H, W) order, batch norm y = (x - mean) / sqrt(var + eps) * weight + bias. A series sample is
-channel-first [C, T] (conv1d weight [O, I/groups, K]); a 1-D window op (conv1d, maxpool1d,
-avgpool1d) is its 2-D op on [C, 1, T] (`two_d`, `as_2d`), so its costs and reference are that op's.
+channel-first [C, T] (conv1d weight [O, I/groups, K]; batch [N, C, T]); a 1-D window op (conv1d, maxpool1d,
+avgpool1d) is its 2-D op on [C, 1, T] (`two_d`, `as_2d`), so its costs and reference are that op's; lstm / gru
+take PyTorch's weights and gate order.
 
 Adding an op means adding one class here, registering it in OPS, and one kernel per backend.
 """
@@ -184,6 +185,10 @@ class Op:
     trainable = True               # parameters (if any) are learned
     kernel_params: tuple = ()      # parameters that are kernels: what `--fp16` / `--int8` compress (binfile.py)
 
+    def kernel_param_names(self, attrs) -> tuple:
+        """The parameters that are kernels (what `--fp16` / `--int8` compress): `kernel_params` by default."""
+        return self.kernel_params
+
     def normalize(self, attrs: dict, in_shape: tuple) -> dict:
         """Check and complete the attributes against the input shape; return the normalized dict."""
         return dict(attrs)
@@ -205,6 +210,11 @@ class Op:
     def elementwise_ops(self, attrs: dict, in_shape: tuple, out_shape: tuple) -> int:
         """Other operations per sample (bias adds, activations, comparisons)."""
         return 0
+
+    def activation_bytes(self, attrs: dict, in_shape: tuple, out_shape: tuple) -> int:
+        """Bytes of float32 values one sample's forward produces: the output, plus for ops that compute
+        more than they return (a recurrent layer's gates and states) those values too."""
+        return math.prod(out_shape) * 4
 
     def forward(self, x: np.ndarray, params: dict, attrs: dict, training: bool = False) -> np.ndarray:
         raise NotImplementedError
@@ -708,9 +718,150 @@ class Activation(Op):
         return apply_activation(x, attrs)
 
 
+class _Recurrent(Op):
+    """A recurrent layer over a channel-first series: x [C, T] (batch [N, C, T]) -> [H*D, T] with
+    "return": "sequence", or [H*D] with "return": "last" (D = 2 when bidirectional, else 1).
+
+    Parameters as PyTorch's state dict, per layer l and direction ("" forward, "_reverse" backward):
+    weight_ih_l{l} [G*H, in_l], weight_hh_l{l} [G*H, H], bias_ih_l{l} and bias_hh_l{l} [G*H], with
+    G gate blocks stacked in PyTorch's order, in_0 = C and in_l = H*D above. A layer's output at step
+    t is its directions' hidden states concatenated [forward, backward]; it is the next layer's input.
+    "last" is PyTorch's h_n of the top layer: the forward direction's state after step T-1 and the
+    backward direction's after step 0 (its last step), concatenated, i.e. torch's
+    cat(output[:, -1, :H], output[:, 0, H:]). Initial states are zero."""
+
+    gates = 0
+    returns = ("sequence", "last")
+    attr_defaults = {"hidden_size": REQUIRED, "input_size": None, "num_layers": 1, "bidirectional": False,
+                     "return": "sequence", "bias": True}
+
+    def normalize(self, attrs, in_shape):
+        _require_rank(in_shape, (2,), "a [C, T] (channels, time)")
+        out = dict(attrs)
+        if attrs["input_size"] is not None and attrs["input_size"] != in_shape[0]:
+            raise SpecProblem("input_size", f"input_size is {in_shape[0]} from the previous layer, not {attrs['input_size']}")
+        out["input_size"] = in_shape[0]
+        out["hidden_size"] = _positive_int("hidden_size", attrs["hidden_size"])
+        out["num_layers"] = _positive_int("num_layers", attrs["num_layers"])
+        out["bidirectional"] = _flag("bidirectional", attrs["bidirectional"])
+        out["bias"] = _flag("bias", attrs["bias"])
+        if attrs["return"] not in self.returns:
+            raise SpecProblem("return", f"return must be one of {', '.join(self.returns)}, not {attrs['return']!r}")
+        return out
+
+    @staticmethod
+    def directions(attrs) -> int:
+        return 2 if attrs["bidirectional"] else 1
+
+    @classmethod
+    def layer_input_size(cls, attrs, layer: int) -> int:
+        return attrs["input_size"] if layer == 0 else attrs["hidden_size"] * cls.directions(attrs)
+
+    def kernel_param_names(self, attrs) -> tuple:
+        """weight_ih and weight_hh of every layer and direction."""
+        return tuple(name for layer in range(attrs["num_layers"]) for direction in range(self.directions(attrs))
+                     for name in self.param_names(attrs, layer, direction)[:2])
+
+    @classmethod
+    def param_names(cls, attrs, layer: int, direction: int) -> tuple:
+        """(weight_ih, weight_hh, bias_ih, bias_hh) names of one layer and direction (biases None without bias)."""
+        suffix = f"_l{layer}" + ("_reverse" if direction else "")
+        biases = (f"bias_ih{suffix}", f"bias_hh{suffix}") if attrs["bias"] else (None, None)
+        return (f"weight_ih{suffix}", f"weight_hh{suffix}", *biases)
+
+    def param_shapes(self, attrs, in_shape):
+        h, g = attrs["hidden_size"], self.gates
+        shapes = {}
+        for layer in range(attrs["num_layers"]):
+            for direction in range(self.directions(attrs)):
+                w_ih, w_hh, b_ih, b_hh = self.param_names(attrs, layer, direction)
+                shapes[w_ih] = (g * h, self.layer_input_size(attrs, layer))
+                shapes[w_hh] = (g * h, h)
+                if attrs["bias"]:
+                    shapes[b_ih] = shapes[b_hh] = (g * h,)
+        return shapes
+
+    def infer(self, attrs, in_shape):
+        features = attrs["hidden_size"] * self.directions(attrs)
+        return (features, in_shape[1]) if attrs["return"] == "sequence" else (features,)
+
+    def flops(self, attrs, in_shape, out_shape):
+        h, steps, d = attrs["hidden_size"], in_shape[1], self.directions(attrs)
+        return sum(2 * self.gates * h * (self.layer_input_size(attrs, layer) + h) * steps * d
+                   for layer in range(attrs["num_layers"]))
+
+    def elementwise_ops(self, attrs, in_shape, out_shape):
+        per_unit = self.gate_ops + (2 * self.gates if attrs["bias"] else 0)
+        return per_unit * attrs["hidden_size"] * in_shape[1] * self.directions(attrs) * attrs["num_layers"]
+
+    def activation_bytes(self, attrs, in_shape, out_shape):
+        """The output, and per layer its gate values and hidden (and cell) states at every step."""
+        h, steps, d = attrs["hidden_size"], in_shape[1], self.directions(attrs)
+        per_layer = steps * d * h * (self.gates + self.states)
+        return (math.prod(out_shape) + per_layer * attrs["num_layers"]) * 4
+
+    def forward(self, x, params, attrs, training=False):
+        h, d = attrs["hidden_size"], self.directions(attrs)
+        seq = np.ascontiguousarray(x.transpose(2, 0, 1))               # [T, N, C]
+        steps, n = seq.shape[:2]
+        finals = []
+        for layer in range(attrs["num_layers"]):
+            outputs = np.empty((steps, n, h * d), x.dtype)
+            finals = []
+            for direction in range(d):
+                w_ih, w_hh, b_ih, b_hh = (None if key is None else params[key]
+                                          for key in self.param_names(attrs, layer, direction))
+                zero = np.zeros(self.gates * h, x.dtype)
+                projected = seq @ w_ih.T + (zero if b_ih is None else b_ih)    # [T, N, G*H]: every step at once
+                b_hh = zero if b_hh is None else b_hh
+                state = [np.zeros((n, h), x.dtype) for _ in range(self.states - 1)]
+                hidden = np.zeros((n, h), x.dtype)
+                for t in (range(steps - 1, -1, -1) if direction else range(steps)):
+                    hidden, state = self.cell(projected[t], hidden @ w_hh.T + b_hh, hidden, state, h)
+                    outputs[t, :, direction * h:(direction + 1) * h] = hidden
+                finals.append(hidden)
+            seq = outputs
+        if attrs["return"] == "last":
+            return np.concatenate(finals, axis=1)
+        return np.ascontiguousarray(seq.transpose(1, 2, 0))
+
+
+class LSTM(_Recurrent):
+    """PyTorch's nn.LSTM: gates i, f, g, o (in that order in the weights);
+    c' = sigmoid(f) * c + sigmoid(i) * tanh(g), h' = sigmoid(o) * tanh(c')."""
+
+    name = "lstm"
+    gates, states = 4, 2                 # gate blocks; states kept per step (h and c)
+    gate_ops = 3 * 4 + 2 * 4 + 4         # 3 sigmoids, 2 tanh, 3 products and a sum
+
+    @staticmethod
+    def cell(xw, hw, hidden, state, h):
+        a = xw + hw
+        i, f, g, o = _sigmoid(a[:, :h], {}), _sigmoid(a[:, h:2 * h], {}), np.tanh(a[:, 2 * h:3 * h]), _sigmoid(a[:, 3 * h:], {})
+        c = f * state[0] + i * g
+        return o * np.tanh(c), [c]
+
+
+class GRU(_Recurrent):
+    """PyTorch's nn.GRU: gates r, z, n (in that order in the weights);
+    r = sigmoid(W_ir x + b_ir + W_hr h + b_hr), z likewise, n = tanh(W_in x + b_in + r * (W_hn h + b_hn)),
+    h' = (1 - z) * n + z * h."""
+
+    name = "gru"
+    gates, states = 3, 1
+    gate_ops = 2 * 4 + 4 + 5            # 2 sigmoids, a tanh, r * (...) and the blend
+
+    @staticmethod
+    def cell(xw, hw, hidden, state, h):
+        r = _sigmoid(xw[:, :h] + hw[:, :h], {})
+        z = _sigmoid(xw[:, h:2 * h] + hw[:, h:2 * h], {})
+        n = np.tanh(xw[:, 2 * h:] + r * hw[:, 2 * h:])
+        return (1 - z) * n + z * hidden, state
+
+
 OPS: dict[str, Op] = {op.name: op for op in (
     Linear(), Conv1d(), Conv2d(), MaxPool1d(), AvgPool1d(), MaxPool2d(), AvgPool2d(), GlobalAvgPool(),
-    GlobalMaxPool(), Flatten(), BatchNorm(), LayerNorm(), Dropout(),
+    GlobalMaxPool(), Flatten(), BatchNorm(), LayerNorm(), Dropout(), LSTM(), GRU(),
     *(Activation(kind) for kind in ACTIVATIONS),
 )}
 

@@ -35,7 +35,8 @@ estimate (float32): inference = P + max_i(A[i-1] + A[i]);
   training = P + G + S + sum_i A[i] + max_i(A[i-1] + A[i]),
   where P = parameter bytes, G = gradient bytes (trainable parameters; batch-norm statistics excluded),
   S = optimizer state (SGD momentum 1x, Adam 2x the trainable parameters), A[i] = bytes of layer i's output
-  at the batch size (A[0] the input), all saved for the backward pass; max_i(A[i-1] + A[i]) is the largest
+  at the batch size (A[0] the input; an lstm / gru: with its gates and states at every step), all saved for
+  the backward pass; max_i(A[i-1] + A[i]) is the largest
   pair of live activations (and of activation gradients). Workspace buffers of a backend are not included."""
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -19,7 +19,7 @@ import numpy as np
 
 from lnn.formats.errors import ModelSpecError
 from lnn.formats.model import as_rows
-from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length
+from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length, get_op
 from lnn.runtime.cuda import winograd           # the rule and the sizing only: importing it imports no CuPy
 from lnn.train import kernels as K
 
@@ -357,6 +357,27 @@ class LayerNormLayer(Layer):
                              c.grads.get("weight"), c.grads.get("bias"), c.dx)
 
 
+class RecurrentLayer(Layer):
+    """lstm and gru: the forward (runtime/cuda/kernels.py recurrent_forward, shared with GPU inference)
+    keeps the gates and states of every step in "saved" workspaces, which the backward (backpropagation
+    through time, train/kernels.py recurrent_backward) reads; it needs neither x nor y themselves."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.op = get_op(node.op)
+
+    def workspaces(self, n):
+        args = (self.op, self.attrs, self.node.in_shape, n)
+        return [(name, shape, COMPUTE, phase) for name, shape, phase in
+                K.recurrent_workspaces(*args) + K.recurrent_backward_workspaces(*args)]
+
+    def forward(self, c, training):
+        K.recurrent_forward(c.xp, self.op, c.x, c.params, self.attrs, c.y, c.ws)
+
+    def backward(self, c):
+        K.recurrent_backward(c.xp, self.op, c.dy, c.params, c.grads, self.attrs, c.dx, c.ws)
+
+
 class DropoutLayer(Layer):
     """Needs the key the forward used (the plan passes it as c.key) and the uint32 index buffer."""
 
@@ -394,7 +415,7 @@ class ActivationLayer(Layer):
 LAYERS = {"linear": LinearLayer, "conv1d": Conv1dLayer, "conv2d": Conv2dLayer, "maxpool1d": MaxPool1dLayer,
           "avgpool1d": AvgPool1dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
           "global_avg_pool": GlobalAvgPoolLayer, "global_max_pool": GlobalMaxPoolLayer, "flatten": FlattenLayer,
-          "batchnorm": BatchNormLayer, "layernorm": LayerNormLayer,
+          "batchnorm": BatchNormLayer, "layernorm": LayerNormLayer, "lstm": RecurrentLayer, "gru": RecurrentLayer,
           "dropout": DropoutLayer, **{kind: ActivationLayer for kind in ACTIVATIONS}}
 
 

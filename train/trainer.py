@@ -143,7 +143,8 @@ def hash32(value: int) -> int:
 
 def initial_weights(model: Model, seed: int) -> dict:
     """PyTorch's default initialization: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases
-    of linear and conv layers; batch norm weight 1, bias 0, running mean 0, running var 1."""
+    of linear and conv layers, U(-1/sqrt(hidden_size), 1/sqrt(hidden_size)) for every tensor of lstm and
+    gru; batch norm weight 1, bias 0, running mean 0, running var 1."""
     rng = np.random.default_rng(seed)
     weights = {}
     for node in model.nodes:
@@ -151,7 +152,7 @@ def initial_weights(model: Model, seed: int) -> dict:
             if node.op == "batchnorm":
                 value = np.ones(shape) if name in ("weight", "running_var") else np.zeros(shape)
             else:
-                fan_in = math.prod(node.param_shapes["weight"][1:])
+                fan_in = node.attrs["hidden_size"] if node.op in ("lstm", "gru") else math.prod(node.param_shapes["weight"][1:])
                 bound = 1 / math.sqrt(fan_in)
                 value = rng.uniform(-bound, bound, shape)
             weights[node.param_key(name)] = value

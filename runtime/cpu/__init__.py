@@ -2,7 +2,7 @@
 
 Kernel files mirror the op names of formats/ops.py: conv2d.py, conv1d.py (conv2d's layer on [N, C, 1, T]
 views), linear.py, pool.py (maxpool2d, avgpool2d, maxpool1d, avgpool1d, global_avg_pool, global_max_pool),
-batchnorm.py, layernorm.py, activations.py, flatten.py; backend.py plans and runs them; jit.py
+batchnorm.py, layernorm.py, activations.py, flatten.py, recurrent.py (lstm, gru); backend.py plans and runs them; jit.py
 configures Numba (cache folder, threading layer) before importing it; cache.py answers "is this
 model's compiled code cached?" without importing Numba.
 

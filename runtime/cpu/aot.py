@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import shutil
 import sysconfig
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 MODULE = "lnn_cpu_kernels"
-KERNEL_MODULES = ("activations", "conv2d", "layernorm", "pool", "winograd")   # files of lnn.runtime.cpu with kernels
+KERNEL_MODULES = ("activations", "conv2d", "layernorm", "pool", "recurrent", "winograd")   # files of lnn.runtime.cpu with kernels
 
 A1, A2, A3, A4 = "f4[::1]", "f4[:, ::1]", "f4[:, :, ::1]", "f4[:, :, :, ::1]"
 I, F, WINDOW = "i8", "f8", "UniTuple(i8, 6)"
@@ -45,10 +46,15 @@ SIGNATURES = {
     "pool.avgpool2d": (A4, I, I, I, I, A2, A4),
     "pool.global_avg_pool": (A3, A2),
     "pool.global_max_pool": (A3, A2),
+    "recurrent.lstm_cell": (A2, A2, A2, A2, I),
+    "recurrent.gru_cell": (A2, A2, A1, A2, A2, I),
+    "recurrent.lstm_sequence": (A3, A2, A2, A2, A3, I, I),
+    "recurrent.gru_sequence": (A3, A2, A1, A2, A2, A3, I, I),
     "winograd.winograd_input": (A3, I, I, I, A3),
     "winograd.winograd_output": (A3, I, I, I, I, I, I, I, A2),
 }
-INLINE_ONLY = {"activations.activate", "winograd.padded_cell"}
+INLINE_ONLY = {"activations.activate", "winograd.padded_cell", "recurrent.fast_tanh", "recurrent.fast_sigmoid",
+               "recurrent.recurrent_product"}
 
 
 def kernel_key(function) -> str:
@@ -92,7 +98,7 @@ def compiled_kernel(function):
 def jit_kernels() -> dict:
     """{key: Numba dispatcher} for every @kernel of the CPU backend (JIT mode; every file that imports `kernel`)."""
     files = sorted(path.stem for path in Path(__file__).parent.glob("*.py") if path.stem != "aot"
-                   and "from lnn.runtime.cpu.jit import kernel" in path.read_text(encoding="utf-8"))
+                   and re.search(r"^from lnn.runtime.cpu.jit import .*\bkernel\b", path.read_text(encoding="utf-8"), re.M))
     if files != sorted(KERNEL_MODULES):
         raise RuntimeError(f"KERNEL_MODULES {sorted(KERNEL_MODULES)} must list the files with kernels: {files}")
     kernels = {}

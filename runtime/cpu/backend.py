@@ -58,6 +58,7 @@ from lnn.runtime.cpu.linear import LinearLayer
 from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.pool import (AvgPool1dLayer, AvgPool2dLayer, GlobalAvgPoolLayer, GlobalMaxPoolLayer,
                                   MaxPool1dLayer, MaxPool2dLayer)
+from lnn.runtime.cpu.recurrent import RecurrentLayer
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
 
@@ -74,6 +75,8 @@ LAYERS = {
     "flatten": FlattenLayer,
     "batchnorm": BatchNormLayer,
     "layernorm": LayerNormLayer,
+    "lstm": RecurrentLayer,
+    "gru": RecurrentLayer,
     **{kind: ActivationLayer for kind in ACTIVATIONS},
 }
 IDENTITY_AT_INFERENCE = {"dropout"}

@@ -30,6 +30,7 @@ if KERNELS not in ("jit", "aot"):
 
 if KERNELS == "aot":
     from lnn.runtime.cpu.aot import compiled_kernel as kernel  # noqa: F401  (what the kernel files import)
+    from lnn.runtime.cpu.aot import compiled_kernel as ieee_kernel  # noqa: F401
 
     CACHE_ENABLED = False
 else:
@@ -54,3 +55,12 @@ else:
 
         Keep kernels under 20 arguments: with 20, Numba 0.68's dispatcher leaked ~200 bytes per call here."""
         return numba.njit(cache=CACHE_ENABLED, nogil=True)(function)
+
+    def ieee_kernel(function):
+        """@ieee_kernel: a @kernel whose float division follows IEEE 754 (x / 0 is inf or nan) instead of
+        raising ZeroDivisionError, and whose float sums may be reassociated and multiply-adds fused
+        (fastmath "reassoc" and "contract" only: NaN and infinity keep their meaning). Without the
+        division check in the way LLVM vectorizes loops that divide (recurrent.py's fast_tanh: 0.7
+        instead of 2.5 ns a value); reassociation lets it vectorize dot products (recurrent_product).
+        The ahead-of-time module compiles it as a @kernel (same results up to rounding, slower)."""
+        return numba.njit(cache=CACHE_ENABLED, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})(function)

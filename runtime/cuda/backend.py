@@ -21,7 +21,8 @@ im2col (fused) + one grouped GEMM
 (kernels.conv2d_gemm, cuBLAS) + one epilogue that moves the GEMM's [O, N, P] layout to [N, O, P] and
 applies bias and activation (at batch 1 the GEMM writes the output directly and the epilogue runs in
 place); linear is a GEMM + in-place epilogue; max pool is one kernel; avg pool, global average and max
-pool, layer norm and softmax are the generic kernels; the 1-D pools are the 2-D layers on [N, C, 1, T] views. `array_module=numpy` runs the same plan with the generic kernels
+pool, layer norm and softmax are the generic kernels; the 1-D pools are the 2-D layers on [N, C, 1, T] views;
+lstm and gru are the trainer's generic forward (kernels.recurrent_forward). `array_module=numpy` runs the same plan with the generic kernels
 only (how the planning is tested where there is no GPU).
 """
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnError
 from lnn.formats.model import Model, as_rows
-from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length
+from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length, get_op
 from lnn.runtime.cuda import conv_gemm, winograd
 from lnn.runtime.cuda import kernels as K
 from lnn.runtime.plans import PerThreadCache
@@ -334,6 +335,25 @@ class LayerNormLayer:
                              self.on_device.get("bias"), self.eps, self.count, out)]
 
 
+class RecurrentLayer:
+    """lstm and gru: the trainer's forward (kernels.recurrent_forward: one GEMM for every step's input
+    projections per layer and direction, then per step a recurrent GEMM and the gate arithmetic as
+    in-place CuPy calls) on workspaces planned per batch size."""
+
+    def __init__(self, node, weights):
+        self.op, self.attrs, self.in_shape, self.out_shape = get_op(node.op), node.attrs, node.in_shape, node.out_shape
+        self.weights = {p: np.asarray(weights[node.param_key(p)], FLOAT) for p in node.param_shapes}
+
+    def upload(self, device: Device) -> None:
+        self.on_device = {p: device.upload(w) for p, w in self.weights.items()}
+
+    def plan(self, src, device: Device):
+        xp, n = device.xp, src.shape[0]
+        out = xp.empty((n, *self.out_shape), FLOAT)
+        ws = {name: xp.empty(shape, FLOAT) for name, shape, _ in K.recurrent_workspaces(self.op, self.attrs, self.in_shape, n)}
+        return out, [partial(K.recurrent_forward, xp, self.op, src, self.on_device, self.attrs, out, ws)]
+
+
 class FlattenLayer:
     """A view of its input: no buffer, no work."""
 
@@ -355,6 +375,8 @@ LAYERS = {
     "global_avg_pool": GlobalPoolLayer,
     "global_max_pool": GlobalPoolLayer,
     "flatten": FlattenLayer,
+    "lstm": RecurrentLayer,
+    "gru": RecurrentLayer,
     "batchnorm": AffineLayer.batchnorm,
     "layernorm": LayerNormLayer,
     **{kind: AffineLayer.activation for kind in ACTIVATIONS},

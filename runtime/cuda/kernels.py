@@ -245,4 +245,114 @@ def layernorm_forward(xp, x, weight, bias, eps: float, count: int, out, saved=No
     if saved is not None:
         saved[0] = mean[:, 0]
         saved[1] = inv_std[:, 0]
+
+
+# --------------------------------------------------------------------------- lstm, gru
+# x [N, C, T] -> y [N, H*D, T] ("return": "sequence") or [N, H*D] ("last": the top layer's forward state
+# after step T-1 and backward state after step 0); formats/ops.py _Recurrent / LSTM / GRU (PyTorch's).
+# Parameters `params[name]` as op.param_names gives them (weight_ih_l0 [G*H, in], weight_hh_l0 [G*H, H],
+# bias_ih_l0, bias_hh_l0 [G*H], ..._reverse). Time-major workspaces (recurrent_workspaces):
+#   seq_in  [T, N, C]           the input
+#   gates   [L, D, T, N, G*H]   per layer and direction the input projections of every step (one GEMM),
+#                               then, step by step, the activated gates (lstm i, f, g, o; gru r, z, n)
+#   states  [L, D, T, N, H]     lstm: the cell state after each step; gru: W_hn h_prev + b_hn
+#   hdir    [L, D, T, N, H]     each direction's hidden state after each step (contiguous rows for GEMMs)
+#   hidden  [L, T, N, D*H]      bidirectional only: each layer's output, both directions side by side
+#   hw      [N, G*H], tmp [N, H]  per-step scratch
+# Per step: one recurrent GEMM (hw = h_prev @ W_hh.T, from hdir), then the gate arithmetic in place.
+# Only out= calls on planned buffers, sigmoid as (1 + tanh(x/2)) / 2 in place: no allocation, no
+# host synchronization, no branch on array values (the same calls can be captured in a CUDA graph).
+
+def recurrent_workspaces(op, attrs: dict, in_shape: tuple, n: int) -> list:
+    """(name, shape, phase) of the forward's buffers: "saved" ones the backward reads, "forward" scratch."""
+    h, steps, d, layers, g = attrs["hidden_size"], in_shape[1], op.directions(attrs), attrs["num_layers"], op.gates
+    spaces = [("seq_in", (steps, n, in_shape[0]), "saved"), ("gates", (layers, d, steps, n, g * h), "saved"),
+              ("states", (layers, d, steps, n, h), "saved"), ("hdir", (layers, d, steps, n, h), "saved"),
+              ("hw", (n, g * h), "forward"), ("tmp", (n, h), "forward")]
+    if d == 2:
+        spaces.append(("hidden", (layers, steps, n, d * h), "saved"))
+    return spaces
+
+
+def step_order(steps: int, direction: int) -> list:
+    """The time steps of a direction in the order it runs them (the backward direction from T-1 down)."""
+    return list(range(steps - 1, -1, -1)) if direction else list(range(steps))
+
+
+def layer_output(ws: dict, layer: int):
+    """A layer's output sequence [T, N, D*H]: hidden[layer], or with one direction hdir[layer, 0]."""
+    return ws["hidden"][layer] if "hidden" in ws else ws["hdir"][layer, 0]
+
+
+def sigmoid_in_place(xp, a):
+    """a = sigmoid(a) as 0.5 + 0.5 * tanh(a / 2): stable for any a, every step in place."""
+    a *= 0.5
+    xp.tanh(a, out=a)
+    a *= 0.5
+    a += 0.5
+    return a
+
+
+def recurrent_forward(xp, op, x, params: dict, attrs: dict, out, ws: dict):
+    h, lstm = attrs["hidden_size"], op.name == "lstm"
+    d = op.directions(attrs)
+    steps, n = ws["seq_in"].shape[:2]
+    ws["seq_in"][...] = x.transpose(2, 0, 1)
+    hw, tmp = ws["hw"], ws["tmp"]
+    layer_in = ws["seq_in"]
+    for layer in range(attrs["num_layers"]):
+        for direction in range(d):
+            w_ih, w_hh, b_ih, b_hh = (params.get(key) for key in op.param_names(attrs, layer, direction))
+            gates, states, hdir = ws["gates"][layer, direction], ws["states"][layer, direction], ws["hdir"][layer, direction]
+            matmul(xp, layer_in.reshape(steps * n, -1), w_ih.T, gates.reshape(steps * n, -1))
+            if b_ih is not None:
+                gates += b_ih
+                if lstm:
+                    gates += b_hh
+            previous = None
+            for t in step_order(steps, direction):
+                g = gates[t]
+                if previous is None:
+                    hw.fill(0)
+                else:
+                    matmul(xp, hdir[previous], w_hh.T, hw)
+                if lstm:
+                    g += hw
+                    sigmoid_in_place(xp, g[:, :2 * h])
+                    xp.tanh(g[:, 2 * h:3 * h], out=g[:, 2 * h:3 * h])
+                    sigmoid_in_place(xp, g[:, 3 * h:])
+                    c = states[t]
+                    xp.multiply(g[:, :h], g[:, 2 * h:3 * h], out=c)              # i * g
+                    if previous is not None:
+                        xp.multiply(g[:, h:2 * h], states[previous], out=tmp)     # f * c_prev
+                        c += tmp
+                    xp.tanh(c, out=tmp)
+                    xp.multiply(g[:, 3 * h:], tmp, out=hdir[t])                  # h = o * tanh(c)
+                else:
+                    if b_hh is not None:
+                        hw += b_hh
+                    g[:, :2 * h] += hw[:, :2 * h]
+                    sigmoid_in_place(xp, g[:, :2 * h])                           # r, z
+                    states[t][...] = hw[:, 2 * h:]                               # W_hn h_prev + b_hn
+                    xp.multiply(g[:, :h], hw[:, 2 * h:], out=tmp)
+                    g[:, 2 * h:] += tmp
+                    xp.tanh(g[:, 2 * h:], out=g[:, 2 * h:])                      # n
+                    if previous is None:                                         # h = n + z * (h_prev - n)
+                        xp.multiply(g[:, h:2 * h], g[:, 2 * h:], out=tmp)
+                        xp.subtract(g[:, 2 * h:], tmp, out=hdir[t])
+                    else:
+                        xp.subtract(hdir[previous], g[:, 2 * h:], out=tmp)
+                        tmp *= g[:, h:2 * h]
+                        xp.add(g[:, 2 * h:], tmp, out=hdir[t])
+                previous = t
+            if d == 2:
+                ws["hidden"][layer][:, :, direction * h:(direction + 1) * h] = hdir
+        layer_in = layer_output(ws, layer)
+    top = layer_output(ws, attrs["num_layers"] - 1)
+    if attrs["return"] == "sequence":
+        out[...] = top.transpose(1, 2, 0)
+    else:
+        out[:, :h] = top[steps - 1, :, :h]
+        if d == 2:
+            out[:, h:] = top[0, :, h:]
     return out

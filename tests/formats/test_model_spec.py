@@ -137,9 +137,23 @@ def test_linear_and_in_features_in_channels_num_features_checked_when_given():
         "layer 0 (batchnorm): num_features is 2 from the previous layer, not 4"
 
 
+def test_lstm_and_gru_shapes_and_costs():
+    assert shapes([3, 10], {"type": "lstm", "hidden_size": 4}) == [(4, 10)]
+    assert shapes([3, 10], {"type": "gru", "hidden_size": 4, "bidirectional": True, "return": "last"}) == [(8,)]
+    assert shapes([3, 10], {"type": "lstm", "hidden_size": 4, "num_layers": 3, "bidirectional": True},
+                  {"type": "gru", "hidden_size": 2}) == [(8, 10), (2, 10)]
+    model = parse_model({"input_shape": [3, 10], "loss": "mse", "layers": [{"type": "lstm", "hidden_size": 4,
+                                                                              "num_layers": 2}]})
+    # per step: 4 gates x 4 units x (inputs + 4 recurrent) multiply-adds, layer 0 with 3 inputs, layer 1 with 4
+    assert model.nodes[0].flops == 2 * 10 * 4 * 4 * ((3 + 4) + (4 + 4))
+    assert model.nodes[0].activation_bytes == 4 * (4 * 10 + 2 * 10 * 4 * (4 + 2))
+    assert spec_error({"input_shape": [3, 10], "layers": [{"type": "lstm", "hidden_size": 4, "input_size": 5}]}) == \
+        "layer 0 (lstm): input_size is 3 from the previous layer, not 5"
+
+
 def test_every_registered_op_is_covered_by_a_shape_test():
     covered = {"linear", "conv1d", "conv2d", "maxpool1d", "avgpool1d", "maxpool2d", "avgpool2d", "global_avg_pool",
-               "global_max_pool", "flatten", "batchnorm", "layernorm",
+               "global_max_pool", "flatten", "batchnorm", "layernorm", "lstm", "gru",
                "dropout", "relu", "relu6", "leaky_relu", "sigmoid", "tanh", "softmax"}
     assert set(OPS) == covered, "a new op needs its shape inference tested here"
 

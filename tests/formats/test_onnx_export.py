@@ -261,9 +261,12 @@ def test_errors_are_one_line_lnn_errors(tmp_path, monkeypatch):
 
 
 def test_every_op_of_the_registry_is_in_the_export_and_import_cases():
-    """EVERY_OP and the series cases drive the ONNX export and round-trip tests above: an op added to formats/ops.py without an
+    """EVERY_OP, the series cases and test_recurrent.py's drive the ONNX export and round-trip tests: an op added to formats/ops.py without an
     ONNX mapping fails here until it joins them."""
     from lnn.formats.ops import OPS
 
+    from test_recurrent import CASES as RECURRENT_CASES, golden      # lstm and gru: tests/formats/test_recurrent.py
+
     covered = {node.op for case in (EVERY_OP, EVERY_SERIES_OP, SERIES_AVERAGE) for node in parse_model(case).nodes}
+    covered |= {node.op for case in RECURRENT_CASES for node in golden(case)[0].nodes}
     assert set(OPS) <= covered, f"ops without ONNX export/import tests: {sorted(set(OPS) - covered)}"

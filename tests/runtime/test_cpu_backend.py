@@ -110,6 +110,9 @@ CASES = {
                                              {"type": "linear", "out_features": 24}, {"type": "layernorm"}]),
     "conv1d_valid_stride3_then_linear": ([3, 31], [conv1d(4, 7, stride=3, padding="valid", activation="relu6"),
                                                   {"type": "flatten"}, {"type": "linear", "out_features": 3}]),
+    "lstm_bidirectional_two_layers": ([3, 9], [{"type": "lstm", "hidden_size": 6, "num_layers": 2, "bidirectional": True}]),
+    "gru_last_then_linear": ([4, 7], [{"type": "gru", "hidden_size": 5, "return": "last"},
+                                      {"type": "linear", "out_features": 3}]),
 }
 
 
@@ -155,6 +158,20 @@ def test_matches_numpy_reference(case):
         expected = reference.run(x)
         assert got.shape == expected.shape
         np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE, err_msg=f"{case}, batch {batch}")
+
+
+@pytest.mark.parametrize("case", ["lstm_bidirectional_two_layers", "gru_last_then_linear"])
+def test_recurrent_per_step_path_matches_numpy_reference(case):
+    """Above SEQUENCE_KERNEL_MAX_BATCH rows lstm / gru run a BLAS product and a gate kernel per step."""
+    from lnn.runtime.cpu.recurrent import SEQUENCE_KERNEL_MAX_BATCH
+
+    input_shape, layers = CASES[case]
+    model = parse_model({"name": case, "input_shape": input_shape, "layers": layers})
+    rng = np.random.default_rng(5)
+    weights = random_weights(model, rng)
+    x = rng.standard_normal((SEQUENCE_KERNEL_MAX_BATCH + 2, *input_shape)).astype(np.float32)
+    np.testing.assert_allclose(cpu_backend(model, weights).run(x), NumpyBackend(model, weights).run(x), rtol=0,
+                               atol=TOLERANCE)
 
 
 @pytest.mark.parametrize("case", ["conv_relu_maxpool_fused", "conv_pool_then_activation_layer", "conv_rect_kernel_stride",

@@ -76,6 +76,10 @@ GPU_CASES = {
     "series_average": {"input_shape": [2, 24], "loss": "cross_entropy", "optimizer": {"type": "sgd", "lr": 0.05, "momentum": 0.9},
                        "layers": [{"type": "conv1d", "out_channels": 6, "kernel_size": 3, "stride": 2, "activation": "relu"},
                                   {"type": "global_avg_pool"}, {"type": "linear", "out_features": 3}]},
+    # recurrent: a bidirectional two-layer lstm over the whole sequence, then a gru's last step
+    "recurrent": {"input_shape": [3, 12], "loss": "cross_entropy", "optimizer": {"type": "adam", "lr": 0.003, "eps": 1e-3},
+                  "layers": [{"type": "lstm", "hidden_size": 6, "num_layers": 2, "bidirectional": True},
+                             {"type": "gru", "hidden_size": 5, "return": "last"}, {"type": "linear", "out_features": 3}]},
     "accumulated": _description("mnist_mlp", training={"batch_size": 16, "accumulate": 2}),
     "mse": {"input_shape": [10], "loss": "mse", "optimizer": {"type": "adam", "lr": 0.01, "eps": 1e-3},
             "layers": [{"type": "linear", "out_features": 16, "activation": "tanh"}, {"type": "linear", "out_features": 3}]},

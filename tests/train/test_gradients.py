@@ -143,6 +143,15 @@ CASES = {
                                         {"type": "maxpool2d", "kernel_size": 2}, {"type": "flatten"},
                                         {"type": "dropout", "p": 0.2},
                                         {"type": "linear", "out_features": 3, "activation": "softmax"}]),
+    # backpropagation through time: several layers, both directions, either return, with and without bias
+    "lstm_sequence": ((3, 5), [{"type": "lstm", "hidden_size": 4}]),
+    "lstm_bidirectional_two_layers_last": ((2, 4), [{"type": "lstm", "hidden_size": 3, "num_layers": 2,
+                                                     "bidirectional": True, "return": "last"}]),
+    "lstm_no_bias_bidirectional": ((2, 4), [{"type": "lstm", "hidden_size": 3, "bidirectional": True, "bias": False}]),
+    "gru_sequence_two_layers": ((3, 5), [{"type": "gru", "hidden_size": 4, "num_layers": 2}]),
+    "gru_bidirectional_last_linear": ((2, 4), [{"type": "gru", "hidden_size": 3, "bidirectional": True,
+                                                "return": "last"}, {"type": "linear", "out_features": 2}]),
+    "gru_no_bias_one_step": ((2, 1), [{"type": "gru", "hidden_size": 3, "bias": False, "bidirectional": True}]),
 }
 for act in ACTIVATIONS:
     name = act if isinstance(act, str) else act["type"]
