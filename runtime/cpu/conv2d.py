@@ -19,7 +19,8 @@ Each image goes through three steps, chosen per layer at load:
                `conv2d_direct` into acc [O, OH*OW].
      winograd  instead of 1-2, 3x3 stride-1 undilated ungrouped convs with at least WINOGRAD_MIN_CHANNELS
                inputs (or any such conv whose layer asks for "algorithm": "winograd") run Winograd
-               F(2x2, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
+               F(4x4, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
+               Its transformed weight U [36, O, C] is made once per layer (after batch-norm folding).
   3. output    the fused max-pool, if any (`max_pool_2x2_rows`, or `max_pool_rows` for any other window),
                reads acc by position pitch into `pooled`; `epilogue_rows` applies act(v * scale[o] + shift[o])
                (activations.py) and writes y[n], or the interior of the next conv's zero-padded input.
@@ -42,7 +43,7 @@ from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
-from lnn.runtime.cpu.winograd import tile_count, transformed_weight, winograd_input, winograd_output
+from lnn.runtime.cpu.winograd import TILE, tile_count, transformed_weight, winograd_input, winograd_output
 
 # Below this many multiply-adds per output element a grouped conv runs direct, not as tiny GEMMs.
 DIRECT_MAX_TAPS = 32
@@ -214,6 +215,7 @@ class Conv2dLayer:
         self.epilogue.set_activation(attrs["activation"])
         self.pool = NO_POOL      # (kernel_size, stride, padding) of a fused max-pool
         self.output_padding = (0, 0)    # set by backend.py when the next layer is a padded conv
+        self._winograd_weight = None    # U [36, O, C], made by the first plan that needs it
 
     @property
     def input_padding(self) -> tuple:
@@ -222,6 +224,7 @@ class Conv2dLayer:
     def fold(self, scale: np.ndarray, shift: np.ndarray) -> None:
         """Absorb y -> y * scale + shift per output channel (a batch norm) into weight and bias."""
         self.weight, self.epilogue.shift = fold_scale_and_shift(self.weight, self.epilogue.shift, scale, shift)
+        self._winograd_weight = None
 
     def fuse_max_pool(self, pool) -> None:
         """Run the max-pool layer `pool` inside this conv's output step (see the header)."""
@@ -294,8 +297,8 @@ class Conv2dLayer:
         if self.direct:
             return [(n, n + 1, 0, out_h, 0, conv_h) for n in range(batch)]
         out_channels, in_channels = self.weight.shape[:2]
-        if self.winograd:      # V and M (16 values per 2x2 outputs) + acc
-            column_bytes = (4 * in_channels + 5 * out_channels) * 4
+        if self.winograd:      # V and M (36 values per 4x4 outputs) + acc
+            column_bytes = 9 * (in_channels + out_channels) + 4 * out_channels     # bytes: 2.25 + 2.25 + 1 floats
         else:                  # cols + acc
             column_bytes = (self.weight[0].size * self.attrs["groups"] + out_channels) * 4
         image_bytes = column_bytes * padded_w * conv_h
@@ -367,27 +370,31 @@ class Conv2dLayer:
         return gemm
 
     def _winograd_product(self, image, bands: list, new_buffer):
-        """The product step of _product as Winograd F(2x2, 3x3): conv rows y_first..y_end-1 of the
+        """The product step of _product as Winograd F(4x4, 3x3): conv rows y_first..y_end-1 of the
         band's images into acc, pitch OW, from the tile rows that cover them (winograd.py).
 
-        V and M are [16, rows + 1, T'] buffers used as [16, rows, T]: the spare row and T' (16 times an
-        odd number) keep the 16 planes off the same cache sets (with power-of-two plane strides the
-        input transform ran 8x slower)."""
+        V and M are [36, rows + 1, T'] buffers used as [36, rows, T]: the spare row and T' (16 times an
+        odd number) keep the 36 planes off the same cache sets (with power-of-two plane strides the
+        F(2x2, 3x3) input transform ran 8x slower)."""
         out_channels, conv_h, conv_w = self.conv_shape
         in_channels = image.shape[1]
-        weight = transformed_weight(self.weight)
+        if self._winograd_weight is None:
+            self._winograd_weight = transformed_weight(self.weight)
+        weight = self._winograd_weight
         tiles_w = tile_count(conv_w)
 
         def band_tiles(band):
             n_first, n_end, _, _, y_first, y_end = band
-            tile_first = y_first // 2
+            tile_first = y_first // TILE
             return tile_first, tile_count(y_end) - tile_first, n_end - n_first
 
         most = max(rows * tiles_w * images for _, rows, images in map(band_tiles, bands))
         stride = -(-most // 16) * 16
         stride += 16 * (stride // 16 % 2 == 0)
-        v_buffer = new_buffer((16, in_channels + 1, stride))
-        m_buffer = new_buffer((16, out_channels + 1, stride))
+        v_buffer = new_buffer((36, in_channels + 1, stride))
+        m_buffer = new_buffer((36, out_channels + 1, stride))
+        input_work = new_buffer((6, 4 * tiles_w + 2))      # the kernels' scratch rows (winograd.py)
+        output_work = new_buffer((40, stride))
         acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
 
         def product(band, steps):
@@ -396,11 +403,11 @@ class Conv2dLayer:
             per_image = tile_rows * tiles_w
             count = per_image * images
             for n in range(n_first, n_end):
-                steps.append(partial(winograd_input, image[n], tile_first, tile_rows, (n - n_first) * per_image,
-                                     v_buffer))
+                steps.append(partial(winograd_input, image[n], 0, in_channels, tile_first, tile_rows,
+                                     (n - n_first) * per_image, input_work, v_buffer))
             steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],
                                  out=m_buffer[:, :out_channels, :count]))
-            steps.append(partial(winograd_output, m_buffer, images, per_image, tile_first, conv_h, conv_w,
-                                 y_first, y_end, acc))
+            steps.append(partial(winograd_output, m_buffer, 0, out_channels, images, per_image, tile_first, conv_h,
+                                 conv_w, y_first, y_end, output_work, acc))
             return acc, conv_w
         return product
