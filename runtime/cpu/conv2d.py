@@ -16,7 +16,10 @@ Each image goes through three steps, chosen per layer at load:
                1x1, stride 1, unpadded: the image itself is the columns matrix.
   2. product   per group, numpy's BLAS computes W2d[g] @ cols[g], W2d [O, C/G*KH*KW], into acc [O, positions].
      direct    instead of 1-2, grouped convs with few inputs per output (depthwise: C/groups = 1) run
-               `conv2d_direct` into acc [O, OH*OW].
+               `conv2d_direct` into acc [O, OH*OW]; 3x3 stride-1 undilated ungrouped convs with at most
+               DIRECT_MAX_CHANNELS inputs and at most DIRECT_MAX_OUT_CHANNELS outputs (a small first conv
+               on an RGB photo) run `conv3x3_direct` (conv_direct.py) into acc [O, positions], pitch OW.
+               A 1x1 stride-1 unpadded conv is one plain GEMM on the image itself (step 1 below).
      winograd  instead of 1-2, 3x3 stride-1 undilated ungrouped convs with at least WINOGRAD_MIN_CHANNELS
                inputs (or any such conv whose layer asks for "algorithm": "winograd") run Winograd
                F(4x4, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
@@ -41,6 +44,7 @@ import numpy as np
 
 from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
+from lnn.runtime.cpu.conv_direct import conv3x3_direct
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.winograd import TILE, tile_count, transformed_weight, winograd_input, winograd_output
@@ -51,9 +55,18 @@ NO_POOL = ((1, 1), (1, 1), (0, 0))      # a 1x1 window: kernel_size, stride, pad
 NO_POOL_WINDOW = (1, 1, 1, 1, 0, 0)     # the same, as the kernels' (KH, KW, SH, SW, PH, PW)
 # Columns -> product -> output run in bands of about this many bytes of cols + acc (half an L2 of 2 MiB).
 CHUNK_BYTES = 1024 * 1024
-# "auto" picks Winograd for eligible convs with at least this many input channels: with fewer, the 16
-# products [O, C] x [C, tiles] are too thin for BLAS (leaf_cnn, 1 thread: 16 inputs a little faster, 3 slower).
+# "auto" picks Winograd for eligible convs with at least this many input channels: with fewer, the 36
+# products [O, C] x [C, tiles] are too thin for BLAS. F(4x4, 3x3), 1 thread, conv + ReLU + 2x2 max-pool,
+# ms, Winograd vs columns + GEMM: C=8 O=16 64^2 0.24 vs 0.20; C=16 O=32 64^2 0.55 vs 0.60, 32^2 0.158 vs
+# 0.172; C=32 O=64 32^2 0.39 vs 0.73; C=64 O=128 16^2 0.29 vs 0.60; C=128 O=256 8^2 0.57 vs 0.60.
 WINOGRAD_MIN_CHANNELS = 16
+# "auto" runs 3x3 convs with at most this many inputs and outputs direct (conv_direct.py): the
+# columns matrix has too few rows (9C) and the product too few (O) for BLAS. Measured on 1 thread
+# (2-core EPYC, shared), one conv + ReLU + 2x2 max-pool, ms, direct vs columns + GEMM (banded):
+# C=3: O=8 128^2 0.17 vs 0.23, O=16 128^2 0.33 vs 0.35, O=16 224^2 0.95 vs 1.10, O=16 32^2 0.039 vs 0.038;
+# C=1 O=16 28^2 0.025 vs 0.024; more outputs lose: C=3 O=24 128^2 0.49 vs 0.47, O=32 224^2 2.0 vs 1.9.
+DIRECT_MAX_CHANNELS = 3
+DIRECT_MAX_OUT_CHANNELS = 16
 
 
 @kernel
@@ -242,6 +255,13 @@ class Conv2dLayer:
         return self.attrs["groups"] > 1 and group_in * kh * kw <= DIRECT_MAX_TAPS
 
     @property
+    def small_direct(self) -> bool:
+        a = self.attrs
+        return (a["algorithm"] == "auto" and a["kernel_size"] == (3, 3) and a["stride"] == (1, 1)
+                and a["dilation"] == (1, 1) and a["groups"] == 1 and a["in_channels"] <= DIRECT_MAX_CHANNELS
+                and self.conv_shape[0] <= DIRECT_MAX_OUT_CHANNELS)
+
+    @property
     def winograd(self) -> bool:
         a = self.attrs
         eligible = (a["kernel_size"] == (3, 3) and a["stride"] == (1, 1) and a["dilation"] == (1, 1)
@@ -297,7 +317,9 @@ class Conv2dLayer:
         if self.direct:
             return [(n, n + 1, 0, out_h, 0, conv_h) for n in range(batch)]
         out_channels, in_channels = self.weight.shape[:2]
-        if self.winograd:      # V and M (36 values per 4x4 outputs) + acc
+        if self.small_direct:  # acc
+            column_bytes = out_channels * 4
+        elif self.winograd:    # V and M (36 values per 4x4 outputs) + acc
             column_bytes = 9 * (in_channels + out_channels) + 4 * out_channels     # bytes: 2.25 + 2.25 + 1 floats
         else:                  # cols + acc
             column_bytes = (self.weight[0].size * self.attrs["groups"] + out_channels) * 4
@@ -328,6 +350,8 @@ class Conv2dLayer:
                 return acc, conv_w
             return direct
 
+        if self.small_direct:
+            return self._small_direct_product(image, bands, new_buffer)
         if self.winograd:
             return self._winograd_product(image, bands, new_buffer)
         groups = a["groups"]
@@ -368,6 +392,20 @@ class Conv2dLayer:
                                      out=grouped_acc[g]))
             return acc_buffer, pitch
         return gemm
+
+    def _small_direct_product(self, image, bands: list, new_buffer):
+        """The product step of _product as `conv3x3_direct`: conv rows y_first..y_end-1 of the band's
+        images into acc, pitch OW."""
+        out_channels, conv_h, conv_w = self.conv_shape
+        acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
+
+        def product(band, steps):
+            n_first, n_end, _, _, y_first, y_end = band
+            for n in range(n_first, n_end):
+                steps.append(partial(conv3x3_direct, image[n], self.weight, 0, out_channels, y_first, y_end,
+                                     (n - n_first) * conv_h * conv_w, acc))
+            return acc, conv_w
+        return product
 
     def _winograd_product(self, image, bands: list, new_buffer):
         """The product step of _product as Winograd F(4x4, 3x3): conv rows y_first..y_end-1 of the
