@@ -1,19 +1,21 @@
 """The CPU backend's 3x3 convolutions: GFLOP/s per conv layer, and batch-1 latency beside onnxruntime and ncnn.
 
-    python benchmarks/cpu_conv3x3.py [--before REV] [--rounds 3]      (about 2 minutes; needs ../shared/reference_models)
+    python benchmarks/cpu_conv3x3.py [--before REV] [--rounds 3]      (needs ../shared/reference_models)
 
-Everything runs at batch 1 on 1 thread, each runtime in its own process (one worker process per
-measurement, started by this script), random-normal inputs, median wall time after warm-up:
+About 3 minutes on an idle 2-core machine with --before (10 on a loaded one, --rounds 5). Everything
+runs at batch 1 on 1 thread, each runtime in its own process (one worker process per measurement,
+started by this script), random-normal inputs, wall time after warm-up (median, and the best call):
   - gemm     numpy's 1-thread float32 GEMM rate on a [256 x 1152] x [1152 x 784] product (conv4 of
              leaf_cnn224 as im2col), the yardstick for the per-layer rates;
   - layers   each conv layer of leaf_cnn224 and of the bundled tomato model, timed alone inside the
              backend's plan (its fused epilogue and max-pool included), as GFLOP/s of the conv's
-             2 * multiply-adds, with the algorithm the backend picks (conv2d.py's rule);
+             2 * multiply-adds, with the algorithm the backend picks (conv2d.py's rule), over
+             --rounds worker processes;
   - latency  lnn (threads=1), onnxruntime (intra_op_num_threads=1) and ncnn (num_threads=1, files in
              ../shared/reference_models/peer_formats; absent for the tomato model) on leaf_cnn,
              leaf_cnn224, mnist_cnn and models/tomato_leaf.bin (onnxruntime on its `lnn-export --onnx`).
 Each latency is the median over --rounds rounds (the runtimes interleaved round by round) of each
-worker's median. --before REV also measures lnn's layers and latency at git revision REV (its tree
+worker's median, and the best call of all. --before REV also measures lnn's layers and latency at git revision REV (its tree
 put in a temporary folder as the `lnn` package), so before/after come from the same run.
 Writes the "cpu_conv3x3" section of docs/BENCHMARKS.md (not with --no-write).
 """
@@ -41,8 +43,8 @@ LAYER_MODELS = ["leaf_cnn224", "tomato_leaf"]
 SECONDS_PER_MEASURE = 1.0
 
 
-def median_ms(function) -> float:
-    """Median wall time of function() in ms: 5 warm-up calls, then at least 10 timed ones for ~1 s."""
+def times_ms(function) -> list:
+    """[median, best] wall time of function() in ms: 5 warm-up calls, then at least 10 timed ones for ~1 s."""
     for _ in range(5):
         function()
     times, spent = [], 0.0
@@ -51,7 +53,7 @@ def median_ms(function) -> float:
         function()
         times.append(time.perf_counter() - start)
         spent += times[-1]
-    return float(np.median(times)) * 1e3
+    return [float(np.median(times)) * 1e3, float(np.min(times)) * 1e3]
 
 
 def lnn_model(name: str):
@@ -74,19 +76,19 @@ def random_input(shape) -> np.ndarray:
 
 # ---- workers: each prints one JSON value on its last line ----
 
-def worker_gemm(_name, _extra) -> float:
+def worker_gemm(_name, _extra) -> list:
     from threadpoolctl import threadpool_limits
 
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((256, 1152), np.float32), rng.standard_normal((1152, 784), np.float32)
     out = np.empty((256, 784), np.float32)
     with threadpool_limits(1, user_api="blas"):
-        ms = median_ms(lambda: np.matmul(a, b, out=out))
-    return 2 * 256 * 1152 * 784 / (ms * 1e6)
+        ms = times_ms(lambda: np.matmul(a, b, out=out))
+    return [2 * 256 * 1152 * 784 / (value * 1e6) for value in ms]          # GFLOP/s at the median, at the best
 
 
 def worker_layers(name, _extra) -> list:
-    """[[conv input shape, output channels, algorithm, ms, GFLOP/s]] for each conv layer, timed alone."""
+    """[[conv input shape, output channels, algorithm, median ms, best ms, MFLOP]] for each conv layer, timed alone."""
     from threadpoolctl import threadpool_limits
 
     from lnn.runtime.cpu.backend import CpuBackend, Plan
@@ -103,26 +105,25 @@ def worker_layers(name, _extra) -> list:
         for layer in backend.layers:
             source, steps = layer.plan(source, Plan._new_buffer)
             run = lambda steps=steps: [step() for step in steps]  # noqa: E731
-            ms = median_ms(run)
+            ms = times_ms(run)
             if isinstance(layer, Conv2dLayer):
                 node = convs[len(rows)]
-                algorithm = getattr(layer, "algorithm", None) or ("winograd" if layer.winograd else
-                                                                   "direct" if layer.direct else "gemm")
-                rows.append(["x".join(map(str, node.in_shape)), node.out_shape[0], algorithm, ms,
-                             node.flops / (ms * 1e6)])
+                algorithm = ("direct" if getattr(layer, "small_direct", False) or layer.direct else
+                             "winograd" if layer.winograd else "gemm")
+                rows.append(["x".join(map(str, node.in_shape)), node.out_shape[0], algorithm, *ms, node.flops / 1e6])
     return rows
 
 
-def worker_lnn(name, _extra) -> float:
+def worker_lnn(name, _extra) -> list:
     from lnn.runtime.cpu.backend import CpuBackend
 
     model, weights = lnn_model(name)
     backend = CpuBackend(model, weights, threads=1)
     x = random_input(model.input_shape)
-    return median_ms(lambda: backend.run(x))
+    return times_ms(lambda: backend.run(x))
 
 
-def worker_onnxruntime(name, onnx_path) -> float:
+def worker_onnxruntime(name, onnx_path) -> list:
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
@@ -131,10 +132,10 @@ def worker_onnxruntime(name, onnx_path) -> float:
     shape = session.get_inputs()[0].shape[1:]
     x = random_input(shape)
     input_name = session.get_inputs()[0].name
-    return median_ms(lambda: session.run(None, {input_name: x}))
+    return times_ms(lambda: session.run(None, {input_name: x}))
 
 
-def worker_ncnn(name, _extra) -> float:
+def worker_ncnn(name, _extra) -> list:
     import ncnn
 
     net = ncnn.Net()
@@ -149,7 +150,7 @@ def worker_ncnn(name, _extra) -> float:
         extractor = net.create_extractor()
         extractor.input("in0", image)
         return extractor.extract("out0")
-    return median_ms(run)
+    return times_ms(run)
 
 
 WORKERS = {"gemm": worker_gemm, "layers": worker_layers, "lnn": worker_lnn, "onnxruntime": worker_onnxruntime,
@@ -203,16 +204,23 @@ def main() -> None:
     if args.before:
         roots[f"lnn {args.before}"] = checkout(args.before, work)
 
-    gemm = in_process("gemm")
-    print(f"1-thread GEMM: {gemm:.1f} GFLOP/s", flush=True)
+    gemm_rounds = [in_process("gemm") for _ in range(args.rounds)]
+    gemm, gemm_best = statistics.median(r[0] for r in gemm_rounds), max(r[1] for r in gemm_rounds)
+    print(f"1-thread GEMM: {gemm:.1f} GFLOP/s (median), {gemm_best:.1f} (best)", flush=True)
     layer_rows = []
     for name in LAYER_MODELS:
-        measured = {label: in_process("layers", name, lnn_root=root) for label, root in roots.items()}
-        for index, row in enumerate(measured["lnn"]):
+        rounds = {label: [] for label in roots}
+        for _ in range(args.rounds):
+            for label, root in roots.items():
+                rounds[label].append(in_process("layers", name, lnn_root=root))
+        for index, row in enumerate(rounds["lnn"][0]):
             cells = [name, f"conv{index + 1}", f"{row[0]} -> {row[1]}"]
             for label in roots:
-                _, _, algorithm, ms, rate = measured[label][index]
-                cells += [algorithm, f"{ms:.3f}", f"{rate:.1f}", f"{100 * rate / gemm:.0f}%"]
+                algorithm = rounds[label][0][index][2]
+                ms = statistics.median(measured[index][3] for measured in rounds[label])
+                best = min(measured[index][4] for measured in rounds[label])
+                rate = row[5] / best
+                cells += [algorithm, f"{ms:.3f}", f"{best:.3f}", f"{rate:.1f}", f"{100 * rate / gemm_best:.0f}%"]
             print(" | ".join(cells), flush=True)
             layer_rows.append(cells)
 
@@ -227,29 +235,36 @@ def main() -> None:
                     continue
                 extra = str(tomato_onnx if name == "tomato_leaf" else REFERENCE_MODELS / f"{name}.onnx")
                 samples[label].append(in_process(kind, name, extra, lnn_root=root))
-        ms = {label: statistics.median(values) for label, values in samples.items() if values}
-        best_peer = min(ms[label] for label in ("onnxruntime", "ncnn") if label in ms)
-        cells = [name] + [f"{ms[label]:.3f}" if label in ms else "-" for label in runtimes]
-        cells.append(f"{ms['lnn'] / best_peer:.2f}")
+        ms = {label: statistics.median(v[0] for v in values) for label, values in samples.items() if values}
+        best = {label: min(v[1] for v in values) for label, values in samples.items() if values}
+        peers = [label for label in ("onnxruntime", "ncnn") if label in ms]
+        cells = [name] + [f"{ms[label]:.3f} ({best[label]:.3f})" if label in ms else "-" for label in runtimes]
+        cells += [f"{ms['lnn'] / min(ms[label] for label in peers):.2f}",
+                  f"{best['lnn'] / min(best[label] for label in peers):.2f}"]
         print(" | ".join(cells), flush=True)
         latency_rows.append(cells)
 
-    before = f" `{args.before}` is the revision before this work (F(2x2,3x3) Winograd)." if args.before else ""
+    before = f" Columns `lnn {args.before}`: lnn at git revision {args.before}, in the same run." if args.before else ""
     layer_headers = ["model", "layer", "input -> out channels"]
     for label in roots:
-        layer_headers += [f"{label} algorithm", f"{label} ms", f"{label} GFLOP/s", f"{label} ÷ GEMM"]
+        layer_headers += [f"{label} algorithm", f"{label} ms", f"{label} best ms", f"{label} GFLOP/s (best)",
+                          f"{label} ÷ GEMM (best)"]
     body = "\n\n".join([
         "## 3x3 convolutions on the CPU: per-layer GFLOP/s, lnn vs onnxruntime and ncnn (batch 1, 1 thread)",
         f"Command: `python benchmarks/cpu_conv3x3.py{' --before ' + args.before if args.before else ''}`. "
         f"Machine: {machine_line(('numpy', 'numba', 'onnxruntime', 'ncnn'))}; shared with other jobs, so timings "
         f"are noisy.{before}",
-        f"1-thread float32 GEMM rate (numpy, [256x1152]x[1152x784]): **{gemm:.1f} GFLOP/s**. Per conv layer, "
-        "timed alone inside the plan (fused epilogue and max-pool included), GFLOP/s of the direct convolution's "
-        "2 x multiply-adds (so Winograd can exceed the GEMM rate):",
+        f"1-thread float32 GEMM rate (numpy, [256x1152]x[1152x784]): **{gemm:.1f} GFLOP/s** median, "
+        f"**{gemm_best:.1f}** best. Per conv layer, timed alone inside the plan (fused epilogue and max-pool "
+        f"included): the median over {args.rounds} processes of each one's median, and the best call of all; "
+        "GFLOP/s of the direct convolution's 2 x multiply-adds at the best call, beside the best GEMM rate (so "
+        "Winograd can exceed 100%). On a loaded machine the best call is the steadier figure: a call longer "
+        "than the scheduler's slice waits for the other jobs, which inflates medians unevenly.",
         markdown_table(layer_headers, layer_rows),
-        f"Batch-1 latency, 1 thread, ms (median over {args.rounds} rounds of each process's median; each runtime "
-        "in its own process). The tomato model has no ncnn file.",
-        markdown_table(["model", *runtimes, "lnn ÷ best peer"], latency_rows),
+        f"Batch-1 latency, 1 thread, ms: median over {args.rounds} rounds of each process's median (best call "
+        "in brackets); each runtime in its own process. The tomato model has no ncnn file.",
+        markdown_table(["model", *runtimes, "lnn ÷ best peer (medians)", "lnn ÷ best peer (best calls)"],
+                       latency_rows),
     ])
     if not args.no_write:
         update_section("cpu_conv3x3", body)

@@ -17,8 +17,9 @@ transforms are exact in real arithmetic; in float32 they round differently from 
 of the max error over 4x4 outputs relative to the largest output, C=64 Kaiming weights, inputs
 |N(0,1)| (measured in float32 with these matrices): this set 1.0e-6; Lavin's (0, +-1, +-2) 1.8e-6;
 F(2x2, 3x3) 0.3e-6; F(6x6, 3x3) with (0, +-1, +-2, +-1/2) 4.3e-6 (not used: the error grows, and
-the small late layers waste more of 6x6 tiles). tests/runtime/test_cpu_winograd.py bounds the error
-against float64 and checks the hand-written kernels against these matrices.
+the small late layers waste more of 6x6 tiles). The kernels read A^T and B^T as constants (AT32,
+BT32); tests/runtime/test_cpu_winograd.py checks them against the matrices and bounds the error
+against float64.
 
 Both kernels take a channel range (c_first..c_end of the input, o_first..o_end of the output) and
 tile rows, so a caller may split one conv's transforms over threads by channels or by rows; the
@@ -55,20 +56,19 @@ def transforms(points=POINTS, m: int = TILE, r: int = 3) -> tuple:
     return at.astype(float), g.astype(float), np.round(bt, 12)
 
 
+AT, G, BT = transforms()
+AT32, BT32 = AT.astype(np.float32), BT.astype(np.float32)     # constants in the kernels (Numba freezes them)
+
+
 def transformed_weight(weight: np.ndarray) -> np.ndarray:
     """weight [O, C, 3, 3] -> U [36, O, C] float32 (computed in float64)."""
-    _, g, _ = transforms()
-    u = np.einsum("ij,ocjk,lk->ilo c".replace(" ", ""), g, weight.astype(np.float64), g)    # [6, 6, O, C]
+    u = np.einsum("ij,ocjk,lk->iloc", G, weight.astype(np.float64), G)       # [6, 6, O, C]
     return np.ascontiguousarray(u.reshape(36, *weight.shape[:2]), dtype=np.float32)
 
 
 def tile_count(size: int) -> int:
     """Tiles along an output axis of `size` cells."""
     return -(-size // TILE)
-
-
-AT, G, BT = transforms()
-AT32, BT32 = AT.astype(np.float32), BT.astype(np.float32)     # constants in the kernels (Numba freezes them)
 
 
 @kernel
