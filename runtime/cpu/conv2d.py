@@ -23,7 +23,7 @@ Each image goes through three steps, chosen per layer at load:
      winograd  instead of 1-2, 3x3 stride-1 undilated ungrouped convs with at least WINOGRAD_MIN_CHANNELS
                inputs (or any such conv whose layer asks for "algorithm": "winograd") run Winograd
                F(4x4, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
-               Its transformed weight U [36, O, C] is made once per layer (after batch-norm folding).
+               Its transformed weight U [36, O, C] is made once, at load (after batch-norm folding).
   3. output    the fused max-pool, if any (`max_pool_2x2_rows`, or `max_pool_rows` for any other window),
                reads acc by position pitch into `pooled`; `epilogue_rows` applies act(v * scale[o] + shift[o])
                (activations.py) and writes y[n], or the interior of the next conv's zero-padded input.
@@ -228,7 +228,7 @@ class Conv2dLayer:
         self.epilogue.set_activation(attrs["activation"])
         self.pool = NO_POOL      # (kernel_size, stride, padding) of a fused max-pool
         self.output_padding = (0, 0)    # set by backend.py when the next layer is a padded conv
-        self._winograd_weight = None    # U [36, O, C], made by the first plan that needs it
+        self._pack_weight()
 
     @property
     def input_padding(self) -> tuple:
@@ -237,7 +237,11 @@ class Conv2dLayer:
     def fold(self, scale: np.ndarray, shift: np.ndarray) -> None:
         """Absorb y -> y * scale + shift per output channel (a batch norm) into weight and bias."""
         self.weight, self.epilogue.shift = fold_scale_and_shift(self.weight, self.epilogue.shift, scale, shift)
-        self._winograd_weight = None
+        self._pack_weight()
+
+    def _pack_weight(self) -> None:
+        """The weight in the layout the product reads: U [36, O, C] for Winograd (winograd.py), at load."""
+        self.winograd_weight = transformed_weight(self.weight) if self.winograd else None
 
     def fuse_max_pool(self, pool) -> None:
         """Run the max-pool layer `pool` inside this conv's output step (see the header)."""
@@ -416,9 +420,7 @@ class Conv2dLayer:
         F(2x2, 3x3) input transform ran 8x slower)."""
         out_channels, conv_h, conv_w = self.conv_shape
         in_channels = image.shape[1]
-        if self._winograd_weight is None:
-            self._winograd_weight = transformed_weight(self.weight)
-        weight = self._winograd_weight
+        weight = self.winograd_weight
         tiles_w = tile_count(conv_w)
 
         def band_tiles(band):

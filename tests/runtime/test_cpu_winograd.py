@@ -166,3 +166,22 @@ def test_algorithm_rule_for_small_convs():
     assert not layer(3, 16, algorithm="im2col").small_direct
     forced = layer(3, 16, algorithm="winograd")
     assert forced.winograd and not forced.small_direct
+
+
+def test_winograd_weight_is_packed_at_load_after_batch_norm_folding():
+    from lnn.runtime.cpu import BACKEND
+    from lnn.runtime.cpu.winograd import transformed_weight
+    from lnn.runtime.reference import NumpyBackend
+
+    model = parse_model({"input_shape": [16, 10, 9], "layers": [
+        {"type": "conv2d", "out_channels": 8, "kernel_size": 3, "padding": 1, "algorithm": "winograd"},
+        {"type": "batchnorm"}]})
+    rng = np.random.default_rng(5)
+    weights = {key: (rng.uniform(0.5, 1.5, shape) if key.endswith("running_var") else rng.standard_normal(shape))
+               .astype(np.float32) for key, shape in model.param_shapes().items()}
+    backend = BACKEND(model, weights)
+    layer = backend.layers[0]
+    assert len(backend.layers) == 1 and layer.winograd_weight.shape == (36, 8, 16)
+    np.testing.assert_array_equal(layer.winograd_weight, transformed_weight(layer.weight))     # the folded weight
+    x = rng.standard_normal((2, 16, 10, 9)).astype(np.float32)
+    np.testing.assert_allclose(backend.run(x), NumpyBackend(model, weights).run(x), rtol=0, atol=1e-4)
