@@ -46,10 +46,8 @@ SIGNATURES = {
     "pool.global_avg_pool": (A3, A2),
     "winograd.winograd_input": (A3, I, I, I, I, I, A2, A3),
     "winograd.winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
-    "winograd.winograd2_input": (A3, I, I, I, I, I, A3),
-    "winograd.winograd2_output": (A3, I, I, I, I, I, I, I, I, I, A2),
 }
-INLINE_ONLY = {"activations.activate", "winograd.padded_cell"}
+INLINE_ONLY = {"activations.activate"}
 
 
 def kernel_key(function) -> str:

@@ -22,8 +22,7 @@ Each image goes through three steps, chosen per layer at load:
                A 1x1 stride-1 unpadded conv is one plain GEMM on the image itself (step 1 below).
      winograd  instead of 1-2, 3x3 stride-1 undilated ungrouped convs with at least WINOGRAD_MIN_CHANNELS
                inputs (or any such conv whose layer asks for "algorithm": "winograd") run Winograd
-               F(4x4, 3x3) (winograd.py; F(2x2, 3x3) for outputs of at most WINOGRAD_SMALL_TILES 4x4
-               tiles) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
+               F(4x4, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
                Its transformed weight U [36, O, C] is made once, at load (after batch-norm folding).
   3. output    the fused max-pool, if any (`max_pool_2x2_rows`, or `max_pool_rows` for any other window),
                reads acc by position pitch into `pooled`; `epilogue_rows` applies act(v * scale[o] + shift[o])
@@ -48,8 +47,7 @@ from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.conv_direct import conv3x3_direct
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
-from lnn.runtime.cpu.winograd import (TILE, tile_count, transformed_weight, winograd2_input, winograd2_output,
-                                      winograd_input, winograd_output)
+from lnn.runtime.cpu.winograd import TILE, tile_count, transformed_weight, winograd_input, winograd_output
 
 # Below this many multiply-adds per output element a grouped conv runs direct, not as tiny GEMMs.
 DIRECT_MAX_TAPS = 32
@@ -68,11 +66,6 @@ WINOGRAD_MIN_CHANNELS = 16
 # C=3: O=8 128^2 0.17 vs 0.23, O=16 128^2 0.33 vs 0.35, O=16 224^2 0.95 vs 1.10, O=16 32^2 0.039 vs 0.038;
 # C=1 O=16 28^2 0.025 vs 0.024; more outputs lose: C=3 O=24 128^2 0.49 vs 0.47, O=32 224^2 2.0 vs 1.9.
 DIRECT_MAX_CHANNELS = 3
-# Winograd convs whose output has at most this many 4x4 tiles per image (8x8 and smaller) run F(2x2, 3x3):
-# at batch 1 F(4x4)'s larger U is read for only a few tiles. conv + ReLU + 2x2 max-pool, 1 thread, ms,
-# F(2x2) vs F(4x4): C=128 O=256 8^2 0.40 vs 0.57 (product alone 0.25 vs 0.39); C=64 O=128 12^2 0.24-0.38
-# vs 0.27-0.40; C=32 O=64 14^2 0.12 vs 0.12; C=64 O=128 16^2 0.36 vs 0.30.
-WINOGRAD_SMALL_TILES = 4
 DIRECT_MAX_OUT_CHANNELS = 16
 
 
@@ -248,7 +241,7 @@ class Conv2dLayer:
 
     def _pack_weight(self) -> None:
         """The weight in the layout the product reads: U [36, O, C] for Winograd (winograd.py), at load."""
-        self.winograd_weight = transformed_weight(self.weight, self.winograd_tile) if self.winograd else None
+        self.winograd_weight = transformed_weight(self.weight) if self.winograd else None
 
     def fuse_max_pool(self, pool) -> None:
         """Run the max-pool layer `pool` inside this conv's output step (see the header)."""
@@ -280,12 +273,6 @@ class Conv2dLayer:
         if a["algorithm"] == "auto":
             return eligible and a["in_channels"] >= WINOGRAD_MIN_CHANNELS
         return eligible and a["algorithm"] == "winograd"
-
-    @property
-    def winograd_tile(self) -> int:
-        """Outputs per Winograd tile side: 4, or 2 for small outputs (WINOGRAD_SMALL_TILES)."""
-        _, conv_h, conv_w = self.conv_shape
-        return 2 if tile_count(conv_h) * tile_count(conv_w) <= WINOGRAD_SMALL_TILES else TILE
 
     @property
     def pointwise(self) -> bool:
@@ -337,8 +324,7 @@ class Conv2dLayer:
         if self.small_direct:  # acc
             column_bytes = out_channels * 4
         elif self.winograd:    # V and M (36 values per 4x4 outputs) + acc
-            column_bytes = ((9 * (in_channels + out_channels) + 4 * out_channels) if self.winograd_tile == TILE
-                            else 16 * in_channels + 20 * out_channels)     # bytes: 2.25 (4) + 2.25 (4) + 1 floats
+            column_bytes = 9 * (in_channels + out_channels) + 4 * out_channels     # bytes: 2.25 + 2.25 + 1 floats
         else:                  # cols + acc
             column_bytes = (self.weight[0].size * self.attrs["groups"] + out_channels) * 4
         image_bytes = column_bytes * padded_w * conv_h
@@ -426,30 +412,27 @@ class Conv2dLayer:
         return product
 
     def _winograd_product(self, image, bands: list, new_buffer):
-        """The product step of _product as Winograd F(4x4, 3x3), or F(2x2, 3x3): conv rows
-        y_first..y_end-1 of the band's images into acc, pitch OW, from the tile rows that cover them
-        (winograd.py).
+        """The product step of _product as Winograd F(4x4, 3x3): conv rows y_first..y_end-1 of the
+        band's images into acc, pitch OW, from the tile rows that cover them (winograd.py).
 
-        V and M are [K, rows + 1, T'] buffers used as [K, rows, T] (K = 36, or 16): the spare row and
-        T' (16 times an odd number) keep the K planes off the same cache sets (with power-of-two plane
-        strides the F(2x2, 3x3) input transform ran 8x slower)."""
+        V and M are [36, rows + 1, T'] buffers used as [36, rows, T]: the spare row and T' (16 times an
+        odd number) keep the 36 planes off the same cache sets (with power-of-two plane strides the
+        F(2x2, 3x3) input transform ran 8x slower)."""
         out_channels, conv_h, conv_w = self.conv_shape
         in_channels = image.shape[1]
         weight = self.winograd_weight
-        tile = self.winograd_tile
-        planes = weight.shape[0]
-        tiles_w = tile_count(conv_w, tile)
+        tiles_w = tile_count(conv_w)
 
         def band_tiles(band):
             n_first, n_end, _, _, y_first, y_end = band
-            tile_first = y_first // tile
-            return tile_first, tile_count(y_end, tile) - tile_first, n_end - n_first
+            tile_first = y_first // TILE
+            return tile_first, tile_count(y_end) - tile_first, n_end - n_first
 
         most = max(rows * tiles_w * images for _, rows, images in map(band_tiles, bands))
         stride = -(-most // 16) * 16
         stride += 16 * (stride // 16 % 2 == 0)
-        v_buffer = new_buffer((planes, in_channels + 1, stride))
-        m_buffer = new_buffer((planes, out_channels + 1, stride))
+        v_buffer = new_buffer((36, in_channels + 1, stride))
+        m_buffer = new_buffer((36, out_channels + 1, stride))
         input_work = new_buffer((6, 4 * tiles_w + 2))      # the kernels' scratch rows (winograd.py)
         output_work = new_buffer((40, stride))
         acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
@@ -460,13 +443,11 @@ class Conv2dLayer:
             per_image = tile_rows * tiles_w
             count = per_image * images
             for n in range(n_first, n_end):
-                rows = (image[n], 0, in_channels, tile_first, tile_rows, (n - n_first) * per_image)
-                steps.append(partial(winograd_input, *rows, input_work, v_buffer) if tile == TILE
-                             else partial(winograd2_input, *rows, v_buffer))
+                steps.append(partial(winograd_input, image[n], 0, in_channels, tile_first, tile_rows,
+                                     (n - n_first) * per_image, input_work, v_buffer))
             steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],
                                  out=m_buffer[:, :out_channels, :count]))
-            rows = (m_buffer, 0, out_channels, images, per_image, tile_first, conv_h, conv_w, y_first, y_end)
-            steps.append(partial(winograd_output, *rows, output_work, acc) if tile == TILE
-                         else partial(winograd2_output, *rows, acc))
+            steps.append(partial(winograd_output, m_buffer, 0, out_channels, images, per_image, tile_first, conv_h,
+                                 conv_w, y_first, y_end, output_work, acc))
             return acc, conv_w
         return product

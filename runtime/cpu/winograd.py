@@ -21,11 +21,7 @@ the small late layers waste more of 6x6 tiles). The kernels read A^T and B^T as 
 BT32); tests/runtime/test_cpu_winograd.py checks them against the matrices and bounds the error
 against float64.
 
-Small outputs run F(2x2, 3x3) instead (`winograd2_input`, `winograd2_output`, end of this file; the
-rule is conv2d.py's WINOGRAD_SMALL_TILES): with few tiles the product reads U once per few columns
-and is bound by memory, and F(2x2)'s U is 16/36 the size.
-
-All kernels take a channel range (c_first..c_end of the input, o_first..o_end of the output) and
+Both kernels take a channel range (c_first..c_end of the input, o_first..o_end of the output) and
 tile rows, so a caller may split one conv's transforms over threads by channels or by rows; the
 product splits by output rows of U (U[:, o_first:o_end]).
 """
@@ -64,17 +60,15 @@ AT, G, BT = transforms()
 AT32, BT32 = AT.astype(np.float32), BT.astype(np.float32)     # constants in the kernels (Numba freezes them)
 
 
-def transformed_weight(weight: np.ndarray, tile: int = TILE) -> np.ndarray:
-    """weight [O, C, 3, 3] -> U [36, O, C] (tile 4) or [16, O, C] (tile 2, F(2x2): G2 below) float32,
-    computed in float64."""
-    g = G if tile == TILE else G2
-    u = np.einsum("ij,ocjk,lk->iloc", g, weight.astype(np.float64), g)       # [n, n, O, C]
-    return np.ascontiguousarray(u.reshape(len(g) ** 2, *weight.shape[:2]), dtype=np.float32)
+def transformed_weight(weight: np.ndarray) -> np.ndarray:
+    """weight [O, C, 3, 3] -> U [36, O, C] float32 (computed in float64)."""
+    u = np.einsum("ij,ocjk,lk->iloc", G, weight.astype(np.float64), G)       # [6, 6, O, C]
+    return np.ascontiguousarray(u.reshape(36, *weight.shape[:2]), dtype=np.float32)
 
 
-def tile_count(size: int, tile: int = TILE) -> int:
+def tile_count(size: int) -> int:
     """Tiles along an output axis of `size` cells."""
-    return -(-size // tile)
+    return -(-size // TILE)
 
 
 @kernel
@@ -159,101 +153,3 @@ def winograd_output(m, o_first, o_end, images, tiles_per_image, tile_first, conv
                         line[4 * tx], line[4 * tx + 1], line[4 * tx + 2], line[4 * tx + 3] = y0[tx], y1[tx], y2[tx], y3[tx]
                     for x in range(4 * full_w, conv_w):
                         line[x] = work[24 + 4 * a + x % 4, t0 + x // 4]
-
-
-# F(2x2, 3x3), for small outputs (conv2d.py's WINOGRAD_SMALL_TILES): U [16, O, C] from G2 (Lavin's,
-# points 0, 1, -1; B^T and A^T are written out in the two kernels below), 16 products, 2x2 tiles.
-G2 = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
-
-
-@kernel
-def padded_cell(plane, y, x):
-    """plane[y, x], or 0 past the bottom or right edge of plane."""
-    return plane[y, x] if y < plane.shape[0] and x < plane.shape[1] else np.float32(0)
-
-
-@kernel
-def winograd2_input(image, c_first, c_end, tile_first, tile_rows, column, v):
-    """F(2x2, 3x3): image [C, HP, WP] (padded) -> v[:, c, column + (ty - tile_first) * TW + tx] for
-    channels c_first..c_end-1, tile rows tile_first..tile_first+tile_rows-1 and all TW =
-    tile_count(WP - 2, 2) tile columns; v [16, >= C, >= T]; B^T d B written out per 4x4 patch d.
-    (Indexes, not slices: a slice costs a reference count update, as much as a tile's arithmetic.)"""
-    _, padded_h, padded_w = image.shape
-    tiles_w = (padded_w - 1) // 2
-    for c in range(c_first, c_end):
-        plane = image[c]
-        for ty in range(tile_first, tile_first + tile_rows):
-            y = 2 * ty
-            full_w = (padded_w - 2) // 2 if y + 4 <= padded_h else 0   # tiles with all 16 cells inside
-            t0 = column + (ty - tile_first) * tiles_w
-            for tx in range(tiles_w):
-                x = 2 * tx
-                if tx < full_w:
-                    d00, d01, d02, d03 = plane[y, x], plane[y, x + 1], plane[y, x + 2], plane[y, x + 3]
-                    d10, d11, d12, d13 = plane[y + 1, x], plane[y + 1, x + 1], plane[y + 1, x + 2], plane[y + 1, x + 3]
-                    d20, d21, d22, d23 = plane[y + 2, x], plane[y + 2, x + 1], plane[y + 2, x + 2], plane[y + 2, x + 3]
-                    d30, d31, d32, d33 = plane[y + 3, x], plane[y + 3, x + 1], plane[y + 3, x + 2], plane[y + 3, x + 3]
-                else:
-                    d00, d01 = padded_cell(plane, y, x), padded_cell(plane, y, x + 1)
-                    d02, d03 = padded_cell(plane, y, x + 2), padded_cell(plane, y, x + 3)
-                    d10, d11 = padded_cell(plane, y + 1, x), padded_cell(plane, y + 1, x + 1)
-                    d12, d13 = padded_cell(plane, y + 1, x + 2), padded_cell(plane, y + 1, x + 3)
-                    d20, d21 = padded_cell(plane, y + 2, x), padded_cell(plane, y + 2, x + 1)
-                    d22, d23 = padded_cell(plane, y + 2, x + 2), padded_cell(plane, y + 2, x + 3)
-                    d30, d31 = padded_cell(plane, y + 3, x), padded_cell(plane, y + 3, x + 1)
-                    d32, d33 = padded_cell(plane, y + 3, x + 2), padded_cell(plane, y + 3, x + 3)
-                # B^T d: rows a, b, e, f
-                a0, a1, a2, a3 = d00 - d20, d01 - d21, d02 - d22, d03 - d23
-                b0, b1, b2, b3 = d10 + d20, d11 + d21, d12 + d22, d13 + d23
-                e0, e1, e2, e3 = d20 - d10, d21 - d11, d22 - d12, d23 - d13
-                f0, f1, f2, f3 = d10 - d30, d11 - d31, d12 - d32, d13 - d33
-                # (B^T d) B
-                t = t0 + tx
-                v[0, c, t], v[1, c, t], v[2, c, t], v[3, c, t] = a0 - a2, a1 + a2, a2 - a1, a1 - a3
-                v[4, c, t], v[5, c, t], v[6, c, t], v[7, c, t] = b0 - b2, b1 + b2, b2 - b1, b1 - b3
-                v[8, c, t], v[9, c, t], v[10, c, t], v[11, c, t] = e0 - e2, e1 + e2, e2 - e1, e1 - e3
-                v[12, c, t], v[13, c, t], v[14, c, t], v[15, c, t] = f0 - f2, f1 + f2, f2 - f1, f1 - f3
-
-
-@kernel
-def winograd2_output(m, o_first, o_end, images, tiles_per_image, tile_first, conv_h, conv_w, y_first, y_end, acc):
-    """F(2x2, 3x3): m [16, >= O, >= T] -> acc [O, positions] for output channels o_first..o_end-1: conv output (image j, y, x) of the band's images j, rows
-    y_first..y_end-1, at position (j * conv_h + y - y_first) * conv_w + x; tile t = j * tiles_per_image
-    + (ty - tile_first) * TW + tx holds rows 2ty, 2ty+1 and columns 2tx, 2tx+1."""
-    tiles_w = (conv_w + 1) // 2
-    pairs = conv_w // 2                     # tiles whose two columns are both inside the output
-    tile_rows = tiles_per_image // tiles_w
-    for o in range(o_first, o_end):
-        for j in range(images):
-            for row in range(tile_rows):
-                y = 2 * (tile_first + row)
-                t0 = j * tiles_per_image + row * tiles_w
-                # A^T m: the top (p) and bottom (q) rows of the tile, each then times A
-                if y >= y_first:
-                    top = (j * conv_h + y - y_first) * conv_w
-                    for tx in range(pairs):
-                        t = t0 + tx
-                        p0 = m[0, o, t] + m[4, o, t] + m[8, o, t]
-                        p1 = m[1, o, t] + m[5, o, t] + m[9, o, t]
-                        p2 = m[2, o, t] + m[6, o, t] + m[10, o, t]
-                        p3 = m[3, o, t] + m[7, o, t] + m[11, o, t]
-                        acc[o, top + 2 * tx] = p0 + p1 + p2
-                        acc[o, top + 2 * tx + 1] = p1 - p2 - p3
-                    if pairs < tiles_w:
-                        t = t0 + pairs
-                        acc[o, top + 2 * pairs] = (m[0, o, t] + m[4, o, t] + m[8, o, t] + m[1, o, t] + m[5, o, t]
-                                                   + m[9, o, t] + m[2, o, t] + m[6, o, t] + m[10, o, t])
-                if y + 1 < y_end:
-                    bottom = (j * conv_h + y + 1 - y_first) * conv_w
-                    for tx in range(pairs):
-                        t = t0 + tx
-                        q0 = m[4, o, t] - m[8, o, t] - m[12, o, t]
-                        q1 = m[5, o, t] - m[9, o, t] - m[13, o, t]
-                        q2 = m[6, o, t] - m[10, o, t] - m[14, o, t]
-                        q3 = m[7, o, t] - m[11, o, t] - m[15, o, t]
-                        acc[o, bottom + 2 * tx] = q0 + q1 + q2
-                        acc[o, bottom + 2 * tx + 1] = q1 - q2 - q3
-                    if pairs < tiles_w:
-                        t = t0 + pairs
-                        acc[o, bottom + 2 * pairs] = (m[4, o, t] - m[8, o, t] - m[12, o, t] + m[5, o, t] - m[9, o, t]
-                                                      - m[13, o, t] + m[6, o, t] - m[10, o, t] - m[14, o, t])
