@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 MODULE = "lnn_cpu_kernels"
-KERNEL_MODULES = ("activations", "conv2d", "layernorm", "pool", "recurrent", "winograd")   # files of lnn.runtime.cpu with kernels
+KERNEL_MODULES = ("activations", "conv2d", "conv_direct", "layernorm", "pool", "recurrent", "winograd")   # files of lnn.runtime.cpu with kernels
 
 A1, A2, A3, A4 = "f4[::1]", "f4[:, ::1]", "f4[:, :, ::1]", "f4[:, :, :, ::1]"
 I, F, WINDOW = "i8", "f8", "UniTuple(i8, 6)"
@@ -41,6 +41,7 @@ SIGNATURES = {
     "conv2d.max_pool_rows": (A2, I, I, I, I, I, WINDOW, A1, A2, I, I, I),
     "conv2d.epilogue_rows": (A2, I, I, I, A1, A1, I, F, A4, I, I, I, I, I, I),
     "conv2d.softmax_channels": (A4, I, I, I, I, I, I),
+    "conv_direct.conv3x3_direct": (A3, A4, I, I, I, I, I, A2),
     "layernorm.layernorm_rows": (A2, A1, A1, F, A2),
     "pool.maxpool2d": (A4, I, I, I, I, A4),
     "pool.avgpool2d": (A4, I, I, I, I, A2, A4),
@@ -50,11 +51,10 @@ SIGNATURES = {
     "recurrent.gru_cell": (A2, A2, A1, A2, A2, I),
     "recurrent.lstm_sequence": (A3, A2, A2, A2, A3, I, I),
     "recurrent.gru_sequence": (A3, A2, A1, A2, A2, A3, I, I),
-    "winograd.winograd_input": (A3, I, I, I, A3),
-    "winograd.winograd_output": (A3, I, I, I, I, I, I, I, A2),
+    "winograd.winograd_input": (A3, I, I, I, I, I, A2, A3),
+    "winograd.winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
 }
-INLINE_ONLY = {"activations.activate", "winograd.padded_cell", "recurrent.fast_tanh", "recurrent.fast_sigmoid",
-               "recurrent.recurrent_product"}
+INLINE_ONLY = {"activations.activate", "recurrent.fast_tanh", "recurrent.fast_sigmoid", "recurrent.recurrent_product"}
 
 
 def kernel_key(function) -> str:

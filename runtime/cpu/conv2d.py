@@ -16,10 +16,14 @@ Each image goes through three steps, chosen per layer at load:
                1x1, stride 1, unpadded: the image itself is the columns matrix.
   2. product   per group, numpy's BLAS computes W2d[g] @ cols[g], W2d [O, C/G*KH*KW], into acc [O, positions].
      direct    instead of 1-2, grouped convs with few inputs per output (depthwise: C/groups = 1) run
-               `conv2d_direct` into acc [O, OH*OW].
+               `conv2d_direct` into acc [O, OH*OW]; 3x3 stride-1 undilated ungrouped convs with at most
+               DIRECT_MAX_CHANNELS inputs and at most DIRECT_MAX_OUT_CHANNELS outputs (a small first conv
+               on an RGB photo) run `conv3x3_direct` (conv_direct.py) into acc [O, positions], pitch OW.
+               A 1x1 stride-1 unpadded conv is one plain GEMM on the image itself (step 1 below).
      winograd  instead of 1-2, 3x3 stride-1 undilated ungrouped convs with at least WINOGRAD_MIN_CHANNELS
                inputs (or any such conv whose layer asks for "algorithm": "winograd") run Winograd
-               F(2x2, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
+               F(4x4, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
+               Its transformed weight U [36, O, C] is made once, at load (after batch-norm folding).
   3. output    the fused max-pool, if any (`max_pool_2x2_rows`, or `max_pool_rows` for any other window),
                reads acc by position pitch into `pooled`; `epilogue_rows` applies act(v * scale[o] + shift[o])
                (activations.py) and writes y[n], or the interior of the next conv's zero-padded input.
@@ -40,9 +44,10 @@ import numpy as np
 
 from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
+from lnn.runtime.cpu.conv_direct import conv3x3_direct
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
-from lnn.runtime.cpu.winograd import tile_count, transformed_weight, winograd_input, winograd_output
+from lnn.runtime.cpu.winograd import TILE, tile_count, transformed_weight, winograd_input, winograd_output
 
 # Below this many multiply-adds per output element a grouped conv runs direct, not as tiny GEMMs.
 DIRECT_MAX_TAPS = 32
@@ -50,9 +55,18 @@ NO_POOL = ((1, 1), (1, 1), (0, 0))      # a 1x1 window: kernel_size, stride, pad
 NO_POOL_WINDOW = (1, 1, 1, 1, 0, 0)     # the same, as the kernels' (KH, KW, SH, SW, PH, PW)
 # Columns -> product -> output run in bands of about this many bytes of cols + acc (half an L2 of 2 MiB).
 CHUNK_BYTES = 1024 * 1024
-# "auto" picks Winograd for eligible convs with at least this many input channels: with fewer, the 16
-# products [O, C] x [C, tiles] are too thin for BLAS (leaf_cnn, 1 thread: 16 inputs a little faster, 3 slower).
+# "auto" picks Winograd for eligible convs with at least this many input channels: with fewer, the 36
+# products [O, C] x [C, tiles] are too thin for BLAS. F(4x4, 3x3), 1 thread, conv + ReLU + 2x2 max-pool,
+# ms, Winograd vs columns + GEMM: C=8 O=16 64^2 0.24 vs 0.20; C=16 O=32 64^2 0.55 vs 0.60, 32^2 0.158 vs
+# 0.172; C=32 O=64 32^2 0.39 vs 0.73; C=64 O=128 16^2 0.29 vs 0.60; C=128 O=256 8^2 0.57 vs 0.60.
 WINOGRAD_MIN_CHANNELS = 16
+# "auto" runs 3x3 convs with at most this many inputs and outputs direct (conv_direct.py): the
+# columns matrix has too few rows (9C) and the product too few (O) for BLAS. Measured on 1 thread
+# (2-core EPYC, shared), one conv + ReLU + 2x2 max-pool, ms, direct vs columns + GEMM (banded):
+# C=3: O=8 128^2 0.17 vs 0.23, O=16 128^2 0.33 vs 0.35, O=16 224^2 0.95 vs 1.10, O=16 32^2 0.039 vs 0.038;
+# C=1 O=16 28^2 0.025 vs 0.024; more outputs lose: C=3 O=24 128^2 0.49 vs 0.47, O=32 224^2 2.0 vs 1.9.
+DIRECT_MAX_CHANNELS = 3
+DIRECT_MAX_OUT_CHANNELS = 16
 
 
 @kernel
@@ -214,6 +228,7 @@ class Conv2dLayer:
         self.epilogue.set_activation(attrs["activation"])
         self.pool = NO_POOL      # (kernel_size, stride, padding) of a fused max-pool
         self.output_padding = (0, 0)    # set by backend.py when the next layer is a padded conv
+        self._pack_weight()
 
     @property
     def input_padding(self) -> tuple:
@@ -222,6 +237,11 @@ class Conv2dLayer:
     def fold(self, scale: np.ndarray, shift: np.ndarray) -> None:
         """Absorb y -> y * scale + shift per output channel (a batch norm) into weight and bias."""
         self.weight, self.epilogue.shift = fold_scale_and_shift(self.weight, self.epilogue.shift, scale, shift)
+        self._pack_weight()
+
+    def _pack_weight(self) -> None:
+        """The weight in the layout the product reads: U [36, O, C] for Winograd (winograd.py), at load."""
+        self.winograd_weight = transformed_weight(self.weight) if self.winograd else None
 
     def fuse_max_pool(self, pool) -> None:
         """Run the max-pool layer `pool` inside this conv's output step (see the header)."""
@@ -237,6 +257,13 @@ class Conv2dLayer:
     def direct(self) -> bool:
         _, group_in, kh, kw = self.weight.shape
         return self.attrs["groups"] > 1 and group_in * kh * kw <= DIRECT_MAX_TAPS
+
+    @property
+    def small_direct(self) -> bool:
+        a = self.attrs
+        return (a["algorithm"] == "auto" and a["kernel_size"] == (3, 3) and a["stride"] == (1, 1)
+                and a["dilation"] == (1, 1) and a["groups"] == 1 and a["in_channels"] <= DIRECT_MAX_CHANNELS
+                and self.conv_shape[0] <= DIRECT_MAX_OUT_CHANNELS)
 
     @property
     def winograd(self) -> bool:
@@ -294,8 +321,10 @@ class Conv2dLayer:
         if self.direct:
             return [(n, n + 1, 0, out_h, 0, conv_h) for n in range(batch)]
         out_channels, in_channels = self.weight.shape[:2]
-        if self.winograd:      # V and M (16 values per 2x2 outputs) + acc
-            column_bytes = (4 * in_channels + 5 * out_channels) * 4
+        if self.small_direct:  # acc
+            column_bytes = out_channels * 4
+        elif self.winograd:    # V and M (36 values per 4x4 outputs) + acc
+            column_bytes = 9 * (in_channels + out_channels) + 4 * out_channels     # bytes: 2.25 + 2.25 + 1 floats
         else:                  # cols + acc
             column_bytes = (self.weight[0].size * self.attrs["groups"] + out_channels) * 4
         image_bytes = column_bytes * padded_w * conv_h
@@ -325,6 +354,8 @@ class Conv2dLayer:
                 return acc, conv_w
             return direct
 
+        if self.small_direct:
+            return self._small_direct_product(image, bands, new_buffer)
         if self.winograd:
             return self._winograd_product(image, bands, new_buffer)
         groups = a["groups"]
@@ -366,28 +397,44 @@ class Conv2dLayer:
             return acc_buffer, pitch
         return gemm
 
+    def _small_direct_product(self, image, bands: list, new_buffer):
+        """The product step of _product as `conv3x3_direct`: conv rows y_first..y_end-1 of the band's
+        images into acc, pitch OW."""
+        out_channels, conv_h, conv_w = self.conv_shape
+        acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
+
+        def product(band, steps):
+            n_first, n_end, _, _, y_first, y_end = band
+            for n in range(n_first, n_end):
+                steps.append(partial(conv3x3_direct, image[n], self.weight, 0, out_channels, y_first, y_end,
+                                     (n - n_first) * conv_h * conv_w, acc))
+            return acc, conv_w
+        return product
+
     def _winograd_product(self, image, bands: list, new_buffer):
-        """The product step of _product as Winograd F(2x2, 3x3): conv rows y_first..y_end-1 of the
+        """The product step of _product as Winograd F(4x4, 3x3): conv rows y_first..y_end-1 of the
         band's images into acc, pitch OW, from the tile rows that cover them (winograd.py).
 
-        V and M are [16, rows + 1, T'] buffers used as [16, rows, T]: the spare row and T' (16 times an
-        odd number) keep the 16 planes off the same cache sets (with power-of-two plane strides the
-        input transform ran 8x slower)."""
+        V and M are [36, rows + 1, T'] buffers used as [36, rows, T]: the spare row and T' (16 times an
+        odd number) keep the 36 planes off the same cache sets (with power-of-two plane strides the
+        F(2x2, 3x3) input transform ran 8x slower)."""
         out_channels, conv_h, conv_w = self.conv_shape
         in_channels = image.shape[1]
-        weight = transformed_weight(self.weight)
+        weight = self.winograd_weight
         tiles_w = tile_count(conv_w)
 
         def band_tiles(band):
             n_first, n_end, _, _, y_first, y_end = band
-            tile_first = y_first // 2
+            tile_first = y_first // TILE
             return tile_first, tile_count(y_end) - tile_first, n_end - n_first
 
         most = max(rows * tiles_w * images for _, rows, images in map(band_tiles, bands))
         stride = -(-most // 16) * 16
         stride += 16 * (stride // 16 % 2 == 0)
-        v_buffer = new_buffer((16, in_channels + 1, stride))
-        m_buffer = new_buffer((16, out_channels + 1, stride))
+        v_buffer = new_buffer((36, in_channels + 1, stride))
+        m_buffer = new_buffer((36, out_channels + 1, stride))
+        input_work = new_buffer((6, 4 * tiles_w + 2))      # the kernels' scratch rows (winograd.py)
+        output_work = new_buffer((40, stride))
         acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
 
         def product(band, steps):
@@ -396,11 +443,11 @@ class Conv2dLayer:
             per_image = tile_rows * tiles_w
             count = per_image * images
             for n in range(n_first, n_end):
-                steps.append(partial(winograd_input, image[n], tile_first, tile_rows, (n - n_first) * per_image,
-                                     v_buffer))
+                steps.append(partial(winograd_input, image[n], 0, in_channels, tile_first, tile_rows,
+                                     (n - n_first) * per_image, input_work, v_buffer))
             steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],
                                  out=m_buffer[:, :out_channels, :count]))
-            steps.append(partial(winograd_output, m_buffer, images, per_image, tile_first, conv_h, conv_w,
-                                 y_first, y_end, acc))
+            steps.append(partial(winograd_output, m_buffer, 0, out_channels, images, per_image, tile_first, conv_h,
+                                 conv_w, y_first, y_end, output_work, acc))
             return acc, conv_w
         return product

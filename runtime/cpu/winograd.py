@@ -1,125 +1,155 @@
-"""Winograd F(2x2, 3x3) for conv2d with a 3x3 kernel, stride 1, dilation 1, groups 1 (Lavin & Gray, 2015).
+"""Winograd F(4x4, 3x3) for conv2d with a 3x3 kernel, stride 1, dilation 1, groups 1 (Lavin & Gray, 2015).
 
-Same result as conv2d.py's columns + product (reference: formats/ops.py Conv2d.forward), with 16
-multiplies per 2x2 output tile instead of 36 (2.25x fewer):
-    U[k, o, c] = (G g[o, c] G^T)[k]                       weight [O, C, 3, 3] -> U [16, O, C], once at load
-    V[k, c, t] = (B^T d[c, t] B)[k]                       d = the tile's 4x4 input patch  (`winograd_input`)
-    M[k]       = U[k] @ V[k]                              16 BLAS products [O, C] x [C, T] (np.matmul)
-    y[o, tile] = A^T M[:, o, t] A                         the tile's 2x2 outputs          (`winograd_output`)
-with k = 4 * row + column of the 4x4 transform domain, tile t covering conv output rows 2ty, 2ty+1 and
-columns 2tx, 2tx+1 from the padded input rows 2ty..2ty+3 and columns 2tx..2tx+3. Cells of a patch
-outside the padded input (the last tile row/column when the conv output is odd) read as 0; outputs
-outside the conv output are not written. The transforms are exact in real arithmetic; in float32
-they round differently from a direct sum (errors of order 1e-6 relative here).
+Same result as conv2d.py's columns + product (reference: formats/ops.py Conv2d.forward), with 36
+multiplies per 4x4 output tile instead of 144 (4x fewer; F(2x2, 3x3), used before, saved 2.25x):
+    U[k, o, c] = (G g[o, c] G^T)[k]                 weight [O, C, 3, 3] -> U [36, O, C], once per layer
+    V[k, c, t] = (B^T d[c, t] B)[k]                 d = the tile's 6x6 input patch            (`winograd_input`)
+    M[k]       = U[k] @ V[k]                        36 BLAS products [O, C] x [C, T] (np.matmul)
+    y[o, tile] = A^T M[:, o, t] A                   the tile's 4x4 outputs                    (`winograd_output`)
+with k = 6 * row + column of the 6x6 transform domain, tile t covering conv output rows 4ty..4ty+3
+and columns 4tx..4tx+3 from the padded input rows 4ty..4ty+5 and columns 4tx..4tx+5. Cells of a
+patch outside the padded input read as 0; outputs outside the conv output are not written. U is
+[36, O, C] C-contiguous: each of the 36 products reads its [O, C] block contiguously, as V's [C, T].
+
+Interpolation points (0, 1, -1, 2, -1/2, inf), matrices from `transforms` (Cook-Toom: A^T[i, j] =
+p_j^i, G[j] = (1, p_j, p_j^2) / prod_{l != j} (p_j - p_l), B^T solved exactly from the two). The
+transforms are exact in real arithmetic; in float32 they round differently from a direct sum. Mean
+of the max error over 4x4 outputs relative to the largest output, C=64 Kaiming weights, inputs
+|N(0,1)| (measured in float32 with these matrices): this set 1.0e-6; Lavin's (0, +-1, +-2) 1.8e-6;
+F(2x2, 3x3) 0.3e-6; F(6x6, 3x3) with (0, +-1, +-2, +-1/2) 4.3e-6 (not used: the error grows, and
+the small late layers waste more of 6x6 tiles). The kernels read A^T and B^T as constants (AT32,
+BT32); tests/runtime/test_cpu_winograd.py checks them against the matrices and bounds the error
+against float64.
+
+Both kernels take a channel range (c_first..c_end of the input, o_first..o_end of the output) and
+tile rows, so a caller may split one conv's transforms over threads by channels or by rows; the
+product splits by output rows of U (U[:, o_first:o_end]).
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import numpy as np
 
 from lnn.runtime.cpu.jit import kernel
 
-G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+TILE = 4                        # outputs per tile side
+POINTS = (0, 1, -1, 2, Fraction(-1, 2))     # the finite interpolation points; the sixth is infinity
+
+
+def transforms(points=POINTS, m: int = TILE, r: int = 3) -> tuple:
+    """(A^T [m, n], G [n, r], B^T [n, n]) float64, n = m + r - 1, for the points and infinity."""
+    n = m + r - 1
+    p = [Fraction(x) for x in points]
+    at = np.zeros((m, n), object)
+    g = np.zeros((n, r), object)
+    for j, pj in enumerate(p):
+        f = np.prod([pj - pl for l, pl in enumerate(p) if l != j])
+        at[:, j] = [pj ** i for i in range(m)]
+        g[j] = [pj ** k / f for k in range(r)]
+    at[:, n - 1], g[n - 1] = [0] * (m - 1) + [1], [0] * (r - 1) + [1]
+    # B^T from sum_j A^T[i, j] G[j, k] B^T[j, l] = [l == i + k] for every i, k, l (exactly solvable)
+    equations = np.einsum("ij,jk,jJ,lL->iklJL", at.astype(float), g.astype(float), np.eye(n), np.eye(n))
+    rhs = np.array([[[float(l == i + k) for l in range(n)] for k in range(r)] for i in range(m)])
+    bt = np.linalg.lstsq(equations.reshape(-1, n * n), rhs.ravel(), rcond=None)[0].reshape(n, n)
+    return at.astype(float), g.astype(float), np.round(bt, 12)
+
+
+AT, G, BT = transforms()
+AT32, BT32 = AT.astype(np.float32), BT.astype(np.float32)     # constants in the kernels (Numba freezes them)
 
 
 def transformed_weight(weight: np.ndarray) -> np.ndarray:
-    """weight [O, C, 3, 3] -> U [16, O, C] float32 (computed in float64)."""
-    u = np.einsum("ij,ocjk,lk->ilo c".replace(" ", ""), G, weight.astype(np.float64), G)    # [4, 4, O, C]
-    return np.ascontiguousarray(u.reshape(16, *weight.shape[:2]), dtype=np.float32)
+    """weight [O, C, 3, 3] -> U [36, O, C] float32 (computed in float64)."""
+    u = np.einsum("ij,ocjk,lk->iloc", G, weight.astype(np.float64), G)       # [6, 6, O, C]
+    return np.ascontiguousarray(u.reshape(36, *weight.shape[:2]), dtype=np.float32)
 
 
 def tile_count(size: int) -> int:
     """Tiles along an output axis of `size` cells."""
-    return (size + 1) // 2
+    return -(-size // TILE)
 
 
 @kernel
-def padded_cell(plane, y, x):
-    """plane[y, x], or 0 past the bottom or right edge of plane."""
-    return plane[y, x] if y < plane.shape[0] and x < plane.shape[1] else np.float32(0)
-
-
-@kernel
-def winograd_input(image, tile_first, tile_rows, column, v):
-    """image [C, HP, WP] (padded) -> v[:, c, column + (ty - tile_first) * TW + tx] for tile rows
-    tile_first..tile_first+tile_rows-1 and all TW = tile_count(WP - 2) tile columns.
-    (Indexes, not slices: a slice costs a reference count update, as much as a tile's arithmetic.)"""
-    channels, padded_h, padded_w = image.shape
-    tiles_w = (padded_w - 1) // 2
-    for c in range(channels):
+def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v):
+    """image [C, HP, WP] (padded) -> v[:, c, column + (ty - tile_first) * TW + tx] for channels
+    c_first..c_end-1, tile rows tile_first..tile_first+tile_rows-1 and all TW = tile_count(WP - 2)
+    tile columns; v [36, >= C, >= T], work [6, >= 4 * TW + 2] scratch (one per concurrent caller).
+    Per channel and tile row: E[k] = sum_i B^T[k, i] image row (4ty + i) (whole rows at once), then
+    v[6k + l, c, t] = sum_j B^T[l, j] E[k, 4tx + j]. Every inner loop reads at most 6 arrays rows and
+    writes one, so LLVM vectorizes it (its runtime alias checks stay under its limit of 8)."""
+    _, padded_h, padded_w = image.shape
+    tiles_w = (padded_w + 1) // 4                  # tile_count(WP - 2)
+    span = 4 * tiles_w + 2                         # E's columns: past WP they stay 0
+    work[:, padded_w:span] = 0
+    for c in range(c_first, c_end):
         plane = image[c]
         for ty in range(tile_first, tile_first + tile_rows):
-            y = 2 * ty
-            full_w = (padded_w - 2) // 2 if y + 4 <= padded_h else 0   # tiles with all 16 cells inside
-            t0 = column + (ty - tile_first) * tiles_w
-            for tx in range(tiles_w):
-                x = 2 * tx
-                if tx < full_w:
-                    d00, d01, d02, d03 = plane[y, x], plane[y, x + 1], plane[y, x + 2], plane[y, x + 3]
-                    d10, d11, d12, d13 = plane[y + 1, x], plane[y + 1, x + 1], plane[y + 1, x + 2], plane[y + 1, x + 3]
-                    d20, d21, d22, d23 = plane[y + 2, x], plane[y + 2, x + 1], plane[y + 2, x + 2], plane[y + 2, x + 3]
-                    d30, d31, d32, d33 = plane[y + 3, x], plane[y + 3, x + 1], plane[y + 3, x + 2], plane[y + 3, x + 3]
+            y = 4 * ty
+            inside = min(6, padded_h - y)          # patch rows inside the image; the others read 0
+            for k in range(6):
+                e = work[k]
+                b0, b1, b2, b3, b4, b5 = BT32[k, 0], BT32[k, 1], BT32[k, 2], BT32[k, 3], BT32[k, 4], BT32[k, 5]
+                if inside == 6:
+                    r0, r1, r2, r3, r4, r5 = plane[y], plane[y + 1], plane[y + 2], plane[y + 3], plane[y + 4], plane[y + 5]
+                    for x in range(padded_w):
+                        e[x] = b0 * r0[x] + b1 * r1[x] + b2 * r2[x] + b3 * r3[x] + b4 * r4[x] + b5 * r5[x]
                 else:
-                    d00, d01 = padded_cell(plane, y, x), padded_cell(plane, y, x + 1)
-                    d02, d03 = padded_cell(plane, y, x + 2), padded_cell(plane, y, x + 3)
-                    d10, d11 = padded_cell(plane, y + 1, x), padded_cell(plane, y + 1, x + 1)
-                    d12, d13 = padded_cell(plane, y + 1, x + 2), padded_cell(plane, y + 1, x + 3)
-                    d20, d21 = padded_cell(plane, y + 2, x), padded_cell(plane, y + 2, x + 1)
-                    d22, d23 = padded_cell(plane, y + 2, x + 2), padded_cell(plane, y + 2, x + 3)
-                    d30, d31 = padded_cell(plane, y + 3, x), padded_cell(plane, y + 3, x + 1)
-                    d32, d33 = padded_cell(plane, y + 3, x + 2), padded_cell(plane, y + 3, x + 3)
-                # B^T d: rows a, b, e, f
-                a0, a1, a2, a3 = d00 - d20, d01 - d21, d02 - d22, d03 - d23
-                b0, b1, b2, b3 = d10 + d20, d11 + d21, d12 + d22, d13 + d23
-                e0, e1, e2, e3 = d20 - d10, d21 - d11, d22 - d12, d23 - d13
-                f0, f1, f2, f3 = d10 - d30, d11 - d31, d12 - d32, d13 - d33
-                # (B^T d) B
-                t = t0 + tx
-                v[0, c, t], v[1, c, t], v[2, c, t], v[3, c, t] = a0 - a2, a1 + a2, a2 - a1, a1 - a3
-                v[4, c, t], v[5, c, t], v[6, c, t], v[7, c, t] = b0 - b2, b1 + b2, b2 - b1, b1 - b3
-                v[8, c, t], v[9, c, t], v[10, c, t], v[11, c, t] = e0 - e2, e1 + e2, e2 - e1, e1 - e3
-                v[12, c, t], v[13, c, t], v[14, c, t], v[15, c, t] = f0 - f2, f1 + f2, f2 - f1, f1 - f3
+                    e[:padded_w] = 0
+                    for i in range(inside):
+                        b, row = BT32[k, i], plane[y + i]
+                        for x in range(padded_w):
+                            e[x] += b * row[x]
+            t0 = column + (ty - tile_first) * tiles_w
+            for k in range(6):
+                e = work[k]
+                for tx in range(tiles_w):
+                    x = 4 * tx
+                    e0, e1, e2, e3, e4, e5 = e[x], e[x + 1], e[x + 2], e[x + 3], e[x + 4], e[x + 5]
+                    for l in range(6):
+                        v[6 * k + l, c, t0 + tx] = (BT32[l, 0] * e0 + BT32[l, 1] * e1 + BT32[l, 2] * e2 + BT32[l, 3] * e3
+                                                    + BT32[l, 4] * e4 + BT32[l, 5] * e5)
 
 
 @kernel
-def winograd_output(m, images, tiles_per_image, tile_first, conv_h, conv_w, y_first, y_end, acc):
-    """m [16, O, T] -> acc [O, positions]: conv output (image j, y, x) of the band's images j, rows
-    y_first..y_end-1, at position (j * conv_h + y - y_first) * conv_w + x; tile t = j * tiles_per_image
-    + (ty - tile_first) * TW + tx holds rows 2ty, 2ty+1 and columns 2tx, 2tx+1."""
-    tiles_w = (conv_w + 1) // 2
-    pairs = conv_w // 2                     # tiles whose two columns are both inside the output
+def winograd_output(m, o_first, o_end, images, tiles_per_image, tile_first, conv_h, conv_w, y_first, y_end,
+                    work, acc):
+    """m [36, >= O, >= T] -> acc [O, positions] for output channels o_first..o_end-1: conv output
+    (image j, y, x) of the band's images j, rows y_first..y_end-1, at position (j * conv_h + y -
+    y_first) * conv_w + x; tile t = j * tiles_per_image + (ty - tile_first) * TW + tx holds rows
+    4ty..4ty+3 and columns 4tx..4tx+3. work [40, >= T] scratch (one per concurrent caller).
+    Per output channel, over all T tiles at once: S[4i + b] = sum_l A^T[b, l] m[6i + l] (M A), then
+    Y[4a + b] = sum_i A^T[a, i] S[4i + b] (A^T M A), then Y into acc tile row by tile row."""
+    tiles_w = (conv_w + 3) // 4                    # tile_count(conv_w)
     tile_rows = tiles_per_image // tiles_w
-    for o in range(acc.shape[0]):
+    count = images * tiles_per_image
+    full_w = conv_w // 4                           # tiles with all 4 columns inside
+    for o in range(o_first, o_end):
+        for i in range(6):
+            k = 6 * i
+            for b in range(4):
+                a0, a1, a2, a3, a4, a5 = AT32[b, 0], AT32[b, 1], AT32[b, 2], AT32[b, 3], AT32[b, 4], AT32[b, 5]
+                out = work[4 * i + b]
+                for t in range(count):
+                    out[t] = (a0 * m[k, o, t] + a1 * m[k + 1, o, t] + a2 * m[k + 2, o, t] + a3 * m[k + 3, o, t]
+                              + a4 * m[k + 4, o, t] + a5 * m[k + 5, o, t])
+        for a in range(4):
+            a0, a1, a2, a3, a4, a5 = AT32[a, 0], AT32[a, 1], AT32[a, 2], AT32[a, 3], AT32[a, 4], AT32[a, 5]
+            for b in range(4):
+                out = work[24 + 4 * a + b]
+                for t in range(count):
+                    out[t] = (a0 * work[b, t] + a1 * work[4 + b, t] + a2 * work[8 + b, t] + a3 * work[12 + b, t]
+                              + a4 * work[16 + b, t] + a5 * work[20 + b, t])
+        target = acc[o]
         for j in range(images):
             for row in range(tile_rows):
-                y = 2 * (tile_first + row)
+                y = 4 * (tile_first + row)
                 t0 = j * tiles_per_image + row * tiles_w
-                # A^T m: the top (p) and bottom (q) rows of the tile, each then times A
-                if y >= y_first:
-                    top = (j * conv_h + y - y_first) * conv_w
-                    for tx in range(pairs):
-                        t = t0 + tx
-                        p0 = m[0, o, t] + m[4, o, t] + m[8, o, t]
-                        p1 = m[1, o, t] + m[5, o, t] + m[9, o, t]
-                        p2 = m[2, o, t] + m[6, o, t] + m[10, o, t]
-                        p3 = m[3, o, t] + m[7, o, t] + m[11, o, t]
-                        acc[o, top + 2 * tx] = p0 + p1 + p2
-                        acc[o, top + 2 * tx + 1] = p1 - p2 - p3
-                    if pairs < tiles_w:
-                        t = t0 + pairs
-                        acc[o, top + 2 * pairs] = (m[0, o, t] + m[4, o, t] + m[8, o, t] + m[1, o, t] + m[5, o, t]
-                                                   + m[9, o, t] + m[2, o, t] + m[6, o, t] + m[10, o, t])
-                if y + 1 < y_end:
-                    bottom = (j * conv_h + y + 1 - y_first) * conv_w
-                    for tx in range(pairs):
-                        t = t0 + tx
-                        q0 = m[4, o, t] - m[8, o, t] - m[12, o, t]
-                        q1 = m[5, o, t] - m[9, o, t] - m[13, o, t]
-                        q2 = m[6, o, t] - m[10, o, t] - m[14, o, t]
-                        q3 = m[7, o, t] - m[11, o, t] - m[15, o, t]
-                        acc[o, bottom + 2 * tx] = q0 + q1 + q2
-                        acc[o, bottom + 2 * tx + 1] = q1 - q2 - q3
-                    if pairs < tiles_w:
-                        t = t0 + pairs
-                        acc[o, bottom + 2 * pairs] = (m[4, o, t] - m[8, o, t] - m[12, o, t] + m[5, o, t] - m[9, o, t]
-                                                      - m[13, o, t] + m[6, o, t] - m[10, o, t] - m[14, o, t])
+                for a in range(max(0, y_first - y), min(4, y_end - y)):
+                    line = target[(j * conv_h + y + a - y_first) * conv_w:]
+                    y0, y1, y2, y3 = work[24 + 4 * a, t0:], work[25 + 4 * a, t0:], work[26 + 4 * a, t0:], work[27 + 4 * a, t0:]
+                    for tx in range(full_w):
+                        line[4 * tx], line[4 * tx + 1], line[4 * tx + 2], line[4 * tx + 3] = y0[tx], y1[tx], y2[tx], y3[tx]
+                    for x in range(4 * full_w, conv_w):
+                        line[x] = work[24 + 4 * a + x % 4, t0 + x // 4]

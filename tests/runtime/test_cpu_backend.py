@@ -61,6 +61,8 @@ CASES = {
                                                             {"type": "maxpool2d", "kernel_size": 2}]),
     "conv_winograd_auto_relu_maxpool": ([16, 12, 10], [conv(24, padding=1, activation="relu"),
                                                         {"type": "maxpool2d", "kernel_size": 2}]),
+    "conv_direct_rgb_relu_maxpool": ([3, 17, 15], [conv(16, padding=1, activation="relu"),    # conv_direct.py
+                                                    {"type": "maxpool2d", "kernel_size": 2}]),
     "conv_winograd_odd_unpadded": ([5, 9, 11], [conv(7, algorithm="winograd", activation="sigmoid")]),
     "conv_winograd_odd_padded2_pool3": ([6, 9, 7], [conv(5, padding=2, algorithm="winograd"),
                                                    {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
@@ -176,7 +178,8 @@ def test_recurrent_per_step_path_matches_numpy_reference(case):
 
 @pytest.mark.parametrize("case", ["conv_relu_maxpool_fused", "conv_pool_then_activation_layer", "conv_rect_kernel_stride",
                                   "conv_chain_writing_padded_inputs", "conv_pointwise", "conv_groups3_gemm",
-                                  "conv_winograd_auto_relu_maxpool", "conv_winograd_odd_padded2_pool3"])
+                                  "conv_winograd_auto_relu_maxpool", "conv_winograd_odd_padded2_pool3",
+                                  "conv_direct_rgb_relu_maxpool"])
 def test_matches_numpy_reference_in_row_bands(case, monkeypatch):
     """With a tiny band budget every image runs as many bands of output rows (pool windows that
     overlap two bands, pool padding, stride-2 im2col, pointwise and grouped products)."""

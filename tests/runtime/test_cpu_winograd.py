@@ -1,0 +1,187 @@
+"""The CPU backend's 3x3 paths against float64 convolution: Winograd F(4x4, 3x3) (runtime/cpu/winograd.py)
+and the direct kernel for few input channels (runtime/cpu/conv_direct.py).
+
+Error bound (float32 kernels vs the float64 sum): |y - y64| <= ERROR_BOUND * (|w| * |x|), the conv of
+the absolute values, elementwise. Measured on these cases: Winograd up to 2.6e-6 of it (padding 2, where
+the border sums are small), the direct kernel 1.2e-7, columns + GEMM 2.4e-7.
+"""
+
+import numpy as np
+import pytest
+
+from lnn.formats.model import parse_model
+
+ERROR_BOUND = 1e-5
+
+# (batch, in channels, height, width, out channels, padding): odd sizes, outputs narrower than a
+# tile, many channels, padding 0-2
+CASES = [(1, 16, 9, 11, 7, 1), (2, 67, 13, 6, 33, 0), (1, 20, 5, 3, 5, 1), (3, 24, 17, 19, 40, 2),
+         (1, 130, 8, 8, 9, 1), (1, 16, 4, 21, 12, 0)]
+
+
+def conv64(x, weight, padding):
+    """float64 reference: y[n, o, y, x] = sum over c, ky, kx of weight[o, c, ky, kx] * x_padded[n, c, y + ky, x + kx]."""
+    padded = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(2, 3))     # [N, C, OH, OW, 3, 3]
+    return np.einsum("ncyxij,ocij->noyx", windows, weight.astype(np.float64))
+
+
+def one_conv(x, weight, padding, algorithm):
+    from lnn.runtime.cpu import BACKEND
+
+    batch, channels, height, width = x.shape
+    model = parse_model({"input_shape": [channels, height, width], "layers": [
+        {"type": "conv2d", "out_channels": weight.shape[0], "kernel_size": 3, "padding": padding, "bias": False,
+         "algorithm": algorithm}]})
+    backend = BACKEND(model, {model.nodes[0].param_key("weight"): weight})
+    return backend, backend.run(x)
+
+
+def check_bound(got, x, weight, padding):
+    error = np.abs(got - conv64(x, weight, padding))
+    scale = conv64(np.abs(x), np.abs(weight), padding)
+    assert (error <= ERROR_BOUND * scale + 1e-30).all(), float((error / scale).max())
+
+
+def test_transforms_are_exact_in_float64():
+    from lnn.runtime.cpu.winograd import POINTS, transforms
+
+    rng = np.random.default_rng(0)
+    for points in (POINTS, (0, 1, -1, 2, -2)):
+        at, g, bt = transforms(points)
+        assert at.shape == (4, 6) and g.shape == (6, 3) and bt.shape == (6, 6)
+        for _ in range(5):
+            kernel, patch = rng.standard_normal((3, 3)), rng.standard_normal((6, 6))
+            winograd = at @ ((g @ kernel @ g.T) * (bt @ patch @ bt.T)) @ at.T
+            direct = np.array([[(kernel * patch[y:y + 3, x:x + 3]).sum() for x in range(4)] for y in range(4)])
+            np.testing.assert_allclose(winograd, direct, rtol=0, atol=1e-12)
+
+
+def test_kernels_compute_the_matrices():
+    """One full tile and one past the image's edge through winograd_input; random M through winograd_output."""
+    from lnn.runtime.cpu.winograd import AT, BT, winograd_input, winograd_output
+
+    rng = np.random.default_rng(1)
+    image = rng.standard_normal((2, 6, 9)).astype(np.float32)            # tiles: columns 0-5 and 4-9 (9 is past)
+    v = np.zeros((36, 2, 2), np.float32)
+    winograd_input(image, 0, 2, 0, 1, 0, np.zeros((6, 10), np.float32), v)
+    padded = np.pad(image.astype(np.float64), ((0, 0), (0, 0), (0, 1)))
+    for c in range(2):
+        for t, x in enumerate((0, 4)):
+            expected = BT @ padded[c, :, x:x + 6] @ BT.T
+            np.testing.assert_allclose(v[:, c, t], expected.ravel(), rtol=0, atol=1e-5 * np.abs(expected).max())
+    m = rng.standard_normal((36, 3, 2)).astype(np.float32)
+    acc = np.zeros((3, 4 * 7), np.float32)
+    winograd_output(m, 0, 3, 1, 2, 0, 4, 7, 0, 4, np.zeros((40, 2), np.float32), acc)
+    for o in range(3):
+        tiles = [AT @ m[:, o, t].astype(np.float64).reshape(6, 6) @ AT.T for t in range(2)]
+        expected = np.concatenate(tiles, axis=1)[:, :7]                  # the second tile's last column is past
+        np.testing.assert_allclose(acc[o].reshape(4, 7), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}c{}h{}w{}o{}p{}".format(*c))
+def test_winograd_matches_float64_convolution(case):
+    batch, channels, height, width, out_channels, padding = case
+    rng = np.random.default_rng(sum(case))
+    x = rng.standard_normal((batch, channels, height, width)).astype(np.float32)
+    weight = (rng.standard_normal((out_channels, channels, 3, 3)) * np.sqrt(2 / (9 * channels))).astype(np.float32)
+    backend, got = one_conv(x, weight, padding, "winograd")
+    assert backend.layers[0].winograd
+    check_bound(got, x, weight, padding)
+
+
+def test_winograd_in_row_bands_matches_float64(monkeypatch):
+    """Bands whose first and last conv rows fall inside a tile (partial tile rows at both ends)."""
+    from lnn.runtime.cpu import conv2d
+
+    monkeypatch.setattr(conv2d, "CHUNK_BYTES", 4096)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 8, 23, 10)).astype(np.float32)
+    weight = rng.standard_normal((6, 8, 3, 3)).astype(np.float32)
+    backend, got = one_conv(x, weight, 1, "winograd")
+    bands = backend.layers[0]._bands(2, 12)
+    assert any(band[4] % 4 for band in bands) and any(band[5] % 4 for band in bands)
+    check_bound(got, x, weight, 1)
+
+
+def test_winograd_kernels_split_by_channels_and_rows():
+    """What a caller splitting one conv over threads does: channel ranges and tile-row ranges give the same V and acc."""
+    from lnn.runtime.cpu.winograd import tile_count, winograd_input, winograd_output
+
+    rng = np.random.default_rng(3)
+    image = rng.standard_normal((10, 15, 14)).astype(np.float32)        # conv 13 x 12: 4 x 3 tiles
+    tiles_w, tile_rows = tile_count(12), tile_count(13)
+    count = tiles_w * tile_rows
+    whole, split = np.zeros((36, 10, count), np.float32), np.zeros((36, 10, count), np.float32)
+    winograd_input(image, 0, 10, 0, tile_rows, 0, np.zeros((6, 4 * tiles_w + 2), np.float32), whole)
+    for c_first, c_end, first, rows in ((0, 4, 0, 2), (0, 4, 2, 2), (4, 10, 0, 4)):
+        winograd_input(image, c_first, c_end, first, rows, first * tiles_w, np.zeros((6, 14), np.float32), split)
+    np.testing.assert_array_equal(split, whole)
+    m = rng.standard_normal((36, 5, count)).astype(np.float32)
+    acc_whole, acc_split = np.zeros((5, 13 * 12), np.float32), np.zeros((5, 13 * 12), np.float32)
+    winograd_output(m, 0, 5, 1, count, 0, 13, 12, 0, 13, np.zeros((40, count), np.float32), acc_whole)
+    for o_first, o_end in ((0, 2), (2, 5)):
+        winograd_output(m, o_first, o_end, 1, count, 0, 13, 12, 0, 13, np.zeros((40, count), np.float32), acc_split)
+    np.testing.assert_array_equal(acc_split, acc_whole)
+
+
+@pytest.mark.parametrize("case", [(1, 3, 30, 17, 16, 1), (2, 1, 9, 8, 5, 0), (1, 2, 6, 40, 16, 2)],
+                         ids=lambda c: "n{}c{}h{}w{}o{}p{}".format(*c))
+def test_direct_matches_float64_convolution(case):
+    batch, channels, height, width, out_channels, padding = case
+    rng = np.random.default_rng(sum(case))
+    x = rng.standard_normal((batch, channels, height, width)).astype(np.float32)
+    weight = rng.standard_normal((out_channels, channels, 3, 3)).astype(np.float32)
+    backend, got = one_conv(x, weight, padding, "auto")
+    assert backend.layers[0].small_direct
+    check_bound(got, x, weight, padding)
+
+
+def test_direct_kernel_splits_by_channels_and_rows():
+    from lnn.runtime.cpu.conv_direct import conv3x3_direct
+
+    rng = np.random.default_rng(4)
+    image, weight = rng.standard_normal((3, 12, 11)).astype(np.float32), rng.standard_normal((7, 3, 3, 3)).astype(np.float32)
+    whole, split = np.zeros((7, 10 * 9), np.float32), np.zeros((7, 10 * 9), np.float32)
+    conv3x3_direct(image, weight, 0, 7, 0, 10, 0, whole)
+    for o_first, o_end, y_first, y_end in ((0, 3, 0, 10), (3, 7, 0, 4), (3, 7, 4, 10)):
+        conv3x3_direct(image, weight, o_first, o_end, y_first, y_end, y_first * 9, split)
+    np.testing.assert_array_equal(split, whole)
+
+
+def test_algorithm_rule_for_small_convs():
+    from lnn.runtime.cpu import BACKEND
+    from lnn.runtime.cpu.conv2d import DIRECT_MAX_CHANNELS, DIRECT_MAX_OUT_CHANNELS
+
+    def layer(channels, out_channels, **attrs):
+        model = parse_model({"input_shape": [channels, 12, 12], "layers": [
+            {"type": "conv2d", "out_channels": out_channels, "kernel_size": 3, "padding": 1, **attrs}]})
+        weights = {key: np.ones(shape, np.float32) for key, shape in model.param_shapes().items()}
+        return BACKEND(model, weights).layers[0]
+
+    assert layer(DIRECT_MAX_CHANNELS, DIRECT_MAX_OUT_CHANNELS).small_direct
+    assert not layer(DIRECT_MAX_CHANNELS + 1, DIRECT_MAX_OUT_CHANNELS).small_direct
+    assert not layer(DIRECT_MAX_CHANNELS, DIRECT_MAX_OUT_CHANNELS + 1).small_direct
+    assert not layer(3, 16, stride=2).small_direct
+    assert not layer(3, 16, algorithm="im2col").small_direct
+    forced = layer(3, 16, algorithm="winograd")
+    assert forced.winograd and not forced.small_direct
+
+
+def test_winograd_weight_is_packed_at_load_after_batch_norm_folding():
+    from lnn.runtime.cpu import BACKEND
+    from lnn.runtime.cpu.winograd import transformed_weight
+    from lnn.runtime.reference import NumpyBackend
+
+    model = parse_model({"input_shape": [16, 10, 9], "layers": [
+        {"type": "conv2d", "out_channels": 8, "kernel_size": 3, "padding": 1, "algorithm": "winograd"},
+        {"type": "batchnorm"}]})
+    rng = np.random.default_rng(5)
+    weights = {key: (rng.uniform(0.5, 1.5, shape) if key.endswith("running_var") else rng.standard_normal(shape))
+               .astype(np.float32) for key, shape in model.param_shapes().items()}
+    backend = BACKEND(model, weights)
+    layer = backend.layers[0]
+    assert len(backend.layers) == 1 and layer.winograd_weight.shape == (36, 8, 16)
+    np.testing.assert_array_equal(layer.winograd_weight, transformed_weight(layer.weight))     # the folded weight
+    x = rng.standard_normal((2, 16, 10, 9)).astype(np.float32)
+    np.testing.assert_allclose(backend.run(x), NumpyBackend(model, weights).run(x), rtol=0, atol=1e-4)
