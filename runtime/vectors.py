@@ -54,7 +54,7 @@ def photo_inputs(model, paths) -> tuple:
     if model.preprocess is None:
         raise LnnInputError(f"model {model.name!r} takes no images, so photos cannot be its test inputs")
     if not 1 <= len(paths) <= MAX_TEST_VECTORS:
-        raise LnnInputError(f"give 1 to {MAX_TEST_VECTORS} test photos, not {len(paths)} (MAX_TEST_VECTORS)")
+        raise LnnInputError(f"give 1 to {MAX_TEST_VECTORS} photos, not {len(paths)} (MAX_TEST_VECTORS in lnn/formats/limits.py)")
     inputs = np.stack([preprocess_image(decode_image(path), model.preprocess, "bgr") for path in paths])
     return inputs.astype(np.float32), f"{len(paths)} photos: {', '.join(Path(p).name for p in paths)}"
 
