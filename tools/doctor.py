@@ -150,10 +150,7 @@ def check_vectors(bin_model, device: str) -> tuple[str, str]:
     return ("PASS" if check.passed else "FAIL"), check.summary().split(": ", 1)[1]
 
 
-def check_model(path: str) -> int:
-    from lnn.formats.binfile import read_bin
-
-    bin_model = read_bin(path)                   # a bad file is one error line (SPEC's message)
+def check_model(path: str, bin_model) -> int:
     vectors = bin_model.metadata.get("test_vectors")
     if vectors is None:
         report("model", "FAIL", f"{path} carries no test vectors, so this computer cannot be checked with it: "
@@ -179,6 +176,10 @@ def check_model(path: str) -> int:
 
 
 def body(args) -> int:
+    if args.model is not None:
+        from lnn.formats.binfile import read_bin
+
+        bin_model = read_bin(args.model)         # a bad file is one error line (SPEC's message), before anything
     results = {}
     for name, check in CHECKS.items():
         try:
@@ -190,7 +191,7 @@ def body(args) -> int:
     healthy = results["numpy"] == "PASS" and "FAIL" not in results.values()
     if args.model is None:
         return 0 if healthy else 1
-    verdict = check_model(args.model)
+    verdict = check_model(args.model, bin_model)
     return 0 if healthy and verdict == 0 else 1
 
 
