@@ -103,10 +103,9 @@ class VectorCheck:
     def passed(self) -> bool:
         return self.difference <= TOLERANCE
 
-    def summary(self) -> str:
-        verdict = "PASS" if self.passed else "FAIL"
+    def detail(self) -> str:
         when = " (checked before on this computer)" if self.cached else ""
-        return (f"{verdict}: {self.count} test vectors on {self.device}, max difference {self.difference:.2g} of the "
+        return (f"{self.count} test vectors on {self.device}, max difference {self.difference:.2g} of the "
                 f"outputs' scale, allowed {TOLERANCE:g}{when}")
 
     def refusal(self, model_path) -> str:

@@ -147,7 +147,7 @@ def check_vectors(bin_model, device: str) -> tuple[str, str]:
     check = check_session(session)
     if check.passed:
         record_verdict(verdict_path(session), check)
-    return ("PASS" if check.passed else "FAIL"), check.summary().split(": ", 1)[1]
+    return ("PASS" if check.passed else "FAIL"), check.detail()
 
 
 def check_model(path: str, bin_model) -> int:
