@@ -15,6 +15,7 @@ Writes the "test_vectors" section of docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -82,7 +83,8 @@ def main() -> None:
         bench_rows.append([device, f"{bare:.3f}", f"{tool:.3f}", f"{tool / bare:.2f}"])
     body = f"""## Test vectors: their cost, and lnn-bench against a bare loop
 
-`{COMMAND}` — {machine_line(("numpy", "numba"))}.
+`{COMMAND}` — {machine_line(("numpy", "numba"))}; load average {os.getloadavg()[0]:.1f} at the end
+(a shared machine: the absolute times are noisy, the ratios less so).
 
 The bundled model's {len(inputs)} test vectors (2 sample photos) take {vector_bytes:,} bytes of its {size:,}
 ({vector_bytes / size:.0%}). Checking them (check_session: each vector at batch 1, compared with the stored

@@ -140,3 +140,16 @@ def test_the_field_app_refuses_a_computer_that_fails_and_remembers_a_pass(tiny_b
         raise AssertionError("the vectors ran again on a computer that passed")
     monkeypatch.setattr(vectors, "check_session", not_again)
     assert [message[0] for message in load_in_worker(tiny_bin)] == ["preparing", "ready"]
+
+
+def test_an_int8_export_stores_outputs_of_its_dequantized_weights_which_pass_on_cpu(tiny_bin, tmp_path):
+    pytest.importorskip("numba")
+    import lnn
+    from lnn.runtime.vectors import check_session
+
+    quantized = tmp_path / "int8.bin"
+    assert export_main([str(tiny_bin), "-o", str(quantized), "--int8", "--force"]) == 0
+    session = lnn.load(quantized, device="cpu")
+    assert session.bin.stored_dtypes["conv.weight"] == "int8"
+    assert not np.array_equal(session.bin.test_vectors[1], read_bin(tiny_bin).test_vectors[1])
+    assert check_session(session).passed
