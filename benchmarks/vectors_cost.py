@@ -88,8 +88,9 @@ def main() -> None:
 
 The bundled model's {len(inputs)} test vectors (2 sample photos) take {vector_bytes:,} bytes of its {size:,}
 ({vector_bytes / size:.0%}). Checking them (check_session: each vector at batch 1, compared with the stored
-outputs): the first check in a fresh process (cpu: kernels compiled or loaded from the cache included), then
-warm, median of {CHECKS}.
+outputs) on the backends' default threads, as lnn-doctor and the field app run them (on a busy 2-core machine
+2 BLAS threads make a call far slower than 1, see the lnn-bench rows): the first check in a fresh process (cpu:
+kernels compiled or loaded from the cache included), then warm, median of {CHECKS}.
 
 {markdown_table(["device", "vectors", "max difference", "first check ms", "warm check ms"], check_rows)}
 
