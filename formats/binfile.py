@@ -13,6 +13,8 @@ saying what is wrong; tensors come back as read-only NumPy views into one mmap.
 
 Tensors are stored as float32, float16 (`--fp16`) or int8 with a float32 scale per output channel
 (`--int8`, formats/quantize.py); `BinModel.weights_fp32()` widens and dequantizes them for computing.
+Optional extras after the parameters: the out-of-distribution gate's tensors (formats/gate.py), then the
+test vectors (formats/vectors.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from lnn.formats.model import (Model, finite_json_float, json_nesting_depth, par
                                size_refusals)
 from lnn.formats.ops import get_op
 from lnn.formats.quantize import QMAX, dequantize, quantize_per_channel, scale_key
+from lnn.formats.vectors import INPUTS, OUTPUTS, TENSOR_PREFIX as VECTOR_PREFIX, check_vectors_metadata, vector_tensor_shapes
 from lnn.version import __version__
 
 MAGIC = b"\x89LNN\r\n\x1a\n"
@@ -86,6 +89,7 @@ class BinModel:
     version: tuple
     alignment: int
     _mmap: object = None     # keeps the mapping alive as long as the views
+    checksums: tuple = ()    # (header CRC, body CRC): what the file holds, in 8 bytes (for caching verdicts)
 
     def weights_fp32(self) -> dict:
         """Every parameter as float32: fp32 ones are the zero-copy views themselves, float16 ones are
@@ -98,6 +102,14 @@ class BinModel:
     def gate_tensors(self) -> dict:
         """The out-of-distribution gate's tensors (`gate.*`, float32 views; formats/gate.py), empty without a gate."""
         return {key: value for key, value in self.tensors.items() if key.startswith(TENSOR_PREFIX)}
+
+    @property
+    def test_vectors(self) -> tuple | None:
+        """(inputs [N, *input_shape], the exporting machine's outputs [N, *output_shape]) as stored
+        (formats/vectors.py), or None for a file without them."""
+        if INPUTS not in self.tensors:
+            return None
+        return self.tensors[INPUTS], self.tensors[OUTPUTS]
 
     @property
     def stored_dtypes(self) -> dict:
@@ -239,6 +251,20 @@ def _gate_arrays(model: Model, metadata: dict, given: dict) -> list:
     return arrays
 
 
+def _vector_arrays(model: Model, metadata: dict, given: dict) -> list:
+    """(key, float32 array) of the test vectors (formats/vectors.py): exactly those metadata.test_vectors needs."""
+    shapes = vector_tensor_shapes(metadata, model)
+    if set(given) != set(shapes):
+        raise ModelSpecError(f"weights: the test vectors need tensors {sorted(shapes) or 'none'}, given {sorted(given)}")
+    arrays = [(key, np.ascontiguousarray(given[key], dtype="<f4")) for key in shapes]
+    for key, array in arrays:
+        if array.shape != shapes[key]:
+            raise ModelSpecError(f"weights: {key} has shape {list(array.shape)}, the test vectors need {list(shapes[key])}")
+        if not np.all(np.isfinite(array)):
+            raise ModelSpecError(f"weights: {key} contains NaN or infinity")
+    return arrays
+
+
 def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None = None,
                alignment: int = DEFAULT_ALIGNMENT) -> bytes:
     """Serialize a model into .bin v1 bytes.
@@ -249,7 +275,8 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
     `int8_dtypes(model)` are the `--fp16` and `--int8` choices. Float weights asked for as int8 are
     quantized per output channel (formats/quantize.py). The metadata is checked by the reader's own
     rules, so what this writes loads. A metadata `gate` (formats/gate.py) comes with its `gate.*` tensors in
-    `weights`, stored float32 after the parameters."""
+    `weights`, stored float32 after the parameters; metadata `test_vectors` (formats/vectors.py) with
+    `test.inputs` and `test.outputs`, stored float32 last."""
     if alignment < MIN_ALIGNMENT or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
         raise ValueError(f"alignment {alignment} is not a power of two between {MIN_ALIGNMENT} and {MAX_ALIGNMENT}")
     graph_value = graph_of(model)
@@ -258,8 +285,11 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
     except LnnFormatError as err:
         raise ModelSpecError(str(err)) from None
     gate_keys = [key for key in weights if key.startswith(TENSOR_PREFIX)]
-    stored = _stored_arrays(model, {k: v for k, v in weights.items() if k not in gate_keys}, dtypes or {})
+    vector_keys = [key for key in weights if key.startswith(VECTOR_PREFIX)]
+    stored = _stored_arrays(model, {k: v for k, v in weights.items() if k not in gate_keys + vector_keys},
+                            dtypes or {})
     stored += _gate_arrays(model, metadata, {key: weights[key] for key in gate_keys})
+    stored += _vector_arrays(model, metadata, {key: weights[key] for key in vector_keys})
     names = [key.encode("utf-8") for key, _ in stored]
     table_offset = HEADER_SIZE
     string_offset = table_offset + TENSOR_ENTRY_SIZE * len(stored)
@@ -492,7 +522,7 @@ def _parse(path: Path, buf: memoryview, keep_alive) -> BinModel:
         array.flags.writeable = False
         tensors[entry.name] = array
     _check_int8(entries, tensors)
-    return BinModel(path, model, tensors, metadata, (major, minor), alignment, keep_alive)
+    return BinModel(path, model, tensors, metadata, (major, minor), alignment, keep_alive, (header_crc, body_crc))
 
 
 def _read_json(buf, offset: int, size: int, what: str) -> dict:
@@ -623,6 +653,7 @@ def _model_from(graph: dict, metadata: dict) -> Model:
         if not isinstance(metadata[key], str) or not metadata[key]:                  # rule 46
             raise LnnFormatError(f"metadata: {key} must be a non-empty string")
     check_gate_metadata(metadata, model)                                             # rules G1-G5, G7, G8
+    check_vectors_metadata(metadata)                                                 # rule V1
     return model
 
 
@@ -646,12 +677,23 @@ def _check_entries_match(model: Model, entries: list, metadata: dict) -> None:
     not_float32 = [key for key in gate if stored[key].dtype != np.float32]
     if not_float32:                                                                  # rule G6
         raise LnnFormatError(f"tensor {not_float32[0]!r}: gate tensors are float32, not {stored[not_float32[0]].dtype.name}")
-    extra = [name for name in stored if name not in expected and name not in gate]
+    vectors = vector_tensor_shapes(metadata, model)
+    for key, shape in vectors.items():
+        if key not in stored:                                                        # rule V2
+            raise LnnFormatError(f"metadata.test_vectors needs tensor {key!r} but the file has none")
+        if stored[key].shape != shape:                                               # rule V2
+            raise LnnFormatError(f"tensor {key!r} has shape {list(stored[key].shape)}, the test vectors need {list(shape)}")
+        if stored[key].dtype != np.float32:                                          # rule V2
+            raise LnnFormatError(f"tensor {key!r}: test vectors are float32, not {stored[key].dtype.name}")
+    extra = [name for name in stored if name not in expected and name not in gate and name not in vectors]
     if extra:                                                                        # rule 49
+        unused = {TENSOR_PREFIX: " (and metadata.gate does not use it)",
+                  VECTOR_PREFIX: " (and the metadata has no test_vectors)"}
         raise LnnFormatError(f"tensor {extra[0]!r} belongs to no layer of the graph"
-                             + (" (and metadata.gate does not use it)" if extra[0].startswith(TENSOR_PREFIX) else ""))
-    if list(stored) != list(expected) + list(gate):                                  # rule 50
-        raise LnnFormatError("tensors are not stored in the graph's layer order (the gate's tensors last)")
+                             + next((why for prefix, why in unused.items() if extra[0].startswith(prefix)), ""))
+    if list(stored) != list(expected) + list(gate) + list(vectors):                  # rule 50
+        raise LnnFormatError("tensors are not stored in the graph's layer order (the gate's tensors, then the "
+                             "test vectors, last)")
 
 
 def _check_int8(entries: list, tensors: dict) -> None:

@@ -34,6 +34,12 @@ MAX_JSON_BYTES = 4 << 20
 # card a few more; checked before parsing, since Python's parser recurses.
 MAX_JSON_DEPTH = 64
 
+# --------------------------------------------------------------------------- test vectors
+
+# Test vectors a `.bin` carries (SPEC rule V1): each is one more inference when a machine checks the model
+# (lnn-doctor MODEL.bin, the field app's first start), run one at a time; 4 is the default, 16 is plenty.
+MAX_TEST_VECTORS = 16
+
 
 # --------------------------------------------------------------------------- images
 # Enforced by runtime/preprocess.py for both decoders (OpenCV and Pillow), so for lnn-infer, lnn-field,

@@ -31,19 +31,23 @@ class LayerOutputs:
     def __init__(self, keep: frozenset):
         self.keep = keep
         self.values_of = []          # per layer: names of the nodes whose value its output is
+        self.members = []            # per layer: names of every node it computes, in model order
 
     def added(self, node) -> None:
         self.values_of.append({node.name})
+        self.members.append([node.name])
 
     def fused(self, node) -> None:
         """`node` joined the last layer (a folded batch norm, a fused activation or pool): the layer's
         output is now that node's value."""
         self.values_of[-1] = {node.name}
+        self.members[-1].append(node.name)
 
     def skipped(self, node) -> None:
         """`node` is the identity at inference (dropout): its value is the last layer's output."""
         if self.values_of:
             self.values_of[-1].add(node.name)
+            self.members[-1].append(node.name)
 
     def may_fuse(self) -> bool:
         """False when the last layer's output is kept: fusing more into it would lose that value."""

@@ -7,6 +7,8 @@ It is the oracle every other backend is tested against, and the fallback that al
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from lnn.formats.model import Model
@@ -36,4 +38,15 @@ class NumpyBackend:
 
     def run(self, x: np.ndarray) -> np.ndarray:
         return self.run_with_features(x)[0]
+
+    def profile(self, x: np.ndarray, repeats: int) -> list:
+        """[(node name, op, median seconds)] over `repeats` whole runs of x (lnn-bench --profile)."""
+        times = np.zeros((repeats, len(self.model.nodes)))
+        for repeat in range(repeats):
+            y = x
+            for index, (node, params) in enumerate(zip(self.model.nodes, self.params)):
+                start = time.perf_counter()
+                y = get_op(node.op).forward(y, params, node.attrs)
+                times[repeat, index] = time.perf_counter() - start
+        return [(node.name, node.op, float(np.median(column))) for node, column in zip(self.model.nodes, times.T)]
 BACKEND = NumpyBackend

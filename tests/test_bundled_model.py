@@ -32,6 +32,20 @@ def test_the_example_description_card_has_no_placeholders_and_says_what_the_bund
 
 
 @pytest.mark.parametrize("device", ["numpy", "cpu"])
+def test_bundled_test_vectors_are_two_sample_photos_and_pass_here(device):
+    from lnn.runtime.vectors import check_session
+
+    session = lnn.load(MODEL, device=device)
+    inputs, outputs = session.bin.test_vectors
+    assert session.metadata["test_vectors"]["inputs"] == "2 photos: healthy.jpg, late_blight.jpg"
+    for x, name in zip(inputs, ("healthy", "late_blight")):
+        assert np.array_equal(x, session.prepare_image(EXAMPLES / "leaves" / f"{name}.jpg"))
+    names = [session.labels[i]["name"] for i in outputs.argmax(axis=1)]
+    assert names == ["healthy", "late_blight"]
+    assert check_session(session).passed
+
+
+@pytest.mark.parametrize("device", ["numpy", "cpu"])
 def test_bundled_samples_are_classified_as_their_file_names_say(device):
     assert len(SAMPLES) >= 6
     session = lnn.load(MODEL, device=device)

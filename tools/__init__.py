@@ -7,7 +7,8 @@
     lnn-export   JSON description + weights (.npz), a .bin or a training checkpoint -> .bin (fp32, fp16, int8), ONNX
     lnn-import   ONNX -> .bin, for the ops lnn supports
     lnn-summary  per-layer table of a model: shapes, parameters, FLOPs, activation and training memory
-    lnn-doctor   check each backend (NumPy, Numba, CUDA) by computing on it
+    lnn-doctor   check each backend (NumPy, Numba, CUDA) by computing on it; with MODEL.bin, run its test vectors
+    lnn-bench    how fast a .bin runs here per backend: load, first call, warm p50/p90/p99, peak memory, per layer
     lnn-field    the offline desktop app for a station (Tk); --cli runs lnn-infer's code
     lnn-serve    the station's server for phones on its Wi-Fi (uvicorn + Starlette), with dynamic batching
 

@@ -1,6 +1,7 @@
 """lnn-doctor: check each backend by computing something on it, and say PASS, FAIL or SKIP.
 
     lnn-doctor
+    lnn-doctor MODEL.bin        # also: does this computer compute what the model was exported with?
 
   numpy  the reference runtime runs a small CNN; the trainer's NumPy forward and one training
          step agree with it
@@ -10,6 +11,13 @@
 A backend that is not installed is SKIP; one asked for by name that does not work (LNN_CPU_KERNELS
 set to a wrong value, or to aot without the compiled module) is FAIL with the reason.
 Exit status 0 when numpy passes (lnn works everywhere it must) and nothing FAILs, 1 otherwise.
+
+With MODEL.bin it then runs the model's test vectors (formats/SPEC.md "Test vector rules": inputs and
+the exporting machine's outputs, stored by lnn-export) on this computer's numpy and cpu backends, one
+vector at a time, and reports each backend's largest difference from the stored outputs against the
+allowed 1e-4 of their scale, then one verdict line: PASS, or FAIL (this computer computes something
+else: do not trust its answers). A model without test vectors is FAIL with how to add them. A PASS is
+remembered for the field app, which otherwise runs the vectors at its first start with a model.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import traceback
 
 import numpy as np
 
+from lnn.formats.vectors import TOLERANCE
 from lnn.tools.cli import command_parser, human_bytes, run_command
 
 PROG = "lnn-doctor"
@@ -115,21 +124,81 @@ def check_cuda() -> tuple[str, str]:
 CHECKS = {"numpy": check_numpy, "numba": check_numba, "cuda": check_cuda}
 
 
+VECTOR_DEVICES = ("numpy", "cpu")      # this computer's backends; cuda is checked above
+
+
+def _failure(err: Exception) -> str:
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return f"{type(err).__name__}: {err} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
+
+
+def report(name: str, status: str, detail: str) -> None:
+    print(f"{name:7} {status:4}  {' '.join(str(detail).split())}", flush=True)
+
+
+def check_vectors(bin_model, device: str) -> tuple[str, str]:
+    """One backend: run the model's test vectors (runtime/vectors.py) and remember a PASS."""
+    from lnn.runtime import Session, resolve_device
+    from lnn.runtime.vectors import check_session, record_verdict, verdict_path
+
+    if device == "cpu" and resolve_device("auto") != "cpu":
+        return "SKIP", "the cpu backend is not installed here (pip install numba)"
+    session = Session(bin_model, device)
+    check = check_session(session)
+    if check.passed:
+        record_verdict(verdict_path(session), check)
+    return ("PASS" if check.passed else "FAIL"), check.detail()
+
+
+def check_model(path: str, bin_model) -> int:
+    vectors = bin_model.metadata.get("test_vectors")
+    if vectors is None:
+        report("model", "FAIL", f"{path} carries no test vectors, so this computer cannot be checked with it: "
+                                f"re-export it (lnn-export {path} -o NEW.bin) to add them")
+        return 1
+    report("model", "", f"{path}: {vectors['count']} test vectors ({vectors['inputs']}); "
+                        f"outputs by {vectors['outputs']}")
+    results = {}
+    for device in VECTOR_DEVICES:
+        try:
+            results[device], detail = check_vectors(bin_model, device)
+        except Exception as err:                 # noqa: BLE001 - a backend that cannot run the model is a finding
+            results[device], detail = "FAIL", _failure(err)
+        report(device, results[device], detail)
+    if "FAIL" in results.values():
+        failed = ", ".join(device for device, status in results.items() if status == "FAIL")
+        report("verdict", "FAIL", f"this computer computes something else than the one {path} was exported on "
+                                  f"({failed}): do not trust its answers here")
+        return 1
+    report("verdict", "PASS", f"this computer computes what {path} was exported with "
+                              f"(within {TOLERANCE:g} of the outputs' scale)")
+    return 0
+
+
 def body(args) -> int:
+    if args.model is not None:
+        from lnn.formats.binfile import read_bin
+
+        bin_model = read_bin(args.model)         # a bad file is one error line (SPEC's message), before anything
     results = {}
     for name, check in CHECKS.items():
         try:
             status, detail = check()
         except Exception as err:                 # a broken backend is a finding, reported in one line
-            frame = traceback.extract_tb(err.__traceback__)[-1]
-            status, detail = "FAIL", f"{type(err).__name__}: {err} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
+            status, detail = "FAIL", _failure(err)
         results[name] = status
-        print(f"{name:6} {status:4}  {' '.join(str(detail).split())}", flush=True)
-    return 0 if results["numpy"] == "PASS" and "FAIL" not in results.values() else 1
+        report(name, status, detail)
+    healthy = results["numpy"] == "PASS" and "FAIL" not in results.values()
+    if args.model is None:
+        return 0 if healthy else 1
+    verdict = check_model(args.model, bin_model)
+    return 0 if healthy and verdict == 0 else 1
 
 
 def main(argv=None) -> int:
     parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("model", nargs="?", metavar="MODEL.bin",
+                        help="also run this model's test vectors on this computer's numpy and cpu backends")
     return run_command(parser, body, argv)
 
 

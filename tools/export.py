@@ -21,6 +21,13 @@ model as given and of its int8 version on --calibration data, and refuses when i
 lnn-eval evaluates by default), mnist:DIR the 10,000 MNIST test images. Without --calibration it
 refuses too, since nothing was checked. --force writes the int8 file anyway (after the check, when
 there is calibration data).
+
+Every .bin gets test vectors (formats/SPEC.md "Test vector rules"): a few inputs and this machine's
+outputs for them (NumPy reference backend), which lnn-doctor MODEL.bin and the field app run to check
+that a computer computes the same. By default seeded normal inputs (4, or as many as fit in 512 KiB,
+at least 1); --test-photos uses photos
+(preprocessed as the model says); --test-vectors 0 leaves them out. Re-exporting a .bin keeps its
+vectors (their outputs recomputed when --fp16 or --int8 changes the weights).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.formats.gate import TENSOR_PREFIX as GATE_TENSORS
 from lnn.formats.npz import NPZ_READ_ERRORS, array_headers, open_npz
 from lnn.formats.model import Model
+from lnn.formats.limits import MAX_TEST_VECTORS
+from lnn.formats.vectors import INPUTS, METADATA_KEY as VECTORS
+from lnn.runtime.vectors import DEFAULT_INPUT_BYTES, normal_inputs, photo_inputs, with_test_vectors, without_test_vectors
 from lnn.tools.eval import class_columns, probabilities
 from lnn.tools.cli import (command_parser, human_bytes, is_npz_file, read_checkpoint_source, read_model_source,
                            run_command)
@@ -59,6 +69,12 @@ def build_parser():
     parser.add_argument("--force", action="store_true",
                         help="with --int8: write it even if it loses more than 0.5 points, or without --calibration")
     parser.add_argument("--onnx", metavar="OUT.onnx", help="also (or only) write the model as ONNX")
+    parser.add_argument("--test-vectors", metavar="N", type=int,
+                        help=f"store N seeded normal inputs and this machine's outputs for them (default: up to 4, as "
+                             f"many as fit in {DEFAULT_INPUT_BYTES >> 10} KiB, or the .bin's own; 0: none; at most "
+                             f"{MAX_TEST_VECTORS})")
+    parser.add_argument("--test-photos", metavar="PHOTO|DIR", nargs="+",
+                        help="store these photos (a folder: its photos), preprocessed, as the test inputs")
     return parser
 
 
@@ -112,7 +128,8 @@ def export(args) -> int:
     if args.onnx:
         from lnn.formats.onnx_export import export_onnx
 
-        network = {key: value for key, value in weights.items() if not key.startswith(GATE_TENSORS)}  # not the gate's
+        network = {key: value for key, value in without_test_vectors(weights, metadata)[0].items()
+                   if not key.startswith(GATE_TENSORS)}                   # not the gate's nor the test vectors
         export_onnx(model, float32_weights(model, network), args.onnx)      # int8 and float16 widened
         size = Path(args.onnx).stat().st_size
         print(f"wrote {args.onnx}: {human_bytes(size)} ({size:,} bytes), ONNX, float32, {model.num_params:,} parameters")
@@ -125,9 +142,11 @@ def write_bin_and_report(args, model: Model, weights: dict, metadata: dict, dtyp
         dtypes = {**dtypes, **fp16_dtypes(model)}
     if args.int8:
         dtypes = {**dtypes, **int8_dtypes(model)}
+    weights, metadata = test_vectors(args, model, weights, metadata, dtypes, source_dtypes)
     data = encode_bin(model, weights, metadata, dtypes)
     if args.int8:
-        check_int8_accuracy(encode_bin(model, weights, metadata, source_dtypes), data, args.calibration, args.force)
+        check_int8_accuracy(encode_bin(model, *without_test_vectors(weights, metadata), source_dtypes), data,
+                            args.calibration, args.force)
     try:
         write_atomic(args.output, data)
     except OSError as err:
@@ -136,8 +155,39 @@ def write_bin_and_report(args, model: Model, weights: dict, metadata: dict, dtyp
     stored = Counter(dtypes.get(key, "float32") for key in model.param_shapes())
     kinds = ", ".join(f"{count} {dtype}" for dtype, count in sorted(stored.items()))
     scales = f" + {stored['int8']} scale tensors" if stored["int8"] else ""
+    vectors = f", {metadata[VECTORS]['count']} test vectors" if VECTORS in metadata else ", no test vectors"
     print(f"wrote {args.output}: {human_bytes(len(data))} ({len(data):,} bytes), {sum(stored.values())} tensors "
-          f"({kinds}){scales}, {model.num_params:,} parameters")
+          f"({kinds}){scales}, {model.num_params:,} parameters{vectors}")
+
+
+def test_vectors(args, model: Model, weights: dict, metadata: dict, dtypes: dict, source_dtypes: dict) -> tuple:
+    """(weights, metadata) with the test vectors this export stores (see the module's help)."""
+    if args.test_vectors == 0:
+        return without_test_vectors(weights, metadata)
+    if args.test_photos:
+        return with_test_vectors(model, weights, metadata, dtypes, *photo_inputs(model, photo_paths(args.test_photos)))
+    if args.test_vectors is None and VECTORS in metadata:        # a .bin's own vectors
+        if dtypes == source_dtypes:
+            return weights, metadata                              # the same weights: the same outputs
+        return with_test_vectors(model, weights, metadata, dtypes, weights[INPUTS], metadata[VECTORS]["inputs"])
+    return with_test_vectors(model, weights, metadata, dtypes, *normal_inputs(model, args.test_vectors))
+
+
+def photo_paths(given: list) -> list:
+    """Files as given, folders as their photos (sorted by name)."""
+    from lnn.tools.infer import images_in_folder
+
+    paths = []
+    for name in given:
+        path = Path(name)
+        if path.is_dir():
+            found = images_in_folder(path)
+            if not found:
+                raise LnnInputError(f"{path}: no photos in this folder (--test-photos)")
+            paths += found
+        else:
+            paths.append(path)
+    return paths
 
 
 # --------------------------------------------------------------------------- the int8 accuracy gate
@@ -214,6 +264,12 @@ def main(argv=None) -> int:
             parser.error("choose one of --fp16 and --int8")
         if (args.calibration or args.force) and not args.int8:
             parser.error("--calibration and --force go with --int8")
+        if args.test_vectors is not None and not 0 <= args.test_vectors <= MAX_TEST_VECTORS:
+            parser.error(f"--test-vectors must be 0 to {MAX_TEST_VECTORS}, not {args.test_vectors}")
+        if args.test_photos and args.test_vectors is not None:
+            parser.error("choose one of --test-vectors and --test-photos")
+        if (args.test_photos or args.test_vectors is not None) and not args.output:
+            parser.error("--test-vectors and --test-photos apply to the .bin: add -o OUT.bin")
         return export(args)
 
     return run_command(parser, checked_export, argv)

@@ -18,6 +18,11 @@ Python install with Numba, the first start compiles them once per computer (cach
 shows "Preparing…" meanwhile, and photos opened then wait their turn). lnn-infer's policy (NumPy for a
 few images) suits a process that answers once and exits.
 
+The machine check: a model's first start on a computer runs its test vectors (runtime/vectors.py
+check_once: the exporting machine's outputs for a few inputs) on the backend the app will use; a
+computer that computes something else is refused with a dialog naming the difference and lnn-doctor,
+and its model is not used. A PASS is remembered per model file and computer, so later starts skip it.
+
 The answer's wording (labels, uncertainty, advice) comes from lnn-infer's Answer class, so the window
 and the command line always agree.
 
@@ -41,6 +46,7 @@ from lnn.formats.binfile import atomic_output
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime import resolve_device
 from lnn.runtime.preprocess import read_image, resize_image
+from lnn.runtime.vectors import check_once
 from lnn.tools.infer import DEFAULT_MODEL, IMAGE_SUFFIXES, answers_for, images_in_folder, load_session
 
 TITLE = "lnn field — tomato leaf check"
@@ -95,6 +101,7 @@ class Failure:
 class Worker(threading.Thread):
     """Owns the Session. Requests: ("load", path) and ("classify", [paths]); results go to `results`:
     ("preparing", model_path), ("ready", model_path, device), ("model_error", model_path, message),
+    ("refused", model_path, message) when this computer fails the model's test vectors,
     ("answer", Answer, ppm_bytes), ("failed", path, message), ("checked", photo_count) at the end of a
     classify request, ("worker_error", message) when a request failed as a whole, ("idle",).
     No exception ends the thread: it answers every request it takes."""
@@ -120,10 +127,16 @@ class Worker(threading.Thread):
         self.results.put(("preparing", model_path))
         try:
             session = load_session(str(model_path), resolve_device("auto"), None)    # the CPU backend, else NumPy
-            # Under Numba's JIT the first run compiles the kernels (or loads them from the per-user cache).
-            session.predict(np.random.default_rng(0).standard_normal((1, *session.input_shape), np.float32))
+            # Under Numba's JIT the first run compiles the kernels (or loads them from the per-user cache):
+            # the test vectors' run, the first on this computer, or a warm-up run.
+            check = check_once(session)
+            if check is None or check.cached:
+                session.predict(np.random.default_rng(0).standard_normal((1, *session.input_shape), np.float32))
         except Exception as err:               # noqa: BLE001 - e.g. MemoryError from a model with a huge input
             self.results.put(("model_error", model_path, failure_text(err)))
+            return
+        if check is not None and not check.passed:
+            self.results.put(("refused", model_path, check.refusal(model_path)))
             return
         self.session, self.model_path = session, model_path
         self.results.put(("ready", model_path, session.device))
@@ -359,6 +372,10 @@ class FieldApp:
             still = f"\n\nStill using {self.model_name}." if self.model_name else ""
             messagebox.showerror(TITLE, f"This file is not a model the app can use:\n{path}\n\n{text}{still}",
                                  parent=self.root)
+        elif kind == "refused":
+            still = f"\n\nStill using {self.model_name}." if self.model_name else ""
+            self.status.set(f"Refused: {message[1].name} computes something else on this computer")
+            messagebox.showerror(TITLE, f"This computer cannot use this model:\n\n{message[2]}{still}", parent=self.root)
         elif kind == "answer":
             when = datetime.datetime.now().isoformat(timespec="seconds")
             self.history.append((when, message[1], message[2], self.model_name))

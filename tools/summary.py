@@ -26,6 +26,7 @@ from collections import Counter
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.formats.model import FLOAT_BYTES, Model
 from lnn.formats.ops import get_op
+from lnn.formats.vectors import TENSOR_PREFIX as VECTOR_TENSORS
 from lnn.tools.cli import command_parser, human_bytes, human_flops, read_model_source, run_command
 
 PROG = "lnn-summary"
@@ -176,11 +177,12 @@ def memory_estimates(model: Model, batch: int) -> dict:
 
 def metadata_lines(bin_model) -> list:
     meta = bin_model.metadata
-    stored = Counter(t.dtype.name for t in bin_model.tensors.values())
+    tensors = [t for key, t in bin_model.tensors.items() if not key.startswith(VECTOR_TENSORS)]   # vectors: below
+    stored = Counter(t.dtype.name for t in tensors)
     size = os.path.getsize(bin_model.path)
     lines = [f"file: {human_bytes(size)} ({size:,} bytes), format {bin_model.version[0]}.{bin_model.version[1]}, "
              f"written by {meta.get('producer')} {meta.get('producer_version')}",
-             f"stored: {len(bin_model.tensors)} tensors ({', '.join(f'{c} {d}' for d, c in sorted(stored.items()))})"]
+             f"stored: {len(tensors)} tensors ({', '.join(f'{c} {d}' for d, c in sorted(stored.items()))})"]
     labels = bin_model.model.labels
     shown = ", ".join(label["display"] for label in labels[:6]) + (", ..." if len(labels) > 6 else "")
     lines.append(f"labels: {len(labels)} ({shown})")
@@ -191,6 +193,9 @@ def metadata_lines(bin_model) -> list:
     thresholds = meta.get("thresholds")
     if thresholds:
         lines.append(f"thresholds: {thresholds}")
+    vectors = meta.get("test_vectors")
+    lines.append(f"test vectors: {vectors['count']} ({vectors['inputs']}; outputs by {vectors['outputs']}); "
+                 f"lnn-doctor MODEL.bin runs them" if vectors else "test vectors: none (lnn-export adds them)")
     return lines
 
 

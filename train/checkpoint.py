@@ -10,7 +10,7 @@ Contents:
 
 `load_checkpoint(path) -> (model, weights, state)` is what lnn-export uses; it imports nothing of
 the training loop. `export_checkpoint(path, bin_path)` writes the .bin with the model's
-preprocessing and labels.
+preprocessing and labels, and lnn-export's default test vectors.
 """
 
 from __future__ import annotations
@@ -122,6 +122,9 @@ def load_checkpoint(path) -> tuple[Model, dict, dict]:
 def export_checkpoint(path, bin_path, extra_metadata: dict | None = None) -> int:
     """Write the checkpoint's model as a .bin; returns its size in bytes."""
     model, weights, state = load_checkpoint(path)
+    from lnn.runtime.vectors import normal_inputs, with_test_vectors
+
     training = {"epoch": state.get("epoch"), "best": state.get("best")}
     metadata = build_metadata(model, {"training": training, **(extra_metadata or {})})
+    weights, metadata = with_test_vectors(model, weights, metadata, {}, *normal_inputs(model))  # as lnn-export's
     return write_bin(bin_path, model, weights, metadata)

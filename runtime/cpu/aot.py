@@ -125,8 +125,14 @@ def compile_kernels(output_dir: Path, target_cpu: str = "") -> Path:
     """Compile every kernel in SIGNATURES into `output_dir`/MODULE.<ext>; needs Numba and a C compiler.
 
     Run it with the JIT kernels (LNN_CPU_KERNELS unset): their Python functions are what gets compiled.
-    target_cpu "" is LLVM's generic model for this architecture (portable); "host" tunes for this CPU."""
-    from numba.pycc import CC
+    target_cpu "" is LLVM's generic model for this architecture (portable); "host" tunes for this CPU.
+    A Numba without numba.pycc (pending deprecation, numba issue #8509) is a RuntimeError saying so."""
+    try:
+        from numba.pycc import CC
+    except ImportError as err:
+        raise RuntimeError(f"this Numba has no numba.pycc ({err}), which builds the app's compiled kernels: install "
+                           f"the Numba that pyproject.toml's app extra pins (pip install -e '.[app]'; packaging/BUILD.md)"
+                           ) from None
 
     problem = missing_compiler()
     if problem:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import numpy as np
@@ -90,10 +90,12 @@ class Plan:
         first_padding = getattr(layers[0], "input_padding", (0, 0)) if layers else (0, 0)
         _, self.input = padded_buffer((batch, *input_shape), *first_padding, self._new_buffer)
         self.steps = []
+        self.layer_steps = []            # per layer: (first, end) indices of its steps (lnn-bench --profile)
         self.kept = {}                   # kept node name -> its own buffer, filled right after its layer
         x = self.input
         for index, layer in enumerate(layers):
             x, steps = layer.plan(x, self._new_buffer)
+            self.layer_steps.append((len(self.steps), len(self.steps) + len(steps)))
             self.steps += steps
             for name in (kept_after or {}).get(index, ()):
                 copy = self.kept[name] = self._new_buffer(x.shape)
@@ -161,6 +163,7 @@ class CpuBackend:
         outputs = LayerOutputs(check_kept(model, keep))
         self.layers = build_layers(model, weights, outputs)
         self._kept_after = outputs.kept_after()
+        self.layer_nodes = outputs.members          # the nodes each fused layer computes
         kept_shapes = {node.name: node.out_shape for node in model.nodes if node.name in outputs.keep}
         self._plans = PerThreadCache(lambda key: Plan(self.layers, model.input_shape, key[0], self._kept_after),
                                      PLANS_KEPT * (threads or 1))                                  # (batch, part)
@@ -208,6 +211,24 @@ class CpuBackend:
             for done in [self._workers.submit(run_part, *part) for part in parts]:
                 done.result()
         return output, kept
+
+    def profile(self, x: np.ndarray, repeats: int) -> list:
+        """[(the fused layer's nodes joined by "+", its kind, median seconds)] over `repeats` whole runs of x
+        on one thread's plan (a split batch is profiled unsplit)."""
+        plan = self._plan(x.shape[0])
+        times = np.zeros((repeats, len(self.layers)))
+        with self._blas_limit() if self._blas_limit is not None else nullcontext():
+            for repeat in range(repeats):
+                np.copyto(plan.input, x)
+                for index, (first, end) in enumerate(plan.layer_steps):
+                    start = time.perf_counter()
+                    for step in plan.steps[first:end]:
+                        step()
+                    times[repeat, index] = time.perf_counter() - start
+                for step in plan.steps[plan.layer_steps[-1][1]:] if plan.layer_steps else ():
+                    step()
+        return [("+".join(nodes), type(layer).__name__.removesuffix("Layer").lower(), float(np.median(column)))
+                for nodes, layer, column in zip(self.layer_nodes, self.layers, times.T)]
 
     def warmup(self, batch: int = 1) -> float:
         """Compile (or load from the cache) every kernel this model uses; return and record the seconds it took.

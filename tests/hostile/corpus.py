@@ -274,7 +274,8 @@ def int8_and_checkpoint(folder: Path, tiny_bin: str) -> dict:
     from lnn.train.checkpoint import save_checkpoint
 
     tomato = read_bin(TOMATO)
-    write_atomic(folder / "int8.bin", encode_bin(tomato.model, {**tomato.weights_fp32(), **tomato.gate_tensors}, tomato.metadata,
+    metadata = {key: value for key, value in tomato.metadata.items() if key != "test_vectors"}   # fp32 outputs
+    write_atomic(folder / "int8.bin", encode_bin(tomato.model, {**tomato.weights_fp32(), **tomato.gate_tensors}, metadata,
                                                  int8_dtypes(tomato.model)))
     tiny = read_bin(tiny_bin)
     save_checkpoint(folder / "checkpoint.npz", {"description": tiny.model.to_description(), "epoch": 1},

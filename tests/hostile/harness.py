@@ -28,7 +28,8 @@ THREADS = str(min(2, os.cpu_count() or 1))
 QUIET_THREADS = {"OPENBLAS_NUM_THREADS": THREADS, "OMP_NUM_THREADS": THREADS, "MKL_NUM_THREADS": THREADS,
                  "NUMBA_NUM_THREADS": THREADS, "MALLOC_ARENA_MAX": "2"}
 MODULES = {"lnn-infer": "infer", "lnn-field": "field", "lnn-eval": "eval", "lnn-train": "train",
-           "lnn-export": "export", "lnn-import": "import_onnx", "lnn-summary": "summary"}
+           "lnn-export": "export", "lnn-import": "import_onnx", "lnn-summary": "summary", "lnn-doctor": "doctor",
+           "lnn-bench": "bench"}
 SESSION_PROG = "lnn-session"      # the prefix the Session snippets below print LnnErrors with
 SESSION_SNIPPET = """\
 import sys

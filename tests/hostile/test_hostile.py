@@ -132,6 +132,13 @@ CASES = [
          after=old_export_survives),
     Case("export_bin_full_disk", "lnn-export", ["{tomato}", "-o", "{root}/out/full.bin"], "error", file_size=FULL_DISK,
          after=no_bin_written),
+    # ---- lnn-doctor MODEL.bin and lnn-bench (issue 16): a bad model or option is one line before any work
+    *(Case(f"doctor_model_{name}", "lnn-doctor", [f"{{{name}}}"], "error")
+      for name in ("truncated.bin", "flip_tensor.bin", "huge_input.bin", "pipe.jpg")),
+    *(Case(f"bench_model_{name}", "lnn-bench", [f"{{{name}}}", "--device", "numpy"], "error")
+      for name in ("truncated.bin", "huge_input.bin", "dev_zero")),
+    Case("bench_batch_huge", "lnn-bench", ["{tomato}", "--batch", str(10**8)], "error"),
+    Case("bench_images_bomb", "lnn-bench", ["{tiny.bin}", "--device", "numpy", "--images", "{bomb33000.png}"], "error"),
     # ---- lnn-import
     *(Case(f"import_{name}", "lnn-import", [f"{{{name}}}", "-o", "{root}/out/imported.bin"], "error")
       for name in ("garbage.onnx", "truncated.onnx", "huge_input.onnx", "text.jpg", "dev_zero", "pipe.jpg")),

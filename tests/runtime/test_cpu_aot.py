@@ -88,3 +88,56 @@ def test_a_missing_compiled_module_makes_the_cpu_device_one_clear_error(tmp_path
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert "the cpu backend cannot load" in result.stdout and "lnn_cpu_kernels" in result.stdout, result.stdout
+
+
+# --------------------------------------------------------------------------- the JIT as the fallback (issue 16)
+
+HOOK = REPO / "packaging" / "hooks" / "rthook_lnn_field.py"
+AFTER_HOOK = """
+import os, runpy, sys
+import numpy as np
+os.environ.pop("LNN_CPU_KERNELS", None)
+runpy.run_path(sys.argv[1])                        # what the frozen app runs before any of its code
+import lnn
+from lnn.runtime.cpu import jit
+from lnn.tools.infer import DEFAULT_MODEL
+session = lnn.load(DEFAULT_MODEL, device="auto")
+x = np.random.default_rng(0).standard_normal((1, *session.input_shape)).astype(np.float32)
+error = float(np.abs(session.run(x) - lnn.load(DEFAULT_MODEL, device="numpy").run(x)).max())
+print(os.environ.get("LNN_CPU_KERNELS"), jit.KERNELS, session.device, error < 1e-4)
+"""
+
+
+def run_after_hook(env) -> list:
+    result = subprocess.run([sys.executable, "-c", AFTER_HOOK, str(HOOK)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.split()
+
+
+def test_without_the_compiled_kernels_the_app_falls_back_to_the_jit():
+    pytest.importorskip("numba")
+    env = {key: value for key, value in os.environ.items() if key != "LNN_CPU_KERNELS"}
+    assert run_after_hook(env) == ["None", "jit", "cpu", "True"]
+
+
+@pytest.mark.slow
+def test_with_the_compiled_kernels_the_app_takes_them(compiled):
+    assert run_after_hook(aot_env(compiled)) == ["aot", "aot", "cpu", "True"]
+
+
+def test_a_numba_without_pycc_is_one_clear_build_error(monkeypatch, tmp_path):
+    pytest.importorskip("numba")
+    from lnn.runtime.cpu.aot import compile_kernels
+
+    monkeypatch.setitem(sys.modules, "numba.pycc", None)          # as a Numba that dropped it
+    with pytest.raises(RuntimeError, match=r"has no numba.pycc .* app extra pins"):
+        compile_kernels(tmp_path)
+
+
+def test_the_app_extra_pins_numba_below_the_first_release_that_could_drop_pycc():
+    import re
+
+    pin = re.search(r'^app = \[.*"numba>=[\d.]+,<([\d.]+)"', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert pin, "pyproject.toml's app extra pins numba with an upper bound"
+    assert f"numba<{pin.group(1)}" in (REPO / "packaging" / "BUILD.md").read_text(encoding="utf-8")

@@ -53,9 +53,10 @@ def test_export_load_export_is_byte_identical(reference_bin, tmp_path, fp16):
 
 
 def test_fp16_stores_weight_matrices_as_half_and_predicts_close(reference_bin, tmp_path):
-    full = reference_bin("leaf_cnn")
+    full = tmp_path / "leaf.bin"                                          # sizes without the test vectors
+    assert main([str(reference_bin("leaf_cnn")), "-o", str(full), "--test-vectors", "0"]) == 0
     half = tmp_path / "leaf_fp16.bin"
-    assert main([str(full), "-o", str(half), "--fp16"]) == 0
+    assert main([str(full), "-o", str(half), "--fp16", "--test-vectors", "0"]) == 0
     stored = read_bin(half).stored_dtypes
     assert {k for k, d in stored.items() if d == "float16"} == {"conv1.weight", "conv2.weight", "conv3.weight",
                                                                 "conv4.weight", "fc.weight"}

@@ -318,7 +318,8 @@ def test_a_model_whose_output_is_nan_fails_that_image_and_prints_valid_json(tmp_
         key = source.model.nodes[-1].param_key(param)
         weights[key] = np.full_like(weights[key], 3e38)
     broken = tmp_path / "nan.bin"
-    write_bin(broken, source.model, weights, metadata=source.metadata)
+    metadata = {key: value for key, value in source.metadata.items() if key != "test_vectors"}   # no longer true
+    write_bin(broken, source.model, weights, metadata=metadata)
     leaf = sorted((EXAMPLES / "leaves").glob("*.jpg"))[0]
     status = main(["--model", str(broken), "--json", str(leaf)])
     out, err = capsys.readouterr()

@@ -123,6 +123,7 @@ def test_bin_shows_metadata(reference_bin, tmp_path, capsys):
     assert "labels: 10 (0, 1, 2, 3, 4, 5, ...)" in out
     assert "preprocess: gray, resize to 28x28" in out
     assert "parameters:  421,642" in out
+    assert "test vectors: 4 (4 inputs drawn from a standard normal distribution" in out
 
 
 @pytest.mark.parametrize("case, fragment, status", [

@@ -1,0 +1,69 @@
+"""lnn-bench: each backend measured in its own process on the model's real inputs (its test vectors or
+photos), percentiles in order, a per-layer profile that covers every node, bad input as one line."""
+
+import importlib.util
+import json
+
+import pytest
+
+from cli_helpers import assert_one_line_error, run_command
+from conftest import EXAMPLES
+from test_vectors_cli import tiny_bin  # noqa: F401  (the fixture)
+from lnn.formats.binfile import read_bin
+from lnn.tools.export import main as export_main
+
+QUICK = ("--runs", "3", "--warmup", "1")
+
+
+def bench_json(*args) -> tuple:
+    result = run_command("bench", *args, "--json", *QUICK)
+    return result, (json.loads(result.stdout) if result.stdout.strip() else None)
+
+
+def test_numpy_figures_are_ordered_and_the_inputs_are_the_test_vectors(tiny_bin):  # noqa: F811
+    result, report = bench_json(tiny_bin, "--device", "numpy", "--batch", "3", "--profile")
+    assert result.returncode == 0, result.stderr
+    row = report["devices"]["numpy"]
+    assert 0 < row["min_ms"] <= row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"]
+    assert row["load_ms"] > 0 and row["first_ms"] > 0 and row["peak_rss_bytes"] > 10 << 20
+    assert report["batch"] == 3 and "4 test vector" in report["inputs"] and row["kernels"] is None
+    nodes = [node.name for node in read_bin(tiny_bin).model.nodes]
+    assert [layer["layer"] for layer in row["profile"]] == nodes and all(layer["ms"] >= 0 for layer in row["profile"])
+
+
+def test_cpu_profile_names_every_node_once_in_its_fused_layers(tiny_bin):  # noqa: F811
+    pytest.importorskip("numba")
+    result, report = bench_json(tiny_bin, "--device", "cpu", "--profile", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    row = report["devices"]["cpu"]
+    assert row["kernels"] in ("not cached yet", "from the cache", "ahead of time")
+    fused = [name for layer in row["profile"] for name in layer["layer"].split("+")]
+    assert fused == [node.name for node in read_bin(tiny_bin).model.nodes]
+    assert [layer["kind"] for layer in row["profile"]] == ["conv2d", "globalavgpool", "linear"]
+
+
+def test_photos_as_inputs_and_the_table(tiny_bin):  # noqa: F811
+    result = run_command("bench", tiny_bin, "--device", "numpy", "--images", EXAMPLES / "leaves" / "healthy.jpg", *QUICK)
+    assert result.returncode == 0, result.stderr
+    assert "inputs: 1 photos: healthy.jpg" in result.stdout
+    header, row = result.stdout.splitlines()[1:3]
+    assert header.split()[:3] == ["device", "load", "ms"] and row.split()[0] == "numpy"
+
+
+def test_a_model_without_vectors_and_bad_options_are_one_line(tiny_bin, tmp_path):  # noqa: F811
+    assert export_main([str(tiny_bin), "-o", str(tmp_path / "none.bin"), "--test-vectors", "0"]) == 0
+    cases = [((tmp_path / "none.bin",), "has no test vectors"), ((tmp_path / "missing.bin",), "no such model file"),
+             ((tiny_bin, "--batch", "0"), "--batch must be 1 to 4,096"), ((tiny_bin, "--device", "gpu"), "--device"),
+             ((tiny_bin, "--threads", "0"), "--threads"), ((tiny_bin, "--images", tmp_path), "no photos")]
+    for args, fragment in cases:
+        result = run_command("bench", *args)
+        assert result.returncode != 0 and result.stdout == ""
+        assert_one_line_error(result.stderr, "lnn-bench", fragment)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed: cuda may work here")
+def test_an_unavailable_backend_is_its_own_error_and_the_others_are_measured(tiny_bin):  # noqa: F811
+    result, report = bench_json(tiny_bin, "--device", "numpy,cuda")
+    assert result.returncode == 1
+    assert "p50_ms" in report["devices"]["numpy"] and "cuda backend cannot load" in report["devices"]["cuda"]["error"]
+    assert_one_line_error(result.stderr, "lnn-bench", "cuda:")
