@@ -35,6 +35,14 @@ MAX_JSON_BYTES = 4 << 20
 MAX_JSON_DEPTH = 64
 
 
+# --------------------------------------------------------------------------- series and tables
+# Enforced by runtime/series.py for the UCR/UEA files (.ts, .tsv, .arff) and CSV tables that lnn-train,
+# lnn-eval and lnn-infer read: the file is read whole and parsed in memory (about 10x its size as
+# Python floats while a line is parsed, 8 bytes per value after), so its size is capped before reading.
+# 1 GiB holds the archive's largest files (InsectWingbeat's .ts is about 0.9 GB).
+MAX_DATA_FILE_BYTES = 1 << 30
+
+
 # --------------------------------------------------------------------------- images
 # Enforced by runtime/preprocess.py for both decoders (OpenCV and Pillow), so for lnn-infer, lnn-field,
 # Session.predict_image and the training / evaluation caches alike. A phone's 200-megapixel JPEG must

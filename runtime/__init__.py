@@ -164,7 +164,7 @@ class Session:
         arguments as for prepare_image."""
         from lnn.runtime.preprocess import decode_image, preprocess_image
 
-        if self.model.preprocess is None:
+        if not self.model.takes_images:
             raise LnnInputError(f"model {self.model.name!r} takes no images (input shape {list(self.model.input_shape)})")
         if isinstance(image, (str, Path, bytes, bytearray, memoryview)):
             image, color = decode_image(image), "bgr"

@@ -74,7 +74,7 @@ def unsupported_reason(model, config, optimizer_config: dict, amp: bool, dtype) 
         return "gradient accumulation (accumulate > 1)"
     if optimizer_config["type"] not in GRAPH_OPTIMIZERS:
         return f"optimizer {optimizer_config['type']}"
-    if model.preprocess is None:
+    if not model.takes_images:
         return "no preprocess block (the graph step takes uint8 images)"
     for node in model.nodes:
         where = f"layer {node.index} ({node.op})"
