@@ -262,8 +262,10 @@ def read_series_file(path) -> SeriesFile:
     return result
 
 
-def read_table(path, target: str | None = None) -> Table:
-    """A CSV table with a header row (see the module doc). `target`: the class column, kept as text."""
+def read_table(path, target: str | None = None, columns: list | None = None) -> Table:
+    """A CSV table with a header row (see the module doc). `target`: the class column, kept as text;
+    `columns`: read only these feature columns, in this order (lnn-infer: a model's columns; any other column,
+    such as the class, is left unread), else every column but the target."""
     path = Path(path)
     rows = csv.reader(io.StringIO(read_text(path, "CSV table"), newline=""))
     header = next(rows, None)
@@ -278,7 +280,14 @@ def read_table(path, target: str | None = None) -> Table:
     if target is not None and target not in names:
         raise LnnInputError(f"{path}: no column {target!r} (columns: {', '.join(names)})")
     target_at = names.index(target) if target is not None else None
-    features = [i for i in range(len(names)) if i != target_at]
+    if columns is not None:
+        missing = [name for name in columns if name not in names]
+        if missing:
+            raise LnnInputError(f"{path}: no column {missing[0]!r}, which the model takes (its columns: "
+                                f"{', '.join(columns)})")
+        features = [names.index(name) for name in columns]
+    else:
+        features = [i for i in range(len(names)) if i != target_at]
     if not features:
         raise LnnInputError(f"{path}: no feature column besides the target {target!r}")
     values, labels = [], []
@@ -383,3 +392,15 @@ def model_inputs(model, values) -> np.ndarray:
     if model.preprocess is None:
         return array.astype(np.float32)
     return standardize(array, model.preprocess)
+
+
+def table_values(model, table: Table) -> np.ndarray:
+    """A table's feature columns in the order the model's preprocessing names them ([N, F] raw values); a
+    column the model lacks or does not take is an error naming it."""
+    wanted = (model.preprocess or {}).get("columns", table.columns)
+    if sorted(wanted) != sorted(table.columns):
+        missing = [name for name in wanted if name not in table.columns]
+        problem = (f"no column {missing[0]!r}, which the model takes" if missing else
+                   f"column {next(n for n in table.columns if n not in wanted)!r} is not one the model takes")
+        raise LnnInputError(f"{table.path}: {problem} (its columns: {', '.join(wanted)}; the class column is --target)")
+    return table.values[:, [table.columns.index(name) for name in wanted]]

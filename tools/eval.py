@@ -345,7 +345,7 @@ def evaluate_rows(args, kind: str, path: str) -> int:
     """ucr:DIR (--split test or train) and csv:FILE --target COLUMN (--split val or all): series or table rows
     through the model's own preprocessing (lnn.runtime.series.model_inputs: raw values in)."""
     import lnn
-    from lnn.runtime.series import model_inputs
+    from lnn.runtime.series import model_inputs, table_values
     from lnn.train.series import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, read_target_table, split_rows, ucr_split
 
     if args.fit_gate or args.write_gate or args.choose_threshold or args.write_threshold:
@@ -371,7 +371,7 @@ def evaluate_rows(args, kind: str, path: str) -> int:
     else:
         table = read_target_table(path, args.target)
         source, unit = table.path, "rows"
-        values, names = table_for(session.model, table), table.labels
+        values, names = table_values(session.model, table), table.labels
         rows = split_rows(names, val_fraction, seed)[1] if split == "val" else np.arange(len(names))
         values, names = values[rows], [names[i] for i in rows]
         items = ("row", (rows + 1).tolist())
@@ -394,22 +394,6 @@ def evaluate_rows(args, kind: str, path: str) -> int:
         write_report(Path(args.out), session.model.name, labels, matrix, metrics, items, (true, predicted, confidence),
                      unit)
     return 0
-
-
-def table_for(model, table) -> np.ndarray:
-    """A table's feature columns in the order the model's preprocessing names them ([N, F] raw values)."""
-    wanted = (model.preprocess or {}).get("columns")
-    if wanted is None:
-        return table.values
-    missing = [name for name in wanted if name not in table.columns]
-    if missing:
-        raise LnnInputError(f"{table.path}: no column {missing[0]!r}, which the model takes "
-                            f"(its columns: {', '.join(wanted)})")
-    extra = [name for name in table.columns if name not in wanted]
-    if extra:
-        raise LnnInputError(f"{table.path}: column {extra[0]!r} is not one the model takes "
-                            f"(its columns: {', '.join(wanted)}; pass the class column as --target)")
-    return table.values[:, [table.columns.index(name) for name in wanted]]
 
 
 def accuracy_summary(args, metadata: dict, accuracy: float, count: int, what: str) -> str:
