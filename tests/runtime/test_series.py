@@ -1,6 +1,5 @@
 """Series and table readers (runtime/series.py), the series/table preprocessing and its .bin round trip."""
 
-
 import numpy as np
 import pytest
 
