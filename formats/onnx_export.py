@@ -4,8 +4,9 @@ The graph takes `input` [N, *input_shape] float32 (N is a dynamic dimension name
 `logits` [N, *output_shape] (`output` when the model ends in softmax or sigmoid). Layer by layer:
 
     conv2d          Conv (pads written as [top, left, bottom, right])
+    conv1d          Conv with a 3-D weight (pads [left, right])
     linear          Gemm(transB=1): y = x @ W.T + b, W kept as lnn stores it ([out, in])
-    batchnorm       folded into the conv2d / linear just before it when that layer has no activation;
+    batchnorm       folded into the conv1d / conv2d / linear just before it when that layer has no activation;
                     otherwise a BatchNormalization node
     maxpool2d       MaxPool;  avgpool2d: AveragePool with count_include_pad
     global_avg_pool GlobalAveragePool, then Flatten(axis=1) unless keepdims
@@ -51,14 +52,14 @@ def require_onnx(module: str = "onnx"):
 
 def _inference_layers(model: Model, weights: dict) -> list:
     """The model's layers as (node, params, fused activation or None), dropout removed and batch norm folded
-    into the conv2d / linear before it where that layer has no activation of its own."""
+    into the conv1d / conv2d / linear before it where that layer has no activation of its own."""
     layers = []
     for node in model.nodes:
         if node.op == "dropout":
             continue
         params = {p: np.asarray(weights[node.param_key(p)], dtype=np.float32) for p in node.param_shapes}
         previous = layers[-1] if layers else None
-        if (node.op == "batchnorm" and previous is not None and previous[0].op in ("conv2d", "linear")
+        if (node.op == "batchnorm" and previous is not None and previous[0].op in ("conv1d", "conv2d", "linear")
                 and previous[2] is None):
             prev_node, prev_params, _ = previous
             weight, bias = fold_scale_and_shift(prev_params["weight"], prev_params.get("bias"),
@@ -118,6 +119,10 @@ def _emit_layer(graph: _GraphBuilder, node, params: dict) -> None:
             inputs.append(graph.constant(f"{name}.bias", params["bias"]))
         graph.add("Conv", name, inputs, kernel_shape=list(attrs["kernel_size"]), strides=list(attrs["stride"]),
                   pads=_pads(attrs["padding"]), dilations=list(attrs["dilation"]), group=attrs["groups"])
+    elif node.op == "conv1d":
+        inputs = [graph.constant(f"{name}.{p}", params[p]) for p in ("weight", "bias") if p in params]
+        graph.add("Conv", name, inputs, kernel_shape=[attrs["kernel_size"]], strides=[attrs["stride"]],
+                  pads=list(attrs["padding"]), dilations=[attrs["dilation"]], group=attrs["groups"])
     elif node.op == "linear":
         inputs = [graph.constant(f"{name}.weight", params["weight"])]
         if "bias" in params:

@@ -4,7 +4,8 @@ The graph must be a chain: one float32 input [N, *shape] (dim 0 is the batch, th
 each node reading the tensor the node before it wrote (plus constants), one output at the end.
 ONNX nodes map to lnn layers as follows:
 
-    Conv                       conv2d (2-D; symmetric pads, or auto_pad VALID / SAME that comes out symmetric)
+    Conv                       conv2d (2-D; symmetric pads, or auto_pad VALID / SAME that comes out symmetric),
+                               conv1d (1-D, a 3-D weight; any pads or auto_pad)
     Gemm, MatMul (+ Add)       linear: weight [out, in] = B.T (B when transB=1), times alpha; bias = beta * C
     MaxPool, AveragePool       maxpool2d, avgpool2d (2-D, symmetric pads, no dilation; ceil_mode only where it
                                gives the same size as floor)
@@ -136,30 +137,36 @@ class _Chain:
 
 # --------------------------------------------------------------------------- padding and pooling helpers
 
-def _symmetric_padding(node: _Node, attrs: dict, kernel, strides, dilations) -> list:
-    """ONNX pads / auto_pad -> lnn's [pad_h, pad_w] (the same on both sides)."""
+def _padding(node: _Node, attrs: dict, kernel, strides, dilations) -> tuple[list, list]:
+    """ONNX pads / auto_pad -> (padding before, padding after) per spatial axis."""
+    rank = len(kernel)
     auto_pad = attrs["auto_pad"]
     if auto_pad == "VALID":
-        pads = [0, 0, 0, 0]
-    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        return [0] * rank, [0] * rank
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         begins, ends = [], []
         for size, k, s, d in zip(node.in_shape[1:], kernel, strides, dilations):
             total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
             small, large = total // 2, total - total // 2
             begins.append(small if auto_pad == "SAME_UPPER" else large)
             ends.append(large if auto_pad == "SAME_UPPER" else small)
-        pads = begins + ends
-    elif auto_pad == "NOTSET":
-        pads = list(attrs["pads"] or [0, 0, 0, 0])
-    else:
+        return begins, ends
+    if auto_pad != "NOTSET":
         raise node.error(f"auto_pad {auto_pad!r} is not supported")
-    if len(pads) != 4:
-        raise node.error(f"pads {pads} are not 2-D ([top, left, bottom, right])")
-    if pads[0] != pads[2] or pads[1] != pads[3]:
-        raise node.error(f"asymmetric pads {pads} ([top, left, bottom, right]"
-                         + (f" from auto_pad {auto_pad}" if auto_pad != "NOTSET" else "")
+    pads = [int(p) for p in (attrs["pads"] or [0] * 2 * rank)]
+    if len(pads) != 2 * rank:
+        raise node.error(f"pads {pads} are not {rank}-D ([" + ", ".join(["begin"] * rank + ["end"] * rank) + "])")
+    return pads[:rank], pads[rank:]
+
+
+def _symmetric_padding(node: _Node, attrs: dict, kernel, strides, dilations) -> list:
+    """ONNX pads / auto_pad -> lnn's [pad_h, pad_w] (the same on both sides)."""
+    begins, ends = _padding(node, attrs, kernel, strides, dilations)
+    if begins != ends:
+        raise node.error(f"asymmetric pads {begins + ends} ([top, left, bottom, right]"
+                         + (f" from auto_pad {attrs['auto_pad']}" if attrs["auto_pad"] != "NOTSET" else "")
                          + ") are not supported: lnn pads both sides alike")
-    return [int(pads[0]), int(pads[1])]
+    return begins
 
 
 def _two_d(node: _Node, values, name: str, default) -> list:
@@ -201,21 +208,32 @@ def _average_pool(node: _Node, chain: _Chain) -> None:
 # --------------------------------------------------------------------------- converters: node -> chain
 
 def _conv(node: _Node, chain: _Chain) -> None:
+    """Conv with a 4-D weight -> conv2d; with a 3-D weight -> conv1d (its pads may differ left and right)."""
     attrs = node.attributes(auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None)
-    node.need_rank((3,), "a 4-D [N, C, H, W]")
     weight = node.weight(1, "weight")
-    if weight.ndim != 4:
-        raise node.error(f"weight of shape {list(weight.shape)}: only 2-D convolution (a 4-D weight) is supported")
+    if weight.ndim not in (3, 4):
+        raise node.error(f"weight of shape {list(weight.shape)}: only 1-D and 2-D convolution (a 3-D or 4-D weight) "
+                         "are supported")
+    one_d = weight.ndim == 3
+    node.need_rank((2,) if one_d else (3,), "a 3-D [N, C, T]" if one_d else "a 4-D [N, C, H, W]")
     kernel = list(weight.shape[2:])
     if attrs["kernel_shape"] is not None and list(attrs["kernel_shape"]) != kernel:
         raise node.error(f"kernel_shape {list(attrs['kernel_shape'])} does not match the weight's {kernel}")
-    strides = _two_d(node, attrs["strides"], "strides", [1, 1])
-    dilations = _two_d(node, attrs["dilations"], "dilations", [1, 1])
     bias = node.weight(2, "bias", optional=True)
-    layer = {"type": "conv2d", "name": chain.unique_name(node.proto.input[1], "conv2d"),
-             "out_channels": int(weight.shape[0]), "kernel_size": kernel, "stride": strides,
-             "padding": _symmetric_padding(node, attrs, kernel, strides, dilations), "dilation": dilations,
-             "groups": int(attrs["group"]), "bias": bias is not None}
+    lnn_op = "conv1d" if one_d else "conv2d"
+    layer = {"type": lnn_op, "name": chain.unique_name(node.proto.input[1], lnn_op),
+             "out_channels": int(weight.shape[0]), "groups": int(attrs["group"]), "bias": bias is not None}
+    if one_d:
+        strides, dilations = [int(v) for v in attrs["strides"] or [1]], [int(v) for v in attrs["dilations"] or [1]]
+        if len(strides) != 1 or len(dilations) != 1:
+            raise node.error(f"strides {strides} / dilations {dilations}: a 1-D convolution takes one of each")
+        begins, ends = _padding(node, attrs, kernel, strides, dilations)
+        layer.update(kernel_size=kernel[0], stride=strides[0], dilation=dilations[0], padding=begins + ends)
+    else:
+        strides = _two_d(node, attrs["strides"], "strides", [1, 1])
+        dilations = _two_d(node, attrs["dilations"], "dilations", [1, 1])
+        layer.update(kernel_size=kernel, stride=strides, dilation=dilations,
+                     padding=_symmetric_padding(node, attrs, kernel, strides, dilations))
     chain.append(layer, {"weight": weight} if bias is None else {"weight": weight, "bias": bias})
 
 

@@ -9,7 +9,7 @@ Each op states, in one place:
 
 The reference forward is the semantics every backend must reproduce (the NumPy runtime runs
 it as is; the Numba and CUDA backends are checked against it). Conventions follow PyTorch:
-conv weight [O, I/groups, KH, KW], linear weight [out, in] with y = x @ W.T + b, flatten in
+conv weight [O, I/groups, KH, KW] (conv1d [O, I/groups, K] on series [N, C, T]), linear weight [out, in] with y = x @ W.T + b, flatten in
 (C, H, W) order, batch norm y = (x - mean) / sqrt(var + eps) * weight + bias.
 
 Adding an op means adding one class here, registering it in OPS, and one kernel per backend.
@@ -147,8 +147,10 @@ def _require_rank(in_shape, ranks, what):
 
 
 def _window_out(size, kernel, stride, pad, dilation, field_hint):
+    """Outputs of a window along one axis; `pad` is the padding on each side, or a (before, after) pair."""
     span = dilation * (kernel - 1) + 1
-    out = (size + 2 * pad - span) // stride + 1
+    total = sum(pad) if isinstance(pad, tuple) else 2 * pad
+    out = (size + total - span) // stride + 1
     if out < 1:
         raise SpecProblem(field_hint, f"window {kernel} (dilation {dilation}) does not fit input size {size} with padding {pad}")
     return out
@@ -315,6 +317,90 @@ class Conv2d(Op):
         return apply_activation(y, attrs["activation"])
 
 
+def _padding_1d(value, kernel: int, stride: int, dilation: int) -> tuple[int, int]:
+    """conv1d's padding -> (left, right): an integer (both sides), [left, right], "valid" (none) or "same"
+    (PyTorch's: stride 1, total dilation * (kernel - 1), the odd one on the right)."""
+    if value == "valid":
+        return (0, 0)
+    if value == "same":
+        if stride != 1:
+            raise SpecProblem("padding", f"padding \"same\" needs stride 1, not {stride} (as PyTorch's Conv1d)")
+        total = dilation * (kernel - 1)
+        return (total // 2, total - total // 2)
+    if isinstance(value, str):
+        raise SpecProblem("padding", f"padding must be an integer, [left, right], \"same\" or \"valid\", not {value!r}")
+    return _pair("padding", value, 0)
+
+
+def conv1d_as_conv2d(attrs: dict, padding: tuple | None = None) -> dict:
+    """conv1d's attributes as those of the conv2d that computes it on the input viewed as [C, 1, T] (weight
+    [O, C/g, 1, K]): kernel (1, K), stride (1, S), dilation (1, D), padding (0, left) or (0, padding[1]) when
+    `padding` (a pair) is given. The right padding attrs["padding"][1] may differ from the left (an even kernel
+    with "same"): the 2-D window kernels pad from their padded buffer's size (`conv1d_padded_length`) or read
+    zeros past the input, so only the buffer's size needs it."""
+    pad = attrs["padding"] if padding is None else padding
+    return {"out_channels": attrs["out_channels"], "in_channels": attrs["in_channels"],
+            "kernel_size": (1, attrs["kernel_size"]), "stride": (1, attrs["stride"]), "padding": (0, pad[0]),
+            "dilation": (1, attrs["dilation"]), "groups": attrs["groups"], "bias": attrs["bias"],
+            "activation": attrs["activation"], "algorithm": "im2col"}
+
+
+def conv1d_padded_length(attrs: dict, length: int) -> int:
+    """T + left + right: the length of conv1d's zero-padded input."""
+    return length + sum(attrs["padding"])
+
+
+class Conv1d(Op):
+    """1-D convolution over [C, T] (PyTorch Conv1d: weight [O, C/groups, K]); computed as the conv2d of height
+    1 that conv1d_as_conv2d describes, so shapes, costs and the reference are conv2d's."""
+
+    name = "conv1d"
+    attr_defaults = {"out_channels": REQUIRED, "kernel_size": REQUIRED, "in_channels": None, "stride": 1,
+                     "padding": 0, "dilation": 1, "groups": 1, "bias": True, "activation": None}
+    has_activation_field = True
+
+    def normalize(self, attrs, in_shape):
+        _require_rank(in_shape, (2,), "a [C, T]")
+        out = dict(attrs)
+        cin = in_shape[0]
+        if attrs["in_channels"] is not None and attrs["in_channels"] != cin:
+            raise SpecProblem("in_channels", f"in_channels is {cin} from the previous layer, not {attrs['in_channels']}")
+        out["in_channels"] = cin
+        out["out_channels"] = _positive_int("out_channels", attrs["out_channels"])
+        for key in ("kernel_size", "stride", "dilation"):
+            out[key] = _positive_int(key, attrs[key])
+        out["padding"] = _padding_1d(attrs["padding"], out["kernel_size"], out["stride"], out["dilation"])
+        groups = _positive_int("groups", attrs["groups"])
+        if cin % groups or out["out_channels"] % groups:
+            raise SpecProblem("groups", f"groups {groups} must divide in_channels {cin} and out_channels {out['out_channels']}")
+        out["groups"] = groups
+        out["bias"] = _flag("bias", attrs["bias"])
+        return out
+
+    def param_shapes(self, attrs, in_shape):
+        shapes = {"weight": (attrs["out_channels"], attrs["in_channels"] // attrs["groups"], attrs["kernel_size"])}
+        if attrs["bias"]:
+            shapes["bias"] = (attrs["out_channels"],)
+        return shapes
+
+    def infer(self, attrs, in_shape):
+        length = _window_out(in_shape[1], attrs["kernel_size"], attrs["stride"], attrs["padding"], attrs["dilation"],
+                             "kernel_size")
+        return (attrs["out_channels"], length)
+
+    def flops(self, attrs, in_shape, out_shape):
+        return OPS["conv2d"].flops(conv1d_as_conv2d(attrs), (in_shape[0], 1, in_shape[1]), (out_shape[0], 1, out_shape[1]))
+
+    def elementwise_ops(self, attrs, in_shape, out_shape):
+        return OPS["conv2d"].elementwise_ops(conv1d_as_conv2d(attrs), (in_shape[0], 1, in_shape[1]),
+                                             (out_shape[0], 1, out_shape[1]))
+
+    def forward(self, x, params, attrs, training=False):
+        x = np.pad(x, ((0, 0), (0, 0), attrs["padding"]))
+        rows = {key: value[:, :, None] if key == "weight" else value for key, value in params.items()}
+        return OPS["conv2d"].forward(x[:, :, None], rows, conv1d_as_conv2d(attrs, (0, 0)))[:, :, 0]
+
+
 class _Pool2d(Op):
     attr_defaults = {"kernel_size": REQUIRED, "stride": None, "padding": 0}
     trainable = False
@@ -404,14 +490,14 @@ class Flatten(Op):
 
 
 class BatchNorm(Op):
-    """Batch norm over channels: [C] (1d) or [C, H, W] (2d); inference uses the running statistics."""
+    """Batch norm over channels: [C] or [C, T] (1d) or [C, H, W] (2d); inference uses the running statistics."""
 
     name = "batchnorm"
     attr_defaults = {"num_features": None, "eps": 1e-5, "momentum": 0.1, "activation": None}
     has_activation_field = True
 
     def normalize(self, attrs, in_shape):
-        _require_rank(in_shape, (1, 3), "a [C] or [C, H, W]")
+        _require_rank(in_shape, (1, 2, 3), "a [C], [C, T] or [C, H, W]")
         out = dict(attrs)
         c = in_shape[0]
         if attrs["num_features"] is not None and attrs["num_features"] != c:
@@ -477,7 +563,7 @@ class Activation(Op):
 
 
 OPS: dict[str, Op] = {op.name: op for op in (
-    Linear(), Conv2d(), MaxPool2d(), AvgPool2d(), GlobalAvgPool(), Flatten(), BatchNorm(), Dropout(),
+    Linear(), Conv1d(), Conv2d(), MaxPool2d(), AvgPool2d(), GlobalAvgPool(), Flatten(), BatchNorm(), Dropout(),
     *(Activation(kind) for kind in ACTIVATIONS),
 )}
 

@@ -152,14 +152,14 @@ def global_avg_pool_backward(xp, dy, dx):
 
 
 # --------------------------------------------------------------------------- batch norm
-# x [N, C] or [N, C, H, W]; statistics per channel over N (and H, W), m values each.
+# x [N, C], [N, C, T] or [N, C, H, W]; statistics per channel over N (and T or H, W), m values each.
 # Training: y = (x - mean) / sqrt(var + eps) * w + b with the batch's biased var; the running
 # statistics move by `momentum` towards the batch's mean and UNBIASED var (PyTorch semantics).
 # `saved` [2, C] float32 keeps mean and 1/sqrt(var + eps) for the backward, which recomputes
 # x_hat from x. Statistics are computed in float32 even when x is float16.
 
 def _channel_axes(x):
-    return (0,) if x.ndim == 2 else (0, 2, 3)
+    return (0,) + tuple(range(2, x.ndim))
 
 
 def batchnorm_train_forward(xp, x, weight, bias, running_mean, running_var, attrs, out, saved):

@@ -13,12 +13,13 @@ linear, conv or batch norm layer) run in place on the output and are undone in p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from lnn.formats.errors import ModelSpecError
-from lnn.formats.ops import ACTIVATIONS
+from lnn.formats.ops import ACTIVATIONS, conv1d_as_conv2d, conv1d_padded_length
 from lnn.runtime.cuda import winograd           # the rule and the sizing only: importing it imports no CuPy
 from lnn.train import kernels as K
 
@@ -134,9 +135,12 @@ class Conv2dLayer(Layer):
                   ("gemm", (cout, n, oh, ow), COMPUTE, "forward"),
                   ("gemm_b", (cout, n, oh, ow), COMPUTE, "backward")]
         if any(self.attrs["padding"]):
-            padded = _padded_shape(n, self.node.in_shape, self.attrs["padding"])
+            padded = self.padded_shape(n)
             spaces += [("padded", padded, COMPUTE, "forward"), ("padded_b", padded, COMPUTE, "backward")]
         return spaces
+
+    def padded_shape(self, n: int) -> tuple:
+        return _padded_shape(n, self.node.in_shape, self.attrs["padding"])
 
     def forward(self, c, training):
         weight, bias = c.params["weight"], c.params.get("bias")
@@ -160,6 +164,35 @@ class Conv2dLayer(Layer):
             self.winograd_kernels().input_gradient(c.dy, weight, c.dx, c.ws["winograd_v_b"], c.ws["winograd_m_b"])
         else:
             self.implicit_kernels().input_gradient(c.dy, weight, c.dx)
+
+
+def _rows(array):
+    """[N, C, T] -> the [N, C, 1, T] view the 2-D window kernels take (None stays None)."""
+    return None if array is None else array.reshape(array.shape[0], array.shape[1], 1, array.shape[2])
+
+
+class Conv1dLayer(Conv2dLayer):
+    """conv1d: the conv2d of height 1 of formats/ops.py conv1d_as_conv2d on views [N, C, 1, T], with the weight
+    [O, C/g, K] as it is (the kernels group it as [g, O/g, C/g*K]). The 2-D padding is (0, left) and the
+    padded workspaces are T + left + right long, which is how a right padding other than the left one is
+    made (pad_into / unpad_into place the input at `left` and leave the rest of the row zero). im2col + GEMM
+    on the CPU and the GPU (no implicit GEMM yet)."""
+
+    def __init__(self, node):
+        super().__init__(dataclasses.replace(node, attrs=conv1d_as_conv2d(node.attrs),
+                                             in_shape=(node.in_shape[0], 1, node.in_shape[1]),
+                                             out_shape=(node.out_shape[0], 1, node.out_shape[1])))
+        self.length = conv1d_padded_length(node.attrs, node.in_shape[1])
+
+    def padded_shape(self, n):
+        return (n, self.node.in_shape[0], 1, self.length)
+
+    def forward(self, c, training):
+        super().forward(Call(c.xp, x=_rows(c.x), y=_rows(c.y), params=c.params, ws=c.ws), training)
+
+    def backward(self, c):
+        super().backward(Call(c.xp, x=_rows(c.x), dy=_rows(c.dy), dx=_rows(c.dx), params=c.params, grads=c.grads,
+                              ws=c.ws))
 
 
 class PoolUndoingRelu(Layer):
@@ -293,7 +326,7 @@ class ActivationLayer(Layer):
         K.activation_backward(c.xp, self.function, c.dy, c.y, c.dx)
 
 
-LAYERS = {"linear": LinearLayer, "conv2d": Conv2dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
+LAYERS = {"linear": LinearLayer, "conv1d": Conv1dLayer, "conv2d": Conv2dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
           "global_avg_pool": GlobalAvgPoolLayer, "flatten": FlattenLayer, "batchnorm": BatchNormLayer,
           "dropout": DropoutLayer, **{kind: ActivationLayer for kind in ACTIVATIONS}}
 

@@ -48,6 +48,7 @@ from lnn.formats.ops import ACTIVATIONS
 from lnn.runtime.cpu import cache
 from lnn.runtime.cpu.activations import NONE, ActivationLayer, is_monotone
 from lnn.runtime.cpu.batchnorm import BatchNormLayer, scale_and_shift
+from lnn.runtime.cpu.conv1d import Conv1dLayer
 from lnn.runtime.cpu.conv2d import Conv2dLayer
 from lnn.runtime.cpu.flatten import FlattenLayer
 from lnn.runtime.cpu.jit import CACHE_ENABLED
@@ -59,6 +60,7 @@ from lnn.runtime.features import LayerOutputs, check_kept
 
 LAYERS = {
     "linear": LinearLayer,
+    "conv1d": Conv1dLayer,
     "conv2d": Conv2dLayer,
     "maxpool2d": MaxPool2dLayer,
     "avgpool2d": AvgPool2dLayer,

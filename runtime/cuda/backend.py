@@ -14,8 +14,8 @@ fusion stops at those nodes and their values are copied into buffers of their ow
 run_with_features() returns too (the out-of-distribution gate's features; runtime/features.py).
 
 Kernels: the generic forward kernels of kernels.py (shared with the trainer), with fused.py's CuPy
-kernels in their place where one launch beats several: a stride-1 conv2d that conv_gemm.supported()
-accepts is the trainer's implicit-GEMM kernel (bias and relu fused; conv_gemm.py), or where
+kernels in their place where one launch beats several (conv1d is conv2d's layer on [N, C, 1, T] views):
+a stride-1 conv2d that conv_gemm.supported() accepts is the trainer's implicit-GEMM kernel (bias and relu fused; conv_gemm.py), or where
 winograd.chosen() its Winograd F(2x2, 3x3) kernels (winograd.py); another conv2d is
 im2col (fused) + one grouped GEMM
 (kernels.conv2d_gemm, cuBLAS) + one epilogue that moves the GEMM's [O, N, P] layout to [N, O, P] and
@@ -33,7 +33,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnError
 from lnn.formats.model import Model
-from lnn.formats.ops import ACTIVATIONS
+from lnn.formats.ops import ACTIVATIONS, conv1d_as_conv2d, conv1d_padded_length
 from lnn.runtime.cuda import conv_gemm, winograd
 from lnn.runtime.cuda import kernels as K
 from lnn.runtime.plans import PerThreadCache
@@ -147,12 +147,19 @@ class Conv2dLayer(GemmLayer):
         a = self.attrs
         return a["kernel_size"] == (1, 1) and a["stride"] == (1, 1) and a["padding"] == (0, 0)
 
+    @property
+    def implicit_gemm(self) -> bool:
+        return conv_gemm.supported(self.attrs)
+
+    def padded_buffer(self, xp, src):
+        return padded_buffer(xp, src, self.attrs)
+
     def plan(self, src, device: Device):
         xp, n = device.xp, src.shape[0]
         cin, (cout, oh, ow) = self.in_shape[0], self.out_shape
         kh, kw = self.attrs["kernel_size"]
         out = xp.empty((n, cout, oh, ow), FLOAT)
-        if device.fused is not None and conv_gemm.supported(self.attrs):
+        if device.fused is not None and self.implicit_gemm:
             return out, self._implicit_gemm_steps(src, out, device)
         steps = []
         if self.pointwise and n == 1:
@@ -162,7 +169,7 @@ class Conv2dLayer(GemmLayer):
             if device.fused is not None:
                 steps.append(partial(device.fused.im2col, src, self.attrs, cols))
             else:
-                steps.append(partial(K.im2col, xp, src, self.attrs, padded_buffer(xp, src, self.attrs), cols))
+                steps.append(partial(K.im2col, xp, src, self.attrs, self.padded_buffer(xp, src), cols))
         gemm_out = out.reshape(cout, 1, oh, ow) if n == 1 else xp.empty((cout, n, oh, ow), FLOAT)
         steps.append(partial(K.conv2d_gemm, xp, self.weight_on_device, self.attrs["groups"], cols, gemm_out))
         if n > 1:
@@ -190,6 +197,35 @@ class Conv2dLayer(GemmLayer):
             return [partial(convolve, src, self.weight_on_device, self.epilogue.shift_on_device, out,
                             relu=activation is not None)]
         return [partial(convolve, src, self.weight_on_device, None, out)] + self.epilogue.steps_in_place(out)
+
+
+class Conv1dLayer(Conv2dLayer):
+    """conv1d: the conv2d of height 1 of formats/ops.py conv1d_as_conv2d, on views [N, C, 1, T] -> [N, O, 1, OT]
+    with the weight [O, C/g, 1, K]. Its 2-D padding is (0, left); a right padding that differs is read as
+    zeros past the input by the fused im2col (the output width bounds the windows) and sized into the
+    generic kernels' padded buffer; implicit GEMM (symmetric padding only) takes padding alike on both sides."""
+
+    def __init__(self, node, weights):
+        super().__init__(node, weights)
+        self.sides, self.length = node.attrs["padding"], node.in_shape[1]
+        self.attrs = conv1d_as_conv2d(node.attrs)
+        self.in_shape = (node.in_shape[0], 1, node.in_shape[1])
+        self.out_shape = (node.out_shape[0], 1, node.out_shape[1])
+        self.weight = self.weight[:, :, None]
+
+    @property
+    def implicit_gemm(self) -> bool:
+        return self.sides[0] == self.sides[1] and super().implicit_gemm
+
+    def padded_buffer(self, xp, src):
+        if not any(self.sides):
+            return None
+        n, c = src.shape[:2]
+        return xp.empty((n, c, 1, conv1d_padded_length({"padding": self.sides}, self.length)), FLOAT)
+
+    def plan(self, src, device: Device):
+        out, steps = super().plan(src.reshape(src.shape[0], src.shape[1], 1, -1), device)
+        return out.reshape(out.shape[0], out.shape[1], -1), steps
 
 
 class LinearLayer(GemmLayer):
@@ -277,6 +313,7 @@ class FlattenLayer:
 
 LAYERS = {
     "linear": LinearLayer,
+    "conv1d": Conv1dLayer,
     "conv2d": Conv2dLayer,
     "maxpool2d": MaxPool2dLayer,
     "avgpool2d": AvgPool2dLayer,

@@ -42,6 +42,28 @@ def test_conv2d_output_size_follows_the_window_formula():
     assert shapes([3, 9, 9], {"type": "conv2d", "out_channels": 6, "kernel_size": 3, "dilation": 3}) == [(6, 3, 3)]
 
 
+def test_conv1d_output_length_padding_same_and_weight_shape():
+    # out = (T + left + right - dilation*(kernel-1) - 1) // stride + 1; "same" is PyTorch's (odd pad on the right)
+    assert shapes([3, 50], {"type": "conv1d", "out_channels": 8, "kernel_size": 5}) == [(8, 46)]
+    assert shapes([3, 50], {"type": "conv1d", "out_channels": 8, "kernel_size": 5, "stride": 2, "padding": 2,
+                            "dilation": 2}) == [(8, 23)]                       # (50+4-9)//2+1
+    assert shapes([3, 50], {"type": "conv1d", "out_channels": 8, "kernel_size": 5, "padding": [0, 3]}) == [(8, 49)]
+    model = parse_model({"input_shape": [4, 20], "loss": "mse", "layers": [
+        {"type": "conv1d", "name": "c", "out_channels": 6, "kernel_size": 8, "padding": "same", "dilation": 3,
+         "groups": 2}]})
+    assert model.nodes[0].attrs["padding"] == (10, 11) and model.nodes[0].out_shape == (6, 20)
+    assert model.param_shapes() == {"c.weight": (6, 2, 8), "c.bias": (6,)}
+    assert model.nodes[0].flops == 2 * 6 * 20 * 2 * 8 and model.num_params == 6 * 2 * 8 + 6
+    assert parse_model(model.to_description()).to_description() == model.to_description()
+    assert spec_error({"input_shape": [3, 50], "layers": [{"type": "conv1d", "out_channels": 2, "kernel_size": 3,
+                                                           "stride": 2, "padding": "same"}]}) == \
+        'layer 0 (conv1d): padding "same" needs stride 1, not 2 (as PyTorch\'s Conv1d)'
+    assert "needs a [C, T] input" in spec_error({"input_shape": [3, 5, 5], "layers": [
+        {"type": "conv1d", "out_channels": 2, "kernel_size": 3}]})
+    assert "does not fit input size 4" in spec_error({"input_shape": [3, 4], "layers": [
+        {"type": "conv1d", "out_channels": 2, "kernel_size": 7}]})
+
+
 def test_grouped_and_depthwise_conv_weight_shapes():
     model = parse_model({"input_shape": [12, 8, 8], "loss": "mse", "layers": [
         {"type": "conv2d", "name": "grouped", "out_channels": 6, "kernel_size": 3, "groups": 3, "bias": False},
@@ -82,7 +104,7 @@ def test_linear_and_in_features_in_channels_num_features_checked_when_given():
 
 
 def test_every_registered_op_is_covered_by_a_shape_test():
-    covered = {"linear", "conv2d", "maxpool2d", "avgpool2d", "global_avg_pool", "flatten", "batchnorm", "dropout",
+    covered = {"linear", "conv1d", "conv2d", "maxpool2d", "avgpool2d", "global_avg_pool", "flatten", "batchnorm", "dropout",
                "relu", "relu6", "leaky_relu", "sigmoid", "tanh", "softmax"}
     assert set(OPS) == covered, "a new op needs its shape inference tested here"
 

@@ -57,6 +57,23 @@ EVERY_OP = {
 }
 
 
+# The sequence ops on [C, T]: conv1d with "same" (even kernel: one more zero on the right), asymmetric pads,
+# stride, dilation, groups, a batch norm folded into it and one that cannot fold.
+EVERY_SERIES_OP = {
+    "name": "every_series_op", "input_shape": [3, 41],
+    "layers": [
+        {"type": "conv1d", "name": "c_same", "out_channels": 8, "kernel_size": 8, "padding": "same", "bias": False},
+        {"type": "batchnorm", "name": "bn_folded", "activation": "relu"},
+        {"type": "conv1d", "name": "c_grouped", "out_channels": 6, "kernel_size": 3, "stride": 2, "dilation": 2,
+         "padding": [1, 2], "groups": 2, "activation": "tanh"},
+        {"type": "batchnorm", "name": "bn_alone"},
+        {"type": "conv1d", "name": "c_valid", "out_channels": 4, "kernel_size": 5, "padding": "valid"},
+        {"type": "flatten"},
+        {"type": "linear", "name": "fc", "out_features": 3},
+    ],
+}
+
+
 def random_weights(model, seed=0) -> dict:
     """Random-normal weights scaled by fan-in (so activations stay near 1), batch norm statistics around 1."""
     rng = np.random.default_rng(seed)
@@ -124,6 +141,22 @@ def test_every_op_matches_lnn_numpy_runtime(tmp_path):
                                for a in node.attribute if a.name == "count_include_pad")
     assert count_include_pad == [0, 1]
     assert proto.graph.output[0].name == "output"             # ends in softmax: probabilities, not logits
+
+
+def test_every_series_op_matches_lnn_to_1e5_and_imports_back(tmp_path):
+    model = parse_model(EVERY_SERIES_OP)
+    weights = random_weights(model, seed=11)
+    proto = export_onnx(model, weights, tmp_path / "series.onnx")
+    onnx.checker.check_model(proto, full_check=True)
+    assert [node.op_type for node in proto.graph.node].count("BatchNormalization") == 1
+    batch = np.random.default_rng(12).standard_normal((4, 3, 41)).astype(np.float32)
+    lnn_out = numpy_session(model, weights).run(batch)
+    for level_name, level in LEVELS.items():
+        assert np.abs(ort_run(tmp_path / "series.onnx", batch, level) - lnn_out).max() <= 1e-5, level_name
+    back, back_weights = import_onnx(tmp_path / "series.onnx")
+    assert [(n.op, n.attrs.get("padding")) for n in back.nodes if n.op == "conv1d"] == [
+        ("conv1d", (3, 4)), ("conv1d", (1, 2)), ("conv1d", (0, 0))]
+    assert np.abs(numpy_session(back, back_weights).run(batch) - lnn_out).max() <= 1e-5
 
 
 def test_batchnorm_folding_changes_only_rounding():

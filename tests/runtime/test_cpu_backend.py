@@ -31,6 +31,10 @@ def conv(out_channels, kernel_size=3, **attrs):
     return {"type": "conv2d", "out_channels": out_channels, "kernel_size": kernel_size, **attrs}
 
 
+def conv1d(out_channels, kernel_size, **attrs):
+    return {"type": "conv1d", "out_channels": out_channels, "kernel_size": kernel_size, **attrs}
+
+
 # id -> (input_shape, layers)
 CASES = {
     "conv_pad_relu": ([13, 9, 11], [conv(24, padding=1, activation="relu")]),
@@ -81,6 +85,13 @@ CASES = {
                                                  {"type": "relu6"}, {"type": "sigmoid"}, {"type": "tanh"},
                                                  {"type": "leaky_relu", "negative_slope": 0.3}, {"type": "softmax"}]),
     "linear_then_softmax_layer": ([13], [{"type": "linear", "out_features": 5}, {"type": "softmax"}]),
+    "conv1d_same_even_kernel_groups_batchnorm": ([6, 23], [conv1d(9, 8, padding="same", groups=3), {"type": "batchnorm"},
+                                                          {"type": "relu"}, conv1d(5, 3, padding=2, stride=2, dilation=2)]),
+    "conv1d_asymmetric_depthwise_pointwise": ([5, 17], [conv1d(10, 5, padding=[1, 3], activation="tanh"),
+                                                       conv1d(10, 3, groups=10, padding="same", bias=False),
+                                                       conv1d(7, 1, activation="softmax")]),
+    "conv1d_valid_stride3_then_linear": ([3, 31], [conv1d(4, 7, stride=3, padding="valid", activation="relu6"),
+                                                  {"type": "flatten"}, {"type": "linear", "out_features": 3}]),
 }
 
 

@@ -36,6 +36,19 @@ def test_mnist_cnn_counts(capsys):
     assert conv2.split()[2:9] == ["conv2d+relu", "[64,", "14,", "14]", "18,496", "7,225,344", "49.0"]
 
 
+def test_conv1d_parameters_are_pytorchs(tmp_path, capsys):
+    # PyTorch Conv1d(in, out, k, groups=g): out * in/g * k weights + out biases
+    path = tmp_path / "series.json"
+    path.write_text(json.dumps({"name": "series", "input_shape": [3, 128], "layers": [
+        {"type": "conv1d", "name": "c1", "out_channels": 16, "kernel_size": 8, "padding": "same", "bias": False},
+        {"type": "conv1d", "name": "c2", "out_channels": 8, "kernel_size": 3, "groups": 2, "activation": "relu"}]}))
+    rows = {line.split()[1]: line.split() for line in summary_of(capsys, path).splitlines()
+            if line.split()[:1] in (["0"], ["1"])}
+    assert rows["c1"][2:6] == ["conv1d", "[16,", "128]", f"{16 * 3 * 8:,}"]
+    assert rows["c2"][2:6] == ["conv1d+relu", "[8,", "126]", f"{8 * 8 * 3 + 8:,}"]
+    assert rows["c2"][6] == f"{2 * 8 * 126 * 8 * 3:,}"          # a multiply-add counts 2
+
+
 @pytest.mark.parametrize("batch", [1, 32])
 def test_memory_estimates_follow_the_stated_formula(batch, capsys):
     params = MNIST_CNN_PARAMS * 4
