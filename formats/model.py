@@ -16,6 +16,7 @@ description; parsing that again gives the same model (the `.bin` stores it as it
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -76,6 +77,14 @@ class Node:
     def activation_bytes(self) -> int:
         """Bytes of this layer's float32 output for one sample."""
         return math.prod(self.out_shape) * FLOAT_BYTES
+
+
+def as_rows(node: Node) -> Node:
+    """A 1-D window node (conv1d, maxpool1d, avgpool1d) as the 2-D node its backends run on [N, C, 1, T] views:
+    the attributes of its op's `as_2d`, shapes [C, 1, T]; index, name, op and parameter shapes unchanged."""
+    return dataclasses.replace(node, attrs=get_op(node.op).as_2d(node.attrs),
+                               in_shape=(node.in_shape[0], 1, *node.in_shape[1:]),
+                               out_shape=(node.out_shape[0], 1, *node.out_shape[1:]))
 
 
 class DefaultLabels(Sequence):

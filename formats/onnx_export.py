@@ -8,8 +8,8 @@ The graph takes `input` [N, *input_shape] float32 (N is a dynamic dimension name
     linear          Gemm(transB=1): y = x @ W.T + b, W kept as lnn stores it ([out, in])
     batchnorm       folded into the conv1d / conv2d / linear just before it when that layer has no activation;
                     otherwise a BatchNormalization node
-    maxpool2d       MaxPool;  avgpool2d: AveragePool with count_include_pad
-    global_avg_pool GlobalAveragePool, then Flatten(axis=1) unless keepdims
+    maxpool2d       MaxPool;  avgpool2d: AveragePool with count_include_pad (maxpool1d, avgpool1d: the same, 1-D)
+    global_avg_pool GlobalAveragePool (global_max_pool: GlobalMaxPool), then Flatten(axis=1) unless keepdims
     flatten         Flatten(axis=1)
     dropout         removed (inference graph)
     activations     (fused or stand-alone) Relu, Clip(0, 6), LeakyRelu(alpha), Sigmoid, Tanh, Softmax(axis=1)
@@ -31,7 +31,7 @@ from lnn.formats.binfile import write_atomic
 from lnn.formats.errors import LnnError
 from lnn.formats.fold import fold_scale_and_shift, scale_and_shift
 from lnn.formats.model import Model
-from lnn.formats.ops import ACTIVATIONS, get_op
+from lnn.formats.ops import ACTIVATIONS, get_op, pool1d_as_2d
 from lnn.version import __version__
 
 MIN_OPSET = 17
@@ -131,14 +131,16 @@ def _emit_layer(graph: _GraphBuilder, node, params: dict) -> None:
     elif node.op == "batchnorm":
         inputs = [graph.constant(f"{name}.{p}", params[p]) for p in ("weight", "bias", "running_mean", "running_var")]
         graph.add("BatchNormalization", name, inputs, epsilon=attrs["eps"])
-    elif node.op == "maxpool2d":
-        graph.add("MaxPool", name, kernel_shape=list(attrs["kernel_size"]), strides=list(attrs["stride"]),
-                  pads=_pads(attrs["padding"]))
-    elif node.op == "avgpool2d":
-        graph.add("AveragePool", name, kernel_shape=list(attrs["kernel_size"]), strides=list(attrs["stride"]),
-                  pads=_pads(attrs["padding"]), count_include_pad=int(attrs["count_include_pad"]))
-    elif node.op == "global_avg_pool":
-        graph.add("GlobalAveragePool", name)
+    elif node.op in ("maxpool2d", "maxpool1d", "avgpool2d", "avgpool1d"):
+        window = pool1d_as_2d(attrs) if node.op.endswith("1d") else attrs
+        axes = slice(1, 2) if node.op.endswith("1d") else slice(0, 2)            # a 1-D pool: the T axis only
+        fields = dict(kernel_shape=list(window["kernel_size"][axes]), strides=list(window["stride"][axes]),
+                      pads=list(window["padding"][axes]) * 2)
+        if node.op.startswith("avg"):
+            fields["count_include_pad"] = int(attrs["count_include_pad"])
+        graph.add("MaxPool" if node.op.startswith("max") else "AveragePool", name, **fields)
+    elif node.op in ("global_avg_pool", "global_max_pool"):
+        graph.add("GlobalAveragePool" if node.op == "global_avg_pool" else "GlobalMaxPool", name)
         if not attrs["keepdims"]:
             graph.add("Flatten", f"{name}/flatten", axis=1)
     elif node.op == "flatten":

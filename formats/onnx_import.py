@@ -7,9 +7,10 @@ ONNX nodes map to lnn layers as follows:
     Conv                       conv2d (2-D; symmetric pads, or auto_pad VALID / SAME that comes out symmetric),
                                conv1d (1-D, a 3-D weight; any pads or auto_pad)
     Gemm, MatMul (+ Add)       linear: weight [out, in] = B.T (B when transB=1), times alpha; bias = beta * C
-    MaxPool, AveragePool       maxpool2d, avgpool2d (2-D, symmetric pads, no dilation; ceil_mode only where it
-                               gives the same size as floor)
-    GlobalAveragePool          global_avg_pool (keepdims; merged with a Flatten right after it)
+    MaxPool, AveragePool       maxpool2d, avgpool2d, or on [N, C, T] maxpool1d, avgpool1d (symmetric pads, no
+                               dilation; ceil_mode only where it gives the same size as floor)
+    GlobalAveragePool,         global_avg_pool, global_max_pool ([N, C, T] or [N, C, H, W]; keepdims, merged
+    GlobalMaxPool              with a Flatten right after it)
     Flatten, Reshape           flatten (Flatten on axis 1; Reshape only to [N, -1] / [0, -1] / [N, K])
     BatchNormalization         batchnorm (inference mode)
     Relu, Clip, LeakyRelu,     relu, relu6 (Clip 0..6; Clip 0..inf is relu), leaky_relu, sigmoid, tanh,
@@ -160,10 +161,11 @@ def _padding(node: _Node, attrs: dict, kernel, strides, dilations) -> tuple[list
 
 
 def _symmetric_padding(node: _Node, attrs: dict, kernel, strides, dilations) -> list:
-    """ONNX pads / auto_pad -> lnn's [pad_h, pad_w] (the same on both sides)."""
+    """ONNX pads / auto_pad -> lnn's padding per axis ([pad_h, pad_w]; the same on both sides)."""
     begins, ends = _padding(node, attrs, kernel, strides, dilations)
     if begins != ends:
-        raise node.error(f"asymmetric pads {begins + ends} ([top, left, bottom, right]"
+        raise node.error(f"asymmetric pads {begins + ends} ([" + ("top, left, bottom, right" if len(kernel) == 2
+                                                                   else "begin, end") + "]"
                          + (f" from auto_pad {attrs['auto_pad']}" if attrs["auto_pad"] != "NOTSET" else "")
                          + ") are not supported: lnn pads both sides alike")
     return begins
@@ -176,31 +178,37 @@ def _two_d(node: _Node, values, name: str, default) -> list:
     return [int(v) for v in values]
 
 
-def _pool_layer(node: _Node, lnn_op: str, **extra_defaults) -> tuple[dict, dict]:
+def _pool_layer(node: _Node, kind: str, **extra_defaults) -> tuple[dict, dict]:
+    """MaxPool / AveragePool -> `kind`pool2d on [N, C, H, W], `kind`pool1d on [N, C, T] (an integer per field)."""
     attrs = node.attributes(auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None,
                             strides=None, **extra_defaults)
-    node.need_rank((3,), "a 4-D [N, C, H, W]")
+    node.need_rank((2, 3), "a 3-D [N, C, T] or 4-D [N, C, H, W]")
+    rank = len(node.in_shape) - 1
     if attrs["kernel_shape"] is None:
         raise node.error("needs kernel_shape")
-    kernel = _two_d(node, attrs["kernel_shape"], "kernel_shape", None)
-    strides = _two_d(node, attrs["strides"], "strides", [1, 1])
-    if _two_d(node, attrs["dilations"], "dilations", [1, 1]) != [1, 1]:
+    kernel = [int(v) for v in attrs["kernel_shape"]]
+    strides = [int(v) for v in attrs["strides"] or [1] * rank]
+    if len(kernel) != rank or len(strides) != rank:
+        raise node.error(f"kernel_shape {kernel} / strides {strides} do not fit a {rank}-D input")
+    if list(attrs["dilations"] or [1] * rank) != [1] * rank:
         raise node.error(f"dilations {list(attrs['dilations'])} are not supported for pooling")
-    padding = _symmetric_padding(node, attrs, kernel, strides, [1, 1])
+    padding = _symmetric_padding(node, attrs, kernel, strides, [1] * rank)
     if attrs["ceil_mode"]:
         for size, k, s, p in zip(node.in_shape[1:], kernel, strides, padding):
             if (size + 2 * p - k) % s:
                 raise node.error("ceil_mode=1 gives a larger output than lnn's floor rounding here; not supported")
-    return {"type": lnn_op, "kernel_size": kernel, "stride": strides, "padding": padding}, attrs
+    if rank == 1:
+        return {"type": f"{kind}pool1d", "kernel_size": kernel[0], "stride": strides[0], "padding": padding[0]}, attrs
+    return {"type": f"{kind}pool2d", "kernel_size": kernel, "stride": strides, "padding": padding}, attrs
 
 
 def _max_pool(node: _Node, chain: _Chain) -> None:
-    layer, _ = _pool_layer(node, "maxpool2d", storage_order=0)   # storage_order only orders the unused Indices
+    layer, _ = _pool_layer(node, "max", storage_order=0)   # storage_order only orders the unused Indices
     chain.append(layer)
 
 
 def _average_pool(node: _Node, chain: _Chain) -> None:
-    layer, attrs = _pool_layer(node, "avgpool2d", count_include_pad=0)
+    layer, attrs = _pool_layer(node, "avg", count_include_pad=0)
     layer["count_include_pad"] = bool(attrs["count_include_pad"])
     chain.append(layer)
 
@@ -297,16 +305,18 @@ def _batchnorm(node: _Node, chain: _Chain) -> None:
                   "eps": float(attrs["epsilon"])}, params)
 
 
-def _global_avg_pool(node: _Node, chain: _Chain) -> None:
-    node.attributes()
-    node.need_rank((3,), "a 4-D [N, C, H, W]")
-    chain.append({"type": "global_avg_pool", "keepdims": True})
+def _global_pool(lnn_op: str):
+    def convert(node: _Node, chain: _Chain) -> None:
+        node.attributes()
+        node.need_rank((2, 3), "a 3-D [N, C, T] or 4-D [N, C, H, W]")
+        chain.append({"type": lnn_op, "keepdims": True})
+    return convert
 
 
 def _flatten_layer(chain: _Chain) -> None:
     last = chain.last
-    if last and last["type"] == "global_avg_pool" and last["keepdims"]:
-        last["keepdims"] = False          # GlobalAveragePool + Flatten is one lnn layer
+    if last and last["type"] in ("global_avg_pool", "global_max_pool") and last["keepdims"]:
+        last["keepdims"] = False          # GlobalAveragePool / GlobalMaxPool + Flatten is one lnn layer
     else:
         chain.append({"type": "flatten"})
 
@@ -413,7 +423,8 @@ def _identity(node, chain):
 CONVERTERS = {
     "Conv": _conv, "Gemm": _gemm, "MatMul": _matmul, "Add": _add, "BatchNormalization": _batchnorm,
     "MaxPool": _max_pool, "AveragePool": _average_pool,
-    "GlobalAveragePool": _global_avg_pool, "Flatten": _flatten, "Reshape": _reshape,
+    "GlobalAveragePool": _global_pool("global_avg_pool"), "GlobalMaxPool": _global_pool("global_max_pool"),
+    "Flatten": _flatten, "Reshape": _reshape,
     "Relu": _relu, "Clip": _clip, "Sigmoid": _sigmoid, "Tanh": _tanh, "LeakyRelu": _leaky_relu,
     "Softmax": _softmax, "Dropout": _dropout, "Identity": _identity,
 }

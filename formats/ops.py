@@ -206,6 +206,12 @@ class Op:
     def forward(self, x: np.ndarray, params: dict, attrs: dict, training: bool = False) -> np.ndarray:
         raise NotImplementedError
 
+    two_d = ""                     # a 1-D window op over [C, T]: the 2-D op it is on [C, 1, T] ...
+
+    def as_2d(self, attrs: dict) -> dict:
+        """... with these attributes (model.as_rows makes the whole 2-D node)."""
+        raise NotImplementedError
+
 
 REQUIRED = object()
 
@@ -355,6 +361,7 @@ class Conv1d(Op):
     1 that conv1d_as_conv2d describes, so shapes, costs and the reference are conv2d's."""
 
     name = "conv1d"
+    two_d = "conv2d"
     attr_defaults = {"out_channels": REQUIRED, "kernel_size": REQUIRED, "in_channels": None, "stride": 1,
                      "padding": 0, "dilation": 1, "groups": 1, "bias": True, "activation": None}
     has_activation_field = True
@@ -394,6 +401,9 @@ class Conv1d(Op):
     def elementwise_ops(self, attrs, in_shape, out_shape):
         return OPS["conv2d"].elementwise_ops(conv1d_as_conv2d(attrs), (in_shape[0], 1, in_shape[1]),
                                              (out_shape[0], 1, out_shape[1]))
+
+    def as_2d(self, attrs):
+        return conv1d_as_conv2d(attrs)
 
     def forward(self, x, params, attrs, training=False):
         x = np.pad(x, ((0, 0), (0, 0), attrs["padding"]))
@@ -457,25 +467,100 @@ class AvgPool2d(_Pool2d):
         return (sums / counts).astype(x.dtype)
 
 
-class GlobalAvgPool(Op):
-    """Mean over H and W: [C, H, W] -> [C] (keepdims: [C, 1, 1])."""
+def pool1d_as_2d(attrs: dict) -> dict:
+    """A 1-D pool's attributes as those of its 2-D pool on the input viewed as [C, 1, T]: kernel (1, K),
+    stride (1, S), padding (0, P) (and count_include_pad as it is)."""
+    return dict(attrs, kernel_size=(1, attrs["kernel_size"]), stride=(1, attrs["stride"]), padding=(0, attrs["padding"]))
 
-    name = "global_avg_pool"
-    attr_defaults = {"keepdims": False}
+
+class _Pool1d(Op):
+    """A pool over T of [C, T] (PyTorch MaxPool1d / AvgPool1d): its 2-D op (`two_d`) on [C, 1, T]
+    (pool1d_as_2d), so its costs and its reference forward are that op's."""
+
+    attr_defaults = {"kernel_size": REQUIRED, "stride": None, "padding": 0}
     trainable = False
+    two_d = ""
 
     def normalize(self, attrs, in_shape):
-        _require_rank(in_shape, (3,), "a [C, H, W]")
+        _require_rank(in_shape, (2,), "a [C, T]")
+        out = dict(attrs)
+        out["kernel_size"] = _positive_int("kernel_size", attrs["kernel_size"])
+        out["stride"] = out["kernel_size"] if attrs["stride"] is None else _positive_int("stride", attrs["stride"])
+        padding = attrs["padding"]
+        if not isinstance(padding, int) or isinstance(padding, bool) or padding < 0:
+            raise SpecProblem("padding", f"padding must be an integer >= 0, not {padding!r}")
+        if 2 * padding > out["kernel_size"]:
+            raise SpecProblem("padding", f"padding {padding} must be at most half of kernel_size {out['kernel_size']}")
+        return out
+
+    def infer(self, attrs, in_shape):
+        c, length = in_shape
+        return (c, _window_out(length, attrs["kernel_size"], attrs["stride"], attrs["padding"], 1, "kernel_size"))
+
+    def elementwise_ops(self, attrs, in_shape, out_shape):
+        return OPS[self.two_d].elementwise_ops(pool1d_as_2d(attrs), (in_shape[0], 1, in_shape[1]),
+                                               (out_shape[0], 1, out_shape[1]))
+
+    def as_2d(self, attrs):
+        return pool1d_as_2d(attrs)
+
+    def forward(self, x, params, attrs, training=False):
+        return OPS[self.two_d].forward(x[:, :, None], params, pool1d_as_2d(attrs))[:, :, 0]
+
+
+class MaxPool1d(_Pool1d):
+    name = "maxpool1d"
+    two_d = "maxpool2d"
+
+
+class AvgPool1d(_Pool1d):
+    """Average pooling over T; padded cells count as zeros unless count_include_pad is false (PyTorch's)."""
+
+    name = "avgpool1d"
+    two_d = "avgpool2d"
+    attr_defaults = {**_Pool1d.attr_defaults, "count_include_pad": True}
+
+    def normalize(self, attrs, in_shape):
+        out = super().normalize(attrs, in_shape)
+        out["count_include_pad"] = _flag("count_include_pad", attrs["count_include_pad"])
+        return out
+
+
+class _GlobalPool(Op):
+    """A reduction over everything after the channel: [C, T] or [C, H, W] -> [C] (keepdims: [C, 1] or
+    [C, 1, 1]); over time for a series, over the image for an image."""
+
+    attr_defaults = {"keepdims": False}
+    trainable = False
+    reduce = ""           # the NumPy reduction: "mean" or "max"
+
+    def normalize(self, attrs, in_shape):
+        _require_rank(in_shape, (2, 3), "a [C, T] or [C, H, W]")
         return {"keepdims": _flag("keepdims", attrs["keepdims"])}
 
     def infer(self, attrs, in_shape):
-        return (in_shape[0], 1, 1) if attrs["keepdims"] else (in_shape[0],)
+        return (in_shape[0],) + (1,) * (len(in_shape) - 1) if attrs["keepdims"] else (in_shape[0],)
 
     def elementwise_ops(self, attrs, in_shape, out_shape):
         return math.prod(in_shape)
 
     def forward(self, x, params, attrs, training=False):
-        return x.mean(axis=(2, 3), keepdims=attrs["keepdims"], dtype=x.dtype)
+        axes = tuple(range(2, x.ndim))
+        return getattr(x, self.reduce)(axis=axes, keepdims=attrs["keepdims"]).astype(x.dtype, copy=False)
+
+
+class GlobalAvgPool(_GlobalPool):
+    """Mean over T (or H and W)."""
+
+    name = "global_avg_pool"
+    reduce = "mean"
+
+
+class GlobalMaxPool(_GlobalPool):
+    """Maximum over T (or H and W) (PyTorch AdaptiveMaxPool1d(1) / 2d(1), ONNX GlobalMaxPool)."""
+
+    name = "global_max_pool"
+    reduce = "max"
 
 
 class Flatten(Op):
@@ -563,7 +648,8 @@ class Activation(Op):
 
 
 OPS: dict[str, Op] = {op.name: op for op in (
-    Linear(), Conv1d(), Conv2d(), MaxPool2d(), AvgPool2d(), GlobalAvgPool(), Flatten(), BatchNorm(), Dropout(),
+    Linear(), Conv1d(), Conv2d(), MaxPool1d(), AvgPool1d(), MaxPool2d(), AvgPool2d(), GlobalAvgPool(),
+    GlobalMaxPool(), Flatten(), BatchNorm(), Dropout(),
     *(Activation(kind) for kind in ACTIVATIONS),
 )}
 
@@ -571,6 +657,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
 ALIASES = {
     "dense": "linear", "conv": "conv2d", "maxpool": "maxpool2d", "avgpool": "avgpool2d",
     "global_avgpool": "global_avg_pool", "globalavgpool": "global_avg_pool",
+    "global_maxpool": "global_max_pool", "globalmaxpool": "global_max_pool",
     "batchnorm1d": "batchnorm", "batchnorm2d": "batchnorm", "batch_norm": "batchnorm",
 }
 

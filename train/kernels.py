@@ -26,8 +26,8 @@ import numpy as np
 
 from lnn.runtime.cuda.kernels import (  # noqa: F401 - the forward half of each pair, used as K.*_forward
     activation_forward, avgpool2d_forward, avgpool_divisor, batchnorm_eval_forward, conv2d_forward,
-    global_avg_pool_forward, grouped_weight, im2col, linear_forward, maxpool2d_forward, per_channel,
-    window_slices)
+    global_avg_pool_forward, global_max_pool_forward, grouped_weight, im2col, linear_forward, maxpool2d_forward,
+    per_channel, window_slices)
 
 # --------------------------------------------------------------------------- window helpers
 
@@ -142,12 +142,20 @@ def avgpool2d_backward(xp, dy, attrs, divisor, dx, padded):
     return dx
 
 
-# --------------------------------------------------------------------------- global average pool
-# x [N, C, H, W] -> y [N, C] (or [N, C, 1, 1]); dx = dy / (H*W) everywhere.
+# --------------------------------------------------------------------------- global average / max pool
+# x [N, C, T] or [N, C, H, W] -> y [N, C] (or keepdims). Average: dx = dy / P everywhere (P = T or H*W).
+# Max: dx = dy at the saved winning position of each row, 0 elsewhere; `positions` is 0..P-1 (int32).
 
 def global_avg_pool_backward(xp, dy, dx):
-    n, c, h, w = dx.shape
-    dx[...] = dy.reshape(n, c, 1, 1) / dx.dtype.type(h * w)
+    n, c = dx.shape[:2]
+    rows = dx.reshape(n, c, -1)
+    rows[...] = dy.reshape(n, c, 1) / dx.dtype.type(rows.shape[2])
+    return dx
+
+
+def global_max_pool_backward(xp, dy, argmax, positions, dx):
+    n, c = dx.shape[:2]
+    xp.multiply(positions == argmax.reshape(n, c, 1), dy.reshape(n, c, 1), out=dx.reshape(n, c, -1))
     return dx
 
 

@@ -13,13 +13,13 @@ linear, conv or batch norm layer) run in place on the output and are undone in p
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 
 from lnn.formats.errors import ModelSpecError
-from lnn.formats.ops import ACTIVATIONS, conv1d_as_conv2d, conv1d_padded_length
+from lnn.formats.model import as_rows
+from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length
 from lnn.runtime.cuda import winograd           # the rule and the sizing only: importing it imports no CuPy
 from lnn.train import kernels as K
 
@@ -171,28 +171,38 @@ def _rows(array):
     return None if array is None else array.reshape(array.shape[0], array.shape[1], 1, array.shape[2])
 
 
-class Conv1dLayer(Conv2dLayer):
-    """conv1d: the conv2d of height 1 of formats/ops.py conv1d_as_conv2d on views [N, C, 1, T], with the weight
-    [O, C/g, K] as it is (the kernels group it as [g, O/g, C/g*K]). The 2-D padding is (0, left) and the
-    padded workspaces are T + left + right long, which is how a right padding other than the left one is
-    made (pad_into / unpad_into place the input at `left` and leave the rest of the row zero). im2col + GEMM
-    on the CPU and the GPU (no implicit GEMM yet)."""
+class OnRows:
+    """A 1-D window layer (conv1d, the 1-D pools): its 2-D layer (the class this is mixed into) on the node
+    formats/model.py as_rows gives, its kernels called on [N, C, 1, T] views of x, y, dy and dx."""
 
     def __init__(self, node):
-        super().__init__(dataclasses.replace(node, attrs=conv1d_as_conv2d(node.attrs),
-                                             in_shape=(node.in_shape[0], 1, node.in_shape[1]),
-                                             out_shape=(node.out_shape[0], 1, node.out_shape[1])))
+        super().__init__(as_rows(node))
+
+    @staticmethod
+    def on_rows(c) -> Call:
+        views = {**vars(c), **{name: _rows(getattr(c, name, None)) for name in ("x", "y", "dy", "dx")}}
+        return Call(**views)
+
+    def forward(self, c, training):
+        super().forward(self.on_rows(c), training)
+
+    def backward(self, c):
+        super().backward(self.on_rows(c))
+
+
+class Conv1dLayer(OnRows, Conv2dLayer):
+    """conv1d: the conv2d of height 1 of formats/ops.py conv1d_as_conv2d, with the weight [O, C/g, K] as it is
+    (the kernels group it as [g, O/g, C/g*K]). The 2-D padding is (0, left) and the padded workspaces are
+    T + left + right long, which is how a right padding other than the left one is made (pad_into /
+    unpad_into place the input at `left` and leave the rest of the row zero). im2col + GEMM on the CPU and
+    the GPU (no implicit GEMM yet)."""
+
+    def __init__(self, node):
+        super().__init__(node)
         self.length = conv1d_padded_length(node.attrs, node.in_shape[1])
 
     def padded_shape(self, n):
         return (n, self.node.in_shape[0], 1, self.length)
-
-    def forward(self, c, training):
-        super().forward(Call(c.xp, x=_rows(c.x), y=_rows(c.y), params=c.params, ws=c.ws), training)
-
-    def backward(self, c):
-        super().backward(Call(c.xp, x=_rows(c.x), dy=_rows(c.dy), dx=_rows(c.dx), params=c.params, grads=c.grads,
-                              ws=c.ws))
 
 
 class PoolUndoingRelu(Layer):
@@ -268,6 +278,37 @@ class GlobalAvgPoolLayer(PoolUndoingRelu):
             K.activation_backward(c.xp, RELU, c.dx, c.x, c.dx)
 
 
+class MaxPool1dLayer(OnRows, MaxPoolLayer):
+    pass
+
+
+class AvgPool1dLayer(OnRows, AvgPoolLayer):
+    pass
+
+
+class GlobalMaxPoolLayer(Layer):
+    """The winning position of each (sample, channel) is saved by the forward; the backward routes dy to it
+    through `positions` (0..P-1, made once per array module and dtype, like AvgPoolLayer's divisor)."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self._positions = {}
+
+    def positions(self, xp):
+        if xp.__name__ not in self._positions:
+            self._positions[xp.__name__] = xp.arange(math.prod(self.node.in_shape[1:]), dtype=np.int32)
+        return self._positions[xp.__name__]
+
+    def workspaces(self, n):
+        return [("argmax", (n, self.node.in_shape[0]), np.int32, "saved")]
+
+    def forward(self, c, training):
+        K.global_max_pool_forward(c.xp, c.x, c.y, c.ws["argmax"])
+
+    def backward(self, c):
+        K.global_max_pool_backward(c.xp, c.dy, c.ws["argmax"], self.positions(c.xp), c.dx)
+
+
 class FlattenLayer(Layer):
     alias = True
 
@@ -326,8 +367,9 @@ class ActivationLayer(Layer):
         K.activation_backward(c.xp, self.function, c.dy, c.y, c.dx)
 
 
-LAYERS = {"linear": LinearLayer, "conv1d": Conv1dLayer, "conv2d": Conv2dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
-          "global_avg_pool": GlobalAvgPoolLayer, "flatten": FlattenLayer, "batchnorm": BatchNormLayer,
+LAYERS = {"linear": LinearLayer, "conv1d": Conv1dLayer, "conv2d": Conv2dLayer, "maxpool1d": MaxPool1dLayer,
+          "avgpool1d": AvgPool1dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
+          "global_avg_pool": GlobalAvgPoolLayer, "global_max_pool": GlobalMaxPoolLayer, "flatten": FlattenLayer, "batchnorm": BatchNormLayer,
           "dropout": DropoutLayer, **{kind: ActivationLayer for kind in ACTIVATIONS}}
 
 

@@ -43,6 +43,7 @@ SIGNATURES = {
     "pool.maxpool2d": (A4, I, I, I, I, A4),
     "pool.avgpool2d": (A4, I, I, I, I, A2, A4),
     "pool.global_avg_pool": (A3, A2),
+    "pool.global_max_pool": (A3, A2),
     "winograd.winograd_input": (A3, I, I, I, A3),
     "winograd.winograd_output": (A3, I, I, I, I, I, I, I, A2),
 }

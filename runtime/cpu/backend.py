@@ -7,10 +7,10 @@ Load time (once):
     becomes that epilogue's activation;
   - a conv2d followed by a padded conv2d writes into the interior of that conv's zero-padded input
     (and the plan's input buffer is the first layer's padded input when it is a padded conv2d);
-  - a max-pool right after a conv2d whose activation is monotone runs inside the conv's output step
-    (conv2d.py explains why that is exact); an activation after that pool still joins the conv's
-    epilogue (which runs after the max), a batch norm does not fold into it (a negative scale
-    does not commute with the max).
+  - a max-pool right after a conv2d (a maxpool1d after a conv1d) whose activation is monotone runs inside
+    the conv's output step (conv2d.py explains why that is exact); an activation after that pool still
+    joins the conv's epilogue (which runs after the max), a batch norm does not fold into it (a
+    negative scale does not commute with the max).
 First call per batch size: every buffer is allocated and every kernel call is bound to its buffers
 (`steps`, argument-free callables). Later calls with that batch size copy the input into the plan's
 input buffer and run the steps: no allocation. keep=(node names): fusion stops at those nodes and
@@ -54,7 +54,8 @@ from lnn.runtime.cpu.flatten import FlattenLayer
 from lnn.runtime.cpu.jit import CACHE_ENABLED
 from lnn.runtime.cpu.linear import LinearLayer
 from lnn.runtime.cpu.padding import padded_buffer
-from lnn.runtime.cpu.pool import AvgPool2dLayer, GlobalAvgPoolLayer, MaxPool2dLayer
+from lnn.runtime.cpu.pool import (AvgPool1dLayer, AvgPool2dLayer, GlobalAvgPoolLayer, GlobalMaxPoolLayer,
+                                  MaxPool1dLayer, MaxPool2dLayer)
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
 
@@ -62,9 +63,12 @@ LAYERS = {
     "linear": LinearLayer,
     "conv1d": Conv1dLayer,
     "conv2d": Conv2dLayer,
+    "maxpool1d": MaxPool1dLayer,
+    "avgpool1d": AvgPool1dLayer,
     "maxpool2d": MaxPool2dLayer,
     "avgpool2d": AvgPool2dLayer,
     "global_avg_pool": GlobalAvgPoolLayer,
+    "global_max_pool": GlobalMaxPoolLayer,
     "flatten": FlattenLayer,
     "batchnorm": BatchNormLayer,
     **{kind: ActivationLayer for kind in ACTIVATIONS},
@@ -127,7 +131,7 @@ def build_layers(model: Model, weights: dict, outputs: LayerOutputs | None = Non
             previous.epilogue.set_activation(node.attrs)
             outputs.fused(node)
             continue
-        if (node.op == "maxpool2d" and isinstance(previous, Conv2dLayer) and not previous.has_pool
+        if (node.op in ("maxpool2d", "maxpool1d") and isinstance(previous, Conv2dLayer) and not previous.has_pool
                 and is_monotone(previous.epilogue.code, previous.epilogue.slope)
                 and (previous.epilogue.scale >= 0).all()):
             previous.fuse_max_pool(LAYERS[node.op](node, weights))

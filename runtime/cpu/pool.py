@@ -1,11 +1,14 @@
-"""Pooling: maxpool2d, avgpool2d [N, C, H, W] -> [N, C, OH, OW]; global_avg_pool [N, C, H, W] -> [N, C(, 1, 1)].
+"""Pooling: maxpool2d, avgpool2d [N, C, H, W] -> [N, C, OH, OW]; maxpool1d, avgpool1d [N, C, T] -> [N, C, OT];
+global_avg_pool, global_max_pool [N, C, T] or [N, C, H, W] -> [N, C] (keepdims: [N, C, 1] or [N, C, 1, 1]).
 
-Reference: formats/ops.py MaxPool2d / AvgPool2d / GlobalAvgPool.forward.
+Reference: formats/ops.py MaxPool2d / AvgPool2d / MaxPool1d / AvgPool1d / GlobalAvgPool / GlobalMaxPool.forward.
   maxpool2d  max over the window (the input is padded with -inf, padding.py). A max-pool right after
              a conv with a monotone epilogue does not run here: the conv applies it (conv2d.py).
   avgpool2d  sum over the window (the input is padded with 0), divided by KH*KW (count_include_pad)
              or by the number of the window's cells inside the input (precomputed per output position).
-  global_avg_pool  mean over H*W.
+  maxpool1d, avgpool1d  the 2-D layers above on [N, C, 1, T] views (formats/ops.py pool1d_as_2d); a
+             max-pool after a conv1d runs inside it, as after a conv2d.
+  global_avg_pool  mean over the positions (T, or H*W); global_max_pool their maximum.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from functools import partial
 
 import numpy as np
 
+from lnn.formats.model import as_rows
 from lnn.runtime.cpu.activations import as_channels_positions
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded
@@ -75,6 +79,18 @@ def global_avg_pool(src, dst):
             dst[n, c] = total / positions
 
 
+@kernel
+def global_max_pool(src, dst):
+    """src [N, C, P] -> dst [N, C]: the maximum of each row."""
+    batch, channels, positions = src.shape
+    for n in range(batch):
+        for c in range(channels):
+            best = src[n, c, 0]
+            for p in range(1, positions):
+                best = max(best, src[n, c, p])
+            dst[n, c] = best
+
+
 class MaxPool2dLayer:
     def __init__(self, node, weights):
         self.attrs = node.attrs
@@ -109,10 +125,39 @@ class AvgPool2dLayer:
         return dst, steps
 
 
-class GlobalAvgPoolLayer:
+class OnRows:
+    """A 1-D pool: its 2-D layer (the class this is mixed into) on the node as_rows gives, [N, C, 1, T] views."""
+
+    def __init__(self, node, weights):
+        super().__init__(as_rows(node), weights)
+
+    def plan(self, src, new_buffer):
+        dst, steps = super().plan(src[:, :, None], new_buffer)
+        return dst[:, :, 0], steps
+
+
+class MaxPool1dLayer(OnRows, MaxPool2dLayer):
+    pass
+
+
+class AvgPool1dLayer(OnRows, AvgPool2dLayer):
+    pass
+
+
+class GlobalPoolLayer:
+    kernel = None
+
     def __init__(self, node, weights):
         self.out_shape = node.out_shape
 
     def plan(self, src, new_buffer):
         dst = new_buffer((src.shape[0], *self.out_shape))
-        return dst, [partial(global_avg_pool, as_channels_positions(src), dst.reshape(dst.shape[:2]))]
+        return dst, [partial(self.kernel, as_channels_positions(src), dst.reshape(dst.shape[:2]))]
+
+
+class GlobalAvgPoolLayer(GlobalPoolLayer):
+    kernel = staticmethod(global_avg_pool)
+
+
+class GlobalMaxPoolLayer(GlobalPoolLayer):
+    kernel = staticmethod(global_max_pool)

@@ -20,8 +20,8 @@ winograd.chosen() its Winograd F(2x2, 3x3) kernels (winograd.py); another conv2d
 im2col (fused) + one grouped GEMM
 (kernels.conv2d_gemm, cuBLAS) + one epilogue that moves the GEMM's [O, N, P] layout to [N, O, P] and
 applies bias and activation (at batch 1 the GEMM writes the output directly and the epilogue runs in
-place); linear is a GEMM + in-place epilogue; max pool is one kernel; avg pool, global average pool
-and softmax are the generic kernels. `array_module=numpy` runs the same plan with the generic kernels
+place); linear is a GEMM + in-place epilogue; max pool is one kernel; avg pool, global average and max
+pool and softmax are the generic kernels; the 1-D pools are the 2-D layers on [N, C, 1, T] views. `array_module=numpy` runs the same plan with the generic kernels
 only (how the planning is tested where there is no GPU).
 """
 
@@ -32,8 +32,8 @@ from functools import partial
 import numpy as np
 
 from lnn.formats.errors import LnnError
-from lnn.formats.model import Model
-from lnn.formats.ops import ACTIVATIONS, conv1d_as_conv2d, conv1d_padded_length
+from lnn.formats.model import Model, as_rows
+from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length
 from lnn.runtime.cuda import conv_gemm, winograd
 from lnn.runtime.cuda import kernels as K
 from lnn.runtime.plans import PerThreadCache
@@ -199,7 +199,19 @@ class Conv2dLayer(GemmLayer):
         return [partial(convolve, src, self.weight_on_device, None, out)] + self.epilogue.steps_in_place(out)
 
 
-class Conv1dLayer(Conv2dLayer):
+class OnRows:
+    """A 1-D window layer (conv1d, the 1-D pools): its 2-D layer (the class this is mixed into) on the node
+    formats/model.py as_rows gives, run on [N, C, 1, T] views."""
+
+    def __init__(self, node, weights):
+        super().__init__(as_rows(node), weights)
+
+    def plan(self, src, device: Device):
+        out, steps = super().plan(src.reshape(src.shape[0], src.shape[1], 1, -1), device)
+        return out.reshape(out.shape[0], out.shape[1], -1), steps
+
+
+class Conv1dLayer(OnRows, Conv2dLayer):
     """conv1d: the conv2d of height 1 of formats/ops.py conv1d_as_conv2d, on views [N, C, 1, T] -> [N, O, 1, OT]
     with the weight [O, C/g, 1, K]. Its 2-D padding is (0, left); a right padding that differs is read as
     zeros past the input by the fused im2col (the output width bounds the windows) and sized into the
@@ -207,10 +219,7 @@ class Conv1dLayer(Conv2dLayer):
 
     def __init__(self, node, weights):
         super().__init__(node, weights)
-        self.sides, self.length = node.attrs["padding"], node.in_shape[1]
-        self.attrs = conv1d_as_conv2d(node.attrs)
-        self.in_shape = (node.in_shape[0], 1, node.in_shape[1])
-        self.out_shape = (node.out_shape[0], 1, node.out_shape[1])
+        self.sides, self.padded_length = node.attrs["padding"], conv1d_padded_length(node.attrs, node.in_shape[1])
         self.weight = self.weight[:, :, None]
 
     @property
@@ -221,11 +230,7 @@ class Conv1dLayer(Conv2dLayer):
         if not any(self.sides):
             return None
         n, c = src.shape[:2]
-        return xp.empty((n, c, 1, conv1d_padded_length({"padding": self.sides}, self.length)), FLOAT)
-
-    def plan(self, src, device: Device):
-        out, steps = super().plan(src.reshape(src.shape[0], src.shape[1], 1, -1), device)
-        return out.reshape(out.shape[0], out.shape[1], -1), steps
+        return xp.empty((n, c, 1, self.padded_length), FLOAT)
 
 
 class LinearLayer(GemmLayer):
@@ -292,13 +297,24 @@ class AvgPool2dLayer:
         return out, [partial(K.avgpool2d_forward, xp, src, self.attrs, divisor, out, padded_buffer(xp, src, self.attrs))]
 
 
-class GlobalAvgPoolLayer:
+class MaxPool1dLayer(OnRows, MaxPool2dLayer):
+    pass
+
+
+class AvgPool1dLayer(OnRows, AvgPool2dLayer):
+    pass
+
+
+class GlobalPoolLayer:
+    """global_avg_pool / global_max_pool over everything after the channel axis (the generic kernels)."""
+
     def __init__(self, node, weights):
         self.out_shape = node.out_shape
+        self.forward = K.global_avg_pool_forward if node.op == "global_avg_pool" else K.global_max_pool_forward
 
     def plan(self, src, device: Device):
         out = device.xp.empty((src.shape[0], *self.out_shape), FLOAT)
-        return out, [partial(K.global_avg_pool_forward, device.xp, src, out)]
+        return out, [partial(self.forward, device.xp, src, out)]
 
 
 class FlattenLayer:
@@ -315,9 +331,12 @@ LAYERS = {
     "linear": LinearLayer,
     "conv1d": Conv1dLayer,
     "conv2d": Conv2dLayer,
+    "maxpool1d": MaxPool1dLayer,
+    "avgpool1d": AvgPool1dLayer,
     "maxpool2d": MaxPool2dLayer,
     "avgpool2d": AvgPool2dLayer,
-    "global_avg_pool": GlobalAvgPoolLayer,
+    "global_avg_pool": GlobalPoolLayer,
+    "global_max_pool": GlobalPoolLayer,
     "flatten": FlattenLayer,
     "batchnorm": AffineLayer.batchnorm,
     **{kind: AffineLayer.activation for kind in ACTIVATIONS},

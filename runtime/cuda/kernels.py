@@ -169,11 +169,20 @@ def avgpool2d_forward(xp, x, attrs, divisor, out, padded):
     return out
 
 
-# --------------------------------------------------------------------------- global average pool
-# x [N, C, H, W] -> y [N, C] (or [N, C, 1, 1]).
+# --------------------------------------------------------------------------- global average / max pool
+# x [N, C, T] or [N, C, H, W] -> y [N, C] (or keepdims: [N, C, 1] / [N, C, 1, 1]). The max pool's `argmax`
+# [N, C] (int32), when given, records which position won (the trainer's backward routes dy through it).
 
 def global_avg_pool_forward(xp, x, out):
-    out[...] = x.mean(axis=(2, 3)).reshape(out.shape)
+    out[...] = x.mean(axis=tuple(range(2, x.ndim))).reshape(out.shape)
+    return out
+
+
+def global_max_pool_forward(xp, x, out, argmax=None):
+    rows = x.reshape(x.shape[0], x.shape[1], -1)
+    out[...] = rows.max(axis=2).reshape(out.shape)
+    if argmax is not None:
+        argmax[...] = rows.argmax(axis=2)
     return out
 
 

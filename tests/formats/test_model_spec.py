@@ -84,6 +84,23 @@ def test_pools_global_pool_flatten():
     assert shapes([4, 7, 5], {"type": "flatten"}) == [(140,)]
 
 
+def test_1d_pools_and_global_pools_over_time():
+    assert shapes([4, 15], {"type": "maxpool1d", "kernel_size": 2}) == [(4, 7)]            # stride defaults to kernel
+    assert shapes([4, 15], {"type": "maxpool1d", "kernel_size": 3, "stride": 2, "padding": 1}) == [(4, 8)]
+    assert shapes([4, 15], {"type": "avgpool1d", "kernel_size": 4, "stride": 1, "padding": 2}) == [(4, 16)]
+    assert shapes([4, 15], {"type": "global_avg_pool"}) == [(4,)]
+    assert shapes([4, 15], {"type": "global_max_pool", "keepdims": True}, {"type": "flatten"}) == [(4, 1), (4,)]
+    assert shapes([4, 7, 5], {"type": "global_max_pool"}) == [(4,)]
+    assert "padding 2 must be at most half of kernel_size 3" in spec_error(
+        {"input_shape": [4, 15], "layers": [{"type": "maxpool1d", "kernel_size": 3, "padding": 2}]})
+    assert "needs a [C, T] input" in spec_error({"input_shape": [4, 5, 5], "layers": [{"type": "avgpool1d",
+                                                                                      "kernel_size": 2}]})
+    assert "needs a [C, T] or [C, H, W] input" in spec_error({"input_shape": [4], "layers": [
+        {"type": "global_max_pool"}]})
+    model = parse_model({"input_shape": [4, 15], "loss": "mse", "layers": [{"type": "maxpool1d", "kernel_size": 3}]})
+    assert model.nodes[0].elementwise_ops == 4 * 5 * 2 and model.num_params == 0   # comparisons: kernel - 1 per output
+
+
 def test_batchnorm_dropout_and_activation_layers_keep_the_shape():
     layers = [{"type": "batchnorm"}, {"type": "dropout", "p": 0.3}] + [
         {"type": kind} for kind in ("relu", "relu6", "leaky_relu", "sigmoid", "tanh")]
@@ -104,7 +121,8 @@ def test_linear_and_in_features_in_channels_num_features_checked_when_given():
 
 
 def test_every_registered_op_is_covered_by_a_shape_test():
-    covered = {"linear", "conv1d", "conv2d", "maxpool2d", "avgpool2d", "global_avg_pool", "flatten", "batchnorm", "dropout",
+    covered = {"linear", "conv1d", "conv2d", "maxpool1d", "avgpool1d", "maxpool2d", "avgpool2d", "global_avg_pool",
+               "global_max_pool", "flatten", "batchnorm", "dropout",
                "relu", "relu6", "leaky_relu", "sigmoid", "tanh", "softmax"}
     assert set(OPS) == covered, "a new op needs its shape inference tested here"
 
@@ -133,7 +151,7 @@ def test_the_issue_example_error_exactly():
 
 
 @pytest.mark.parametrize("change, expected", [
-    (lambda d: d["layers"][0].update(type="conv3d"), "layer 0: unknown layer type 'conv3d'; known: avgpool2d, "),
+    (lambda d: d["layers"][0].update(type="conv3d"), "layer 0: unknown layer type 'conv3d'; known: avgpool1d, "),
     (lambda d: d["layers"][0].update(kernal_size=3),
      "layer 0 (conv2d): unknown field 'kernal_size' (did you mean 'kernel_size'?); known: type, name, out_channels"),
     (lambda d: d.update(lables=[]), "unknown top-level field 'lables' (did you mean 'labels'?)"),

@@ -58,20 +58,28 @@ EVERY_OP = {
 
 
 # The sequence ops on [C, T]: conv1d with "same" (even kernel: one more zero on the right), asymmetric pads,
-# stride, dilation, groups, a batch norm folded into it and one that cannot fold.
+# stride, dilation, groups, a batch norm folded into it and one that cannot fold; 1-D pools with padding
+# (both count_include_pad), global max pool with keepdims then flatten, global average pool.
 EVERY_SERIES_OP = {
     "name": "every_series_op", "input_shape": [3, 41],
     "layers": [
         {"type": "conv1d", "name": "c_same", "out_channels": 8, "kernel_size": 8, "padding": "same", "bias": False},
         {"type": "batchnorm", "name": "bn_folded", "activation": "relu"},
+        {"type": "maxpool1d", "kernel_size": 3, "stride": 2, "padding": 1},
         {"type": "conv1d", "name": "c_grouped", "out_channels": 6, "kernel_size": 3, "stride": 2, "dilation": 2,
          "padding": [1, 2], "groups": 2, "activation": "tanh"},
         {"type": "batchnorm", "name": "bn_alone"},
-        {"type": "conv1d", "name": "c_valid", "out_channels": 4, "kernel_size": 5, "padding": "valid"},
+        {"type": "avgpool1d", "kernel_size": 3, "stride": 1, "padding": 1, "count_include_pad": False},
+        {"type": "conv1d", "name": "c_valid", "out_channels": 4, "kernel_size": 3, "padding": "valid"},
+        {"type": "avgpool1d", "kernel_size": 2, "padding": 1},
+        {"type": "global_max_pool", "keepdims": True},
         {"type": "flatten"},
         {"type": "linear", "name": "fc", "out_features": 3},
     ],
 }
+SERIES_AVERAGE = {"name": "series_average", "input_shape": [3, 17], "layers": [
+    {"type": "conv1d", "name": "c", "out_channels": 5, "kernel_size": 3, "activation": "relu"},
+    {"type": "global_avg_pool"}]}
 
 
 def random_weights(model, seed=0) -> dict:
@@ -154,9 +162,17 @@ def test_every_series_op_matches_lnn_to_1e5_and_imports_back(tmp_path):
     for level_name, level in LEVELS.items():
         assert np.abs(ort_run(tmp_path / "series.onnx", batch, level) - lnn_out).max() <= 1e-5, level_name
     back, back_weights = import_onnx(tmp_path / "series.onnx")
-    assert [(n.op, n.attrs.get("padding")) for n in back.nodes if n.op == "conv1d"] == [
-        ("conv1d", (3, 4)), ("conv1d", (1, 2)), ("conv1d", (0, 0))]
+    assert [(n.op, n.attrs.get("padding")) for n in back.nodes if n.op != "linear"] == [
+        ("conv1d", (3, 4)), ("maxpool1d", 1), ("conv1d", (1, 2)), ("batchnorm", None), ("avgpool1d", 1),
+        ("conv1d", (0, 0)), ("avgpool1d", 1), ("global_max_pool", None)]
     assert np.abs(numpy_session(back, back_weights).run(batch) - lnn_out).max() <= 1e-5
+    average = parse_model(SERIES_AVERAGE)
+    weights = random_weights(average, seed=13)
+    export_onnx(average, weights, tmp_path / "average.onnx")
+    batch = np.random.default_rng(14).standard_normal((2, 3, 17)).astype(np.float32)
+    ort_out = ort_run(tmp_path / "average.onnx", batch, LEVELS["default optimizations"])
+    assert ort_out.shape == (2, 5)
+    assert np.abs(ort_out - numpy_session(average, weights).run(batch)).max() <= 1e-5
 
 
 def test_batchnorm_folding_changes_only_rounding():

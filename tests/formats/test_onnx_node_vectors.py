@@ -36,6 +36,7 @@ RTOL = ATOL = 1e-4
 # ONNX op -> the onnx.backend.test.case.node module that makes its cases
 CLAIMED_OPS = {
     "Conv": "conv", "MaxPool": "maxpool", "AveragePool": "averagepool", "GlobalAveragePool": "globalaveragepool",
+    "GlobalMaxPool": "globalmaxpool",
     "Gemm": "gemm", "MatMul": "matmul", "Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh",
     "LeakyRelu": "leakyrelu", "Clip": "clip", "Softmax": "softmax", "BatchNormalization": "batch_normalization",
     "Flatten": "flatten", "Reshape": "reshape", "Dropout": "dropout", "Identity": "identity",
@@ -44,7 +45,7 @@ CLAIMED_OPS = {
 ELEMENTWISE = {"Relu", "Sigmoid", "Tanh", "LeakyRelu", "Clip", "Dropout"}
 
 # Why a case cannot run as an lnn model. Each is refused by lnn-import with an error naming the node.
-POOL_NOT_2D = "1-D or 3-D pooling: lnn pools 2-D [N, C, H, W] only"
+POOL_3D = "3-D pooling: lnn pools [N, C, T] and [N, C, H, W] only"
 CEIL_MODE = "ceil_mode=1 makes the output one larger here; lnn's pooling rounds down (PyTorch's default)"
 POOL_DILATION = "dilated pooling: lnn's pooling has no dilation"
 PADS_OVER_HALF_KERNEL = "pads 2 around a 3-wide window: lnn (like PyTorch) pads pooling at most half the kernel"
@@ -64,15 +65,15 @@ RESHAPE_NOT_FLATTEN = "a Reshape that is not a flatten to [N, -1]: lnn has no ge
 SOFTMAX_AXIS = "softmax over one axis of a rank-3 tensor: lnn's softmax takes [N, K]"
 
 SKIPS = {
-    "test_averagepool_1d_default": POOL_NOT_2D, "test_averagepool_3d_default": POOL_NOT_2D,
-    "test_averagepool_3d_dilations_large_count_include_pad_is_0_ceil_mode_is_False": POOL_NOT_2D,
-    "test_averagepool_3d_dilations_large_count_include_pad_is_0_ceil_mode_is_True": POOL_NOT_2D,
-    "test_averagepool_3d_dilations_large_count_include_pad_is_1_ceil_mode_is_False": POOL_NOT_2D,
-    "test_averagepool_3d_dilations_large_count_include_pad_is_1_ceil_mode_is_True": POOL_NOT_2D,
-    "test_averagepool_3d_dilations_small": POOL_NOT_2D, "test_maxpool_1d_default": POOL_NOT_2D,
-    "test_maxpool_3d_default": POOL_NOT_2D, "test_maxpool_3d_dilations": POOL_NOT_2D,
-    "test_maxpool_3d_dilations_use_ref_impl": POOL_NOT_2D,
-    "test_maxpool_3d_dilations_use_ref_impl_large": POOL_NOT_2D,
+    "test_averagepool_3d_default": POOL_3D,
+    "test_averagepool_3d_dilations_large_count_include_pad_is_0_ceil_mode_is_False": POOL_3D,
+    "test_averagepool_3d_dilations_large_count_include_pad_is_0_ceil_mode_is_True": POOL_3D,
+    "test_averagepool_3d_dilations_large_count_include_pad_is_1_ceil_mode_is_False": POOL_3D,
+    "test_averagepool_3d_dilations_large_count_include_pad_is_1_ceil_mode_is_True": POOL_3D,
+    "test_averagepool_3d_dilations_small": POOL_3D, 
+    "test_maxpool_3d_default": POOL_3D, "test_maxpool_3d_dilations": POOL_3D,
+    "test_maxpool_3d_dilations_use_ref_impl": POOL_3D,
+    "test_maxpool_3d_dilations_use_ref_impl_large": POOL_3D,
     "test_averagepool_2d_ceil": CEIL_MODE, "test_averagepool_2d_ceil_last_window_starts_on_pad": CEIL_MODE,
     "test_maxpool_2d_ceil": CEIL_MODE, "test_maxpool_2d_ceil_output_size_reduce_by_one": CEIL_MODE,
     "test_averagepool_2d_dilations": POOL_DILATION, "test_maxpool_2d_dilations": POOL_DILATION,

@@ -31,7 +31,8 @@ def session(model, weights, device: str) -> Session:
 
 
 def test_the_fixtures_are_there():
-    assert {"conv1d_same_even_bn_relu", "conv1d_stride_padding_depthwise"} <= set(CASES)
+    assert {"conv1d_same_even_bn_relu", "conv1d_stride_padding_depthwise", "pools_max_avg_global_avg",
+            "global_max_pool"} <= set(CASES)
 
 
 @pytest.mark.parametrize("case", CASES)

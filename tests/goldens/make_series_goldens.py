@@ -40,6 +40,20 @@ CASES = {
         [conv1d("0", 4, 3, stride=2, padding=1, groups=4), conv1d("1", 5, 1), conv1d("2", 3, 4, dilation=3)],
         lambda: nn.Sequential(nn.Conv1d(4, 4, 3, stride=2, padding=1, groups=4), nn.Conv1d(4, 5, 1),
                               nn.Conv1d(5, 3, 4, dilation=3))),
+    "pools_max_avg_global_avg": (
+        (3, 29),
+        [conv1d("0", 6, 5, padding=2, activation="relu"),
+         {"type": "maxpool1d", "kernel_size": 3, "stride": 2, "padding": 1},
+         {"type": "avgpool1d", "kernel_size": 3, "stride": 1, "padding": 1, "count_include_pad": False},
+         {"type": "avgpool1d", "kernel_size": 2, "padding": 1}, {"type": "global_avg_pool"}],
+        lambda: nn.Sequential(nn.Conv1d(3, 6, 5, padding=2), nn.ReLU(), nn.MaxPool1d(3, 2, 1),
+                              nn.AvgPool1d(3, 1, 1, count_include_pad=False), nn.AvgPool1d(2, padding=1),
+                              nn.AdaptiveAvgPool1d(1), nn.Flatten())),
+    "global_max_pool": (
+        (2, 15),
+        [conv1d("0", 4, 3, activation="tanh"), {"type": "maxpool1d", "kernel_size": 2},
+         {"type": "global_max_pool"}],
+        lambda: nn.Sequential(nn.Conv1d(2, 4, 3), nn.Tanh(), nn.MaxPool1d(2), nn.AdaptiveMaxPool1d(1), nn.Flatten())),
 }
 
 
