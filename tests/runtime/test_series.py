@@ -199,15 +199,10 @@ def test_bad_series_preprocessing_is_one_line(change, fragment):
 def test_a_bin_with_damaged_series_preprocessing_is_refused():
     model = parse_model(series_description())
     weights = {"linear_1.weight": np.ones((3, 16), np.float32), "linear_1.bias": np.zeros(3, np.float32)}
-    data = bytearray(encode_bin(model, weights, build_metadata(model)))
-    at = data.index(b'"std":[2.0,0.5]')
-    data[at:at + 15] = b'"std":[2.0,0.0]'                                  # same length, then both CRCs again
-    header_size = struct.unpack_from("<I", data, 12)[0]
-    struct.pack_into("<I", data, 120, zlib.crc32(data[header_size:]))
-    struct.pack_into("<I", data, 124, 0)
-    struct.pack_into("<I", data, 124, zlib.crc32(data[:header_size]))
+    data = encode_bin(model, weights, build_metadata(model))
+    damaged = refresh_crcs(data.replace(b'"std":[2.0,0.5]', b'"std":[2.0,0.0]'))     # same length
     with pytest.raises(LnnFormatError, match="metadata: preprocess: std values must be positive"):
-        parse_bin_bytes(bytes(data), "bad.bin")
+        parse_bin_bytes(damaged, "bad.bin")
 
 
 def test_session_refuses_bad_raw_values():
