@@ -36,6 +36,7 @@ from lnn.tools.cli import command_parser, human_bytes, is_bin_file, is_npz_file,
 
 PROG = "lnn-train"
 DATA_KINDS = ("mnist", "folder", "ucr", "csv")
+CPU_BLAS_THREADS = 1
 
 
 def build_parser():
@@ -51,6 +52,9 @@ def build_parser():
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "numpy", "cpu"),
                         help="cuda (CuPy), numpy (NumPy on the CPU) or auto: cuda when CuPy sees a GPU (default); "
                              "cpu is another name for numpy here (training has no Numba path; elsewhere cpu is Numba)")
+    parser.add_argument("--threads", type=int, default=CPU_BLAS_THREADS, metavar="N",
+                        help=f"BLAS threads when training on the CPU (default {CPU_BLAS_THREADS}: on the shared 2-core "
+                             f"machine two threads made a series model's steps 4-15x slower, spinning on small products)")
     parser.add_argument("--cuda-graph", dest="cuda_graph", action="store_true", default=None,
                         help="replay each step as a captured CUDA graph (an error when the model cannot); "
                              "default: whenever the model, optimizer and device allow it")
@@ -115,6 +119,17 @@ def mnist_description(description: dict) -> dict:
     return description
 
 
+def cpu_blas_threads(device: str, threads: int):
+    """On the CPU, NumPy's BLAS limited to `threads` for the run (threadpoolctl); on the GPU nothing."""
+    import contextlib
+
+    if device == "cuda":
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=threads, user_api="blas")
+
+
 def initial_weights_from(path: str) -> dict:
     """--init: the float32 weights of a .bin or of an lnn-train checkpoint (set_weights checks names and shapes)."""
     from lnn.formats.binfile import read_bin
@@ -132,7 +147,7 @@ def _positive(name, value):
 
 
 def body(args) -> int:
-    for name in ("epochs", "batch", "patience", "limit_train"):
+    for name in ("epochs", "batch", "patience", "limit_train", "threads"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.seed is not None and args.seed < 0:
         raise LnnError(f"--seed must be non-negative, not {args.seed}")
@@ -172,8 +187,9 @@ def body(args) -> int:
           f" x {trainer.config.accumulate} accumulated; plan memory {human_bytes(memory['peak'])} "
           f"(activations pooled {human_bytes(memory['activations_pooled'])}, naive "
           f"{human_bytes(memory['activations_naive'])})", flush=True)
-    trainer.fit(train, test, epochs=args.epochs, out_dir=args.out, resume=args.resume,
-                patience=args.patience, progress=not args.quiet)
+    with cpu_blas_threads(trainer.device, args.threads):
+        trainer.fit(train, test, epochs=args.epochs, out_dir=args.out, resume=args.resume,
+                    patience=args.patience, progress=not args.quiet)
     held = device_bytes_held(trainer.xp)
     if held is not None:
         print(f"GPU memory: planned {human_bytes(memory['peak'])}, measured {human_bytes(held)} held by CuPy's pool "

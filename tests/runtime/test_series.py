@@ -9,6 +9,7 @@ from lnn.formats.errors import LnnFormatError, LnnInputError, ModelSpecError
 from lnn.formats.model import parse_model
 from lnn.runtime.series import (fit_standardize, model_inputs, read_series_file, read_table, resample,
                                 standardize)
+from lnn.tests.formats.test_binfile import refresh_crcs
 
 TS_MULTI = """# two channels, unequal lengths
 @problemName Toy
