@@ -6,7 +6,7 @@ line and the column or channel):
     `:`, the label last), `.tsv` (UCR 2018: the label, then the values; NaN padding at the end of a shorter
     series) and `.arff` (Weka: numeric attributes and the class last; UEA multivariate: one relational
     attribute whose value is `'c1 values\\nc2 values'`). Univariate and multivariate. Each series is
-    [C, T_i] float64: trailing missing values (`?`, NaN: how the archive pads a shorter series) are cut
+    [C, T_i] float32: trailing missing values (`?`, NaN: how the archive pads a shorter series) are cut
     off, missing values inside a series are filled by linear interpolation between their neighbours.
     Lengths may differ; `resample` brings every series to the model's length (unequal lengths are
     resampled, not padded and masked).
@@ -44,7 +44,7 @@ MISSING = ("?", "nan", "NaN", "NAN", "")
 @dataclass
 class SeriesFile:
     path: Path
-    series: list               # [C, T_i] float64 each
+    series: list               # [C, T_i] float32 each
     labels: list | None        # one class name per series (None: the file has no class column)
     classes: list | None       # the declared class names (.ts @classLabel, .arff nominal), else None
 
@@ -87,14 +87,17 @@ def read_text(path, what: str) -> str:
         raise LnnInputError(f"{path}: not UTF-8 text, not a {what} (byte {err.start})") from None
 
 
-def _numbers(cells: list, where: str) -> np.ndarray:
-    """Cells of one channel -> float64 with NaN for missing values; text or infinity is an error naming the cell."""
+def _numbers(text: str, sep: str, where: str) -> np.ndarray:
+    """One channel's values, `sep`-separated -> float64 with NaN for missing values ('?', NaN, empty); text or
+    infinity is an error naming the value. NumPy parses the text (no Python string per value); the loop
+    below only runs to name a bad value."""
     try:
-        fast = np.array(cells, np.float64)         # NumPy's parser; the loop below only to name a bad cell
-        if not np.isinf(fast).any():
+        fast = np.fromstring(text.replace("?", "nan"), dtype=np.float64, sep=sep)
+        if len(fast) == text.count(sep) + 1 and not np.isinf(fast).any():
             return fast
     except ValueError:
         pass
+    cells = text.split(sep)
     out = np.empty(len(cells))
     for i, cell in enumerate(cells):
         cell = cell.strip()
@@ -126,7 +129,7 @@ def clean_series(channels: list, where: str) -> np.ndarray:
     lengths = {len(values) for values in cut}
     if len(lengths) > 1:
         raise LnnInputError(f"{where}: its channels have different lengths ({', '.join(map(str, (len(v) for v in cut)))})")
-    return np.stack(cut)
+    return np.stack(cut).astype(np.float32)       # the model computes in float32; half the memory of float64
 
 
 def _read_ts(path: Path, text: str) -> SeriesFile:
@@ -162,7 +165,7 @@ def _read_ts(path: Path, text: str) -> SeriesFile:
             labels.append(parts[-1].strip())
             parts = parts[:-1]
         where = f"{path}: line {number}"
-        series.append(clean_series([_numbers(p.split(","), f"{where}, channel {c + 1}") for c, p in enumerate(parts)],
+        series.append(clean_series([_numbers(p, ",", f"{where}, channel {c + 1}") for c, p in enumerate(parts)],
                                    where))
     return SeriesFile(path, series, labels if has_labels else None, classes)
 
@@ -172,12 +175,12 @@ def _read_tsv(path: Path, text: str) -> SeriesFile:
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        cells = line.replace(",", "\t").split("\t")
-        if len(cells) < 2:
+        label, sep, values = line.replace(",", "\t").partition("\t")
+        if not sep:
             raise LnnInputError(f"{path}: line {number}: a .tsv line holds the class label, then the values")
-        labels.append(_label_text(cells[0]))
+        labels.append(_label_text(label))
         where = f"{path}: line {number}"
-        series.append(clean_series([_numbers(cells[1:], f"{where}, channel 1")], where))
+        series.append(clean_series([_numbers(values, "\t", f"{where}, channel 1")], where))
     return SeriesFile(path, series, labels, None)
 
 
@@ -234,7 +237,7 @@ def _read_arff(path: Path, text: str) -> SeriesFile:
             channels, rest = [",".join(cells[:-1])], cells[-1]
         if classes is not None:
             labels.append(rest.strip().strip("'\""))
-        series.append(clean_series([_numbers(ch.split(","), f"{where}, channel {c + 1}") for c, ch in enumerate(channels)],
+        series.append(clean_series([_numbers(ch, ",", f"{where}, channel {c + 1}") for c, ch in enumerate(channels)],
                                    where))
     return SeriesFile(path, series, labels if classes is not None else None, classes)
 
@@ -335,19 +338,24 @@ def resample(series: np.ndarray, length: int) -> np.ndarray:
 
 
 def stack_series(series: list, length: int) -> np.ndarray:
-    """Series [C, T_i] -> [N, C, length] float64, each resampled to `length`."""
-    if len(series) * series[0].shape[0] * length > MAX_INPUT_ELEMENTS * 64:
-        raise LnnInputError(f"{len(series):,} series of {series[0].shape[0]} x {length} values are too many to hold "
-                            f"at once (64 x MAX_INPUT_ELEMENTS in lnn/formats/limits.py)")
-    return np.stack([resample(s, length) for s in series])
+    """Series [C, T_i] -> [N, C, length] float32, each resampled to `length`; at most 16 x MAX_INPUT_ELEMENTS
+    values (1 GiB) at once."""
+    channels = series[0].shape[0]
+    if len(series) * channels * length > MAX_INPUT_ELEMENTS * 16:
+        raise LnnInputError(f"{len(series):,} series of {channels} x {length} values are too many to hold at once "
+                            f"(16 x MAX_INPUT_ELEMENTS in lnn/formats/limits.py)")
+    out = np.empty((len(series), channels, length), np.float32)
+    for row, values in enumerate(series):
+        out[row] = resample(values, length)
+    return out
 
 
 def fit_standardize(values: np.ndarray) -> tuple:
     """Training values [N, C, T] (per channel) or [N, F] (per column) -> (mean, std) lists; a constant
     channel gets std 1 (it carries no information, and dividing by 0 would make it infinite)."""
     axes = (0, 2) if values.ndim == 3 else (0,)
-    mean = values.mean(axis=axes)
-    std = values.std(axis=axes)
+    mean = values.mean(axis=axes, dtype=np.float64)
+    std = values.std(axis=axes, dtype=np.float64)
     std = np.where(std > 1e-12 * np.maximum(1.0, np.abs(mean)), std, 1.0)
     return [float(v) for v in mean], [float(v) for v in std]
 

@@ -71,7 +71,7 @@ def test_train_stores_the_fitted_preprocessing_and_the_data_shape(trained_series
     assert [label["name"] for label in bin_model.model.labels] == ["rise", "fall"]   # @classLabel order
     from lnn.runtime.series import read_series_file, stack_series
 
-    raw = stack_series(read_series_file(toy_ucr / "Toy_TRAIN.ts").series, 24)
+    raw = stack_series(read_series_file(toy_ucr / "Toy_TRAIN.ts").series, 24).astype(np.float64)
     np.testing.assert_allclose(pre["mean"], raw.mean(axis=(0, 2)), rtol=1e-9)
     np.testing.assert_allclose(pre["std"], raw.std(axis=(0, 2)), rtol=1e-9)
 
