@@ -3,6 +3,12 @@
     lnn-eval models/tomato_leaf.bin --data folder:data/tomato               # the validation side of lnn-train's split
     lnn-eval model.bin --data folder:field_photos --split all --out eval/   # every photo; files in eval/
     lnn-eval model.bin --data folder:data/tomato --choose-threshold --write-threshold model_with_threshold.bin
+    lnn-eval model.bin --data ucr:data/ucr/GunPoint --split test --out eval/    # a UCR/UEA dataset's NAME_TEST
+    lnn-eval model.bin --data csv:table.csv --target state                   # the validation rows of lnn-train's split
+
+Series (ucr:DIR, --split test or train) and tables (csv:FILE --target COLUMN, --split val or all: the
+same per-class split as lnn-train, seed 0, --val-fraction 0.2) go through the model's own preprocessing
+(raw values in); --out writes the same files, predictions.csv by line (series) or row (tables).
 
 The folder holds one sub-folder per class, named like the model's labels (their `name`). With
 --split val (the default) only the validation side of the split lnn-train made is evaluated: the
@@ -269,9 +275,10 @@ def body(args) -> int:
         raise LnnError("--fit-gate chooses thresholds on the validation split: leave out --split all")
     session = lnn.load(args.model, device=args.device, features=gate_feature(args))
     preprocess = session.model.preprocess
-    if preprocess is None:
+    if not session.model.takes_images:
         raise LnnInputError(f"{args.model}: model {session.model.name!r} takes no images "
-                            f"(input shape {list(session.model.input_shape)})")
+                            f"(input shape {list(session.model.input_shape)}; series and tables: --data ucr:DIR "
+                            f"or csv:FILE)")
     columns = class_columns(scan_folder(folder_path)[0], session.labels, folder_path)     # before decoding
     folder = ImageFolder.load(folder_path, session.model.input_shape, preprocess["color"], progress=not args.quiet,
                               log=lambda message: print(message, file=sys.stderr, flush=True))
