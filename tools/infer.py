@@ -42,13 +42,13 @@ import numpy as np
 import lnn
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime.gate import DEFAULT_SUBJECT, INSTRUCTIONS, instruction
+from lnn.runtime.series import SERIES_SUFFIXES, TABLE_SUFFIXES
 from lnn.tools.cli import command_parser, run_command
 
 PROG = "lnn-infer"
 DEFAULT_MODEL = Path(lnn.__file__).resolve().parent / "models" / "tomato_leaf.bin"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
-TABLE_SUFFIXES = (".csv",)
-DATA_SUFFIXES = (".ts", ".tsv", ".arff") + TABLE_SUFFIXES     # series files (lnn.runtime.series) and tables
+DATA_SUFFIXES = SERIES_SUFFIXES + TABLE_SUFFIXES          # series files and tables (lnn.runtime.series)
 ROWS_PER_CALL = 256       # series or table rows per backend call
 UNSURE_ROW = "The model is not confident about this row; check it another way."
 FEW_IMAGES = 8            # device auto: up to this many images use NumPy (no JIT compile to pay)
@@ -227,7 +227,7 @@ class RowAnswer(Answer):
 
 def read_rows(session, path: Path):
     """A series file's series (list of [C, T_i]) or a CSV table's rows [N, F] in the model's column order."""
-    from lnn.runtime.series import SERIES_SUFFIXES, read_series_file, read_table, table_values
+    from lnn.runtime.series import read_series_file, read_table, table_values
 
     table_model = len(session.input_shape) == 1
     if path.suffix.lower() not in (TABLE_SUFFIXES if table_model else SERIES_SUFFIXES):

@@ -68,10 +68,6 @@ def class_order(labels: list, declared: list | None) -> list:
         return sorted(present)
 
 
-def series_input(series: list, length: int, preprocess: dict) -> np.ndarray:
-    return standardize(stack_series(series, length), preprocess)
-
-
 def ucr_datasets(folder, description: dict) -> tuple:
     """(training ArrayDataset [N, C, T] standardized, None, the description completed from the data)."""
     files = ucr_files(folder)
