@@ -41,6 +41,15 @@ MAX_JSON_DEPTH = 64
 MAX_TEST_VECTORS = 16
 
 
+# --------------------------------------------------------------------------- series and tables
+# Enforced by runtime/series.py for the UCR/UEA files (.ts, .tsv, .arff) and CSV tables that lnn-train,
+# lnn-eval and lnn-infer read: a file is read whole as text, then NumPy parses each channel into float32
+# (at most 2 bytes of text per value: up to 2x the file as values), so 256 MiB needs under 1 GB. It holds
+# most of the archive (the UEA's largest, InsectWingbeat and the like, are refused naming this limit;
+# raise it here to read them on a machine with the memory).
+MAX_DATA_FILE_BYTES = 256 << 20
+
+
 # --------------------------------------------------------------------------- images
 # Enforced by runtime/preprocess.py for both decoders (OpenCV and Pillow), so for lnn-infer, lnn-field,
 # Session.predict_image and the training / evaluation caches alike. A phone's 200-megapixel JPEG must

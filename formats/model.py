@@ -130,6 +130,11 @@ class Model:
     extra: dict = field(default_factory=dict)   # description, training, model_card: carried as given
 
     @property
+    def takes_images(self) -> bool:
+        """An image model ([C, H, W] with image preprocessing); series [C, T] and table [F] models are not."""
+        return len(self.input_shape) == 3 and self.preprocess is not None
+
+    @property
     def output_shape(self) -> tuple:
         return self.nodes[-1].out_shape if self.nodes else self.input_shape
 
@@ -333,9 +338,12 @@ def _parse_layer(index: int, layer, in_shape: tuple) -> Node:
 
 
 def _parse_preprocess(value, input_shape: tuple) -> dict | None:
+    if len(input_shape) in (1, 2) and value is not None:
+        return _parse_standardize(value, input_shape)
     if len(input_shape) != 3:
         if value is not None:
-            raise ModelSpecError(f"preprocess: only image models (input_shape [C, H, W]) take image preprocessing; input_shape is {list(input_shape)}")
+            raise ModelSpecError(f"preprocess: a model with input_shape {list(input_shape)} takes no preprocessing "
+                                 f"(images [C, H, W], series [C, T] and tables [F] do)")
         return None
     value = {} if value is None else value
     if not isinstance(value, dict):
@@ -365,6 +373,44 @@ def _parse_preprocess(value, input_shape: tuple) -> dict | None:
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
             raise ModelSpecError(f"preprocess: {key} must be a list of {channels} number{'s' if channels > 1 else ''} "
                                  f"(one per channel), got {numbers!r}")
+        if key == "std" and min(numbers) <= 0:
+            raise ModelSpecError(f"preprocess: std values must be positive, got {numbers!r}")
+        out[key] = [float(v) for v in numbers]
+    return out
+
+
+SERIES_PREPROCESS = {"kind": "series", "length": "T", "resample": "linear", "mean": "[C]", "std": "[C]"}
+TABLE_PREPROCESS = {"kind": "table", "columns": "[F names]", "mean": "[F]", "std": "[F]"}
+
+
+def _parse_standardize(value, input_shape: tuple) -> dict:
+    """The preprocessing of a series model ([C, T]: resampled to T along time, then standardized per
+    channel) or a table model ([F]: each column standardized); x = (raw - mean) / std. Complete, no defaults:
+    it is fitted on the training data (lnn.train.series), never written by hand."""
+    series = len(input_shape) == 2
+    schema = SERIES_PREPROCESS if series else TABLE_PREPROCESS
+    expected = ", ".join(f'"{key}": {shape}' for key, shape in schema.items())
+    if not isinstance(value, dict) or set(value) != set(schema) or value.get("kind") != schema["kind"]:
+        raise ModelSpecError(f"preprocess: a {schema['kind']} model's preprocessing is {{{expected}}}, got {value!r}")
+    count = input_shape[0]
+    out = {"kind": schema["kind"]}
+    if series:
+        if value["length"] != input_shape[1] or isinstance(value["length"], bool):
+            raise ModelSpecError(f"preprocess: length must be the input length {input_shape[1]}, not {value['length']!r}")
+        if value["resample"] != "linear":
+            raise ModelSpecError(f"preprocess: resample must be \"linear\", not {value['resample']!r}")
+        out.update(length=input_shape[1], resample="linear")
+    else:
+        columns = value["columns"]
+        if (not isinstance(columns, list) or len(columns) != count or not all(isinstance(c, str) and c for c in columns)
+                or len(set(columns)) != count):
+            raise ModelSpecError(f"preprocess: columns must be {count} distinct non-empty names, got {columns!r}")
+        out["columns"] = list(columns)
+    for key in ("mean", "std"):
+        numbers = value[key]
+        if not isinstance(numbers, list) or len(numbers) != count or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers):
+            raise ModelSpecError(f"preprocess: {key} must be a list of {count} finite numbers, got {numbers!r}")
         if key == "std" and min(numbers) <= 0:
             raise ModelSpecError(f"preprocess: std values must be positive, got {numbers!r}")
         out[key] = [float(v) for v in numbers]

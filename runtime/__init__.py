@@ -164,7 +164,7 @@ class Session:
         arguments as for prepare_image."""
         from lnn.runtime.preprocess import decode_image, preprocess_image
 
-        if self.model.preprocess is None:
+        if not self.model.takes_images:
             raise LnnInputError(f"model {self.model.name!r} takes no images (input shape {list(self.model.input_shape)})")
         if isinstance(image, (str, Path, bytes, bytearray, memoryview)):
             image, color = decode_image(image), "bgr"
@@ -188,6 +188,29 @@ class Session:
         return Prediction(self.ranked(judgement.probabilities[0], top_k), reason,
                           instruction(reason, self.judge_rules.subject, detail),
                           {name: float(values[0]) for name, values in judgement.scores.items()})
+
+    def prepare_series(self, values) -> np.ndarray:
+        """Raw values for a series model ([T], [C, T'], [N, C, T'] or a list of [C, T_i]) or a table model ([F],
+        [N, F]) -> [N, *input_shape] float32 with the model's preprocessing (lnn.runtime.series: resampled to
+        the model's length, standardized as fitted on the training data)."""
+        from lnn.runtime.series import model_inputs
+
+        if len(self.model.input_shape) not in (1, 2):
+            raise LnnInputError(f"model {self.model.name!r} takes input {list(self.model.input_shape)}, not series "
+                                f"[C, T] or table rows [F]")
+        return model_inputs(self.model, values)
+
+    def predict_series(self, values, top_k: int | None = None):
+        """A series or table row -> its runtime.gate.Prediction (labels ranked best first, `reason`
+        "low_confidence" under the model's thresholds.uncertain_below); a batch ([N, C, T], a list of
+        series, [N, F]) -> a list of them. Values are raw: the model's preprocessing is applied here."""
+        from lnn.runtime.gate import Prediction
+
+        single = not isinstance(values, list) and np.ndim(values) < len(self.model.input_shape) + 1
+        judgement = self.judge(self.prepare_series(values))
+        answers = [Prediction(self.ranked(p, top_k), reason) for p, reason in zip(judgement.probabilities,
+                                                                                judgement.reasons)]
+        return answers[0] if single else answers
 
     def ranked(self, probabilities: np.ndarray, top_k: int | None = None) -> list:
         order = np.argsort(-probabilities, kind="stable")[:top_k]

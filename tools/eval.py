@@ -3,6 +3,12 @@
     lnn-eval models/tomato_leaf.bin --data folder:data/tomato               # the validation side of lnn-train's split
     lnn-eval model.bin --data folder:field_photos --split all --out eval/   # every photo; files in eval/
     lnn-eval model.bin --data folder:data/tomato --choose-threshold --write-threshold model_with_threshold.bin
+    lnn-eval model.bin --data ucr:data/ucr/GunPoint --split test --out eval/    # a UCR/UEA dataset's NAME_TEST
+    lnn-eval model.bin --data csv:table.csv --target state                   # the validation rows of lnn-train's split
+
+Series (ucr:DIR, --split test or train) and tables (csv:FILE --target COLUMN, --split val or all: the
+same per-class split as lnn-train, seed 0, --val-fraction 0.2) go through the model's own preprocessing
+(raw values in); --out writes the same files, predictions.csv by line (series) or row (tables).
 
 The folder holds one sub-folder per class, named like the model's labels (their `name`). With
 --split val (the default) only the validation side of the split lnn-train made is evaluated: the
@@ -60,9 +66,13 @@ def build_parser():
 
     parser = command_parser(PROG, __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("model", metavar="MODEL.bin", help="the model to evaluate")
-    parser.add_argument("--data", required=True, metavar="folder:DIR", help="an image folder, one sub-folder per class")
-    parser.add_argument("--split", choices=("val", "all"), default="val",
-                        help="val: the validation side of lnn-train's split (default); all: every photo")
+    parser.add_argument("--data", required=True, metavar="KIND:PATH",
+                        help="folder:DIR (an image folder, one sub-folder per class), ucr:DIR (a UCR/UEA dataset) "
+                             "or csv:FILE (a table, with --target)")
+    parser.add_argument("--split", choices=("val", "all", "test", "train"), default="val",
+                        help="val: the validation side of lnn-train's split (default); all: every photo or row; "
+                             "test, train: a ucr: dataset's NAME_TEST or NAME_TRAIN")
+    parser.add_argument("--target", metavar="COLUMN", help="csv: the column holding the class")
     parser.add_argument("--seed", type=int, default=None, help="seed of the split (lnn-train's: 0)")
     parser.add_argument("--val-fraction", type=float, default=None, help="validation share per class (lnn-train's: 0.2)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda"),
@@ -243,10 +253,16 @@ def body(args) -> int:
     from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, check_split, scan_folder
 
     kind, sep, folder_path = args.data.partition(":")
-    if kind != "folder" or not sep or not folder_path:
-        raise LnnInputError(f"--data must look like folder:DIR, not {args.data!r}")
+    if kind not in ("folder", "ucr", "csv") or not sep or not folder_path:
+        raise LnnInputError(f"--data must look like folder:DIR, ucr:DIR or csv:FILE, not {args.data!r}")
     if args.batch < 1:
         raise LnnError(f"--batch must be at least 1, not {args.batch}")
+    if kind != "csv" and args.target:
+        raise LnnError("--target COLUMN goes with --data csv:FILE")
+    if kind != "folder":
+        return evaluate_rows(args, kind, folder_path)
+    if args.split in ("test", "train"):
+        raise LnnError(f"--split {args.split} is for ucr: data; an image folder has val or all")
     if args.split == "all" and (args.seed is not None or args.val_fraction is not None):
         raise LnnError("--seed and --val-fraction choose the validation split; they mean nothing with --split all")
     seed = DEFAULT_SPLIT_SEED if args.seed is None else args.seed
@@ -259,9 +275,10 @@ def body(args) -> int:
         raise LnnError("--fit-gate chooses thresholds on the validation split: leave out --split all")
     session = lnn.load(args.model, device=args.device, features=gate_feature(args))
     preprocess = session.model.preprocess
-    if preprocess is None:
+    if not session.model.takes_images:
         raise LnnInputError(f"{args.model}: model {session.model.name!r} takes no images "
-                            f"(input shape {list(session.model.input_shape)})")
+                            f"(input shape {list(session.model.input_shape)}; series and tables: --data ucr:DIR "
+                            f"or csv:FILE)")
     columns = class_columns(scan_folder(folder_path)[0], session.labels, folder_path)     # before decoding
     folder = ImageFolder.load(folder_path, session.model.input_shape, preprocess["color"], progress=not args.quiet,
                               log=lambda message: print(message, file=sys.stderr, flush=True))
@@ -303,24 +320,86 @@ def body(args) -> int:
         print(f"wrote {args.write_threshold} with thresholds.uncertain_below = {threshold['uncertain_below']}")
 
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_confusion_csv(out / "confusion.csv", labels, matrix)
-        plot_confusion(out / "confusion.png", labels, matrix, f"{session.model.name}\naccuracy {accuracy:.2%} "
-                                                              f"on {len(rows)} photos")
-        with atomic_output(out / "predictions.csv", "w", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f)
-            writer.writerow(["file", "true", "predicted", "confidence"])
-            for row, t, p, c in zip(rows, true, predicted, confidence):
-                writer.writerow([folder.files[row], labels[t]["name"], labels[p]["name"], f"{c:.6f}"])
         metrics = {"model": str(args.model), "data": str(folder.folder), "split": args.split,
                    "seed": seed if args.split == "val" else None,
                    "val_fraction": val_fraction if args.split == "val" else None,
                    "photos": int(len(rows)), "accuracy": accuracy,
                    "classes": {label["name"]: score for label, score in zip(labels, scores)},
                    "threshold": threshold}
-        write_atomic(out / "metrics.json", (json.dumps(metrics, indent=2) + "\n").encode("utf-8"))
-        print(f"wrote {out}/confusion.png, confusion.csv, predictions.csv, metrics.json")
+        write_report(Path(args.out), session.model.name, labels, matrix, metrics,
+                     ("file", [folder.files[row] for row in rows]), (true, predicted, confidence), "photos")
+    return 0
+
+
+def write_report(out: Path, name: str, labels: list, matrix: np.ndarray, metrics: dict, items: tuple,
+                 answers: tuple, unit: str) -> None:
+    """--out DIR: confusion.csv, confusion.png, predictions.csv (one row per item: `items` is (column name,
+    values); `answers` (true, predicted, confidence)) and metrics.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_confusion_csv(out / "confusion.csv", labels, matrix)
+    plot_confusion(out / "confusion.png", labels, matrix, f"{name}\naccuracy {metrics['accuracy']:.2%} "
+                                                          f"on {len(items[1])} {unit}")
+    with atomic_output(out / "predictions.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow([items[0], "true", "predicted", "confidence"])
+        for item, t, p, c in zip(items[1], *answers):
+            writer.writerow([item, labels[t]["name"], labels[p]["name"], f"{c:.6f}"])
+    write_atomic(out / "metrics.json", (json.dumps(metrics, indent=2) + "\n").encode("utf-8"))
+    print(f"wrote {out}/confusion.png, confusion.csv, predictions.csv, metrics.json")
+
+
+def evaluate_rows(args, kind: str, path: str) -> int:
+    """ucr:DIR (--split test or train) and csv:FILE --target COLUMN (--split val or all): series or table rows
+    through the model's own preprocessing (lnn.runtime.series.model_inputs: raw values in)."""
+    import lnn
+    from lnn.runtime.series import model_inputs, table_values
+    from lnn.train.series import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, read_target_table, split_rows, ucr_split
+
+    if args.fit_gate or args.write_gate or args.choose_threshold or args.write_threshold:
+        raise LnnError(f"--fit-gate and the threshold options are for image folders, not {kind}: data")
+    allowed = ("test", "train") if kind == "ucr" else ("val", "all")
+    split = args.split if args.split != "val" or kind == "csv" else None
+    if split not in allowed:
+        raise LnnError(f"{kind}: data needs --split {' or '.join(allowed)}")
+    if split != "val" and (args.seed is not None or args.val_fraction is not None):
+        raise LnnError("--seed and --val-fraction choose the validation split of a csv: table (--split val)")
+    session = lnn.load(args.model, device=args.device)
+    rank = 2 if kind == "ucr" else 1
+    if len(session.model.input_shape) != rank:
+        raise LnnInputError(f"{args.model}: model {session.model.name!r} takes input {list(session.model.input_shape)}, "
+                            f"not {'series [C, T]' if rank == 2 else 'table rows [F]'}")
+    seed = DEFAULT_SPLIT_SEED if args.seed is None else args.seed
+    val_fraction = DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction
+    if kind == "ucr":
+        data, source = ucr_split(path, split)
+        values, names, unit = data.series, data.labels, "series"
+        items = ("line", list(range(1, len(values) + 1)))
+        what = f"{source} ({split} split)"
+    else:
+        table = read_target_table(path, args.target)
+        source, unit = table.path, "rows"
+        values, names = table_values(session.model, table), table.labels
+        rows = split_rows(names, val_fraction, seed)[1] if split == "val" else np.arange(len(names))
+        values, names = values[rows], [names[i] for i in rows]
+        items = ("row", (rows + 1).tolist())
+        what = (f"{source} (validation split: seed {seed}, {val_fraction:.0%} per class)" if split == "val"
+                else f"{source} (all rows)")
+    labels = session.labels
+    true = class_columns(names, labels, source)
+    probs = np.concatenate([session.predict(model_inputs(session.model, values[start:start + args.batch]))
+                            for start in range(0, len(values), args.batch)])
+    predicted, confidence = probs.argmax(axis=1), probs.max(axis=1)
+    matrix = confusion_matrix(true, predicted, len(labels))
+    scores = per_class_scores(matrix)
+    accuracy = float((predicted == true).mean())
+    print("\n".join(report_lines(labels, matrix, scores, accuracy, len(true), what)).replace(" photos", f" {unit}"))
+    if args.out:
+        metrics = {"model": str(args.model), "data": str(source), "split": split,
+                   "seed": seed if split == "val" else None, "val_fraction": val_fraction if split == "val" else None,
+                   unit: int(len(true)), "accuracy": accuracy,
+                   "classes": {label["name"]: score for label, score in zip(labels, scores)}}
+        write_report(Path(args.out), session.model.name, labels, matrix, metrics, items, (true, predicted, confidence),
+                     unit)
     return 0
 
 

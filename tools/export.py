@@ -199,7 +199,7 @@ def calibration_set(spec: str, model: Model) -> tuple:
     kind, sep, path = spec.partition(":")
     if kind not in ("folder", "mnist") or not sep or not path:
         raise LnnInputError(f"--calibration must look like folder:DIR or mnist:DIR, not {spec!r}")
-    if model.preprocess is None:
+    if not model.takes_images:
         raise LnnInputError(f"model {model.name!r} takes no images, so {spec} cannot calibrate it")
     if kind == "mnist":
         from lnn.train.data import load_mnist

@@ -1,7 +1,15 @@
-"""lnn-infer: classify image files (or every image in a folder) with a .bin model.
+"""lnn-infer: classify image files (or every image in a folder), series or table rows with a .bin model.
 
     lnn-infer leaf.jpg                         # the bundled tomato-leaf model
     lnn-infer --model mnist_cnn.bin --top-k 5 --json digits/
+    lnn-infer --model series.bin readings.ts   # one line per series (.ts, .tsv, .arff)
+    lnn-infer --model table.bin --json rows.csv   # one line per row of a CSV table
+
+Series and table models take raw values: the model's own preprocessing (resampling to its length,
+the normalisation fitted on its training data) is applied (lnn.runtime.series). Each series or row
+gets one line: the file and row, the best class and its confidence, the top-k; --json one object
+per row with "row". A CSV table needs the model's columns by name (others, such as the class, are
+left unread). A file that cannot be read is one error line, and the other files are still answered.
 
 Each image gets the best label's display name and confidence, then the top-k, and advice for a
 diagnosis. An answer that is not a diagnosis is "uncertain", with a reason and what to do instead
@@ -34,11 +42,15 @@ import numpy as np
 import lnn
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime.gate import DEFAULT_SUBJECT, INSTRUCTIONS, instruction
+from lnn.runtime.series import SERIES_SUFFIXES, TABLE_SUFFIXES
 from lnn.tools.cli import command_parser, run_command
 
 PROG = "lnn-infer"
 DEFAULT_MODEL = Path(lnn.__file__).resolve().parent / "models" / "tomato_leaf.bin"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+DATA_SUFFIXES = SERIES_SUFFIXES + TABLE_SUFFIXES          # series files and tables (lnn.runtime.series)
+ROWS_PER_CALL = 256       # series or table rows per backend call
+UNSURE_ROW = "The model is not confident about this row; check it another way."
 FEW_IMAGES = 8            # device auto: up to this many images use NumPy (no JIT compile to pay)
 BATCH_SIZE = 32           # images per backend call
 PROGRESS_FROM = 33        # show a progress bar (on a terminal) from this many images on
@@ -191,6 +203,70 @@ class Answer:
                 for rank, (label, p) in enumerate(self.ranked, 1)]
 
 
+class RowAnswer(Answer):
+    """One series' or table row's answer: the file and its row (the N-th series of a .ts/.tsv/.arff file, the
+    N-th row under a CSV table's header), on one line; --json adds "row"."""
+
+    def __init__(self, path, row: int, probabilities: np.ndarray, labels: list, top_k: int, uncertain_below, reason):
+        super().__init__(path, probabilities, labels, top_k, uncertain_below, reason, UNSURE_ROW if reason else None)
+        self.row = row
+
+    def as_dict(self) -> dict:
+        record = super().as_dict()
+        return {"file": record.pop("file"), "row": self.row, **record}
+
+    def human_lines(self) -> list:
+        ranked = ", ".join(f"{label['display']} {p:.1%}" for label, p in self.ranked)
+        where = f"{self.file} row {self.row}"
+        if self.uncertain:
+            threshold = f", under the model's {self.uncertain_below:.0%} threshold" if self.uncertain_below else ""
+            return [f"{where}: uncertain (best guess {self.best['display']} at {self.confidence:.1%}{threshold}); "
+                    f"top-{len(self.ranked)}: {ranked}"]
+        return [f"{where}: {self.best['display']} ({self.confidence:.1%}); top-{len(self.ranked)}: {ranked}"]
+
+
+def read_rows(session, path: Path):
+    """A series file's series (list of [C, T_i]) or a CSV table's rows [N, F] in the model's column order."""
+    from lnn.runtime.series import read_series_file, read_table, table_values
+
+    table_model = len(session.input_shape) == 1
+    if path.suffix.lower() not in (TABLE_SUFFIXES if table_model else SERIES_SUFFIXES):
+        kind = f"a CSV table ({', '.join(TABLE_SUFFIXES)})" if table_model else f"series ({', '.join(SERIES_SUFFIXES)})"
+        raise LnnInputError(f"{path}: model {session.model.name!r} takes {kind}")
+    if table_model:
+        columns = (session.model.preprocess or {}).get("columns")
+        return table_values(session.model, read_table(path, columns=columns)) if columns else read_table(path).values
+    return read_series_file(path).series
+
+
+def infer_rows(args, output) -> int:
+    """lnn-infer on series files or CSV tables: one answer per series or row, through Session.prepare_series."""
+    if args.csv:
+        raise LnnInputError("--csv is for images; series and table rows are answered as text or --json")
+    session = load_session(args.model, choose_device(args.device, 1), args.threads, images=False)
+    top_k = min(args.top_k, len(session.labels))
+    failures = 0
+    for given in args.inputs:
+        path = Path(given)
+        try:
+            rows = read_rows(session, path)
+            for start in range(0, len(rows), ROWS_PER_CALL):
+                with np.errstate(all="ignore"):
+                    judgement = session.judge(session.prepare_series(rows[start:start + ROWS_PER_CALL]))
+                for offset, (probabilities, reason) in enumerate(zip(judgement.probabilities, judgement.reasons)):
+                    row = start + offset + 1
+                    if not np.isfinite(probabilities).all():
+                        output.failure(f"{path} row {row}", NOT_A_NUMBER.replace("image", "row"))
+                        failures += 1
+                        continue
+                    output.answer(RowAnswer(path, row, probabilities, session.labels, top_k,
+                                            session.judge_rules.uncertain_below, reason))
+        except LnnError as err:
+            output.failure(path, str(err) if str(err).startswith(str(path)) else f"{path}: {err}")
+            failures += 1
+    return 1 if failures else 0
+
+
 def judge_images(session, images: list, checks: list) -> tuple:
     """(probabilities [N, K], reasons) for model inputs and their photo checks (None: not checked), as the
     Session decides: the photo checks, the gate, the confidence threshold."""
@@ -265,16 +341,20 @@ def progress_bar(total: int):
     return tqdm(total=total, unit="img", disable=None, file=sys.stderr)
 
 
-def load_session(model: str | None, device: str, threads: int | None):
+def load_session(model: str | None, device: str, threads: int | None, images: bool = True):
     if model is None:
         if not DEFAULT_MODEL.exists():
             raise LnnInputError(f"no bundled default model found ({DEFAULT_MODEL}); pass --model M.bin")
         model = DEFAULT_MODEL
     backend_options = {"threads": threads} if threads is not None and device == "cpu" else {}
     session = lnn.load(model, device=device, **backend_options)      # an unavailable backend is one LnnError
-    if session.model.preprocess is None:
-        raise LnnInputError(f"{model}: model {session.model.name!r} takes no images "
-                            f"(input shape {list(session.input_shape)})")
+    if images and not session.model.takes_images:
+        takes = {1: "table rows: pass .csv files", 2: "series: pass .ts, .tsv or .arff files"}
+        raise LnnInputError(f"{model}: model {session.model.name!r} takes no images (input shape "
+                            f"{list(session.input_shape)}{'; it takes ' + takes[len(session.input_shape)] if len(session.input_shape) in takes else ''})")
+    if not images and len(session.input_shape) not in (1, 2):
+        raise LnnInputError(f"{model}: model {session.model.name!r} takes input {list(session.input_shape)}, "
+                            f"not series [C, T] or table rows [F]: pass images")
     return session
 
 
@@ -297,8 +377,10 @@ def infer(args) -> int:
         raise LnnInputError(f"--top-k must be at least 1, not {args.top_k}")
     if args.threads is not None and args.threads < 1:
         raise LnnInputError(f"--threads must be at least 1, not {args.threads}")
-    paths, problems = expand_inputs(args.inputs, args.recursive)
     output = Output("json" if args.json else "csv" if args.csv else "human", prog=args.prog)
+    if any(Path(given).suffix.lower() in DATA_SUFFIXES for given in args.inputs):
+        return infer_rows(args, output)
+    paths, problems = expand_inputs(args.inputs, args.recursive)
     for folder, message in problems:
         output.failure(folder, message)
     failures = len(problems)

@@ -11,7 +11,9 @@ real plan lnn-train would build (pooled activations against their naive sum, par
 the description's optimizer state), computed without allocating. --max-batch --memory SIZE answers
 the largest batch whose planned training memory fits a card of SIZE, keeping 10% of the card and
 300 MiB (CUDA context, library workspaces) free. Sizes: 512MB, 6GB (decimal: 6 x 10^9 bytes) or
-6GiB (binary: 6 x 2^30 bytes). A .bin or an lnn-train checkpoint also works as MODEL.
+6GiB (binary: 6 x 2^30 bytes). A .bin or an lnn-train checkpoint also works as MODEL. The plan's
+memory is also given per layer (activations, gradients, optimizer state); for a series model
+(input [C, T]) --length T gives every figure, --max-batch too, at another sequence length.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def build_parser():
                         help="print the largest training batch whose planned memory fits a card of --memory SIZE")
     parser.add_argument("--memory", type=parse_size, metavar="SIZE",
                         help="the card's memory for --max-batch: e.g. 6GB (10^9 bytes each), 6GiB (2^30), 512MB")
+    parser.add_argument("--length", type=int, metavar="T",
+                        help="a series model ([C, T] input) at this sequence length instead of its own: every figure, "
+                             "--max-batch too (the layers must fit the length, e.g. a pool's window)")
     return parser
 
 
@@ -109,7 +114,7 @@ def plan_lines(model: Model, batch: int) -> list:
              ("parameters", report["params"]), ("batch-norm running statistics", report["running_stats"]),
              ("gradients", report["grads"]), (f"optimizer state ({optimizer})", report["optimizer_state"]),
              ("convolution tables and weight-gradient partial sums", report["conv_scratch"]),
-             ("batch data (uint8 images, int64 labels)", report["batch_data"]), ("total", report["peak"])]
+             ("batch data (inputs: uint8 images, float32 series or rows; int64 labels)", report["batch_data"]), ("total", report["peak"])]
     width = max(len(what) for what, _ in parts)
     naive, pooled = report["activations_naive"], report["activations_pooled"]
     lines = [f"training memory of the plan lnn-train builds on the GPU, at batch {batch} (float32, {optimizer} from "
@@ -117,7 +122,48 @@ def plan_lines(model: Model, batch: int) -> list:
     lines += [f"  {what:<{width}}  {human_bytes(size):>10}  ({size:,} bytes)" for what, size in parts]
     lines.append(f"  pooled activations {human_bytes(pooled)} against a naive sum of {human_bytes(naive)} "
                  f"({naive:,} bytes): {naive / max(pooled, 1):.1f}x less")
+    return lines + [""] + plan_layer_lines(report, batch, model)
+
+
+def plan_layer_lines(report: dict, batch: int, model: Model) -> list:
+    """The plan's memory per layer: activations (with saved workspaces), gradients (of the output and of the
+    parameters), optimizer state; activations and their gradients grow with batch x length, the rest does not."""
+    header = ("layer", "activations", "gradients", "optimizer state")
+    rows = [(row["name"], row["activations"], row["gradients"], row["optimizer_state"]) for row in report["layers"]]
+    totals = ("sum", *(sum(row[i] for row in rows) for i in (1, 2, 3)))
+    cells = [header] + [(name, *(human_bytes(v) for v in values)) for name, *values in rows + [totals]]
+    widths = [max(len(row[i]) for row in cells) for i in range(4)]
+    scale = f"batch {batch}" + (f", length {model.input_shape[1]}" if len(model.input_shape) == 2 else "")
+    lines = [f"per layer in that plan ({scale}; the activation columns scale with batch"
+             f"{' x length' if len(model.input_shape) == 2 else ''}, parameter gradients and optimizer state do not; "
+             f"the pool holds only what is alive at once):"]
+    lines += ["  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+              for row in cells[:-1]]
+    lines.append("  " + "  ".join("-" * w for w in widths))
+    lines.append("  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells[-1], widths))))
     return lines
+
+
+def at_length(model: Model, length: int | None) -> Model:
+    """--length T: the same series model with input [C, T] (its preprocessing's length too)."""
+    if length is None:
+        return model
+    from lnn.formats.errors import ModelSpecError
+    from lnn.formats.model import parse_model
+
+    if length < 1:
+        raise LnnInputError(f"--length must be at least 1, not {length}")
+    if len(model.input_shape) != 2:
+        raise LnnInputError(f"--length is for series models (input [C, T]); {model.name} takes "
+                            f"{shape_text(model.input_shape)}")
+    description = model.to_description()
+    description["input_shape"] = [model.input_shape[0], length]
+    if model.preprocess is not None:
+        description["preprocess"] = {**model.preprocess, "length": length}
+    try:
+        return parse_model(description)
+    except ModelSpecError as err:
+        raise LnnInputError(f"--length {length}: {err}") from None
 
 
 def max_batch_lines(model: Model, card: int) -> list:
@@ -187,7 +233,12 @@ def metadata_lines(bin_model) -> list:
     shown = ", ".join(label["display"] for label in labels[:6]) + (", ..." if len(labels) > 6 else "")
     lines.append(f"labels: {len(labels)} ({shown})")
     pre = meta.get("preprocess")
-    if pre:
+    if pre and pre.get("kind") in ("series", "table"):
+        what = (f"resample to {pre['length']} steps ({pre['resample']}), per channel" if pre["kind"] == "series"
+                else f"columns {', '.join(pre['columns'])}, per column")
+        lines.append(f"preprocess: {pre['kind']}, {what} (x - mean) / std, mean {[round(v, 6) for v in pre['mean']]}, "
+                     f"std {[round(v, 6) for v in pre['std']]}")
+    elif pre:
         lines.append(f"preprocess: {pre['color']}, resize to {pre['resize'][0]}x{pre['resize'][1]}, x * {pre['scale']:.6g}, "
                      f"mean {pre['mean']}, std {pre['std']}")
     thresholds = meta.get("thresholds")
@@ -203,6 +254,7 @@ def summarize(args) -> int:
     if args.batch < 1:
         raise LnnInputError(f"--batch must be at least 1, not {args.batch}")
     model, bin_model = read_model_source(args.source)
+    model = at_length(model, args.length)
     if args.max_batch:
         print("\n".join(max_batch_lines(model, args.memory)))
         return 0

@@ -8,7 +8,12 @@ curves.png and, at the end, model.bin (the best epoch, with preprocessing and la
 come from the description's "training" block (see lnn.train.config); options given here win.
 Data: mnist:FOLDER (the four MNIST IDX files, gzipped or raw); training uses the 60,000 training
 images (--limit-train keeps the first N), evaluation the 10,000 test images after every epoch.
-folder:DIR (one sub-folder of photos per class; see lnn.train.images): decoded once into a cache at
+ucr:DIR (one UCR/UEA dataset: NAME_TRAIN and NAME_TEST as .ts, .tsv or .arff; see lnn.train.series)
+trains on NAME_TRAIN without validation (the test split is lnn-eval's), series resampled to the longest
+training length; csv:FILE --target COLUMN trains on a numeric table, --val-fraction of each class kept
+for validation (seed 0). Both store the per-channel / per-column normalisation fitted on the training
+rows as the model's preprocessing, and fill "input_shape": "from_data" and "out_features": "from_data"
+(the class count) of the description. folder:DIR (one sub-folder of photos per class; see lnn.train.images): decoded once into a cache at
 the model's input size, split by leaf into training and validation (--val-fraction, seed 0, the
 split lnn-eval --split val uses), classes balanced, training images augmented as the description's
 training.augment says (--no-augment: not). --outliers DIR (folder data only): outlier exposure with
@@ -30,7 +35,8 @@ from lnn.formats.model import load_description, parse_model
 from lnn.tools.cli import command_parser, human_bytes, is_bin_file, is_npz_file, read_checkpoint_source, run_command
 
 PROG = "lnn-train"
-DATA_KINDS = ("mnist", "folder")
+DATA_KINDS = ("mnist", "folder", "ucr", "csv")
+CPU_BLAS_THREADS = 1
 
 
 def build_parser():
@@ -46,6 +52,9 @@ def build_parser():
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "numpy", "cpu"),
                         help="cuda (CuPy), numpy (NumPy on the CPU) or auto: cuda when CuPy sees a GPU (default); "
                              "cpu is another name for numpy here (training has no Numba path; elsewhere cpu is Numba)")
+    parser.add_argument("--threads", type=int, default=CPU_BLAS_THREADS, metavar="N",
+                        help=f"BLAS threads when training on the CPU (default {CPU_BLAS_THREADS}: on the shared 2-core "
+                             f"machine two threads made a series model's steps 4-15x slower, spinning on small products)")
     parser.add_argument("--cuda-graph", dest="cuda_graph", action="store_true", default=None,
                         help="replay each step as a captured CUDA graph (an error when the model cannot); "
                              "default: whenever the model, optimizer and device allow it")
@@ -63,7 +72,9 @@ def build_parser():
                              "measured on the test set)")
     parser.add_argument("--limit-train", type=int, metavar="N", help="train on the first N training images only")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (one line per epoch stays)")
-    parser.add_argument("--val-fraction", type=float, default=0.2, help="folder: share of each class kept for validation")
+    parser.add_argument("--val-fraction", type=float, default=0.2,
+                        help="folder, csv: share of each class kept for validation")
+    parser.add_argument("--target", metavar="COLUMN", help="csv: the column holding the class")
     parser.add_argument("--no-augment", action="store_true", help="folder: train on the photos as they are")
     parser.add_argument("--outliers", metavar="DIR",
                         help="folder: outlier exposure with the fit part of these non-leaf photos (training.outliers)")
@@ -72,7 +83,9 @@ def build_parser():
 
 def load_data(spec: str, description: dict, args):
     """`mnist:FOLDER` -> (train, test, description with MNIST's labels);
-    `folder:DIR` -> (train, validation, description with the class folders as labels)."""
+    `folder:DIR` -> (train, validation, description with the class folders as labels);
+    `ucr:DIR` -> (train, None, description completed from the data: lnn.train.series);
+    `csv:FILE` (with --target) -> (train, validation, the completed description)."""
     kind, sep, path = spec.partition(":")
     if not sep or not path or kind not in DATA_KINDS:
         raise LnnInputError(f"--data must look like KIND:PATH with KIND one of {', '.join(DATA_KINDS)}, not {spec!r}")
@@ -85,6 +98,16 @@ def load_data(spec: str, description: dict, args):
                                progress=not args.quiet, outliers=args.outliers)
     if args.outliers:
         raise LnnInputError("--outliers needs --data folder:DIR (outlier exposure trains an image-folder model)")
+    if kind != "csv" and args.target:
+        raise LnnInputError("--target COLUMN goes with --data csv:FILE")
+    if kind == "ucr":
+        from lnn.train.series import ucr_datasets
+
+        return ucr_datasets(path, description)
+    if kind == "csv":
+        from lnn.train.series import DEFAULT_SPLIT_SEED, csv_datasets
+
+        return csv_datasets(path, args.target, description, args.val_fraction, DEFAULT_SPLIT_SEED)
     from lnn.train.data import load_mnist
 
     train, test = load_mnist(path)
@@ -96,6 +119,17 @@ def mnist_description(description: dict) -> dict:
     description = copy.deepcopy(description)
     description.setdefault("labels", [{"name": str(i), "display": f"digit {i}"} for i in range(10)])
     return description
+
+
+def cpu_blas_threads(device: str, threads: int):
+    """On the CPU, NumPy's BLAS limited to `threads` for the run (threadpoolctl); on the GPU nothing."""
+    import contextlib
+
+    if device == "cuda":
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=threads, user_api="blas")
 
 
 def initial_weights_from(path: str) -> dict:
@@ -115,7 +149,7 @@ def _positive(name, value):
 
 
 def body(args) -> int:
-    for name in ("epochs", "batch", "patience", "limit_train"):
+    for name in ("epochs", "batch", "patience", "limit_train", "threads"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.seed is not None and args.seed < 0:
         raise LnnError(f"--seed must be non-negative, not {args.seed}")
@@ -155,8 +189,9 @@ def body(args) -> int:
           f" x {trainer.config.accumulate} accumulated; plan memory {human_bytes(memory['peak'])} "
           f"(activations pooled {human_bytes(memory['activations_pooled'])}, naive "
           f"{human_bytes(memory['activations_naive'])})", flush=True)
-    trainer.fit(train, test, epochs=args.epochs, out_dir=args.out, resume=args.resume,
-                patience=args.patience, progress=not args.quiet)
+    with cpu_blas_threads(trainer.device, args.threads):
+        trainer.fit(train, test, epochs=args.epochs, out_dir=args.out, resume=args.resume,
+                    patience=args.patience, progress=not args.quiet)
     held = device_bytes_held(trainer.xp)
     if held is not None:
         print(f"GPU memory: planned {human_bytes(memory['peak'])}, measured {human_bytes(held)} held by CuPy's pool "

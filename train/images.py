@@ -355,7 +355,7 @@ def folder_datasets(folder, description: dict, augment: bool = True, val_fractio
 
     log = log or print
     model = parse_model({key: value for key, value in description.items() if key != "labels"})
-    if model.preprocess is None:
+    if not model.takes_images:
         raise LnnInputError("an image folder needs an image model: give the description a preprocess block "
                             "and an input_shape [C, H, W]")
     config = TrainingConfig.parse(model.extra.get("training"))

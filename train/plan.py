@@ -247,7 +247,8 @@ class Plan:
         state = OPTIMIZER_STATE_COPIES[optimizer["type"]](optimizer) * self.params_size * p_item
         compute_copies = 2 * self.params_size * self.compute_dtype.itemsize if self.amp else 0
         naive = sum(b.nbytes(n) for b in self.buffers.values())
-        batch_data = n * math.prod(self.model.input_shape) + n * 8      # uint8 images + int64 labels
+        input_item = 1 if self.model.takes_images else self.compute_dtype.itemsize     # uint8 images, float series
+        batch_data = n * math.prod(self.model.input_shape) * input_item + n * 8      # + int64 labels
         report = {
             "batch_size": n,
             "params": params,
@@ -262,7 +263,27 @@ class Plan:
         }
         report["peak"] = (params + stats + grads + state + compute_copies + self.pool_bytes + self.conv_scratch
                           + batch_data)
+        report["layers"] = self.layer_memory(optimizer)
         return report
+
+    def layer_memory(self, optimizer: dict) -> list:
+        """Per layer ("input" first), bytes at the plan's batch size: `activations` (its output as the plan holds
+        it, none for a layer whose output is its input's view, plus its saved workspaces), `gradients` (the
+        gradient of its output, and of its parameters), `optimizer_state` (of its parameters). The pool holds
+        only the buffers alive at once, so the pooled total is less than the sum of the columns."""
+        n, p_item = self.batch_size, self.param_dtype.itemsize
+        copies = OPTIMIZER_STATE_COPIES[optimizer["type"]](optimizer)
+
+        def held(name):
+            return self.buffers[name].nbytes(n) if name in self.buffers and self.base.get(name, name) == name else 0
+
+        rows = [{"name": "input", "activations": held("act:-1"), "gradients": held("grad:-1"), "optimizer_state": 0}]
+        for i, node in enumerate(self.model.nodes):
+            learned = sum(slot.size for slot in self.layer_params[i].values()) * p_item
+            workspaces = sum(held(full) for full in self.workspace_names[i].values())
+            rows.append({"name": node.name, "activations": held(f"act:{i}") + workspaces,
+                         "gradients": held(f"grad:{i}") + learned, "optimizer_state": copies * learned})
+        return rows
 
     # ------------------------------------------------------------------ allocation and views
 

@@ -3,7 +3,7 @@
     RUN_DIR/checkpoint.npz   the last completed epoch (weights, optimizer, epoch, lr, RNG), atomic
     RUN_DIR/best.npz         the epoch with the best validation result so far (same format)
     RUN_DIR/metrics.jsonl    one JSON object per epoch (rewritten from the checkpoint on resume)
-    RUN_DIR/curves.png       loss and accuracy per epoch (matplotlib)
+    RUN_DIR/curves.png       loss and accuracy per epoch (matplotlib; redrawn every CURVES_EVERY_S and at the end)
     RUN_DIR/model.bin        at the end: the best epoch's model, with preprocessing and labels; when
                              the description has a model_card, its "trained" field says how this
                              run trained it (date, device, epochs, batch, optimizer, epoch time)
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 from pathlib import Path
 
 from lnn.formats.binfile import atomic_output, write_atomic
@@ -26,6 +27,9 @@ from lnn.train.checkpoint import export_checkpoint, read_checkpoint, save_checkp
 from lnn.version import __version__
 
 CHECKPOINT, BEST, METRICS, CURVES, MODEL = "checkpoint.npz", "best.npz", "metrics.jsonl", "curves.png", "model.bin"
+# curves.png is redrawn after an epoch only when this many seconds passed since the last drawing (and at
+# the end): matplotlib takes about 1 s a drawing on a busy 2-core machine, 10x a series dataset's epoch.
+CURVES_EVERY_S = 30.0
 
 
 def _score(entry: dict) -> float:
@@ -47,6 +51,7 @@ class RunDirectory:
         self.folder = Path(folder)
         self.trainer = trainer
         self.history, self.best = [], None
+        self._plotted_at, self._plotted_epochs = None, 0
         checkpoint = self.folder / CHECKPOINT
         if self.folder.exists() and not self.folder.is_dir():
             raise LnnError(f"{self.folder}: exists and is not a folder")
@@ -88,7 +93,8 @@ class RunDirectory:
         self._save(CHECKPOINT)
         with open(self.folder / METRICS, "a", encoding="utf-8") as f:
             f.write(json.dumps(entry) + "\n")
-        self._plot()
+        if self._plotted_at is None or time.monotonic() - self._plotted_at >= CURVES_EVERY_S:
+            self._plot()
 
     def _save(self, name: str):
         save_checkpoint(self.folder / name, self._meta(), self.trainer.weights(), self.trainer.optimizer_arrays())
@@ -108,6 +114,7 @@ class RunDirectory:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        self._plotted_at, self._plotted_epochs = time.monotonic(), len(self.history)
         epochs = [e["epoch"] for e in self.history]
         accuracy_keys = [k for k in ("train_accuracy", "val_accuracy") if k in self.history[-1]]
         figure, axes = plt.subplots(1, 2 if accuracy_keys else 1, figsize=(10 if accuracy_keys else 5, 3.8),
@@ -151,6 +158,8 @@ class RunDirectory:
                 f"{len(self.history)} epochs, {batch}, {' '.join(settings)}{epoch_time}")
 
     def finish(self, export: bool):
+        if self.history and self._plotted_epochs != len(self.history):
+            self._plot()
         if not export or not self.history:
             return
         source = self.folder / (BEST if (self.folder / BEST).exists() else CHECKPOINT)

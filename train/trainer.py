@@ -236,7 +236,7 @@ class Trainer:
 
     def _make_normalizer(self):
         pre = self.model.preprocess
-        if pre is None:
+        if not self.model.takes_images:          # series and tables come standardized (lnn.train.series)
             return None
         dtype = self.plan.compute_dtype
         channels = self.model.input_shape[0]
