@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 MODULE = "lnn_cpu_kernels"
-KERNEL_MODULES = ("activations", "conv2d", "pool", "winograd")   # files of lnn.runtime.cpu with kernels
+KERNEL_MODULES = ("activations", "conv2d", "linear", "pool", "winograd")   # files of lnn.runtime.cpu with kernels
 
 A1, A2, A3, A4 = "f4[::1]", "f4[:, ::1]", "f4[:, :, ::1]", "f4[:, :, :, ::1]"
 I, F, WINDOW = "i8", "f8", "UniTuple(i8, 6)"
@@ -40,6 +40,7 @@ SIGNATURES = {
     "conv2d.max_pool_rows": (A2, I, I, I, I, I, WINDOW, A1, A2, I, I, I),
     "conv2d.epilogue_rows": (A2, I, I, I, A1, A1, I, F, A4, I, I, I, I, I, I),
     "conv2d.softmax_channels": (A4, I, I, I, I, I, I),
+    "linear.linear_rows": (A2, A2, A1, A1, I, F, A2),
     "pool.maxpool2d": (A4, I, I, I, I, A4),
     "pool.avgpool2d": (A4, I, I, I, I, A2, A4),
     "pool.global_avg_pool": (A3, A2),

@@ -5,7 +5,10 @@ output buffer): at batch 1 x @ weight.T as a transposed view (BLAS's dot-product
 there on mnist_mlp's 784x256), for larger batches x @ a contiguous copy of weight.T made at plan time.
 With parts > 1 (backend.py) the output features are cut into blocks, one product per block, run as
 independent tasks (parallel.py). Bias + activation is the epilogue of activations.py, after all
-blocks. Batch norm after a linear layer is folded into weight and bias at load.
+blocks. A narrow layer (at most FUSED_MAX_OUTPUTS outputs) on a small batch is one kernel instead,
+`linear_rows` (product, bias and activation; no BLAS call): there the two calls cost more than the
+arithmetic (mnist_mlp's 128 -> 10 layer). Batch norm after a linear layer is folded into weight and
+bias at load.
 """
 
 from __future__ import annotations
@@ -15,8 +18,32 @@ from functools import partial
 import numpy as np
 
 from lnn.formats.fold import fold_scale_and_shift
-from lnn.runtime.cpu.activations import Epilogue, as_channels_positions
+from lnn.runtime.cpu.activations import SOFTMAX, Epilogue, activate, as_channels_positions
+from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
+
+FUSED_MAX_OUTPUTS = 64     # linear_rows for layers this narrow ...
+FUSED_MAX_BATCH = 4        # ... on batches this small
+
+
+@kernel
+def linear_rows(x, weight_t, scale, shift, code, slope, dst):
+    """x [N, K], weight_t [K, O] -> dst [N, O] = act((x @ weight_t) * scale + shift), the product summed
+    in k order; act is not softmax. The loop over o is innermost (contiguous, vectorized)."""
+    batch, inputs = x.shape
+    outputs = dst.shape[1]
+    for n in range(batch):
+        row = dst[n]
+        source = x[n]
+        for o in range(outputs):
+            row[o] = 0
+        for k in range(inputs):
+            v = source[k]
+            w = weight_t[k]
+            for o in range(outputs):
+                row[o] += v * w[o]
+        for o in range(outputs):
+            row[o] = activate(row[o] * scale[o] + shift[o], code, slope)
 
 
 class LinearLayer:
@@ -39,6 +66,10 @@ class LinearLayer:
 
     def plan(self, src, new_buffer, parts: int = 1):
         dst = new_buffer((src.shape[0], *self.out_shape))
+        e = self.epilogue
+        if src.shape[0] <= FUSED_MAX_BATCH and self.out_shape[0] <= FUSED_MAX_OUTPUTS and e.code != SOFTMAX:
+            weight_t = np.ascontiguousarray(self.weight.T)
+            return dst, [partial(linear_rows, src, weight_t, e.scale, e.shift, e.code, e.slope, dst)]
         # [in, out]: for batches BLAS runs x @ a contiguous weight.T ~1.5x faster than x @ the view weight.T
         weight_t = self.weight.T if src.shape[0] == 1 else np.ascontiguousarray(self.weight.T)
         blocks = split_range(0, weight_t.shape[1], parts, align=16)
