@@ -39,6 +39,7 @@ MODELS = ["leaf_cnn", "leaf_cnn224", "tomato", "mnist_cnn", "mnist_mlp"]
 RUNTIMES = ["lnn", "onnxruntime", "litert", "ncnn"]
 CONFIGS = [(1, 1), (2, 1), (2, 32)]           # (threads, batch)
 SECONDS = 0.4
+WORKER_SECONDS = 150      # a runtime's process for one model (ncnn's spinning threads crawl on a busy machine)
 COMMAND = "python benchmarks/cpu_peers.py"
 
 
@@ -159,18 +160,23 @@ def peer_files(name: str, folder: Path) -> dict:
     return files
 
 
-def measure(rounds: int) -> dict:
+def measure(rounds: int, models: list, runtimes: list) -> dict:
     """{(model, runtime): [{"threads,batch": ms}, ...] per round}."""
     results = {}
     with tempfile.TemporaryDirectory() as folder:
-        files = {name: peer_files(name, Path(folder)) for name in MODELS}
+        files = {name: peer_files(name, Path(folder)) for name in models}
         for round_ in range(rounds):
-            for name in MODELS:
-                for runtime in RUNTIMES:
+            for name in models:
+                for runtime in runtimes:
                     if runtime not in files[name]:
                         continue
-                    done = subprocess.run([sys.executable, __file__, "--worker", runtime, name,
-                                           json.dumps(files[name][runtime])], capture_output=True, text=True, timeout=600)
+                    try:
+                        done = subprocess.run([sys.executable, __file__, "--worker", runtime, name,
+                                               json.dumps(files[name][runtime])], capture_output=True, text=True,
+                                              timeout=WORKER_SECONDS)
+                    except subprocess.TimeoutExpired:
+                        print(f"round {round_ + 1} {name:12} {runtime:12} over {WORKER_SECONDS} s: left out", flush=True)
+                        continue
                     if done.returncode != 0:
                         raise SystemExit(f"{runtime} on {name} failed:\n{done.stderr[-2000:]}")
                     results.setdefault((name, runtime), []).append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -178,24 +184,25 @@ def measure(rounds: int) -> dict:
     return results
 
 
-def table(results: dict) -> list:
+def table(results: dict, models: list) -> list:
     rows = []
-    for name in MODELS:
+    for name in models:
         for threads, batch in CONFIGS:
             key = f"{threads},{batch}"
             ms = {runtime: float(np.median([r[key] for r in results[(name, runtime)]]))
-                  for runtime in RUNTIMES if (name, runtime) in results}
+                  for runtime in RUNTIMES if results.get((name, runtime))}
             peers = {runtime: v for runtime, v in ms.items() if runtime != "lnn"}
-            best = min(peers, key=peers.get)
-            cells = [f"{ms[runtime]:.3f}" if runtime in ms else "no file" for runtime in RUNTIMES[1:]]
-            rows.append([name, threads, batch, *cells, f"{ms['lnn']:.3f}", f"{ms['lnn'] / peers[best]:.2f} ({best})"])
+            cells = [f"{ms[runtime]:.3f}" if runtime in ms else "-" for runtime in RUNTIMES[1:]]
+            best = min(peers, key=peers.get) if peers else None
+            ratio = f"{ms['lnn'] / peers[best]:.2f} ({best})" if best else "-"
+            rows.append([name, threads, batch, *cells, f"{ms['lnn']:.3f}", ratio])
     return rows
 
 
-def scaling(results: dict) -> list:
+def scaling(results: dict, models: list) -> list:
     """lnn's 1-thread / 2-thread time at batch 1, per model (per round, then the median)."""
     rows = []
-    for name in MODELS:
+    for name in models:
         speedups = [r["1,1"] / r["2,1"] for r in results[(name, "lnn")]]
         rows.append([name, f"{np.median(speedups):.2f}", " ".join(f"{s:.2f}" for s in speedups)])
     return rows
@@ -205,6 +212,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--note", default="", help="a remark on the machine for the section")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {','.join(MODELS)}")
+    parser.add_argument("--runtimes", default=",".join(RUNTIMES), help=f"comma-separated, of {','.join(RUNTIMES)} (lnn always)")
     parser.add_argument("--worker", nargs=3, metavar=("RUNTIME", "MODEL", "FILES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -213,15 +222,17 @@ def main() -> None:
         return
     if not PEER_FORMATS.exists():
         raise SystemExit(f"{PEER_FORMATS} is absent; this benchmark needs the reference models and their peer files")
-    results = measure(args.rounds)
+    models = args.models.split(",")
+    runtimes = ["lnn", *[r for r in args.runtimes.split(",") if r != "lnn"]]
+    results = measure(args.rounds, models, runtimes)
     headers = ["model", "threads", "batch", "onnxruntime ms", "LiteRT ms", "ncnn ms", "lnn ms", "lnn / best peer"]
-    rows = table(results)
-    speed = scaling(results)
+    rows = table(results, models)
+    speed = scaling(results, models)
     print(markdown_table(headers, rows))
     print(markdown_table(["model", "lnn 1 thread / 2 threads, batch 1 (median)", "per round"], speed))
     body = "\n\n".join([
         "## CPU runtimes side by side: lnn, onnxruntime, LiteRT, ncnn (one image over threads)",
-        f"Command: `{COMMAND} --rounds {args.rounds}`. Machine: {machine_line(('numpy', 'numba', 'onnxruntime', 'ai-edge-litert', 'ncnn'))}."
+        f"Command: `{COMMAND} {' '.join(sys.argv[1:])}`. Machine: {machine_line(('numpy', 'numba', 'onnxruntime', 'ai-edge-litert', 'ncnn'))}."
         + (f" {args.note}" if args.note else ""),
         "Each runtime in its own process, median ms per call after warm-up, the median of "
         f"{args.rounds} interleaved rounds. lnn: `threads=N` splits one image's conv rows and linear "

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -198,7 +197,7 @@ class CpuBackend:
     def run_with_features(self, x: np.ndarray) -> tuple:
         """(output, {kept node name: its value [N, ...]}), both the plan's buffers (overwritten by the next call)."""
         batch = x.shape[0]
-        with BLAS_THREADS.one_thread():
+        with BLAS_THREADS:
             if self._crew is not None and batch > 1 and batch * self._flops_per_row >= MIN_SPLIT_FLOPS:
                 return self._run_split(x)
             plan = self._plan(batch, self.threads)
@@ -241,7 +240,8 @@ class CpuBackend:
 
 
 class BlasThreads:
-    """The BLAS libraries held at one thread for the length of a call, their count restored after it.
+    """`with BLAS_THREADS:` the BLAS libraries held at one thread, their count restored after it (a
+    class's __enter__/__exit__, not a generator context: about 1 us less per call).
 
     The count is process-wide, so calls overlapping from several threads share it: the first to enter
     saves the count and sets 1 (nothing to set when it is already 1), the last to leave restores it
@@ -263,8 +263,7 @@ class BlasThreads:
             if self._active == 0:                  # else the next backend made finds them
                 self._libraries = ThreadpoolController().select(user_api="blas").lib_controllers
 
-    @contextmanager
-    def one_thread(self):
+    def __enter__(self):
         if self._libraries is None:
             self.find_libraries()
         with self._lock:
@@ -274,15 +273,14 @@ class BlasThreads:
                     if count != 1:
                         library.set_num_threads(1)
             self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                if self._active == 0:
-                    for library, count in zip(self._libraries, self._saved):
-                        if count != 1:
-                            library.set_num_threads(count)
+
+    def __exit__(self, *exception) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                for library, count in zip(self._libraries, self._saved):
+                    if count != 1:
+                        library.set_num_threads(count)
 
 
 BLAS_THREADS = BlasThreads()
