@@ -39,7 +39,7 @@ MODELS = ["leaf_cnn", "leaf_cnn224", "tomato", "mnist_cnn", "mnist_mlp"]
 RUNTIMES = ["lnn", "onnxruntime", "litert", "ncnn"]
 CONFIGS = [(1, 1), (2, 1), (2, 32)]           # (threads, batch)
 SECONDS = 0.4
-WORKER_SECONDS = 150      # a runtime's process for one model (ncnn's spinning threads crawl on a busy machine)
+WORKER_SECONDS = 90       # a runtime's process for one model (ncnn's spinning threads crawl on a busy machine)
 COMMAND = "python benchmarks/cpu_peers.py"
 
 

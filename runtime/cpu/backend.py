@@ -29,8 +29,9 @@ share of the work:
     microseconds); the tasks of a layer run at the same time and the next layer waits for all of them.
     The cut is in the layer's own loop over bands (conv2d.py `_bands`), so it holds for every
     algorithm the layer picks (im2col + BLAS, Winograd, direct); a part computes its outputs exactly
-    as one thread does, up to where BLAS's blocking of a smaller product rounds differently (at most
-    a few 1e-7 here; tests/runtime/test_cpu_threads.py checks 1e-5).
+    as one thread does, up to where BLAS's blocking of a smaller product rounds differently (up to
+    2e-6 on the reference models' and the bundled model's outputs; tests/runtime/test_cpu_threads.py
+    checks 1e-5).
   - a batch worth at least MIN_SPLIT_FLOPS is instead cut into N parts of the batch, each run by its
     own plan (made with parts = 1) on one thread of the crew: whole images per core needed no
     hand-off per layer and halved batch-32 times on 2 cores.
@@ -42,7 +43,8 @@ already busy with the other call). The BLAS thread count is process-wide: overla
 one setting (BlasThreads below), which changes speed, never results.
 
 Adding an op: one file here with a layer class (`__init__(node, weights)`, `out_shape`,
-`plan(src, new_buffer) -> (dst, steps)`) and one line in LAYERS.
+`plan(src, new_buffer) -> (dst, steps)`) and one line in LAYERS. A layer that can be split also has
+`flops` (per image) and takes `plan(src, new_buffer, parts)`, returning Parallel steps (parallel.py).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import numpy as np
 
 from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS
+from lnn.runtime import resolve_threads
 from lnn.runtime.cpu import cache
 from lnn.runtime.cpu.activations import NONE, ActivationLayer, is_monotone
 from lnn.runtime.cpu.batchnorm import BatchNormLayer, scale_and_shift
@@ -65,7 +68,6 @@ from lnn.runtime.cpu.linear import LinearLayer
 from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.parallel import Crew, run_steps
 from lnn.runtime.cpu.pool import AvgPool2dLayer, GlobalAvgPoolLayer, MaxPool2dLayer
-from lnn.runtime import resolve_threads
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
 
