@@ -66,7 +66,7 @@ from lnn.runtime.cpu.flatten import FlattenLayer
 from lnn.runtime.cpu.jit import CACHE_ENABLED
 from lnn.runtime.cpu.linear import LinearLayer
 from lnn.runtime.cpu.padding import padded_buffer
-from lnn.runtime.cpu.parallel import Crew, run_steps
+from lnn.runtime.cpu.parallel import Crew, all_steps, run_steps
 from lnn.runtime.cpu.pool import AvgPool2dLayer, GlobalAvgPoolLayer, MaxPool2dLayer
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
@@ -110,6 +110,7 @@ class Plan:
                 copy = self.kept[name] = self._new_buffer(x.shape)
                 self.steps.append(partial(np.copyto, copy, x))
         self.output = x
+        self.uses_blas = any(getattr(step, "func", None) is np.matmul for step in all_steps(self.steps))
 
     @staticmethod
     def _new_buffer(shape) -> np.ndarray:
@@ -199,13 +200,20 @@ class CpuBackend:
     def run_with_features(self, x: np.ndarray) -> tuple:
         """(output, {kept node name: its value [N, ...]}), both the plan's buffers (overwritten by the next call)."""
         batch = x.shape[0]
-        with BLAS_THREADS:
-            if self._crew is not None and batch > 1 and batch * self._flops_per_row >= MIN_SPLIT_FLOPS:
+        if self._crew is not None and batch > 1 and batch * self._flops_per_row >= MIN_SPLIT_FLOPS:
+            with BLAS_THREADS:
                 return self._run_split(x)
-            plan = self._plan(batch, self.threads)
-            if self._crew is None or not self._crew.try_run(lambda crew: plan.run(x, crew)):
-                plan.run(x)
-            return plan.output, plan.kept
+        plan = self._plan(batch, self.threads)
+        if plan.uses_blas:                  # holding BLAS at one thread costs ~15 us of CPU a call
+            with BLAS_THREADS:
+                self._run_plan(plan, x)
+        else:
+            self._run_plan(plan, x)
+        return plan.output, plan.kept
+
+    def _run_plan(self, plan: Plan, x: np.ndarray) -> None:
+        if self._crew is None or not self._crew.try_run(lambda crew: plan.run(x, crew)):
+            plan.run(x)
 
     def _run_split(self, x: np.ndarray) -> tuple:
         batch = x.shape[0]

@@ -32,6 +32,16 @@ def run_steps(steps) -> None:
         step()
 
 
+def all_steps(steps: list):
+    """Every step, those inside Parallel steps' tasks too."""
+    for step in steps:
+        if type(step) is Parallel:
+            for task in step.tasks:
+                yield from task
+        else:
+            yield step
+
+
 def parallel_steps(tasks: list) -> list:
     """The steps that run `tasks`: the task itself when there is one, else one Parallel step."""
     return list(tasks[0]) if len(tasks) == 1 else [Parallel(tasks)]

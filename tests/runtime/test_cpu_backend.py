@@ -286,8 +286,11 @@ def test_threads_option_limits_blas_during_run():
     seen = []
     backend.layers[0].plan = _spy_plan(backend.layers[0].plan, lambda: seen.append(
         [info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"]))
-    backend.run(np.ones((2, 13), np.float32))
+    backend.run(np.ones((8, 13), np.float32))                 # batch 8: a BLAS product (not linear_rows)
     assert seen and all(n == 1 for n in seen[0])
+    assert backend._plan(8).uses_blas
+    backend.run(np.ones((2, 13), np.float32))                 # batch 2: one fused kernel, BLAS left alone
+    assert not backend._plan(2).uses_blas
     with pytest.raises(LnnInputError, match="threads must be a positive whole number or 'auto', not 0"):
         cpu_backend(model, random_weights(model, np.random.default_rng(0)), threads=0)
 

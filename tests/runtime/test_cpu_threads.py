@@ -51,11 +51,12 @@ def split_backend(model, weights, threads):
 
 
 def splittable(layers) -> list:
-    """The conv and linear layers; not a narrow linear layer on a small batch, which is one fused kernel."""
-    from lnn.runtime.cpu.linear import FUSED_MAX_OUTPUTS, LinearLayer
+    """The conv and linear layers that can be cut into parts: a linear layer of fewer than 32 outputs
+    is one block of 16 (split_range's alignment), left whole as one fused kernel."""
+    from lnn.runtime.cpu.linear import LinearLayer
 
     return [layer for layer in layers if hasattr(layer, "flops")
-            and not (isinstance(layer, LinearLayer) and layer.out_shape[0] <= FUSED_MAX_OUTPUTS)]
+            and not (isinstance(layer, LinearLayer) and layer.out_shape[0] <= 16)]
 
 
 def random_weights(model, rng):
