@@ -84,7 +84,7 @@ LAYERS = {
 IDENTITY_AT_INFERENCE = {"dropout"}
 PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
 MIN_SPLIT_FLOPS = 250e6  # a batch is split across threads from this much work on (measured on 2 cores)
-MIN_TASK_FLOPS = 2e6     # a layer is split into parts of at least this much work each
+MIN_TASK_FLOPS = 4e6     # a layer is split into parts of at least this much work each (mnist_cnn's 7 MFLOP conv: not)
 ALIGNMENT = 64          # bytes
 
 

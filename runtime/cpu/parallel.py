@@ -65,8 +65,10 @@ class Crew:
     def __init__(self, helpers: int, name: str = "lnn-cpu"):
         self._busy = threading.Lock()
         self._jobs = [_Slot() for _ in range(helpers)]
-        for index, slot in enumerate(self._jobs):
-            threading.Thread(target=_serve, args=(slot,), name=f"{name}-{index}", daemon=True).start()
+        self.threads = [threading.Thread(target=_serve, args=(slot,), name=f"{name}-{index}", daemon=True)
+                        for index, slot in enumerate(self._jobs)]
+        for thread in self.threads:
+            thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._jobs)
 
     @property
