@@ -32,6 +32,8 @@ share of the work:
     as one thread does, up to where BLAS's blocking of a smaller product rounds differently (up to
     2e-6 on the reference models' and the bundled model's outputs; tests/runtime/test_cpu_threads.py
     checks 1e-5).
+    Not yet: cutting by output channels, which would pay where the weights outweigh the
+    activations (the tomato model's last two convs: both threads now read all their weights).
   - a batch worth at least MIN_SPLIT_FLOPS is instead cut into N parts of the batch, each run by its
     own plan (made with parts = 1) on one thread of the crew: whole images per core needed no
     hand-off per layer and halved batch-32 times on 2 cores.
