@@ -232,7 +232,7 @@ def main() -> None:
     print(markdown_table(["model", "lnn 1 thread / 2 threads, batch 1 (median)", "per round"], speed))
     body = "\n\n".join([
         "## CPU runtimes side by side: lnn, onnxruntime, LiteRT, ncnn (one image over threads)",
-        f"Command: `{COMMAND} {' '.join(sys.argv[1:])}`. Machine: {machine_line(('numpy', 'numba', 'onnxruntime', 'ai-edge-litert', 'ncnn'))}."
+        f"Command: `{COMMAND} --rounds {args.rounds} --models {args.models} --runtimes {','.join(runtimes)}`. Machine: {machine_line(('numpy', 'numba', 'onnxruntime', 'ai-edge-litert', 'ncnn'))}."
         + (f" {args.note}" if args.note else ""),
         "Each runtime in its own process, median ms per call after warm-up, the median of "
         f"{args.rounds} interleaved rounds. lnn: `threads=N` splits one image's conv rows and linear "

@@ -7,8 +7,9 @@ CPU time per thread does not (a thread's clock runs only while it runs). For eac
 the calling thread's CPU ms per call with threads=1, then with threads=2 the calling thread's and
 the helper's (time.pthread_getcpuclockid), their sum (the split's overhead shows as sum > 1 thread)
 and "1 thread / larger share": the speed-up two free cores would give if neither ever waited for
-the other (an upper bound, not a measurement of wall time). Writes the "cpu_thread_share" section of
-docs/BENCHMARKS.md.
+the other (an upper bound, not a measurement of wall time). Beside it, how many cores the machine
+gave at that moment: one Numba loop that releases the GIL, alone and then twice at once on two
+threads (1.0: two free cores; 2.0: one). Writes the "cpu_thread_share" section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from cpu_peers import load_bin  # noqa: E402
 from report import machine_line, markdown_table, update_section  # noqa: E402
 
-MODELS = ["leaf_cnn224", "tomato", "leaf_cnn", "mnist_cnn"]
+MODELS = ["leaf_cnn224", "tomato", "leaf_cnn", "mnist_cnn", "mnist_mlp"]
 
 
 def cpu_ms(backend, x, calls: int) -> tuple[float, list]:
@@ -43,6 +44,33 @@ def cpu_ms(backend, x, calls: int) -> tuple[float, list]:
     return caller, [(time.clock_gettime(clock) - h) / calls * 1e3 for clock, h in zip(clocks, helpers)]
 
 
+def free_cores_probe() -> float:
+    """Wall time of two copies of a GIL-free loop on two threads / one copy alone (1: two free cores)."""
+    import numba
+
+    @numba.njit(nogil=True)
+    def loop(n):
+        total = 0.0
+        for i in range(n):
+            total += (i % 7) * 0.5
+        return total
+
+    loop(10)
+    ratios = []
+    for _ in range(3):
+        start = time.perf_counter()
+        loop(20_000_000)
+        alone = time.perf_counter() - start
+        pair = [threading.Thread(target=loop, args=(20_000_000,)) for _ in range(2)]
+        start = time.perf_counter()
+        for thread in pair:
+            thread.start()
+        for thread in pair:
+            thread.join()
+        ratios.append((time.perf_counter() - start) / alone)
+    return float(np.median(ratios))
+
+
 def backend_helpers(backend) -> set:
     return {thread.ident for thread in backend._crew.threads} if backend._crew is not None else set()
 
@@ -54,6 +82,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--note", default="")
     args = parser.parse_args()
+    probe = free_cores_probe()
+    print(f"two GIL-free loops on two threads / one alone: {probe:.2f}", flush=True)
     rows = []
     for name in MODELS:
         bin_model = load_bin(name)
@@ -62,7 +92,7 @@ def main() -> None:
         one, _ = cpu_ms(BACKEND(model, weights, threads=1), x, args.calls)
         caller, helpers = cpu_ms(BACKEND(model, weights, threads=2), x, args.calls)
         larger = max(caller, *helpers)
-        rows.append([name, f"{one:.2f}", f"{caller:.2f}", f"{helpers[0]:.2f}", f"{caller + sum(helpers):.2f}",
+        rows.append([name, f"{one:.3f}", f"{caller:.3f}", f"{helpers[0]:.3f}", f"{caller + sum(helpers):.3f}",
                      f"{one / larger:.2f}"])
         print(" | ".join(rows[-1]), flush=True)
     body = "\n\n".join([
@@ -74,6 +104,9 @@ def main() -> None:
         "give if no thread ever waited for the other: an upper bound, not a wall-time measurement.",
         markdown_table(["model", "1 thread: CPU ms", "2 threads: caller ms", "helper ms", "sum ms",
                         "1 thread / larger share"], rows),
+        f"Free cores at the time: two GIL-free loops on two threads took {probe:.2f}x the time of one alone "
+        "(1.0: two free cores, 2.0: one)"
+        + (", so a 2-thread wall-time speed-up could not show on this machine then." if probe > 1.5 else "."),
     ])
     update_section("cpu_thread_share", body)
     print("wrote the cpu_thread_share section of docs/BENCHMARKS.md")

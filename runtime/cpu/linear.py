@@ -7,9 +7,10 @@ With parts > 1 (backend.py) the output features are cut into blocks, one product
 independent tasks (parallel.py). Bias + activation is the epilogue of activations.py, after all
 blocks. A layer that is not split, on a small batch (FUSED_MAX_BATCH) and with at most
 FUSED_MAX_WEIGHTS weights, is one kernel instead, `linear_rows` (product, bias and activation; no BLAS
-call, so a plan of such layers does not touch BLAS's thread count either): mnist_mlp at batch 1 took
-30 us of CPU a call instead of 57 (thread CPU time on 2 busy cores; its 784 -> 256 layer 19 us
-against 18 for BLAS's gemv and the epilogue). Batch norm after a linear layer is folded into weight
+call, so a plan of such layers does not touch BLAS's thread count either): in a one-off comparison
+(thread CPU time, 2 busy cores) mnist_mlp at batch 1 took 30 us of CPU a call this way against 57
+with BLAS (its 784 -> 256 layer 19 us against 18 for BLAS's gemv and the epilogue; the rest was
+holding BLAS at one thread); BENCHMARKS "cpu_thread_share" has the current figure. Batch norm after a linear layer is folded into weight
 and bias at load.
 """
 
