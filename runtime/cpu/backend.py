@@ -68,7 +68,7 @@ from lnn.runtime.cpu.flatten import FlattenLayer
 from lnn.runtime.cpu.jit import CACHE_ENABLED
 from lnn.runtime.cpu.linear import LinearLayer
 from lnn.runtime.cpu.padding import padded_buffer
-from lnn.runtime.cpu.parallel import Crew, all_steps, run_steps
+from lnn.runtime.cpu.parallel import Crew, Parallel, all_steps, run_steps
 from lnn.runtime.cpu.pool import AvgPool2dLayer, GlobalAvgPoolLayer, MaxPool2dLayer
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
@@ -113,6 +113,7 @@ class Plan:
                 self.steps.append(partial(np.copyto, copy, x))
         self.output = x
         self.uses_blas = any(getattr(step, "func", None) is np.matmul for step in all_steps(self.steps))
+        self.splits = any(type(step) is Parallel for step in self.steps)      # else no crew needed
 
     @staticmethod
     def _new_buffer(shape) -> np.ndarray:
@@ -214,7 +215,7 @@ class CpuBackend:
         return plan.output, plan.kept
 
     def _run_plan(self, plan: Plan, x: np.ndarray) -> None:
-        if self._crew is None or not self._crew.try_run(lambda crew: plan.run(x, crew)):
+        if not plan.splits or self._crew is None or not self._crew.try_run(lambda crew: plan.run(x, crew)):
             plan.run(x)
 
     def _run_split(self, x: np.ndarray) -> tuple:
