@@ -4,7 +4,7 @@
 
 For each reference model, at 1 and 2 threads, batch 1 and batch 32: the median latency over many
 runs after warm-up, on random-normal inputs, of
-  - lnn numba   lnn.runtime.cpu with threads=N (large calls split over N threads, small ones N BLAS threads),
+  - lnn numba   lnn.runtime.cpu with threads=N (one image's layers, or a large batch, split over N threads),
   - lnn numpy   lnn.runtime.reference, with BLAS limited to N threads (threadpoolctl),
   - onnxruntime the reference .onnx, intra_op_num_threads=N,
 and the ratio numba / onnxruntime (below 1: lnn is faster).
@@ -148,8 +148,9 @@ def main() -> None:
         "## CPU inference latency (Numba backend vs NumPy backend vs onnxruntime)",
         f"Command: `{COMMAND}`. Machine: {machine_line()}.",
         "Median wall time per call after warm-up, random-normal inputs. `threads` is the Numba backend's "
-        "`threads=N`: a call of at least 250 MFLOPs is split into N parts of the batch, each run on its own worker "
-        "thread with one BLAS thread, and a smaller call runs whole with N BLAS threads (docs/ARCHITECTURE.md); for "
+        "`threads=N`: a call of at least 250 MFLOPs is split into N parts of the batch, each run on its own thread "
+        "with one BLAS thread, and a smaller one has each conv's rows and linear's outputs split over N threads "
+        "(docs/ARCHITECTURE.md); for "
         "the NumPy backend it is the BLAS thread count, for onnxruntime `intra_op_num_threads`. "
         "numba/ort below 1 means lnn is faster. The issue's first target: numba/ort <= 2 for leaf_cnn, batch 1, 1 thread.",
         markdown_table(["model", "threads", "batch", "lnn numba ms", "lnn numpy ms", "onnxruntime ms", "numba / ort"],

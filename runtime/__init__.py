@@ -5,9 +5,10 @@ Backends are found by name and imported only when asked for:
     "cpu"   -> lnn.runtime.cpu        (Numba kernels, compiled lazily, cached per user)
     "cuda"  -> lnn.runtime.cuda       (CuPy)
     "auto"  -> "cpu" when Numba is installed, else "numpy"
-Backend options: `threads=N` (the cpu backend's threads; accepted and ignored by numpy and cuda, so
-that code written for device="auto" runs on every install). Unknown devices and options are one
-LnnInputError line. A Session is safe to share between threads (see Session).
+Backend options: `threads=N` or "auto" (the cpu backend's threads, by default "auto": the cores this
+process may run on, `resolve_threads`; accepted and ignored by numpy and cuda, so that code written
+for device="auto" runs on every install). `Session.threads` says what was chosen (None where the
+backend ignores it). Unknown devices and options are one LnnInputError line. A Session is safe to share between threads (see Session).
 Importing this module imports neither CuPy, Numba, OpenCV nor the training side.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,7 @@ def resolve_device(device: str) -> str:
     return device
 
 
+THREADS_OF = {"numpy": "NumPy's BLAS picks its own", "cuda": "the GPU's"}
 INSTALL_HINTS = {"cpu": "pip install numba", "cuda": "pip install 'lnn[cuda]' on a machine with an NVIDIA GPU"}
 
 
@@ -52,6 +55,24 @@ def backend_class(device: str):
     return backend
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or `taskset` narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                       # macOS, Windows: no affinity call
+        return os.cpu_count() or 1
+
+
+def resolve_threads(threads) -> int:
+    """A threads option as a count: "auto" (or None) is usable_cores(); anything but a positive whole
+    number or "auto" is one LnnInputError line."""
+    if threads is None or (isinstance(threads, str) and threads == "auto"):
+        return usable_cores()
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise LnnInputError(f"threads must be a positive whole number or 'auto', not {threads!r}")
+    return int(threads)
+
+
 def check_backend_options(device: str, backend, options: dict) -> None:
     """One LnnInputError line for an option the backend does not take or a threads value that is not a count."""
     known = [name for name in list(inspect.signature(backend).parameters)[2:]     # after model, weights
@@ -60,9 +81,8 @@ def check_backend_options(device: str, backend, options: dict) -> None:
     if unknown:
         raise LnnInputError(f"the {device} backend takes no option {unknown[0]!r}; "
                             f"its options: {', '.join(known) or 'none'}")
-    threads = options.get("threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1):
-        raise LnnInputError(f"threads must be a positive whole number, not {threads!r}")
+    if "threads" in options:
+        resolve_threads(options["threads"])
 
 
 def load(path, device: str = "auto", **options) -> "Session":
@@ -95,6 +115,15 @@ class Session:
         self.feature = features or self.judge_rules.feature
         keep = (self.feature,) if self.feature else ()
         self.backend = backend(self.model, bin_model.weights_fp32(), keep=keep, **backend_options)
+        self.threads = getattr(self.backend, "threads", None)    # the cpu backend's count; None: it has none
+        self.threads_asked = backend_options.get("threads", "auto")
+
+    def describe_threads(self) -> str:
+        """The threads choice in words: 'cpu backend, 2 threads (auto: 2 usable cores)'."""
+        if self.threads is None:
+            return f"{self.device} backend (no thread count of its own: {THREADS_OF[self.device]})"
+        how = f"auto: {usable_cores()} usable cores" if self.threads_asked in (None, "auto") else "as asked"
+        return f"{self.device} backend, {self.threads} thread{'s' if self.threads > 1 else ''} ({how})"
 
     @property
     def input_shape(self) -> tuple:

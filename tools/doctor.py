@@ -5,7 +5,9 @@
 
   numpy  the reference runtime runs a small CNN; the trainer's NumPy forward and one training
          step agree with it
-  numba  the Numba CPU backend (lnn.runtime.cpu) runs the same CNN and matches the reference
+  numba  the Numba CPU backend (lnn.runtime.cpu) runs the same CNN and matches the reference; says
+         how many threads threads="auto" gives (the cores this process may use) and that the CNN
+         split over them gives the one-thread answer
   cuda   CuPy sees a GPU (name, compute capability, memory, fast fp16 or not); the trainer's
          CuPy forward matches the reference, and a float16 matrix product matches float32
 A backend that is not installed is SKIP; one asked for by name that does not work (LNN_CPU_KERNELS
@@ -86,13 +88,23 @@ def check_numba() -> tuple[str, str]:
         if chosen:                               # asked for by name: not working is a fault, not an absence
             return "FAIL", f"LNN_CPU_KERNELS={chosen}: the CPU backend does not load ({err})"
         return "SKIP", f"the Numba backend is not available ({err})"
+    from lnn.runtime import usable_cores
+
     model, weights, x = _model_and_weights()
     got = BACKEND(model, weights).run(x)
     if not _close(got, _reference(model, weights, x)):
         return "FAIL", "the Numba backend's output differs from the reference"
+    cores = usable_cores()
+    split = max(cores, 2)
+    backend = BACKEND(model, weights, threads=split)
+    backend.task_flops = 0                        # split even this small CNN's layers
+    got_split = backend.run(x)
+    if not _close(got_split, got, 1e-5):
+        return "FAIL", f"the Numba backend split over {split} threads differs from one thread"
     import numba
 
-    return "PASS", f"numba {numba.__version__}: the CPU backend matches the reference"
+    return "PASS", (f"numba {numba.__version__}: the CPU backend matches the reference, split over {split} threads "
+                    f"too; threads auto = {cores} (the cores this process may use)")
 
 
 def check_cuda() -> tuple[str, str]:

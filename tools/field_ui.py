@@ -100,7 +100,7 @@ class Failure:
 
 class Worker(threading.Thread):
     """Owns the Session. Requests: ("load", path) and ("classify", [paths]); results go to `results`:
-    ("preparing", model_path), ("ready", model_path, device), ("model_error", model_path, message),
+    ("preparing", model_path), ("ready", model_path, device, threads), ("model_error", model_path, message),
     ("refused", model_path, message) when this computer fails the model's test vectors,
     ("answer", Answer, ppm_bytes), ("failed", path, message), ("checked", photo_count) at the end of a
     classify request, ("worker_error", message) when a request failed as a whole, ("idle",).
@@ -139,7 +139,7 @@ class Worker(threading.Thread):
             self.results.put(("refused", model_path, check.refusal(model_path)))
             return
         self.session, self.model_path = session, model_path
-        self.results.put(("ready", model_path, session.device))
+        self.results.put(("ready", model_path, session.device, session.threads))
 
     def classify(self, paths: list):
         try:
@@ -366,7 +366,8 @@ class FieldApp:
             self.status.set(f"Preparing {message[1].name}… (the first start on a computer takes a little while)")
         elif kind == "ready":
             self.model_name = message[1].name
-            self.status.set(f"Ready: model {self.model_name} ({'Numba' if message[2] == 'cpu' else 'NumPy'})")
+            threads = f", {message[3]} thread{'s' if message[3] > 1 else ''}" if message[3] else ""
+            self.status.set(f"Ready: model {self.model_name} ({'Numba' if message[2] == 'cpu' else 'NumPy'}{threads})")
         elif kind == "model_error":
             path, text = message[1], message[2]
             still = f"\n\nStill using {self.model_name}." if self.model_name else ""

@@ -71,10 +71,22 @@ def build_parser(prog: str = PROG):
     formats.add_argument("--csv", action="store_true", help="CSV: one row per image and rank")
     parser.add_argument("--device", choices=("auto", "cpu", "numpy", "cuda"), default="auto",
                         help="backend: auto (NumPy for up to 8 images, else Numba), cpu (Numba), numpy, cuda")
-    parser.add_argument("--threads", type=int, metavar="N",
-                        help="threads for the Numba backend (device cpu); the NumPy backend keeps BLAS's default")
+    parser.add_argument("--threads", default="auto", metavar="N|auto",
+                        help="threads for the Numba backend (device cpu), one image's layers split over them; "
+                             "default auto: the cores this process may use. The NumPy backend keeps BLAS's default")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="say on stderr which backend and how many threads answer")
     parser.set_defaults(prog=prog)
     return parser
+
+
+def threads_option(text) -> int | str:
+    """--threads as the backend takes it: "auto", or a whole number of at least 1."""
+    if text == "auto" or isinstance(text, int):
+        return text
+    if not str(text).isdigit() or int(text) < 1:
+        raise LnnInputError(f"--threads must be a whole number of at least 1, or auto; not {text!r}")
+    return int(text)
 
 
 def choose_device(requested: str, image_count: int) -> str:
@@ -243,7 +255,7 @@ def infer_rows(args, output) -> int:
     """lnn-infer on series files or CSV tables: one answer per series or row, through Session.prepare_series."""
     if args.csv:
         raise LnnInputError("--csv is for images; series and table rows are answered as text or --json")
-    session = load_session(args.model, choose_device(args.device, 1), args.threads, images=False)
+    session = load_session(args.model, choose_device(args.device, 1), threads_option(args.threads), images=False)
     top_k = min(args.top_k, len(session.labels))
     failures = 0
     for given in args.inputs:
@@ -301,6 +313,7 @@ class Output:
         self.style = style
         self.bar = progress_bar
         self.prog = prog
+        self.runtime = {}            # --json: the device and threads that answered, in every answer's record
         if style == "csv":
             self.csv = csv.writer(sys.stdout, lineterminator="\n")
             self.csv.writerow(CSV_COLUMNS)
@@ -309,7 +322,8 @@ class Output:
         if self.style == "csv":
             self.csv.writerows(answer.csv_rows())
             return
-        self._write(json_line(answer.as_dict()) if self.style == "json" else "\n".join(answer.human_lines()), sys.stdout)
+        record = {**answer.as_dict(), **self.runtime} if self.style == "json" else None
+        self._write(json_line(record) if record else "\n".join(answer.human_lines()), sys.stdout)
 
     def failure(self, file, message: str) -> None:
         """A file that got no answer: one line on stderr, and its row in --json / --csv."""
@@ -341,12 +355,12 @@ def progress_bar(total: int):
     return tqdm(total=total, unit="img", disable=None, file=sys.stderr)
 
 
-def load_session(model: str | None, device: str, threads: int | None, images: bool = True):
+def load_session(model: str | None, device: str, threads: int | str | None = "auto", images: bool = True):
     if model is None:
         if not DEFAULT_MODEL.exists():
             raise LnnInputError(f"no bundled default model found ({DEFAULT_MODEL}); pass --model M.bin")
         model = DEFAULT_MODEL
-    backend_options = {"threads": threads} if threads is not None and device == "cpu" else {}
+    backend_options = {"threads": threads} if threads is not None and device == "cpu" else {}   # None: the default
     session = lnn.load(model, device=device, **backend_options)      # an unavailable backend is one LnnError
     if images and not session.model.takes_images:
         takes = {1: "table rows: pass .csv files", 2: "series: pass .ts, .tsv or .arff files"}
@@ -375,8 +389,7 @@ def prepare_batch(session, batch: list, bar) -> tuple[dict, dict]:
 def infer(args) -> int:
     if args.top_k < 1:
         raise LnnInputError(f"--top-k must be at least 1, not {args.top_k}")
-    if args.threads is not None and args.threads < 1:
-        raise LnnInputError(f"--threads must be at least 1, not {args.threads}")
+    threads = threads_option(args.threads)
     output = Output("json" if args.json else "csv" if args.csv else "human", prog=args.prog)
     if any(Path(given).suffix.lower() in DATA_SUFFIXES for given in args.inputs):
         return infer_rows(args, output)
@@ -386,8 +399,11 @@ def infer(args) -> int:
     failures = len(problems)
     if not paths:
         return 1
-    session = load_session(args.model, choose_device(args.device, len(paths)), args.threads)
+    session = load_session(args.model, choose_device(args.device, len(paths)), threads)
     top_k = min(args.top_k, len(session.labels))
+    if args.verbose:
+        print(f"{args.prog}: {session.describe_threads()}", file=sys.stderr, flush=True)
+    output.runtime = {"device": session.device, "threads": session.threads}
 
     output.bar = bar = progress_bar(len(paths))
     try:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 MODULE = "lnn_cpu_kernels"
-KERNEL_MODULES = ("activations", "conv2d", "conv_direct", "layernorm", "pool", "recurrent", "winograd")   # files of lnn.runtime.cpu with kernels
+KERNEL_MODULES = ("activations", "conv2d", "conv_direct", "layernorm", "linear", "pool", "recurrent", "winograd")   # files of lnn.runtime.cpu with kernels
 
 A1, A2, A3, A4 = "f4[::1]", "f4[:, ::1]", "f4[:, :, ::1]", "f4[:, :, :, ::1]"
 I, F, WINDOW = "i8", "f8", "UniTuple(i8, 6)"
@@ -43,6 +43,7 @@ SIGNATURES = {
     "conv2d.softmax_channels": (A4, I, I, I, I, I, I),
     "conv_direct.conv3x3_direct": (A3, A4, I, I, I, I, I, A2),
     "layernorm.layernorm_rows": (A2, A1, A1, F, A2),
+    "linear.linear_rows": (A2, A2, A1, A1, I, F, A2),
     "pool.maxpool2d": (A4, I, I, I, I, A4),
     "pool.avgpool2d": (A4, I, I, I, I, A2, A4),
     "pool.global_avg_pool": (A3, A2),

@@ -18,27 +18,41 @@ the plan copies their values into buffers of their own, which run_with_features(
 out-of-distribution gate's features; runtime/features.py). run() returns the plan's output buffer
 itself, which the next call of the same thread overwrites (Session.run copies it).
 
-Threads: a backend (so a Session) is safe to share. Each calling thread has its own plans and split
-outputs (runtime/plans.py), so concurrent calls never touch each other's buffers and run in parallel
-(the kernels and BLAS release the GIL). The BLAS thread count is process-wide: overlapping calls
-share one setting (BlasThreads below), which changes speed, never results.
-
-threads=N > 1: a batch worth at least MIN_SPLIT_FLOPS is split into up to N parts, each run by its
-own plan on its own worker thread with one BLAS thread (the kernels release the GIL). On these small
-products multi-threaded BLAS gained little, while splitting the batch scales with the cores (2 cores:
-leaf_cnn at batch 4 took 4.2 ms instead of 7.3). Smaller calls, where thread hand-offs cost more than
-they save (mnist_cnn at batch 32), run on one plan with N BLAS threads.
+Threads: `threads` is a count or "auto" (the default: the cores this process may run on,
+os.sched_getaffinity; lnn.runtime.resolve_threads). With threads = N > 1 the backend owns a Crew of
+N - 1 helper threads (parallel.py) and BLAS runs one thread per call, so every core runs its own
+share of the work:
+  - one image (any call not split by batch): the plan is made with parts = N. Each conv2d's output
+    rows (or, for a batch of small images, the images) and each linear layer's output features are cut
+    into parts, each part a task with its own scratch buffers writing disjoint rows of the output,
+    when the layer has at least MIN_TASK_FLOPS of work per part (a hand-off to a helper costs tens of
+    microseconds); the tasks of a layer run at the same time and the next layer waits for all of them.
+    The cut is in the layer's own loop over bands (conv2d.py `_bands`), so it holds for every
+    algorithm the layer picks (im2col + BLAS, Winograd, direct); a part computes its outputs exactly
+    as one thread does, up to where BLAS's blocking of a smaller product rounds differently (up to
+    2e-6 on the reference models' and the bundled model's outputs; tests/runtime/test_cpu_threads.py
+    checks 1e-5).
+    Not yet: cutting by output channels, which would pay where the weights outweigh the
+    activations (the tomato model's last two convs: both threads now read all their weights).
+  - a batch worth at least MIN_SPLIT_FLOPS is instead cut into N parts of the batch, each run by its
+    own plan (made with parts = 1) on one thread of the crew: whole images per core needed no
+    hand-off per layer and halved batch-32 times on 2 cores.
+A shared backend (so a Session) stays safe: each calling thread has its own plans and split outputs
+(runtime/plans.py), so concurrent calls never touch each other's buffers and run in parallel (the
+kernels and BLAS release the GIL). The crew serves one call at a time; a call that finds it busy
+runs its tasks in its own thread one after the other, which gives the same bytes (a core is
+already busy with the other call). The BLAS thread count is process-wide: overlapping calls share
+one setting (BlasThreads below), which changes speed, never results.
 
 Adding an op: one file here with a layer class (`__init__(node, weights)`, `out_shape`,
-`plan(src, new_buffer) -> (dst, steps)`) and one line in LAYERS.
+`plan(src, new_buffer) -> (dst, steps)`) and one line in LAYERS. A layer that can be split also has
+`flops` (per image) and takes `plan(src, new_buffer, parts)`, returning Parallel steps (parallel.py).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import numpy as np
@@ -46,6 +60,7 @@ import numpy as np
 from lnn.formats.fold import folds_into_previous
 from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS
+from lnn.runtime import resolve_threads
 from lnn.runtime.cpu import cache
 from lnn.runtime.cpu.activations import NONE, ActivationLayer, is_monotone
 from lnn.runtime.cpu.batchnorm import BatchNormLayer, scale_and_shift
@@ -56,6 +71,7 @@ from lnn.runtime.cpu.jit import CACHE_ENABLED
 from lnn.runtime.cpu.layernorm import LayerNormLayer
 from lnn.runtime.cpu.linear import LinearLayer
 from lnn.runtime.cpu.padding import padded_buffer
+from lnn.runtime.cpu.parallel import Crew, Parallel, all_steps, run_steps
 from lnn.runtime.cpu.pool import (AvgPool1dLayer, AvgPool2dLayer, GlobalAvgPoolLayer, GlobalMaxPoolLayer,
                                   MaxPool1dLayer, MaxPool2dLayer)
 from lnn.runtime.cpu.recurrent import RecurrentLayer
@@ -81,12 +97,17 @@ LAYERS = {
 }
 IDENTITY_AT_INFERENCE = {"dropout"}
 PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
-MIN_SPLIT_FLOPS = 250e6  # a call is split across threads from this much work on (measured on 2 cores)
+MIN_SPLIT_FLOPS = 250e6  # a batch is split across threads from this much work on (measured on 2 cores)
+MIN_TASK_FLOPS = 4e6     # a layer is split into parts of at least this much work each (mnist_cnn's 7 MFLOP conv: not)
 ALIGNMENT = 64          # bytes
 
 
 class Plan:
-    def __init__(self, layers: list, input_shape: tuple, batch: int, kept_after: dict | None = None):
+    """The steps of one batch size. parts > 1: layers with `flops` (conv2d, linear) are cut into up to
+    that many tasks of at least `task_flops` each (Parallel steps)."""
+
+    def __init__(self, layers: list, input_shape: tuple, batch: int, kept_after: dict | None = None, parts: int = 1,
+                 task_flops: float = MIN_TASK_FLOPS):
         first_padding = getattr(layers[0], "input_padding", (0, 0)) if layers else (0, 0)
         _, self.input = padded_buffer((batch, *input_shape), *first_padding, self._new_buffer)
         self.steps = []
@@ -94,13 +115,19 @@ class Plan:
         self.kept = {}                   # kept node name -> its own buffer, filled right after its layer
         x = self.input
         for index, layer in enumerate(layers):
-            x, steps = layer.plan(x, self._new_buffer)
+            if hasattr(layer, "flops"):
+                layer_parts = int(min(parts, max(1, layer.flops * batch // task_flops) if task_flops else parts))
+                x, steps = layer.plan(x, self._new_buffer, layer_parts)
+            else:
+                x, steps = layer.plan(x, self._new_buffer)
             self.layer_steps.append((len(self.steps), len(self.steps) + len(steps)))
             self.steps += steps
             for name in (kept_after or {}).get(index, ()):
                 copy = self.kept[name] = self._new_buffer(x.shape)
                 self.steps.append(partial(np.copyto, copy, x))
         self.output = x
+        self.uses_blas = any(getattr(step, "func", None) is np.matmul for step in all_steps(self.steps))
+        self.splits = any(type(step) is Parallel for step in self.steps)      # else no crew needed
 
     @staticmethod
     def _new_buffer(shape) -> np.ndarray:
@@ -111,10 +138,13 @@ class Plan:
         start = (-raw.ctypes.data % ALIGNMENT) // 4
         return raw[start:start + size].reshape(shape)
 
-    def run(self, x: np.ndarray) -> np.ndarray:
+    def run(self, x: np.ndarray, crew: Crew | None = None) -> np.ndarray:
+        """The output buffer for input x; the Parallel steps' tasks spread over `crew` when given."""
         np.copyto(self.input, x)
-        for step in self.steps:
-            step()
+        if crew is None:
+            run_steps(self.steps)
+        else:
+            crew.run_steps(self.steps)
         return self.output
 
 
@@ -157,28 +187,30 @@ def build_layers(model: Model, weights: dict, outputs: LayerOutputs | None = Non
 class CpuBackend:
     name = "cpu"
 
-    def __init__(self, model: Model, weights: dict, threads: int | None = None, keep: tuple = ()):
+    def __init__(self, model: Model, weights: dict, threads: int | str | None = "auto", keep: tuple = ()):
+        """threads: a positive count or "auto" (None is "auto")."""
         self.model = model
-        self.threads = threads
+        self.threads = resolve_threads(threads)
         outputs = LayerOutputs(check_kept(model, keep))
         self.layers = build_layers(model, weights, outputs)
         self._kept_after = outputs.kept_after()
         self.layer_nodes = outputs.members          # the nodes each fused layer computes
         kept_shapes = {node.name: node.out_shape for node in model.nodes if node.name in outputs.keep}
-        self._plans = PerThreadCache(lambda key: Plan(self.layers, model.input_shape, key[0], self._kept_after),
-                                     PLANS_KEPT * (threads or 1))                                  # (batch, part)
+        self._plans = PerThreadCache(                            # (batch, parts, part) -> Plan
+            lambda key: Plan(self.layers, model.input_shape, key[0], self._kept_after, key[1], self.task_flops),
+            PLANS_KEPT * self.threads)
+        self.task_flops = MIN_TASK_FLOPS     # 0 splits every conv and linear layer (tests, lnn-doctor): set before a run
         self._outputs = PerThreadCache(                                    # batch -> (output, kept) of split runs
             lambda batch: (np.empty((batch, *model.output_shape), np.float32),
                            {name: np.empty((batch, *shape), np.float32) for name, shape in kept_shapes.items()}),
             PLANS_KEPT)
         self._flops_per_row = sum(node.flops for node in model.nodes)
-        self._blas_limit = _blas_thread_limit(threads)
-        self._blas_single = _blas_thread_limit(1) if threads and threads > 1 else None
-        self._workers = ThreadPoolExecutor(threads, thread_name_prefix="lnn-cpu") if self._blas_single else None
+        self._crew = Crew(self.threads - 1) if self.threads > 1 else None
+        BLAS_THREADS.find_libraries()
         self.compile_seconds: float | None = None     # set by warmup(): first-call compile or cache load
 
-    def _plan(self, batch: int, part: int = 0) -> Plan:
-        return self._plans.get((batch, part))
+    def _plan(self, batch: int, parts: int = 1, part: int = 0) -> Plan:
+        return self._plans.get((batch, parts, part))
 
     def run(self, x: np.ndarray) -> np.ndarray:
         """x: C-contiguous float32 [N, *input_shape] -> the plan's output buffer [N, *output_shape]."""
@@ -187,18 +219,25 @@ class CpuBackend:
     def run_with_features(self, x: np.ndarray) -> tuple:
         """(output, {kept node name: its value [N, ...]}), both the plan's buffers (overwritten by the next call)."""
         batch = x.shape[0]
-        if self._workers is not None and batch > 1 and batch * self._flops_per_row >= MIN_SPLIT_FLOPS:
-            return self._run_split(x)
-        plan = self._plan(batch)
-        if self._blas_limit is None:
-            return plan.run(x), plan.kept
-        with self._blas_limit():
-            return plan.run(x), plan.kept
+        if self._crew is not None and batch > 1 and batch * self._flops_per_row >= MIN_SPLIT_FLOPS:
+            with BLAS_THREADS:
+                return self._run_split(x)
+        plan = self._plan(batch, self.threads)
+        if plan.uses_blas:                  # holding BLAS at one thread costs ~15 us of CPU a call
+            with BLAS_THREADS:
+                self._run_plan(plan, x)
+        else:
+            self._run_plan(plan, x)
+        return plan.output, plan.kept
+
+    def _run_plan(self, plan: Plan, x: np.ndarray) -> None:
+        if not plan.splits or self._crew is None or not self._crew.try_run(lambda crew: plan.run(x, crew)):
+            plan.run(x)
 
     def _run_split(self, x: np.ndarray) -> tuple:
         batch = x.shape[0]
         bounds = np.linspace(0, batch, min(self.threads, batch) + 1).astype(int)
-        parts = [(self._plan(stop - start, part), start, stop)            # planned here, not in the workers
+        parts = [(self._plan(stop - start, 1, part), start, stop)          # planned here, not in the workers
                  for part, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:]))]
         output, kept = self._outputs.get(batch)
 
@@ -207,9 +246,10 @@ class CpuBackend:
             for name, value in plan.kept.items():
                 kept[name][start:stop] = value
 
-        with self._blas_single():
-            for done in [self._workers.submit(run_part, *part) for part in parts]:
-                done.result()
+        tasks = [[partial(run_part, *part)] for part in parts]
+        if not self._crew.try_run(lambda crew: crew.run(tasks)):
+            for task in tasks:
+                run_steps(task)
         return output, kept
 
     def profile(self, x: np.ndarray, repeats: int) -> list:
@@ -217,7 +257,7 @@ class CpuBackend:
         on one thread's plan (a split batch is profiled unsplit)."""
         plan = self._plan(x.shape[0])
         times = np.zeros((repeats, len(self.layers)))
-        with self._blas_limit() if self._blas_limit is not None else nullcontext():
+        with BLAS_THREADS:
             for repeat in range(repeats):
                 np.copyto(plan.input, x)
                 for index, (first, end) in enumerate(plan.layer_steps):
@@ -246,23 +286,16 @@ class CpuBackend:
         return self.compile_seconds
 
 
-def _blas_thread_limit(threads: int | None):
-    """A context-manager factory limiting BLAS to `threads` (None: leave BLAS alone)."""
-    if threads is None:
-        return None
-    if threads < 1:
-        raise ValueError(f"threads must be a positive integer, not {threads!r}")
-    return partial(BLAS_THREADS.limit, threads)
-
-
 class BlasThreads:
-    """The BLAS libraries' thread count, set for the length of a call and restored after it.
+    """`with BLAS_THREADS:` the BLAS libraries held at one thread, their count restored after it (a
+    class's __enter__/__exit__, not a generator context: about 1 us less per call).
 
-    It sets and restores each library's count directly (about 2 us a call): threadpoolctl's `limit()`
-    context re-inspects the libraries each time (about 14 us). The count is process-wide, so calls
-    overlapping from several threads share it: the first to enter saves the count, the last to leave
-    restores it, each entry sets its own count meanwhile (tests/runtime/test_threads.py checks that
-    the results do not change)."""
+    The count is process-wide, so calls overlapping from several threads share it: the first to enter
+    saves the count and sets 1 (nothing to set when it is already 1), the last to leave restores it
+    (tests/runtime/test_threads.py checks that the results do not change). Each library's count is
+    set directly (about 2 us a call): threadpoolctl's `limit()` context re-inspects the libraries
+    each time (about 14 us), which is done here when a backend is made (`find_libraries`: a BLAS
+    loaded later, by SciPy say, is then held too)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -270,25 +303,30 @@ class BlasThreads:
         self._active = 0
         self._saved: list = []
 
-    @contextmanager
-    def limit(self, threads: int):
-        with self._lock:
-            if self._libraries is None:
-                from threadpoolctl import ThreadpoolController
+    def find_libraries(self) -> None:
+        from threadpoolctl import ThreadpoolController
 
+        with self._lock:
+            if self._active == 0:                  # else the next backend made finds them
                 self._libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+
+    def __enter__(self):
+        if self._libraries is None:
+            self.find_libraries()
+        with self._lock:
             if self._active == 0:
                 self._saved = [library.get_num_threads() for library in self._libraries]
+                for library, count in zip(self._libraries, self._saved):
+                    if count != 1:
+                        library.set_num_threads(1)
             self._active += 1
-            for library in self._libraries:
-                library.set_num_threads(threads)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                if self._active == 0:
-                    for library, count in zip(self._libraries, self._saved):
+
+    def __exit__(self, *exception) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                for library, count in zip(self._libraries, self._saved):
+                    if count != 1:
                         library.set_num_threads(count)
 
 

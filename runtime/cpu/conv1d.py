@@ -34,7 +34,7 @@ class Conv1dLayer(Conv2dLayer):
     def input_padding(self) -> tuple:
         return (0, 0)           # the layer before writes [N, C, T]; the padding is this layer's
 
-    def plan(self, src, new_buffer):
+    def plan(self, src, new_buffer, parts: int = 1):
         rows, steps = src[:, :, None], []
         left, right = self.sides
         if left != right:
@@ -42,5 +42,5 @@ class Conv1dLayer(Conv2dLayer):
             rows = new_buffer((batch, channels, 1, length + left + right))
             rows.fill(0.0)
             steps.append(partial(np.copyto, rows[:, :, 0, left:left + length], src))
-        dst, conv_steps = super().plan(rows, new_buffer)
+        dst, conv_steps = super().plan(rows, new_buffer, parts)
         return dst[:, :, 0], steps + conv_steps

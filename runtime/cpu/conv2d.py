@@ -30,6 +30,9 @@ Each image goes through three steps, chosen per layer at load:
                Separate kernels, chosen at plan time: a model compiles only those it uses.
 Steps 1-3 run on bands (CHUNK_BYTES) so that cols and acc are still in L2 when read: bands of one
 image's output rows, or several small images at once (one product for all of them).
+With parts > 1 (backend.py: one image over several threads) the images, or each image's output rows,
+are first cut into parts; each part's bands are one task with its own cols/acc/V/M scratch, writing
+its own output rows, so any algorithm above splits the same way.
 Max-pool fusion (backend.py): a max-pool right after the conv, when the epilogue is monotone, is
 applied to acc before the epilogue: a per-channel bias and a non-decreasing activation commute with
 the max, so act(max(v) + b) = max(act(v + b)). The full-size conv output is never written in NCHW.
@@ -47,6 +50,7 @@ from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.conv_direct import conv3x3_direct
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
+from lnn.runtime.cpu.parallel import parallel_steps, split_range
 from lnn.runtime.cpu.winograd import TILE, tile_count, transformed_weight, winograd_input, winograd_output
 
 # Below this many multiply-adds per output element a grouped conv runs direct, not as tiny GEMMs.
@@ -279,12 +283,24 @@ class Conv2dLayer:
         a = self.attrs
         return (a["kernel_size"] == (1, 1) and a["stride"] == (1, 1) and a["padding"] == (0, 0))
 
-    def plan(self, src, new_buffer):
-        a = self.attrs
-        out_channels, conv_h, conv_w = self.conv_shape
+    @property
+    def flops(self) -> int:
+        """Per image, a multiply-add counted 2: what backend.py weighs before splitting the layer."""
+        return 2 * self.weight.size * self.conv_shape[1] * self.conv_shape[2]
+
+    def plan(self, src, new_buffer, parts: int = 1):
+        """parts > 1: the bands are shared out between that many independent tasks (parallel.py), each
+        with scratch buffers of its own, writing disjoint rows of the output."""
         whole_dst, dst = padded_buffer((src.shape[0], *self.out_shape), *self.output_padding, new_buffer)
-        image, steps = padded(src, *a["padding"], 0.0, new_buffer)
-        bands = self._bands(image.shape[0], image.shape[3])
+        image, steps = padded(src, *self.attrs["padding"], 0.0, new_buffer)
+        tasks = [self._band_steps(image, bands, whole_dst, new_buffer)
+                 for bands in self._bands(image.shape[0], image.shape[3], parts)]
+        return dst, steps + parallel_steps(tasks)
+
+    def _band_steps(self, image, bands: list, whole_dst, new_buffer) -> list:
+        """The steps of steps 1-3 for `bands`, with their own scratch buffers."""
+        out_channels, conv_h, conv_w = self.conv_shape
+        steps = []
         product = self._product(image, bands, new_buffer)
         e = self.epilogue
         out_w = self.out_shape[2]
@@ -310,16 +326,19 @@ class Conv2dLayer:
                                  band_dst, images, *self.output_padding, *rows))
             if e.code == SOFTMAX:
                 steps.append(partial(softmax_channels, band_dst, images, *self.output_padding, *rows))
-        return dst, steps
+        return steps
 
-    def _bands(self, batch: int, padded_w: int) -> list:
-        """[(first, end image, first, end output row, first, end conv row)]: what one product step
-        covers, so that its columns matrix and product stay within CHUNK_BYTES (still in L2 when
-        read): several whole images when they are small, else bands of one image's rows."""
+    def _bands(self, batch: int, padded_w: int, parts: int = 1) -> list:
+        """[[(first, end image, first, end output row, first, end conv row), ...] per part]: what one
+        product step covers, so that its columns matrix and product stay within CHUNK_BYTES (still in
+        L2 when read): several whole images when they are small, else bands of one image's rows. With
+        parts > 1 the images, or when fewer than parts, each image's output rows, are cut into parts
+        first (whole tile rows for Winograd without a pool, so that no tile row is computed twice)."""
         out_h = self.out_shape[1]
         conv_h = self.conv_shape[1]
         if self.direct:
-            return [(n, n + 1, 0, out_h, 0, conv_h) for n in range(batch)]
+            return [[(n, n + 1, 0, out_h, 0, conv_h) for n in range(start, stop)]
+                    for start, stop in split_range(0, batch, parts)]
         out_channels, in_channels = self.weight.shape[:2]
         if self.small_direct:  # acc
             column_bytes = out_channels * 4
@@ -328,14 +347,19 @@ class Conv2dLayer:
         else:                  # cols + acc
             column_bytes = (self.weight[0].size * self.attrs["groups"] + out_channels) * 4
         image_bytes = column_bytes * padded_w * conv_h
-        if 2 * image_bytes <= CHUNK_BYTES and not self.pointwise:
+        if 2 * image_bytes <= CHUNK_BYTES and not self.pointwise and batch >= parts:
             group = CHUNK_BYTES // image_bytes
-            return [(n, min(n + group, batch), 0, out_h, 0, conv_h) for n in range(0, batch, group)]
+            return [[(n, min(n + group, stop), 0, out_h, 0, conv_h) for n in range(start, stop, group)]
+                    for start, stop in split_range(0, batch, parts)]
         (kh, _), (sh, _), (ph, _) = self.pool
         rows_per_band = -(-out_h // -(-image_bytes // CHUNK_BYTES))
-        return [(n, n + 1, first, min(first + rows_per_band, out_h),
-                 max(first * sh - ph, 0), min((min(first + rows_per_band, out_h) - 1) * sh - ph + kh, conv_h))
-                for n in range(batch) for first in range(0, out_h, rows_per_band)]
+        align = TILE if self.winograd and not self.has_pool else 1      # whole Winograd tile rows per part
+        pieces = [(n, first, end) for n in range(batch)                 # (image, output rows) per part
+                  for first, end in split_range(0, out_h, -(-parts // batch), align)]
+        return [[(n, n + 1, first, min(first + rows_per_band, end),
+                  max(first * sh - ph, 0), min((min(first + rows_per_band, end) - 1) * sh - ph + kh, conv_h))
+                 for n, top, end in pieces[start:stop] for first in range(top, end, rows_per_band)]
+                for start, stop in split_range(0, len(pieces), parts)]
 
     def _product(self, image, bands: list, new_buffer):
         """f(band, steps) -> (acc, pitch): appends the steps that fill acc [O, positions] with conv rows

@@ -9,7 +9,7 @@ The same values are also written into numba.config, in case Numba was imported e
 
 Kernels are serial (`parallel=True` doubles compile time and pays only for large work that BLAS
 does not already thread), so Numba's thread pool is never started: the backend's `threads` option
-splits a large batch over its own worker threads or sets BLAS's threads (backend.py). Numba compiles each kernel on its first call, so a model compiles only
+splits one image's layers, or a large batch, over its own helper threads (backend.py, parallel.py). Numba compiles each kernel on its first call, so a model compiles only
 the kernels it uses.
 
 LNN_CPU_KERNELS=aot (the default when Numba is not installed, as in the packaged lnn-field) takes the

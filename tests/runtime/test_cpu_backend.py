@@ -19,6 +19,7 @@ import pytest
 
 from conftest import EXAMPLES, REFERENCE_MODELS, REFERENCE_NAMES, need
 from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes
+from lnn.formats.errors import LnnInputError
 from lnn.formats.model import load_model, parse_model
 from lnn.formats.ops import OPS
 from lnn.runtime import Session
@@ -192,7 +193,7 @@ def test_matches_numpy_reference_in_row_bands(case, monkeypatch):
     weights = random_weights(model, rng)
     backend = cpu_backend(model, weights)
     assert any(band[2] > 0 for layer in backend.layers if isinstance(layer, conv2d.Conv2dLayer)
-               for band in layer._bands(2, input_shape[2] + 2))
+               for band in layer._bands(2, input_shape[2] + 2)[0])
     x = rng.standard_normal((2, *input_shape)).astype(np.float32)
     np.testing.assert_allclose(backend.run(x), NumpyBackend(model, weights).run(x), rtol=0, atol=TOLERANCE)
 
@@ -334,15 +335,18 @@ def test_threads_option_limits_blas_during_run():
     seen = []
     backend.layers[0].plan = _spy_plan(backend.layers[0].plan, lambda: seen.append(
         [info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"]))
-    backend.run(np.ones((2, 13), np.float32))
+    backend.run(np.ones((8, 13), np.float32))                 # batch 8: a BLAS product (not linear_rows)
     assert seen and all(n == 1 for n in seen[0])
-    with pytest.raises(ValueError):
+    assert backend._plan(8).uses_blas
+    backend.run(np.ones((2, 13), np.float32))                 # batch 2: one fused kernel, BLAS left alone
+    assert not backend._plan(2).uses_blas
+    with pytest.raises(LnnInputError, match="threads must be a positive whole number or 'auto', not 0"):
         cpu_backend(model, random_weights(model, np.random.default_rng(0)), threads=0)
 
 
 def _spy_plan(plan, spy):
-    def spied(src, new_buffer):
-        dst, steps = plan(src, new_buffer)
+    def spied(src, new_buffer, *parts):
+        dst, steps = plan(src, new_buffer, *parts)
         return dst, [spy, *steps]
     return spied
 
@@ -417,8 +421,8 @@ def test_threads_split_a_large_batch_and_match_the_reference():
     backend, reference = cpu_backend(model, weights, threads=2), NumpyBackend(model, weights)
     per_row = sum(node.flops for node in model.nodes)
     rng = np.random.default_rng(6)
-    for batch in (1, 3, 1):                     # 1 row runs whole; 3 rows are split into rows [0, 1) and [1, 3)
+    for batch in (1, 3, 1):                     # 1 row: its layers split; 3 rows are split into rows [0, 1) and [1, 3)
         x = rng.standard_normal((batch, *model.input_shape)).astype(np.float32)
         np.testing.assert_allclose(backend.run(x), reference.run(x), rtol=0, atol=TOLERANCE)
     assert 3 * per_row >= MIN_SPLIT_FLOPS > per_row
-    assert set(backend._plans.keys()) == {(1, 0), (2, 1)}          # (rows, part): the second part had a plan of its own
+    assert set(backend._plans.keys()) == {(1, 2, 0), (1, 1, 0), (2, 1, 1)}    # (rows, parts, part)

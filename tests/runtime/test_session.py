@@ -83,7 +83,7 @@ def test_threads_is_accepted_everywhere_and_checked_once():
     x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
     np.testing.assert_array_equal(Session(source, "numpy", threads=4).run(x), Session(source, "numpy").run(x))
     for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(lnn.LnnInputError, match=f"^threads must be a positive whole number, not {bad!r}$"):
+        with pytest.raises(lnn.LnnInputError, match=f"^threads must be a positive whole number or 'auto', not {bad!r}$"):
             Session(source, "numpy", threads=bad)
     with pytest.raises(lnn.LnnInputError, match=r"^the numpy backend takes no option 'thread'; its options: threads$"):
         Session(source, "numpy", thread=2)

@@ -4,6 +4,13 @@ N threads x M calls on one session, each thread with its own inputs and batch si
 of different threads overlap with different plans and data), compared bit for bit with what the
 same session answered from one thread. numpy and cpu (Numba) here; the CUDA backend's plan logic on
 NumPy arrays here, and on a GPU where CuPy sees one.
+
+The cpu backend holds BLAS at one thread (its own threads split the work), and OpenBLAS 0.3.31 at one
+thread rounds some products differently on a thread other than the one that made the process's first
+BLAS call (the same plan, run in a second thread: up to 1.9e-6 on the bundled model's logits; the
+previous backend did this at threads=1 too). So the cpu answers are held to CPU_TOLERANCE, the issue's
+bound for "the same answer" across thread counts, which a race on a buffer would break by far;
+numpy and the CUDA plans bit for bit.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from conftest import REPO, runtime_devices
 from lnn.formats.binfile import read_bin
 
 THREADS, CALLS = 4, 6
+CPU_TOLERANCE = 1e-5
 BUNDLED = REPO / "models" / "tomato_leaf.bin"      # a real model: its kernels run long enough for calls to overlap
 
 
@@ -37,7 +45,7 @@ def thread_inputs(input_shape: tuple) -> list:
             for t in range(THREADS)]
 
 
-def assert_threads_match_one_thread(run, input_shape: tuple) -> None:
+def assert_threads_match_one_thread(run, input_shape: tuple, tolerance: float = 0.0) -> None:
     inputs = thread_inputs(input_shape)
     expected = [[run(x) for x in batches] for batches in inputs]        # one thread, one call at a time
     got = [[None] * CALLS for _ in range(THREADS)]
@@ -58,23 +66,27 @@ def assert_threads_match_one_thread(run, input_shape: tuple) -> None:
     for thread in threads:
         thread.join()
     assert not errors, errors
-    wrong = [(t, c) for t in range(THREADS) for c in range(CALLS) if not np.array_equal(got[t][c], expected[t][c])]
+    wrong = [(t, c) for t in range(THREADS) for c in range(CALLS)
+             if got[t][c].shape != expected[t][c].shape or not np.abs(got[t][c] - expected[t][c]).max() <= tolerance]
     assert not wrong, f"{len(wrong)} of {THREADS * CALLS} calls differ from the single-thread answers: {wrong[:5]}"
 
 
-DEVICES = [(device, {}) for device in runtime_devices()]
+DEVICES = [(device, {}) for device in runtime_devices()]             # cpu: threads="auto"
 if "cpu" in runtime_devices():
-    DEVICES.append(("cpu", {"threads": 2}))          # its batch split across worker threads (forced below)
+    DEVICES.append(("cpu", {"threads": 1}))
+    DEVICES.append(("cpu", {"threads": 2}))          # batches split across the crew, and each layer (forced below)
 if gpu_available():
     DEVICES.append(("cuda", {}))
 
 
 @pytest.mark.parametrize("device, options", DEVICES, ids=[f"{d}{o.get('threads', '')}" for d, o in DEVICES])
 def test_one_session_shared_by_threads_gives_the_single_thread_answers(device, options, monkeypatch):
-    if options.get("threads"):
+    if options.get("threads") == 2:
         monkeypatch.setattr("lnn.runtime.cpu.backend.MIN_SPLIT_FLOPS", 0)
     session = lnn.load(BUNDLED, device, **options)
-    assert_threads_match_one_thread(session.predict, session.input_shape)
+    if options.get("threads") == 2:
+        session.backend.task_flops = 0
+    assert_threads_match_one_thread(session.predict, session.input_shape, CPU_TOLERANCE if device == "cpu" else 0.0)
 
 
 def test_the_cuda_backend_plans_shared_by_threads_on_numpy_arrays():

@@ -1,0 +1,170 @@
+"""One image split over threads (runtime/cpu/backend.py, parallel.py) gives the one-thread answer.
+
+Each conv (im2col, Winograd, pooled, odd sizes) and linear layer is forced to split (task_flops = 0)
+at 2 and 3 threads and compared with the same model at one thread (1e-5, the issue's bound) and the
+NumPy reference; the split must really happen (Parallel steps with as many tasks). threads="auto" is
+the process's usable cores, and the choice is reported (Session, lnn-infer --verbose and --json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import REPO, runtime_devices
+from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes, read_bin
+from lnn.formats.model import parse_model
+from lnn.runtime import Session, resolve_threads, usable_cores
+from lnn.runtime.reference import NumpyBackend
+
+pytestmark = pytest.mark.skipif("cpu" not in runtime_devices(), reason="the Numba backend is not available")
+
+SPLIT_TOLERANCE = 1e-5
+
+
+def conv(out_channels, kernel_size=3, **attrs):
+    return {"type": "conv2d", "out_channels": out_channels, "kernel_size": kernel_size, **attrs}
+
+
+CASES = {
+    "conv_im2col_pool": ([3, 23, 19], [conv(8, padding=1, activation="relu"), {"type": "maxpool2d", "kernel_size": 2}]),
+    "conv_winograd_odd": ([16, 13, 11], [conv(24, padding=1, algorithm="winograd", activation="relu")]),
+    "conv_stride2_3x3pool": ([5, 17, 15], [conv(12, stride=2, padding=1, activation="relu"),
+                                           {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
+    "conv_chain_then_linear": ([4, 12, 12], [conv(16, padding=1, activation="relu"), conv(16, padding=1),
+                                             {"type": "flatten"}, {"type": "linear", "out_features": 97,
+                                                                   "activation": "relu"},
+                                             {"type": "linear", "out_features": 80},
+                                             {"type": "linear", "out_features": 9}]),     # narrow: linear_rows
+}
+
+
+def split_backend(model, weights, threads):
+    from lnn.runtime.cpu import BACKEND
+
+    backend = BACKEND(model, weights, threads=threads)
+    backend.task_flops = 0                  # split every conv and linear layer, however small
+    return backend
+
+
+def splittable(layers) -> list:
+    """The conv and linear layers that can be cut into parts: a linear layer of fewer than 32 outputs
+    is one block of 16 (split_range's alignment), left whole as one fused kernel."""
+    from lnn.runtime.cpu.linear import LinearLayer
+
+    return [layer for layer in layers if hasattr(layer, "flops")
+            and not (isinstance(layer, LinearLayer) and layer.out_shape[0] <= 16)]
+
+
+def random_weights(model, rng):
+    """Scaled by 1/sqrt(fan-in), so that every layer's outputs stay of order 1 (the tolerance is absolute)."""
+    return {key: (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]) if len(shape) > 1 else 1)).astype(np.float32)
+            for key, shape in model.param_shapes().items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_split_image_gives_the_one_thread_answer(case, threads):
+    from lnn.runtime.cpu.parallel import Parallel
+
+    input_shape, layers = CASES[case]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(7))
+    one, split = split_backend(model, weights, 1), split_backend(model, weights, threads)
+    for batch in (1, 2):                     # batch 2 is under MIN_SPLIT_FLOPS: its layers split too
+        x = np.random.default_rng(batch).standard_normal((batch, *input_shape)).astype(np.float32)
+        expected = one.run(x).copy()
+        got = split.run(x)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=SPLIT_TOLERANCE)
+        np.testing.assert_allclose(got, NumpyBackend(model, weights).run(x), rtol=0, atol=1e-4)
+        plan = split._plan(batch, threads)
+        parallel = [step for step in plan.steps if type(step) is Parallel]
+        assert len(parallel) == len(splittable(split.layers)), "every conv and BLAS linear layer should have been split"
+        assert all(len(step.tasks) >= 2 for step in parallel)
+
+
+def test_tasks_write_disjoint_outputs_in_any_order():
+    """The tasks of a split layer may run in any order (or on any thread) and give the same bytes."""
+    from lnn.runtime.cpu.parallel import Parallel
+
+    input_shape, layers = CASES["conv_chain_then_linear"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    backend = split_backend(model, random_weights(model, np.random.default_rng(3)), 3)
+    x = np.random.default_rng(4).standard_normal((1, *input_shape)).astype(np.float32)
+    expected = backend.run(x).copy()
+    plan = backend._plan(1, 3)
+    for step in plan.steps:
+        if type(step) is Parallel:
+            step.tasks.reverse()
+    np.testing.assert_array_equal(plan.run(x), expected)       # the calling thread alone, reversed
+
+
+def test_split_range_cuts_evenly_on_aligned_bounds():
+    from lnn.runtime.cpu.parallel import split_range
+
+    assert split_range(0, 10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert split_range(0, 13, 2, align=2) == [(0, 6), (6, 13)]
+    assert split_range(0, 5, 2, align=16) == [(0, 5)]                     # one block of 16 holds all 5
+    assert split_range(0, 1, 4) == [(0, 1)]
+
+
+def test_an_error_in_a_helper_reaches_the_caller_and_the_crew_still_works():
+    from lnn.runtime.cpu.parallel import Crew
+
+    crew = Crew(2)
+    seen = []
+
+    def fail():
+        raise ZeroDivisionError("in a helper")
+
+    with pytest.raises(ZeroDivisionError, match="in a helper"):
+        crew.try_run(lambda c: c.run([[lambda: seen.append(0)], [fail], [lambda: seen.append(2)]]))
+    assert crew.try_run(lambda c: c.run([[lambda: seen.append(3)], [lambda: seen.append(4)]]))
+    assert sorted(seen) == [0, 2, 3, 4]
+    crew.close()
+
+
+def test_threads_auto_is_the_usable_cores():
+    assert usable_cores() == len(os.sched_getaffinity(0))
+    assert resolve_threads("auto") == resolve_threads(None) == usable_cores()
+    assert resolve_threads(3) == 3
+    tiny = parse_model({"input_shape": [2, 5, 5], "layers": [conv(3, padding=1), {"type": "flatten"},
+                                                             {"type": "linear", "out_features": 4}]})
+    source = parse_bin_bytes(encode_bin(tiny, random_weights(tiny, np.random.default_rng(0)), build_metadata(tiny)))
+    auto = Session(source, "cpu")
+    assert auto.threads == auto.backend.threads == usable_cores()
+    assert auto.describe_threads() == (f"cpu backend, {usable_cores()} thread{'s' if usable_cores() > 1 else ''} "
+                                       f"(auto: {usable_cores()} usable cores)")
+    assert Session(source, "cpu", threads=3).describe_threads() == "cpu backend, 3 threads (as asked)"
+    numpy_session = Session(source, "numpy")
+    assert numpy_session.threads is None and "no thread count of its own" in numpy_session.describe_threads()
+
+
+def test_lnn_infer_reports_the_threads(capsys):
+    from lnn.tools import infer
+
+    leaf = REPO / "examples" / "leaves"
+    photo = sorted(p for p in leaf.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))[:1]
+    if not photo:
+        pytest.skip("no sample leaf photo")
+    assert infer.main(["--device", "cpu", "--threads", "2", "--verbose", "--json", str(photo[0])]) == 0
+    captured = capsys.readouterr()
+    assert "lnn-infer: cpu backend, 2 threads (as asked)" in captured.err
+    record = json.loads(captured.out.splitlines()[0])
+    assert record["device"] == "cpu" and record["threads"] == 2
+    assert infer.main(["--device", "cpu", "--threads", "0", str(photo[0])]) == 1
+    assert "--threads must be a whole number of at least 1, or auto; not '0'" in capsys.readouterr().err
+
+
+def test_the_bundled_model_split_matches_one_thread():
+    source = read_bin(REPO / "models" / "tomato_leaf.bin")
+    x = np.random.default_rng(9).standard_normal((1, *source.model.input_shape)).astype(np.float32)
+    from lnn.runtime.cpu.parallel import Parallel
+
+    one = Session(source, "cpu", threads=1).run(x)
+    two = Session(source, "cpu", threads=2)
+    np.testing.assert_allclose(two.run(x), one, rtol=0, atol=SPLIT_TOLERANCE)
+    assert sum(type(step) is Parallel for step in two.backend._plan(1, 2).steps) >= 5    # its five convs at least
