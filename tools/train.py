@@ -194,8 +194,10 @@ def body(args) -> int:
                     patience=args.patience, progress=not args.quiet)
     held = device_bytes_held(trainer.xp)
     if held is not None:
-        print(f"GPU memory: planned {human_bytes(memory['peak'])}, measured {human_bytes(held)} held by CuPy's pool "
-              f"after training (also the data kept on the GPU and the CUDA-graph buffers)", flush=True)
+        graphs = trainer.graph_pool_bytes()
+        print(f"GPU memory: planned {human_bytes(memory['peak'])}, measured {human_bytes(held + graphs)} held by CuPy's "
+              f"pools after training ({human_bytes(graphs)} of it the captured steps' temporaries; also the data "
+              f"kept on the GPU)", flush=True)
     return 0
 
 
