@@ -114,6 +114,7 @@ def plan_lines(model: Model, batch: int) -> list:
              ("parameters", report["params"]), ("batch-norm running statistics", report["running_stats"]),
              ("gradients", report["grads"]), (f"optimizer state ({optimizer})", report["optimizer_state"]),
              ("convolution tables and weight-gradient partial sums", report["conv_scratch"]),
+             ("cuBLAS workspace", report["gemm_workspace"]),
              ("batch data (inputs: uint8 images, float32 series or rows; int64 labels)", report["batch_data"]), ("total", report["peak"])]
     width = max(len(what) for what, _ in parts)
     naive, pooled = report["activations_naive"], report["activations_pooled"]

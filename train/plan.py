@@ -27,7 +27,7 @@ import numpy as np
 
 from lnn.formats.model import Model
 from lnn.formats.ops import get_op
-from lnn.runtime.cuda import conv_gemm          # the rule and the sizing only: importing it imports no CuPy
+from lnn.runtime.cuda import blas, conv_gemm    # the rules and the sizing only: importing them imports no CuPy
 from lnn.train.layers import COMPUTE, Call, make_layers
 
 POOL_ALIGN = 256            # bytes: every pooled buffer starts on this boundary
@@ -117,6 +117,7 @@ class Plan:
         self.layers = make_layers(model.nodes)
         self.num_layers = len(self.layers)
         self.conv_scratch = 0           # bytes the implicit-GEMM convolutions hold outside the pool
+        self.gemm_workspace = blas.WORKSPACE_BYTES if implicit_conv else 0    # GPU: cuBLAS's own (runtime/cuda/blas.py)
         if implicit_conv and self.compute_dtype in (np.float32, np.float16):
             self._use_implicit_conv()
         self._layout_parameters()
@@ -259,10 +260,11 @@ class Plan:
             "activations_naive": naive,
             "activations_pooled": self.pool_bytes,
             "conv_scratch": self.conv_scratch,
+            "gemm_workspace": self.gemm_workspace,
             "batch_data": batch_data,
         }
         report["peak"] = (params + stats + grads + state + compute_copies + self.pool_bytes + self.conv_scratch
-                          + batch_data)
+                          + self.gemm_workspace + batch_data)
         report["layers"] = self.layer_memory(optimizer)
         return report
 
