@@ -55,7 +55,7 @@ def outputs(path: Path) -> None:
 def compare(x86_path: Path, arm_path: Path) -> int:
     x86, arm = np.load(x86_path), np.load(arm_path)
     print(f"x86-64: {x86['machine']}\narm64:  {arm['machine']}")
-    print(f"{'model':<12} {'backend':<7} {'max |arm64 - x86-64|':>21} {'bit-identical':>14} "
+    print(f"{'model':<12} {'backend':<7} {'max |arm64 - x86-64|':>21} {'max |x86-64|':>13} {'bit-identical':>14} "
           f"{'x86-64 vs PyTorch':>18} {'arm64 vs PyTorch':>17}")
     failed = []
     for name in [*MODELS, TOMATO]:
@@ -66,7 +66,8 @@ def compare(x86_path: Path, arm_path: Path) -> int:
             difference = float(np.max(np.abs(a - b)))
             torch = ([f"{float(np.max(np.abs(side - expected))):.2e}" for side in (a, b)]
                      if expected is not None else ["-", "-"])
-            print(f"{name:<12} {key:<7} {difference:>21.2e} {str(np.array_equal(a, b)):>14} "
+            print(f"{name:<12} {key:<7} {difference:>21.2e} {float(np.max(np.abs(a))):>13.3g} "
+                  f"{str(np.array_equal(a, b)):>14} "
                   f"{torch[0]:>18} {torch[1]:>17}")
             if name in MODELS and not difference <= TARGET:
                 failed.append(f"{name} on {key}")

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # lnn on arm64 (the Raspberry Pi's architecture) under emulation, on a Debian/Ubuntu x86-64 host, as root:
 #
-#     sudo benchmarks/arm64_emulation.sh        # not in CI; about 1 h the first time (see docs/BENCHMARKS.md)
+#     sudo benchmarks/arm64_emulation.sh        # not in CI; about 2 h the first time on 2 busy cores (BENCHMARKS.md)
 #
 # 1. a Debian bookworm arm64 root, made once with `debootstrap --foreign` and its second stage run under
-#    qemu-user-static (binfmt_misc), in $LNN_ARM64_DIR/root (default /tmp/lnn-arm64/root; reused when there);
+#    qemu-user-static (binfmt_misc), in $LNN_ARM64_DIR/root (default /tmp/lnn-arm64/root; reused when there,
+#    with the venv below: delete $LNN_ARM64_DIR to start over);
 # 2. a venv there with lnn's dependencies from PyPI (aarch64 wheels: NumPy, Numba, OpenCV, PyInstaller...),
 #    lnn itself installed editable from a copy of this working tree (tracked and unignored files, fresh each run);
 # 3. tests/runtime inside the root;
