@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the lnn-field app as one folder: dist/lnn-field/lnn-field (lnn-field.exe on Windows).
 # Run from anywhere, in a Python environment with lnn's dependencies and `pip install pyinstaller`
-# (or `pip install -e '.[app]'`), with a C compiler (Numba's AOT compiler links the kernels with it).
+# (or `pip install -e '.[app]'`), with C and C++ compilers (Numba's AOT compiler builds the kernels with them).
 # Output: packaging/dist/lnn-field/. See packaging/BUILD.md.
 set -euo pipefail
 PACKAGING="$(cd "$(dirname "$0")" && pwd)"

@@ -112,13 +112,17 @@ def jit_kernels() -> dict:
 
 
 def missing_compiler() -> str | None:
-    """Why numba.pycc cannot build here, or None: it compiles and links with Python's C compiler
-    (sysconfig's CC; on Windows, MSVC, which is found without PATH and is not checked)."""
+    """Why numba.pycc cannot build here, or None. It compiles its C sources with the C compiler and Numba's
+    runtime (nrt.cpp) as C++, with the compilers distutils takes: $CC and $CXX, else sysconfig's CC and
+    CXX. A C compiler alone is not enough (Debian's gcc without g++ has no cc1plus). On Windows, MSVC,
+    which is found without PATH and compiles both, is not checked."""
     if os.name == "nt":
         return None
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(compiler) is None:
-        return f"no C compiler: {compiler!r} is not on PATH (numba.pycc needs it to build the kernel module)"
+    for variable, language, default in (("CC", "C", "cc"), ("CXX", "C++", "c++")):
+        compiler = (os.environ.get(variable) or sysconfig.get_config_var(variable) or default).split()[0]
+        if shutil.which(compiler) is None:
+            return (f"no {language} compiler: {compiler!r} is not on PATH "
+                    f"(numba.pycc needs C and C++ compilers to build the kernel module)")
     return None
 
 

@@ -22,6 +22,32 @@ def test_every_kernel_has_a_signature_or_is_inline_only():
     assert set(jit_kernels()) == set(SIGNATURES) | INLINE_ONLY
 
 
+def test_missing_compiler_needs_both_c_and_cxx(monkeypatch):
+    """numba.pycc compiles Numba's runtime as C++: gcc without g++ must skip the AOT tests, not error in them."""
+    import sysconfig
+
+    from lnn.runtime.cpu import aot
+
+    if os.name == "nt":
+        pytest.skip("MSVC is not looked up on PATH")
+    present = os.path.basename(sys.executable)            # a command that is on PATH ...
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    monkeypatch.setenv("CC", present)
+    monkeypatch.setenv("CXX", present)
+    assert aot.missing_compiler() is None
+    monkeypatch.setenv("CXX", "no-such-g++")                 # ... and one that is not
+    assert aot.missing_compiler().startswith("no C++ compiler: 'no-such-g++' is not on PATH")
+    monkeypatch.setenv("CC", "no-such-gcc -pthread")
+    assert aot.missing_compiler().startswith("no C compiler: 'no-such-gcc' is not on PATH")
+    # Without $CXX, Python's own build setting (sysconfig's CXX) names the compiler.
+    monkeypatch.setenv("CC", present)
+    monkeypatch.delenv("CXX")
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(sysconfig, "get_config_var",
+                        lambda name: "absent-c++ -pthread" if name == "CXX" else real(name))
+    assert aot.missing_compiler().startswith("no C++ compiler: 'absent-c++'")
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     pytest.importorskip("numba.pycc", reason="numba.pycc is not available")
