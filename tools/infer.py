@@ -48,6 +48,7 @@ from lnn.tools.cli import command_parser, run_command
 PROG = "lnn-infer"
 DEFAULT_MODEL = Path(lnn.__file__).resolve().parent / "models" / "tomato_leaf.bin"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+RUNTIME_KEYS = ("device", "threads")        # --json records add these to the answer (lnn-serve's answers do not)
 DATA_SUFFIXES = SERIES_SUFFIXES + TABLE_SUFFIXES          # series files and tables (lnn.runtime.series)
 ROWS_PER_CALL = 256       # series or table rows per backend call
 UNSURE_ROW = "The model is not confident about this row; check it another way."
@@ -313,7 +314,7 @@ class Output:
         self.style = style
         self.bar = progress_bar
         self.prog = prog
-        self.runtime = {}            # --json: the device and threads that answered, in every answer's record
+        self.runtime = {}            # --json: the device and threads that answered (RUNTIME_KEYS), in every answer's record
         if style == "csv":
             self.csv = csv.writer(sys.stdout, lineterminator="\n")
             self.csv.writerow(CSV_COLUMNS)
@@ -403,7 +404,7 @@ def infer(args) -> int:
     top_k = min(args.top_k, len(session.labels))
     if args.verbose:
         print(f"{args.prog}: {session.describe_threads()}", file=sys.stderr, flush=True)
-    output.runtime = {"device": session.device, "threads": session.threads}
+    output.runtime = dict(zip(RUNTIME_KEYS, (session.device, session.threads)))
 
     output.bar = bar = progress_bar(len(paths))
     try:

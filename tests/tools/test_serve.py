@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 import lnn  # noqa: E402
 from cli_helpers import assert_one_line_error, run_command  # noqa: E402
 from conftest import EXAMPLES  # noqa: E402
+from lnn.tools import infer  # noqa: E402
 from lnn.tools.infer import DEFAULT_MODEL, answers_for  # noqa: E402
 from lnn.tools.serve import ServeConfig, launch_process, listening_socket  # noqa: E402
 from lnn.tools.serve_app import chunk_sizes, create_app, judge_in_chunks  # noqa: E402
@@ -143,7 +144,10 @@ def test_lnn_infer_json_line_is_the_servers_object(served):
     result = run_command("infer", "--json", "--device", "numpy", path)
     assert result.returncode == 0, result.stderr
     answer = served.post("/v1/classify", files={"file": (str(path), path.read_bytes())}).json()
-    assert_same_answer(answer, json.loads(result.stdout))
+    record = json.loads(result.stdout)
+    runtime = {key: record.pop(key) for key in infer.RUNTIME_KEYS}        # lnn-infer's own: which backend answered
+    assert runtime["device"] == "numpy" and set(answer).isdisjoint(infer.RUNTIME_KEYS)
+    assert_same_answer(answer, record)
 
 
 def test_batches_merge_and_each_request_gets_its_own_answer(session):
