@@ -111,6 +111,7 @@ class Plan:
         self.batch_size = batch_size
         self.param_dtype = np.dtype(dtype)
         self.compute_dtype = np.dtype("float16") if amp else self.param_dtype
+        self.stat_dtype = np.dtype(np.float64 if self.param_dtype == np.float64 else np.float32)   # losses, norms, targets
         self.amp = amp
         self.inspect = inspect
         self.input_gradient = input_gradient       # also compute dL/d(input) into "grad:-1" (tests, saliency)

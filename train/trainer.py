@@ -76,24 +76,22 @@ class StepInputs:
 
     PINNED_SLOTS = 16
 
-    def __init__(self, xp, rows, micro_batches, x_dtype, sample_shape, target_shape, target_dtype, param_dtype):
+    def __init__(self, xp, rows, micro_batches, dropout_layers, x_dtype, sample_shape, target_shape, plan):
         self.xp, self.rows, self.micro_batches = xp, rows, micro_batches
         self.x = xp.empty((rows,) + sample_shape, x_dtype)
-        self.y = xp.empty((rows,) + target_shape, target_dtype)
-        self.lr_words = np.dtype(param_dtype).itemsize // 4
-        self._keys_shape = (micro_batches, -1)
-        self.words = None
-        self.param_dtype = np.dtype(param_dtype)
-        self.stats = xp.zeros(len(STATS), np.float64 if self.param_dtype == np.float64 else np.float32)
+        self.y = xp.empty((rows,) + target_shape, np.int64 if target_shape == () else plan.stat_dtype)
+        self.param_dtype = plan.param_dtype
+        lr_words = self.param_dtype.itemsize // 4
+        self.keys_shape = (micro_batches, max(dropout_layers, 1))
+        self.words = xp.zeros(lr_words + math.prod(self.keys_shape), np.uint32)
+        self.lr = self.words[:lr_words].view(self.param_dtype).reshape(())
+        self.keys = self.words[lr_words:].reshape(self.keys_shape)
+        self.stats = xp.zeros(len(STATS), plan.stat_dtype)
         self._pinned, self._events, self._slot = None, None, 0
 
     def scalars(self, lr: float, keys: np.ndarray) -> np.ndarray:
-        host = np.concatenate([np.asarray([lr], self.param_dtype).view(np.uint32), keys.reshape(-1)])
-        if self.words is None:
-            self.words = self.xp.zeros(host.size, np.uint32)
-            self.lr = self.words[:self.lr_words].view(self.param_dtype).reshape(())
-            self.keys = self.words[self.lr_words:].reshape(keys.shape)
-        return host
+        """This step's learning rate and dropout keys [micro-batch, dropout layer] as the words to stage."""
+        return np.concatenate([np.asarray([lr], self.param_dtype).view(np.uint32), keys.reshape(-1)])
 
     def stage(self, x, targets, host_words) -> None:
         """Copy this step's rows and scalars into the buffers, on the current stream."""
@@ -195,6 +193,7 @@ class Trainer:
         self.set_weights(initial_weights(self.model, config.seed))
         self.step_count = 0              # steps run (amp's skipped steps included)
         self.dropout_calls = 0
+        self._dropout_layers = [i for i, node in enumerate(self.model.nodes) if node.op == "dropout"]
         # amp's dynamic loss scale [scale, clean steps in a row, overflowed steps], kept on the device
         self._amp_state = self.xp.asarray([LOSS_SCALE_START if self.amp else 1.0, 0, 0], np.float32)
         self.tf32 = bool(tf32) and self.device == "cuda" and self.plan.compute_dtype == np.float32
@@ -305,14 +304,13 @@ class Trainer:
             one_hot = xp.zeros(out_shape, np.float32)
             one_hot[xp.arange(n), y] = 1
             return one_hot
-        return y.astype(np.float64 if self.plan.param_dtype == np.float64 else np.float32).reshape(out_shape)
+        return y.astype(self.plan.stat_dtype).reshape(out_shape)
 
-    def _dropout_keys(self, micro_batches: int) -> np.ndarray:
+    def _dropout_keys(self, shape: tuple) -> np.ndarray:
         """uint32 keys [micro-batch, dropout layer] of this step (lowbias32 of the seed and a call counter)."""
-        layers = sum(node.op == "dropout" for node in self.model.nodes)
-        keys = np.zeros((micro_batches, max(layers, 1)), np.uint32)
-        for j in range(micro_batches):
-            for slot in range(layers):
+        keys = np.zeros(shape, np.uint32)
+        for j in range(shape[0]):
+            for slot in range(len(self._dropout_layers)):
                 self.dropout_calls += 1
                 keys[j, slot] = hash32(hash32(self.config.seed) ^ hash32(self.dropout_calls + 0x9E3779B9))
         return keys
@@ -333,20 +331,20 @@ class Trainer:
         inputs = self._inputs_for(rows, np.dtype(x.dtype))
         graph = self._graph_for(inputs) if self.graph_mode and full else None
         targets = self._targets(y, rows)
-        scalars = inputs.scalars(self.lr, self._dropout_keys(inputs.micro_batches))
-        if graph is not None:
-            ran = graph.run(lambda: inputs.stage(x, targets, scalars), lambda: self._device_step(inputs))
-            if not ran:
-                self.graph_mode = False
-                self._graphs.clear()
-        if graph is None or not ran:
+        scalars = inputs.scalars(self.lr, self._dropout_keys(inputs.keys_shape))
+        replayed = graph is not None and graph.run(lambda: inputs.stage(x, targets, scalars),
+                                                   lambda: self._device_step(inputs))
+        if graph is not None and not replayed:           # the capture failed (logged): eager from now on
+            self.graph_mode = False
+            self._graphs.clear()
+        if not replayed:
             inputs.stage(x, targets, scalars)
             with np.errstate(all="ignore"):            # a diverged step is reported below, not as warnings
                 self._device_step(inputs)
         self.step_count += 1
         self._last_rows = min(rows - (inputs.micro_batches - 1) * self.plan.batch_size, self.plan.batch_size)
         result = StepResult(inputs.stats.copy(), rows)
-        if graph is None or not ran:                     # eager: report a diverged fp32 step at once
+        if not replayed:                                 # eager: report a diverged fp32 step at once
             self._check_finite(result)
         return result
 
@@ -362,14 +360,10 @@ class Trainer:
     def _inputs_for(self, rows: int, x_dtype) -> StepInputs:
         key = (rows, x_dtype)
         if key not in self._step_inputs:
-            if self.model.loss == "cross_entropy":
-                target_shape, target_dtype = (), np.int64
-            else:
-                target_shape = tuple(self.model.output_shape)
-                target_dtype = np.float64 if self.plan.param_dtype == np.float64 else np.float32
-            self._step_inputs[key] = StepInputs(self.xp, rows, math.ceil(rows / self.plan.batch_size), x_dtype,
-                                                tuple(self.model.input_shape), target_shape, target_dtype,
-                                                self.plan.param_dtype)
+            target_shape = () if self.model.loss == "cross_entropy" else tuple(self.model.output_shape)  # labels, or targets
+            self._step_inputs[key] = StepInputs(self.xp, rows, math.ceil(rows / self.plan.batch_size),
+                                                len(self._dropout_layers), x_dtype, tuple(self.model.input_shape),
+                                                target_shape, self.plan)
         return self._step_inputs[key]
 
     def _graph_for(self, inputs):
@@ -388,7 +382,6 @@ class Trainer:
         amp: unscale, and an overflow skips the update and halves the scale (doubled after
         LOSS_SCALE_GROWTH_INTERVAL clean steps); then the global norm, clipping, the optimizer."""
         xp, plan = self.xp, self.plan
-        stat_dtype = np.float64 if plan.param_dtype == np.float64 else np.float32
         rows = inputs.rows
         plan.grads_compute.fill(0)
         loss_scale = self._amp_state[0] if self.amp else 1.0
@@ -398,20 +391,19 @@ class Trainer:
         elif self.outliers:
             outlier_rows = (inputs.y < 0).sum()
             labelled = rows - outlier_rows
-            divisor = xp.maximum(labelled, 1).astype(stat_dtype)
+            divisor = xp.maximum(labelled, 1).astype(plan.stat_dtype)
             outlier_weight = self.config.outliers["weight"] * divisor / xp.maximum(outlier_rows, 1)
         else:
             labelled = divisor = rows
             outlier_weight = 0.0
         scale = loss_scale / divisor
-        dropout_layers = [i for i, node in enumerate(self.model.nodes) if node.op == "dropout"]
         loss_sum = correct = 0
         with blas.tf32(self.tf32):
             for j, start in enumerate(range(0, rows, plan.batch_size)):
                 n = min(plan.batch_size, rows - start)
                 self._load_input(inputs.x[start:start + n], n)
                 targets = inputs.y[start:start + n]
-                keys = {i: inputs.keys[j, slot] for slot, i in enumerate(dropout_layers)}
+                keys = {i: inputs.keys[j, slot] for slot, i in enumerate(self._dropout_layers)}
                 out = plan.forward(n, training=True, dropout_keys=keys)
                 dout = plan.output_grad_buffer(n)
                 if self.model.loss == "cross_entropy":
