@@ -29,12 +29,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from report import call_times, machine_line, markdown_table, update_section  # noqa: E402
+
 REFERENCE_MODELS = REPO.parent / "shared" / "reference_models"
 PEERS = REFERENCE_MODELS / "peer_formats"
 TOMATO = REPO / "models" / "tomato_leaf.bin"
@@ -45,14 +47,7 @@ SECONDS_PER_MEASURE = 1.0
 
 def times_ms(function) -> list:
     """[median, best] wall time of function() in ms: 5 warm-up calls, then at least 10 timed ones for ~1 s."""
-    for _ in range(5):
-        function()
-    times, spent = [], 0.0
-    while len(times) < 10 or (spent < SECONDS_PER_MEASURE and len(times) < 3000):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-        spent += times[-1]
+    times = call_times(function, 5, 10, SECONDS_PER_MEASURE, 3000)
     return [float(np.median(times)) * 1e3, float(np.min(times)) * 1e3]
 
 
@@ -191,9 +186,6 @@ def main() -> None:
         return
     if not REFERENCE_MODELS.exists():
         raise SystemExit(f"{REFERENCE_MODELS} is absent; this benchmark needs the reference models")
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from report import machine_line, markdown_table, update_section
-
     from lnn.formats.binfile import read_bin
     from lnn.formats.onnx_export import export_bin_to_onnx
 

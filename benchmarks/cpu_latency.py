@@ -27,7 +27,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from report import machine_line, markdown_table, update_section  # noqa: E402
+from report import call_times, machine_line, markdown_table, update_section  # noqa: E402
 
 from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes  # noqa: E402
 from lnn.formats.model import load_model  # noqa: E402
@@ -41,17 +41,9 @@ IMAGE = REFERENCE_MODELS / "leaf_256.jpg"
 COMMAND = "python benchmarks/cpu_latency.py"
 
 
-def median_ms(function, x) -> float:
-    """Median wall time of function(x) in ms: 3 warm-up calls, then at least 5 timed ones for ~0.6 s."""
-    for _ in range(3):
-        function(x)
-    times, spent = [], 0.0
-    while len(times) < 5 or (spent < SECONDS_PER_MEASURE and len(times) < 2000):
-        start = time.perf_counter()
-        function(x)
-        times.append(time.perf_counter() - start)
-        spent += times[-1]
-    return float(np.median(times)) * 1e3
+def median_ms(function, x, seconds: float = SECONDS_PER_MEASURE) -> float:
+    """Median wall time of function(x) in ms: 3 warm-up calls, then at least 5 timed ones for ~`seconds`."""
+    return float(np.median(call_times(lambda: function(x), 3, 5, seconds, 2000))) * 1e3
 
 
 def load_bin(name: str):

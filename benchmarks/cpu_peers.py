@@ -23,14 +23,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from report import machine_line, markdown_table, update_section  # noqa: E402
+from report import call_times, machine_line, markdown_table, update_section  # noqa: E402
 
 REFERENCE_MODELS = REPO.parent / "shared" / "reference_models"
 PEER_FORMATS = REFERENCE_MODELS / "peer_formats"
@@ -44,15 +43,7 @@ COMMAND = "python benchmarks/cpu_peers.py"
 
 
 def median_ms(function) -> float:
-    for _ in range(3):
-        function()
-    times, spent = [], 0.0
-    while len(times) < 5 or (spent < SECONDS and len(times) < 5000):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-        spent += times[-1]
-    return float(np.median(times)) * 1e3
+    return float(np.median(call_times(function, 3, 5, SECONDS, 5000))) * 1e3
 
 
 def input_shape(name: str) -> tuple:

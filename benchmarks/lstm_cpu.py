@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from report import machine_line, markdown_table, update_section  # noqa: E402
+from report import call_times, machine_line, markdown_table, update_section  # noqa: E402
 
 from lnn.formats.model import parse_model  # noqa: E402
 
@@ -46,15 +45,7 @@ def lstm_model(return_: str = "last"):
 
 def median_ms(function, x) -> float:
     """Median wall time of function(x) in ms: 3 warm-up calls, then at least 5 timed ones for ~0.5 s."""
-    for _ in range(3):
-        function(x)
-    times, spent = [], 0.0
-    while len(times) < 5 or (spent < SECONDS_PER_MEASURE and len(times) < 2000):
-        start = time.perf_counter()
-        function(x)
-        times.append(time.perf_counter() - start)
-        spent += times[-1]
-    return float(np.median(times)) * 1e3
+    return float(np.median(call_times(lambda: function(x), 3, 5, SECONDS_PER_MEASURE, 2000))) * 1e3
 
 
 def main() -> None:

@@ -17,6 +17,23 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 HEADER = "# Benchmarks\n\nEvery figure below was written by the script named in its section; rerun it to refresh.\n"
 
 
+def call_times(function, warmup: int, at_least: int, seconds: float, at_most: int) -> list:
+    """Wall times (s) of function(): `warmup` untimed calls, then timed ones until at least `at_least` were
+    made and, while fewer than `at_most`, until they add up to `seconds`. Never on zeros: the callers pass
+    real inputs."""
+    import time
+
+    for _ in range(warmup):
+        function()
+    times, spent = [], 0.0
+    while len(times) < at_least or (spent < seconds and len(times) < at_most):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+        spent += times[-1]
+    return times
+
+
 def machine_line(packages=("numpy", "numba", "onnxruntime")) -> str:
     cpu = platform.processor() or platform.machine()
     try:
