@@ -93,6 +93,7 @@ def _opencv():
 GREY = {"rgb": (0.299, 0.587, 0.114), "bgr": (0.114, 0.587, 0.299), "gray": (1.0,)}
 ERASING_ASPECT = (1 / 3, 3.0)
 PROCESSES_ABOVE = 4                     # cores; above this lnn-train augments in processes, not threads
+PROCESS_TASK_ROWS = 8                   # rows per task of a worker process (each task is pickled both ways)
 SHADOW_OFFSET = 0.04                    # drop shadow: shifted by up to this share of the side
 
 
@@ -148,6 +149,15 @@ class Augmenter:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.__post_init__()
+
+    @property
+    def batches_at_once(self) -> int:
+        """How many batches lnn-train should augment at once (Prefetcher's `loaders`): one with threads;
+        with processes, enough that tasks of PROCESS_TASK_ROWS rows keep every worker busy twice over
+        (a 32-row batch alone is 4 tasks)."""
+        if not self.processes:
+            return 1
+        return max(2, (self.workers or os.cpu_count() or 1) // 2)
 
     def close(self) -> None:
         """Stop the worker threads or processes (they start again when needed)."""
@@ -340,7 +350,8 @@ class Augmenter:
         count, _, height, width = images.shape
         settings = self.draw(rng, count, height, width)
         workers = self.workers or os.cpu_count() or 1
-        chunks = np.array_split(np.arange(count), min(workers, count))
+        tasks = min(workers, -(-count // PROCESS_TASK_ROWS)) if self.processes else min(workers, count)
+        chunks = np.array_split(np.arange(count), tasks)
         with self._pool_lock:
             if self._pool is None:
                 if self.processes:
@@ -514,6 +525,10 @@ class AugmentedDataset(ArrayDataset):
     CPU while the device trains."""
 
     in_memory = False
+
+    @property
+    def loads_at_once(self) -> int:
+        return self.augmenter.batches_at_once
 
     def __init__(self, source: ArrayDataset, rows, augmenter: Augmenter, seed: int = 0, name: str = "augmented",
                  masks=None):

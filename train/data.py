@@ -7,17 +7,20 @@ costs one byte per pixel and is moved to the device once.
   - `ArrayDataset(images, labels)`: in memory.
   - `MemmapDataset.create(path, count, shape)` / `.open(path)`: a uint8 cache on disk for data that
     does not fit in memory (filled once, e.g. from decoded images), read batch by batch.
-  - `Prefetcher(batches, load, to_device)`: a background thread that reads the next batches while
-    the current one trains (generic: any `load(indices)`); on the GPU, `PinnedSlots` stages them in
-    page-locked memory in that thread and `DeviceFeeder` copies them on a second stream.
+  - `Prefetcher(batches, load, to_device, loaders)`: a background thread that reads the next batches
+    while the current one trains (generic: any `load(indices)`; with `loaders` > 1 that many batches
+    are loaded at once, handed on in order); on the GPU, `PinnedSlots` stages them in page-locked
+    memory in that thread and `DeviceFeeder` copies them on a second stream.
 """
 
 from __future__ import annotations
 
+import collections
 import gzip
 import queue
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +42,7 @@ class ArrayDataset:
     """uint8 images [N, C, H, W] (or float [N, ...] already preprocessed) and labels [N]."""
 
     in_memory = True
+    loads_at_once = 1                    # batches the trainer's Prefetcher reads at once (Prefetcher's loaders)
 
     def __init__(self, images, labels, name: str = "data"):
         images = images if isinstance(images, np.ndarray) else np.asarray(images)     # keeps a np.memmap
@@ -179,17 +183,22 @@ def load_mnist(folder) -> tuple[ArrayDataset, ArrayDataset]:
 class Prefetcher:
     """Iterate over `load(indices)` for every index array in `batches`, `depth` batches ahead.
 
-    `load` runs in a background thread (reading a memory-mapped cache, decoding images, ...).
-    `to_device(images, labels)` is applied in that thread too (on the GPU: a PinnedSlots).
+    `load` runs in a background thread (reading a memory-mapped cache, decoding images, ...), or with
+    `loaders` > 1 in that many threads, one batch each, so a load that waits on worker processes
+    (augmentation) keeps several batches in flight; batches still come out in order, and a load
+    depends only on its indices, so the data is the same for any `loaders`.
+    `to_device(images, labels)` is applied in the background thread, in order (on the GPU: a PinnedSlots).
     Errors in the thread surface in the consumer.
     Use as an iterator; `close()` (or leaving a `with` block) stops the thread early.
     """
 
     _DONE = object()
 
-    def __init__(self, batches, load, to_device=None, depth: int = 2):
+    def __init__(self, batches, load, to_device=None, depth: int = 2, loaders: int = 1):
         self._queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self._loaders = ThreadPoolExecutor(loaders, thread_name_prefix="lnn-load") if loaders > 1 else None
+        self._in_flight = max(1, loaders)
         self._thread = threading.Thread(target=self._run, args=(list(batches), load, to_device), daemon=True)
         self._thread.start()
 
@@ -202,10 +211,24 @@ class Prefetcher:
                 continue
         return False
 
+    def _loaded(self, batches, load):
+        """load(indices) of each batch in order, up to `loaders` of them computed at once."""
+        if self._loaders is None:
+            yield from map(load, batches)
+            return
+        pending = collections.deque()
+        for indices in batches:
+            pending.append(self._loaders.submit(load, indices))
+            if len(pending) >= self._in_flight:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
     def _run(self, batches, load, to_device):
         try:
-            for indices in batches:
-                item = load(indices)
+            for item in self._loaded(batches, load):
+                if self._stop.is_set():
+                    return
                 if to_device is not None:
                     item = to_device(*item)
                 if not self._put(("item", item)):
@@ -229,6 +252,8 @@ class Prefetcher:
     def close(self):
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._loaders is not None:
+            self._loaders.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self):
         return self

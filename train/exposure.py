@@ -55,7 +55,8 @@ class OutlierMix(ArrayDataset):
         self.inliers, self.outliers, self.ratio, self.name = inliers, outliers, ratio, name
         self.outlier_rows = max(1, round(ratio * len(inliers)))
         self.labels = np.concatenate([np.asarray(inliers.labels), np.full(self.outlier_rows, OUTLIER_LABEL)])
-        self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lnn-outlier-mix")
+        self.loads_at_once = max(inliers.loads_at_once, outliers.loads_at_once)
+        self._readers = ThreadPoolExecutor(max_workers=2 * self.loads_at_once, thread_name_prefix="lnn-outlier-mix")
 
     def __len__(self) -> int:
         return len(self.inliers) + self.outlier_rows

@@ -469,13 +469,13 @@ class Trainer:
                 yield images.take(device_indices, axis=0), labels.take(device_indices, axis=0), (lambda: None)
             return
         if not is_cupy(self.xp):
-            with Prefetcher(slices, dataset.batch) as prefetcher:
+            with Prefetcher(slices, dataset.batch, loaders=dataset.loads_at_once) as prefetcher:
                 for images, labels in prefetcher:
                     yield images, labels, (lambda: None)
             return
         pinned = PinnedSlots(self.xp)
         feeder = DeviceFeeder(self.xp, pinned, rows, dataset.sample_shape)
-        with Prefetcher(slices, dataset.batch, to_device=pinned) as prefetcher:
+        with Prefetcher(slices, dataset.batch, to_device=pinned, loaders=dataset.loads_at_once) as prefetcher:
             for host_images, host_labels, pinned_slot in prefetcher:
                 images, labels, slot = feeder.put(host_images, host_labels, pinned_slot)
                 yield images, labels, (lambda s=slot: feeder.done(s))

@@ -287,6 +287,25 @@ def test_augmented_dataset_through_the_prefetcher():
     assert len(dataset.limit(4)) == 4
 
 
+def test_prefetcher_with_several_loaders_keeps_the_order_and_the_data():
+    """Batches loaded at once (augmentation in worker processes) come out in order, equal to one loader's."""
+    source = ArrayDataset(random_images(count=24), np.arange(24) % 3)
+    dataset = AugmentedDataset(source, np.arange(24), Augmenter(workers=2, processes=True), seed=3)
+    assert dataset.loads_at_once >= 2
+    batches = np.array_split(np.random.default_rng(1).permutation(24), 6)
+    try:
+        with Prefetcher(batches, dataset.batch, loaders=dataset.loads_at_once) as prefetcher:
+            several = list(prefetcher)
+        with Prefetcher(batches, dataset.batch) as prefetcher:
+            one = list(prefetcher)
+    finally:
+        dataset.augmenter.close()
+    assert len(several) == 6
+    for (images, labels), (images_one, labels_one), indices in zip(several, one, batches):
+        assert np.array_equal(labels, source.labels[indices]) and np.array_equal(labels, labels_one)
+        assert np.array_equal(images, images_one)
+
+
 # --------------------------------------------------------------------------- training from a folder
 
 def tiny_tomato(tmp_path, classes=("healthy", "late_blight", "mosaic_virus"), per_class=14):
