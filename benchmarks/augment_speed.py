@@ -3,7 +3,7 @@
     python benchmarks/augment_speed.py [--tomato ../shared/data/tomato] [--images 256] [--repeats 3]
 
 Side by side in one run, on the real tomato photos of the image-folder cache (128 x 128, with their
-leaf masks): the classic augmentation set (no "augment" block) and examples/tomato_leaf_outdoor.json's
+leaf masks): the classic augmentation set (no "augment" block) and examples/tomato_leaf.json's
 training.augment (background replacement and the rest), each with 1 worker thread, with one thread
 per core, and (the recipe) with one spawned process per core (what lnn-train uses above 4 cores: the
 Python between OpenCV calls holds the GIL), batches of 32 as the trainer asks for them; best of
@@ -27,7 +27,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-RECIPE = REPO / "examples" / "tomato_leaf_outdoor.json"
+RECIPE = REPO / "examples" / "tomato_leaf.json"
 PICTURE = REPO / "docs" / "images" / "augmented_samples.png"
 GPU_ROWS_PER_EPOCH, GPU_EPOCH_S = 4000, 2.3
 

@@ -117,7 +117,9 @@ def test_onnx_export_gives_the_same_top1_on_every_bundled_sample(tmp_path, optim
 def test_bundled_model_carries_a_gate_that_diagnoses_the_samples():
     session = lnn.load(MODEL, device="numpy")
     meta = session.metadata
-    assert meta["gate"]["feature"] == "global_avg_pool_14" and "mahalanobis" in meta["gate"]["scores"]
+    assert meta["gate"]["feature"] == "global_avg_pool_14" and meta["gate"]["scores"]
+    assert "chosen on the outlier validation part" in meta["gate"]["rule"]
+    assert meta["gate"]["fitted"]["outlier_validation_caught"] >= 0.95      # the fit's own measurement
     assert meta["calibration"]["temperature"] > 0 and meta["gate"]["photo_checks"]
     for photo in SAMPLES:
         answer = session.predict_image(photo)
