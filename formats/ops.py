@@ -1429,6 +1429,22 @@ ALIASES = {
 }
 
 
+def layer_table(backend: str, namespaces) -> dict:
+    """A backend's table op name -> layer class, built from the classes in `namespaces` (module dicts) that
+    name the ops they run in their own `ops` (a class attribute, not inherited), in the registry's order.
+    Each backend's tests check that every op of the registry has a layer there."""
+    declared = {}
+    for namespace in namespaces:
+        for value in list(namespace.values()):
+            for op in value.__dict__.get("ops", ()) if isinstance(value, type) else ():
+                if declared.setdefault(op, value) is not value:
+                    raise ImportError(f"{backend} layers {declared[op].__name__} and {value.__name__} both run {op}")
+    unknown = sorted(set(declared) - set(OPS))
+    if unknown:
+        raise ImportError(f"{backend} layers for ops the registry does not have: {unknown}")
+    return {op: declared[op] for op in OPS if op in declared}
+
+
 def get_op(kind: str) -> Op:
     kind = ALIASES.get(kind, kind)
     if kind not in OPS:
