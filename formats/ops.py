@@ -210,6 +210,15 @@ class Op:
         """Parameters that are statistics, not learned (batch norm's running mean/var)."""
         return ()
 
+    def initial_weights(self, attrs: dict, param_shapes: dict, rng) -> dict:
+        """PyTorch's default initialization as the trainer draws it (train/trainer.py initial_weights): every
+        parameter U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in the weight's inputs per output."""
+        bound = 1 / math.sqrt(self.fan_in(attrs, param_shapes)) if param_shapes else 0
+        return {name: rng.uniform(-bound, bound, shape) for name, shape in param_shapes.items()}
+
+    def fan_in(self, attrs: dict, param_shapes: dict) -> int:
+        return math.prod(param_shapes["weight"][1:])
+
     def infer(self, attrs: dict, in_shape: tuple) -> tuple:
         return tuple(in_shape)
 
@@ -872,6 +881,11 @@ class BatchNorm(Op):
     def buffer_names(self):
         return ("running_mean", "running_var")
 
+    def initial_weights(self, attrs, param_shapes, rng):
+        """weight 1, bias 0, running mean 0, running var 1."""
+        return {name: np.ones(shape) if name in ("weight", "running_var") else np.zeros(shape)
+                for name, shape in param_shapes.items()}
+
     def elementwise_ops(self, attrs, in_shape, out_shape):
         return math.prod(out_shape) * (2 + activation_ops(attrs["activation"]))
 
@@ -1134,6 +1148,9 @@ class _Recurrent(Op):
     @staticmethod
     def directions(attrs) -> int:
         return 2 if attrs["bidirectional"] else 1
+
+    def fan_in(self, attrs, param_shapes):
+        return attrs["hidden_size"]                 # PyTorch's RNNs: every tensor U(-1/sqrt(H), 1/sqrt(H))
 
     @classmethod
     def layer_input_size(cls, attrs, layer: int) -> int:
