@@ -29,16 +29,22 @@ from pathlib import Path
 import numpy as np
 
 MODULE = "lnn_cpu_kernels"
-KERNEL_MODULES = ("activations", "conv2d", "conv_direct", "layernorm", "linear", "pool", "recurrent", "winograd")   # files of lnn.runtime.cpu with kernels
 
 A1, A2, A3, A4 = "f4[::1]", "f4[:, ::1]", "f4[:, :, ::1]", "f4[:, :, :, ::1]"
 I, F, WINDOW = "i8", "f8", "UniTuple(i8, 6)"
 
 
+def kernel_files() -> list:
+    """The files of lnn.runtime.cpu with kernels: those that import `kernel` or `ieee_kernel` from jit.py (read
+    from the sources: only the build and the tests ask, never the app)."""
+    return sorted(path.stem for path in Path(__file__).parent.glob("*.py") if path.stem != "aot" and re.search(
+        r"^from lnn.runtime.cpu.jit import .*\b(ieee_)?kernel\b", path.read_text(encoding="utf-8"), re.M))
+
+
 def signatures() -> dict:
     """{"<file>.<kernel>": its argument types, or None when it is only called by other kernels}: every kernel
     file's AOT_SIGNATURES."""
-    return {f"{name}.{kernel}": arguments for name in KERNEL_MODULES
+    return {f"{name}.{kernel}": arguments for name in kernel_files()
             for kernel, arguments in importlib.import_module(f"lnn.runtime.cpu.{name}").AOT_SIGNATURES.items()}
 
 
@@ -84,12 +90,8 @@ def compiled_kernel(function):
 
 def jit_kernels() -> dict:
     """{key: Numba dispatcher} for every @kernel of the CPU backend (JIT mode; every file that imports `kernel`)."""
-    files = sorted(path.stem for path in Path(__file__).parent.glob("*.py") if path.stem != "aot"
-                   and re.search(r"^from lnn.runtime.cpu.jit import .*\bkernel\b", path.read_text(encoding="utf-8"), re.M))
-    if files != sorted(KERNEL_MODULES):
-        raise RuntimeError(f"KERNEL_MODULES {sorted(KERNEL_MODULES)} must list the files with kernels: {files}")
     kernels = {}
-    for name in KERNEL_MODULES:
+    for name in kernel_files():
         module = importlib.import_module(f"lnn.runtime.cpu.{name}")
         for value in vars(module).values():
             if hasattr(value, "py_func") and value.py_func.__module__ == module.__name__:
