@@ -20,6 +20,7 @@ import numpy as np
 from lnn.formats.errors import ModelSpecError
 from lnn.formats.model import as_rows
 from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length, get_op, layer_table
+from lnn.runtime.cuda import recurrent          # lstm and gru: forward and backward (no CuPy import)
 from lnn.runtime.cuda import winograd           # the rule and the sizing only: importing it imports no CuPy
 from lnn.train import kernels as K
 
@@ -371,9 +372,9 @@ class LayerNormLayer(Layer):
 
 
 class RecurrentLayer(Layer):
-    """lstm and gru: the forward (runtime/cuda/kernels.py recurrent_forward, shared with GPU inference)
-    keeps the gates and states of every step in "saved" workspaces, which the backward (backpropagation
-    through time, train/kernels.py recurrent_backward) reads; it needs neither x nor y themselves."""
+    """lstm and gru (runtime/cuda/recurrent.py): the forward, shared with GPU inference, keeps the gates and
+    states of every step in "saved" workspaces, which the backward (backpropagation through time) reads; it
+    needs neither x nor y themselves."""
     ops = ("lstm", "gru")
 
     def __init__(self, node):
@@ -383,13 +384,13 @@ class RecurrentLayer(Layer):
     def workspaces(self, n):
         args = (self.op, self.attrs, self.node.in_shape, n)
         return [(name, shape, COMPUTE, phase) for name, shape, phase in
-                K.recurrent_workspaces(*args) + K.recurrent_backward_workspaces(*args)]
+                recurrent.recurrent_workspaces(*args) + recurrent.recurrent_backward_workspaces(*args)]
 
     def forward(self, c, training):
-        K.recurrent_forward(c.xp, self.op, c.x, c.params, self.attrs, c.y, c.ws)
+        recurrent.recurrent_forward(c.xp, self.op, c.x, c.params, self.attrs, c.y, c.ws)
 
     def backward(self, c):
-        K.recurrent_backward(c.xp, self.op, c.dy, c.params, c.grads, self.attrs, c.dx, c.ws)
+        recurrent.recurrent_backward(c.xp, self.op, c.dy, c.params, c.grads, self.attrs, c.dx, c.ws)
 
 
 class DropoutLayer(Layer):

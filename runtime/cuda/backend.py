@@ -22,7 +22,7 @@ im2col (fused) + one grouped GEMM
 applies bias and activation (at batch 1 the GEMM writes the output directly and the epilogue runs in
 place); linear is a GEMM + in-place epilogue; max pool is one kernel; avg pool, global average and max
 pool, layer norm and softmax are the generic kernels; the 1-D pools are the 2-D layers on [N, C, 1, T] views;
-lstm and gru are the trainer's generic forward (kernels.recurrent_forward). `array_module=numpy` runs the same plan with the generic kernels
+lstm and gru are the trainer's generic forward (recurrent.py). `array_module=numpy` runs the same plan with the generic kernels
 only (how the planning is tested where there is no GPU).
 """
 
@@ -36,7 +36,7 @@ import numpy as np
 from lnn.formats.errors import LnnError
 from lnn.formats.model import Model, as_rows
 from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length, get_op, layer_table
-from lnn.runtime.cuda import conv_gemm, winograd
+from lnn.runtime.cuda import conv_gemm, recurrent, winograd
 from lnn.runtime.cuda import kernels as K
 from lnn.runtime.plans import PerThreadCache
 from lnn.formats.fold import fold_scale_and_shift, folds_into_previous, scale_and_shift
@@ -342,7 +342,7 @@ class LayerNormLayer:
 
 
 class RecurrentLayer:
-    """lstm and gru: the trainer's forward (kernels.recurrent_forward: one GEMM for every step's input
+    """lstm and gru: the trainer's forward (recurrent.py recurrent_forward: one GEMM for every step's input
     projections per layer and direction, then per step a recurrent GEMM and the gate arithmetic as
     in-place CuPy calls) on workspaces planned per batch size."""
     ops = ("lstm", "gru")
@@ -357,8 +357,8 @@ class RecurrentLayer:
     def plan(self, src, device: Device):
         xp, n = device.xp, src.shape[0]
         out = xp.empty((n, *self.out_shape), FLOAT)
-        ws = {name: xp.empty(shape, FLOAT) for name, shape, _ in K.recurrent_workspaces(self.op, self.attrs, self.in_shape, n)}
-        return out, [partial(K.recurrent_forward, xp, self.op, src, self.on_device, self.attrs, out, ws)]
+        ws = {name: xp.empty(shape, FLOAT) for name, shape, _ in recurrent.recurrent_workspaces(self.op, self.attrs, self.in_shape, n)}
+        return out, [partial(recurrent.recurrent_forward, xp, self.op, src, self.on_device, self.attrs, out, ws)]
 
 
 class FlattenLayer:
