@@ -1297,9 +1297,9 @@ class _Recurrent(Op):
             raise node.error("layout=1 (batch first) is not supported")
         if attrs["clip"] is not None or attrs["activation_alpha"] or attrs["activation_beta"]:
             raise node.error("clip and activation parameters are not supported")
-        activations = self.onnx_activations
-        if attrs["activations"] is not None and list(attrs["activations"]) != activations * (len(attrs["activations"]) // len(activations)):
-            raise node.error(f"activations {list(attrs['activations'])}: lnn has {node.op} with {activations} only")
+        activations, given = self.onnx_activations, attrs["activations"]
+        if given is not None and list(given) != activations * (len(given) // len(activations)):
+            raise node.error(f"activations {list(given)}: lnn has {node.op} with {activations} only")
         self.onnx_check_cell(node, attrs)
         if attrs["direction"] not in ("forward", "bidirectional"):
             raise node.error(f"direction {attrs['direction']!r} is not supported (forward or bidirectional)")
