@@ -1,26 +1,10 @@
 """lnn model + weights -> ONNX (opset >= 17), for onnxruntime and every other ONNX consumer.
 
 The graph takes `input` [N, *input_shape] float32 (N is a dynamic dimension named "N") and gives
-`logits` [N, *output_shape] (`output` when the model ends in softmax or sigmoid). Layer by layer:
-
-    conv2d          Conv (pads written as [top, left, bottom, right])
-    conv1d          Conv with a 3-D weight (pads [left, right])
-    linear          Gemm(transB=1): y = x @ W.T + b, W kept as lnn stores it ([out, in])
-    batchnorm       folded into the conv1d / conv2d / linear just before it when that layer has no activation;
-                    otherwise a BatchNormalization node
-    maxpool2d       MaxPool;  avgpool2d: AveragePool with count_include_pad (maxpool1d, avgpool1d: the same, 1-D)
-    global_avg_pool GlobalAveragePool (global_max_pool: GlobalMaxPool), then Flatten(axis=1) unless keepdims
-    layernorm       LayerNormalization(axis = -len(normalized_shape), epsilon); Scale of ones without
-                    elementwise_affine (ONNX requires it), no B without bias
-    flatten         Flatten(axis=1)
-    lstm, gru       Transpose [N, C, T] -> [T, N, C], then per layer one LSTM / GRU node (W, R and B as
-                    ONNX wants them: gate blocks reordered from PyTorch's i, f, g, o to ONNX's i, o, f, c
-                    and from r, z, n to z, r, h; GRU with linear_before_reset=1, PyTorch's semantics),
-                    its Y [T, D, N, H] brought to [T, N, D*H] (Squeeze, or Transpose + Reshape when
-                    bidirectional); then Transpose back to [N, H*D, T], or for "last" the top node's
-                    Y_h [D, N, H] as [N, D*H]
-    dropout         removed (inference graph)
-    activations     (fused or stand-alone) Relu, Clip(0, 6), LeakyRelu(alpha), Sigmoid, Tanh, Softmax(axis=1)
+`logits` [N, *output_shape] (`output` when the model ends in softmax or sigmoid). This file is the generic
+driver: dropout is removed (inference graph), a batch norm is folded into the conv1d / conv2d / linear just
+before it when that layer has no activation (formats/fold.py), and each layer writes its own nodes
+(`to_onnx` of its op in formats/ops.py, where each op's mapping is described), then its fused activation's.
 
 The model's labels and preprocessing travel in the ONNX metadata_props as JSON (keys `lnn.labels`,
 `lnn.preprocess`, `lnn.name`), so `lnn-import` gives the same model back.
@@ -39,7 +23,7 @@ from lnn.formats.binfile import write_atomic
 from lnn.formats.errors import LnnError
 from lnn.formats.fold import fold_scale_and_shift, folds_into_previous, scale_and_shift
 from lnn.formats.model import Model
-from lnn.formats.ops import ACTIVATIONS, get_op, pool1d_as_2d
+from lnn.formats.ops import ACTIVATIONS, get_op
 from lnn.version import __version__
 
 MIN_OPSET = 17
@@ -106,118 +90,8 @@ class _GraphBuilder:
         return name
 
     def activation(self, activation: dict, name: str) -> None:
-        kind = activation["type"]
-        if kind == "relu":
-            self.add("Relu", name)
-        elif kind == "relu6":
-            self.add("Clip", name, [self.constant(f"{name}.min", np.array(0.0)), self.constant(f"{name}.max", np.array(6.0))])
-        elif kind == "leaky_relu":
-            self.add("LeakyRelu", name, alpha=activation["negative_slope"])
-        elif kind == "sigmoid":
-            self.add("Sigmoid", name)
-        elif kind == "tanh":
-            self.add("Tanh", name)
-        elif kind == "softmax":
-            self.add("Softmax", name, axis=1)
-        else:
-            raise LnnError(f"activation {kind!r} has no ONNX export")
-
-
-def _pads(padding) -> list:
-    return [padding[0], padding[1], padding[0], padding[1]]
-
-
-# ONNX's gate blocks, as indices of PyTorch's (= lnn's) blocks: LSTM i, o, f, c of i, f, g, o; GRU z, r, h of r, z, n
-ONNX_GATE_ORDER = {"lstm": (0, 3, 1, 2), "gru": (1, 0, 2)}
-
-
-def onnx_gate_blocks(array: np.ndarray, op: str, hidden: int, to_onnx: bool = True) -> np.ndarray:
-    """Reorder the gate blocks (axis 0, H rows each) from PyTorch's order to ONNX's, or (to_onnx=False,
-    formats/onnx_import.py) back."""
-    order = ONNX_GATE_ORDER[op] if to_onnx else tuple(np.argsort(ONNX_GATE_ORDER[op]))
-    return np.concatenate([array[k * hidden:(k + 1) * hidden] for k in order])
-
-
-def _emit_recurrent(graph: _GraphBuilder, node, params: dict) -> None:
-    op, attrs = get_op(node.op), node.attrs
-    h, d, name = attrs["hidden_size"], op.directions(attrs), node.name
-    graph.add("Transpose", f"{name}/time_major", perm=[2, 0, 1])                 # [N, C, T] -> [T, N, C]
-    for layer in range(attrs["num_layers"]):
-        w, r, b = [], [], []
-        for direction in range(d):
-            w_ih, w_hh, b_ih, b_hh = op.param_names(attrs, layer, direction)
-            w.append(onnx_gate_blocks(params[w_ih], node.op, h))
-            r.append(onnx_gate_blocks(params[w_hh], node.op, h))
-            if attrs["bias"]:
-                b.append(np.concatenate([onnx_gate_blocks(params[b_ih], node.op, h),
-                                         onnx_gate_blocks(params[b_hh], node.op, h)]))
-        step = f"{name}/l{layer}"
-        inputs = [graph.current, graph.constant(f"{step}.W", np.stack(w)), graph.constant(f"{step}.R", np.stack(r))]
-        if b:
-            inputs.append(graph.constant(f"{step}.B", np.stack(b)))
-        extra = {"linear_before_reset": 1} if node.op == "gru" else {}
-        graph.add_node(node.op.upper(), step, inputs, [f"{step}/Y", f"{step}/Y_h"], hidden_size=h,
-                       direction="bidirectional" if d == 2 else "forward", **extra)
-        last = layer == attrs["num_layers"] - 1
-        if last and attrs["return"] == "last":
-            graph.current = f"{step}/Y_h"                                          # [D, N, H]
-            graph.add("Transpose", f"{name}/h_n", perm=[1, 0, 2])
-            graph.add("Reshape", f"{name}/last", [graph.integers(f"{name}/last.shape", [0, -1])])
-            return
-        if d == 1:                                                                 # [T, 1, N, H] -> [T, N, H]
-            graph.add("Squeeze", f"{step}/steps", [graph.integers(f"{step}/steps.axes", [1])])
-        else:                                                                      # [T, 2, N, H] -> [T, N, 2H]
-            graph.add("Transpose", f"{step}/directions", perm=[0, 2, 1, 3])
-            graph.add("Reshape", f"{step}/steps", [graph.integers(f"{step}/steps.shape", [0, 0, -1])])
-    graph.add("Transpose", f"{name}/channels_first", perm=[1, 2, 0])            # [T, N, F] -> [N, F, T]
-
-
-def _emit_layer(graph: _GraphBuilder, node, params: dict) -> None:
-    name, attrs = node.name, node.attrs
-    if node.op == "conv2d":
-        inputs = [graph.constant(f"{name}.weight", params["weight"])]
-        if "bias" in params:
-            inputs.append(graph.constant(f"{name}.bias", params["bias"]))
-        graph.add("Conv", name, inputs, kernel_shape=list(attrs["kernel_size"]), strides=list(attrs["stride"]),
-                  pads=_pads(attrs["padding"]), dilations=list(attrs["dilation"]), group=attrs["groups"])
-    elif node.op == "conv1d":
-        inputs = [graph.constant(f"{name}.{p}", params[p]) for p in ("weight", "bias") if p in params]
-        graph.add("Conv", name, inputs, kernel_shape=[attrs["kernel_size"]], strides=[attrs["stride"]],
-                  pads=list(attrs["padding"]), dilations=[attrs["dilation"]], group=attrs["groups"])
-    elif node.op == "linear":
-        inputs = [graph.constant(f"{name}.weight", params["weight"])]
-        if "bias" in params:
-            inputs.append(graph.constant(f"{name}.bias", params["bias"]))
-        graph.add("Gemm", name, inputs, transB=1)
-    elif node.op == "batchnorm":
-        inputs = [graph.constant(f"{name}.{p}", params[p]) for p in ("weight", "bias", "running_mean", "running_var")]
-        graph.add("BatchNormalization", name, inputs, epsilon=attrs["eps"])
-    elif node.op in ("maxpool2d", "maxpool1d", "avgpool2d", "avgpool1d"):
-        window = pool1d_as_2d(attrs) if node.op.endswith("1d") else attrs
-        axes = slice(1, 2) if node.op.endswith("1d") else slice(0, 2)            # a 1-D pool: the T axis only
-        fields = dict(kernel_shape=list(window["kernel_size"][axes]), strides=list(window["stride"][axes]),
-                      pads=list(window["padding"][axes]) * 2)
-        if node.op.startswith("avg"):
-            fields["count_include_pad"] = int(attrs["count_include_pad"])
-        graph.add("MaxPool" if node.op.startswith("max") else "AveragePool", name, **fields)
-    elif node.op in ("global_avg_pool", "global_max_pool"):
-        graph.add("GlobalAveragePool" if node.op == "global_avg_pool" else "GlobalMaxPool", name)
-        if not attrs["keepdims"]:
-            graph.add("Flatten", f"{name}/flatten", axis=1)
-    elif node.op == "layernorm":
-        scale = params.get("weight", np.ones(attrs["normalized_shape"], np.float32))
-        inputs = [graph.constant(f"{name}.weight", scale)]
-        if "bias" in params:
-            inputs.append(graph.constant(f"{name}.bias", params["bias"]))
-        graph.add("LayerNormalization", name, inputs, axis=-len(attrs["normalized_shape"]), epsilon=attrs["eps"])
-    elif node.op == "flatten":
-        graph.add("Flatten", name, axis=1)
-    elif node.op in ("lstm", "gru"):
-        _emit_recurrent(graph, node, params)
-    elif node.op in ACTIVATIONS:
-        graph.activation(attrs, name)
-    else:
-        raise LnnError(f"layer {node.index} ({node.op}): no ONNX export for this op")
+        """The node of an activation (a fused one, or a stand-alone layer's): formats/ops.py Activation."""
+        get_op(activation["type"]).activation_to_onnx(self, activation, name)
 
 
 def build_onnx(model: Model, weights: dict, opset: int = MIN_OPSET):
@@ -228,7 +102,7 @@ def build_onnx(model: Model, weights: dict, opset: int = MIN_OPSET):
     graph = _GraphBuilder(onnx)
     last_activation = None
     for node, params, fused in _inference_layers(model, weights):
-        _emit_layer(graph, node, params)
+        get_op(node.op).to_onnx(graph, node, params)
         if fused is not None:
             graph.activation(fused, f"{node.name}/{fused['type']}")
         last_activation = node.attrs if node.op in ACTIVATIONS else fused

@@ -2,31 +2,11 @@
 
 The graph must be a chain: one float32 input [N, *shape] (dim 0 is the batch, the others fixed),
 each node reading the tensor the node before it wrote (plus constants), one output at the end.
-ONNX nodes map to lnn layers as follows:
-
-    Conv                       conv2d (2-D; symmetric pads, or auto_pad VALID / SAME that comes out symmetric),
-                               conv1d (1-D, a 3-D weight; any pads or auto_pad)
-    Gemm, MatMul (+ Add)       linear: weight [out, in] = B.T (B when transB=1), times alpha; bias = beta * C
-    MaxPool, AveragePool       maxpool2d, avgpool2d, or on [N, C, T] maxpool1d, avgpool1d (symmetric pads, no
-                               dilation; ceil_mode only where it gives the same size as floor)
-    GlobalAveragePool,         global_avg_pool, global_max_pool ([N, C, T] or [N, C, H, W]; keepdims, merged
-    GlobalMaxPool              with a Flatten right after it)
-    Flatten, Reshape           flatten (Flatten on axis 1; Reshape only to [N, -1] / [0, -1] / [N, K])
-    BatchNormalization         batchnorm (inference mode)
-    LayerNormalization         layernorm (normalized_shape: the input's dimensions from axis on; Scale and B
-                               broadcast to it)
-    Relu, Clip, LeakyRelu,     relu, relu6 (Clip 0..6; Clip 0..inf is relu), leaky_relu, sigmoid, tanh,
-    Sigmoid, Tanh, Softmax     softmax (over the last axis of [N, K]); folded into the conv2d / linear /
-                               batchnorm before them as its `activation` when that has none yet
-    Dropout                    dropout (the identity at inference; lnn-export drops it again)
-    Identity                   nothing
-    Constant                   a constant for the nodes after it
-    LSTM, GRU                  lstm, gru (PyTorch's export: Transpose [N, C, T] -> [T, N, C] before, Squeeze or
-                               Transpose + Reshape to [T, N, D*H] after each node, Transpose [1, 2, 0] back to
-                               [N, H*D, T]; consecutive nodes become one layer with num_layers; gate blocks
-                               reordered from ONNX's i, o, f, c / z, r, h to PyTorch's; GRU only with
-                               linear_before_reset=1; zero initial states, also when computed from the
-                               input's Shape, as PyTorch writes them for a dynamic batch)
+This file is the generic driver: each op of formats/ops.py names the ONNX node types it reads
+(`onnx_readers`) and reads them into the chain of layers (where each op's mapping is described); Identity
+adds nothing and a Constant is a constant for the nodes after it. A node that ONNX writes after a layer
+but lnn holds in it (an activation after a layer without one, a Flatten after a global pool) is merged
+into that layer (`Op.onnx_absorbs`).
 
 Initializers become weights keyed `<layer name>.weight` etc. A layer's name comes from its weight's
 initializer name when that ends in `.weight` (PyTorch: `conv1.weight` -> layer `conv1`), otherwise
@@ -46,15 +26,12 @@ import numpy as np
 
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.formats.model import Model, parse_json_text, parse_model, size_refusals
-from lnn.formats.onnx_export import METADATA_KEYS, onnx_gate_blocks, require_onnx
-from lnn.formats.ops import get_op
+from lnn.formats.onnx_export import METADATA_KEYS, require_onnx
+from lnn.formats.ops import OPS, get_op
 
 
 class OnnxImportError(LnnError):
     """An ONNX graph lnn cannot express; the message names the node and the problem."""
-
-
-FLOAT_LIMIT = 3.0e38          # Clip's defaults before opset 11 were -FLT_MAX / FLT_MAX
 
 
 def _where(proto, index: int) -> str:
@@ -111,6 +88,44 @@ class _Node:
         if len(self.in_shape) not in ranks:
             raise self.error(f"needs {what} input, got [N, {', '.join(map(str, self.in_shape))}]")
 
+    def padding(self, attrs: dict, kernel, strides, dilations) -> tuple[list, list]:
+        """ONNX pads / auto_pad -> (padding before, padding after) per spatial axis."""
+        rank = len(kernel)
+        auto_pad = attrs["auto_pad"]
+        if auto_pad == "VALID":
+            return [0] * rank, [0] * rank
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            begins, ends = [], []
+            for size, k, s, d in zip(self.in_shape[1:], kernel, strides, dilations):
+                total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
+                small, large = total // 2, total - total // 2
+                begins.append(small if auto_pad == "SAME_UPPER" else large)
+                ends.append(large if auto_pad == "SAME_UPPER" else small)
+            return begins, ends
+        if auto_pad != "NOTSET":
+            raise self.error(f"auto_pad {auto_pad!r} is not supported")
+        pads = [int(p) for p in (attrs["pads"] or [0] * 2 * rank)]
+        if len(pads) != 2 * rank:
+            raise self.error(f"pads {pads} are not {rank}-D ([" + ", ".join(["begin"] * rank + ["end"] * rank) + "])")
+        return pads[:rank], pads[rank:]
+
+    def symmetric_padding(self, attrs: dict, kernel, strides, dilations) -> list:
+        """ONNX pads / auto_pad -> lnn's padding per axis ([pad_h, pad_w]; the same on both sides)."""
+        begins, ends = self.padding(attrs, kernel, strides, dilations)
+        if begins != ends:
+            raise self.error(f"asymmetric pads {begins + ends} ([" + ("top, left, bottom, right" if len(kernel) == 2
+                                                                       else "begin, end") + "]"
+                             + (f" from auto_pad {attrs['auto_pad']}" if attrs["auto_pad"] != "NOTSET" else "")
+                             + ") are not supported: lnn pads both sides alike")
+        return begins
+
+    def pair(self, values, name: str, default) -> list:
+        """A 2-D attribute (strides, dilations) as two integers."""
+        values = list(default if values is None else values)
+        if len(values) != 2:
+            raise self.error(f"{name} {values}: only 2-D is supported")
+        return [int(v) for v in values]
+
 
 class _Chain:
     """The lnn layers built so far, with their parameters, and the per-sample shape after the last one."""
@@ -129,6 +144,9 @@ class _Chain:
         return self.layers[-1] if self.layers else None
 
     def append(self, layer: dict, params: dict | None = None) -> None:
+        """Add a layer, or merge a parameterless one into the layer before where that op absorbs it."""
+        if not params and self.last is not None and get_op(self.last["type"]).onnx_absorbs(self.last, layer):
+            return
         self.layers.append(layer)
         self.params.append(params or {})
 
@@ -150,434 +168,27 @@ class _Chain:
         self.shape = model.output_shape
 
 
-# --------------------------------------------------------------------------- padding and pooling helpers
-
-def _padding(node: _Node, attrs: dict, kernel, strides, dilations) -> tuple[list, list]:
-    """ONNX pads / auto_pad -> (padding before, padding after) per spatial axis."""
-    rank = len(kernel)
-    auto_pad = attrs["auto_pad"]
-    if auto_pad == "VALID":
-        return [0] * rank, [0] * rank
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        begins, ends = [], []
-        for size, k, s, d in zip(node.in_shape[1:], kernel, strides, dilations):
-            total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
-            small, large = total // 2, total - total // 2
-            begins.append(small if auto_pad == "SAME_UPPER" else large)
-            ends.append(large if auto_pad == "SAME_UPPER" else small)
-        return begins, ends
-    if auto_pad != "NOTSET":
-        raise node.error(f"auto_pad {auto_pad!r} is not supported")
-    pads = [int(p) for p in (attrs["pads"] or [0] * 2 * rank)]
-    if len(pads) != 2 * rank:
-        raise node.error(f"pads {pads} are not {rank}-D ([" + ", ".join(["begin"] * rank + ["end"] * rank) + "])")
-    return pads[:rank], pads[rank:]
+def _readers() -> dict:
+    """ONNX op type -> the ops that read it (`onnx_readers`), in the registry's order."""
+    readers = {}
+    for op in OPS.values():
+        for onnx_type in op.onnx_readers:
+            readers.setdefault(onnx_type, []).append(op)
+    return readers
 
 
-def _symmetric_padding(node: _Node, attrs: dict, kernel, strides, dilations) -> list:
-    """ONNX pads / auto_pad -> lnn's padding per axis ([pad_h, pad_w]; the same on both sides)."""
-    begins, ends = _padding(node, attrs, kernel, strides, dilations)
-    if begins != ends:
-        raise node.error(f"asymmetric pads {begins + ends} ([" + ("top, left, bottom, right" if len(kernel) == 2
-                                                                   else "begin, end") + "]"
-                         + (f" from auto_pad {attrs['auto_pad']}" if attrs["auto_pad"] != "NOTSET" else "")
-                         + ") are not supported: lnn pads both sides alike")
-    return begins
+READERS = _readers()
+SUPPORTED_OPS = sorted([*READERS, "Identity", "Constant"])
 
 
-def _two_d(node: _Node, values, name: str, default) -> list:
-    values = list(default if values is None else values)
-    if len(values) != 2:
-        raise node.error(f"{name} {values}: only 2-D is supported")
-    return [int(v) for v in values]
-
-
-def _pool_layer(node: _Node, kind: str, **extra_defaults) -> tuple[dict, dict]:
-    """MaxPool / AveragePool -> `kind`pool2d on [N, C, H, W], `kind`pool1d on [N, C, T] (an integer per field)."""
-    attrs = node.attributes(auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None,
-                            strides=None, **extra_defaults)
-    node.need_rank((2, 3), "a 3-D [N, C, T] or 4-D [N, C, H, W]")
-    rank = len(node.in_shape) - 1
-    if attrs["kernel_shape"] is None:
-        raise node.error("needs kernel_shape")
-    kernel = [int(v) for v in attrs["kernel_shape"]]
-    strides = [int(v) for v in attrs["strides"] or [1] * rank]
-    if len(kernel) != rank or len(strides) != rank:
-        raise node.error(f"kernel_shape {kernel} / strides {strides} do not fit a {rank}-D input")
-    if list(attrs["dilations"] or [1] * rank) != [1] * rank:
-        raise node.error(f"dilations {list(attrs['dilations'])} are not supported for pooling")
-    padding = _symmetric_padding(node, attrs, kernel, strides, [1] * rank)
-    if attrs["ceil_mode"]:
-        for size, k, s, p in zip(node.in_shape[1:], kernel, strides, padding):
-            if (size + 2 * p - k) % s:
-                raise node.error("ceil_mode=1 gives a larger output than lnn's floor rounding here; not supported")
-    if rank == 1:
-        return {"type": f"{kind}pool1d", "kernel_size": kernel[0], "stride": strides[0], "padding": padding[0]}, attrs
-    return {"type": f"{kind}pool2d", "kernel_size": kernel, "stride": strides, "padding": padding}, attrs
-
-
-def _max_pool(node: _Node, chain: _Chain) -> None:
-    layer, _ = _pool_layer(node, "max", storage_order=0)   # storage_order only orders the unused Indices
-    chain.append(layer)
-
-
-def _average_pool(node: _Node, chain: _Chain) -> None:
-    layer, attrs = _pool_layer(node, "avg", count_include_pad=0)
-    layer["count_include_pad"] = bool(attrs["count_include_pad"])
-    chain.append(layer)
-
-
-# --------------------------------------------------------------------------- converters: node -> chain
-
-def _conv(node: _Node, chain: _Chain) -> None:
-    """Conv with a 4-D weight -> conv2d; with a 3-D weight -> conv1d (its pads may differ left and right)."""
-    attrs = node.attributes(auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None)
-    weight = node.weight(1, "weight")
-    if weight.ndim not in (3, 4):
-        raise node.error(f"weight of shape {list(weight.shape)}: only 1-D and 2-D convolution (a 3-D or 4-D weight) "
-                         "are supported")
-    one_d = weight.ndim == 3
-    node.need_rank((2,) if one_d else (3,), "a 3-D [N, C, T]" if one_d else "a 4-D [N, C, H, W]")
-    kernel = list(weight.shape[2:])
-    if attrs["kernel_shape"] is not None and list(attrs["kernel_shape"]) != kernel:
-        raise node.error(f"kernel_shape {list(attrs['kernel_shape'])} does not match the weight's {kernel}")
-    bias = node.weight(2, "bias", optional=True)
-    lnn_op = "conv1d" if one_d else "conv2d"
-    layer = {"type": lnn_op, "name": chain.unique_name(node.proto.input[1], lnn_op),
-             "out_channels": int(weight.shape[0]), "groups": int(attrs["group"]), "bias": bias is not None}
-    if one_d:
-        strides, dilations = [int(v) for v in attrs["strides"] or [1]], [int(v) for v in attrs["dilations"] or [1]]
-        if len(strides) != 1 or len(dilations) != 1:
-            raise node.error(f"strides {strides} / dilations {dilations}: a 1-D convolution takes one of each")
-        begins, ends = _padding(node, attrs, kernel, strides, dilations)
-        layer.update(kernel_size=kernel[0], stride=strides[0], dilation=dilations[0], padding=begins + ends)
-    else:
-        strides = _two_d(node, attrs["strides"], "strides", [1, 1])
-        dilations = _two_d(node, attrs["dilations"], "dilations", [1, 1])
-        layer.update(kernel_size=kernel, stride=strides, dilation=dilations,
-                     padding=_symmetric_padding(node, attrs, kernel, strides, dilations))
-    chain.append(layer, {"weight": weight} if bias is None else {"weight": weight, "bias": bias})
-
-
-def _bias_vector(node: _Node, c: np.ndarray, out_features: int) -> np.ndarray:
-    """A bias that is the same for every batch row ([], [1], [K] or [1, K]) -> [K]."""
-    if c.ndim > 2 or (c.ndim == 2 and c.shape[0] != 1):
-        raise node.error(f"bias of shape {list(c.shape)} differs between batch rows; lnn takes a per-output bias [{out_features}]")
-    try:
-        return np.broadcast_to(c.reshape(-1) if c.ndim == 2 else c, (out_features,)).astype(np.float32)
-    except ValueError:
-        raise node.error(f"bias of shape {list(c.shape)} does not fit {out_features} outputs") from None
-
-
-def _gemm(node: _Node, chain: _Chain) -> None:
-    attrs = node.attributes(alpha=1.0, beta=1.0, transA=0, transB=0)
-    if attrs["transA"]:
-        raise node.error("transA=1 (a transposed input) is not supported")
-    node.need_rank((1,), "a 2-D [N, K]")
-    b = node.weight(1, "B")
-    if b.ndim != 2:
-        raise node.error(f"B of shape {list(b.shape)} is not a matrix")
-    weight = (b if attrs["transB"] else b.T) * np.float32(attrs["alpha"])
-    c = node.weight(2, "C", optional=True)
-    layer = {"type": "linear", "name": chain.unique_name(node.proto.input[1], "linear"),
-             "out_features": int(weight.shape[0]), "bias": c is not None}
-    params = {"weight": np.ascontiguousarray(weight, dtype=np.float32)}
-    if c is not None:
-        params["bias"] = _bias_vector(node, c, weight.shape[0]) * np.float32(attrs["beta"])
-    chain.append(layer, params)
-
-
-def _matmul(node: _Node, chain: _Chain) -> None:
-    node.attributes()
-    node.need_rank((1,), "a 2-D [N, K]")
-    b = node.weight(1, "B")
-    if b.ndim != 2:
-        raise node.error(f"B of shape {list(b.shape)}: only a 2-D [N, K] @ [K, M] product is supported")
-    chain.append({"type": "linear", "name": chain.unique_name(node.proto.input[1], "linear"),
-                  "out_features": int(b.shape[1]), "bias": False},
-                 {"weight": np.ascontiguousarray(b.T, dtype=np.float32)})
-
-
-def _add(node: _Node, chain: _Chain) -> None:
-    node.attributes()
-    last = chain.last
-    if not last or last["type"] != "linear" or last["bias"] or last.get("activation"):
-        raise node.error("Add is supported only as the bias right after a MatMul (MatMul + Add)")
-    position = 1 if node.proto.input[1] in node.consts else 0
-    last["bias"] = True
-    chain.params[-1]["bias"] = _bias_vector(node, node.weight(position, "bias"), last["out_features"])
-
-
-def _batchnorm(node: _Node, chain: _Chain) -> None:
-    attrs = node.attributes(epsilon=1e-5, momentum=0.9, training_mode=0, spatial=1)
-    if attrs["training_mode"]:
-        raise node.error("training_mode=1 (batch statistics) is not supported; export the model in eval mode")
-    if attrs["spatial"] != 1:
-        raise node.error("spatial=0 (per-element statistics) is not supported")
-    params = {key: node.weight(i, key) for i, key in enumerate(("weight", "bias", "running_mean", "running_var"), 1)}
-    chain.append({"type": "batchnorm", "name": chain.unique_name(node.proto.input[1], "batchnorm"),
-                  "eps": float(attrs["epsilon"])}, params)
-
-
-def _layernorm(node: _Node, chain: _Chain) -> None:
-    attrs = node.attributes(axis=-1, epsilon=1e-5, stash_type=1)
-    rank = len(node.in_shape) + 1
-    axis = attrs["axis"] + rank if attrs["axis"] < 0 else attrs["axis"]
-    if not 1 <= axis < rank:
-        raise node.error(f"axis {attrs['axis']} of a rank-{rank} input: lnn normalizes within a sample (axis >= 1)")
-    shape = list(node.in_shape[axis - 1:])
-    scale, bias = node.weight(1, "Scale"), node.weight(2, "B", optional=True)
-    params = {}
-    for key, value in (("weight", scale), ("bias", bias)):
-        if value is None:
-            continue
-        try:
-            params[key] = np.ascontiguousarray(np.broadcast_to(value, shape), dtype=np.float32)
-        except ValueError:
-            raise node.error(f"{'Scale' if key == 'weight' else 'B'} of shape {list(value.shape)} does not fit "
-                             f"the normalized shape {shape}") from None
-    chain.append({"type": "layernorm", "name": chain.unique_name(node.proto.input[1], "layernorm"),
-                  "normalized_shape": shape, "eps": float(attrs["epsilon"]), "bias": bias is not None}, params)
-
-
-def _global_pool(lnn_op: str):
-    def convert(node: _Node, chain: _Chain) -> None:
+def _read(node: _Node, chain: _Chain) -> None:
+    """Read one node into the chain: the first op reading its type that claims it, else the last one."""
+    ops = READERS.get(node.op)
+    if ops is None:                       # Identity (convert_graph refuses other types)
         node.attributes()
-        node.need_rank((2, 3), "a 3-D [N, C, T] or 4-D [N, C, H, W]")
-        chain.append({"type": lnn_op, "keepdims": True})
-    return convert
-
-
-def _flatten_layer(chain: _Chain) -> None:
-    last = chain.last
-    if last and last["type"] in ("global_avg_pool", "global_max_pool") and last["keepdims"]:
-        last["keepdims"] = False          # GlobalAveragePool / GlobalMaxPool + Flatten is one lnn layer
-    else:
-        chain.append({"type": "flatten"})
-
-
-def _flatten(node: _Node, chain: _Chain) -> None:
-    attrs = node.attributes(axis=1)
-    rank = len(node.in_shape) + 1
-    axis = attrs["axis"] + rank if attrs["axis"] < 0 else attrs["axis"]
-    if axis != 1:
-        raise node.error(f"axis {attrs['axis']} of a rank-{rank} input: lnn flattens everything after the batch (axis 1) only")
-    _flatten_layer(chain)
-
-
-def _reshape(node: _Node, chain: _Chain) -> None:
-    if chain.layout == "directions_last":
-        return _rnn_reshape(node, chain)
-    attrs = node.attributes(allowzero=0)
-    target = [int(v) for v in node.const(1, "shape").reshape(-1)]
-    features = math.prod(node.in_shape)
-    batch_ok = {-1} if attrs["allowzero"] else {0, -1}       # allowzero=1 makes a 0 a real zero
-    if node.batch is not None:
-        batch_ok.add(node.batch)                              # the graph's fixed batch size written out
-    if len(target) != 2 or target[0] not in batch_ok or target[1] not in (-1, features) or target == [-1, -1]:
-        raise node.error(f"Reshape to {target} is not supported: lnn supports Reshape only as a flatten "
-                         f"to [N, -1], [0, -1] or [-1, {features}]")
-    _flatten_layer(chain)
-
-
-def _activation(node: _Node, chain: _Chain, activation: dict) -> None:
-    """Fold into the layer before when it takes an activation and has none yet; else a stand-alone layer."""
-    last = chain.last
-    if last and get_op(last["type"]).has_activation_field and not last.get("activation"):
-        last["activation"] = activation
-    else:
-        chain.append(dict(activation))
-
-
-def _relu(node, chain):
-    node.attributes()
-    _activation(node, chain, {"type": "relu"})
-
-
-def _sigmoid(node, chain):
-    node.attributes()
-    _activation(node, chain, {"type": "sigmoid"})
-
-
-def _tanh(node, chain):
-    node.attributes()
-    _activation(node, chain, {"type": "tanh"})
-
-
-def _leaky_relu(node, chain):
-    attrs = node.attributes(alpha=0.01)
-    _activation(node, chain, {"type": "leaky_relu", "negative_slope": float(attrs["alpha"])})
-
-
-def _clip(node, chain):
-    if node.opset < 11:
-        attrs = node.attributes(min=-np.inf, max=np.inf)
-        low, high = float(attrs["min"]), float(attrs["max"])
-    else:
-        node.attributes()
-        low, high = (node.const(i, name, optional=True) for i, name in ((1, "min"), (2, "max")))
-        if any(bound is not None and bound.size != 1 for bound in (low, high)):
-            raise node.error("min and max must be scalars")
-        low = -np.inf if low is None else float(low.reshape(-1)[0])
-        high = np.inf if high is None else float(high.reshape(-1)[0])
-    if low == -np.inf and high == np.inf:
-        return                                  # no bounds: the identity
-    if low == 0 and high == 6:
-        _activation(node, chain, {"type": "relu6"})
-    elif low == 0 and high >= FLOAT_LIMIT:
-        _activation(node, chain, {"type": "relu"})
-    else:
-        raise node.error(f"Clip to [{low:g}, {high:g}] is not supported: lnn has Clip only as relu6 (0 to 6) "
-                         "or relu (0, no maximum)")
-
-
-def _softmax(node, chain):
-    attrs = node.attributes(axis=-1 if node.opset >= 13 else 1)
-    rank = len(node.in_shape) + 1
-    if rank != 2 or attrs["axis"] not in (1, -1):
-        raise node.error(f"softmax over axis {attrs['axis']} of a rank-{rank} input: lnn's softmax works on "
-                         "[N, K] over K only")
-    _activation(node, chain, {"type": "softmax"})
-
-
-def _dropout(node, chain):
-    attrs = node.attributes(ratio=0.5, seed=0, is_test=1)
-    if node.opset >= 12:
-        ratio = node.const(1, "ratio", optional=True)
-        ratio = 0.5 if ratio is None else float(ratio)
-        training = node.const(2, "training_mode", optional=True)
-        if training is not None and bool(training):
-            raise node.error("training_mode=true is not supported; export the model in eval mode")
-    else:
-        ratio = float(attrs["ratio"])
-    chain.append({"type": "dropout", "p": ratio})         # the identity at inference, as in lnn
-
-
-def _identity(node, chain):
-    node.attributes()
-
-
-# --------------------------------------------------------------------------- recurrent layers and their layouts
-
-RNN_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"]}
-
-
-def _transpose(node: _Node, chain: _Chain) -> None:
-    perm = [int(v) for v in node.attributes(perm=None)["perm"] or []]
-    if chain.layout is None and len(node.in_shape) == 2 and perm == [2, 0, 1]:
-        chain.layout = "time_major"                     # [N, C, T] -> [T, N, C], for an LSTM / GRU
-    elif chain.layout == "directions" and perm == [0, 2, 1, 3]:
-        chain.layout = "directions_last"                # Y [T, D, N, H] -> [T, N, D, H]
-    elif chain.layout == "time_major" and chain.rnn_open and perm == [1, 2, 0]:
-        chain.layout, chain.rnn_open = None, False      # [T, N, D*H] -> lnn's [N, D*H, T]
-    else:
-        raise node.error(f"Transpose with perm {perm} is not supported here: lnn takes Transpose only around "
-                         "LSTM / GRU nodes of a channel-first [N, C, T] series")
-
-
-def _squeeze(node: _Node, chain: _Chain) -> None:
-    node.attributes(axes=None)
-    axes = node.given.get("axes")
-    if axes is None and len(node.proto.input) > 1:
-        axes = node.const(1, "axes").reshape(-1).tolist()
-    if chain.layout != "directions" or [int(a) for a in axes or []] != [1]:
-        raise node.error("Squeeze is supported only as the directions axis (1) of a one-direction LSTM / GRU output")
-    if chain.last["bidirectional"]:
-        raise node.error("Squeeze of axis 1 of a bidirectional LSTM / GRU output (2 directions)")
-    chain.layout = "time_major"
-
-
-def _rnn_zero_state(node: _Node, position: int, what: str) -> None:
-    names = node.proto.input
-    if position >= len(names) or not names[position] or names[position] in node.zeros:
         return
-    value = node.const(position, what)
-    if np.any(value != 0):
-        raise node.error(f"{what} is not zero: lnn's lstm and gru start from zero states")
-
-
-def _recurrent(node: _Node, chain: _Chain) -> None:
-    lnn_op = node.op.lower()
-    defaults = dict(activation_alpha=None, activation_beta=None, activations=None, clip=None, direction="forward",
-                    hidden_size=None, layout=0)
-    defaults.update(input_forget=0) if node.op == "LSTM" else defaults.update(linear_before_reset=0)
-    attrs = node.attributes(**defaults)
-    if chain.layout != "time_major":
-        raise node.error("needs a time-major [T, N, F] input: lnn takes series channel-first [N, C, T], so the "
-                         "graph must Transpose (perm [2, 0, 1]) right before it")
-    if attrs["layout"] != 0:
-        raise node.error("layout=1 (batch first) is not supported")
-    if attrs["clip"] is not None or attrs["activation_alpha"] or attrs["activation_beta"]:
-        raise node.error("clip and activation parameters are not supported")
-    if attrs["activations"] is not None and list(attrs["activations"]) != RNN_ACTIVATIONS[node.op] * (len(attrs["activations"]) // len(RNN_ACTIVATIONS[node.op])):
-        raise node.error(f"activations {list(attrs['activations'])}: lnn has {node.op} with {RNN_ACTIVATIONS[node.op]} only")
-    if node.op == "LSTM" and attrs["input_forget"]:
-        raise node.error("input_forget=1 (coupled input and forget gates) is not supported")
-    if node.op == "GRU" and attrs["linear_before_reset"] != 1:
-        raise node.error("linear_before_reset=0 is not PyTorch's GRU: lnn computes n = tanh(W_in x + b_in + "
-                         "r * (W_hn h + b_hn)), which is linear_before_reset=1")
-    if attrs["direction"] not in ("forward", "bidirectional"):
-        raise node.error(f"direction {attrs['direction']!r} is not supported (forward or bidirectional)")
-    names = node.proto.input
-    if len(names) > 4 and names[4]:
-        raise node.error("sequence_lens is not supported: every series has the graph's length")
-    if len(names) > 7 and names[7]:
-        raise node.error("peephole weights (P) are not supported")
-    _rnn_zero_state(node, 5, "initial_h")
-    if node.op == "LSTM":
-        _rnn_zero_state(node, 6, "initial_c")
-    w, r, b = node.weight(1, "W"), node.weight(2, "R"), node.weight(3, "B", optional=True)
-    directions = 2 if attrs["direction"] == "bidirectional" else 1
-    gates = get_op(lnn_op).gates
-    hidden = r.shape[-1] if r.ndim == 3 else 0
-    if (w.ndim != 3 or r.ndim != 3 or w.shape[0] != directions or r.shape != (directions, gates * hidden, hidden)
-            or w.shape[1] != gates * hidden or (b is not None and b.shape != (directions, 2 * gates * hidden))
-            or (attrs["hidden_size"] is not None and attrs["hidden_size"] != hidden)):
-        raise node.error(f"W {list(w.shape)}, R {list(r.shape)}" + (f", B {list(b.shape)}" if b is not None else "")
-                         + f" do not fit {directions} direction(s) of {node.op} with hidden size {hidden}")
-    last = chain.last
-    merge = (chain.rnn_open and last["type"] == lnn_op and last["hidden_size"] == hidden
-             and last["bidirectional"] == (directions == 2) and last["bias"] == (b is not None))
-    if merge:
-        layer_index, params = last["num_layers"], chain.params[-1]
-        last["num_layers"] += 1
-    else:
-        chain.append({"type": lnn_op, "name": chain.unique_name(names[1], lnn_op), "hidden_size": hidden,
-                      "num_layers": 1, "bidirectional": directions == 2, "bias": b is not None})
-        layer_index, params = 0, chain.params[-1]
-    for direction in range(directions):
-        suffix = f"_l{layer_index}" + ("_reverse" if direction else "")
-        params[f"weight_ih{suffix}"] = onnx_gate_blocks(w[direction], lnn_op, hidden, to_onnx=False)
-        params[f"weight_hh{suffix}"] = onnx_gate_blocks(r[direction], lnn_op, hidden, to_onnx=False)
-        if b is not None:
-            params[f"bias_ih{suffix}"] = onnx_gate_blocks(b[direction, :gates * hidden], lnn_op, hidden, to_onnx=False)
-            params[f"bias_hh{suffix}"] = onnx_gate_blocks(b[direction, gates * hidden:], lnn_op, hidden, to_onnx=False)
-    chain.layout, chain.rnn_open = "directions", True
-
-
-def _rnn_reshape(node: _Node, chain: _Chain) -> None:
-    """[T, N, D, H] -> [T, N, D*H]: a bidirectional RNN's output merged back into features."""
-    node.attributes(allowzero=0)
-    target = [int(v) for v in node.const(1, "shape").reshape(-1)]
-    features = chain.last["hidden_size"] * 2
-    if len(target) != 3 or target[0] not in (0, chain.shape[-1]) or target[1] not in {0, -1, node.batch} - {None} \
-            or target[2] not in (-1, features):
-        raise node.error(f"Reshape to {target} is not supported after a bidirectional LSTM / GRU: lnn takes "
-                         f"[0, 0, -1] ([T, N, {features}])")
-    chain.layout = "time_major"
-
-
-CONVERTERS = {
-    "Conv": _conv, "Gemm": _gemm, "MatMul": _matmul, "Add": _add, "BatchNormalization": _batchnorm,
-    "LayerNormalization": _layernorm,
-    "MaxPool": _max_pool, "AveragePool": _average_pool,
-    "GlobalAveragePool": _global_pool("global_avg_pool"), "GlobalMaxPool": _global_pool("global_max_pool"),
-    "Flatten": _flatten, "Reshape": _reshape,
-    "Relu": _relu, "Clip": _clip, "Sigmoid": _sigmoid, "Tanh": _tanh, "LeakyRelu": _leaky_relu,
-    "Softmax": _softmax, "Dropout": _dropout, "Identity": _identity,
-    "Transpose": _transpose, "Squeeze": _squeeze, "LSTM": _recurrent, "GRU": _recurrent,
-}
-SUPPORTED_OPS = sorted([*CONVERTERS, "Constant"])
+    op = next((op for op in ops if op.onnx_claims(node, chain)), ops[-1])
+    getattr(op, op.onnx_readers[node.op])(node, chain)
 
 
 # --------------------------------------------------------------------------- the graph walk
@@ -697,8 +308,7 @@ def convert_graph(proto) -> tuple[dict, list]:
             continue
         if index in side_nodes:
             continue
-        converter = CONVERTERS.get(proto_node.op_type)
-        if converter is None:
+        if proto_node.op_type not in READERS and proto_node.op_type != "Identity":
             raise OnnxImportError(f"{where}: op {proto_node.op_type} is not supported by lnn; "
                                   f"supported: {', '.join(SUPPORTED_OPS)}")
         data_inputs = [name for name in proto_node.input if name and name not in consts and name not in side_outputs]
@@ -712,7 +322,7 @@ def convert_graph(proto) -> tuple[dict, list]:
             if extra and (extra in consumers or extra in graph_outputs):
                 raise OnnxImportError(f'{where}: its second output "{extra}" is used; lnn gives only the first')
         node = _Node(proto_node, index, consts, chain.shape, opset, batch, frozenset(zeros))
-        converter(node, chain)
+        _read(node, chain)
         chain.infer_shape(node)
         current = proto_node.output[0]
 

@@ -5,7 +5,10 @@ Each op states, in one place:
   - its parameter tensors and their shapes,
   - shape inference (per-sample shapes, no batch dimension),
   - its cost: FLOPs (a multiply-add counts 2) and other element-wise operations,
-  - a plain NumPy reference forward on batched NCHW / NCT / NC arrays.
+  - a plain NumPy reference forward on batched NCHW / NCT / NC arrays,
+  - its ONNX mapping: `to_onnx` (the nodes the export writes) and `onnx_readers` (the ONNX node types the
+    import reads into it); formats/onnx_export.py and formats/onnx_import.py are generic drivers that call
+    these with their graph builder and node reader (onnx itself is never imported here).
 
 The reference forward is the semantics every backend must reproduce (the NumPy runtime runs
 it as is; the Numba and CUDA backends are checked against it). Conventions follow PyTorch:
@@ -15,7 +18,8 @@ channel-first [C, T] (conv1d weight [O, I/groups, K]; batch [N, C, T]); a 1-D wi
 avgpool1d) is its 2-D op on [C, 1, T] (`two_d`, `as_2d`), so its costs and reference are that op's; lstm / gru
 take PyTorch's weights and gate order.
 
-Adding an op means adding one class here, registering it in OPS, and one kernel per backend.
+Adding an op means adding one class here (ONNX mapping included), registering it in OPS, and one module
+per backend.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import math
 
 import numpy as np
 
-from lnn.formats.errors import ModelSpecError
+from lnn.formats.errors import LnnError, ModelSpecError
 
 
 class SpecProblem(Exception):
@@ -75,6 +79,12 @@ ACTIVATIONS = {
     "tanh": (_tanh, {}, 4),
     "softmax": (_softmax, {}, 4),
 }
+
+
+# name -> its ONNX node (Activation.activation_to_onnx, activation_from_onnx)
+ONNX_ACTIVATIONS = {"relu": "Relu", "relu6": "Clip", "leaky_relu": "LeakyRelu", "sigmoid": "Sigmoid", "tanh": "Tanh",
+                    "softmax": "Softmax"}
+ONNX_FLOAT_LIMIT = 3.0e38          # Clip's defaults before opset 11 were -FLT_MAX / FLT_MAX
 
 
 def normalize_activation(value) -> dict | None:
@@ -200,6 +210,15 @@ class Op:
         """Parameters that are statistics, not learned (batch norm's running mean/var)."""
         return ()
 
+    def initial_weights(self, attrs: dict, param_shapes: dict, rng) -> dict:
+        """PyTorch's default initialization as the trainer draws it (train/trainer.py initial_weights): every
+        parameter U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in the weight's inputs per output."""
+        bound = 1 / math.sqrt(self.fan_in(attrs, param_shapes)) if param_shapes else 0
+        return {name: rng.uniform(-bound, bound, shape) for name, shape in param_shapes.items()}
+
+    def fan_in(self, attrs: dict, param_shapes: dict) -> int:
+        return math.prod(param_shapes["weight"][1:])
+
     def infer(self, attrs: dict, in_shape: tuple) -> tuple:
         return tuple(in_shape)
 
@@ -224,6 +243,27 @@ class Op:
     def as_2d(self, attrs: dict) -> dict:
         """A 1-D window op's attributes as those of its `two_d` op (model.as_rows makes the whole 2-D node)."""
         raise NotImplementedError
+
+    # ONNX. Export: `to_onnx(graph, node, params)` appends the nodes of one layer to onnx_export's _GraphBuilder
+    # (params float32, a batch norm after it already folded in). Import: `onnx_readers` maps each ONNX op type
+    # this op reads to the name of its method `(node, chain)`, which reads onnx_import's _Node into its _Chain;
+    # where several ops read one type, the first in OPS whose `onnx_claims` is true reads it (else the last).
+    onnx_readers: dict = {}
+
+    def to_onnx(self, graph, node, params: dict) -> None:
+        raise LnnError(f"layer {node.index} ({node.op}): no ONNX export for this op")
+
+    def onnx_claims(self, node, chain) -> bool:
+        return True
+
+    def onnx_absorbs(self, layer: dict, following: dict) -> bool:
+        """Import: merge the parameterless layer `following` into this op's `layer` right before it, where ONNX
+        writes one lnn layer as two nodes (true when merged). By default an activation joins a layer that takes
+        one and has none yet (Conv + Relu -> conv2d with activation relu)."""
+        if self.has_activation_field and following["type"] in ACTIVATIONS and not layer.get("activation"):
+            layer["activation"] = following
+            return True
+        return False
 
 
 REQUIRED = object()
@@ -266,6 +306,61 @@ class Linear(Op):
         if attrs["bias"]:
             y = y + params["bias"]
         return apply_activation(y, attrs["activation"])
+
+    onnx_readers = {"Gemm": "gemm_from_onnx", "MatMul": "matmul_from_onnx", "Add": "add_from_onnx"}
+
+    def to_onnx(self, graph, node, params):
+        """Gemm(transB=1): y = x @ W.T + b, W kept as lnn stores it ([out, in])."""
+        inputs = [graph.constant(f"{node.name}.{p}", params[p]) for p in ("weight", "bias") if p in params]
+        graph.add("Gemm", node.name, inputs, transB=1)
+
+    @staticmethod
+    def _onnx_bias(node, c: np.ndarray, out_features: int) -> np.ndarray:
+        """A bias that is the same for every batch row ([], [1], [K] or [1, K]) -> [K]."""
+        if c.ndim > 2 or (c.ndim == 2 and c.shape[0] != 1):
+            raise node.error(f"bias of shape {list(c.shape)} differs between batch rows; lnn takes a per-output bias [{out_features}]")
+        try:
+            return np.broadcast_to(c.reshape(-1) if c.ndim == 2 else c, (out_features,)).astype(np.float32)
+        except ValueError:
+            raise node.error(f"bias of shape {list(c.shape)} does not fit {out_features} outputs") from None
+
+    def gemm_from_onnx(self, node, chain):
+        """Gemm: weight [out, in] = B.T (B when transB=1), times alpha; bias = beta * C."""
+        attrs = node.attributes(alpha=1.0, beta=1.0, transA=0, transB=0)
+        if attrs["transA"]:
+            raise node.error("transA=1 (a transposed input) is not supported")
+        node.need_rank((1,), "a 2-D [N, K]")
+        b = node.weight(1, "B")
+        if b.ndim != 2:
+            raise node.error(f"B of shape {list(b.shape)} is not a matrix")
+        weight = (b if attrs["transB"] else b.T) * np.float32(attrs["alpha"])
+        c = node.weight(2, "C", optional=True)
+        layer = {"type": "linear", "name": chain.unique_name(node.proto.input[1], "linear"),
+                 "out_features": int(weight.shape[0]), "bias": c is not None}
+        params = {"weight": np.ascontiguousarray(weight, dtype=np.float32)}
+        if c is not None:
+            params["bias"] = self._onnx_bias(node, c, weight.shape[0]) * np.float32(attrs["beta"])
+        chain.append(layer, params)
+
+    def matmul_from_onnx(self, node, chain):
+        """MatMul [N, K] @ [K, M] (+ Add: add_from_onnx): weight B.T."""
+        node.attributes()
+        node.need_rank((1,), "a 2-D [N, K]")
+        b = node.weight(1, "B")
+        if b.ndim != 2:
+            raise node.error(f"B of shape {list(b.shape)}: only a 2-D [N, K] @ [K, M] product is supported")
+        chain.append({"type": "linear", "name": chain.unique_name(node.proto.input[1], "linear"),
+                      "out_features": int(b.shape[1]), "bias": False},
+                     {"weight": np.ascontiguousarray(b.T, dtype=np.float32)})
+
+    def add_from_onnx(self, node, chain):
+        node.attributes()
+        last = chain.last
+        if not last or last["type"] != "linear" or last["bias"] or last.get("activation"):
+            raise node.error("Add is supported only as the bias right after a MatMul (MatMul + Add)")
+        position = 1 if node.proto.input[1] in node.consts else 0
+        last["bias"] = True
+        chain.params[-1]["bias"] = self._onnx_bias(node, node.weight(position, "bias"), last["out_features"])
 
 
 class Conv2d(Op):
@@ -336,6 +431,44 @@ class Conv2d(Op):
         if attrs["bias"]:
             y += params["bias"][None, :, None, None]
         return apply_activation(y, attrs["activation"])
+
+    onnx_readers = {"Conv": "conv_from_onnx"}
+
+    def to_onnx(self, graph, node, params):
+        """Conv (pads written as [top, left, bottom, right])."""
+        attrs = node.attrs
+        inputs = [graph.constant(f"{node.name}.{p}", params[p]) for p in ("weight", "bias") if p in params]
+        graph.add("Conv", node.name, inputs, kernel_shape=list(attrs["kernel_size"]), strides=list(attrs["stride"]),
+                  pads=list(attrs["padding"]) * 2, dilations=list(attrs["dilation"]), group=attrs["groups"])
+
+    def conv_from_onnx(self, node, chain):
+        """Conv with a 4-D weight: symmetric pads, or auto_pad VALID / SAME that comes out symmetric."""
+        attrs, weight, layer = _conv_from_onnx(node, chain, self.name)
+        kernel = list(weight.shape[2:])
+        strides = node.pair(attrs["strides"], "strides", [1, 1])
+        dilations = node.pair(attrs["dilations"], "dilations", [1, 1])
+        layer.update(kernel_size=kernel, stride=strides, dilation=dilations,
+                     padding=node.symmetric_padding(attrs, kernel, strides, dilations))
+
+
+def _conv_from_onnx(node, chain, lnn_op: str) -> tuple:
+    """What Conv -> conv1d (a 3-D weight) and conv2d (4-D) share: (attributes, weight, the layer appended to the
+    chain without its window fields)."""
+    attrs = node.attributes(auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None)
+    weight = node.weight(1, "weight")
+    if weight.ndim not in (3, 4):
+        raise node.error(f"weight of shape {list(weight.shape)}: only 1-D and 2-D convolution (a 3-D or 4-D weight) "
+                         "are supported")
+    one_d = weight.ndim == 3
+    node.need_rank((2,) if one_d else (3,), "a 3-D [N, C, T]" if one_d else "a 4-D [N, C, H, W]")
+    kernel = list(weight.shape[2:])
+    if attrs["kernel_shape"] is not None and list(attrs["kernel_shape"]) != kernel:
+        raise node.error(f"kernel_shape {list(attrs['kernel_shape'])} does not match the weight's {kernel}")
+    bias = node.weight(2, "bias", optional=True)
+    layer = {"type": lnn_op, "name": chain.unique_name(node.proto.input[1], lnn_op),
+             "out_channels": int(weight.shape[0]), "groups": int(attrs["group"]), "bias": bias is not None}
+    chain.append(layer, {"weight": weight} if bias is None else {"weight": weight, "bias": bias})
+    return attrs, weight, layer
 
 
 def _padding_1d(value, kernel: int, stride: int, dilation: int) -> tuple[int, int]:
@@ -426,6 +559,77 @@ class Conv1d(Op):
         rows = {key: value[:, :, None] if key == "weight" else value for key, value in params.items()}
         return OPS[self.two_d].forward(x[:, :, None], rows, conv1d_as_conv2d(attrs, (0, 0)))[:, :, 0]
 
+    onnx_readers = {"Conv": "conv_from_onnx"}
+
+    def to_onnx(self, graph, node, params):
+        """Conv with a 3-D weight (pads [left, right])."""
+        attrs = node.attrs
+        inputs = [graph.constant(f"{node.name}.{p}", params[p]) for p in ("weight", "bias") if p in params]
+        graph.add("Conv", node.name, inputs, kernel_shape=[attrs["kernel_size"]], strides=[attrs["stride"]],
+                  pads=list(attrs["padding"]), dilations=[attrs["dilation"]], group=attrs["groups"])
+
+    def onnx_claims(self, node, chain):
+        weight = node.consts.get(node.proto.input[1]) if len(node.proto.input) > 1 else None
+        return weight is not None and weight.ndim == 3
+
+    def conv_from_onnx(self, node, chain):
+        """Conv with a 3-D weight; any pads or auto_pad (the left and right ones may differ)."""
+        attrs, weight, layer = _conv_from_onnx(node, chain, self.name)
+        strides, dilations = [int(v) for v in attrs["strides"] or [1]], [int(v) for v in attrs["dilations"] or [1]]
+        if len(strides) != 1 or len(dilations) != 1:
+            raise node.error(f"strides {strides} / dilations {dilations}: a 1-D convolution takes one of each")
+        begins, ends = node.padding(attrs, list(weight.shape[2:]), strides, dilations)
+        layer.update(kernel_size=int(weight.shape[2]), stride=strides[0], dilation=dilations[0], padding=begins + ends)
+
+
+class _WindowPoolOnnx:
+    """ONNX MaxPool / AveragePool (`onnx_type`) <-> a window pool: 2-D on [N, C, H, W], or 1-D on [N, C, T] (the
+    same node over the T axis). Import: symmetric pads, no dilation; ceil_mode only where it gives the same
+    size as floor; AveragePool's count_include_pad."""
+
+    onnx_type = ""
+
+    def to_onnx(self, graph, node, params):
+        attrs = node.attrs
+        window = pool1d_as_2d(attrs) if self.two_d else attrs
+        axes = slice(1, 2) if self.two_d else slice(0, 2)                 # a 1-D pool: the T axis only
+        fields = dict(kernel_shape=list(window["kernel_size"][axes]), strides=list(window["stride"][axes]),
+                      pads=list(window["padding"][axes]) * 2)
+        if self.onnx_type == "AveragePool":
+            fields["count_include_pad"] = int(attrs["count_include_pad"])
+        graph.add(self.onnx_type, node.name, **fields)
+
+    def onnx_claims(self, node, chain):
+        return len(node.in_shape) == (2 if self.two_d else 3)
+
+    def pool_from_onnx(self, node, chain):
+        # MaxPool's storage_order only orders the unused Indices output
+        extra = {"storage_order": 0} if self.onnx_type == "MaxPool" else {"count_include_pad": 0}
+        attrs = node.attributes(auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None,
+                                strides=None, **extra)
+        node.need_rank((2, 3), "a 3-D [N, C, T] or 4-D [N, C, H, W]")
+        rank = len(node.in_shape) - 1
+        if attrs["kernel_shape"] is None:
+            raise node.error("needs kernel_shape")
+        kernel = [int(v) for v in attrs["kernel_shape"]]
+        strides = [int(v) for v in attrs["strides"] or [1] * rank]
+        if len(kernel) != rank or len(strides) != rank:
+            raise node.error(f"kernel_shape {kernel} / strides {strides} do not fit a {rank}-D input")
+        if list(attrs["dilations"] or [1] * rank) != [1] * rank:
+            raise node.error(f"dilations {list(attrs['dilations'])} are not supported for pooling")
+        padding = node.symmetric_padding(attrs, kernel, strides, [1] * rank)
+        if attrs["ceil_mode"]:
+            for size, k, s, p in zip(node.in_shape[1:], kernel, strides, padding):
+                if (size + 2 * p - k) % s:
+                    raise node.error("ceil_mode=1 gives a larger output than lnn's floor rounding here; not supported")
+        if rank == 1:
+            layer = {"type": self.name, "kernel_size": kernel[0], "stride": strides[0], "padding": padding[0]}
+        else:
+            layer = {"type": self.name, "kernel_size": kernel, "stride": strides, "padding": padding}
+        if self.onnx_type == "AveragePool":
+            layer["count_include_pad"] = bool(attrs["count_include_pad"])
+        chain.append(layer)
+
 
 class _Pool2d(Op):
     attr_defaults = {"kernel_size": REQUIRED, "stride": None, "padding": 0}
@@ -448,8 +652,9 @@ class _Pool2d(Op):
         return (c, oh, ow)
 
 
-class MaxPool2d(_Pool2d):
+class MaxPool2d(_WindowPoolOnnx, _Pool2d):
     name = "maxpool2d"
+    onnx_type, onnx_readers = "MaxPool", {"MaxPool": "pool_from_onnx"}
 
     def elementwise_ops(self, attrs, in_shape, out_shape):
         return math.prod(out_shape) * (math.prod(attrs["kernel_size"]) - 1)
@@ -459,10 +664,11 @@ class MaxPool2d(_Pool2d):
         return _windows(x, attrs["kernel_size"], attrs["stride"], (1, 1)).max(axis=(4, 5))
 
 
-class AvgPool2d(_Pool2d):
+class AvgPool2d(_WindowPoolOnnx, _Pool2d):
     """Average pooling; padded cells count as zeros (PyTorch's count_include_pad=True default)."""
 
     name = "avgpool2d"
+    onnx_type, onnx_readers = "AveragePool", {"AveragePool": "pool_from_onnx"}
     attr_defaults = {**_Pool2d.attr_defaults, "count_include_pad": True}
 
     def normalize(self, attrs, in_shape):
@@ -524,15 +730,17 @@ class _Pool1d(Op):
         return OPS[self.two_d].forward(x[:, :, None], params, self.as_2d(attrs))[:, :, 0]
 
 
-class MaxPool1d(_Pool1d):
+class MaxPool1d(_WindowPoolOnnx, _Pool1d):
     name = "maxpool1d"
+    onnx_type, onnx_readers = "MaxPool", {"MaxPool": "pool_from_onnx"}
     two_d = "maxpool2d"
 
 
-class AvgPool1d(_Pool1d):
+class AvgPool1d(_WindowPoolOnnx, _Pool1d):
     """Average pooling over T; padded cells count as zeros unless count_include_pad is false (PyTorch's)."""
 
     name = "avgpool1d"
+    onnx_type, onnx_readers = "AveragePool", {"AveragePool": "pool_from_onnx"}
     two_d = "avgpool2d"
     attr_defaults = {**_Pool1d.attr_defaults, "count_include_pad": True}
 
@@ -564,12 +772,37 @@ class _GlobalPool(Op):
         axes = tuple(range(2, x.ndim))
         return getattr(x, self.reduce)(axis=axes, keepdims=attrs["keepdims"]).astype(x.dtype, copy=False)
 
+    onnx_type = ""        # GlobalAveragePool or GlobalMaxPool ([N, C, T] or [N, C, H, W], keepdims)
+
+    @property
+    def onnx_readers(self):
+        return {self.onnx_type: "global_pool_from_onnx"}
+
+    def to_onnx(self, graph, node, params):
+        """The global pool, then Flatten(axis=1) unless keepdims."""
+        graph.add(self.onnx_type, node.name)
+        if not node.attrs["keepdims"]:
+            graph.add("Flatten", f"{node.name}/flatten", axis=1)
+
+    def global_pool_from_onnx(self, node, chain):
+        node.attributes()
+        node.need_rank((2, 3), "a 3-D [N, C, T] or 4-D [N, C, H, W]")
+        chain.append({"type": self.name, "keepdims": True})
+
+    def onnx_absorbs(self, layer, following):
+        """The global pool + Flatten is one lnn layer without keepdims."""
+        if following["type"] == "flatten" and layer["keepdims"]:
+            layer["keepdims"] = False
+            return True
+        return False
+
 
 class GlobalAvgPool(_GlobalPool):
     """Mean over T (or H and W)."""
 
     name = "global_avg_pool"
     reduce = "mean"
+    onnx_type = "GlobalAveragePool"
 
 
 class GlobalMaxPool(_GlobalPool):
@@ -577,6 +810,7 @@ class GlobalMaxPool(_GlobalPool):
 
     name = "global_max_pool"
     reduce = "max"
+    onnx_type = "GlobalMaxPool"
 
 
 class Flatten(Op):
@@ -588,6 +822,36 @@ class Flatten(Op):
 
     def forward(self, x, params, attrs, training=False):
         return x.reshape(x.shape[0], -1)
+
+    onnx_readers = {"Flatten": "flatten_from_onnx", "Reshape": "reshape_from_onnx"}
+
+    def to_onnx(self, graph, node, params):
+        graph.add("Flatten", node.name, axis=1)
+
+    def onnx_claims(self, node, chain):
+        return node.op != "Reshape" or chain.layout != "directions_last"      # else a recurrent layer's Reshape
+
+    def flatten_from_onnx(self, node, chain):
+        """Flatten on axis 1."""
+        attrs = node.attributes(axis=1)
+        rank = len(node.in_shape) + 1
+        axis = attrs["axis"] + rank if attrs["axis"] < 0 else attrs["axis"]
+        if axis != 1:
+            raise node.error(f"axis {attrs['axis']} of a rank-{rank} input: lnn flattens everything after the batch (axis 1) only")
+        chain.append({"type": "flatten"})
+
+    def reshape_from_onnx(self, node, chain):
+        """Reshape to [N, -1], [0, -1] or [N, K] only."""
+        attrs = node.attributes(allowzero=0)
+        target = [int(v) for v in node.const(1, "shape").reshape(-1)]
+        features = math.prod(node.in_shape)
+        batch_ok = {-1} if attrs["allowzero"] else {0, -1}       # allowzero=1 makes a 0 a real zero
+        if node.batch is not None:
+            batch_ok.add(node.batch)                              # the graph's fixed batch size written out
+        if len(target) != 2 or target[0] not in batch_ok or target[1] not in (-1, features) or target == [-1, -1]:
+            raise node.error(f"Reshape to {target} is not supported: lnn supports Reshape only as a flatten "
+                             f"to [N, -1], [0, -1] or [-1, {features}]")
+        chain.append({"type": "flatten"})
 
 
 class BatchNorm(Op):
@@ -617,6 +881,11 @@ class BatchNorm(Op):
     def buffer_names(self):
         return ("running_mean", "running_var")
 
+    def initial_weights(self, attrs, param_shapes, rng):
+        """weight 1, bias 0, running mean 0, running var 1."""
+        return {name: np.ones(shape) if name in ("weight", "running_var") else np.zeros(shape)
+                for name, shape in param_shapes.items()}
+
     def elementwise_ops(self, attrs, in_shape, out_shape):
         return math.prod(out_shape) * (2 + activation_ops(attrs["activation"]))
 
@@ -626,6 +895,25 @@ class BatchNorm(Op):
         shift = params["bias"] - params["running_mean"] * scale
         y = x * scale.reshape(shape).astype(x.dtype) + shift.reshape(shape).astype(x.dtype)
         return apply_activation(y, attrs["activation"])
+
+    onnx_readers = {"BatchNormalization": "batchnorm_from_onnx"}
+
+    def to_onnx(self, graph, node, params):
+        """BatchNormalization (the export folds a batch norm into a conv1d / conv2d / linear just before it
+        that has no activation: formats/fold.py)."""
+        inputs = [graph.constant(f"{node.name}.{p}", params[p]) for p in ("weight", "bias", "running_mean", "running_var")]
+        graph.add("BatchNormalization", node.name, inputs, epsilon=node.attrs["eps"])
+
+    def batchnorm_from_onnx(self, node, chain):
+        """Inference mode only."""
+        attrs = node.attributes(epsilon=1e-5, momentum=0.9, training_mode=0, spatial=1)
+        if attrs["training_mode"]:
+            raise node.error("training_mode=1 (batch statistics) is not supported; export the model in eval mode")
+        if attrs["spatial"] != 1:
+            raise node.error("spatial=0 (per-element statistics) is not supported")
+        params = {key: node.weight(i, key) for i, key in enumerate(("weight", "bias", "running_mean", "running_var"), 1)}
+        chain.append({"type": "batchnorm", "name": chain.unique_name(node.proto.input[1], "batchnorm"),
+                      "eps": float(attrs["epsilon"])}, params)
 
 
 class LayerNorm(Op):
@@ -682,6 +970,39 @@ class LayerNorm(Op):
             y = y + params["bias"]
         return y.astype(x.dtype)
 
+    onnx_readers = {"LayerNormalization": "layernorm_from_onnx"}
+
+    def to_onnx(self, graph, node, params):
+        """LayerNormalization(axis = -len(normalized_shape), epsilon); a Scale of ones without
+        elementwise_affine (ONNX requires one), no B without bias."""
+        attrs = node.attrs
+        scale = params.get("weight", np.ones(attrs["normalized_shape"], np.float32))
+        inputs = [graph.constant(f"{node.name}.weight", scale)]
+        if "bias" in params:
+            inputs.append(graph.constant(f"{node.name}.bias", params["bias"]))
+        graph.add("LayerNormalization", node.name, inputs, axis=-len(attrs["normalized_shape"]), epsilon=attrs["eps"])
+
+    def layernorm_from_onnx(self, node, chain):
+        """normalized_shape: the input's dimensions from axis on; Scale and B broadcast to it."""
+        attrs = node.attributes(axis=-1, epsilon=1e-5, stash_type=1)
+        rank = len(node.in_shape) + 1
+        axis = attrs["axis"] + rank if attrs["axis"] < 0 else attrs["axis"]
+        if not 1 <= axis < rank:
+            raise node.error(f"axis {attrs['axis']} of a rank-{rank} input: lnn normalizes within a sample (axis >= 1)")
+        shape = list(node.in_shape[axis - 1:])
+        scale, bias = node.weight(1, "Scale"), node.weight(2, "B", optional=True)
+        params = {}
+        for key, value in (("weight", scale), ("bias", bias)):
+            if value is None:
+                continue
+            try:
+                params[key] = np.ascontiguousarray(np.broadcast_to(value, shape), dtype=np.float32)
+            except ValueError:
+                raise node.error(f"{'Scale' if key == 'weight' else 'B'} of shape {list(value.shape)} does not fit "
+                                 f"the normalized shape {shape}") from None
+        chain.append({"type": "layernorm", "name": chain.unique_name(node.proto.input[1], "layernorm"),
+                      "normalized_shape": shape, "eps": float(attrs["epsilon"]), "bias": bias is not None}, params)
+
 
 class Dropout(Op):
     """Identity at inference; the trainer implements the training-time mask."""
@@ -696,6 +1017,22 @@ class Dropout(Op):
     def forward(self, x, params, attrs, training=False):
         return x
 
+    # Export: the inference graph has no dropout (onnx_export drops it before batch norms are folded).
+    onnx_readers = {"Dropout": "dropout_from_onnx"}
+
+    def dropout_from_onnx(self, node, chain):
+        """The identity at inference, as in lnn (lnn-export drops it again)."""
+        attrs = node.attributes(ratio=0.5, seed=0, is_test=1)
+        if node.opset >= 12:
+            ratio = node.const(1, "ratio", optional=True)
+            ratio = 0.5 if ratio is None else float(ratio)
+            training = node.const(2, "training_mode", optional=True)
+            if training is not None and bool(training):
+                raise node.error("training_mode=true is not supported; export the model in eval mode")
+        else:
+            ratio = float(attrs["ratio"])
+        chain.append({"type": "dropout", "p": ratio})
+
 
 class Activation(Op):
     """A stand-alone activation layer: {"type": "relu"}, {"type": "leaky_relu", "negative_slope": 0.2}."""
@@ -705,6 +1042,7 @@ class Activation(Op):
     def __init__(self, kind: str):
         self.name = kind
         self.attr_defaults = dict(ACTIVATIONS[kind][1])
+        self.onnx_readers = {ONNX_ACTIVATIONS[kind]: "activation_from_onnx"}
 
     def normalize(self, attrs, in_shape):
         if self.name == "softmax" and len(in_shape) != 1:
@@ -716,6 +1054,64 @@ class Activation(Op):
 
     def forward(self, x, params, attrs, training=False):
         return apply_activation(x, attrs)
+
+    # Export: the activation's node, for a stand-alone layer and for the fused `activation` of the layer before
+    # (onnx_export's _GraphBuilder.activation). Import: a node right after a layer that takes an activation and
+    # has none yet becomes that layer's (Op.onnx_absorbs), else a stand-alone layer.
+    def to_onnx(self, graph, node, params):
+        self.activation_to_onnx(graph, node.attrs, node.name)
+
+    def activation_to_onnx(self, graph, activation: dict, name: str) -> None:
+        """Relu, Clip(0, 6), LeakyRelu(alpha), Sigmoid, Tanh, Softmax(axis=1)."""
+        inputs, fields = [], {}
+        if self.name == "relu6":
+            inputs = [graph.constant(f"{name}.min", np.array(0.0)), graph.constant(f"{name}.max", np.array(6.0))]
+        elif self.name == "leaky_relu":
+            fields["alpha"] = activation["negative_slope"]
+        elif self.name == "softmax":
+            fields["axis"] = 1
+        graph.add(ONNX_ACTIVATIONS[self.name], name, inputs, **fields)
+
+    def activation_from_onnx(self, node, chain):
+        """Clip 0..6 is relu6 and Clip 0..inf relu (relu6 reads Clip), an unbounded Clip nothing; LeakyRelu's
+        alpha; Softmax over the last axis of [N, K] only."""
+        activation = {"type": self.name}
+        if self.name == "relu6":
+            activation = self._clip_from_onnx(node)
+            if activation is None:
+                return                                  # no bounds: the identity
+        elif self.name == "leaky_relu":
+            activation["negative_slope"] = float(node.attributes(alpha=0.01)["alpha"])
+        elif self.name == "softmax":
+            attrs = node.attributes(axis=-1 if node.opset >= 13 else 1)
+            rank = len(node.in_shape) + 1
+            if rank != 2 or attrs["axis"] not in (1, -1):
+                raise node.error(f"softmax over axis {attrs['axis']} of a rank-{rank} input: lnn's softmax works on "
+                                 "[N, K] over K only")
+        else:
+            node.attributes()
+        chain.append(activation)
+
+    @staticmethod
+    def _clip_from_onnx(node) -> dict | None:
+        if node.opset < 11:
+            attrs = node.attributes(min=-np.inf, max=np.inf)
+            low, high = float(attrs["min"]), float(attrs["max"])
+        else:
+            node.attributes()
+            low, high = (node.const(i, name, optional=True) for i, name in ((1, "min"), (2, "max")))
+            if any(bound is not None and bound.size != 1 for bound in (low, high)):
+                raise node.error("min and max must be scalars")
+            low = -np.inf if low is None else float(low.reshape(-1)[0])
+            high = np.inf if high is None else float(high.reshape(-1)[0])
+        if low == -np.inf and high == np.inf:
+            return None
+        if low == 0 and high == 6:
+            return {"type": "relu6"}
+        if low == 0 and high >= ONNX_FLOAT_LIMIT:
+            return {"type": "relu"}
+        raise node.error(f"Clip to [{low:g}, {high:g}] is not supported: lnn has Clip only as relu6 (0 to 6) "
+                         "or relu (0, no maximum)")
 
 
 class _Recurrent(Op):
@@ -752,6 +1148,9 @@ class _Recurrent(Op):
     @staticmethod
     def directions(attrs) -> int:
         return 2 if attrs["bidirectional"] else 1
+
+    def fan_in(self, attrs, param_shapes):
+        return attrs["hidden_size"]                 # PyTorch's RNNs: every tensor U(-1/sqrt(H), 1/sqrt(H))
 
     @classmethod
     def layer_input_size(cls, attrs, layer: int) -> int:
@@ -825,6 +1224,163 @@ class _Recurrent(Op):
             return np.concatenate(finals, axis=1)
         return np.ascontiguousarray(seq.transpose(1, 2, 0))
 
+    # ONNX. Export: Transpose [N, C, T] -> [T, N, C], then per layer one LSTM / GRU node (W, R and B as ONNX
+    # wants them: gate blocks reordered from PyTorch's order to ONNX's, `onnx_gate_order`), its Y [T, D, N, H]
+    # brought to [T, N, D*H] (Squeeze, or Transpose + Reshape when bidirectional); then Transpose back to
+    # [N, H*D, T], or for "last" the top node's Y_h [D, N, H] as [N, D*H]. Import: PyTorch's export of the
+    # same, the layout between the nodes followed in chain.layout (None: lnn's [N, C, T]; "time_major"
+    # [T, N, F]; "directions" an RNN's Y [T, D, N, H]; "directions_last" [T, N, D, H]); consecutive nodes
+    # become one layer with num_layers; zero initial states, also when computed from the input's Shape, as
+    # PyTorch writes them for a dynamic batch (onnx_import._shape_side).
+    onnx_type = ""
+    onnx_gate_order: tuple = ()     # ONNX's gate blocks, as indices of PyTorch's (= lnn's) blocks
+    onnx_activations: list = []     # the ONNX activations of lnn's cell
+    onnx_cell_defaults: dict = {}   # the node's cell-specific attributes: ONNX's defaults (import) ...
+    onnx_cell_fields: dict = {}     # ... and what the export writes
+
+    @property
+    def onnx_readers(self):
+        return {self.onnx_type: "recurrent_from_onnx", "Transpose": "transpose_from_onnx",
+                "Squeeze": "squeeze_from_onnx", "Reshape": "reshape_from_onnx"}
+
+    def onnx_gate_blocks(self, array: np.ndarray, hidden: int, to_onnx: bool = True) -> np.ndarray:
+        """Reorder the gate blocks (axis 0, H rows each) from PyTorch's order to ONNX's, or (to_onnx=False) back."""
+        order = self.onnx_gate_order if to_onnx else tuple(np.argsort(self.onnx_gate_order))
+        return np.concatenate([array[k * hidden:(k + 1) * hidden] for k in order])
+
+    def to_onnx(self, graph, node, params):
+        attrs = node.attrs
+        h, d, name = attrs["hidden_size"], self.directions(attrs), node.name
+        graph.add("Transpose", f"{name}/time_major", perm=[2, 0, 1])                 # [N, C, T] -> [T, N, C]
+        for layer in range(attrs["num_layers"]):
+            w, r, b = [], [], []
+            for direction in range(d):
+                w_ih, w_hh, b_ih, b_hh = self.param_names(attrs, layer, direction)
+                w.append(self.onnx_gate_blocks(params[w_ih], h))
+                r.append(self.onnx_gate_blocks(params[w_hh], h))
+                if attrs["bias"]:
+                    b.append(np.concatenate([self.onnx_gate_blocks(params[b_ih], h),
+                                             self.onnx_gate_blocks(params[b_hh], h)]))
+            step = f"{name}/l{layer}"
+            inputs = [graph.current, graph.constant(f"{step}.W", np.stack(w)), graph.constant(f"{step}.R", np.stack(r))]
+            if b:
+                inputs.append(graph.constant(f"{step}.B", np.stack(b)))
+            graph.add_node(self.onnx_type, step, inputs, [f"{step}/Y", f"{step}/Y_h"], hidden_size=h,
+                           direction="bidirectional" if d == 2 else "forward", **self.onnx_cell_fields)
+            last = layer == attrs["num_layers"] - 1
+            if last and attrs["return"] == "last":
+                graph.current = f"{step}/Y_h"                                          # [D, N, H]
+                graph.add("Transpose", f"{name}/h_n", perm=[1, 0, 2])
+                graph.add("Reshape", f"{name}/last", [graph.integers(f"{name}/last.shape", [0, -1])])
+                return
+            if d == 1:                                                                 # [T, 1, N, H] -> [T, N, H]
+                graph.add("Squeeze", f"{step}/steps", [graph.integers(f"{step}/steps.axes", [1])])
+            else:                                                                      # [T, 2, N, H] -> [T, N, 2H]
+                graph.add("Transpose", f"{step}/directions", perm=[0, 2, 1, 3])
+                graph.add("Reshape", f"{step}/steps", [graph.integers(f"{step}/steps.shape", [0, 0, -1])])
+        graph.add("Transpose", f"{name}/channels_first", perm=[1, 2, 0])            # [T, N, F] -> [N, F, T]
+
+    def onnx_claims(self, node, chain):
+        return node.op != "Reshape" or chain.layout == "directions_last"
+
+    def onnx_check_cell(self, node, attrs: dict) -> None:
+        """Refuse the node's cell-specific attributes (onnx_cell_defaults) where they are not lnn's cell."""
+
+    def recurrent_from_onnx(self, node, chain):
+        defaults = dict(activation_alpha=None, activation_beta=None, activations=None, clip=None, direction="forward",
+                        hidden_size=None, layout=0, **self.onnx_cell_defaults)
+        attrs = node.attributes(**defaults)
+        if chain.layout != "time_major":
+            raise node.error("needs a time-major [T, N, F] input: lnn takes series channel-first [N, C, T], so the "
+                             "graph must Transpose (perm [2, 0, 1]) right before it")
+        if attrs["layout"] != 0:
+            raise node.error("layout=1 (batch first) is not supported")
+        if attrs["clip"] is not None or attrs["activation_alpha"] or attrs["activation_beta"]:
+            raise node.error("clip and activation parameters are not supported")
+        activations, given = self.onnx_activations, attrs["activations"]
+        if given is not None and list(given) != activations * (len(given) // len(activations)):
+            raise node.error(f"activations {list(given)}: lnn has {node.op} with {activations} only")
+        self.onnx_check_cell(node, attrs)
+        if attrs["direction"] not in ("forward", "bidirectional"):
+            raise node.error(f"direction {attrs['direction']!r} is not supported (forward or bidirectional)")
+        names = node.proto.input
+        if len(names) > 4 and names[4]:
+            raise node.error("sequence_lens is not supported: every series has the graph's length")
+        if len(names) > 7 and names[7]:
+            raise node.error("peephole weights (P) are not supported")
+        for position, what in ((5, "initial_h"), (6, "initial_c"))[:self.states]:
+            self._zero_state_from_onnx(node, position, what)
+        w, r, b = node.weight(1, "W"), node.weight(2, "R"), node.weight(3, "B", optional=True)
+        directions = 2 if attrs["direction"] == "bidirectional" else 1
+        gates = self.gates
+        hidden = r.shape[-1] if r.ndim == 3 else 0
+        if (w.ndim != 3 or r.ndim != 3 or w.shape[0] != directions or r.shape != (directions, gates * hidden, hidden)
+                or w.shape[1] != gates * hidden or (b is not None and b.shape != (directions, 2 * gates * hidden))
+                or (attrs["hidden_size"] is not None and attrs["hidden_size"] != hidden)):
+            raise node.error(f"W {list(w.shape)}, R {list(r.shape)}" + (f", B {list(b.shape)}" if b is not None else "")
+                             + f" do not fit {directions} direction(s) of {node.op} with hidden size {hidden}")
+        last = chain.last
+        merge = (chain.rnn_open and last["type"] == self.name and last["hidden_size"] == hidden
+                 and last["bidirectional"] == (directions == 2) and last["bias"] == (b is not None))
+        if merge:
+            layer_index, params = last["num_layers"], chain.params[-1]
+            last["num_layers"] += 1
+        else:
+            chain.append({"type": self.name, "name": chain.unique_name(names[1], self.name), "hidden_size": hidden,
+                          "num_layers": 1, "bidirectional": directions == 2, "bias": b is not None})
+            layer_index, params = 0, chain.params[-1]
+        for direction in range(directions):
+            suffix = f"_l{layer_index}" + ("_reverse" if direction else "")
+            params[f"weight_ih{suffix}"] = self.onnx_gate_blocks(w[direction], hidden, to_onnx=False)
+            params[f"weight_hh{suffix}"] = self.onnx_gate_blocks(r[direction], hidden, to_onnx=False)
+            if b is not None:
+                params[f"bias_ih{suffix}"] = self.onnx_gate_blocks(b[direction, :gates * hidden], hidden, to_onnx=False)
+                params[f"bias_hh{suffix}"] = self.onnx_gate_blocks(b[direction, gates * hidden:], hidden, to_onnx=False)
+        chain.layout, chain.rnn_open = "directions", True
+
+    @staticmethod
+    def _zero_state_from_onnx(node, position: int, what: str) -> None:
+        names = node.proto.input
+        if position >= len(names) or not names[position] or names[position] in node.zeros:
+            return
+        value = node.const(position, what)
+        if np.any(value != 0):
+            raise node.error(f"{what} is not zero: lnn's lstm and gru start from zero states")
+
+    def transpose_from_onnx(self, node, chain):
+        perm = [int(v) for v in node.attributes(perm=None)["perm"] or []]
+        if chain.layout is None and len(node.in_shape) == 2 and perm == [2, 0, 1]:
+            chain.layout = "time_major"                     # [N, C, T] -> [T, N, C], for an LSTM / GRU
+        elif chain.layout == "directions" and perm == [0, 2, 1, 3]:
+            chain.layout = "directions_last"                # Y [T, D, N, H] -> [T, N, D, H]
+        elif chain.layout == "time_major" and chain.rnn_open and perm == [1, 2, 0]:
+            chain.layout, chain.rnn_open = None, False      # [T, N, D*H] -> lnn's [N, D*H, T]
+        else:
+            raise node.error(f"Transpose with perm {perm} is not supported here: lnn takes Transpose only around "
+                             "LSTM / GRU nodes of a channel-first [N, C, T] series")
+
+    def squeeze_from_onnx(self, node, chain):
+        node.attributes(axes=None)
+        axes = node.given.get("axes")
+        if axes is None and len(node.proto.input) > 1:
+            axes = node.const(1, "axes").reshape(-1).tolist()
+        if chain.layout != "directions" or [int(a) for a in axes or []] != [1]:
+            raise node.error("Squeeze is supported only as the directions axis (1) of a one-direction LSTM / GRU output")
+        if chain.last["bidirectional"]:
+            raise node.error("Squeeze of axis 1 of a bidirectional LSTM / GRU output (2 directions)")
+        chain.layout = "time_major"
+
+    def reshape_from_onnx(self, node, chain):
+        """[T, N, D, H] -> [T, N, D*H]: a bidirectional RNN's output merged back into features."""
+        node.attributes(allowzero=0)
+        target = [int(v) for v in node.const(1, "shape").reshape(-1)]
+        features = chain.last["hidden_size"] * 2
+        if len(target) != 3 or target[0] not in (0, chain.shape[-1]) or target[1] not in {0, -1, node.batch} - {None} \
+                or target[2] not in (-1, features):
+            raise node.error(f"Reshape to {target} is not supported after a bidirectional LSTM / GRU: lnn takes "
+                             f"[0, 0, -1] ([T, N, {features}])")
+        chain.layout = "time_major"
+
 
 class LSTM(_Recurrent):
     """PyTorch's nn.LSTM: gates i, f, g, o (in that order in the weights);
@@ -833,6 +1389,13 @@ class LSTM(_Recurrent):
     name = "lstm"
     gates, states = 4, 2                 # gate blocks; states kept per step (h and c)
     gate_ops = 3 * 4 + 2 * 4 + 4         # 3 sigmoids, 2 tanh, 3 products and a sum
+    onnx_type, onnx_gate_order = "LSTM", (0, 3, 1, 2)        # ONNX: i, o, f, c
+    onnx_activations = ["Sigmoid", "Tanh", "Tanh"]
+    onnx_cell_defaults = {"input_forget": 0}
+
+    def onnx_check_cell(self, node, attrs):
+        if attrs["input_forget"]:
+            raise node.error("input_forget=1 (coupled input and forget gates) is not supported")
 
     @staticmethod
     def cell(xw, hw, hidden, state, h):
@@ -850,6 +1413,14 @@ class GRU(_Recurrent):
     name = "gru"
     gates, states = 3, 1
     gate_ops = 2 * 4 + 4 + 5            # 2 sigmoids, a tanh, r * (...) and the blend
+    onnx_type, onnx_gate_order = "GRU", (1, 0, 2)            # ONNX: z, r, h
+    onnx_activations = ["Sigmoid", "Tanh"]
+    onnx_cell_defaults, onnx_cell_fields = {"linear_before_reset": 0}, {"linear_before_reset": 1}   # PyTorch's GRU
+
+    def onnx_check_cell(self, node, attrs):
+        if attrs["linear_before_reset"] != 1:
+            raise node.error("linear_before_reset=0 is not PyTorch's GRU: lnn computes n = tanh(W_in x + b_in + "
+                             "r * (W_hn h + b_hn)), which is linear_before_reset=1")
 
     @staticmethod
     def cell(xw, hw, hidden, state, h):
@@ -873,6 +1444,22 @@ ALIASES = {
     "batchnorm1d": "batchnorm", "batchnorm2d": "batchnorm", "batch_norm": "batchnorm",
     "layer_norm": "layernorm",
 }
+
+
+def layer_table(backend: str, namespaces) -> dict:
+    """A backend's table op name -> layer class, built from the classes in `namespaces` (module dicts) that
+    name the ops they run in their own `ops` (a class attribute, not inherited), in the registry's order.
+    Each backend's tests check that every op of the registry has a layer there."""
+    declared = {}
+    for namespace in namespaces:
+        for value in list(namespace.values()):
+            for op in value.__dict__.get("ops", ()) if isinstance(value, type) else ():
+                if declared.setdefault(op, value) is not value:
+                    raise ImportError(f"{backend} layers {declared[op].__name__} and {value.__name__} both run {op}")
+    unknown = sorted(set(declared) - set(OPS))
+    if unknown:
+        raise ImportError(f"{backend} layers for ops the registry does not have: {unknown}")
+    return {op: declared[op] for op in OPS if op in declared}
 
 
 def get_op(kind: str) -> Op:

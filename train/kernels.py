@@ -3,6 +3,7 @@
 The forward kernels inference needs live in runtime/cuda/kernels.py (GPU inference and training share
 one forward) and are imported here, so `K.<op>_forward` and `K.<op>_backward` sit side by side in this
 namespace; the training-only forwards (batch norm with batch statistics, dropout, the losses) are here.
+lstm and gru keep their forward and backward together in runtime/cuda/recurrent.py.
 Every function takes the array namespace `xp` (numpy or cupy) first and uses only functions both
 provide, so the same code runs on the CPU and the GPU.
 
@@ -27,9 +28,8 @@ import numpy as np
 from lnn.runtime.cuda.blas import matmul
 from lnn.runtime.cuda.kernels import (  # noqa: F401 - the forward half of each pair, used as K.*_forward
     activation_forward, avgpool2d_forward, avgpool_divisor, batchnorm_eval_forward, channel_affine, conv2d_forward,
-    global_avg_pool_forward, global_max_pool_forward, gpu_kernels, grouped_weight, im2col, layer_output,
-    layernorm_forward, linear_forward, maxpool2d_forward, per_channel, recurrent_forward, recurrent_workspaces,
-    step_order, window_slices)
+    global_avg_pool_forward, global_max_pool_forward, gpu_kernels, grouped_weight, im2col,
+    layernorm_forward, linear_forward, maxpool2d_forward, per_channel, window_slices)
 
 # --------------------------------------------------------------------------- window helpers
 
@@ -357,167 +357,3 @@ def mse_forward_backward(xp, pred, target, scale: float, dpred):
     diff = pred.astype(np.float64 if pred.dtype == np.float64 else np.float32) - target
     dpred[...] = diff * (2 * scale)
     return (diff * diff).sum()
-
-
-# --------------------------------------------------------------------------- lstm, gru (backpropagation through time)
-# The forward (runtime/cuda/kernels.py recurrent_forward) saves, per layer and direction, the activated
-# gates, the states (lstm: c; gru: W_hn h_prev + b_hn) and the hidden states of every step. The backward
-# walks the layers top down and each direction's steps in the reverse of its order, carrying dh (and
-# lstm's dc) from step to step; per step the gate gradients are written into dgates[t] (pre-activation,
-# input side) and for gru also dgh[t] (recurrent side: they differ in the n block, r * da_n), and
-# dh_prev = dgh[t] @ W_hh is one GEMM. After a direction's steps, three GEMMs over all steps at once:
-# dW_ih += dgates^T @ layer input, dW_hh += dgh^T @ h_prev, d(layer input) (+)= dgates @ W_ih.
-# lstm (a: pre-activation):  dh = dH[t] + dh_next;  da_o = dh tanh(c) o (1 - o);
-#   dc += dh o (1 - tanh(c)^2);  da_i = dc g i (1 - i);  da_g = dc i (1 - g^2);  da_f = dc c_prev f (1 - f);
-#   dc_next = dc f
-# gru: dn = dh (1 - z); da_z = dh (h_prev - n) z (1 - z); da_n = dn (1 - n^2); da_r = da_n ghn r (1 - r);
-#   dgh = (da_r, da_z, da_n r); dh_next = dh z + dgh @ W_hh
-# Workspaces (recurrent_backward_workspaces): out= everywhere, no allocation, no host synchronization.
-
-def recurrent_backward_workspaces(op, attrs: dict, in_shape: tuple, n: int) -> list:
-    h, steps, d, layers, g = attrs["hidden_size"], in_shape[1], op.directions(attrs), attrs["num_layers"], op.gates
-    spaces = [("dlayer_a", (steps, n, d * h), "backward"), ("dgates", (steps, n, g * h), "backward"),
-              ("dh", (n, h), "backward"), ("dc", (n, h), "backward"), ("s1", (n, h), "backward"),
-              ("s2", (n, h), "backward"), ("dw_ih0", (g * h, in_shape[0]), "backward"),
-              ("dw_hh", (g * h, h), "backward"), ("db", (g * h,), "backward"),
-              ("dseq_in", (steps, n, in_shape[0]), "input_gradient")]
-    if layers > 1:
-        spaces += [("dlayer_b", (steps, n, d * h), "backward"), ("dw_ih", (g * h, d * h), "backward")]
-    if op.name == "gru":
-        spaces.append(("dgh", (steps, n, g * h), "backward"))
-    if d == 2:
-        spaces.append(("dx_scratch", (steps * n * max(in_shape[0], d * h),), "backward"))   # flat: both widths
-    return spaces
-
-
-def _one_minus(xp, a, out):
-    return xp.subtract(1, a, out=out)
-
-
-def _lstm_step_backward(xp, h, g, c, c_prev, dh, dc, dg, s):
-    """One step: dh [N, H] (this step's total), dc carried; writes dg [N, 4H] and leaves dc for the step before."""
-    s0, s1 = s
-    i, f, gg, o = g[:, :h], g[:, h:2 * h], g[:, 2 * h:3 * h], g[:, 3 * h:]
-    di, df, dgg, do = dg[:, :h], dg[:, h:2 * h], dg[:, 2 * h:3 * h], dg[:, 3 * h:]
-    xp.tanh(c, out=s0)
-    xp.multiply(dh, s0, out=do)                   # do = dh tanh(c), then * o (1 - o)
-    do *= o
-    _one_minus(xp, o, s1)
-    do *= s1
-    xp.multiply(s0, s0, out=s0)               # dc += dh o (1 - tanh(c)^2)
-    _one_minus(xp, s0, s0)
-    s0 *= o
-    s0 *= dh
-    dc += s0
-    xp.multiply(dc, gg, out=di)                     # di = dc g i (1 - i)
-    di *= i
-    _one_minus(xp, i, s1)
-    di *= s1
-    xp.multiply(gg, gg, out=s1)                   # dg = dc i (1 - g^2)
-    _one_minus(xp, s1, s1)
-    xp.multiply(dc, i, out=dgg)
-    dgg *= s1
-    if c_prev is None:
-        df.fill(0)
-    else:                                           # df = dc c_prev f (1 - f)
-        xp.multiply(dc, c_prev, out=df)
-        df *= f
-        _one_minus(xp, f, s1)
-        df *= s1
-    dc *= f
-
-
-def _gru_step_backward(xp, h, g, ghn, h_prev, dh, dg, dgh, s):
-    """One step: dh [N, H] (this step's total) -> dg, dgh [N, 3H]; leaves dh * z in dh (the direct part of dh_prev)."""
-    s0 = s[0]
-    r, z, n = g[:, :h], g[:, h:2 * h], g[:, 2 * h:]
-    dr, dz, dn = dg[:, :h], dg[:, h:2 * h], dg[:, 2 * h:]
-    _one_minus(xp, z, s0)                         # da_n = dh (1 - z) (1 - n^2)
-    xp.multiply(dh, s0, out=dn)
-    xp.multiply(n, n, out=s0)
-    _one_minus(xp, s0, s0)
-    dn *= s0
-    if h_prev is None:                              # da_z = dh (h_prev - n) z (1 - z)
-        xp.negative(n, out=dz)
-    else:
-        xp.subtract(h_prev, n, out=dz)
-    dz *= dh
-    dz *= z
-    _one_minus(xp, z, s0)
-    dz *= s0
-    xp.multiply(dn, ghn, out=dr)                    # da_r = da_n ghn r (1 - r)
-    dr *= r
-    _one_minus(xp, r, s0)
-    dr *= s0
-    dgh[:, :2 * h] = dg[:, :2 * h]
-    xp.multiply(dn, r, out=dgh[:, 2 * h:])
-    dh *= z
-
-
-def recurrent_backward(xp, op, dy, params: dict, grads: dict, attrs: dict, dx, ws: dict):
-    h, lstm = attrs["hidden_size"], op.name == "lstm"
-    d, layers = op.directions(attrs), attrs["num_layers"]
-    steps, n = ws["seq_in"].shape[:2]
-    s = (ws["s1"], ws["s2"])
-    dh, dc, dgates = ws["dh"], ws["dc"], ws["dgates"]
-    drec = dgates if lstm else ws["dgh"]            # gradients on the recurrent side of the gates
-    dlayer = ws["dlayer_a"]                         # d(loss) / d(this layer's output sequence)
-    if attrs["return"] == "sequence":
-        dlayer[...] = dy.transpose(2, 0, 1)
-    else:
-        dlayer.fill(0)
-        dlayer[steps - 1, :, :h] = dy[:, :h]
-        if d == 2:
-            dlayer[0, :, h:] = dy[:, h:]
-    for layer in reversed(range(layers)):
-        layer_in = ws["seq_in"] if layer == 0 else layer_output(ws, layer - 1)
-        if layer > 0:
-            dlayer_in = ws["dlayer_b"] if dlayer is ws["dlayer_a"] else ws["dlayer_a"]
-        else:
-            dlayer_in = ws.get("dseq_in") if dx is not None else None
-        in_2d = layer_in.reshape(steps * n, -1)
-        for direction in range(d):
-            w_ih, w_hh, b_ih, b_hh = op.param_names(attrs, layer, direction)
-            gates, states, hdir = ws["gates"][layer, direction], ws["states"][layer, direction], ws["hdir"][layer, direction]
-            dh.fill(0)
-            dc.fill(0)
-            order = step_order(steps, direction)
-            for k in reversed(range(steps)):
-                t, previous = order[k], (order[k - 1] if k else None)
-                dh += dlayer[t][:, direction * h:(direction + 1) * h]
-                if lstm:
-                    _lstm_step_backward(xp, h, gates[t], states[t], None if previous is None else states[previous],
-                                        dh, dc, dgates[t], s)
-                    if previous is not None:
-                        matmul(xp, dgates[t], params[w_hh], dh)
-                else:
-                    _gru_step_backward(xp, h, gates[t], states[t], None if previous is None else hdir[previous],
-                                       dh, dgates[t], drec[t], s)
-                    if previous is not None:
-                        matmul(xp, drec[t], params[w_hh], s[0])
-                        dh += s[0]
-            dg_2d = dgates.reshape(steps * n, -1)
-            dw_ih = ws["dw_ih0"] if layer == 0 else ws["dw_ih"]
-            matmul(xp, dg_2d.T, in_2d, dw_ih)
-            grads[w_ih] += dw_ih
-            later, earlier = (slice(0, steps - 1), slice(1, steps)) if direction else (slice(1, steps), slice(0, steps - 1))
-            if steps > 1:                           # h_prev of every step but the first
-                matmul(xp, drec[later].reshape(-1, drec.shape[-1]).T, hdir[earlier].reshape(-1, h), ws["dw_hh"])
-                grads[w_hh] += ws["dw_hh"]
-            if b_ih is not None:
-                xp.sum(dgates, axis=(0, 1), out=ws["db"])
-                grads[b_ih] += ws["db"]
-                xp.sum(drec, axis=(0, 1), out=ws["db"])
-                grads[b_hh] += ws["db"]
-            if dlayer_in is not None:
-                target = dlayer_in.reshape(steps * n, -1)
-                if direction == 0:
-                    matmul(xp, dg_2d, params[w_ih], target)
-                else:
-                    scratch = ws["dx_scratch"][:target.size].reshape(target.shape)
-                    matmul(xp, dg_2d, params[w_ih], scratch)
-                    target += scratch
-        dlayer = dlayer_in
-    if dx is not None:
-        dx[...] = ws["dseq_in"].transpose(1, 2, 0)
-    return dx

@@ -19,7 +19,8 @@ import numpy as np
 
 from lnn.formats.errors import ModelSpecError
 from lnn.formats.model import as_rows
-from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length, get_op
+from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length, get_op, layer_table
+from lnn.runtime.cuda import recurrent          # lstm and gru: forward and backward (no CuPy import)
 from lnn.runtime.cuda import winograd           # the rule and the sizing only: importing it imports no CuPy
 from lnn.train import kernels as K
 
@@ -36,6 +37,7 @@ class Call:
 
 
 class Layer:
+    ops: tuple = ()                 # the ops of the registry a subclass trains (its own, not inherited: LAYERS)
     needs_input = False
     needs_output = False
     alias = False
@@ -77,6 +79,7 @@ def _padded_shape(n, in_shape, padding):
 
 
 class LinearLayer(Layer):
+    ops = ("linear",)
     needs_input = True
 
     def forward(self, c, training):
@@ -92,6 +95,7 @@ class Conv2dLayer(Layer):
     "auto" with >= 32 channels in and out) Winograd F(2x2, 3x3) for the forward and the input gradient
     (runtime/cuda/winograd.py: its V and M buffers are workspaces) and implicit GEMM for the weight
     gradient."""
+    ops = ("conv2d",)
     needs_input = True
     implicit = False            # GPU kernels (set by the plan)
     dtype = np.dtype(np.float32)
@@ -200,6 +204,7 @@ class Conv1dLayer(OnRows, Conv2dLayer):
     T + left + right long, which is how a right padding other than the left one is made (pad_into /
     unpad_into place the input at `left` and leave the rest of the row zero). im2col + GEMM on the CPU and
     the GPU (no implicit GEMM yet)."""
+    ops = ("conv1d",)
 
     def __init__(self, node):
         super().__init__(node)
@@ -228,6 +233,8 @@ class PoolUndoingRelu(Layer):
 
 
 class MaxPoolLayer(PoolUndoingRelu):
+    ops = ("maxpool2d",)
+
     def workspaces(self, n):
         index_dtype = np.uint8 if math.prod(self.attrs["kernel_size"]) <= 255 else np.int32
         spaces = [("argmax", (n,) + tuple(self.node.out_shape), index_dtype, "saved")]
@@ -245,6 +252,8 @@ class MaxPoolLayer(PoolUndoingRelu):
 
 
 class AvgPoolLayer(Layer):
+    ops = ("avgpool2d",)
+
     def __init__(self, node):
         super().__init__(node)
         self._divisor = {}
@@ -270,6 +279,7 @@ class AvgPoolLayer(Layer):
 
 
 class GlobalAvgPoolLayer(PoolUndoingRelu):
+    ops = ("global_avg_pool",)
     relu_mask_from = "input"
 
     def forward(self, c, training):
@@ -282,16 +292,17 @@ class GlobalAvgPoolLayer(PoolUndoingRelu):
 
 
 class MaxPool1dLayer(OnRows, MaxPoolLayer):
-    pass
+    ops = ("maxpool1d",)
 
 
 class AvgPool1dLayer(OnRows, AvgPoolLayer):
-    pass
+    ops = ("avgpool1d",)
 
 
 class GlobalMaxPoolLayer(Layer):
     """The winning position of each (sample, channel) is saved by the forward; the backward routes dy to it
     through `positions` (0..P-1, made once per array module, as AvgPoolLayer makes its divisor)."""
+    ops = ("global_max_pool",)
 
     def __init__(self, node):
         super().__init__(node)
@@ -313,10 +324,12 @@ class GlobalMaxPoolLayer(Layer):
 
 
 class FlattenLayer(Layer):
+    ops = ("flatten",)
     alias = True
 
 
 class BatchNormLayer(Layer):
+    ops = ("batchnorm",)
     needs_input = True
 
     def workspaces(self, n):
@@ -338,6 +351,7 @@ class BatchNormLayer(Layer):
 
 class LayerNormLayer(Layer):
     """Rows of prod(normalized_shape) values; the forward saves each row's mean and 1/sqrt(var + eps)."""
+    ops = ("layernorm",)
     needs_input = True
 
     def __init__(self, node):
@@ -358,9 +372,10 @@ class LayerNormLayer(Layer):
 
 
 class RecurrentLayer(Layer):
-    """lstm and gru: the forward (runtime/cuda/kernels.py recurrent_forward, shared with GPU inference)
-    keeps the gates and states of every step in "saved" workspaces, which the backward (backpropagation
-    through time, train/kernels.py recurrent_backward) reads; it needs neither x nor y themselves."""
+    """lstm and gru (runtime/cuda/recurrent.py): the forward, shared with GPU inference, keeps the gates and
+    states of every step in "saved" workspaces, which the backward (backpropagation through time) reads; it
+    needs neither x nor y themselves."""
+    ops = ("lstm", "gru")
 
     def __init__(self, node):
         super().__init__(node)
@@ -369,17 +384,18 @@ class RecurrentLayer(Layer):
     def workspaces(self, n):
         args = (self.op, self.attrs, self.node.in_shape, n)
         return [(name, shape, COMPUTE, phase) for name, shape, phase in
-                K.recurrent_workspaces(*args) + K.recurrent_backward_workspaces(*args)]
+                recurrent.recurrent_workspaces(*args) + recurrent.recurrent_backward_workspaces(*args)]
 
     def forward(self, c, training):
-        K.recurrent_forward(c.xp, self.op, c.x, c.params, self.attrs, c.y, c.ws)
+        recurrent.recurrent_forward(c.xp, self.op, c.x, c.params, self.attrs, c.y, c.ws)
 
     def backward(self, c):
-        K.recurrent_backward(c.xp, self.op, c.dy, c.params, c.grads, self.attrs, c.dx, c.ws)
+        recurrent.recurrent_backward(c.xp, self.op, c.dy, c.params, c.grads, self.attrs, c.dx, c.ws)
 
 
 class DropoutLayer(Layer):
     """Needs the key the forward used (the plan passes it as c.key) and the uint32 index buffer."""
+    ops = ("dropout",)
 
     def forward(self, c, training):
         if training and self.attrs["p"] > 0:
@@ -396,6 +412,7 @@ class DropoutLayer(Layer):
 
 class ActivationLayer(Layer):
     """A stand-alone activation layer: its attrs are the activation itself."""
+    ops = tuple(ACTIVATIONS)
 
     def __init__(self, node):
         super().__init__(node)
@@ -412,11 +429,7 @@ class ActivationLayer(Layer):
         K.activation_backward(c.xp, self.function, c.dy, c.y, c.dx)
 
 
-LAYERS = {"linear": LinearLayer, "conv1d": Conv1dLayer, "conv2d": Conv2dLayer, "maxpool1d": MaxPool1dLayer,
-          "avgpool1d": AvgPool1dLayer, "maxpool2d": MaxPoolLayer, "avgpool2d": AvgPoolLayer,
-          "global_avg_pool": GlobalAvgPoolLayer, "global_max_pool": GlobalMaxPoolLayer, "flatten": FlattenLayer,
-          "batchnorm": BatchNormLayer, "layernorm": LayerNormLayer, "lstm": RecurrentLayer, "gru": RecurrentLayer,
-          "dropout": DropoutLayer, **{kind: ActivationLayer for kind in ACTIVATIONS}}
+LAYERS = layer_table("training", [globals()])      # every op of the registry (tests/train/test_plan_and_step.py)
 
 
 def make_layer(node) -> Layer:

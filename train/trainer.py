@@ -35,6 +35,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnError, ModelSpecError
 from lnn.formats.model import Model, load_description, parse_model
+from lnn.formats.ops import get_op
 from lnn.runtime.cuda import blas
 from lnn.train import kernels as K
 from lnn.train.config import TrainingConfig, learning_rate
@@ -140,21 +141,12 @@ def hash32(value: int) -> int:
 
 
 def initial_weights(model: Model, seed: int) -> dict:
-    """PyTorch's default initialization: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases
-    of linear and conv layers, U(-1/sqrt(hidden_size), 1/sqrt(hidden_size)) for every tensor of lstm and
-    gru; batch norm weight 1, bias 0, running mean 0, running var 1."""
+    """PyTorch's default initialization, each op's as formats/ops.py Op.initial_weights draws it (U(-1/sqrt(fan_in),
+    1/sqrt(fan_in)) for weights and biases; lstm and gru U(-1/sqrt(hidden_size), ...); batch norm weight 1, bias 0,
+    running mean 0, running var 1), in the order of the layers and their parameters."""
     rng = np.random.default_rng(seed)
-    weights = {}
-    for node in model.nodes:
-        for name, shape in node.param_shapes.items():
-            if node.op == "batchnorm":
-                value = np.ones(shape) if name in ("weight", "running_var") else np.zeros(shape)
-            else:
-                fan_in = node.attrs["hidden_size"] if node.op in ("lstm", "gru") else math.prod(node.param_shapes["weight"][1:])
-                bound = 1 / math.sqrt(fan_in)
-                value = rng.uniform(-bound, bound, shape)
-            weights[node.param_key(name)] = value
-    return weights
+    return {node.param_key(name): value for node in model.nodes
+            for name, value in get_op(node.op).initial_weights(node.attrs, node.param_shapes, rng).items()}
 
 
 class Trainer:

@@ -1,10 +1,10 @@
 """The Numba CPU backend (`lnn.load(path, device="cpu")`).
 
-Kernel files mirror the op names of formats/ops.py: conv2d.py, conv1d.py (conv2d's layer on [N, C, 1, T]
-views), linear.py, pool.py (maxpool2d, avgpool2d, maxpool1d, avgpool1d, global_avg_pool, global_max_pool),
-batchnorm.py, layernorm.py, activations.py, flatten.py, recurrent.py (lstm, gru); backend.py plans and runs them; jit.py
-configures Numba (cache folder, threading layer) before importing it; cache.py answers "is this
-model's compiled code cached?" without importing Numba.
+One file per op (or family of ops: pool.py, recurrent.py, activations.py) holds its layer, which names the
+ops of formats/ops.py it runs, and its kernels with their ahead-of-time signatures; conv1d.py is conv2d's
+layer on [N, C, 1, T] views. backend.py builds its table from the layers and plans and runs them; jit.py
+configures Numba (cache folder, threading layer) before importing it; aot.py compiles the kernels ahead of
+time; cache.py answers "is this model's compiled code cached?" without importing Numba.
 
 `BACKEND` is resolved on first access, so `import lnn.runtime.cpu.cache` does not import Numba.
 """

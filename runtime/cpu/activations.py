@@ -16,7 +16,16 @@ from functools import partial
 
 import numpy as np
 
+from lnn.formats.ops import ACTIVATIONS
+from lnn.runtime.cpu.aot import A1, A3, F, I
 from lnn.runtime.cpu.jit import kernel
+
+# Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
+# only by other kernels, compiled into them.
+AOT_SIGNATURES = {
+    "activate": None,
+    "affine_activation": (A3, A1, A1, I, F, A3),
+}
 
 # Activation codes, passed to kernels as integers.
 NONE, RELU, RELU6, LEAKY_RELU, SIGMOID, TANH, SOFTMAX = range(7)
@@ -108,6 +117,7 @@ def affine_activation(src, scale, shift, code, slope, dst):
 
 class ActivationLayer:
     """A stand-alone activation layer (when it could not be fused into the layer before it)."""
+    ops = tuple(ACTIVATIONS)  # the registry ops this layer runs (backend.py LAYERS)
 
     def __init__(self, node, weights):
         self.out_shape = node.out_shape

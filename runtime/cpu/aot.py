@@ -6,10 +6,10 @@ with the one signature the backend calls it with, to `numba.pycc`, which writes 
 it runs on any CPU of that family). That module imports without Numba or llvmlite; jit.py uses it when
 LNN_CPU_KERNELS=aot, or when Numba is not installed (the packaged lnn-field, packaging/build.sh).
 
-SIGNATURES lists every kernel the backend calls from Python, with the argument types it passes:
-float32 C-contiguous arrays of a fixed rank, int64 and float64 scalars, a 6-tuple of ints.
-INLINE_ONLY kernels are only called by other kernels and are compiled into them. compile_kernels
-refuses to build when a kernel of the backend is in neither.
+Each kernel file declares its kernels' signatures beside them (AOT_SIGNATURES, above its kernels): the
+argument types the backend passes, from the names below (float32 C-contiguous arrays of a fixed rank, int64
+and float64 scalars, a 6-tuple of ints), or None for a kernel only called by other kernels, which is
+compiled into them. A kernel missing there is an ImportError in the app and refused by compile_kernels.
 Compiled code trusts its arguments (a wrong dtype or rank would read out of bounds), so `compiled_kernel`
 checks every array and tuple against the signature before each call and raises TypeError otherwise.
 tests/runtime/test_cpu_aot.py checks that the JIT compiles exactly these signatures for the test models,
@@ -22,40 +22,30 @@ import importlib
 import os
 import re
 import shutil
+import sys
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 
 MODULE = "lnn_cpu_kernels"
-KERNEL_MODULES = ("activations", "conv2d", "conv_direct", "layernorm", "linear", "pool", "recurrent", "winograd")   # files of lnn.runtime.cpu with kernels
 
 A1, A2, A3, A4 = "f4[::1]", "f4[:, ::1]", "f4[:, :, ::1]", "f4[:, :, :, ::1]"
 I, F, WINDOW = "i8", "f8", "UniTuple(i8, 6)"
-SIGNATURES = {
-    "activations.affine_activation": (A3, A1, A1, I, F, A3),
-    "conv2d.shifted_im2col": (A3, I, I, I, I, I, I, I, A2),
-    "conv2d.im2col": (A3, I, I, I, I, I, I, I, I, I, I, A2),
-    "conv2d.conv2d_direct": (A3, A4, I, I, I, I, I, A3),
-    "conv2d.max_pool_2x2_rows": (A2, I, I, I, I, A2, I, I, I),
-    "conv2d.max_pool_rows": (A2, I, I, I, I, I, WINDOW, A1, A2, I, I, I),
-    "conv2d.epilogue_rows": (A2, I, I, I, A1, A1, I, F, A4, I, I, I, I, I, I),
-    "conv2d.softmax_channels": (A4, I, I, I, I, I, I),
-    "conv_direct.conv3x3_direct": (A3, A4, I, I, I, I, I, A2),
-    "layernorm.layernorm_rows": (A2, A1, A1, F, A2),
-    "linear.linear_rows": (A2, A2, A1, A1, I, F, A2),
-    "pool.maxpool2d": (A4, I, I, I, I, A4),
-    "pool.avgpool2d": (A4, I, I, I, I, A2, A4),
-    "pool.global_avg_pool": (A3, A2),
-    "pool.global_max_pool": (A3, A2),
-    "recurrent.lstm_cell": (A2, A2, A2, A2, I),
-    "recurrent.gru_cell": (A2, A2, A1, A2, A2, I),
-    "recurrent.lstm_sequence": (A3, A2, A2, A2, A3, I, I),
-    "recurrent.gru_sequence": (A3, A2, A1, A2, A2, A3, I, I),
-    "winograd.winograd_input": (A3, I, I, I, I, I, A2, A3),
-    "winograd.winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
-}
-INLINE_ONLY = {"activations.activate", "recurrent.fast_tanh", "recurrent.fast_sigmoid", "recurrent.recurrent_product"}
+
+
+def kernel_files() -> list:
+    """The files of lnn.runtime.cpu with kernels: those that import `kernel` or `ieee_kernel` from jit.py (read
+    from the sources: only the build and the tests ask, never the app)."""
+    return sorted(path.stem for path in Path(__file__).parent.glob("*.py") if path.stem != "aot" and re.search(
+        r"^from lnn.runtime.cpu.jit import .*\b(ieee_)?kernel\b", path.read_text(encoding="utf-8"), re.M))
+
+
+def signatures() -> dict:
+    """{"<file>.<kernel>": its argument types, or None when it is only called by other kernels}: every kernel
+    file's AOT_SIGNATURES."""
+    return {f"{name}.{kernel}": arguments for name in kernel_files()
+            for kernel, arguments in importlib.import_module(f"lnn.runtime.cpu.{name}").AOT_SIGNATURES.items()}
 
 
 def kernel_key(function) -> str:
@@ -69,14 +59,16 @@ def symbol(key: str) -> str:
 def compiled_kernel(function):
     """@kernel when LNN_CPU_KERNELS=aot: the compiled entry point for `function`, behind an argument check."""
     key = kernel_key(function)
-    if key in INLINE_ONLY:
+    declared = getattr(sys.modules[function.__module__], "AOT_SIGNATURES", {})     # above the file's kernels
+    if function.__name__ not in declared:
+        raise ImportError(f"kernel {key} has no ahead-of-time signature (add it to AOT_SIGNATURES in its file)")
+    signature = declared[function.__name__]
+    if signature is None:
         return function                  # compiled into the kernels that call it
-    if key not in SIGNATURES:
-        raise ImportError(f"kernel {key} has no ahead-of-time signature (add it to lnn.runtime.cpu.aot.SIGNATURES)")
     compiled = getattr(importlib.import_module(MODULE), symbol(key))
-    checks = [(position, kind) for position, kind in enumerate(SIGNATURES[key]) if kind not in (I, F)]
+    checks = [(position, kind) for position, kind in enumerate(signature) if kind not in (I, F)]
     ranks = [kind.count(",") + 1 if kind.startswith("f4[") else None for _, kind in checks]
-    arity = len(SIGNATURES[key])
+    arity = len(signature)
 
     def checked(*args):
         if len(args) != arity:
@@ -98,12 +90,8 @@ def compiled_kernel(function):
 
 def jit_kernels() -> dict:
     """{key: Numba dispatcher} for every @kernel of the CPU backend (JIT mode; every file that imports `kernel`)."""
-    files = sorted(path.stem for path in Path(__file__).parent.glob("*.py") if path.stem != "aot"
-                   and re.search(r"^from lnn.runtime.cpu.jit import .*\bkernel\b", path.read_text(encoding="utf-8"), re.M))
-    if files != sorted(KERNEL_MODULES):
-        raise RuntimeError(f"KERNEL_MODULES {sorted(KERNEL_MODULES)} must list the files with kernels: {files}")
     kernels = {}
-    for name in KERNEL_MODULES:
+    for name in kernel_files():
         module = importlib.import_module(f"lnn.runtime.cpu.{name}")
         for value in vars(module).values():
             if hasattr(value, "py_func") and value.py_func.__module__ == module.__name__:
@@ -127,7 +115,7 @@ def missing_compiler() -> str | None:
 
 
 def compile_kernels(output_dir: Path, target_cpu: str = "") -> Path:
-    """Compile every kernel in SIGNATURES into `output_dir`/MODULE.<ext>; needs Numba and a C compiler.
+    """Compile every kernel with a signature into `output_dir`/MODULE.<ext>; needs Numba and a C compiler.
 
     Run it with the JIT kernels (LNN_CPU_KERNELS unset): their Python functions are what gets compiled.
     target_cpu "" is LLVM's generic model for this architecture (portable); "host" tunes for this CPU.
@@ -142,14 +130,15 @@ def compile_kernels(output_dir: Path, target_cpu: str = "") -> Path:
     problem = missing_compiler()
     if problem:
         raise RuntimeError(problem)
-    kernels = jit_kernels()
-    unlisted = sorted(set(kernels) - set(SIGNATURES) - INLINE_ONLY)
+    kernels, declared = jit_kernels(), signatures()
+    unlisted = sorted(set(kernels) - set(declared))
     if unlisted:
-        raise RuntimeError(f"kernels without an ahead-of-time signature in lnn.runtime.cpu.aot.SIGNATURES: {unlisted}")
+        raise RuntimeError(f"kernels without an ahead-of-time signature in their file's AOT_SIGNATURES: {unlisted}")
     compiler = CC(MODULE)
     compiler.output_dir = str(output_dir)
     compiler.target_cpu = target_cpu
-    for key, arguments in SIGNATURES.items():
-        compiler.export(symbol(key), f"void({', '.join(arguments)})")(kernels[key].py_func)
+    for key, arguments in declared.items():
+        if arguments is not None:
+            compiler.export(symbol(key), f"void({', '.join(arguments)})")(kernels[key].py_func)
     compiler.compile()
     return Path(output_dir) / compiler.output_file

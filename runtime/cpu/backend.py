@@ -44,9 +44,11 @@ runs its tasks in its own thread one after the other, which gives the same bytes
 already busy with the other call). The BLAS thread count is process-wide: overlapping calls share
 one setting (BlasThreads below), which changes speed, never results.
 
-Adding an op: one file here with a layer class (`__init__(node, weights)`, `out_shape`,
-`plan(src, new_buffer) -> (dst, steps)`) and one line in LAYERS. A layer that can be split also has
+Adding an op: its file here holds its layer class (`__init__(node, weights)`, `out_shape`,
+`plan(src, new_buffer) -> (dst, steps)`) naming the ops it runs (`ops`), and its kernels' AOT_SIGNATURES
+(aot.py); a new file is also one name in the modules LAYERS is built from below. A layer that can be split also has
 `flops` (per image) and takes `plan(src, new_buffer, parts)`, returning Parallel steps (parallel.py).
+tests/runtime/test_cpu_backend.py fails for an op of the registry without a layer here.
 """
 
 from __future__ import annotations
@@ -59,42 +61,21 @@ import numpy as np
 
 from lnn.formats.fold import folds_into_previous
 from lnn.formats.model import Model
-from lnn.formats.ops import ACTIVATIONS
+from lnn.formats.ops import ACTIVATIONS, layer_table
 from lnn.runtime import resolve_threads
-from lnn.runtime.cpu import cache
+from lnn.runtime.cpu import activations, batchnorm, cache, conv1d, conv2d, flatten, layernorm, linear, pool, recurrent
 from lnn.runtime.cpu.activations import NONE, ActivationLayer, is_monotone
 from lnn.runtime.cpu.batchnorm import BatchNormLayer, scale_and_shift
-from lnn.runtime.cpu.conv1d import Conv1dLayer
 from lnn.runtime.cpu.conv2d import Conv2dLayer
-from lnn.runtime.cpu.flatten import FlattenLayer
 from lnn.runtime.cpu.jit import CACHE_ENABLED
-from lnn.runtime.cpu.layernorm import LayerNormLayer
 from lnn.runtime.cpu.linear import LinearLayer
 from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.parallel import Crew, Parallel, all_steps, run_steps
-from lnn.runtime.cpu.pool import (AvgPool1dLayer, AvgPool2dLayer, GlobalAvgPoolLayer, GlobalMaxPoolLayer,
-                                  MaxPool1dLayer, MaxPool2dLayer)
-from lnn.runtime.cpu.recurrent import RecurrentLayer
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
 
-LAYERS = {
-    "linear": LinearLayer,
-    "conv1d": Conv1dLayer,
-    "conv2d": Conv2dLayer,
-    "maxpool1d": MaxPool1dLayer,
-    "avgpool1d": AvgPool1dLayer,
-    "maxpool2d": MaxPool2dLayer,
-    "avgpool2d": AvgPool2dLayer,
-    "global_avg_pool": GlobalAvgPoolLayer,
-    "global_max_pool": GlobalMaxPoolLayer,
-    "flatten": FlattenLayer,
-    "batchnorm": BatchNormLayer,
-    "layernorm": LayerNormLayer,
-    "lstm": RecurrentLayer,
-    "gru": RecurrentLayer,
-    **{kind: ActivationLayer for kind in ACTIVATIONS},
-}
+LAYERS = layer_table("CPU", [vars(module) for module in (linear, conv1d, conv2d, pool, flatten, batchnorm, layernorm,
+                                                         recurrent, activations)])
 IDENTITY_AT_INFERENCE = {"dropout"}
 PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
 MIN_SPLIT_FLOPS = 250e6  # a batch is split across threads from this much work on (measured on 2 cores)

@@ -17,6 +17,7 @@ from lnn.formats.fold import scale_and_shift
 
 class BatchNormLayer:
     """A batch norm that could not be folded into the layer before it."""
+    ops = ("batchnorm",)  # the registry ops this layer runs (backend.py LAYERS)
 
     def __init__(self, node, weights):
         self.out_shape = node.out_shape

@@ -21,6 +21,8 @@ from lnn.runtime.cpu.conv2d import Conv2dLayer
 
 
 class Conv1dLayer(Conv2dLayer):
+    ops = ("conv1d",)  # the registry ops this layer runs (backend.py LAYERS)
+
     def __init__(self, node, weights):
         left, right = self.sides = node.attrs["padding"]
         length = node.in_shape[1] if left == right else conv1d_padded_length(node.attrs, node.in_shape[1])

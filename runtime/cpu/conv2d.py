@@ -47,11 +47,24 @@ import numpy as np
 
 from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
+from lnn.runtime.cpu.aot import A1, A2, A3, A4, F, I, WINDOW
 from lnn.runtime.cpu.conv_direct import conv3x3_direct
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
 from lnn.runtime.cpu.winograd import TILE, tile_count, transformed_weight, winograd_input, winograd_output
+
+# Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
+# only by other kernels, compiled into them.
+AOT_SIGNATURES = {
+    "shifted_im2col": (A3, I, I, I, I, I, I, I, A2),
+    "im2col": (A3, I, I, I, I, I, I, I, I, I, I, A2),
+    "conv2d_direct": (A3, A4, I, I, I, I, I, A3),
+    "max_pool_2x2_rows": (A2, I, I, I, I, A2, I, I, I),
+    "max_pool_rows": (A2, I, I, I, I, I, WINDOW, A1, A2, I, I, I),
+    "epilogue_rows": (A2, I, I, I, A1, A1, I, F, A4, I, I, I, I, I, I),
+    "softmax_channels": (A4, I, I, I, I, I, I),
+}
 
 # Below this many multiply-adds per output element a grouped conv runs direct, not as tiny GEMMs.
 DIRECT_MAX_TAPS = 32
@@ -220,6 +233,8 @@ def softmax_channels(dst, images, dst_top, dst_left, out_first, out_end, out_w):
 
 
 class Conv2dLayer:
+    ops = ("conv2d",)  # the registry ops this layer runs (backend.py LAYERS)
+
     def __init__(self, node, weights):
         attrs = node.attrs
         self.attrs = attrs

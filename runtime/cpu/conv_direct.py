@@ -13,7 +13,12 @@ row range let a caller split the work over threads.
 
 from __future__ import annotations
 
+from lnn.runtime.cpu.aot import A2, A3, A4, I
 from lnn.runtime.cpu.jit import kernel
+
+# Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
+# only by other kernels, compiled into them.
+AOT_SIGNATURES = {"conv3x3_direct": (A3, A4, I, I, I, I, I, A2)}
 
 
 @kernel

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 
 class FlattenLayer:
+    ops = ("flatten",)  # the registry ops this layer runs (backend.py LAYERS)
+
     def __init__(self, node, weights):
         self.out_shape = node.out_shape
 

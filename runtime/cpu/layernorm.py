@@ -13,7 +13,12 @@ from functools import partial
 
 import numpy as np
 
+from lnn.runtime.cpu.aot import A1, A2, F
 from lnn.runtime.cpu.jit import kernel
+
+# Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
+# only by other kernels, compiled into them.
+AOT_SIGNATURES = {"layernorm_rows": (A2, A1, A1, F, A2)}
 
 
 @kernel
@@ -37,6 +42,8 @@ def layernorm_rows(src, weight, bias, eps, dst):
 
 
 class LayerNormLayer:
+    ops = ("layernorm",)  # the registry ops this layer runs (backend.py LAYERS)
+
     def __init__(self, node, weights):
         self.out_shape = node.out_shape
         self.count = math.prod(node.attrs["normalized_shape"])

@@ -22,8 +22,13 @@ import numpy as np
 
 from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import SOFTMAX, Epilogue, activate, as_channels_positions
+from lnn.runtime.cpu.aot import A1, A2, F, I
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
+
+# Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
+# only by other kernels, compiled into them.
+AOT_SIGNATURES = {"linear_rows": (A2, A2, A1, A1, I, F, A2)}
 
 FUSED_MAX_BATCH = 4           # linear_rows on batches this small ...
 FUSED_MAX_WEIGHTS = 1 << 20   # ... for layers of at most this many weights (4 MiB; mnist_mlp's largest: 0.2 M)
@@ -50,6 +55,8 @@ def linear_rows(x, weight_t, scale, shift, code, slope, dst):
 
 
 class LinearLayer:
+    ops = ("linear",)  # the registry ops this layer runs (backend.py LAYERS)
+
     def __init__(self, node, weights):
         self.out_shape = node.out_shape
         self.weight = np.array(weights[node.param_key("weight")], dtype=np.float32)   # own copy: folding edits it

@@ -19,8 +19,18 @@ import numpy as np
 
 from lnn.formats.model import as_rows
 from lnn.runtime.cpu.activations import as_channels_positions
+from lnn.runtime.cpu.aot import A2, A3, A4, I
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded
+
+# Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
+# only by other kernels, compiled into them.
+AOT_SIGNATURES = {
+    "maxpool2d": (A4, I, I, I, I, A4),
+    "avgpool2d": (A4, I, I, I, I, A2, A4),
+    "global_avg_pool": (A3, A2),
+    "global_max_pool": (A3, A2),
+}
 
 
 @kernel
@@ -92,6 +102,8 @@ def global_max_pool(src, dst):
 
 
 class MaxPool2dLayer:
+    ops = ("maxpool2d",)  # the registry ops this layer runs (backend.py LAYERS)
+
     def __init__(self, node, weights):
         self.attrs = node.attrs
         self.out_shape = node.out_shape
@@ -105,6 +117,8 @@ class MaxPool2dLayer:
 
 
 class AvgPool2dLayer:
+    ops = ("avgpool2d",)  # the registry ops this layer runs (backend.py LAYERS)
+
     def __init__(self, node, weights):
         a = self.attrs = node.attrs
         self.out_shape = node.out_shape
@@ -137,11 +151,11 @@ class OnRows:
 
 
 class MaxPool1dLayer(OnRows, MaxPool2dLayer):
-    pass
+    ops = ("maxpool1d",)  # the registry ops this layer runs (backend.py LAYERS)
 
 
 class AvgPool1dLayer(OnRows, AvgPool2dLayer):
-    pass
+    ops = ("avgpool1d",)  # the registry ops this layer runs (backend.py LAYERS)
 
 
 class GlobalPoolLayer:
@@ -156,8 +170,10 @@ class GlobalPoolLayer:
 
 
 class GlobalAvgPoolLayer(GlobalPoolLayer):
+    ops = ("global_avg_pool",)  # the registry ops this layer runs (backend.py LAYERS)
     kernel = staticmethod(global_avg_pool)
 
 
 class GlobalMaxPoolLayer(GlobalPoolLayer):
+    ops = ("global_max_pool",)  # the registry ops this layer runs (backend.py LAYERS)
     kernel = staticmethod(global_max_pool)

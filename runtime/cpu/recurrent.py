@@ -32,7 +32,20 @@ from functools import partial
 import numpy as np
 
 from lnn.formats.ops import get_op
+from lnn.runtime.cpu.aot import A1, A2, A3, I
 from lnn.runtime.cpu.jit import ieee_kernel, kernel
+
+# Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
+# only by other kernels, compiled into them.
+AOT_SIGNATURES = {
+    "fast_tanh": None,
+    "fast_sigmoid": None,
+    "recurrent_product": None,
+    "lstm_cell": (A2, A2, A2, A2, I),
+    "gru_cell": (A2, A2, A1, A2, A2, I),
+    "lstm_sequence": (A3, A2, A2, A2, A3, I, I),
+    "gru_sequence": (A3, A2, A1, A2, A2, A3, I, I),
+}
 
 
 @ieee_kernel
@@ -165,6 +178,8 @@ SEQUENCE_KERNEL_MAX_BATCH = 16    # up to this batch a direction runs as one lst
 
 
 class RecurrentLayer:
+    ops = ("lstm", "gru")  # the registry ops this layer runs (backend.py LAYERS)
+
     def __init__(self, node, weights):
         op = get_op(node.op)
         self.op, self.attrs, self.out_shape = op, node.attrs, node.out_shape

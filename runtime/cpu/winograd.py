@@ -32,7 +32,15 @@ from fractions import Fraction
 
 import numpy as np
 
+from lnn.runtime.cpu.aot import A2, A3, I
 from lnn.runtime.cpu.jit import kernel
+
+# Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
+# only by other kernels, compiled into them.
+AOT_SIGNATURES = {
+    "winograd_input": (A3, I, I, I, I, I, A2, A3),
+    "winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
+}
 
 TILE = 4                        # outputs per tile side
 POINTS = (0, 1, -1, 2, Fraction(-1, 2))     # the finite interpolation points; the sixth is infinity

@@ -22,7 +22,7 @@ im2col (fused) + one grouped GEMM
 applies bias and activation (at batch 1 the GEMM writes the output directly and the epilogue runs in
 place); linear is a GEMM + in-place epilogue; max pool is one kernel; avg pool, global average and max
 pool, layer norm and softmax are the generic kernels; the 1-D pools are the 2-D layers on [N, C, 1, T] views;
-lstm and gru are the trainer's generic forward (kernels.recurrent_forward). `array_module=numpy` runs the same plan with the generic kernels
+lstm and gru are the trainer's generic forward (recurrent.py). `array_module=numpy` runs the same plan with the generic kernels
 only (how the planning is tested where there is no GPU).
 """
 
@@ -35,8 +35,8 @@ import numpy as np
 
 from lnn.formats.errors import LnnError
 from lnn.formats.model import Model, as_rows
-from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length, get_op
-from lnn.runtime.cuda import conv_gemm, winograd
+from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length, get_op, layer_table
+from lnn.runtime.cuda import conv_gemm, recurrent, winograd
 from lnn.runtime.cuda import kernels as K
 from lnn.runtime.plans import PerThreadCache
 from lnn.formats.fold import fold_scale_and_shift, folds_into_previous, scale_and_shift
@@ -143,6 +143,8 @@ class GemmLayer:
 
 
 class Conv2dLayer(GemmLayer):
+    ops = ("conv2d",)
+
     @property
     def pointwise(self) -> bool:
         """A 1x1, stride-1, unpadded conv: its cols are its input, at batch 1 even in memory order."""
@@ -218,6 +220,7 @@ class Conv1dLayer(OnRows, Conv2dLayer):
     with the weight [O, C/g, 1, K]. Its 2-D padding is (0, left); a right padding that differs is read as
     zeros past the input by the fused im2col (the output width bounds the windows) and sized into the
     generic kernels' padded buffer; implicit GEMM (symmetric padding only) takes padding alike on both sides."""
+    ops = ("conv1d",)
 
     def __init__(self, node, weights):
         super().__init__(node, weights)
@@ -236,6 +239,8 @@ class Conv1dLayer(OnRows, Conv2dLayer):
 
 
 class LinearLayer(GemmLayer):
+    ops = ("linear",)
+
     def plan(self, src, device: Device):
         out = device.xp.empty((src.shape[0], *self.out_shape), FLOAT)
         steps = [partial(K.linear_forward, device.xp, src, self.weight_on_device, None, out)]
@@ -254,20 +259,15 @@ def padded_buffer(xp, src, attrs):
 class AffineLayer:
     """A batch norm that could not be folded (scale, shift from the running statistics) or a stand-alone
     activation (scale 1, shift 0): one epilogue, in place on its input."""
+    ops = ("batchnorm", *ACTIVATIONS)
 
-    def __init__(self, channels: int, scale=None, shift=None, activation: dict | None = None):
-        self.epilogue = Epilogue(channels, shift, activation)
-        if scale is not None:
+    def __init__(self, node, weights):
+        if node.op == "batchnorm":
+            scale, shift = scale_and_shift(node, weights)
+            self.epilogue = Epilogue(node.out_shape[0], shift, node.attrs["activation"])
             self.epilogue.scale = np.array(scale, FLOAT)
-
-    @classmethod
-    def batchnorm(cls, node, weights) -> "AffineLayer":
-        scale, shift = scale_and_shift(node, weights)
-        return cls(node.out_shape[0], scale, shift, node.attrs["activation"])
-
-    @classmethod
-    def activation(cls, node, weights) -> "AffineLayer":
-        return cls(node.out_shape[0], activation=node.attrs)
+        else:
+            self.epilogue = Epilogue(node.out_shape[0], None, node.attrs)
 
     def upload(self, device: Device) -> None:
         self.epilogue.upload(device)
@@ -277,6 +277,8 @@ class AffineLayer:
 
 
 class MaxPool2dLayer:
+    ops = ("maxpool2d",)
+
     def __init__(self, node, weights):
         self.attrs, self.out_shape = node.attrs, node.out_shape
 
@@ -289,6 +291,8 @@ class MaxPool2dLayer:
 
 
 class AvgPool2dLayer:
+    ops = ("avgpool2d",)
+
     def __init__(self, node, weights):
         self.attrs, self.in_shape, self.out_shape = node.attrs, node.in_shape, node.out_shape
 
@@ -300,15 +304,16 @@ class AvgPool2dLayer:
 
 
 class MaxPool1dLayer(OnRows, MaxPool2dLayer):
-    pass
+    ops = ("maxpool1d",)
 
 
 class AvgPool1dLayer(OnRows, AvgPool2dLayer):
-    pass
+    ops = ("avgpool1d",)
 
 
 class GlobalPoolLayer:
     """global_avg_pool / global_max_pool over everything after the channel axis (the generic kernels)."""
+    ops = ("global_avg_pool", "global_max_pool")
 
     def __init__(self, node, weights):
         self.out_shape = node.out_shape
@@ -321,6 +326,7 @@ class GlobalPoolLayer:
 
 class LayerNormLayer:
     """layernorm: the generic kernel over rows of prod(normalized_shape) values."""
+    ops = ("layernorm",)
 
     def __init__(self, node, weights):
         self.eps, self.count = node.attrs["eps"], math.prod(node.attrs["normalized_shape"])
@@ -336,9 +342,10 @@ class LayerNormLayer:
 
 
 class RecurrentLayer:
-    """lstm and gru: the trainer's forward (kernels.recurrent_forward: one GEMM for every step's input
+    """lstm and gru: the trainer's forward (recurrent.py recurrent_forward: one GEMM for every step's input
     projections per layer and direction, then per step a recurrent GEMM and the gate arithmetic as
     in-place CuPy calls) on workspaces planned per batch size."""
+    ops = ("lstm", "gru")
 
     def __init__(self, node, weights):
         self.op, self.attrs, self.in_shape, self.out_shape = get_op(node.op), node.attrs, node.in_shape, node.out_shape
@@ -350,12 +357,13 @@ class RecurrentLayer:
     def plan(self, src, device: Device):
         xp, n = device.xp, src.shape[0]
         out = xp.empty((n, *self.out_shape), FLOAT)
-        ws = {name: xp.empty(shape, FLOAT) for name, shape, _ in K.recurrent_workspaces(self.op, self.attrs, self.in_shape, n)}
-        return out, [partial(K.recurrent_forward, xp, self.op, src, self.on_device, self.attrs, out, ws)]
+        ws = {name: xp.empty(shape, FLOAT) for name, shape, _ in recurrent.recurrent_workspaces(self.op, self.attrs, self.in_shape, n)}
+        return out, [partial(recurrent.recurrent_forward, xp, self.op, src, self.on_device, self.attrs, out, ws)]
 
 
 class FlattenLayer:
     """A view of its input: no buffer, no work."""
+    ops = ("flatten",)
 
     def __init__(self, node, weights):
         pass
@@ -364,23 +372,7 @@ class FlattenLayer:
         return src.reshape(src.shape[0], -1), []
 
 
-LAYERS = {
-    "linear": LinearLayer,
-    "conv1d": Conv1dLayer,
-    "conv2d": Conv2dLayer,
-    "maxpool1d": MaxPool1dLayer,
-    "avgpool1d": AvgPool1dLayer,
-    "maxpool2d": MaxPool2dLayer,
-    "avgpool2d": AvgPool2dLayer,
-    "global_avg_pool": GlobalPoolLayer,
-    "global_max_pool": GlobalPoolLayer,
-    "flatten": FlattenLayer,
-    "lstm": RecurrentLayer,
-    "gru": RecurrentLayer,
-    "batchnorm": AffineLayer.batchnorm,
-    "layernorm": LayerNormLayer,
-    **{kind: AffineLayer.activation for kind in ACTIVATIONS},
-}
+LAYERS = layer_table("CUDA", [globals()])      # every op of the registry but dropout (tests/runtime/test_cuda_plan.py)
 
 
 def build_layers(model: Model, weights: dict, outputs: LayerOutputs | None = None) -> list:

@@ -270,3 +270,15 @@ def test_every_op_of_the_registry_is_in_the_export_and_import_cases():
     covered = {node.op for case in (EVERY_OP, EVERY_SERIES_OP, SERIES_AVERAGE) for node in parse_model(case).nodes}
     covered |= {node.op for case in RECURRENT_CASES for node in golden(case)[0].nodes}
     assert set(OPS) <= covered, f"ops without ONNX export/import tests: {sorted(set(OPS) - covered)}"
+
+
+def test_every_op_of_the_registry_carries_its_onnx_mapping():
+    """Each op's ONNX mapping is on its class in formats/ops.py (the export and import files are drivers): an op
+    without `to_onnx` (dropout alone: not in an inference graph) or without ONNX node types it reads fails here."""
+    from lnn.formats.onnx_import import READERS
+    from lnn.formats.ops import OPS, Op
+
+    assert sorted(name for name, op in OPS.items() if type(op).to_onnx is Op.to_onnx) == ["dropout"]
+    assert [name for name, op in OPS.items() if not op.onnx_readers] == []
+    for onnx_type, ops in READERS.items():
+        assert all(callable(getattr(op, op.onnx_readers[onnx_type])) for op in ops), onnx_type

@@ -147,6 +147,18 @@ def test_every_op_has_a_case():
     assert set(OPS) - used == set()
 
 
+def test_every_op_has_a_cpu_layer():
+    """backend.py's table is built from what each layer class says it runs (`ops`): an op of the registry that no
+    layer names fails here, dropout alone being the identity at inference."""
+    from lnn.formats.ops import layer_table
+    from lnn.runtime.cpu.backend import IDENTITY_AT_INFERENCE, LAYERS
+
+    assert sorted(set(OPS) - set(LAYERS)) == sorted(IDENTITY_AT_INFERENCE) == ["dropout"]
+    assert all(callable(getattr(layer, "plan", None)) for layer in LAYERS.values())
+    with pytest.raises(ImportError, match=r"CPU layers for ops the registry does not have: \['lstm2'\]"):
+        layer_table("CPU", [{"Layer": type("Layer", (), {"ops": ("lstm2",)})}])
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_numpy_reference(case):
     input_shape, layers = CASES[case]

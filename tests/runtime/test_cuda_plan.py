@@ -26,6 +26,16 @@ def numpy_plan(model, weights):
     return CudaBackend(model, weights, array_module=np)
 
 
+def test_every_op_has_a_cuda_layer():
+    """backend.py's table is built from the ops each layer class names (`ops`): an op of the registry that no
+    layer names fails here, dropout alone being the identity at inference."""
+    from lnn.formats.ops import OPS
+    from lnn.runtime.cuda.backend import IDENTITY_AT_INFERENCE, LAYERS
+
+    assert sorted(set(OPS) - set(LAYERS)) == sorted(IDENTITY_AT_INFERENCE) == ["dropout"]
+    assert all(callable(getattr(layer, "plan", None)) for layer in LAYERS.values())
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_plan_matches_numpy_reference(case):
     input_shape, layers = CASES[case]

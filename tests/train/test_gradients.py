@@ -173,6 +173,15 @@ def test_every_op_of_the_registry_is_checked():
     assert set(OPS) <= checked
 
 
+def test_every_op_of_the_registry_has_a_training_layer():
+    """train/layers.py's table is built from the ops each layer class names (`ops`): an op no class names fails."""
+    from lnn.formats.ops import OPS
+    from lnn.train.layers import LAYERS, Layer
+
+    assert list(LAYERS) == list(OPS)
+    assert all(issubclass(layer, Layer) for layer in LAYERS.values())
+
+
 def test_softmax_cross_entropy_gradient():
     rng = np.random.default_rng(3)
     logits = rng.normal(0, 3, (5, 7))
