@@ -24,7 +24,6 @@ import json
 import math
 import mmap
 import os
-import stat
 import struct
 import tempfile
 import zlib
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.errors import LnnFormatError, ModelSpecError
+from lnn.formats.files import regular_file
 from lnn.formats.gate import TENSOR_PREFIX, check_gate_metadata, check_gate_tensor_shapes, gate_tensor_shapes
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
 from lnn.formats.npz import NPZ_MAGIC, is_checkpoint_bytes
@@ -392,22 +392,18 @@ def write_bin(path, model: Model, weights: dict, metadata: dict | None = None, d
 def read_bin(path: str | Path) -> BinModel:
     """Map and validate a .bin file; any problem raises LnnFormatError("<path>: <what is wrong>")."""
     path = Path(path)
+    regular_file(path, "a model file", LnnFormatError)                               # rule 1
     try:
-        mode = os.stat(path).st_mode
-        if stat.S_ISDIR(mode):                                                       # rule 1
-            raise LnnFormatError(f"{path}: is a folder, not a model file")
-        if not stat.S_ISREG(mode):
-            raise LnnFormatError(f"{path}: is not a regular file (a device, pipe or socket), not a model file")
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < HEADER_SIZE:                                                   # rule 2
                 raise LnnFormatError(f"{path}: {size} bytes is too short for an lnn model (the header alone is "
                                      f"{HEADER_SIZE}); the file is truncated or not a model{_sniff(f.read(16))}")
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except FileNotFoundError:
-        raise LnnFormatError(f"{path}: no such model file") from None
+    except FileNotFoundError:                   # removed since the check
+        raise LnnFormatError(f"{path}: no such file") from None
     except OSError as err:
-        raise LnnFormatError(f"{path}: cannot read the model file ({err.strerror or err})") from None
+        raise LnnFormatError(f"{path}: cannot read the file ({err.strerror or err})") from None
     try:
         return _parse(path, memoryview(mapped), mapped)
     except LnnFormatError as err:

@@ -20,9 +20,7 @@ import dataclasses
 import difflib
 import json
 import math
-import os
 import re
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +29,7 @@ import numpy as np
 
 from lnn.formats import limits
 from lnn.formats.errors import ModelSpecError
+from lnn.formats.files import read_regular_file
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, refusal
 from lnn.formats.ops import REQUIRED, SpecProblem, get_op, normalize_activation
 
@@ -166,22 +165,7 @@ def load_description(path: str | Path) -> dict:
     """Read a JSON description file; a missing file, a device or pipe, a file over MAX_JSON_BYTES,
     bad JSON or JSON nested deeper than MAX_JSON_DEPTH becomes a one-line ModelSpecError."""
     path = Path(path)
-    try:
-        mode = os.stat(path).st_mode
-        if stat.S_ISDIR(mode):
-            raise ModelSpecError(f"{path}: cannot read the model description (it is a folder)")
-        if not stat.S_ISREG(mode):
-            raise ModelSpecError(f"{path}: cannot read the model description (not a regular file: a device, "
-                                 "pipe or socket)")
-        with path.open("rb") as f:
-            raw = f.read(MAX_JSON_BYTES + 1)
-    except FileNotFoundError:
-        raise ModelSpecError(f"{path}: no such file") from None
-    except OSError as err:
-        raise ModelSpecError(f"{path}: cannot read the model description ({err.strerror or err})") from None
-    if len(raw) > MAX_JSON_BYTES:
-        raise ModelSpecError(f"{path}: the model description is over the limit of {MAX_JSON_BYTES:,} bytes "
-                             f"(MAX_JSON_BYTES in lnn/formats/limits.py)")
+    raw = read_regular_file(path, "a model description", MAX_JSON_BYTES, "MAX_JSON_BYTES", ModelSpecError)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lnn.formats.files import regular_file
+
 # What np.load and reading an archive's entries raise for a damaged or foreign file.
 NPZ_READ_ERRORS = (ValueError, EOFError, OSError, zipfile.BadZipFile)
 NPZ_MAGIC = b"PK\x03\x04"                 # an .npz is a zip archive
@@ -23,12 +25,9 @@ def open_npz(path: str | Path, kind: str, expected: str, error: type[Exception])
     single-array .npy raises `error` with one line naming `kind` ("weights file") and what the file
     should have been (`expected`, e.g. "an lnn checkpoint")."""
     path = Path(path)
+    regular_file(path, f"a {kind}", error)
     try:
         archive = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise error(f"{path}: no such {kind}") from None
-    except IsADirectoryError:
-        raise error(f"{path}: is a folder, not a {kind}") from None
     except NPZ_READ_ERRORS:
         raise error(f"{path}: not {expected} (the file is not a readable .npz archive)") from None
     if not isinstance(archive, np.lib.npyio.NpzFile):

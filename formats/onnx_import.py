@@ -18,13 +18,12 @@ ONNX models written by lnn's exporter carry labels and preprocessing in metadata
 from __future__ import annotations
 
 import math
-import os
-import stat
 from pathlib import Path
 
 import numpy as np
 
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
+from lnn.formats.files import regular_file
 from lnn.formats.model import Model, parse_json_text, parse_model, size_refusals
 from lnn.formats.onnx_export import METADATA_KEYS, require_onnx
 from lnn.formats.ops import OPS, get_op
@@ -197,15 +196,12 @@ def load_onnx(path):
     """Read and check an ONNX file; a missing, foreign or invalid file gets a one-line error."""
     onnx = require_onnx()
     path = Path(path)
+    regular_file(path, "an ONNX file")
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode) and not path.is_dir():   # a device or pipe would read for ever
-            raise LnnInputError(f"{path}: is not a regular file (a device, pipe or socket), not an ONNX file")
         with path.open("rb") as f:
             head = f.read(8)
-    except FileNotFoundError:
-        raise LnnInputError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise LnnInputError(f"{path}: is a folder, not an ONNX file") from None
+    except OSError as err:
+        raise LnnInputError(f"{path}: cannot read the file ({err.strerror or err})") from None
     if head.startswith(b"\x89LNN"):
         raise LnnInputError(f"{path}: is an lnn .bin model already, not an ONNX file")
     try:

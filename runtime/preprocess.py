@@ -23,7 +23,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import stat
 import struct
 import warnings
 from dataclasses import dataclass, replace
@@ -33,6 +32,7 @@ import numpy as np
 
 from lnn.formats import limits
 from lnn.formats.errors import LnnError, LnnInputError, LnnWarning
+from lnn.formats.files import read_regular_file
 
 LIBRARIES = ("opencv", "pillow")
 GRAY_WEIGHTS_BGR = (0.114, 0.587, 0.299)
@@ -237,9 +237,6 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"                  # the last chunk: always these 12 bytes
 OPENCV_REDUCED = {2: 16, 4: 32, 8: 64}                       # cv2.IMREAD_REDUCED_*_2/4/8's scale bits
 REDUCTIONS = (2, 4, 8)
-FILE_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
-              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
 
 def read_header(data: bytes) -> ImageHeader | None:
     """The format and size from an image's header (and, for JPEG and PNG, whether the data is complete);
@@ -365,44 +362,8 @@ def check_header(header: ImageHeader, name: str) -> ImageHeader:
 
 
 def read_image_file(path) -> bytes:
-    """A regular file's bytes, up to MAX_IMAGE_FILE_BYTES; anything else is one LnnInputError line.
-
-    Opened without blocking (a named pipe opens at once, then is refused) and checked with fstat."""
-    name = str(path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
-    try:
-        descriptor = os.open(path, flags)
-    except FileNotFoundError:
-        raise LnnInputError(f"{name}: no such file") from None
-    except IsADirectoryError:
-        raise LnnInputError(f"{name}: is a folder, not an image") from None
-    except OSError as err:
-        raise LnnInputError(f"{name}: cannot read ({err.strerror or err})") from None
-    try:
-        status = os.fstat(descriptor)
-        _check_regular_file(status, name)
-    except LnnInputError:
-        os.close(descriptor)
-        raise
-    with os.fdopen(descriptor, "rb") as file:
-        try:            # read(n) reserves n bytes up front: ask for the file's own size (+1 to see it grow)
-            data = file.read(min(status.st_size, limits.MAX_IMAGE_FILE_BYTES) + 1)
-        except OSError as err:
-            raise LnnInputError(f"{name}: cannot read ({err.strerror or err})") from None
-    if len(data) > limits.MAX_IMAGE_FILE_BYTES:                  # it grew while being read
-        raise LnnInputError(f"{name}: the file is over lnn's limit of {limits.MAX_IMAGE_FILE_BYTES:,} bytes for an image")
-    return data
-
-
-def _check_regular_file(status: os.stat_result, name: str) -> None:
-    if stat.S_ISDIR(status.st_mode):
-        raise LnnInputError(f"{name}: is a folder, not an image")
-    if not stat.S_ISREG(status.st_mode):
-        kind = next((kind for test, kind in FILE_KINDS if test(status.st_mode)), "not a regular file")
-        raise LnnInputError(f"{name}: is {kind}, not an image file")
-    if status.st_size > limits.MAX_IMAGE_FILE_BYTES:
-        raise LnnInputError(f"{name}: the file is {status.st_size:,} bytes, over lnn's limit of "
-                            f"{limits.MAX_IMAGE_FILE_BYTES:,} bytes for an image")
+    """A regular file's bytes, up to MAX_IMAGE_FILE_BYTES (formats/files.py); anything else is one LnnInputError line."""
+    return read_regular_file(path, "an image file", limits.MAX_IMAGE_FILE_BYTES, "MAX_IMAGE_FILE_BYTES")
 
 
 def decode_image(source) -> np.ndarray:

@@ -26,14 +26,13 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from lnn.formats.errors import LnnInputError
+from lnn.formats.files import read_regular_file
 from lnn.formats.limits import MAX_DATA_FILE_BYTES, MAX_INPUT_ELEMENTS
 
 SERIES_SUFFIXES = (".ts", ".tsv", ".arff")
@@ -66,21 +65,7 @@ class Table:
 def read_text(path, what: str) -> str:
     """A regular file of at most MAX_DATA_FILE_BYTES, as UTF-8 text (a BOM dropped)."""
     path = Path(path)
-    try:
-        mode = os.stat(path).st_mode
-        if stat.S_ISDIR(mode):
-            raise LnnInputError(f"{path}: is a folder, not a {what}")
-        if not stat.S_ISREG(mode):
-            raise LnnInputError(f"{path}: is not a regular file (a device, pipe or socket), not a {what}")
-        with path.open("rb") as f:
-            raw = f.read(MAX_DATA_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise LnnInputError(f"{path}: no such file") from None
-    except OSError as err:
-        raise LnnInputError(f"{path}: cannot read the {what} ({err.strerror or err})") from None
-    if len(raw) > MAX_DATA_FILE_BYTES:
-        raise LnnInputError(f"{path}: the {what} is over the limit of {MAX_DATA_FILE_BYTES:,} bytes "
-                            f"(MAX_DATA_FILE_BYTES in lnn/formats/limits.py)")
+    raw = read_regular_file(path, f"a {what}", MAX_DATA_FILE_BYTES, "MAX_DATA_FILE_BYTES")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.errors import LnnInputError
+from lnn.formats.files import read_regular_file
+from lnn.formats.limits import MAX_DATA_FILE_BYTES
 
 IDX_IMAGES, IDX_LABELS = 2051, 2049
 MNIST_FILES = {
@@ -121,13 +123,7 @@ def epoch_order(count: int, seed: int, epoch: int) -> np.ndarray:
 def read_idx(path, expected_magic: int) -> np.ndarray:
     """An IDX file (gzip or raw) of unsigned bytes -> uint8 array of its declared shape."""
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise LnnInputError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise LnnInputError(f"{path}: is a folder, not an IDX file") from None
+    raw = read_regular_file(path, "an IDX file", MAX_DATA_FILE_BYTES, "MAX_DATA_FILE_BYTES")
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)

@@ -710,7 +710,7 @@ def test_read_bin_refuses_what_is_not_a_model_file(tmp_path):
     empty.write_bytes(b"")
     short = tmp_path / "short.bin"
     short.write_bytes(MAGIC + bytes(50))
-    cases = [(tmp_path / "missing.bin", r"missing.bin: no such model file"),          # rule 1
+    cases = [(tmp_path / "missing.bin", r"missing.bin: no such file"),          # rule 1
              (tmp_path, r"is a folder, not a model file"),                              # rule 1
              (empty, r"empty.bin: 0 bytes is too short for an lnn model"),               # rule 2
              (short, r"short.bin: 58 bytes is too short"),                               # rule 2
@@ -718,7 +718,7 @@ def test_read_bin_refuses_what_is_not_a_model_file(tmp_path):
              (png, r"leaf.png: not an lnn model file: wrong magic bytes \(it is a PNG image\)"),
              (description, r"not an lnn model file: wrong magic bytes \(it looks like JSON")]
     if Path("/dev/null").exists():
-        cases.append((Path("/dev/null"), r"/dev/null: is not a regular file"))                 # rule 1
+        cases.append((Path("/dev/null"), r"/dev/null: is a character device, not a model file"))                 # rule 1
     for path, pattern in cases:
         with pytest.raises(LnnFormatError) as info:
             read_bin(path)

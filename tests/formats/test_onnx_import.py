@@ -234,7 +234,7 @@ def test_command_errors_are_one_line_with_exit_status(tmp_path):
     for args, fragment in [((tmp_path / "bad.onnx", "-o", tmp_path / "x.bin"), '"Resize_3" (Resize)'),
                            ((tmp_path / "missing.onnx", "-o", tmp_path / "x.bin"), "no such file"),
                            ((not_onnx, "-o", tmp_path / "x.bin"), "not a valid ONNX model"),
-                           (("/dev/zero", "-o", tmp_path / "x.bin"), "/dev/zero: is not a regular file")]:
+                           (("/dev/zero", "-o", tmp_path / "x.bin"), "/dev/zero: is a character device, not an ONNX file")]:
         result = run(*args)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 1 and len(lines) == 1, result.stderr

@@ -52,7 +52,7 @@ def test_photos_as_inputs_and_the_table(tiny_bin):  # noqa: F811
 
 def test_a_model_without_vectors_and_bad_options_are_one_line(tiny_bin, tmp_path):  # noqa: F811
     assert export_main([str(tiny_bin), "-o", str(tmp_path / "none.bin"), "--test-vectors", "0"]) == 0
-    cases = [((tmp_path / "none.bin",), "has no test vectors"), ((tmp_path / "missing.bin",), "no such model file"),
+    cases = [((tmp_path / "none.bin",), "has no test vectors"), ((tmp_path / "missing.bin",), "no such file"),
              ((tiny_bin, "--batch", "0"), "--batch must be 1 to 4,096"), ((tiny_bin, "--device", "gpu"), "--device"),
              ((tiny_bin, "--threads", "0"), "--threads"), ((tiny_bin, "--images", tmp_path), "no photos")]
     for args, fragment in cases:

@@ -106,7 +106,7 @@ def test_pytorch_num_batches_tracked_is_ignored(tmp_path):
 
 
 @pytest.mark.parametrize("case, fragment", [
-    ("missing_weights", "no such weights file"),
+    ("missing_weights", "no such file"),
     ("text_as_npz", "not a NumPy .npz archive"),
     ("npy_not_npz", "single array"),
     ("wrong_shape", "fc1.weight has shape [3136, 128], the model expects [128, 3136]"),

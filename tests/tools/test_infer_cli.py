@@ -165,7 +165,7 @@ def test_batch_mode_reports_bad_files_skips_them_and_fails_at_the_end(reference_
 
 
 @pytest.mark.parametrize("case, fragment", [
-    ("missing_model", "no such model file"),
+    ("missing_model", "no such file"),
     ("corrupt_model", "checksum mismatch"),
     ("json_as_model", "looks like JSON"),
     ("missing_image", "no such file"),

@@ -122,7 +122,7 @@ def test_checkpoint_errors(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not really")
     np.savez(tmp_path / "foreign.npz", a=np.zeros(3))
     for name, message in [("junk.npz", "not an lnn checkpoint"), ("foreign.npz", "no meta entry"),
-                          ("missing.npz", "no such checkpoint")]:
+                          ("missing.npz", "no such file")]:
         with pytest.raises(LnnFormatError, match=message):
             load_checkpoint(tmp_path / name)
 
