@@ -48,14 +48,14 @@ SIGNATURES = {
     "pool.avgpool2d": (A4, I, I, I, I, A2, A4),
     "pool.global_avg_pool": (A3, A2),
     "pool.global_max_pool": (A3, A2),
-    "recurrent.lstm_cell": (A2, A2, A2, A2, I),
-    "recurrent.gru_cell": (A2, A2, A1, A2, A2, I),
-    "recurrent.lstm_sequence": (A3, A2, A2, A2, A3, I, I),
-    "recurrent.gru_sequence": (A3, A2, A1, A2, A2, A3, I, I),
+    "recurrent.lstm_cell": (A2, A2, A1, A2, A2, I),
+    "recurrent.gru_cell": (A2, A2, A1, A1, A2, A2, I),
+    "recurrent.lstm_sequence": (A3, A2, A1, A2, A2, A3, I, I),
+    "recurrent.gru_sequence": (A3, A2, A1, A1, A2, A2, A3, I, I),
     "winograd.winograd_input": (A3, I, I, I, I, I, A2, A3),
     "winograd.winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
 }
-INLINE_ONLY = {"activations.activate", "recurrent.fast_tanh", "recurrent.fast_sigmoid", "recurrent.recurrent_product"}
+INLINE_ONLY = {"activations.activate", "recurrent.tanh_ratio", "recurrent.sigmoid_ratio", "recurrent.recurrent_product"}
 
 
 def kernel_key(function) -> str:
