@@ -50,8 +50,8 @@ SIGNATURES = {
     "pool.global_max_pool": (A3, A2),
     "recurrent.lstm_cell": (A2, A2, A1, A2, A2, I),
     "recurrent.gru_cell": (A2, A2, A1, A1, A2, A2, I),
-    "recurrent.lstm_sequence": (A3, A2, A1, A2, A2, A3, I, I),
-    "recurrent.gru_sequence": (A3, A2, A1, A1, A2, A2, A3, I, I),
+    "recurrent.lstm_sequence": (A3, I, A2, A1, A2, A2, A3, I, I),
+    "recurrent.gru_sequence": (A3, I, A2, A1, A1, A2, A2, A3, I, I),
     "winograd.winograd_input": (A3, I, I, I, I, I, A2, A3),
     "winograd.winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
 }

@@ -190,40 +190,54 @@ def recurrent_product(h, offset, w, out):
 
 SEQUENCE_KERNEL_MAX_BATCH = 16    # up to this batch a direction runs as one lstm_sequence / gru_sequence call
 ROW_BLOCK = 6                     # rows of the batch per product-then-gates block of that one kernel
+XW_CHUNK_BYTES = 256 * 1024       # the input projections are computed this many bytes of steps at a time
 
 
 @kernel
-def lstm_sequence(xw, w_hh, bias, hw, c, out, offset, reverse):
-    """A whole direction of one layer in one call, no Python-level call per step: per step and block of
-    ROW_BLOCK rows, recurrent_product then lstm_cell on those rows (their products still in L1).
-    xw [T, N, 4H], w_hh [4H rounded up to 8, H] (zero rows past 4H), hw [N, w_hh rows], out [T, N, D*H]."""
+def lstm_sequence(xw, first, w_hh, bias, hw, c, out, offset, reverse):
+    """Steps first .. first + len(xw) - 1 of one layer's direction in one call (in its time order), no
+    Python-level call per step: per step and block of ROW_BLOCK rows, recurrent_product then lstm_cell
+    on those rows (their products still in L1). The state carries over from the previous call; the
+    direction's first step (0, or T-1 when reverse) starts it at zero. xw [steps, N, 4H] (the input
+    projections of those steps), w_hh [4H rounded up to 8, H] (zero rows past 4H), hw [N, w_hh rows],
+    out [T, N, D*H]."""
     steps, batch = xw.shape[0], xw.shape[1]
-    c[:] = 0
-    hw[:] = 0
+    start = out.shape[0] - 1 if reverse else 0
     for s in range(steps):
-        t = steps - 1 - s if reverse else s
-        for first in range(0, batch, ROW_BLOCK):
-            rows = slice(first, min(first + ROW_BLOCK, batch))
-            if s > 0:
+        t = first + (steps - 1 - s if reverse else s)
+        if t == start:
+            c[:] = 0
+            hw[:] = 0
+        for row in range(0, batch, ROW_BLOCK):
+            rows = slice(row, min(row + ROW_BLOCK, batch))
+            if t != start:
                 recurrent_product(out[t + 1 if reverse else t - 1, rows], offset, w_hh, hw[rows])
-            lstm_cell(xw[t, rows], hw[rows], bias, c[rows], out[t, rows], offset)
+            lstm_cell(xw[t - first, rows], hw[rows], bias, c[rows], out[t, rows], offset)
 
 
 @kernel
-def gru_sequence(xw, w_hh, bias, b_hn, hw, zero_h, out, offset, reverse):
+def gru_sequence(xw, first, w_hh, bias, b_hn, hw, zero_h, out, offset, reverse):
     """gru's counterpart of lstm_sequence; zero_h [N, D*H] is zeros (the state before the first step)."""
     steps, batch = xw.shape[0], xw.shape[1]
-    hw[:] = 0
+    start = out.shape[0] - 1 if reverse else 0
     for s in range(steps):
-        t = steps - 1 - s if reverse else s
-        for first in range(0, batch, ROW_BLOCK):
-            rows = slice(first, min(first + ROW_BLOCK, batch))
-            if s > 0:
+        t = first + (steps - 1 - s if reverse else s)
+        if t == start:
+            hw[:] = 0
+        for row in range(0, batch, ROW_BLOCK):
+            rows = slice(row, min(row + ROW_BLOCK, batch))
+            if t != start:
                 previous = out[t + 1 if reverse else t - 1, rows]
                 recurrent_product(previous, offset, w_hh, hw[rows])
-                gru_cell(xw[t, rows], hw[rows], bias, b_hn, previous, out[t, rows], offset)
+                gru_cell(xw[t - first, rows], hw[rows], bias, b_hn, previous, out[t, rows], offset)
             else:
-                gru_cell(xw[t, rows], hw[rows], bias, b_hn, zero_h[rows], out[t, rows], offset)
+                gru_cell(xw[t - first, rows], hw[rows], bias, b_hn, zero_h[rows], out[t, rows], offset)
+
+
+def step_chunks(steps: int, chunk: int, reverse: int) -> list:
+    """(first, end) ranges of at most `chunk` steps covering 0 .. steps - 1, in the direction's order."""
+    chunks = [(first, min(first + chunk, steps)) for first in range(0, steps, chunk)]
+    return chunks[::-1] if reverse else chunks
 
 
 class RecurrentLayer:
@@ -258,9 +272,10 @@ class RecurrentLayer:
     def plan(self, src, new_buffer):
         n, steps, h, d = src.shape[0], self.steps_count, self.hidden, self.directions
         gate_width = self.op.gates * h
+        chunk = max(1, min(steps, XW_CHUNK_BYTES // (4 * n * gate_width)))      # steps per input-projection GEMM
         seq = new_buffer((steps, n, src.shape[1]))
         plan = [partial(np.copyto, seq, src.transpose(2, 0, 1))]
-        xw = new_buffer((steps, n, gate_width))
+        xw = new_buffer((chunk, n, gate_width))
         state = new_buffer((n, h))                          # lstm's c
         zero_h = new_buffer((n, h * d))                     # gru's state before the first step
         zero_hw = new_buffer((n, gate_width))               # the recurrent product at the first step
@@ -271,28 +286,33 @@ class RecurrentLayer:
         for layer, cells in enumerate(self.cells):
             out = outputs[layer % 2]
             for direction, (w_ih_t, w_hh, w_hh_t, bias, b_hn) in enumerate(cells):
-                plan.append(partial(np.matmul, seq.reshape(steps * n, -1), w_ih_t, out=xw.reshape(steps * n, -1)))
                 offset = direction * h
-                if one_kernel:
-                    if self.op.name == "lstm":
-                        plan.append(partial(lstm_sequence, xw, w_hh, bias, hw, state, out, offset, direction))
-                    else:
-                        plan.append(partial(gru_sequence, xw, w_hh, bias, b_hn, hw, zero_h, out, offset, direction))
-                    continue
-                if self.op.name == "lstm":
-                    plan.append(partial(state.fill, 0))
                 previous = None
-                for t in (range(steps - 1, -1, -1) if direction else range(steps)):
-                    recurrent = zero_hw
-                    if previous is not None:
-                        plan.append(partial(np.matmul, out[previous, :, offset:offset + h], w_hh_t, out=hw))
-                        recurrent = hw
-                    if self.op.name == "lstm":
-                        plan.append(partial(lstm_cell, xw[t], recurrent, bias, state, out[t], offset))
-                    else:
-                        prev = zero_h if previous is None else out[previous]
-                        plan.append(partial(gru_cell, xw[t], recurrent, bias, b_hn, prev, out[t], offset))
-                    previous = t
+                for first, end in step_chunks(steps, chunk, direction):
+                    part = xw[:end - first]
+                    plan.append(partial(np.matmul, seq[first:end].reshape((end - first) * n, -1), w_ih_t,
+                                        out=part.reshape((end - first) * n, -1)))
+                    if one_kernel:
+                        if self.op.name == "lstm":
+                            plan.append(partial(lstm_sequence, part, first, w_hh, bias, hw, state, out, offset, direction))
+                        else:
+                            plan.append(partial(gru_sequence, part, first, w_hh, bias, b_hn, hw, zero_h, out, offset,
+                                                direction))
+                        continue
+                    for t in (range(end - 1, first - 1, -1) if direction else range(first, end)):
+                        recurrent = zero_hw
+                        if previous is None:
+                            if self.op.name == "lstm":
+                                plan.append(partial(state.fill, 0))
+                        else:
+                            plan.append(partial(np.matmul, out[previous, :, offset:offset + h], w_hh_t, out=hw))
+                            recurrent = hw
+                        if self.op.name == "lstm":
+                            plan.append(partial(lstm_cell, part[t - first], recurrent, bias, state, out[t], offset))
+                        else:
+                            prev = zero_h if previous is None else out[previous]
+                            plan.append(partial(gru_cell, part[t - first], recurrent, bias, b_hn, prev, out[t], offset))
+                        previous = t
             seq = out
         dst = new_buffer((n, *self.out_shape))
         if self.attrs["return"] == "sequence":
