@@ -6,7 +6,8 @@
 #                                             photos from .devdata/gpu: benchmarks/prepare_gpu_data.py)
 # The package is put on the path through a symlink named lnn (no install, no network needed).
 # About 12 minutes on an H200: more than one device call allows, so STAGES picks (default: all):
-#   STAGES="tests" or "tests step" or "step accuracy" ...
+#   STAGES="tests" or "tests step" or "step accuracy" ...; "lstm" (not in the default: a few minutes)
+#   runs benchmarks/gpu_lstm_step.py, the conv1d + LSTM step against PyTorch's cuDNN LSTM.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
@@ -25,7 +26,8 @@ for stage in $STAGES; do
         step) python3 benchmarks/gpu_train_step.py 2>&1 | tee "$OUT/gpu_train_step.log" ;;
         profile) python3 benchmarks/gpu_step_profile.py --side lnn --models leaf_cnn tomato_leaf --batches 256 2>&1 | tee "$OUT/gpu_step_profile.log" ;;
         accuracy) python3 benchmarks/tomato_time_to_accuracy.py 2>&1 | tee "$OUT/tomato_time_to_accuracy.log" ;;
-        *) echo "gpu_check.sh: unknown stage $stage (tests train infer step profile accuracy)"; exit 2 ;;
+        lstm) python3 benchmarks/gpu_lstm_step.py 2>&1 | tee "$OUT/gpu_lstm_step.log" ;;
+        *) echo "gpu_check.sh: unknown stage $stage (tests train infer step profile accuracy lstm)"; exit 2 ;;
     esac
 done
 cp docs/BENCHMARKS.md "$OUT/"

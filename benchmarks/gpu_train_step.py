@@ -214,8 +214,10 @@ def torch_side(model_name: str, mode: str) -> dict:
     return out
 
 
-def run_side(model: str, side: str) -> dict:
-    command = [sys.executable, __file__, "--side", side, "--model", model]
+def run_side(model: str, side: str, script: str = __file__, extra: tuple = ()) -> dict:
+    """One side in a fresh process: `script --side SIDE --model MODEL *extra` prints its result as JSON
+    (gpu_lstm_step.py runs its own sides through this too)."""
+    command = [sys.executable, script, "--side", side, "--model", model, *extra]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=SIDE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
