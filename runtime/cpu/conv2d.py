@@ -31,9 +31,14 @@ Each image goes through three steps, chosen per layer at load:
                Separate kernels, chosen at plan time: a model compiles only those it uses.
 Steps 1-3 run on bands (CHUNK_BYTES; larger for Winograd) so that cols and acc are still in L2 when
 read: bands of one image's output rows, or several small images at once (one product for all of them).
-With parts > 1 (backend.py: one image over several threads) the images, or each image's output rows,
-are first cut into parts; each part's bands are one task with its own cols/acc/V/M scratch, writing
-its own output rows, so any algorithm above splits the same way.
+With parts > 1 (backend.py: one image over several threads) the work is first cut into parts, each
+one task with its own cols/acc/M scratch (`_parts`): by blocks of output channels (each task all of
+the bands, the product of its rows of the weight or of U, its channels' output transform, pool and
+epilogue) for Winograd, for columns + GEMM with more output channels than positions and for grouped
+direct convs on one image; else by the images or each image's output rows (whole Winograd tile rows
+after a 2x2 pool). Winograd's V is made once per band, by tasks of input channels, before the tasks
+of output channels read it; the columns, made per task, are the redundant work a cut by channels
+costs, the weights read by every task that of a cut by rows.
 Max-pool fusion (backend.py): a max-pool right after the conv, when the epilogue is monotone, is
 applied to acc before the epilogue: a per-channel bias and a non-decreasing activation commute with
 the max, so act(max(v) + b) = max(act(v + b)). The full-size conv output is never written in NCHW.
