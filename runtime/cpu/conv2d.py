@@ -539,8 +539,8 @@ class Conv2dLayer:
         for band in bands:
             tile_first, tile_rows, _ = self._band_tiles(band)
             tasks.append([[partial(winograd_input, image[n], c_first, c_end, tile_first, tile_rows,
-                                   (n - band[0]) * tile_rows * tiles_w, work, v_buffer) for n in range(band[0], band[1])]
-                          for (c_first, c_end), work in blocks])
+                                   (n - band[0]) * tile_rows * tiles_w, work, v_buffer)
+                           for n in range(band[0], band[1])] for (c_first, c_end), work in blocks])
         return v_buffer, tasks
 
     def _winograd_product(self, image, bands: list, channels: tuple, new_buffer, shared=None):

@@ -90,9 +90,10 @@ def test_a_split_image_gives_the_one_thread_answer(case, threads):
                         if any(type(step) is Parallel for step in plan.steps[first:end])]
         assert split_layers == splittable(split.layers), "every conv and BLAS linear layer should have been split"
         assert all(len(step.tasks) >= 2 for step in plan.steps if type(step) is Parallel)
-    if case.endswith("_channels") or case.endswith("_channels_pool"):
+    if "_channels" in case:                  # cut by output channels, not by rows
         layer = split.layers[0]
-        assert [channels for _, channels in layer._parts(1, input_shape[2] + 2, threads)] != [(0, layer.conv_shape[0])] * threads
+        whole = (0, layer.conv_shape[0])
+        assert all(channels != whole for _, channels in layer._parts(1, input_shape[2] + 2, threads))
 
 
 def test_tasks_write_disjoint_outputs_in_any_order():
