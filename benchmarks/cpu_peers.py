@@ -226,8 +226,8 @@ def main() -> None:
         f"Command: `{COMMAND} --rounds {args.rounds} --models {args.models} --runtimes {','.join(runtimes)}`. Machine: {machine_line(('numpy', 'numba', 'onnxruntime', 'ai-edge-litert', 'ncnn'))}."
         + (f" {args.note}" if args.note else ""),
         "Each runtime in its own process, median ms per call after warm-up, the median of "
-        f"{args.rounds} interleaved rounds. lnn: `threads=N` splits one image's conv rows and linear "
-        "outputs over N threads (docs/ARCHITECTURE.md); ncnn has no batch axis (batch 32 = 32 calls); "
+        f"{args.rounds} interleaved rounds. lnn: `threads=N` splits one image's convs (by output channels "
+        "or rows) and linear outputs over N threads (docs/ARCHITECTURE.md); ncnn has no batch axis (batch 32 = 32 calls); "
         "the tomato model has no LiteRT or ncnn file (onnxruntime runs its `lnn-export --onnx`).",
         markdown_table(headers, rows),
         "lnn at batch 1, 1 thread / 2 threads (the issue's target: >= 1.7 on leaf_cnn224 and tomato):",

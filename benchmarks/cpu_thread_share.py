@@ -7,9 +7,13 @@ CPU time per thread does not (a thread's clock runs only while it runs). For eac
 the calling thread's CPU ms per call with threads=1, then with threads=2 the calling thread's and
 the helper's (time.pthread_getcpuclockid), their sum (the split's overhead shows as sum > 1 thread)
 and "1 thread / larger share": the speed-up two free cores would give if neither ever waited for
-the other (an upper bound, not a measurement of wall time). Beside it, how many cores the machine
-gave at that moment: one Numba loop that releases the GIL, alone and then twice at once on two
-threads (1.0: two free cores; 2.0: one). Writes the "cpu_thread_share" section of docs/BENCHMARKS.md.
+the other (an upper bound, not a measurement of wall time). Then the 2-thread plan's tasks each
+timed alone on the calling thread, one after the other (no other thread's caches or waiting in the
+figure): their sum (the split's extra work over 1 thread) and the critical path (per split step its
+longest task, plus the steps not split), and 1 thread / critical path, the speed-up two free cores
+would give but for the hand-offs. Beside it, how many cores the machine gave at that moment: one
+Numba loop that releases the GIL, alone and then twice at once on two threads (1.0: two free
+cores; 2.0: one). Writes the "cpu_thread_share" section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -42,6 +46,33 @@ def cpu_ms(backend, x, calls: int) -> tuple[float, list]:
         backend.run(x)
     caller = (time.thread_time() - start) / calls * 1e3
     return caller, [(time.clock_gettime(clock) - h) / calls * 1e3 for clock, h in zip(clocks, helpers)]
+
+
+def tasks_alone(backend, x, calls: int) -> tuple[float, float]:
+    """(sum, critical path) in CPU ms per call of the 2-thread plan's steps, each task timed alone on the
+    calling thread (median over the calls); BLAS held at one thread as in a real call."""
+    from lnn.runtime.cpu.backend import BLAS_THREADS
+    from lnn.runtime.cpu.parallel import Parallel
+
+    backend.run(x)
+    plan = backend._plan(x.shape[0], backend.threads)
+    times = []
+    with BLAS_THREADS:
+        for _ in range(calls):
+            np.copyto(plan.input, x)
+            call = []
+            for step in plan.steps:
+                tasks = step.tasks if type(step) is Parallel else [[step]]
+                call.append([])
+                for task in tasks:
+                    start = time.thread_time()
+                    for part in task:
+                        part()
+                    call[-1].append(time.thread_time() - start)
+            times.append(call)
+    medians = [[float(np.median([call[index][task] for call in times])) for task in range(len(step))]
+               for index, step in enumerate(times[0])]
+    return sum(map(sum, medians)) * 1e3, sum(map(max, medians)) * 1e3
 
 
 def free_cores_probe() -> float:
@@ -92,8 +123,9 @@ def main() -> None:
         one, _ = cpu_ms(BACKEND(model, weights, threads=1), x, args.calls)
         caller, helpers = cpu_ms(BACKEND(model, weights, threads=2), x, args.calls)
         larger = max(caller, *helpers)
+        alone, critical = tasks_alone(BACKEND(model, weights, threads=2), x, args.calls)
         rows.append([name, f"{one:.3f}", f"{caller:.3f}", f"{helpers[0]:.3f}", f"{caller + sum(helpers):.3f}",
-                     f"{one / larger:.2f}"])
+                     f"{one / larger:.2f}", f"{alone:.3f}", f"{critical:.3f}", f"{one / critical:.2f}"])
         print(" | ".join(rows[-1]), flush=True)
     body = "\n\n".join([
         "## One image over 2 threads: each thread's CPU time (lnn cpu backend, batch 1)",
@@ -101,9 +133,14 @@ def main() -> None:
         + (f" {args.note}" if args.note else ""),
         "CPU ms per call of each thread (its own clock, so other processes on the machine do not count). "
         "The last column, 1 thread / the larger 2-thread share, is the wall speed-up two free cores would "
-        "give if no thread ever waited for the other: an upper bound, not a wall-time measurement.",
+        "give if no thread ever waited for the other: an upper bound, not a wall-time measurement. "
+        "\"Tasks alone\": the 2-thread plan's tasks each timed on the calling thread, one after the other "
+        "(sum: the split's extra work without the other thread's effects on caches; critical path: per "
+        "split step the longest task): 1 thread / critical path is what two free cores would give but "
+        "for the hand-offs (about 20 us each).",
         markdown_table(["model", "1 thread: CPU ms", "2 threads: caller ms", "helper ms", "sum ms",
-                        "1 thread / larger share"], rows),
+                        "1 thread / larger share", "tasks alone: sum ms", "critical path ms",
+                        "1 thread / critical path"], rows),
         f"Free cores at the time: two GIL-free loops on two threads took {probe:.2f}x the time of one alone "
         "(1.0: two free cores, 2.0: one)"
         + (", so a 2-thread wall-time speed-up could not show on this machine then." if probe > 1.5 else "."),

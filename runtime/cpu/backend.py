@@ -23,17 +23,15 @@ os.sched_getaffinity; lnn.runtime.resolve_threads). With threads = N > 1 the bac
 N - 1 helper threads (parallel.py) and BLAS runs one thread per call, so every core runs its own
 share of the work:
   - one image (any call not split by batch): the plan is made with parts = N. Each conv2d's output
-    rows (or, for a batch of small images, the images) and each linear layer's output features are cut
-    into parts, each part a task with its own scratch buffers writing disjoint rows of the output,
-    when the layer has at least MIN_TASK_FLOPS of work per part (a hand-off to a helper costs tens of
-    microseconds); the tasks of a layer run at the same time and the next layer waits for all of them.
-    The cut is in the layer's own loop over bands (conv2d.py `_bands`), so it holds for every
-    algorithm the layer picks (im2col + BLAS, Winograd, direct); a part computes its outputs exactly
-    as one thread does, up to where BLAS's blocking of a smaller product rounds differently (up to
-    2e-6 on the reference models' and the bundled model's outputs; tests/runtime/test_cpu_threads.py
-    checks 1e-5).
-    Not yet: cutting by output channels, which would pay where the weights outweigh the
-    activations (the tomato model's last two convs: both threads now read all their weights).
+    channels or output rows (or, for a batch of small images, the images; conv2d.py `_parts` says
+    which) and each linear layer's output features are cut into parts, each part a task with its
+    own scratch buffers writing a disjoint block of the output, when the layer has at least
+    MIN_TASK_FLOPS of work per part (a hand-off to a helper costs tens of microseconds); the tasks of
+    a layer run at the same time and the next layer waits for all of them (a Winograd conv: two
+    such steps per band, V by input channels, then the rest by output channels). A part computes its
+    outputs exactly as one thread does, up to where BLAS's blocking of a smaller product rounds
+    differently (up to 2e-6 on the reference models' and the bundled model's outputs;
+    tests/runtime/test_cpu_threads.py checks 1e-5).
   - a batch worth at least MIN_SPLIT_FLOPS is instead cut into N parts of the batch, each run by its
     own plan (made with parts = 1) on one thread of the crew: whole images per core needed no
     hand-off per layer and halved batch-32 times on 2 cores.

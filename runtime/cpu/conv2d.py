@@ -21,18 +21,24 @@ Each image goes through three steps, chosen per layer at load:
                on an RGB photo) run `conv3x3_direct` (conv_direct.py) into acc [O, positions], pitch OW.
                A 1x1 stride-1 unpadded conv is one plain GEMM on the image itself (step 1 below).
      winograd  instead of 1-2, 3x3 stride-1 undilated ungrouped convs with at least WINOGRAD_MIN_CHANNELS
-               inputs (or any such conv whose layer asks for "algorithm": "winograd") run Winograd
+               inputs and WINOGRAD_MIN_TILES output tiles (or any such conv whose layer asks for
+               "algorithm": "winograd") run Winograd
                F(4x4, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
                Its transformed weight U [36, O, C] is made once, at load (after batch-norm folding).
   3. output    the fused max-pool, if any (`max_pool_2x2_rows`, or `max_pool_rows` for any other window),
                reads acc by position pitch into `pooled`; `epilogue_rows` applies act(v * scale[o] + shift[o])
                (activations.py) and writes y[n], or the interior of the next conv's zero-padded input.
                Separate kernels, chosen at plan time: a model compiles only those it uses.
-Steps 1-3 run on bands (CHUNK_BYTES) so that cols and acc are still in L2 when read: bands of one
-image's output rows, or several small images at once (one product for all of them).
-With parts > 1 (backend.py: one image over several threads) the images, or each image's output rows,
-are first cut into parts; each part's bands are one task with its own cols/acc/V/M scratch, writing
-its own output rows, so any algorithm above splits the same way.
+Steps 1-3 run on bands (CHUNK_BYTES; larger for Winograd) so that cols and acc are still in L2 when
+read: bands of one image's output rows, or several small images at once (one product for all of them).
+With parts > 1 (backend.py: one image over several threads) the work is first cut into parts, each
+one task with its own cols/acc/M scratch (`_parts`): by blocks of output channels (each task all of
+the bands, the product of its rows of the weight or of U, its channels' output transform, pool and
+epilogue) for Winograd, for columns + GEMM with more output channels than positions and for grouped
+direct convs on one image; else by the images or each image's output rows (whole Winograd tile rows
+after a 2x2 pool). Winograd's V is made once per band, by tasks of input channels, before the tasks
+of output channels read it; the columns, made per task, are the redundant work a cut by channels
+costs, the weights read by every task that of a cut by rows.
 Max-pool fusion (backend.py): a max-pool right after the conv, when the epilogue is monotone, is
 applied to acc before the epilogue: a per-channel bias and a non-decreasing activation commute with
 the max, so act(max(v) + b) = max(act(v + b)). The full-size conv output is never written in NCHW.
@@ -72,11 +78,21 @@ NO_POOL = ((1, 1), (1, 1), (0, 0))      # a 1x1 window: kernel_size, stride, pad
 NO_POOL_WINDOW = (1, 1, 1, 1, 0, 0)     # the same, as the kernels' (KH, KW, SH, SW, PH, PW)
 # Columns -> product -> output run in bands of about this many bytes of cols + acc (half an L2 of 2 MiB).
 CHUNK_BYTES = 1024 * 1024
+# Winograd's bands (V, M and acc) are this many times larger: each band's 36 products read all of U (4x
+# the weight) again. 1 thread, ms, bands of 1 / 2 / 4 / 8 MiB (2-core EPYC, 1 MiB L2, busy): C=128 O=256
+# 28^2 4.1-4.4 / 3.5-3.6 / 3.2-3.7 / 3.3-3.5; C=64 O=128 56^2 + 2x2 pool 3.6-3.7 / 3.0 / 2.9-3.0 /
+# 3.0-3.3; C=32 O=64 112^2 + pool 5.8 / 5.2 / 5.2 / 5.8.
+WINOGRAD_CHUNK_SCALE = 4
 # "auto" picks Winograd for eligible convs with at least this many input channels: with fewer, the 36
 # products [O, C] x [C, tiles] are too thin for BLAS. F(4x4, 3x3), 1 thread, conv + ReLU + 2x2 max-pool,
 # ms, Winograd vs columns + GEMM: C=8 O=16 64^2 0.24 vs 0.20; C=16 O=32 64^2 0.55 vs 0.60, 32^2 0.158 vs
 # 0.172; C=32 O=64 32^2 0.39 vs 0.73; C=64 O=128 16^2 0.29 vs 0.60; C=128 O=256 8^2 0.57 vs 0.60.
 WINOGRAD_MIN_CHANNELS = 16
+# ... and whose output has at least this many 4x4 tiles per image: with fewer, U (4x the weight) is read
+# for a few columns. 1 thread, conv + ReLU, ms, Winograd vs columns + GEMM (2-core EPYC, busy):
+# C=128 O=256 8^2 (4 tiles) 0.89 vs 0.64, 12^2 (9) 1.02 vs 1.22, 16^2 2.25 vs 2.29; C=256 O=512 8^2
+# 3.68 vs 2.81; C=64 O=128 8^2 0.28 vs 0.17, 12^2 0.27 vs 0.32.
+WINOGRAD_MIN_TILES = 9
 # "auto" runs 3x3 convs with at most this many inputs and outputs direct (conv_direct.py): the
 # columns matrix has too few rows (9C) and the product too few (O) for BLAS. Measured on 1 thread
 # (2-core EPYC, shared), one conv + ReLU + 2x2 max-pool, ms, direct vs columns + GEMM (banded):
@@ -84,6 +100,8 @@ WINOGRAD_MIN_CHANNELS = 16
 # C=1 O=16 28^2 0.025 vs 0.024; more outputs lose: C=3 O=24 128^2 0.49 vs 0.47, O=32 224^2 2.0 vs 1.9.
 DIRECT_MAX_CHANNELS = 3
 DIRECT_MAX_OUT_CHANNELS = 16
+# A conv cut by output channels over threads (conv2d.plan) is cut on multiples of this many channels.
+CHANNEL_ALIGN = 16
 
 
 @kernel
@@ -290,7 +308,9 @@ class Conv2dLayer:
         eligible = (a["kernel_size"] == (3, 3) and a["stride"] == (1, 1) and a["dilation"] == (1, 1)
                     and a["groups"] == 1)
         if a["algorithm"] == "auto":
-            return eligible and a["in_channels"] >= WINOGRAD_MIN_CHANNELS
+            _, conv_h, conv_w = self.conv_shape
+            return (eligible and a["in_channels"] >= WINOGRAD_MIN_CHANNELS
+                    and tile_count(conv_h) * tile_count(conv_w) >= WINOGRAD_MIN_TILES)
         return eligible and a["algorithm"] == "winograd"
 
     @property
@@ -304,28 +324,70 @@ class Conv2dLayer:
         return 2 * self.weight.size * self.conv_shape[1] * self.conv_shape[2]
 
     def plan(self, src, new_buffer, parts: int = 1):
-        """parts > 1: the bands are shared out between that many independent tasks (parallel.py), each
-        with scratch buffers of its own, writing disjoint rows of the output."""
+        """parts > 1: the work is shared out between that many independent tasks (parallel.py), each
+        with scratch buffers of its own, writing disjoint rows or channels of the output (`_parts`)."""
         whole_dst, dst = padded_buffer((src.shape[0], *self.out_shape), *self.output_padding, new_buffer)
         image, steps = padded(src, *self.attrs["padding"], 0.0, new_buffer)
-        tasks = [self._band_steps(image, bands, whole_dst, new_buffer)
-                 for bands in self._bands(image.shape[0], image.shape[3], parts)]
-        return dst, steps + parallel_steps(tasks)
+        cuts = self._parts(image.shape[0], image.shape[3], parts)
+        if not (self.winograd and cuts[0][1] != (0, self.conv_shape[0])):
+            tasks = [[step for band in self._band_steps(image, bands, channels, whole_dst, new_buffer) for step in band]
+                     for bands, channels in cuts]
+            return dst, steps + parallel_steps(tasks)
+        # Winograd by output channels: per band, V by blocks of input channels, then the rest by output channels
+        bands = cuts[0][0]
+        shared, inputs = self._shared_winograd_input(image, bands, len(cuts), new_buffer)
+        per_task = [self._band_steps(image, bands, channels, whole_dst, new_buffer, shared) for _, channels in cuts]
+        for index in range(len(bands)):
+            steps += parallel_steps(inputs[index]) + parallel_steps([task[index] for task in per_task])
+        return dst, steps
 
-    def _band_steps(self, image, bands: list, whole_dst, new_buffer) -> list:
-        """The steps of steps 1-3 for `bands`, with their own scratch buffers."""
+    def _parts(self, batch: int, padded_w: int, parts: int) -> list:
+        """[(bands, (o_first, o_end)), ...]: one task each. Cut by output channels (each task all of the
+        bands, one image per band, a block of the channels): always for Winograd (its V is made first,
+        split by input channels, then read by every block: plan), so that no part reads all of U and
+        the 36 products keep the band's full width; for columns + GEMM where the weights outweigh the
+        columns (out_channels > the batch's positions: a part by rows reads all the weights, a part by
+        channels makes all the columns); for a grouped direct conv on fewer images than parts. By rows
+        or images (`_bands`) otherwise, or when the channels make one block, or for a softmax
+        epilogue (it reads every channel)."""
+        out_channels = self.conv_shape[0]
+        if parts == 1 or self.epilogue.code == SOFTMAX:
+            return [(bands, (0, out_channels)) for bands in self._bands(batch, padded_w, parts)]
+        group_out = out_channels // self.attrs["groups"]
+        if self.direct:
+            by_channels, align = batch < parts, group_out
+        else:
+            _, conv_h, conv_w = self.conv_shape
+            by_channels = self.winograd or (self.attrs["groups"] == 1 and out_channels > conv_h * conv_w * batch)
+            align = CHANNEL_ALIGN
+        blocks = split_range(0, out_channels, parts, align)
+        if not by_channels or len(blocks) == 1:
+            return [(bands, (0, out_channels)) for bands in self._bands(batch, padded_w, parts)]
+        bands = [(n, n + 1, *rows) for first, end, *rows in self._bands(batch, padded_w)[0] for n in range(first, end)]
+        return [(bands, block) for block in blocks]
+
+    def _band_steps(self, image, bands: list, channels: tuple, whole_dst, new_buffer, shared=None) -> list:
+        """[[step, ...] per band]: steps 1-3 of each band for output channels channels[0]..channels[1]-1,
+        with scratch buffers of their own (acc and pooled hold only those channels). A block of the
+        channels writes dst[n:n + 1, o_first:o_end], one image per band: a C-contiguous view (its batch
+        axis has size 1). shared: Winograd's V, made by earlier steps (_shared_winograd_input)."""
         out_channels, conv_h, conv_w = self.conv_shape
-        steps = []
-        product = self._product(image, bands, new_buffer)
+        o_first, o_end = channels
+        whole = (o_first, o_end) == (0, out_channels)
+        per_band = []
+        product = self._product(image, bands, channels, new_buffer, shared)
         e = self.epilogue
         out_w = self.out_shape[2]
         rows_max = new_buffer((conv_w,))
-        pooled = new_buffer((out_channels, max((band[1] - band[0]) * (band[3] - band[2]) for band in bands) * out_w))
+        pooled = new_buffer((o_end - o_first, max((band[1] - band[0]) * (band[3] - band[2]) for band in bands) * out_w))
         pool = (*self.pool[0], *self.pool[1], *self.pool[2])
         code = NONE if e.code == SOFTMAX else e.code
+        scale, shift = e.scale[o_first:o_end], e.shift[o_first:o_end]
         for band in bands:
             n_first, n_end, out_first, out_end, y_first, _ = band
             images, rows = n_end - n_first, (out_first, out_end, out_w)
+            steps = []
+            per_band.append(steps)
             acc, pitch = product(band, steps)
             if pool == NO_POOL_WINDOW:
                 source = (acc, pitch, y_first, conv_h)
@@ -336,19 +398,19 @@ class Conv2dLayer:
                 else:
                     steps.append(partial(max_pool_rows, acc, pitch, y_first, conv_h, conv_w, images, pool, rows_max,
                                          pooled, *rows))
-            band_dst = whole_dst[n_first:]
-            steps.append(partial(epilogue_rows, *source, e.scale, e.shift, code, e.slope,
+            band_dst = whole_dst[n_first:] if whole else whole_dst[n_first:n_end, o_first:o_end]
+            steps.append(partial(epilogue_rows, *source, scale, shift, code, e.slope,
                                  band_dst, images, *self.output_padding, *rows))
             if e.code == SOFTMAX:
                 steps.append(partial(softmax_channels, band_dst, images, *self.output_padding, *rows))
-        return steps
+        return per_band
 
     def _bands(self, batch: int, padded_w: int, parts: int = 1) -> list:
         """[[(first, end image, first, end output row, first, end conv row), ...] per part]: what one
         product step covers, so that its columns matrix and product stay within CHUNK_BYTES (still in
         L2 when read): several whole images when they are small, else bands of one image's rows. With
         parts > 1 the images, or when fewer than parts, each image's output rows, are cut into parts
-        first (whole tile rows for Winograd without a pool, so that no tile row is computed twice)."""
+        first. Bands and parts of a Winograd conv hold whole tile rows where a pool allows it."""
         out_h = self.out_shape[1]
         conv_h = self.conv_shape[1]
         if self.direct:
@@ -362,13 +424,15 @@ class Conv2dLayer:
         else:                  # cols + acc
             column_bytes = (self.weight[0].size * self.attrs["groups"] + out_channels) * 4
         image_bytes = column_bytes * padded_w * conv_h
-        if 2 * image_bytes <= CHUNK_BYTES and not self.pointwise and batch >= parts:
-            group = CHUNK_BYTES // image_bytes
+        chunk = CHUNK_BYTES * (WINOGRAD_CHUNK_SCALE if self.winograd else 1)
+        if 2 * image_bytes <= chunk and not self.pointwise and batch >= parts:
+            group = chunk // image_bytes
             return [[(n, min(n + group, stop), 0, out_h, 0, conv_h) for n in range(start, stop, group)]
                     for start, stop in split_range(0, batch, parts)]
         (kh, _), (sh, _), (ph, _) = self.pool
-        rows_per_band = -(-out_h // -(-image_bytes // CHUNK_BYTES))
-        align = TILE if self.winograd and not self.has_pool else 1      # whole Winograd tile rows per part
+        align = self._tile_rows_align()
+        rows_per_band = -(-out_h // -(-image_bytes // chunk))
+        rows_per_band = -(-rows_per_band // align) * align
         pieces = [(n, first, end) for n in range(batch)                 # (image, output rows) per part
                   for first, end in split_range(0, out_h, -(-parts // batch), align)]
         return [[(n, n + 1, first, min(first + rows_per_band, end),
@@ -376,30 +440,44 @@ class Conv2dLayer:
                  for n, top, end in pieces[start:stop] for first in range(top, end, rows_per_band)]
                 for start, stop in split_range(0, len(pieces), parts)]
 
-    def _product(self, image, bands: list, new_buffer):
-        """f(band, steps) -> (acc, pitch): appends the steps that fill acc [O, positions] with conv rows
-        y_first..y_end-1 of the band's images: (image n_first + j, y, x) at position
-        (j * conv_h + y - y_first) * pitch + x. Kernels get whole buffers, not column views: a view is
-        a non-contiguous array type, which Numba would compile a second time."""
+    def _tile_rows_align(self) -> int:
+        """Output rows per Winograd tile row (so that bands and parts cut between tile rows and none is
+        computed twice): TILE, TILE / stride after a pool whose window is its stride, else 1."""
+        if not self.winograd:
+            return 1
+        (kh, _), (sh, _), (ph, _) = self.pool
+        return TILE // sh if kh == sh and ph == 0 and TILE % sh == 0 else 1
+
+    def _product(self, image, bands: list, channels: tuple, new_buffer, shared=None):
+        """f(band, steps) -> (acc, pitch): appends the steps that fill acc [o_end - o_first, positions]
+        with conv rows y_first..y_end-1 of the band's images, output channels o_first..o_end-1
+        (`channels`; a block of whole groups): (image n_first + j, y, x) at position
+        (j * conv_h + y - y_first) * pitch + x. Kernels get whole buffers, or blocks of their first
+        axis, not column views: a view is a non-contiguous array type, which Numba would compile a
+        second time."""
         a = self.attrs
         out_channels, conv_h, conv_w = self.conv_shape
+        o_first, o_end = channels
         geometry = (*a["stride"], *a["dilation"])
+        group_out = out_channels // a["groups"]
+        groups = (o_end - o_first) // group_out if a["groups"] > 1 else 1      # groups > 1: whole groups
+        weight = self.weight[o_first:o_end]
         if self.direct:
-            raw = new_buffer((out_channels, conv_h, conv_w))
-            acc = raw.reshape(out_channels, -1)
+            raw = new_buffer((o_end - o_first, conv_h, conv_w))
+            acc = raw.reshape(o_end - o_first, -1)
+            group_in = weight.shape[1]
+            inputs = slice(o_first // group_out * group_in, o_end // group_out * group_in)
 
             def direct(band, steps):
-                steps.append(partial(conv2d_direct, image[band[0]], self.weight, a["groups"], *geometry, raw))
+                steps.append(partial(conv2d_direct, image[band[0], inputs], weight, groups, *geometry, raw))
                 return acc, conv_w
             return direct
 
         if self.small_direct:
-            return self._small_direct_product(image, bands, new_buffer)
+            return self._small_direct_product(image, bands, weight, new_buffer)
         if self.winograd:
-            return self._winograd_product(image, bands, new_buffer)
-        groups = a["groups"]
-        group_out = out_channels // groups
-        weight2d = self.weight.reshape(groups, group_out, -1)
+            return self._winograd_product(image, bands, channels, new_buffer, shared)
+        weight2d = weight.reshape(groups, (o_end - o_first) // groups, -1)
         rows = weight2d.shape[2] * groups
         shifted = a["stride"] == (1, 1) and not self.pointwise
         pitch = image.shape[3] if shifted else conv_w
@@ -409,7 +487,7 @@ class Conv2dLayer:
             return ((n_end - n_first - 1) * conv_h + y_end - y_first - 1) * pitch + conv_w
 
         most = -(-max(positions(band) for band in bands) // 16) * 16     # rows start 64-byte aligned
-        acc_buffer = new_buffer((out_channels, most))
+        acc_buffer = new_buffer((o_end - o_first, most))
         if not self.pointwise:
             cols_buffer = new_buffer((rows, most))
             cols_buffer.fill(0.0)       # the columns between two images stay 0 (junk, never read)
@@ -429,61 +507,91 @@ class Conv2dLayer:
                     else:
                         steps.append(partial(im2col, image[n], *a["kernel_size"], *geometry, y_first, y_end - y_first,
                                              conv_w, column, cols_buffer))
-            grouped_acc = acc_buffer[:, :count].reshape(groups, group_out, count)
+            grouped_acc = acc_buffer[:, :count].reshape(groups, -1, count)
             for g in range(groups):
                 steps.append(partial(np.matmul, weight2d[g], cols[g * (rows // groups):(g + 1) * (rows // groups)],
                                      out=grouped_acc[g]))
             return acc_buffer, pitch
         return gemm
 
-    def _small_direct_product(self, image, bands: list, new_buffer):
+    def _small_direct_product(self, image, bands: list, weight, new_buffer):
         """The product step of _product as `conv3x3_direct`: conv rows y_first..y_end-1 of the band's
-        images into acc, pitch OW."""
-        out_channels, conv_h, conv_w = self.conv_shape
+        images into acc, pitch OW, for the output channels of `weight` (a block of self.weight)."""
+        out_channels = weight.shape[0]
+        _, conv_h, conv_w = self.conv_shape
         acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
 
         def product(band, steps):
             n_first, n_end, _, _, y_first, y_end = band
             for n in range(n_first, n_end):
-                steps.append(partial(conv3x3_direct, image[n], self.weight, 0, out_channels, y_first, y_end,
+                steps.append(partial(conv3x3_direct, image[n], weight, 0, out_channels, y_first, y_end,
                                      (n - n_first) * conv_h * conv_w, acc))
             return acc, conv_w
         return product
 
-    def _winograd_product(self, image, bands: list, new_buffer):
+    def _band_tiles(self, band) -> tuple:
+        """(first tile row, tile rows, images) of a band."""
+        n_first, n_end, _, _, y_first, y_end = band
+        tile_first = y_first // TILE
+        return tile_first, tile_count(y_end) - tile_first, n_end - n_first
+
+    @staticmethod
+    def _tile_stride(columns: int) -> int:
+        """V's and M's row length for `columns` tiles: 16 times an odd number (see _winograd_product)."""
+        stride = -(-columns // 16) * 16
+        return stride + 16 * (stride // 16 % 2 == 0)
+
+    def _shared_winograd_input(self, image, bands: list, parts: int, new_buffer) -> tuple:
+        """(V, [[task, ...] per band]): V [36, C + 1, T'], for one band at a time, made by `parts` tasks
+        of input channels each, which run before the band's tasks of output channels that read it (a
+        conv cut by output channels makes each V once, not once per part)."""
+        in_channels = image.shape[1]
+        tiles_w = tile_count(self.conv_shape[2])
+        most = max(tile_rows * tiles_w * images for _, tile_rows, images in map(self._band_tiles, bands))
+        v_buffer = new_buffer((36, in_channels + 1, self._tile_stride(most)))
+        blocks = [(block, new_buffer((6, 4 * tiles_w + 2))) for block in split_range(0, in_channels, parts)]
+        tasks = []
+        for band in bands:
+            tile_first, tile_rows, _ = self._band_tiles(band)
+            tasks.append([[partial(winograd_input, image[n], c_first, c_end, tile_first, tile_rows,
+                                   (n - band[0]) * tile_rows * tiles_w, work, v_buffer)
+                           for n in range(band[0], band[1])] for (c_first, c_end), work in blocks])
+        return v_buffer, tasks
+
+    def _winograd_product(self, image, bands: list, channels: tuple, new_buffer, shared=None):
         """The product step of _product as Winograd F(4x4, 3x3): conv rows y_first..y_end-1 of the
-        band's images into acc, pitch OW, from the tile rows that cover them (winograd.py).
+        band's images into acc, pitch OW, from the tile rows that cover them (winograd.py), for output
+        channels o_first..o_end-1 (U[:, o_first:o_end]: each of the 36 products reads its block).
+        shared: V of _shared_winograd_input, which earlier steps fill: no input transform here.
 
         V and M are [36, rows + 1, T'] buffers used as [36, rows, T]: the spare row and T' (16 times an
         odd number) keep the 36 planes off the same cache sets (with power-of-two plane strides the
         F(2x2, 3x3) input transform ran 8x slower)."""
-        out_channels, conv_h, conv_w = self.conv_shape
+        _, conv_h, conv_w = self.conv_shape
+        o_first, o_end = channels
+        out_channels = o_end - o_first
         in_channels = image.shape[1]
-        weight = self.winograd_weight
+        weight = self.winograd_weight[:, o_first:o_end]
         tiles_w = tile_count(conv_w)
-
-        def band_tiles(band):
-            n_first, n_end, _, _, y_first, y_end = band
-            tile_first = y_first // TILE
-            return tile_first, tile_count(y_end) - tile_first, n_end - n_first
-
-        most = max(rows * tiles_w * images for _, rows, images in map(band_tiles, bands))
-        stride = -(-most // 16) * 16
-        stride += 16 * (stride // 16 % 2 == 0)
-        v_buffer = new_buffer((36, in_channels + 1, stride))
+        stride = self._tile_stride(max(rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)))
+        if shared is None:
+            v_buffer = new_buffer((36, in_channels + 1, stride))
+            input_work = new_buffer((6, 4 * tiles_w + 2))      # the kernels' scratch rows (winograd.py)
+        else:
+            v_buffer = shared
         m_buffer = new_buffer((36, out_channels + 1, stride))
-        input_work = new_buffer((6, 4 * tiles_w + 2))      # the kernels' scratch rows (winograd.py)
         output_work = new_buffer((40, stride))
         acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
 
         def product(band, steps):
             n_first, n_end, _, _, y_first, y_end = band
-            tile_first, tile_rows, images = band_tiles(band)
+            tile_first, tile_rows, images = self._band_tiles(band)
             per_image = tile_rows * tiles_w
             count = per_image * images
-            for n in range(n_first, n_end):
-                steps.append(partial(winograd_input, image[n], 0, in_channels, tile_first, tile_rows,
-                                     (n - n_first) * per_image, input_work, v_buffer))
+            if shared is None:
+                for n in range(n_first, n_end):
+                    steps.append(partial(winograd_input, image[n], 0, in_channels, tile_first, tile_rows,
+                                         (n - n_first) * per_image, input_work, v_buffer))
             steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],
                                  out=m_buffer[:, :out_channels, :count]))
             steps.append(partial(winograd_output, m_buffer, 0, out_channels, images, per_image, tile_first, conv_h,

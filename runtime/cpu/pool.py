@@ -79,14 +79,23 @@ def window_cells(size: int, kernel: int, stride: int, pad: int, out_size: int) -
 
 @kernel
 def global_avg_pool(src, dst):
-    """src [N, C, P] -> dst [N, C]: the mean of each row."""
+    """src [N, C, P] -> dst [N, C]: the mean of each row, summed in float64 as 4 interleaved partial sums
+    (positions p = 4i + j into sum j), so that 4 additions are in flight instead of one chain (leaf_cnn224's
+    256 x 28 x 28: 0.18 ms as one chain)."""
     batch, channels, positions = src.shape
+    whole = positions - positions % 4
     for n in range(batch):
         for c in range(channels):
-            total = np.float64(0)
-            for p in range(positions):
-                total += src[n, c, p]
-            dst[n, c] = total / positions
+            row = src[n, c]
+            s0 = s1 = s2 = s3 = np.float64(0)
+            for p in range(0, whole, 4):
+                s0 += row[p]
+                s1 += row[p + 1]
+                s2 += row[p + 2]
+                s3 += row[p + 3]
+            for p in range(whole, positions):
+                s0 += row[p]
+            dst[n, c] = ((s0 + s1) + (s2 + s3)) / positions
 
 
 @kernel

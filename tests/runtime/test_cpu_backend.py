@@ -250,16 +250,18 @@ def test_non_monotone_activation_before_max_pool_matches_onnxruntime(tmp_path):
 
 
 def test_conv_algorithm_choice():
-    """"auto" runs Winograd for 3x3 stride-1 ungrouped convs with enough inputs; a layer's "algorithm"
-    overrides it where Winograd applies, and is ignored where it does not (stride 2)."""
+    """"auto" runs Winograd for 3x3 stride-1 ungrouped convs with enough inputs and output tiles; a
+    layer's "algorithm" overrides it where Winograd applies, and is ignored where it does not (stride 2)."""
     from lnn.runtime.cpu.conv2d import WINOGRAD_MIN_CHANNELS
 
-    def uses_winograd(channels, **attrs):
-        model = parse_model({"input_shape": [channels, 8, 8], "layers": [conv(4, **attrs)]})
+    def uses_winograd(channels, size=12, **attrs):
+        model = parse_model({"input_shape": [channels, size, size], "layers": [conv(4, **attrs)]})
         return cpu_backend(model, random_weights(model, np.random.default_rng(0))).layers[0].winograd
 
-    assert uses_winograd(WINOGRAD_MIN_CHANNELS, padding=1)
+    assert uses_winograd(WINOGRAD_MIN_CHANNELS, padding=1)                  # 3 x 3 tiles
     assert not uses_winograd(WINOGRAD_MIN_CHANNELS - 1, padding=1)
+    assert not uses_winograd(WINOGRAD_MIN_CHANNELS, size=8, padding=1)      # 2 x 2 tiles
+    assert uses_winograd(WINOGRAD_MIN_CHANNELS, size=8, padding=1, algorithm="winograd")
     assert not uses_winograd(WINOGRAD_MIN_CHANNELS, padding=1, algorithm="im2col")
     assert uses_winograd(3, algorithm="winograd")
     assert not uses_winograd(3, algorithm="winograd", stride=2)

@@ -34,6 +34,11 @@ CASES = {
     "conv_winograd_odd": ([16, 13, 11], [conv(24, padding=1, algorithm="winograd", activation="relu")]),
     "conv_stride2_3x3pool": ([5, 17, 15], [conv(12, stride=2, padding=1, activation="relu"),
                                            {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
+    # more output channels than positions (Winograd: tiles): cut by output channels
+    "conv_winograd_channels_pool": ([16, 8, 8], [conv(64, padding=1, algorithm="winograd", activation="relu"),
+                                                 {"type": "maxpool2d", "kernel_size": 2}]),
+    "conv_im2col_channels": ([8, 4, 5], [conv(48, padding=1, activation="relu")]),
+    "conv_depthwise_channels": ([32, 9, 7], [conv(32, groups=32, padding=1, activation="relu")]),
     "conv_chain_then_linear": ([4, 12, 12], [conv(16, padding=1, activation="relu"), conv(16, padding=1),
                                              {"type": "flatten"}, {"type": "linear", "out_features": 97,
                                                                    "activation": "relu"},
@@ -81,9 +86,14 @@ def test_a_split_image_gives_the_one_thread_answer(case, threads):
         np.testing.assert_allclose(got, expected, rtol=0, atol=SPLIT_TOLERANCE)
         np.testing.assert_allclose(got, NumpyBackend(model, weights).run(x), rtol=0, atol=1e-4)
         plan = split._plan(batch, threads)
-        parallel = [step for step in plan.steps if type(step) is Parallel]
-        assert len(parallel) == len(splittable(split.layers)), "every conv and BLAS linear layer should have been split"
-        assert all(len(step.tasks) >= 2 for step in parallel)
+        split_layers = [layer for layer, (first, end) in zip(split.layers, plan.layer_steps)
+                        if any(type(step) is Parallel for step in plan.steps[first:end])]
+        assert split_layers == splittable(split.layers), "every conv and BLAS linear layer should have been split"
+        assert all(len(step.tasks) >= 2 for step in plan.steps if type(step) is Parallel)
+    if "_channels" in case:                  # cut by output channels, not by rows
+        layer = split.layers[0]
+        whole = (0, layer.conv_shape[0])
+        assert all(channels != whole for _, channels in layer._parts(1, input_shape[2] + 2, threads))
 
 
 def test_tasks_write_disjoint_outputs_in_any_order():
@@ -100,6 +110,25 @@ def test_tasks_write_disjoint_outputs_in_any_order():
         if type(step) is Parallel:
             step.tasks.reverse()
     np.testing.assert_array_equal(plan.run(x), expected)       # the calling thread alone, reversed
+
+
+def test_winograd_cut_by_channels_band_by_band(monkeypatch):
+    """A Winograd conv cut by output channels over several bands: per band, V by input channels, then
+    the products by output channels (two Parallel steps a band), the one-thread answer."""
+    from lnn.runtime.cpu import conv2d
+    from lnn.runtime.cpu.parallel import Parallel
+
+    monkeypatch.setattr(conv2d, "CHUNK_BYTES", 2048)
+    input_shape, layers = [16, 21, 10], [conv(40, padding=1, algorithm="winograd", activation="relu"),
+                                         {"type": "maxpool2d", "kernel_size": 2}]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(8))
+    one, split = split_backend(model, weights, 1), split_backend(model, weights, 3)
+    x = np.random.default_rng(9).standard_normal((1, *input_shape)).astype(np.float32)
+    np.testing.assert_allclose(split.run(x), one.run(x), rtol=0, atol=SPLIT_TOLERANCE)
+    bands = len(one.layers[0]._bands(1, input_shape[2] + 2)[0])
+    parallel = [step for step in split._plan(1, 3).steps if type(step) is Parallel]
+    assert bands > 1 and len(parallel) == 2 * bands and all(len(step.tasks) == 3 for step in parallel)
 
 
 def test_split_range_cuts_evenly_on_aligned_bounds():

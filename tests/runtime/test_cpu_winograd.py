@@ -91,13 +91,19 @@ def test_winograd_matches_float64_convolution(case):
 
 
 def test_winograd_in_row_bands_matches_float64(monkeypatch):
-    """Bands whose first and last conv rows fall inside a tile (partial tile rows at both ends)."""
+    """Bands cut between tile rows, and (as after a pool whose window is not its stride) bands whose
+    first and last conv rows fall inside a tile (partial tile rows at both ends)."""
     from lnn.runtime.cpu import conv2d
 
-    monkeypatch.setattr(conv2d, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(conv2d, "CHUNK_BYTES", 1024)       # Winograd bands of 4 KiB
     rng = np.random.default_rng(2)
     x = rng.standard_normal((2, 8, 23, 10)).astype(np.float32)
     weight = rng.standard_normal((6, 8, 3, 3)).astype(np.float32)
+    backend, got = one_conv(x, weight, 1, "winograd")
+    bands = [band for part in backend.layers[0]._bands(2, 12) for band in part]
+    assert len(bands) > 2 and all(band[4] % 4 == 0 for band in bands)
+    check_bound(got, x, weight, 1)
+    monkeypatch.setattr(conv2d.Conv2dLayer, "_tile_rows_align", lambda layer: 1)
     backend, got = one_conv(x, weight, 1, "winograd")
     bands = [band for part in backend.layers[0]._bands(2, 12) for band in part]
     assert any(band[4] % 4 for band in bands) and any(band[5] % 4 for band in bands)
