@@ -11,6 +11,8 @@ maxpool2d: x [N, C, H, W] -> y [N, C, OH, OW], max over the window's cells insid
     reference pads with -inf, and padding <= half the kernel keeps every window non-empty), and for
     training the winning offset; maxpool2d_backward routes dy back through it (the one max pool of the GPU).
 channel_affine: batch norm's y = x * scale[c] + shift[c]; batchnorm_input_gradient: its dx.
+lstm_cell_forward / lstm_cell_backward: one lstm time step's gate arithmetic over [N, H] (runtime/cuda/recurrent.py
+    holds the step loop, its GEMMs and the reference arithmetic these replace on the GPU).
 The window, im2col and batch-norm kernels take float32 or float16 (amp), computing in float32; the
 trainer's kernels (train/kernels.py) call them on CuPy when `fits`, so training and inference share them.
 `i` and `n` are reserved names in ElementwiseKernel bodies. Importing this module imports CuPy; the
@@ -189,6 +191,54 @@ batchnorm_input_gradient = cupy.ElementwiseKernel(
     "const float x_hat = ((float)x - mean[c]) * inv_std[c];"
     "dx = (T)(k[c] * ((float)dy - mean_dy[c] - x_hat * mean_dy_xhat[c]));",
     "lnn_batchnorm_input_gradient")
+
+# lstm, one time step, element (row, j) of [N, H]; gates [N, 4H] in blocks i, f, g, o; sigmoid as 0.5 + 0.5 tanh(a / 2).
+# forward: a = gates + hw (hw = h_prev @ W_hh^T; both 0 on a direction's first step) -> gates = the activated
+#   i, f, g, o (saved for the backward); c = i g + f c_prev; h = o tanh(c)
+_lstm_cell_forward = cupy.ElementwiseKernel(
+    "raw T hw, raw T c_prev, int64 hidden, int32 first", "raw T gates, T c, T h",
+    "const long long base = (i / hidden) * 4 * hidden + i % hidden;"
+    "float a[4];"
+    "for (int k = 0; k < 4; ++k) a[k] = (float)gates[base + k * hidden] + (first ? 0.0f : (float)hw[base + k * hidden]);"
+    "const float in_gate = 0.5f + 0.5f * tanhf(0.5f * a[0]), forget = 0.5f + 0.5f * tanhf(0.5f * a[1]);"
+    "const float cand = tanhf(a[2]), out_gate = 0.5f + 0.5f * tanhf(0.5f * a[3]);"
+    "gates[base] = (T)in_gate; gates[base + hidden] = (T)forget;"
+    "gates[base + 2 * hidden] = (T)cand; gates[base + 3 * hidden] = (T)out_gate;"
+    "const float cell = in_gate * cand + (first ? 0.0f : forget * (float)c_prev[i]);"
+    "c = (T)cell; h = (T)(out_gate * tanhf(cell));",
+    "lnn_lstm_cell_forward")
+
+# backward: dh (this step's total), dc carried from the step after -> dgates (pre-activation) and dc for the
+# step before: dc += dh o (1 - tanh(c)^2); da_i = dc g i (1 - i); da_f = dc c_prev f (1 - f) (0 on the first
+# step); da_g = dc i (1 - g^2); da_o = dh tanh(c) o (1 - o); dc = dc f
+_lstm_cell_backward = cupy.ElementwiseKernel(
+    "raw T gates, T c, raw T c_prev, T dh, int64 hidden, int32 first", "T dc, raw T dgates",
+    "const long long base = (i / hidden) * 4 * hidden + i % hidden;"
+    "const float in_gate = (float)gates[base], forget = (float)gates[base + hidden];"
+    "const float cand = (float)gates[base + 2 * hidden], out_gate = (float)gates[base + 3 * hidden];"
+    "const float tc = tanhf((float)c), grad_h = (float)dh;"
+    "const float grad_c = (float)dc + grad_h * out_gate * (1.0f - tc * tc);"
+    "dgates[base] = (T)(grad_c * cand * in_gate * (1.0f - in_gate));"
+    "dgates[base + hidden] = first ? (T)0.0f : (T)(grad_c * (float)c_prev[i] * forget * (1.0f - forget));"
+    "dgates[base + 2 * hidden] = (T)(grad_c * in_gate * (1.0f - cand * cand));"
+    "dgates[base + 3 * hidden] = (T)(grad_h * tc * out_gate * (1.0f - out_gate));"
+    "dc = (T)(grad_c * forget);",
+    "lnn_lstm_cell_backward")
+
+
+def lstm_cell_forward(gates, hw, c_prev, c, h):
+    """gates [N, 4H] (input-side pre-activations, biases added) and hw [N, 4H] -> the activated gates in
+    place, c and h [N, H]; c_prev None on a direction's first step (hw is then not read)."""
+    first = c_prev is None
+    return _lstm_cell_forward(hw, c if first else c_prev, c.shape[1], int(first), gates, c, h)
+
+
+def lstm_cell_backward(gates, c, c_prev, dh, dc, dgates):
+    """The step's activated gates, c and c_prev (None on the first step), dh -> dgates [N, 4H]; dc [N, H]
+    carried in place."""
+    first = c_prev is None
+    return _lstm_cell_backward(gates, c, c if first else c_prev, dh, c.shape[1], int(first), dc, dgates)
+
 
 FAST_TYPES = ("float32", "float16")
 

@@ -10,6 +10,7 @@ differences. The backward follows train/kernels.py's contract: it ADDS parameter
 from __future__ import annotations
 
 from lnn.runtime.cuda.blas import matmul
+from lnn.runtime.cuda.kernels import gpu_kernels
 
 
 # --------------------------------------------------------------------------- forward
@@ -24,7 +25,8 @@ from lnn.runtime.cuda.blas import matmul
 #   hdir    [L, D, T, N, H]     each direction's hidden state after each step (contiguous rows for GEMMs)
 #   hidden  [L, T, N, D*H]      bidirectional only: each layer's output, both directions side by side
 #   hw      [N, G*H], tmp [N, H]  per-step scratch
-# Per step: one recurrent GEMM (hw = h_prev @ W_hh.T, from hdir), then the gate arithmetic in place.
+# Per step: one recurrent GEMM (hw = h_prev @ W_hh.T, from hdir), then the gate arithmetic in place (lstm on
+# CuPy: one launch, runtime/cuda/fused.py lstm_cell_forward / lstm_cell_backward; the code here is its reference).
 # Only out= calls on planned buffers, sigmoid as (1 + tanh(x/2)) / 2 in place: no allocation, no
 # host synchronization, no branch on array values (the same calls can be captured in a CUDA graph).
 
@@ -81,7 +83,10 @@ def recurrent_forward(xp, op, x, params: dict, attrs: dict, out, ws: dict):
                     hw.fill(0)
                 else:
                     matmul(xp, hdir[previous], w_hh.T, hw)
-                if lstm:
+                fused = gpu_kernels(xp, g, hw, states[t], hdir[t]) if lstm else None
+                if fused is not None:                                            # the same arithmetic, one launch
+                    fused.lstm_cell_forward(g, hw, None if previous is None else states[previous], states[t], hdir[t])
+                elif lstm:
                     g += hw
                     sigmoid_in_place(xp, g[:, :2 * h])
                     xp.tanh(g[:, 2 * h:3 * h], out=g[:, 2 * h:3 * h])
@@ -250,8 +255,12 @@ def recurrent_backward(xp, op, dy, params: dict, grads: dict, attrs: dict, dx, w
                 t, previous = order[k], (order[k - 1] if k else None)
                 dh += dlayer[t][:, direction * h:(direction + 1) * h]
                 if lstm:
-                    _lstm_step_backward(xp, h, gates[t], states[t], None if previous is None else states[previous],
-                                        dh, dc, dgates[t], s)
+                    c_prev = None if previous is None else states[previous]
+                    fused = gpu_kernels(xp, gates[t], states[t], dh, dc, dgates[t])
+                    if fused is not None:                   # _lstm_step_backward's arithmetic in one launch
+                        fused.lstm_cell_backward(gates[t], states[t], c_prev, dh, dc, dgates[t])
+                    else:
+                        _lstm_step_backward(xp, h, gates[t], states[t], c_prev, dh, dc, dgates[t], s)
                     if previous is not None:
                         matmul(xp, dgates[t], params[w_hh], dh)
                 else:
