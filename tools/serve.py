@@ -172,8 +172,8 @@ class BackgroundServer:
     ends; BLAS is held at one thread in between (one_blas_thread)."""
 
     def __init__(self, model, host: str = "0.0.0.0", port: int = DEFAULT_PORT):
-        self.blas = one_blas_thread()
         self.server, sock = server_for(model, host, port)
+        self.blas = one_blas_thread()
         self.host, self.port = host, sock.getsockname()[1]
         self.url = phone_url(host, self.port)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
