@@ -241,8 +241,9 @@ def judge_in_chunks(session, images: list, checks: list) -> tuple:
     """(probabilities, reasons) for a batch of model inputs (lnn-infer's judge_images, which stacks each chunk:
     the images are copied once), computed in chunks of CHUNK_SIZES. The CPU backend plans buffers per batch
     size and keeps 4: a batch of any other size re-planned on every call (about 2x slower when sizes varied
-    from 1 to 16); padding to those sizes instead wasted up to half the work. On one thread a chunk of 8
-    costs what 8 single images do, so nothing is lost by not calling it with 16."""
+    from 1 to 16); padding to those sizes instead wasted up to half the work. On one thread an image costs
+    about the same in a chunk of 8 as in one of 16 (BENCHMARKS serve_load), so nothing is lost by not calling
+    it with 16."""
     rows, reasons, start = [], [], 0
     for size in chunk_sizes(len(images)):
         chunk_rows, chunk_reasons = judge_images(session, images[start:start + size], checks[start:start + size])
