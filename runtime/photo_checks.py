@@ -50,11 +50,11 @@ class PhotoCheck:
 
 
 def _grey_copy(image: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(grey float32 [size, size] 0-255, BGR float32 [size, size, 3]) of a uint8 HxWx3 BGR photo."""
+    """(grey float32 [size, size] 0-255, BGR uint8 [size, size, 3]) of a uint8 HxWx3 BGR photo."""
     from lnn.runtime.preprocess import resize_image
 
-    small = resize_image(image, size, size).astype(np.float32)
-    return small @ GRAY_WEIGHTS_BGR, small
+    small = resize_image(image, size, size)
+    return small.astype(np.float32) @ GRAY_WEIGHTS_BGR, small
 
 
 def laplacian_variance(grey: np.ndarray) -> float:
@@ -65,16 +65,20 @@ def laplacian_variance(grey: np.ndarray) -> float:
 
 
 def leaf_fill(bgr: np.ndarray) -> float:
-    """Share of pixels that are coloured enough to be leaf (HSV saturation and value over a floor)."""
+    """Share of pixels that are coloured enough to be leaf (HSV saturation and value over a floor), for a
+    HxWx3 BGR image of whole numbers 0-255 (uint8: the channels' extremes are found on a quarter of the bytes
+    of float32, with the same float32 comparisons after)."""
     blue, green, red = bgr[:, :, 0], bgr[:, :, 1], bgr[:, :, 2]      # per channel: a reduction over the last,
     top = np.maximum(np.maximum(blue, green), red)                    # 3-long axis is 20x slower in NumPy
     bottom = np.minimum(np.minimum(blue, green), red)
-    return float(np.mean((top - bottom >= LEAF_SATURATION * top) & (top >= LEAF_VALUE * 255)))
+    top_value = top.astype(np.float32)
+    spread = top_value - bottom.astype(np.float32)
+    return float(np.mean((spread >= LEAF_SATURATION * top_value) & (top_value >= LEAF_VALUE * 255)))
 
 
 def grey_percentiles(grey: np.ndarray, shares=(0.01, 0.99)) -> list:
     """The grey levels (whole numbers, 0-255) under which these shares of the pixels lie: a histogram, not a sort."""
-    counts = np.bincount(np.clip(np.rint(grey), 0, 255).astype(np.intp).ravel(), minlength=256)
+    counts = np.bincount(np.clip(np.rint(grey), 0, 255).astype(np.uint8).ravel(), minlength=256)
     cumulative = np.cumsum(counts) / grey.size
     return [float(np.searchsorted(cumulative, share)) for share in shares]
 

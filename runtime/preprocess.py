@@ -476,9 +476,13 @@ def preprocess_image(image: np.ndarray, preprocess: dict, color: str = "bgr", no
         image = np.repeat(image, 3, axis=2)
     elif want != "gray" and want != color:
         image = image[:, :, ::-1]
-    x = image.astype(np.float32) * np.float32(preprocess["scale"])
-    x = (x - np.asarray(preprocess["mean"], np.float32)) / np.asarray(preprocess["std"], np.float32)
+    # [C, H, W] first, then the arithmetic in place on whole channel planes: over a last axis of 3 channels
+    # NumPy's loops were 5x slower (the same float32 operations in the same order: the same bytes)
+    x = image.transpose(2, 0, 1).astype(np.float32, order="C")
+    x *= np.float32(preprocess["scale"])
+    x -= np.asarray(preprocess["mean"], np.float32).reshape(-1, 1, 1)
+    x /= np.asarray(preprocess["std"], np.float32).reshape(-1, 1, 1)
     if notes is None:
         for remark in remarks:
             warnings.warn(remark, LnnWarning, stacklevel=3)
-    return np.ascontiguousarray(x.transpose(2, 0, 1))
+    return x

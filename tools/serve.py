@@ -62,9 +62,10 @@ def build_parser():
                              f"(default {DEFAULTS.max_delay_s * 1000:g})")
     parser.add_argument("--queue", type=int, default=DEFAULTS.queue, metavar="N",
                         help=f"most requests in the server at once; more are refused with 503 (default {DEFAULTS.queue})")
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="threads for the Numba backend's batch (default 1: inference takes one core, decoding "
-                             "and HTTP the others; more threads fought them on 2 cores)")
+    parser.add_argument("--threads", default="1", metavar="N|auto",
+                        help="threads for the Numba backend's batch, or auto (the usable cores, as lnn-infer); "
+                             "default 1: inference takes one core, decoding and HTTP the others (auto cost more "
+                             "CPU per request on 2 cores, batching on or off: BENCHMARKS serve_load)")
     parser.add_argument("--timeout", type=float, default=DEFAULTS.timeout_s, metavar="S",
                         help=f"seconds before a request gets 504 (default {DEFAULTS.timeout_s:g})")
     parser.add_argument("--max-body", type=int, default=DEFAULTS.max_body, metavar="BYTES",
@@ -112,7 +113,10 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def check_options(args) -> None:
-    for name in ("max_batch", "queue", "max_body", "max_pixels", "top_k", "threads"):
+    from lnn.tools.infer import threads_option
+
+    args.threads = threads_option(args.threads)
+    for name in ("max_batch", "queue", "max_body", "max_pixels", "top_k"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise LnnInputError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
@@ -123,10 +127,11 @@ def check_options(args) -> None:
         raise LnnInputError(f"--port must be between 0 (any free port) and 65535, not {args.port}")
 
 
-def server_for(model, host: str, port: int, device: str = "auto", threads: int = 1, **settings):
-    """(uvicorn.Server, its bound socket) for a model: the whole server, ready to run on any thread.
+def server_for(model, host: str, port: int, device: str = "auto", threads: int | str = 1, **settings):
+    """(uvicorn.Server, its bound socket) for a model: the whole server, ready to run on any thread; the
+    Session is `server.config.app.state.session`.
 
-    threads: the Numba backend's; photos decode on one thread per core. settings: ServeConfig's fields
+    threads: the Numba backend's (a count or "auto"); photos decode on one thread per core. settings: ServeConfig's fields
     (max_batch, max_delay_s, queue, timeout_s, max_body, max_pixels, top_k)."""
     try:
         import uvicorn
@@ -147,11 +152,28 @@ def server_for(model, host: str, port: int, device: str = "auto", threads: int =
     return server, sock
 
 
+def one_blas_thread():
+    """Hold BLAS at one thread while a server runs (threadpoolctl's limits; restore_original_limits() ends it).
+
+    The server runs calls side by side itself (the decode pool, the inference thread); a threaded BLAS call
+    beside them (the gate's products at batch 8 and over) woke OpenBLAS's helper thread, which then
+    busy-waits for more work: on 2 cores it burnt 1.6-3.8 ms of CPU per request, about as much as the model
+    (BENCHMARKS serve_load). Called on the thread that starts the server, not in the app's lifespan: OpenBLAS
+    0.3.31 ignores a count set from another thread once the main thread has set one (the CPU backend's
+    BLAS_THREADS does, when lnn-field computes on its main thread), and uvicorn runs lnn-field's server
+    on a thread of its own."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(1, user_api="blas")
+
+
 class BackgroundServer:
-    """lnn-serve on a thread of this process (lnn-field's menu): start() binds and starts, stop() drains and ends."""
+    """lnn-serve on a thread of this process (lnn-field's menu): start() binds and starts, stop() drains and
+    ends; BLAS is held at one thread in between (one_blas_thread)."""
 
     def __init__(self, model, host: str = "0.0.0.0", port: int = DEFAULT_PORT):
         self.server, sock = server_for(model, host, port)
+        self.blas = one_blas_thread()
         self.host, self.port = host, sock.getsockname()[1]
         self.url = phone_url(host, self.port)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
@@ -165,6 +187,7 @@ class BackgroundServer:
     def stop(self, timeout_s: float = 15.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout_s)
+        self.blas.restore_original_limits()
 
 
 def serve(args) -> int:
@@ -173,10 +196,11 @@ def serve(args) -> int:
                               max_batch=args.max_batch, max_delay_s=args.max_delay_ms / 1000, queue=args.queue,
                               timeout_s=args.timeout, max_body=args.max_body, max_pixels=args.max_pixels,
                               top_k=args.top_k)
-    print_banner(args.host, sock)
+    print_banner(args.host, sock, server.config.app.state.session.describe_threads())
     # uvicorn catches SIGTERM, drains the requests in flight, puts the previous handler back and raises the
     # signal again; this handler makes that second delivery a no-op, so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    one_blas_thread()                           # until the process ends
     server.run(sockets=[sock])
     if not server.started:
         error_line(PROG, "the server did not start (see the message above)")
@@ -184,13 +208,15 @@ def serve(args) -> int:
     return 0
 
 
-def print_banner(host: str, sock: socket.socket) -> None:
-    """The first line on stderr, which launch_process() waits for: the address, and the phones' one."""
+def print_banner(host: str, sock: socket.socket, runtime: str | None = None) -> None:
+    """The first line on stderr, which launch_process() waits for: the address, and the phones' one; then
+    what computes the answers (Session.describe_threads), when given."""
     port = sock.getsockname()[1]
     where = f"http://{host}:{port}/"
     if host in ALL_NETWORKS:
         where += f" (phones on this network open {phone_url(host, port)})"
-    print(f"{PROG}: {BANNER} {where} (Ctrl-C or SIGTERM stops)", file=sys.stderr, flush=True)
+    print(f"{PROG}: {BANNER} {where} ({runtime + '; ' if runtime else ''}Ctrl-C or SIGTERM stops)",
+          file=sys.stderr, flush=True)
 
 
 def launch_process(*args, program=("-m", "lnn.tools.serve"), timeout_s: float = 120.0, **popen_options) -> tuple:

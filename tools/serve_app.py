@@ -93,7 +93,8 @@ def model_record(session) -> dict:
     """GET /v1/model: what a client needs to know about the model answering it."""
     checksum = hashlib.sha256(Path(session.bin.path).read_bytes()).hexdigest()
     return {"name": session.model.name, "file": os.path.basename(session.bin.path), "sha256": checksum,
-            "device": session.device, "input": {"shape": list(session.input_shape), "preprocess": session.model.preprocess},
+            "device": session.device, "threads": session.threads,          # threads: None where the backend has none
+            "input": {"shape": list(session.input_shape), "preprocess": session.model.preprocess},
             "labels": [{"label": label["name"], "display": label["display"]} for label in session.labels],
             "uncertain_below": session.judge_rules.uncertain_below}
 
@@ -203,10 +204,10 @@ class Batcher:
             if not jobs:
                 continue
             self.metrics.batch_size.observe(len(jobs))
-            images = np.stack([job.image for job in jobs])
             try:
                 probabilities, reasons = await loop.run_in_executor(self.inference, judge_in_chunks, self.session,
-                                                                    images, [job.check for job in jobs])
+                                                                    [job.image for job in jobs],
+                                                                    [job.check for job in jobs])
             except Exception as err:                  # noqa: BLE001 - each waiting request answers 500, none hangs
                 for job in jobs:
                     if not job.answer.done():
@@ -236,14 +237,16 @@ def chunk_sizes(count: int) -> list:
     return sizes
 
 
-def judge_in_chunks(session, images: np.ndarray, checks: list) -> tuple:
-    """(probabilities, reasons) for a batch (lnn-infer's judge_images), computed in chunks of CHUNK_SIZES. The CPU backend plans buffers per batch
+def judge_in_chunks(session, images: list, checks: list) -> tuple:
+    """(probabilities, reasons) for a batch of model inputs (lnn-infer's judge_images, which stacks each chunk:
+    the images are copied once), computed in chunks of CHUNK_SIZES. The CPU backend plans buffers per batch
     size and keeps 4: a batch of any other size re-planned on every call (about 2x slower when sizes varied
-    from 1 to 16); padding to those sizes instead wasted up to half the work. On one thread a chunk of 8
-    costs what 8 single images do, so nothing is lost by not calling it with 16."""
+    from 1 to 16); padding to those sizes instead wasted up to half the work. On one thread an image costs
+    about the same in a chunk of 8 as in one of 16 (BENCHMARKS serve_load), so nothing is lost by not calling
+    it with 16."""
     rows, reasons, start = [], [], 0
     for size in chunk_sizes(len(images)):
-        chunk_rows, chunk_reasons = judge_images(session, list(images[start:start + size]), checks[start:start + size])
+        chunk_rows, chunk_reasons = judge_images(session, images[start:start + size], checks[start:start + size])
         rows.append(chunk_rows)
         reasons += chunk_reasons
         start += size
@@ -394,4 +397,6 @@ def create_app(session, config: ServeConfig) -> Starlette:
 
     routes = [Route("/", home), Route("/v1/classify", classify, methods=["POST"]), Route("/v1/model", model),
               Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics_page)]
-    return Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.session = session
+    return app

@@ -258,8 +258,36 @@ def test_full_queue_gets_503_with_retry_after_and_slow_answers_504(session):
     assert metrics[("lnn_serve_requests_total", (("status", "504"),))] == 1
 
 
+def test_blas_is_held_at_one_thread_while_a_background_server_runs():
+    """A threaded BLAS call beside the server's own threads (decode pool, inference) left OpenBLAS's helper
+    busy-waiting: lnn-field's BackgroundServer holds BLAS at one thread from start to stop, then gives the
+    count back (lnn-serve's serve() holds it for the life of its process)."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from lnn.tools.serve import BackgroundServer
+
+    def blas_threads():          # {library: threads}; a BLAS loaded later (SciPy's, by Numba's kernels) is not compared
+        return {library["filepath"]: library["num_threads"] for library in threadpool_info() if library["user_api"] == "blas"}
+
+    with threadpool_limits(2, user_api="blas"):
+        before = blas_threads()
+        if not before:
+            pytest.skip("NumPy found no BLAS library to hold")
+        server = BackgroundServer(DEFAULT_MODEL, "127.0.0.1", 0)
+        try:
+            during = blas_threads()
+            with httpx.Client(base_url=server.url) as client:
+                wait_ready(client)
+        finally:
+            server.stop()
+        after = blas_threads()
+    assert {path: during[path] for path in before} == dict.fromkeys(before, 1)
+    assert {path: after[path] for path in before} == before
+
+
 def test_model_page_and_metrics_endpoints(session, served):
     info = served.get("/v1/model").json()
+    assert info["device"] == "numpy" and info["threads"] is None          # the NumPy backend has no count
     page = served.get("/")
     metrics = served.get("/metrics")
     assert info["sha256"] == hashlib.sha256(DEFAULT_MODEL.read_bytes()).hexdigest()
@@ -295,6 +323,7 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0():
 
 def test_command_errors_are_one_line(tmp_path):
     process, url = launch_process("--port", "0", "--device", "numpy")
+    assert "numpy backend" in process.stderr_lines[0]            # the banner says what answers
     try:
         port = url.rsplit(":", 1)[1].strip("/")
         taken = run_command("serve", "--port", port, "--device", "numpy")
@@ -308,6 +337,8 @@ def test_command_errors_are_one_line(tmp_path):
     assert broken.returncode == 1 and broken.stderr.count("\n") == 1 and "Traceback" not in broken.stderr
     bad_batch = run_command("serve", "--max-batch", "0")
     assert_one_line_error(bad_batch.stderr, "lnn-serve", "--max-batch must be at least 1")
+    bad_threads = run_command("serve", "--threads", "many")
+    assert_one_line_error(bad_threads.stderr, "lnn-serve", "--threads must be a whole number of at least 1, or auto")
 
 
 def test_answers_on_a_kept_alive_connection_do_not_wait_for_delayed_acks(served):
