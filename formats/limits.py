@@ -14,7 +14,7 @@ from __future__ import annotations
 MAX_INPUT_ELEMENTS = 1 << 24
 
 # Parameters of the whole model. 2^28 = 268 M, 1 GiB as float32: a ~100 M-parameter model (well past
-# the small models lnn is for: the bundled one has 0.1 M) fits with room, while a 200-byte
+# the small models lnn is for: the bundled one has 0.9 M) fits with room, while a 200-byte
 # description with `out_features: 10**12` is refused instead of asking for terabytes.
 MAX_PARAMETERS = 1 << 28
 
