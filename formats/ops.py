@@ -661,7 +661,11 @@ class MaxPool2d(_WindowPoolOnnx, _Pool2d):
 
     def forward(self, x, params, attrs, training=False):
         x = _pad_nchw(x, *attrs["padding"], -np.inf)
-        return _windows(x, attrs["kernel_size"], attrs["stride"], (1, 1)).max(axis=(4, 5))
+        windows = _windows(x, attrs["kernel_size"], attrs["stride"], (1, 1))          # N C OH OW KH KW (a view)
+        out = windows[..., 0, 0].copy()
+        for i, j in np.ndindex(*windows.shape[4:]):     # one maximum per kernel offset: a reduction over the
+            np.maximum(out, windows[..., i, j], out=out)   # two window axes was 60% of a photo's NumPy time
+        return out
 
 
 class AvgPool2d(_WindowPoolOnnx, _Pool2d):
