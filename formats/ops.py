@@ -363,6 +363,21 @@ class Linear(Op):
         chain.params[-1]["bias"] = self._onnx_bias(node, node.weight(position, "bias"), last["out_features"])
 
 
+def _conv_channels(attrs, cin: int) -> dict:
+    """A convolution's in_channels (the previous layer's C; a given one must agree) and out_channels."""
+    if attrs["in_channels"] is not None and attrs["in_channels"] != cin:
+        raise SpecProblem("in_channels", f"in_channels is {cin} from the previous layer, not {attrs['in_channels']}")
+    return {"in_channels": cin, "out_channels": _positive_int("out_channels", attrs["out_channels"])}
+
+
+def _conv_groups(attrs, cin: int, cout: int) -> dict:
+    """A convolution's groups (dividing both channel counts) and bias flag."""
+    groups = _positive_int("groups", attrs["groups"])
+    if cin % groups or cout % groups:
+        raise SpecProblem("groups", f"groups {groups} must divide in_channels {cin} and out_channels {cout}")
+    return {"groups": groups, "bias": _flag("bias", attrs["bias"])}
+
+
 class Conv2d(Op):
     name = "conv2d"
     kernel_params = ("weight",)
@@ -375,20 +390,12 @@ class Conv2d(Op):
     def normalize(self, attrs, in_shape):
         _require_rank(in_shape, (3,), "a [C, H, W]")
         out = dict(attrs)
-        cin = in_shape[0]
-        if attrs["in_channels"] is not None and attrs["in_channels"] != cin:
-            raise SpecProblem("in_channels", f"in_channels is {cin} from the previous layer, not {attrs['in_channels']}")
-        out["in_channels"] = cin
-        out["out_channels"] = _positive_int("out_channels", attrs["out_channels"])
+        out.update(_conv_channels(attrs, in_shape[0]))
         out["kernel_size"] = _pair("kernel_size", attrs["kernel_size"], 1)
         out["stride"] = _pair("stride", attrs["stride"], 1)
         out["padding"] = _pair("padding", attrs["padding"], 0)
         out["dilation"] = _pair("dilation", attrs["dilation"], 1)
-        groups = _positive_int("groups", attrs["groups"])
-        if cin % groups or out["out_channels"] % groups:
-            raise SpecProblem("groups", f"groups {groups} must divide in_channels {cin} and out_channels {out['out_channels']}")
-        out["groups"] = groups
-        out["bias"] = _flag("bias", attrs["bias"])
+        out.update(_conv_groups(attrs, out["in_channels"], out["out_channels"]))
         if attrs["algorithm"] not in self.algorithms:
             raise SpecProblem("algorithm", f"algorithm must be one of {', '.join(self.algorithms)}, not {attrs['algorithm']!r}")
         return out
@@ -518,19 +525,11 @@ class Conv1d(Op):
     def normalize(self, attrs, in_shape):
         _require_rank(in_shape, (2,), "a [C, T]")
         out = dict(attrs)
-        cin = in_shape[0]
-        if attrs["in_channels"] is not None and attrs["in_channels"] != cin:
-            raise SpecProblem("in_channels", f"in_channels is {cin} from the previous layer, not {attrs['in_channels']}")
-        out["in_channels"] = cin
-        out["out_channels"] = _positive_int("out_channels", attrs["out_channels"])
+        out.update(_conv_channels(attrs, in_shape[0]))
         for key in ("kernel_size", "stride", "dilation"):
             out[key] = _positive_int(key, attrs[key])
         out["padding"] = _padding_1d(attrs["padding"], out["kernel_size"], out["stride"], out["dilation"])
-        groups = _positive_int("groups", attrs["groups"])
-        if cin % groups or out["out_channels"] % groups:
-            raise SpecProblem("groups", f"groups {groups} must divide in_channels {cin} and out_channels {out['out_channels']}")
-        out["groups"] = groups
-        out["bias"] = _flag("bias", attrs["bias"])
+        out.update(_conv_groups(attrs, out["in_channels"], out["out_channels"]))
         return out
 
     def param_shapes(self, attrs, in_shape):
