@@ -72,6 +72,17 @@ def read_text(path, what: str) -> str:
         raise LnnInputError(f"{path}: not UTF-8 text, not a {what} (byte {err.start})") from None
 
 
+def _finite_number(cell: str, where: str) -> float:
+    """One cell as a finite float, or an LnnInputError naming `where` and the cell."""
+    try:
+        value = float(cell)
+    except ValueError:
+        raise LnnInputError(f"{where}: {cell[:40]!r} is not a number") from None
+    if not math.isfinite(value):
+        raise LnnInputError(f"{where}: {cell[:40]!r} is not a finite number")
+    return value
+
+
 def _numbers(text: str, sep: str, where: str) -> np.ndarray:
     """One channel's values, `sep`-separated -> float64 with NaN for missing values ('?', NaN, empty); text or
     infinity is an error naming the value. NumPy parses the text (no Python string per value); the loop
@@ -89,13 +100,7 @@ def _numbers(text: str, sep: str, where: str) -> np.ndarray:
         if cell in MISSING:
             out[i] = np.nan
             continue
-        try:
-            value = float(cell)
-        except ValueError:
-            raise LnnInputError(f"{where}, value {i + 1}: {cell[:40]!r} is not a number") from None
-        if not math.isfinite(value):
-            raise LnnInputError(f"{where}, value {i + 1}: {cell[:40]!r} is not a finite number")
-        out[i] = value
+        out[i] = _finite_number(cell, f"{where}, value {i + 1}")
     return out
 
 
@@ -291,13 +296,7 @@ def read_table(path, target: str | None = None, columns: list | None = None) -> 
             where = f"{path}: line {line}, column {names[i]!r}"
             if not cell:
                 raise LnnInputError(f"{where}: missing value (the cell is empty)")
-            try:
-                value = float(cell)
-            except ValueError:
-                raise LnnInputError(f"{where}: {cell[:40]!r} is not a number") from None
-            if not math.isfinite(value):
-                raise LnnInputError(f"{where}: {cell!r} is not a finite number")
-            numbers.append(value)
+            numbers.append(_finite_number(cell, where))
         values.append(numbers)
         if target_at is not None:
             label = row[target_at].strip()
