@@ -18,7 +18,9 @@ Tiles: forward <BM, BN, TN>: BM output channels x BN positions per block of 256 
 x BN columns of k (32 or 64), each thread 4 x 4 results, 32 positions per step shared by 256 / (BM*BN/16)
 groups of threads. The offset of each k = (c, kh, kw) inside a window comes from a
 table [3, K] (offset, kh, kw) built once per layer. float32 or float16 (amp) in and out, float32
-accumulation (CUDA cores, not tensor cores).
+accumulation. float16 on a card with mma.m16n8k16 (compute capability 8.0+) runs the tensor-core twins
+(lnn_conv_igemm_mma, lnn_conv_wgrad_mma): the same gathers and contracts, 32-row steps, the products on
+mma.sync; older cards keep the CUDA-core kernels for float16 too.
 CuPy is imported when a ConvKernels is made (the sizing functions here do not need it).
 """
 
@@ -30,6 +32,8 @@ THREADS = 256
 TARGET_BLOCKS = 4 * 132             # blocks of the weight-gradient pass: a few waves of a large GPU
 WGRAD_STEP = 32                     # positions per weight-gradient shared-memory step
 FORWARD_TILES = {16: (256, 4), 32: (128, 4), 64: (128, 8)}      # BM -> (BN, TN)
+TENSOR_CORE_COLUMNS = 128           # BN of the tensor-core forward kernel, for every BM
+TENSOR_CORE_CAPABILITY = 80         # mma.sync.m16n8k16 with float16: Ampere and newer
 
 SOURCE = r"""
 #define THREADS 256
@@ -310,6 +314,499 @@ __global__ void lnn_conv_flip_weight(const T* __restrict__ weight, T* __restrict
 }
 """
 
+TENSOR_CORE_SOURCE = r"""
+// ---- tensor cores (float16 in and out, float32 accumulation; sm_80 and newer) ----
+// The same tiles and gathers as above, the block's products on mma.sync.m16n8k16. Fragment layouts
+// (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point type"), lane = 4 * group + quad:
+//   A 16x16 row-major: regs {A[g][2q..2q+1]}, {A[g+8][2q..]}, {A[g][2q+8..]}, {A[g+8][2q+8..]}
+//   B 16x8  (k x n):   regs {B[2q..2q+1][g]}, {B[2q+8..2q+9][g]}
+//   C 16x8  float:     C[g][2q], C[g][2q+1], C[g+8][2q], C[g+8][2q+1]
+// (a register's lower 16 bits hold the element with the smaller index).
+__device__ __forceinline__ void lnn_mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ unsigned lnn_pair(const unsigned short* p) { return *(const unsigned*)p; }
+__device__ __forceinline__ unsigned lnn_pair(unsigned short lo, unsigned short hi) {
+    return (unsigned)lo | ((unsigned)hi << 16);
+}
+// A fragment rows [row, row + 16) and columns [col, col + 16) of a row-major half tile with leading dimension ld
+__device__ __forceinline__ void lnn_load_a(unsigned* a, const unsigned short* tile, int ld, int row, int col) {
+    const int lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
+    const unsigned short* p = tile + (row + g) * ld + col + 2 * q;
+    a[0] = lnn_pair(p);
+    a[1] = lnn_pair(p + 8 * ld);
+    a[2] = lnn_pair(p + 8);
+    a[3] = lnn_pair(p + 8 * ld + 8);
+}
+
+// the forward kernel's contract (lnn_conv_igemm) on tensor cores: BM output channels x BN positions per
+// block, 32 reduction rows per shared-memory step; 8 warps of WM x WN results each
+template <int BM, int BN>
+__global__ void __launch_bounds__(THREADS, 2) lnn_conv_igemm_mma(
+        const unsigned short* __restrict__ x, const unsigned short* __restrict__ weight,
+        const unsigned short* __restrict__ bias, const int* __restrict__ table, unsigned short* __restrict__ y,
+        int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
+        int pad_h, int pad_w, int reduction, int has_bias, int relu) {
+    constexpr int BK = 32, LDA = BK + 8, LDB = BN + 8;
+    constexpr int WARPS_M = BM >= 32 ? 2 : 1, WARPS_N = 8 / WARPS_M;
+    constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, FM = WM / 16, FN = WN / 8;
+    static_assert(FM * 16 == WM && FN * 8 == WN, "whole fragments per warp");
+    constexpr int B_ROWS_PER_PASS = THREADS / BN;
+    constexpr int A_LOADS = BM * BK / THREADS, B_LOADS = BK / B_ROWS_PER_PASS;
+    static_assert(A_LOADS * THREADS == BM * BK && B_LOADS * B_ROWS_PER_PASS == BK, "whole tiles");
+    __shared__ __align__(16) unsigned short a_tile[BM * LDA];     // weight [o][k]
+    __shared__ __align__(16) unsigned short b_tile[BK * LDB];     // gathered x [k][q]
+    const int positions = out_h * out_w;
+    const long long columns = (long long)batch * positions;
+    const long long q0 = (long long)blockIdx.x * BN;
+    const int o0 = blockIdx.y * BM;
+    const int* k_offset = table;
+    const int* k_h = table + reduction;
+    const int* k_w = table + 2 * reduction;
+
+    const int load_column = threadIdx.x % BN;
+    const long long load_q = q0 + load_column;
+    const bool column_valid = load_q < columns;
+    int corner_h = 0, corner_w = 0;
+    long long base = 0;
+    if (column_valid) {
+        const long long n = load_q / positions;
+        const int p = (int)(load_q % positions);
+        corner_h = p / out_w - pad_h;
+        corner_w = p % out_w - pad_w;
+        base = n * channels * (long long)height * width + (long long)corner_h * width + corner_w;
+    }
+
+    unsigned short a_next[A_LOADS], b_next[B_LOADS];
+    auto load = [&](int k0) {
+        #pragma unroll
+        for (int t = 0; t < A_LOADS; ++t) {
+            const int e = threadIdx.x + t * THREADS;
+            const int o = o0 + e / BK, k = k0 + e % BK;
+            a_next[t] = (o < out_channels && k < reduction) ? weight[(long long)o * reduction + k] : 0;
+        }
+        #pragma unroll
+        for (int t = 0; t < B_LOADS; ++t) {
+            const int k = k0 + threadIdx.x / BN + t * B_ROWS_PER_PASS;
+            unsigned short v = 0;
+            if (column_valid && k < reduction) {
+                const int h = corner_h + k_h[k], w = corner_w + k_w[k];
+                if (h >= 0 && h < height && w >= 0 && w < width) v = x[base + k_offset[k]];
+            }
+            b_next[t] = v;
+        }
+    };
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, quad = lane & 3;
+    const int warp_m = (warp / WARPS_N) * WM, warp_n = (warp % WARPS_N) * WN;
+    float acc[FM][FN][4];
+    #pragma unroll
+    for (int i = 0; i < FM; ++i)
+        #pragma unroll
+        for (int j = 0; j < FN; ++j)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+
+    load(0);
+    for (int k0 = 0; k0 < reduction; k0 += BK) {
+        #pragma unroll
+        for (int t = 0; t < A_LOADS; ++t) {
+            const int e = threadIdx.x + t * THREADS;
+            a_tile[(e / BK) * LDA + e % BK] = a_next[t];
+        }
+        #pragma unroll
+        for (int t = 0; t < B_LOADS; ++t)
+            b_tile[(threadIdx.x / BN + t * B_ROWS_PER_PASS) * LDB + load_column] = b_next[t];
+        __syncthreads();
+        if (k0 + BK < reduction) load(k0 + BK);
+        #pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned a[FM][4], b[FN][2];
+            #pragma unroll
+            for (int i = 0; i < FM; ++i) lnn_load_a(a[i], a_tile, LDA, warp_m + 16 * i, kk);
+            #pragma unroll
+            for (int j = 0; j < FN; ++j) {
+                const unsigned short* p = b_tile + (kk + 2 * quad) * LDB + warp_n + 8 * j + g;
+                b[j][0] = lnn_pair(p[0], p[LDB]);
+                b[j][1] = lnn_pair(p[8 * LDB], p[9 * LDB]);
+            }
+            #pragma unroll
+            for (int i = 0; i < FM; ++i)
+                #pragma unroll
+                for (int j = 0; j < FN; ++j) lnn_mma_16x8x16(acc[i][j], a[i], b[j]);
+        }
+        __syncthreads();
+    }
+
+    #pragma unroll
+    for (int i = 0; i < FM; ++i)
+        #pragma unroll
+        for (int j = 0; j < FN; ++j)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int o = o0 + warp_m + 16 * i + g + (r >= 2 ? 8 : 0);
+                const long long column = q0 + warp_n + 8 * j + 2 * quad + (r & 1);
+                if (o >= out_channels || column >= columns) continue;
+                const long long n = column / positions;
+                const int p = (int)(column % positions);
+                float v = acc[i][j][r] + (has_bias ? lnn_load(bias[o]) : 0.0f);
+                if (relu) v = fmaxf(v, 0.0f);
+                lnn_store(&y[(n * out_channels + o) * positions + p], v);
+            }
+}
+
+// the weight-gradient kernel's contract (lnn_conv_wgrad) on tensor cores: partial [chunks, O, K + has_bias];
+// 32 positions per step, dy [o][q] and the gathered x [k][q] both staged with q fastest; 8 warps of
+// 16 x WN results, in GROUPS groups that take every GROUPS-th 16-position half of a step
+template <int BM, int BN>
+__global__ void __launch_bounds__(THREADS) lnn_conv_wgrad_mma(
+        const unsigned short* __restrict__ dy, const unsigned short* __restrict__ x, const int* __restrict__ table,
+        float* __restrict__ partial,
+        int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
+        int pad_h, int pad_w, int reduction, int has_bias, long long chunk) {
+    constexpr int BR = 32, LD = BR + 8, LOAD_GROUPS = THREADS / BR;
+    constexpr int WARPS_M = BM / 16, WARPS_N = BN / 8 < 8 / WARPS_M ? BN / 8 : 8 / WARPS_M;
+    constexpr int GROUPS = 8 / (WARPS_M * WARPS_N), WN = BN / WARPS_N, FN = WN / 8;
+    static_assert(WARPS_M * WARPS_N * GROUPS == 8 && GROUPS * 16 <= BR && FN * 8 == WN, "warp layout");
+    constexpr int A_LOADS = BM / LOAD_GROUPS, B_LOADS = BN / LOAD_GROUPS;
+    static_assert(A_LOADS * LOAD_GROUPS == BM && B_LOADS * LOAD_GROUPS == BN, "whole tiles");
+    __shared__ __align__(16) unsigned short a_tile[BM * LD];     // dy [o][q]
+    __shared__ __align__(16) unsigned short b_tile[BN * LD];     // gathered x [k][q]
+    __shared__ float group_sums[GROUPS > 1 ? (GROUPS - 1) * BM * BN : 1];
+    const int lane = threadIdx.x % BR, load_group = threadIdx.x / BR;
+    const int columns_k = reduction + has_bias;
+    const int k0 = blockIdx.x * BN, o0 = blockIdx.y * BM;
+    const int positions = out_h * out_w;
+    const long long q_end_all = (long long)batch * positions;
+    const long long q_begin = (long long)blockIdx.z * chunk;
+    const long long q_end = q_begin + chunk < q_end_all ? q_begin + chunk : q_end_all;
+    const int* k_offset = table;
+    const int* k_h = table + reduction;
+    const int* k_w = table + 2 * reduction;
+
+    unsigned short a_next[A_LOADS], b_next[B_LOADS];
+    auto load = [&](long long q_step) {
+        const long long q = q_step + lane;
+        const bool valid = q < q_end;
+        long long n = 0, base = 0;
+        int p = 0, corner_h = 0, corner_w = 0;
+        if (valid) {
+            n = q / positions;
+            p = (int)(q % positions);
+            corner_h = p / out_w - pad_h;
+            corner_w = p % out_w - pad_w;
+            base = n * channels * (long long)height * width + (long long)corner_h * width + corner_w;
+        }
+        #pragma unroll
+        for (int t = 0; t < A_LOADS; ++t) {
+            const int o = o0 + load_group + t * LOAD_GROUPS;
+            a_next[t] = (valid && o < out_channels) ? dy[(n * out_channels + o) * positions + p] : 0;
+        }
+        #pragma unroll
+        for (int t = 0; t < B_LOADS; ++t) {
+            const int k = k0 + load_group + t * LOAD_GROUPS;
+            unsigned short v = 0;
+            if (valid) {
+                if (k < reduction) {
+                    const int h = corner_h + k_h[k], w = corner_w + k_w[k];
+                    if (h >= 0 && h < height && w >= 0 && w < width) v = x[base + k_offset[k]];
+                } else if (k < columns_k) {
+                    v = 0x3C00;                                  // 1.0 in float16: the bias column
+                }
+            }
+            b_next[t] = v;
+        }
+    };
+
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, quad = threadIdx.x & 3;
+    const int group = warp / (WARPS_M * WARPS_N), in_tile = warp % (WARPS_M * WARPS_N);
+    const int warp_m = (in_tile / WARPS_N) * 16, warp_n = (in_tile % WARPS_N) * WN;
+    float acc[FN][4];
+    #pragma unroll
+    for (int j = 0; j < FN; ++j)
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) acc[j][r] = 0.0f;
+
+    load(q_begin);
+    for (long long q_step = q_begin; q_step < q_end; q_step += BR) {
+        #pragma unroll
+        for (int t = 0; t < A_LOADS; ++t) a_tile[(load_group + t * LOAD_GROUPS) * LD + lane] = a_next[t];
+        #pragma unroll
+        for (int t = 0; t < B_LOADS; ++t) b_tile[(load_group + t * LOAD_GROUPS) * LD + lane] = b_next[t];
+        __syncthreads();
+        if (q_step + BR < q_end) load(q_step + BR);
+        #pragma unroll
+        for (int kk = 16 * group; kk < BR; kk += 16 * GROUPS) {
+            unsigned a[4], b[FN][2];
+            lnn_load_a(a, a_tile, LD, warp_m, kk);
+            #pragma unroll
+            for (int j = 0; j < FN; ++j) {
+                const unsigned short* p = b_tile + (warp_n + 8 * j + g) * LD + kk + 2 * quad;
+                b[j][0] = lnn_pair(p);
+                b[j][1] = lnn_pair(p + 8);
+            }
+            #pragma unroll
+            for (int j = 0; j < FN; ++j) lnn_mma_16x8x16(acc[j], a, b[j]);
+        }
+        __syncthreads();
+    }
+
+    // groups 1.. leave their sums in shared memory; group 0 adds them and writes the block's partial sums
+    if constexpr (GROUPS > 1) {
+        if (group > 0)
+            #pragma unroll
+            for (int j = 0; j < FN; ++j)
+                #pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    group_sums[((group - 1) * BM + warp_m + g + (r >= 2 ? 8 : 0)) * BN
+                               + warp_n + 8 * j + 2 * quad + (r & 1)] = acc[j][r];
+        __syncthreads();
+    }
+    if (group > 0) return;
+    #pragma unroll
+    for (int j = 0; j < FN; ++j)
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = warp_m + g + (r >= 2 ? 8 : 0), col = warp_n + 8 * j + 2 * quad + (r & 1);
+            float sum = acc[j][r];
+            #pragma unroll
+            for (int s = 1; s < GROUPS; ++s) sum += group_sums[((s - 1) * BM + row) * BN + col];
+            const int o = o0 + row, k = k0 + col;
+            if (o < out_channels && k < columns_k)
+                partial[((long long)blockIdx.z * out_channels + o) * columns_k + k] = sum;
+        }
+}
+
+// 3x3 windows (forward, and the input gradient through the arranged flipped weight) on tensor cores from a
+// halo tile: the block's 128 output positions are a spatial tile, IMGS images x TH rows x TW columns. Per
+// step, 16 input channels of the tile's (TH+2) x (TW+2) input window go to shared memory once, channels
+// fastest ([pixel][channel]; a pixel's value serves all 9 taps), and the weights come pre-arranged
+// (lnn_conv3x3_arrange) as [O][ceil(C/16)][9][16]: the reduction order is (channel block, kh, kw, channel),
+// so each 16-long k step is one tap and 16 channels, and a B register holds two channels of one pixel.
+template <int BM, int IMGS, int TH, int TW>
+__global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
+        const unsigned short* __restrict__ x, const unsigned short* __restrict__ arranged,
+        const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
+        int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
+        int pad_h, int pad_w, int has_bias, int relu) {
+    constexpr int CB = 16, TAPS = 9, STEP = TAPS * CB, VECTORS_PER_ROW = STEP / 8;
+    constexpr int BN = IMGS * TH * TW, PH = TH + 2, PW = TW + 2, PIXELS = IMGS * PH * PW;
+    constexpr int LDC = CB + 8, LDA = STEP + 8;            // padded: conflict-free fragment loads
+    static_assert(BN == 128, "128 positions per block");
+    constexpr int WARPS_M = BM >= 32 ? 2 : 1, WARPS_N = 8 / WARPS_M;
+    constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, FM = WM / 16, FN = WN / 8;
+    constexpr int PATCH_ELEMENTS = CB * PIXELS, A_VECTORS = BM * VECTORS_PER_ROW;
+    __shared__ __align__(16) unsigned short patch[PIXELS * LDC];
+    __shared__ __align__(16) unsigned short a_tile[BM * LDA];
+    const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
+    const int tile_x = blockIdx.x % tiles_w, tile_y = (blockIdx.x / tiles_w) % tiles_h;
+    const int image0 = blockIdx.x / (tiles_w * tiles_h) * IMGS;
+    const int y0 = tile_y * TH, x0 = tile_x * TW, o0 = blockIdx.y * BM;
+    const int chunks = (channels + CB - 1) / CB;
+
+    // one step's weights and input window straight into shared memory (no register prefetch: the
+    // accumulators need the registers; two blocks per SM overlap one's loads with the other's products)
+    auto stage = [&](int chunk) {
+        for (int v = threadIdx.x; v < A_VECTORS; v += THREADS) {
+            const int o = o0 + v / VECTORS_PER_ROW;
+            uint4 value = make_uint4(0, 0, 0, 0);
+            if (o < out_channels)
+                value = reinterpret_cast<const uint4*>(arranged + ((long long)o * chunks + chunk) * STEP)
+                        [v % VECTORS_PER_ROW];
+            *reinterpret_cast<uint4*>(a_tile + v / VECTORS_PER_ROW * LDA + v % VECTORS_PER_ROW * 8) = value;
+        }
+        for (int e = threadIdx.x; e < PATCH_ELEMENTS; e += THREADS) {   // (channel, image, row, column)
+            const int px = e % PW, py = e / PW % PH, image = e / (PW * PH) % IMGS, c = e / PIXELS;
+            const int n = image0 + image, ch = chunk * CB + c, iy = y0 - pad_h + py, ix = x0 - pad_w + px;
+            unsigned short v = 0;
+            if (n < batch && ch < channels && iy >= 0 && iy < height && ix >= 0 && ix < width)
+                v = x[(((long long)n * channels + ch) * height + iy) * width + ix];
+            patch[e % PIXELS * LDC + c] = v;
+        }
+    };
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, quad = lane & 3;
+    const int warp_m = (warp / WARPS_N) * WM, warp_n = (warp % WARPS_N) * WN;
+    int pixel_of[FN];                                          // this lane's B column of fragment j, as a patch pixel
+    #pragma unroll
+    for (int j = 0; j < FN; ++j) {
+        const int n = warp_n + 8 * j + g;
+        pixel_of[j] = (n / (TH * TW) * PH + n / TW % TH) * PW + n % TW;
+    }
+    float acc[FM][FN][4];
+    #pragma unroll
+    for (int i = 0; i < FM; ++i)
+        #pragma unroll
+        for (int j = 0; j < FN; ++j)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+        stage(chunk);
+        __syncthreads();
+        #pragma unroll
+        for (int tap = 0; tap < TAPS; ++tap) {
+            const int shift = tap / 3 * PW + tap % 3;
+            unsigned a[FM][4], b[FN][2];
+            #pragma unroll
+            for (int i = 0; i < FM; ++i) lnn_load_a(a[i], a_tile, LDA, warp_m + 16 * i, tap * CB);
+            #pragma unroll
+            for (int j = 0; j < FN; ++j) {
+                const unsigned short* p = patch + (pixel_of[j] + shift) * LDC + 2 * quad;
+                b[j][0] = lnn_pair(p);
+                b[j][1] = lnn_pair(p + 8);
+            }
+            #pragma unroll
+            for (int i = 0; i < FM; ++i)
+                #pragma unroll
+                for (int j = 0; j < FN; ++j) lnn_mma_16x8x16(acc[i][j], a[i], b[j]);
+        }
+        __syncthreads();
+    }
+
+    #pragma unroll
+    for (int i = 0; i < FM; ++i)
+        #pragma unroll
+        for (int j = 0; j < FN; ++j)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int o = o0 + warp_m + 16 * i + g + (r >= 2 ? 8 : 0);
+                const int n = warp_n + 8 * j + 2 * quad + (r & 1);
+                const int image = image0 + n / (TH * TW), oy = y0 + n / TW % TH, ox = x0 + n % TW;
+                if (o >= out_channels || image >= batch || oy >= out_h || ox >= out_w) continue;
+                float v = acc[i][j][r] + (has_bias ? lnn_load(bias[o]) : 0.0f);
+                if (relu) v = fmaxf(v, 0.0f);
+                lnn_store(&y[(((long long)image * out_channels + o) * out_h + oy) * out_w + ox], v);
+            }
+}
+
+// The weight gradient of a 3x3 window on tensor cores from halo tiles. Block (channel block of 16, BM output
+// channels, chunk z of the spatial tiles): BM x 144 columns (tap-major: column 16*tap + c) summed over its
+// tiles' positions; per tile, dy's 128 positions [BM][128] and the 16 channels' (TH+2) x (TW+2) input window
+// [16][pixel] go to shared memory and mma reduces over the positions (a B register: two adjacent positions
+// of one channel and tap). Writes partial [chunks, O, K + has_bias] with k = 9c + tap (lnn_conv_wgrad's
+// contract; lnn_conv_wgrad_reduce adds the chunks); the channel block 0 also sums dy for the bias.
+template <int BM, int IMGS, int TH, int TW>
+__global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
+        const unsigned short* __restrict__ dy, const unsigned short* __restrict__ x, float* __restrict__ partial,
+        int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
+        int pad_h, int pad_w, int has_bias, int tiles_per_chunk) {
+    constexpr int CB = 16, COLUMNS = 9 * CB, BN = IMGS * TH * TW, PH = TH + 2, PW = TW + 2, PIXELS = IMGS * PH * PW;
+    constexpr int LDA = BN + 8;                                // dy [o][position]
+    constexpr int LDP = PIXELS + (24 - PIXELS % 64 + 64) % 64; // = 24 mod 64: conflict-free B loads
+    static_assert(BN == 128 && TW % 2 == 0, "128 positions, pairs within a row");
+    constexpr int WARPS_M = BM / 16, WARPS_N = 8 / WARPS_M, NF = (COLUMNS / 8 + WARPS_N - 1) / WARPS_N;
+    constexpr int ROW_THREADS = THREADS / BM;                  // threads summing one dy row (bias)
+    __shared__ __align__(16) unsigned short a_tile[BM * LDA];
+    __shared__ __align__(16) unsigned short patch[CB * LDP];
+    const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
+    const int tiles = (batch + IMGS - 1) / IMGS * tiles_h * tiles_w;
+    const int c0 = blockIdx.x * CB, o0 = blockIdx.y * BM;
+    const int tile_begin = blockIdx.z * tiles_per_chunk;
+    const int tile_end = tile_begin + tiles_per_chunk < tiles ? tile_begin + tiles_per_chunk : tiles;
+    const int columns_k = channels * 9 + has_bias;
+    const bool bias_block = has_bias && blockIdx.x == 0;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, quad = lane & 3;
+    const int warp_m = (warp / WARPS_N) * 16, warp_n = warp % WARPS_N;
+    float acc[NF][4];
+    #pragma unroll
+    for (int j = 0; j < NF; ++j)
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) acc[j][r] = 0.0f;
+    float bias_sum = 0.0f;
+
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+        const int tile_x = tile % tiles_w, tile_y = tile / tiles_w % tiles_h, image0 = tile / (tiles_w * tiles_h) * IMGS;
+        const int y0 = tile_y * TH, x0 = tile_x * TW;
+        for (int e = threadIdx.x; e < BM * BN; e += THREADS) {     // (o, position), position fastest
+            const int o = o0 + e / BN, n = e % BN;
+            const int image = image0 + n / (TH * TW), oy = y0 + n / TW % TH, ox = x0 + n % TW;
+            unsigned short v = 0;
+            if (o < out_channels && image < batch && oy < out_h && ox < out_w)
+                v = dy[(((long long)image * out_channels + o) * out_h + oy) * out_w + ox];
+            a_tile[e / BN * LDA + n] = v;
+        }
+        for (int e = threadIdx.x; e < CB * PIXELS; e += THREADS) { // (channel, image, row, column)
+            const int px = e % PW, py = e / PW % PH, image = image0 + e / (PW * PH) % IMGS, c = c0 + e / PIXELS;
+            const int iy = y0 - pad_h + py, ix = x0 - pad_w + px;
+            unsigned short v = 0;
+            if (image < batch && c < channels && iy >= 0 && iy < height && ix >= 0 && ix < width)
+                v = x[(((long long)image * channels + c) * height + iy) * width + ix];
+            patch[e / PIXELS * LDP + e % PIXELS] = v;
+        }
+        __syncthreads();
+        if (bias_block)
+            for (int n = threadIdx.x % ROW_THREADS; n < BN; n += ROW_THREADS)
+                bias_sum += lnn_load(a_tile[threadIdx.x / ROW_THREADS * LDA + n]);
+        #pragma unroll
+        for (int k0 = 0; k0 < BN; k0 += 16) {
+            unsigned a[4];
+            lnn_load_a(a, a_tile, LDA, warp_m, k0);
+            int pixel[2];                                      // positions k0 + 2 quad and k0 + 2 quad + 8
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = k0 + 2 * quad + 8 * h;
+                pixel[h] = (n / (TH * TW) * PH + n / TW % TH) * PW + n % TW;
+            }
+            #pragma unroll
+            for (int f = 0; f < NF; ++f) {
+                const int j = warp_n + WARPS_N * f;            // columns 8j .. 8j + 7: tap j / 2, channels 8 (j % 2) + g
+                if (j >= COLUMNS / 8) continue;
+                const int tap = j / 2;
+                const unsigned short* p = patch + (8 * (j % 2) + g) * LDP + tap / 3 * PW + tap % 3;
+                unsigned b[2];
+                b[0] = lnn_pair(p[pixel[0]], p[pixel[0] + 1]);
+                b[1] = lnn_pair(p[pixel[1]], p[pixel[1] + 1]);
+                lnn_mma_16x8x16(acc[f], a, b);
+            }
+        }
+        __syncthreads();
+    }
+
+    #pragma unroll
+    for (int f = 0; f < NF; ++f) {
+        const int j = warp_n + WARPS_N * f;
+        if (j >= COLUMNS / 8) continue;
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int o = o0 + warp_m + g + (r >= 2 ? 8 : 0);
+            const int column = 8 * j + 2 * quad + (r & 1), c = c0 + column % 16, tap = column / 16;
+            if (o < out_channels && c < channels)
+                partial[((long long)blockIdx.z * out_channels + o) * columns_k + 9 * c + tap] = acc[f][r];
+        }
+    }
+    if (bias_block) {
+        #pragma unroll
+        for (int offset = ROW_THREADS / 2; offset > 0; offset /= 2) bias_sum += __shfl_down_sync(0xffffffffu, bias_sum, offset, ROW_THREADS);
+        const int o = o0 + threadIdx.x / ROW_THREADS;
+        if (threadIdx.x % ROW_THREADS == 0 && o < out_channels)
+            partial[((long long)blockIdx.z * out_channels + o) * columns_k + channels * 9] = bias_sum;
+    }
+}
+
+// weight [O, C, 3, 3] -> arranged [R, ceil(S/16), 9, 16], zeros past S: arranged[r, sb, 3*kh + kw, s % 16] =
+// weight[r, 16*sb + s, kh, kw] (R = O, S = C); with flip, the input gradient's weight (the forward's
+// flipped[c, o, kh, kw] = weight[o, c, 2-kh, 2-kw]): R = C, S = O
+__global__ void lnn_conv3x3_arrange(const unsigned short* __restrict__ weight, unsigned short* __restrict__ arranged,
+                                    int out_channels, int channels, int flip) {
+    const int rows = flip ? channels : out_channels, sums = flip ? out_channels : channels;
+    const int chunks = (sums + 15) / 16;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * chunks * 144) return;
+    const int row = i / (chunks * 144), rest = i % (chunks * 144);
+    const int s = rest / 144 * 16 + rest % 16, tap = rest % 144 / 16, kh = tap / 3, kw = tap % 3;
+    unsigned short v = 0;
+    if (s < sums)
+        v = flip ? weight[(((long long)s * channels + row) * 3 + 2 - kh) * 3 + 2 - kw]
+                 : weight[(((long long)row * channels + s) * 3 + kh) * 3 + kw];
+    arranged[i] = v;
+}
+"""
+
 
 def supported(attrs: dict) -> bool:
     """Whether a conv2d runs as implicit GEMM (forward and backward): groups 1, stride 1, dilation 1
@@ -317,6 +814,26 @@ def supported(attrs: dict) -> bool:
     (kh, kw), (ph, pw) = attrs["kernel_size"], attrs["padding"]
     return (attrs["groups"] == 1 and tuple(attrs["stride"]) == (1, 1) and tuple(attrs["dilation"]) == (1, 1)
             and ph <= kh - 1 and pw <= kw - 1)
+
+
+def halo_tile(out_w: int) -> tuple:
+    """(IMGS, TH, TW) of lnn_conv3x3_mma: 128 output positions as IMGS images x TH rows x TW columns."""
+    tw = 16 if out_w > 8 else 8 if out_w > 4 else 4
+    th = 8 if tw >= 8 else 4
+    return 128 // (th * tw), th, tw
+
+
+HALO_TILES = [halo_tile(w) for w in (16, 8, 4)]
+
+
+def uses_halo(attrs: dict) -> bool:
+    """Whether a float16 conv2d on tensor cores runs forward and input gradient as lnn_conv3x3_mma."""
+    return tuple(attrs["kernel_size"]) == (3, 3)
+
+
+def arranged_elements(rows: int, sums: int) -> int:
+    """Size of lnn_conv3x3_arrange's [rows, ceil(sums/16), 9, 16]."""
+    return rows * ceil_div(sums, 16) * 144
 
 
 def rows_tile(channels: int) -> int:
@@ -346,9 +863,16 @@ def max_chunks(out_channels: int, reduction: int, bias: bool) -> int:
     return max(1, ceil_div(TARGET_BLOCKS, tiles))
 
 
-def partial_elements(out_channels: int, reduction: int, bias: bool) -> int:
-    """Size of the weight gradient's partial sums [max_chunks, O, K + bias]."""
-    return max_chunks(out_channels, reduction, bias) * out_channels * (reduction + bias)
+def halo_max_chunks(channels: int, out_channels: int) -> int:
+    """Chunks of lnn_conv3x3_wgrad_mma (blocks: 16 input x BM output channels x chunk): half of the CUDA-core
+    pass's blocks (two per SM fit; its partial sums stay about as large)."""
+    blocks = ceil_div(channels, 16) * ceil_div(out_channels, rows_tile(out_channels))
+    return max(1, ceil_div(TARGET_BLOCKS // 2, blocks))
+
+
+def partial_elements(out_channels: int, reduction: int, bias: bool, chunks: int = 0) -> int:
+    """Size of the weight gradient's partial sums [chunks, O, K + bias] (default: max_chunks)."""
+    return (chunks or max_chunks(out_channels, reduction, bias)) * out_channels * (reduction + bias)
 
 
 def chunking(columns: int, limit: int) -> tuple:
@@ -364,11 +888,24 @@ def scratch_bytes(attrs: dict, in_shape, out_shape) -> int:
     kh, kw = attrs["kernel_size"]
     reduction = channels * kh * kw
     tables = 4 * 3 * reduction + 4 * 3 * out_channels * kh * kw
-    return tables + 4 * out_channels * reduction + 4 * partial_elements(out_channels, reduction, attrs["bias"])
+    weights = 4 * out_channels * reduction
+    partial = partial_elements(out_channels, reduction, attrs["bias"])
+    if uses_halo(attrs):                           # float16 on tensor cores: arranged weights, halo chunks
+        weights = max(weights, 2 * (arranged_elements(out_channels, channels) + arranged_elements(channels, out_channels)))
+        partial = max(partial, partial_elements(out_channels, reduction, attrs["bias"],
+                                                halo_max_chunks(channels, out_channels)))
+    return tables + weights + 4 * partial
 
 
 _MODULE = None
 KERNEL_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "unsigned short"}   # float16 as its bits
+
+
+def tensor_cores() -> bool:
+    """Whether this GPU runs the float16 convolutions on tensor cores (compute capability 8.0 or newer)."""
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability) >= TENSOR_CORE_CAPABILITY
 
 
 def _module():
@@ -381,7 +918,15 @@ def _module():
             names += [f"lnn_conv_igemm<{kind}, {bm}, {bn}, {tn}>" for bm, (bn, tn) in FORWARD_TILES.items()]
             names += [f"lnn_conv_wgrad<{kind}, {bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
             names += [f"lnn_conv_wgrad_reduce<{kind}>", f"lnn_conv_flip_weight<{kind}>"]
-        _MODULE = cupy.RawModule(code=SOURCE, options=("-std=c++17",), name_expressions=names)
+        code = SOURCE
+        if tensor_cores():
+            code += TENSOR_CORE_SOURCE
+            names += [f"lnn_conv_igemm_mma<{bm}, {TENSOR_CORE_COLUMNS}>" for bm in FORWARD_TILES]
+            names += [f"lnn_conv_wgrad_mma<{bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
+            names += [f"lnn_conv3x3_mma<{bm}, {i}, {h}, {w}>" for bm in FORWARD_TILES for i, h, w in HALO_TILES]
+            names += [f"lnn_conv3x3_wgrad_mma<{bm}, {i}, {h}, {w}>" for bm in FORWARD_TILES for i, h, w in HALO_TILES]
+            names += ["lnn_conv3x3_arrange"]
+        _MODULE = cupy.RawModule(code=code, options=("-std=c++17",), name_expressions=names)
     return _MODULE
 
 
@@ -403,16 +948,36 @@ class ConvKernels:
         self.table = cupy.asarray(window_table(self.channels, self.height, self.width, self.kernel_h, self.kernel_w))
         self.no_bias = cupy.zeros(1, dtype)
         module = _module()
-        self._forward_functions = {bm: module.get_function(f"lnn_conv_igemm<{kind}, {bm}, {bn}, {tn}>")
-                                   for bm, (bn, tn) in FORWARD_TILES.items()}
+        self.tensor_cores = dtype == np.float16 and tensor_cores()
+        self.halo = self.tensor_cores and uses_halo(attrs)
+        self.halo_wgrad = self.halo and self.channels >= 16       # fewer channels: most of a 16-channel block idles
+        if self.halo:
+            self._halo = {(bm, tile): module.get_function(f"lnn_conv3x3_mma<{bm}, {tile[0]}, {tile[1]}, {tile[2]}>")
+                          for bm in FORWARD_TILES for tile in HALO_TILES}
+            self._halo_wgrad = {(bm, tile): module.get_function(f"lnn_conv3x3_wgrad_mma<{bm}, {tile[0]}, {tile[1]}, {tile[2]}>")
+                                for bm in FORWARD_TILES for tile in HALO_TILES}
+            self._arrange = module.get_function("lnn_conv3x3_arrange")
+            self.arranged = cupy.empty(arranged_elements(self.out_channels, self.channels), dtype)
+            if backward:
+                self.arranged_dx = cupy.empty(arranged_elements(self.channels, self.out_channels), dtype)
+        if self.tensor_cores:
+            self._forward_functions = {bm: (module.get_function(f"lnn_conv_igemm_mma<{bm}, {TENSOR_CORE_COLUMNS}>"),
+                                            TENSOR_CORE_COLUMNS) for bm in FORWARD_TILES}
+        else:
+            self._forward_functions = {bm: (module.get_function(f"lnn_conv_igemm<{kind}, {bm}, {bn}, {tn}>"), bn)
+                                       for bm, (bn, tn) in FORWARD_TILES.items()}
         if backward:
-            self.table_dx = cupy.asarray(window_table(self.out_channels, self.out_h, self.out_w, self.kernel_h,
-                                                      self.kernel_w))
-            self.flipped = cupy.empty((self.channels, self.out_channels, self.kernel_h, self.kernel_w), dtype)
-            self.chunk_limit = max_chunks(self.out_channels, self.reduction, self.bias)
-            self.partial = cupy.empty(partial_elements(self.out_channels, self.reduction, self.bias), np.float32)
-            self._wgrad = {bn: module.get_function(f"lnn_conv_wgrad<{kind}, {rows_tile(self.out_channels)}, {bn}>")
-                           for bn in (32, 64)}
+            if not self.halo:
+                self.table_dx = cupy.asarray(window_table(self.out_channels, self.out_h, self.out_w, self.kernel_h,
+                                                          self.kernel_w))
+                self.flipped = cupy.empty((self.channels, self.out_channels, self.kernel_h, self.kernel_w), dtype)
+            self.chunk_limit = (halo_max_chunks(self.channels, self.out_channels) if self.halo_wgrad
+                                else max_chunks(self.out_channels, self.reduction, self.bias))
+            self.partial = cupy.empty(partial_elements(self.out_channels, self.reduction, self.bias,
+                                                       self.chunk_limit), np.float32)
+            wgrad = (f"lnn_conv_wgrad_mma<{rows_tile(self.out_channels)}, " if self.tensor_cores
+                     else f"lnn_conv_wgrad<{kind}, {rows_tile(self.out_channels)}, ")
+            self._wgrad = {bn: module.get_function(f"{wgrad}{bn}>") for bn in (32, 64)}
             self._reduce = module.get_function(f"lnn_conv_wgrad_reduce<{kind}>")
             self._flip = module.get_function(f"lnn_conv_flip_weight<{kind}>")
 
@@ -421,31 +986,59 @@ class ConvKernels:
         n, channels, height, width = x.shape
         out_channels, out_h, out_w = y.shape[1:]
         bm = rows_tile(out_channels)
-        bn, _ = FORWARD_TILES[bm]
+        function, bn = self._forward_functions[bm]
         grid = (ceil_div(n * out_h * out_w, bn), ceil_div(out_channels, bm))
         args = (x, weight, self.no_bias if bias is None else bias, table, y,
                 *(np.int32(v) for v in (n, channels, height, width, out_channels, out_h, out_w, pad_h, pad_w,
                                         weight.size // out_channels, bias is not None, relu)))
-        self._forward_functions[bm](grid, (THREADS,), args)
+        function(grid, (THREADS,), args)
+
+    def _halo_conv(self, x, weight, flip: bool, arranged, bias, y, pad_h, pad_w, relu: bool):
+        """y [N, O', H', W'] = act(conv3x3(x [N, C', H', W'], weight arranged (flipped with flip)) + bias)."""
+        self._arrange((ceil_div(arranged.size, THREADS),), (THREADS,),
+                      (weight, arranged, np.int32(self.out_channels), np.int32(self.channels), np.int32(flip)))
+        n, channels, height, width = x.shape
+        out_channels, out_h, out_w = y.shape[1:]
+        bm, tile = rows_tile(out_channels), halo_tile(out_w)
+        images, th, tw = tile
+        grid = (ceil_div(n, images) * ceil_div(out_h, th) * ceil_div(out_w, tw), ceil_div(out_channels, bm))
+        self._halo[bm, tile](grid, (THREADS,), (x, arranged, self.no_bias if bias is None else bias, y,
+                                                *(np.int32(v) for v in (n, channels, height, width, out_channels,
+                                                                        out_h, out_w, pad_h, pad_w,
+                                                                        bias is not None, relu))))
 
     def forward(self, x, weight, bias, y, relu: bool = False):
         """y = act(conv2d(x) + bias) with relu fused when asked; x [N, C, H, W] -> y [N, O, OH, OW]."""
-        self._igemm(x, weight, bias, self.table, y, self.pad_h, self.pad_w, relu)
+        if self.halo:
+            self._halo_conv(x, weight, False, self.arranged, bias, y, self.pad_h, self.pad_w, relu)
+        else:
+            self._igemm(x, weight, bias, self.table, y, self.pad_h, self.pad_w, relu)
 
     def weight_gradient(self, dy, x, dweight, dbias, accumulate: bool):
         """dweight [O, C, KH, KW] and dbias [O] (None: no bias) from dy [N, O, OH, OW] and x: written, or
         added with accumulate."""
         n = dy.shape[0]
-        chunk, chunks = chunking(n * self.out_h * self.out_w, self.chunk_limit)
         has_bias = dbias is not None
         columns_k = self.reduction + has_bias
-        bm, bn = rows_tile(self.out_channels), wgrad_columns(columns_k)
-        grid = (ceil_div(columns_k, bn), ceil_div(self.out_channels, bm), chunks)
-        self._wgrad[bn](grid, (THREADS,), (dy, x, self.table, self.partial,
-                                           *(np.int32(v) for v in (n, self.channels, self.height, self.width,
-                                                                   self.out_channels, self.out_h, self.out_w,
-                                                                   self.pad_h, self.pad_w, self.reduction, has_bias)),
-                                           np.int64(chunk)))
+        bm = rows_tile(self.out_channels)
+        sizes = (n, self.channels, self.height, self.width, self.out_channels, self.out_h, self.out_w,
+                 self.pad_h, self.pad_w)
+        if self.halo_wgrad:
+            tile = halo_tile(self.out_w)
+            images, th, tw = tile
+            tiles = ceil_div(n, images) * ceil_div(self.out_h, th) * ceil_div(self.out_w, tw)
+            per_chunk = ceil_div(tiles, min(self.chunk_limit, tiles))
+            chunks = ceil_div(tiles, per_chunk)
+            grid = (ceil_div(self.channels, 16), ceil_div(self.out_channels, bm), chunks)
+            self._halo_wgrad[bm, tile](grid, (THREADS,), (dy, x, self.partial, *(np.int32(v) for v in
+                                                                                 (*sizes, has_bias, per_chunk))))
+        else:
+            chunk, chunks = chunking(n * self.out_h * self.out_w, self.chunk_limit)
+            bn = wgrad_columns(columns_k)
+            grid = (ceil_div(columns_k, bn), ceil_div(self.out_channels, bm), chunks)
+            self._wgrad[bn](grid, (THREADS,), (dy, x, self.table, self.partial,
+                                               *(np.int32(v) for v in (*sizes, self.reduction, has_bias)),
+                                               np.int64(chunk)))
         outputs = self.out_channels * columns_k
         self._reduce((ceil_div(outputs, THREADS),), (THREADS,),
                      (self.partial, dweight, self.no_bias if dbias is None else dbias,
@@ -453,6 +1046,9 @@ class ConvKernels:
 
     def input_gradient(self, dy, weight, dx):
         """dx [N, C, H, W] (written) from dy [N, O, OH, OW]: the forward with the flipped weight."""
+        if self.halo:
+            self._halo_conv(dy, weight, True, self.arranged_dx, None, dx, 2 - self.pad_h, 2 - self.pad_w, False)
+            return
         self._flip((ceil_div(self.flipped.size, THREADS),), (THREADS,),
                    (weight, self.flipped, *(np.int32(v) for v in (self.out_channels, self.channels,
                                                                   self.kernel_h, self.kernel_w))))

@@ -24,6 +24,7 @@ CASES = [
     (1, 7, 10, 8, 130, (5, 5), (2, 2), True),
     (2, 5, 8, 9, 17, (2, 3), (1, 2), False),
     (300, 1, 6, 6, 8, (3, 3), (1, 1), True),
+    (5, 20, 4, 4, 24, (3, 3), (1, 1), True),
 ]
 
 
@@ -228,9 +229,10 @@ def test_winograd_forward_and_input_gradient_match_float64_numpy(case, chunk_byt
     np.testing.assert_allclose(dx.get(), dx_ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: "x".join(map(str, c[:5])) + f"k{c[5][0]}{c[5][1]}p{c[6][0]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"k{c[5][0]}{c[5][1]}p{c[6][0]}")
 def test_float16_kernels_match_float64_numpy_on_float16_inputs(case):
-    """amp: the same kernels read and write float16 and accumulate in float32; against float64 on the same
+    """amp: float16 in and out, float32 accumulation (on tensor cores where the card has them: every tile
+    size and both weight-gradient widths are among the cases); against float64 on the same
     (float16-rounded) inputs, the error is float16's output rounding (about 1e-3 relative)."""
     cupy = gpu_cupy()
     n, c, h, w, o, kernel, padding, bias = case
@@ -243,6 +245,7 @@ def test_float16_kernels_match_float64_numpy_on_float16_inputs(case):
     dy = rng.standard_normal(y_ref.shape).astype(np.float16)
     dweight_ref, dbias_ref, dx_ref = backward(dy.astype(np.float64))
     kernels = conv_gemm.ConvKernels(attrs_of(kernel, padding, bias), (c, h, w), y_ref.shape[1:], dtype=np.float16)
+    assert kernels.tensor_cores == (int(cupy.cuda.Device().compute_capability) >= 80)
     gx, gw, gdy = cupy.asarray(x), cupy.asarray(weight), cupy.asarray(dy)
     y = cupy.empty(y_ref.shape, np.float16)
     kernels.forward(gx, gw, None if b is None else cupy.asarray(b), y)
