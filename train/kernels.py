@@ -198,7 +198,7 @@ def channel_sums(xp, a, b, shift_a, shift_b):
     return s1, s2
 
 
-def batchnorm_train_forward(xp, x, weight, bias, running_mean, running_var, attrs, out, saved):
+def batchnorm_train_forward(xp, x, weight, bias, running_mean, running_var, attrs, out, saved, relu: bool = False):
     stat_dtype = np.float64 if x.dtype == np.float64 else np.float32
     count = x.size // x.shape[1]
     zeros = xp.zeros(x.shape[1], stat_dtype)
@@ -214,7 +214,7 @@ def batchnorm_train_forward(xp, x, weight, bias, running_mean, running_var, attr
     running_mean += momentum * mean
     running_var *= 1 - momentum
     running_var += (momentum * count / max(count - 1, 1)) * var
-    return channel_affine(xp, x, weight * inv_std, bias - mean * weight * inv_std, out)
+    return channel_affine(xp, x, weight * inv_std, bias - mean * weight * inv_std, out, relu)
 
 
 def batchnorm_backward(xp, dy, x, weight, saved, dweight, dbias, dx):

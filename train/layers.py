@@ -335,14 +335,21 @@ class BatchNormLayer(Layer):
     def workspaces(self, n):
         return [("saved", (2, self.attrs["num_features"]), "float32", "saved")]
 
-    def forward(self, c, training):
+    def run_forward(self, c, training: bool, activate: bool = True):
+        """A relu after the batch norm runs inside its affine pass."""
+        if activate and self.activation is not None and self.activation["type"] == "relu":
+            self.forward(c, training, relu=True)
+        else:
+            super().run_forward(c, training, activate)
+
+    def forward(self, c, training, relu: bool = False):
         p, s = c.params, c.stats
         if training:
             K.batchnorm_train_forward(c.xp, c.x, p["weight"], p["bias"], s["running_mean"], s["running_var"],
-                                      self.attrs, c.y, c.ws["saved"])
+                                      self.attrs, c.y, c.ws["saved"], relu)
         else:
             K.batchnorm_eval_forward(c.xp, c.x, p["weight"], p["bias"], s["running_mean"], s["running_var"],
-                                     self.attrs, c.y)
+                                     self.attrs, c.y, relu)
 
     def backward(self, c):
         K.batchnorm_backward(c.xp, c.dy, c.x, c.params["weight"], c.ws["saved"], c.grads["weight"],

@@ -210,18 +210,20 @@ def global_max_pool_forward(xp, x, out, argmax=None):
 # x [N, C] or [N, C, H, W]: y = x * scale + shift per channel, from the running statistics.
 # (The training forward, with batch statistics, is the trainer's: train/kernels.py.)
 
-def batchnorm_eval_forward(xp, x, weight, bias, running_mean, running_var, attrs, out):
+def batchnorm_eval_forward(xp, x, weight, bias, running_mean, running_var, attrs, out, relu: bool = False):
     scale = weight / xp.sqrt(running_var + attrs["eps"])
-    return channel_affine(xp, x, scale, bias - running_mean * scale, out)
+    return channel_affine(xp, x, scale, bias - running_mean * scale, out, relu)
 
 
-def channel_affine(xp, x, scale, shift, out):
-    """out = x * scale[c] + shift[c] for x [N, C] or [N, C, H, W]."""
+def channel_affine(xp, x, scale, shift, out, relu: bool = False):
+    """out = x * scale[c] + shift[c] for x [N, C] or [N, C, H, W], then max(out, 0) with relu."""
     fused = gpu_kernels(xp, x, out)
     if fused is not None:
         return fused.channel_affine(x, scale.astype(np.float32), shift.astype(np.float32),
-                                    x.size // (x.shape[0] * x.shape[1]), x.shape[1], out)
+                                    x.size // (x.shape[0] * x.shape[1]), x.shape[1], out, relu)
     out[...] = x * per_channel(scale.astype(x.dtype), x) + per_channel(shift.astype(x.dtype), x)
+    if relu:
+        xp.maximum(out, 0, out=out)
     return out
 
 
