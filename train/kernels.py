@@ -205,6 +205,12 @@ def batchnorm_train_forward(xp, x, weight, bias, running_mean, running_var, attr
     total, _ = channel_sums(xp, x, x, zeros, zeros)
     mean = total / count
     _, squares = channel_sums(xp, x, x, mean, mean)
+    fused = gpu_kernels(xp, x, out, weight, bias, running_mean, running_var, saved)
+    if fused is not None and saved.dtype == np.float32:
+        scale, shift = xp.empty_like(mean), xp.empty_like(mean)
+        fused.batchnorm_statistics(mean, squares, weight, bias, count, attrs["eps"], attrs["momentum"],
+                                   saved[0], saved[1], running_mean, running_var, scale, shift)
+        return channel_affine(xp, x, scale, shift, out, relu)
     var = squares / count
     inv_std = 1 / xp.sqrt(var + attrs["eps"])
     saved[0] = mean
@@ -220,19 +226,22 @@ def batchnorm_train_forward(xp, x, weight, bias, running_mean, running_var, attr
 def batchnorm_backward(xp, dy, x, weight, saved, dweight, dbias, dx):
     mean, inv_std = saved[0], saved[1]
     sum_dy, sum_dy_centered = channel_sums(xp, dy, x, xp.zeros_like(mean), mean)
+    count = x.size // x.shape[1]
+    fused = gpu_kernels(xp, dy, x, weight, saved, dweight, dbias, *([] if dx is None else [dx]))
+    if fused is not None and saved.dtype == np.float32:
+        k, mean_dy, mean_dy_xhat = (xp.empty_like(mean) for _ in range(3))
+        fused.batchnorm_gradient_sums(sum_dy, sum_dy_centered, inv_std, weight, count, dweight, dbias,
+                                      k, mean_dy, mean_dy_xhat)
+        if dx is not None:
+            fused.batchnorm_input_gradient(dy, x, mean, inv_std, k, mean_dy, mean_dy_xhat,
+                                           x.size // (x.shape[0] * x.shape[1]), x.shape[1], dx)
+        return dx
     sum_dy_xhat = sum_dy_centered * inv_std
     dweight += sum_dy_xhat.astype(dweight.dtype)
     dbias += sum_dy.astype(dbias.dtype)
     if dx is not None:
-        count = x.size // x.shape[1]
         # dx = w * inv_std / m * (m * dy - sum(dy) - x_hat * sum(dy * x_hat)),  x_hat = (x - mean) * inv_std
         k = weight * inv_std
-        fused = gpu_kernels(xp, dy, x, dx)
-        if fused is not None:
-            f32 = np.float32
-            return fused.batchnorm_input_gradient(dy, x, mean.astype(f32), inv_std.astype(f32), k.astype(f32),
-                                                  (sum_dy / count).astype(f32), (sum_dy_xhat / count).astype(f32),
-                                                  x.size // (x.shape[0] * x.shape[1]), x.shape[1], dx)
         x_hat = (x - per_channel(mean, x).astype(x.dtype)) * per_channel(inv_std, x).astype(x.dtype)
         dx[...] = (per_channel(k, x) * (dy - per_channel(sum_dy / count, x)
                                         - x_hat * per_channel(sum_dy_xhat / count, x))).astype(dx.dtype)

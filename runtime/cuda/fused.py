@@ -10,7 +10,8 @@ im2col: x [N, C, H, W] -> cols [C, KH, KW, N, OH, OW] with zero padding read in 
 maxpool2d: x [N, C, H, W] -> y [N, C, OH, OW], max over the window's cells inside the image (the
     reference pads with -inf, and padding <= half the kernel keeps every window non-empty), and for
     training the winning offset; maxpool2d_backward routes dy back through it (the one max pool of the GPU).
-channel_affine: batch norm's y = x * scale[c] + shift[c]; batchnorm_input_gradient: its dx.
+channel_affine: batch norm's y = x * scale[c] + shift[c]; batchnorm_input_gradient: its dx;
+    batchnorm_statistics / batchnorm_gradient_sums: its per-channel bookkeeping around them.
 lstm_cell_forward / lstm_cell_backward: one lstm time step's gate arithmetic over [N, H] (runtime/cuda/recurrent.py
     holds the step loop, its GEMMs and the reference arithmetic these replace on the GPU).
 The window, im2col and batch-norm kernels take float32 or float16 (amp), computing in float32; the
@@ -275,6 +276,37 @@ def batchnorm_input_gradient(dy, x, mean, inv_std, k, mean_dy, mean_dy_xhat, pos
     _channel_pass("lnn_batchnorm_input_gradient", (dy, x, dx), positions, channels,
                   (dy, x, mean, inv_std, k, mean_dy, mean_dy_xhat, dx))
     return dx
+
+# batch norm's per-channel bookkeeping over [C], one launch each (instead of about 20 tiny ones); the
+# statistics and sums float32, parameters (W), running averages (R) and gradients (G) float32 or float16:
+# batchnorm_statistics, from the batch mean and the centered sum of squares: saved mean and
+#   1/sqrt(var + eps), the running averages (the unbiased variance), scale = w * inv_std, shift = b - mean * scale
+# batchnorm_gradient_sums, from sum(dy) and sum(dy * (x - mean)): dweight += sum(dy * x_hat), dbias += sum(dy),
+#   and batchnorm_input_gradient's k = w * inv_std, mean_dy = sum(dy) / m, mean_dy_xhat = sum(dy * x_hat) / m
+batchnorm_statistics = cupy.ElementwiseKernel(
+    "float32 mean, float32 squares, W weight, W bias, float64 count, float64 eps, float64 momentum",
+    "float32 saved_mean, float32 saved_inv_std, R running_mean, R running_var, float32 scale, float32 shift",
+    "const float var = squares / (float)count;"
+    "const float inv_std = 1.0f / sqrtf(var + (float)eps);"
+    "saved_mean = mean;"
+    "saved_inv_std = inv_std;"
+    "running_mean = (R)((float)running_mean * (float)(1.0 - momentum) + (float)momentum * mean);"
+    "running_var = (R)((float)running_var * (float)(1.0 - momentum)"
+    "                  + (float)(momentum * count / (count > 1.0 ? count - 1.0 : 1.0)) * var);"
+    "scale = (float)weight * inv_std;"
+    "shift = (float)bias - mean * scale;",
+    "lnn_batchnorm_statistics")
+
+batchnorm_gradient_sums = cupy.ElementwiseKernel(
+    "float32 sum_dy, float32 sum_dy_centered, float32 inv_std, W weight, float64 count",
+    "G dweight, G dbias, float32 k, float32 mean_dy, float32 mean_dy_xhat",
+    "const float sum_dy_xhat = sum_dy_centered * inv_std;"
+    "dweight = (G)((float)dweight + sum_dy_xhat);"
+    "dbias = (G)((float)dbias + sum_dy);"
+    "k = (float)weight * inv_std;"
+    "mean_dy = sum_dy / (float)count;"
+    "mean_dy_xhat = sum_dy_xhat / (float)count;",
+    "lnn_batchnorm_gradient_sums")
 
 # lstm, one time step, element (row, j) of [N, H]; gates [N, 4H] in blocks i, f, g, o; sigmoid as 0.5 + 0.5 tanh(a / 2).
 # forward: a = gates + hw (hw = h_prev @ W_hh^T; both 0 on a direction's first step) -> gates = the activated
