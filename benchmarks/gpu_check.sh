@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 MNIST=${MNIST:-.devdata/mnist}
-STAGES=${STAGES:-tests train infer step profile accuracy}
+STAGES=${STAGES:-tests train infer step conv profile accuracy}
 export LNN_SHARED=${LNN_SHARED:-$(pwd)/.devdata/shared}
 mkdir -p "$OUT"
 pkg=$(mktemp -d) && ln -s "$(pwd)" "$pkg/lnn"
@@ -24,10 +24,11 @@ for stage in $STAGES; do
         train) python3 benchmarks/gpu_train.py --mnist "$MNIST" --out runs/gpu_train 2>&1 | tee "$OUT/gpu_train.log" ;;
         infer) python3 benchmarks/gpu_infer.py 2>&1 | tee "$OUT/gpu_infer.log" ;;
         step) python3 benchmarks/gpu_train_step.py 2>&1 | tee "$OUT/gpu_train_step.log" ;;
+        conv) python3 benchmarks/gpu_conv_layers.py 2>&1 | tee "$OUT/gpu_conv_layers.log" ;;
         profile) python3 benchmarks/gpu_step_profile.py --side lnn --models leaf_cnn tomato_leaf --batches 256 2>&1 | tee "$OUT/gpu_step_profile.log" ;;
         accuracy) python3 benchmarks/tomato_time_to_accuracy.py 2>&1 | tee "$OUT/tomato_time_to_accuracy.log" ;;
         lstm) python3 benchmarks/gpu_lstm_step.py 2>&1 | tee "$OUT/gpu_lstm_step.log" ;;
-        *) echo "gpu_check.sh: unknown stage $stage (tests train infer step profile accuracy lstm)"; exit 2 ;;
+        *) echo "gpu_check.sh: unknown stage $stage (tests train infer step conv profile accuracy lstm)"; exit 2 ;;
     esac
 done
 cp docs/BENCHMARKS.md "$OUT/"

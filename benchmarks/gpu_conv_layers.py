@@ -1,0 +1,113 @@
+"""Per-layer convolution kernels on the GPU, lnn against cuDNN: the bundled tomato model's five 3x3
+convolutions (in channels x size -> out channels) at batch 64 and 256; ms per call of the forward, the
+weight gradient and the input gradient for
+  fp32             lnn's float32 implicit GEMM (CUDA cores)
+  fp16 cuda cores  lnn's float16 path of cards without mma.m16n8k16 (before sm_80)
+  fp16 mma gather  tensor cores, the window gathered per element (what other window sizes run)
+  fp16 mma halo    tensor cores from halo tiles (what amp runs for 3x3 windows on sm_80+)
+and PyTorch float16 channels_last (cuDNN): forward alone, and forward + backward. Random data, CUDA events,
+30 calls after a warm-up.
+    python benchmarks/gpu_conv_layers.py     (on the GPU machine; benchmarks/gpu_check.sh runs it)
+"""
+
+import time
+
+import cupy
+import numpy as np
+
+from lnn.runtime.cuda import conv_gemm
+
+LAYERS = [(3, 128, 24), (24, 64, 48), (48, 32, 96), (96, 16, 192), (192, 8, 384)]
+ATTRS = {"kernel_size": (3, 3), "stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1,
+         "bias": False}
+VARIANTS = [("fp32", np.float32, {}), ("fp16 cuda cores", np.float16, {"tensor_cores": lambda: False}),
+            ("fp16 mma gather", np.float16, {"uses_halo": lambda attrs: False}), ("fp16 mma halo", np.float16, {})]
+REPEATS = 30
+
+
+def gpu_ms(fn) -> float:
+    fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(REPEATS):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / REPEATS
+
+
+def lnn_layer(dtype, overrides: dict, batch: int, channels: int, size: int, out_channels: int) -> tuple:
+    """(forward, weight gradient, input gradient) ms with conv_gemm's choices replaced by `overrides`."""
+    conv_gemm._module()                          # compiled with every kernel the card has
+    saved = {name: getattr(conv_gemm, name) for name in overrides}
+    for name, value in overrides.items():
+        setattr(conv_gemm, name, value)
+    try:
+        rng = cupy.random.default_rng(0)
+        x = rng.standard_normal((batch, channels, size, size), dtype=np.float32).astype(dtype)
+        weight = (rng.standard_normal((out_channels, channels, 3, 3), dtype=np.float32) * 0.1).astype(dtype)
+        dy = rng.standard_normal((batch, out_channels, size, size), dtype=np.float32).astype(dtype)
+        y, dx, dweight = cupy.empty_like(dy), cupy.empty_like(x), cupy.empty_like(weight)
+        kernels = conv_gemm.ConvKernels(ATTRS, (channels, size, size), (out_channels, size, size), dtype=dtype)
+        return (gpu_ms(lambda: kernels.forward(x, weight, None, y)),
+                gpu_ms(lambda: kernels.weight_gradient(dy, x, dweight, None, False)),
+                gpu_ms(lambda: kernels.input_gradient(dy, weight, dx)))
+    finally:
+        for name, value in saved.items():
+            setattr(conv_gemm, name, value)
+
+
+def torch_layer(batch: int, channels: int, size: int, out_channels: int) -> tuple:
+    """(forward, forward + backward) ms of torch.nn.Conv2d in float16, channels_last, cudnn.benchmark."""
+    import torch
+
+    torch.backends.cudnn.benchmark = True
+    cl = torch.channels_last
+    x = torch.randn(batch, channels, size, size, device="cuda", dtype=torch.float16).to(memory_format=cl)
+    x.requires_grad_()
+    conv = torch.nn.Conv2d(channels, out_channels, 3, padding=1, bias=False).cuda().half().to(memory_format=cl)
+    dy = torch.randn(batch, out_channels, size, size, device="cuda", dtype=torch.float16).to(memory_format=cl)
+
+    def forward():
+        with torch.no_grad():
+            conv(x)
+
+    def step():
+        conv(x).backward(dy)
+
+    def ms(fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(REPEATS):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / REPEATS * 1e3
+    return ms(forward), ms(step)
+
+
+def main():
+    print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, tensor cores for float16: "
+          f"{conv_gemm.tensor_cores()}")
+    for batch in (64, 256):
+        print(f"\nbatch {batch}: ms forward / weight gradient / input gradient (sum)")
+        totals = {}
+        for channels, size, out_channels in LAYERS:
+            cells = [f"{channels}x{size}->{out_channels}"]
+            for label, dtype, overrides in VARIANTS:
+                times = lnn_layer(dtype, overrides, batch, channels, size, out_channels)
+                totals[label] = totals.get(label, 0.0) + sum(times)
+                cells.append(f"{label} " + "/".join(f"{t:.3f}" for t in times) + f" ({sum(times):.3f})")
+            try:
+                forward, step = torch_layer(batch, channels, size, out_channels)
+                totals["torch"] = totals.get("torch", 0.0) + step
+                cells.append(f"torch fp16 cl {forward:.3f} / forward + backward {step:.3f}")
+            except ImportError:
+                cells.append("torch: not installed")
+            print("  " + " | ".join(cells))
+        print("  sums (ms):", ", ".join(f"{k} {v:.3f}" for k, v in totals.items()))
+
+
+if __name__ == "__main__":
+    main()
