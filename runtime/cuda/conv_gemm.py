@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lnn.runtime.cuda.float16 import CONVERSIONS
+
 THREADS = 256
 TARGET_BLOCKS = 4 * 132             # blocks of the weight-gradient pass: a few waves of a large GPU
 WGRAD_STEP = 32                     # positions per weight-gradient shared-memory step
@@ -35,22 +37,33 @@ FORWARD_TILES = {16: (256, 4), 32: (128, 4), 64: (128, 8)}      # BM -> (BN, TN)
 TENSOR_CORE_COLUMNS = 128           # BN of the tensor-core forward kernel, for every BM
 TENSOR_CORE_CAPABILITY = 80         # mma.sync.m16n8k16 with float16: Ampere and newer
 
-SOURCE = r"""
+SOURCE = CONVERSIONS + r"""
 #define THREADS 256
 
-// T is float or unsigned short (the bits of a float16, amp): loaded into and stored from float
-__device__ __forceinline__ float lnn_load(float v) { return v; }
-__device__ __forceinline__ float lnn_load(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ void lnn_store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void lnn_store(unsigned short* p, float v) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    *p = h;
-}
+// T is float or unsigned short (the bits of a float16, amp), computed in float (lnn_load, lnn_store).
+// Where output position q (of `columns`) reads its window: the value of k = (c, kh, kw) is x[base +
+// offset(k)] inside the image, 0 outside, from the table [3, K] (offset, kh, kw) of the layer.
+struct LnnWindow {
+    bool valid = false;
+    long long n = 0, base = 0;
+    int p = 0, corner_h = 0, corner_w = 0;
+    __device__ LnnWindow(long long q, long long columns, int positions, int out_w, int pad_h, int pad_w,
+                         int channels, int height, int width) {
+        if (q >= columns) return;
+        valid = true;
+        n = q / positions;
+        p = (int)(q % positions);
+        corner_h = p / out_w - pad_h;
+        corner_w = p % out_w - pad_w;
+        base = n * channels * (long long)height * width + (long long)corner_h * width + corner_w;
+    }
+    template <typename T>
+    __device__ T at(const T* x, const int* table, int reduction, int k, int height, int width) const {
+        if (!valid || k >= reduction) return T(0);
+        const int h = corner_h + table[reduction + k], w = corner_w + table[2 * reduction + k];
+        return h >= 0 && h < height && w >= 0 && w < width ? x[base + table[k]] : T(0);
+    }
+};
 
 // table [3, K]: for k = (c, kh, kw): c*H*W + kh*W + kw, then kh, then kw
 template <typename T, int BM, int BN, int TN>
@@ -70,23 +83,9 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_igemm(
     const long long columns = (long long)batch * positions;
     const long long q0 = (long long)blockIdx.x * BN;
     const int o0 = blockIdx.y * BM;
-    const int* k_offset = table;
-    const int* k_h = table + reduction;
-    const int* k_w = table + 2 * reduction;
-
     // the column (output position) this thread gathers into b_tile
     const int load_column = threadIdx.x % BN;
-    const long long load_q = q0 + load_column;
-    const bool column_valid = load_q < columns;
-    int corner_h = 0, corner_w = 0;
-    long long base = 0;
-    if (column_valid) {
-        const long long n = load_q / positions;
-        const int p = (int)(load_q % positions);
-        corner_h = p / out_w - pad_h;
-        corner_w = p % out_w - pad_w;
-        base = n * channels * (long long)height * width + (long long)corner_h * width + corner_w;
-    }
+    const LnnWindow window(q0 + load_column, columns, positions, out_w, pad_h, pad_w, channels, height, width);
 
     float acc[TM][TN];
     #pragma unroll
@@ -107,13 +106,8 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_igemm(
         }
         #pragma unroll
         for (int t = 0; t < B_LOADS; ++t) {
-            const int k = k0 + threadIdx.x / BN + t * B_ROWS_PER_PASS;
-            float v = 0.0f;
-            if (column_valid && k < reduction) {
-                const int h = corner_h + k_h[k], w = corner_w + k_w[k];
-                if (h >= 0 && h < height && w >= 0 && w < width) v = lnn_load(x[base + k_offset[k]]);
-            }
-            b_next[t] = v;
+            b_next[t] = lnn_load(window.at(x, table, reduction, k0 + threadIdx.x / BN + t * B_ROWS_PER_PASS,
+                                           height, width));
         }
     };
 
@@ -187,9 +181,6 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad(
     const long long q_end_all = (long long)batch * positions;
     const long long q_begin = (long long)blockIdx.z * chunk;
     const long long q_end = q_begin + chunk < q_end_all ? q_begin + chunk : q_end_all;
-    const int* k_offset = table;
-    const int* k_h = table + reduction;
-    const int* k_w = table + 2 * reduction;
 
     float acc[TM][TN];
     #pragma unroll
@@ -202,35 +193,18 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad(
     static_assert(A_LOADS * LOAD_GROUPS == BM && B_LOADS * LOAD_GROUPS == BN, "whole tiles");
     float a_next[A_LOADS], b_next[B_LOADS];
     auto load = [&](long long q_step) {
-        const long long q = q_step + lane;
-        const bool valid = q < q_end;
-        long long n = 0, base = 0;
-        int p = 0, corner_h = 0, corner_w = 0;
-        if (valid) {
-            n = q / positions;
-            p = (int)(q % positions);
-            corner_h = p / out_w - pad_h;
-            corner_w = p % out_w - pad_w;
-            base = n * channels * (long long)height * width + (long long)corner_h * width + corner_w;
-        }
+        const LnnWindow window(q_step + lane, q_end, positions, out_w, pad_h, pad_w, channels, height, width);
         #pragma unroll
         for (int t = 0; t < A_LOADS; ++t) {
             const int o = o0 + load_group + t * LOAD_GROUPS;
-            a_next[t] = (valid && o < out_channels) ? lnn_load(dy[(n * out_channels + o) * positions + p]) : 0.0f;
+            a_next[t] = window.valid && o < out_channels
+                        ? lnn_load(dy[(window.n * out_channels + o) * positions + window.p]) : 0.0f;
         }
         #pragma unroll
         for (int t = 0; t < B_LOADS; ++t) {
-            const int k = k0 + load_group + t * LOAD_GROUPS;
-            float v = 0.0f;
-            if (valid) {
-                if (k < reduction) {
-                    const int h = corner_h + k_h[k], w = corner_w + k_w[k];
-                    if (h >= 0 && h < height && w >= 0 && w < width) v = lnn_load(x[base + k_offset[k]]);
-                } else if (k < columns_k) {
-                    v = 1.0f;
-                }
-            }
-            b_next[t] = v;
+            const int k = k0 + load_group + t * LOAD_GROUPS;        // k = reduction: the bias column of ones
+            b_next[t] = k == reduction && k < columns_k && window.valid ? 1.0f
+                        : lnn_load(window.at(x, table, reduction, k, height, width));
         }
     };
 
@@ -332,6 +306,21 @@ __device__ __forceinline__ unsigned lnn_pair(const unsigned short* p) { return *
 __device__ __forceinline__ unsigned lnn_pair(unsigned short lo, unsigned short hi) {
     return (unsigned)lo | ((unsigned)hi << 16);
 }
+// acc[i][j] += a[i] b[j] for a warp's FM x FN fragments
+template <int FM, int FN>
+__device__ __forceinline__ void lnn_mma_tiles(float (&acc)[FM][FN][4], const unsigned (&a)[FM][4],
+                                              const unsigned (&b)[FN][2]) {
+    #pragma unroll
+    for (int i = 0; i < FM; ++i)
+        #pragma unroll
+        for (int j = 0; j < FN; ++j) lnn_mma_16x8x16(acc[i][j], a[i], b[j]);
+}
+// the forward kernels' epilogue: *y = act(v + bias[o]), act relu or none
+__device__ __forceinline__ void lnn_store_output(unsigned short* y, float v, const unsigned short* bias, int o,
+                                                 int has_bias, int relu) {
+    v += has_bias ? lnn_load(bias[o]) : 0.0f;
+    lnn_store(y, relu ? fmaxf(v, 0.0f) : v);
+}
 // A fragment rows [row, row + 16) and columns [col, col + 16) of a row-major half tile with leading dimension ld
 __device__ __forceinline__ void lnn_load_a(unsigned* a, const unsigned short* tile, int ld, int row, int col) {
     const int lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
@@ -363,22 +352,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv_igemm_mma(
     const long long columns = (long long)batch * positions;
     const long long q0 = (long long)blockIdx.x * BN;
     const int o0 = blockIdx.y * BM;
-    const int* k_offset = table;
-    const int* k_h = table + reduction;
-    const int* k_w = table + 2 * reduction;
-
     const int load_column = threadIdx.x % BN;
-    const long long load_q = q0 + load_column;
-    const bool column_valid = load_q < columns;
-    int corner_h = 0, corner_w = 0;
-    long long base = 0;
-    if (column_valid) {
-        const long long n = load_q / positions;
-        const int p = (int)(load_q % positions);
-        corner_h = p / out_w - pad_h;
-        corner_w = p % out_w - pad_w;
-        base = n * channels * (long long)height * width + (long long)corner_h * width + corner_w;
-    }
+    const LnnWindow window(q0 + load_column, columns, positions, out_w, pad_h, pad_w, channels, height, width);
 
     unsigned short a_next[A_LOADS], b_next[B_LOADS];
     auto load = [&](int k0) {
@@ -390,13 +365,7 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv_igemm_mma(
         }
         #pragma unroll
         for (int t = 0; t < B_LOADS; ++t) {
-            const int k = k0 + threadIdx.x / BN + t * B_ROWS_PER_PASS;
-            unsigned short v = 0;
-            if (column_valid && k < reduction) {
-                const int h = corner_h + k_h[k], w = corner_w + k_w[k];
-                if (h >= 0 && h < height && w >= 0 && w < width) v = x[base + k_offset[k]];
-            }
-            b_next[t] = v;
+            b_next[t] = window.at(x, table, reduction, k0 + threadIdx.x / BN + t * B_ROWS_PER_PASS, height, width);
         }
     };
 
@@ -433,10 +402,7 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv_igemm_mma(
                 b[j][0] = lnn_pair(p[0], p[LDB]);
                 b[j][1] = lnn_pair(p[8 * LDB], p[9 * LDB]);
             }
-            #pragma unroll
-            for (int i = 0; i < FM; ++i)
-                #pragma unroll
-                for (int j = 0; j < FN; ++j) lnn_mma_16x8x16(acc[i][j], a[i], b[j]);
+            lnn_mma_tiles(acc, a, b);
         }
         __syncthreads();
     }
@@ -450,11 +416,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv_igemm_mma(
                 const int o = o0 + warp_m + 16 * i + g + (r >= 2 ? 8 : 0);
                 const long long column = q0 + warp_n + 8 * j + 2 * quad + (r & 1);
                 if (o >= out_channels || column >= columns) continue;
-                const long long n = column / positions;
-                const int p = (int)(column % positions);
-                float v = acc[i][j][r] + (has_bias ? lnn_load(bias[o]) : 0.0f);
-                if (relu) v = fmaxf(v, 0.0f);
-                lnn_store(&y[(n * out_channels + o) * positions + p], v);
+                const long long at = (column / positions * out_channels + o) * positions + column % positions;
+                lnn_store_output(y + at, acc[i][j][r], bias, o, has_bias, relu);
             }
 }
 
@@ -483,41 +446,20 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad_mma(
     const long long q_end_all = (long long)batch * positions;
     const long long q_begin = (long long)blockIdx.z * chunk;
     const long long q_end = q_begin + chunk < q_end_all ? q_begin + chunk : q_end_all;
-    const int* k_offset = table;
-    const int* k_h = table + reduction;
-    const int* k_w = table + 2 * reduction;
 
     unsigned short a_next[A_LOADS], b_next[B_LOADS];
     auto load = [&](long long q_step) {
-        const long long q = q_step + lane;
-        const bool valid = q < q_end;
-        long long n = 0, base = 0;
-        int p = 0, corner_h = 0, corner_w = 0;
-        if (valid) {
-            n = q / positions;
-            p = (int)(q % positions);
-            corner_h = p / out_w - pad_h;
-            corner_w = p % out_w - pad_w;
-            base = n * channels * (long long)height * width + (long long)corner_h * width + corner_w;
-        }
+        const LnnWindow window(q_step + lane, q_end, positions, out_w, pad_h, pad_w, channels, height, width);
         #pragma unroll
         for (int t = 0; t < A_LOADS; ++t) {
             const int o = o0 + load_group + t * LOAD_GROUPS;
-            a_next[t] = (valid && o < out_channels) ? dy[(n * out_channels + o) * positions + p] : 0;
+            a_next[t] = window.valid && o < out_channels ? dy[(window.n * out_channels + o) * positions + window.p] : 0;
         }
         #pragma unroll
         for (int t = 0; t < B_LOADS; ++t) {
-            const int k = k0 + load_group + t * LOAD_GROUPS;
-            unsigned short v = 0;
-            if (valid) {
-                if (k < reduction) {
-                    const int h = corner_h + k_h[k], w = corner_w + k_w[k];
-                    if (h >= 0 && h < height && w >= 0 && w < width) v = x[base + k_offset[k]];
-                } else if (k < columns_k) {
-                    v = 0x3C00;                                  // 1.0 in float16: the bias column
-                }
-            }
-            b_next[t] = v;
+            const int k = k0 + load_group + t * LOAD_GROUPS;        // k = reduction: the bias column of ones
+            b_next[t] = k == reduction && k < columns_k && window.valid ? (unsigned short)0x3C00   // 1.0 in float16
+                        : window.at(x, table, reduction, k, height, width);
         }
     };
 
@@ -659,10 +601,7 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
                 b[j][0] = lnn_pair(p);
                 b[j][1] = lnn_pair(p + 8);
             }
-            #pragma unroll
-            for (int i = 0; i < FM; ++i)
-                #pragma unroll
-                for (int j = 0; j < FN; ++j) lnn_mma_16x8x16(acc[i][j], a[i], b[j]);
+            lnn_mma_tiles(acc, a, b);
         }
         __syncthreads();
     }
@@ -677,9 +616,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
                 const int n = warp_n + 8 * j + 2 * quad + (r & 1);
                 const int image = image0 + n / (TH * TW), oy = y0 + n / TW % TH, ox = x0 + n % TW;
                 if (o >= out_channels || image >= batch || oy >= out_h || ox >= out_w) continue;
-                float v = acc[i][j][r] + (has_bias ? lnn_load(bias[o]) : 0.0f);
-                if (relu) v = fmaxf(v, 0.0f);
-                lnn_store(&y[(((long long)image * out_channels + o) * out_h + oy) * out_w + ox], v);
+                lnn_store_output(y + (((long long)image * out_channels + o) * out_h + oy) * out_w + ox, acc[i][j][r],
+                                 bias, o, has_bias, relu);
             }
 }
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import cupy
 
+from lnn.runtime.cuda.float16 import CONVERSIONS
+
 # Activation codes passed to the epilogue kernels; softmax has none (see above).
 ACTIVATION_CODES = {None: 0, "relu": 1, "relu6": 2, "leaky_relu": 3, "sigmoid": 4, "tanh": 5}
 
@@ -183,17 +185,7 @@ _maxpool2d_backward = cupy.ElementwiseKernel(
 #   lnn_channel_affine:           y = act(x * scale[c] + shift[c]), act none or relu (batch norm's affine)
 #   lnn_batchnorm_input_gradient: dx = k[c] * (dy - mean_dy[c] - x_hat * mean_dy_xhat[c]),
 #                                 x_hat = (x - mean[c]) * inv_std[c]
-_CHANNEL_SOURCE = r"""
-__device__ __forceinline__ float lnn_load(float v) { return v; }
-__device__ __forceinline__ float lnn_load(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ void lnn_store(float& p, float v) { p = v; }
-__device__ __forceinline__ void lnn_store(unsigned short& p, float v) {
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(p) : "f"(v));
-}
+_CHANNEL_SOURCE = CONVERSIONS + r"""
 // VEC consecutive elements of one (n, c) row: one 16-byte access when VEC > 1
 template <typename T, int VEC>
 __device__ __forceinline__ void lnn_read(const T* base, long long group, T* e) {
@@ -218,7 +210,7 @@ __global__ void lnn_channel_affine(const T* __restrict__ x, const float* __restr
         #pragma unroll
         for (int k = 0; k < VEC; ++k) {
             const float v = lnn_load(e[k]) * s + t;
-            lnn_store(e[k], relu ? fmaxf(v, 0.0f) : v);
+            lnn_store(&e[k], relu ? fmaxf(v, 0.0f) : v);
         }
         lnn_write<T, VEC>(y, g, e);
     }
@@ -238,7 +230,7 @@ __global__ void lnn_batchnorm_input_gradient(const T* __restrict__ dy, const T* 
         #pragma unroll
         for (int e = 0; e < VEC; ++e) {
             const float x_hat = (lnn_load(b[e]) - m) * is;
-            lnn_store(a[e], kc * (lnn_load(a[e]) - md - x_hat * mdx));
+            lnn_store(&a[e], kc * (lnn_load(a[e]) - md - x_hat * mdx));
         }
         lnn_write<T, VEC>(dx, g, a);
     }

@@ -17,17 +17,13 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from lnn.runtime.cuda.float16 import CONVERSIONS
+
 THREADS = 256
 CHUNK = 8192                  # elements of one channel per first-pass block, at least
 MAX_CHUNKS = 256
 
-_SOURCE = r"""
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
+_SOURCE = CONVERSIONS + r"""
 
 __device__ __forceinline__ void block_sum2(float& s1, float& s2) {
     __shared__ float first[256], second[256];
@@ -59,7 +55,7 @@ __device__ void partial_sums(const T* a, const T* b, const float* shift_a, const
         for (long long row = first; row < last; ++row) {
             const long long base = (row * channels + c) * inner;
             for (long long p = threadIdx.x; p < inner; p += blockDim.x) {
-                const float va = to_float(a[base + p]), vb = to_float(b[base + p]);
+                const float va = lnn_load(a[base + p]), vb = lnn_load(b[base + p]);
                 s1 += va;
                 s2 += (va - sa) * (vb - sb);
             }
@@ -69,7 +65,7 @@ __device__ void partial_sums(const T* a, const T* b, const float* shift_a, const
         for (long long e = threadIdx.x; e < count; e += blockDim.x) {
             const long long row = first + e / inner;
             const long long at = (row * channels + c) * inner + (e % inner);
-            const float va = to_float(a[at]), vb = to_float(b[at]);
+            const float va = lnn_load(a[at]), vb = lnn_load(b[at]);
             s1 += va;
             s2 += (va - sa) * (vb - sb);
         }
