@@ -68,9 +68,9 @@ else:
         The ahead-of-time module compiles it as a @kernel (same results up to rounding, slower)."""
         return numba.njit(cache=CACHE_ENABLED, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})(function)
 
-    # LLVM's SLP vectorizer (off in Numba since 0.57 for miscompilations reported then) is switched on only
-    # while a @tile_kernel compiles; at most 8 lanes a vector: a wider "vector" of all a tile's sums is
-    # split back into registers by shuffles that took ten times as long.
+    # LLVM's SLP vectorizer (off by default in Numba since its PR 8852, for miscompilations reported then)
+    # is switched on only while a @tile_kernel compiles; at most 8 lanes a vector: otherwise it made one
+    # 96-lane "vector" of a tile's sums, split back into registers by shuffles (ten times as slow).
     llvmlite.binding.set_option("lnn", "-slp-max-vf=8")
 
     def tile_kernel(function):

@@ -2,29 +2,25 @@
 when bidirectional. Reference: formats/ops.py _Recurrent, LSTM and GRU.forward (PyTorch's nn.LSTM / nn.GRU,
 gates i, f, g, o and r, z, n; weights [G*H, in] and [G*H, H]).
 
-Time-major inside. The input is copied once to seq [T, N, C]. Per layer and direction:
-  - ONE GEMM for the input projections of a chunk of steps: xw [steps*N, G*H] = seq[steps] @ W_ih.T
-    (numpy's BLAS into the planned buffer), the chunk as many steps as fit XW_CHUNK_BYTES (all T at
-    small batches; 4 steps at batch 32, hidden 128): the gate kernel then reads xw from L2 (about 7%
-    of the time at batch 32 here, against one GEMM for all T steps) and xw does not grow with T. The
-    biases are not added to xw (a pass over it) but read by the gate kernel: b_ih + b_hh for lstm; for
-    gru b_ih + b_hh for r and z, b_in for n, and b_hn apart (it is multiplied by r);
-  - per step ONE recurrent GEMM hw [N, G*H] = h_prev @ W_hh.T (skipped at the first step, where h is
-    zero: hw is zeros), then ONE fused gate kernel (lstm_cell / gru_cell below) that reads xw[t] and hw,
-    applies the gate nonlinearities, updates the state and writes h into the layer's output sequence
-    out[t, :, d*H:(d+1)*H] (the next layer's input, or the model's output).
-    Above SEQUENCE_KERNEL_MAX_BATCH rows the recurrent GEMM is numpy's BLAS, one Python-level call per
-    step for it and one for the gate kernel. Up to it, the whole time loop runs in one kernel
-    (lstm_sequence / gru_sequence) with its own recurrent product (recurrent_product: dot products of
-    W_hh's rows with up to six rows of h, the sums in registers), block by block of ROW_BLOCK rows: at
-    batch 1 a step is a 128 x 512 matrix-vector product of a few microseconds, less than two
-    Python-level calls cost. Measured with hidden 128 on the shared 2-core machine (CPU time of the
-    thread): the one kernel beat BLAS per step at batch 16 (6.3 against 6.9 ms), was level with it at
-    32 (12.3 against 12.6) and behind at 64 (28 against 23).
+Time-major inside. The input is copied once to seq [T, N, C]. At load, each layer and direction's W_hh and
+W_ih are packed once into panels (gate_panels: per 8 hidden units, [H + C, 32], the 4 gate groups side by
+side). Then one kernel call per layer and direction runs all T steps (lstm_sequence / gru_sequence), no
+Python-level call per step. Per step and group of GROUP_ROWS rows of the batch:
+  - [h_prev, x_t] copied into hx [rows, H + C] (stack_inputs; h_prev zero at the first step);
+  - ONE product hw [rows, 4W] = hx @ panels, the input projection included (so no separate GEMM and no
+    buffer of all steps' projections), panel by panel (one stays in L1 for the group), in tiles of 3 rows
+    x 32 columns whose sums stay in 12 vector registers (panel_product; panel_product_row for a single
+    row). numpy's BLAS (OpenBLAS), called per step, packed W_hh again at every call: at batch 32, hidden
+    128 it took as long as onnxruntime's whole call (MLAS on weights packed once). The tiles are written
+    as tuples of 8 scalars that LLVM's SLP vectorizer packs into registers (jit.tile_kernel);
+  - ONE fused gate kernel on those rows (lstm_cell / gru_cell) that adds the biases (b_ih + b_hh for
+    lstm; for gru b_ih + b_hh for r and z, b_in for n, and b_hn apart: it is multiplied by r), applies
+    the gate nonlinearities, updates the state and writes h into the layer's output sequence
+    out[t, :, d*H:(d+1)*H] (the next layer's input, or the model's output), the products still in L1.
 The gates' tanh and sigmoid are rational functions (tanh_ratio, within 4e-7 of tanh) so that the gate
 loops vectorize (libm's tanhf and expf were most of a step's time at batch 32), kept as numerator and
-denominator until the state update, which divides once (lstm_cell). These kernels are @ieee_kernel
-(jit.py): IEEE division and reassociated sums, without which neither loop vectorizes.
+denominator until they meet over common denominators (lstm_cell). These are @ieee_kernel (jit.py): IEEE
+division and reassociated sums, without which the gate loops do not vectorize.
 Directions run in their own time order (the backward one from T-1 down to 0). The output is out
 transposed to [N, H*D, T], or for "last" the top layer's forward state after step T-1 and backward state
 after step 0 (PyTorch's h_n).
@@ -90,11 +86,14 @@ def sigmoid_ratio(x):
 @ieee_kernel
 def lstm_cell(hw, bias, c, out, offset):
     """The fused gate kernel of one step. hw [N, 4W] (the gates' pre-activations less the biases, gate
-    blocks W >= H columns apart: recurrent_product's), bias [4H] (b_ih + b_hh), c [N, H] updated in place,
-    h written to out[:, offset:offset + H].
-    The gates stay as ratios and meet over common denominators: c' = f c + i g and h = o tanh(c') take
-    one division each instead of five for the five nonlinearities (the divisions were half of the
-    kernel's time at batch 32); every denominator is at least 0.0048, so their products stay normal floats.
+    blocks W >= H columns apart: recurrent_product's; o's block is overwritten), bias [4H] (b_ih + b_hh),
+    c [N, H] updated in place, h written to out[:, offset:offset + H].
+    The gates stay as ratios and meet over common denominators: c' = f c + i g takes one division for
+    three nonlinearities (five divisions were half of the kernel's time at batch 32); every denominator is
+    at least 0.0048, so their products stay normal floats. Two loops per row, c' and o in the first,
+    h = o tanh(c') in the second: in one loop (and one division fewer), an iteration's chain of dependent
+    operations (two polynomials and two divisions long) was more than the processor overlapped (13
+    against 10.5 us at batch 32, hidden 128).
     Each gate's block is a slice of its own, indexed from 0: with an index like hidden + j, which Numba
     checks for being negative, LLVM loaded those values one by one (the kernel took twice as long)."""
     batch, hidden = c.shape
@@ -109,10 +108,11 @@ def lstm_cell(hw, bias, c, out, offset):
             ng, dg = tanh_ratio(sg[j] + bg[j])
             no, do = sigmoid_ratio(so[j] + bo[j])
             dig = di * dg
-            cell = (nf * state[j] * dig + ni * ng * df) / (df * dig)
-            state[j] = cell
-            ns, ds = tanh_ratio(cell)
-            h[j] = no * ns / (do * ds)
+            state[j] = (nf * state[j] * dig + ni * ng * df) / (df * dig)
+            so[j] = no / do
+        for j in range(hidden):
+            ns, ds = tanh_ratio(state[j])
+            h[j] = so[j] * ns / ds
 
 
 @ieee_kernel
@@ -153,8 +153,8 @@ def panel_product(hx, w, out, column):
     w [H + C, 32] one panel (gate_panels), group g's 8 written to out[m, g * W + column:][:8], out [rows, 4W].
     The 3 x 32 sums stay in twelve vector registers for the whole loop over k (eight are too few to hide
     the multiply-adds' latency; with sixteen some spill), each step one broadcast of hx per row and one
-    load of w per 8 columns. With fewer than three rows the last one is computed again (no slower than a
-    smaller tile, whose multiply-adds would wait on each other)."""
+    load of w per 8 columns. With two rows the second is computed twice (recurrent_product gives it at
+    most one block of two per group)."""
     depth, width, last = w.shape[0], out.shape[1] // 4, out.shape[0] - 1
     r1, r2 = min(1, last), min(2, last)
     z = np.float32(0)
@@ -175,8 +175,9 @@ def panel_product(hx, w, out, column):
 
 @tile_kernel
 def panel_product_row(hx, w, out, column):
-    """panel_product for one row: four sums in registers, as many as that row's loads of w keep busy
-    (batch 1 at 3.4 us a step for hidden 128, the time to read W from L2, against 5.2 us three times over)."""
+    """panel_product for one row: four sums in registers (their multiply-adds wait on each other, about as
+    long as reading w from L2 takes). Batch 1, hidden 128, 128 steps: 0.54-0.63 ms a call against
+    0.85-0.99 with the row computed three times."""
     depth, width = w.shape[0], out.shape[1] // 4
     z = np.float32(0)
     a0 = a1 = a2 = a3 = (z, z, z, z, z, z, z, z)
@@ -189,14 +190,18 @@ def panel_product_row(hx, w, out, column):
 
 @tile_kernel
 def recurrent_product(hx, panels, out):
-    """One step's product for up to three rows, panel by panel: out [rows, 4W] = hx @ the panels (W = 8 *
-    len(panels) >= H; gate g's block at columns g * W..)."""
-    if out.shape[0] == 1:
-        for b in range(panels.shape[0]):
-            panel_product_row(hx, panels[b], out, PANEL_UNITS * b)
-    else:
-        for b in range(panels.shape[0]):
-            panel_product(hx, panels[b], out, PANEL_UNITS * b)
+    """One step's product for a group of rows: out [rows, 4W] = hx @ the panels (W = 8 * len(panels) >= H;
+    gate g's block at columns g * W..), panel by panel (it stays in L1 for the group's blocks), blocks of
+    3 rows (or 2), a last single row by itself."""
+    rows = out.shape[0]
+    for b in range(panels.shape[0]):
+        row = 0
+        while row + 1 < rows:
+            end = min(row + ROW_BLOCK, rows)
+            panel_product(hx[row:end], panels[b], out[row:end], PANEL_UNITS * b)
+            row = end
+        if row < rows:
+            panel_product_row(hx[row:], panels[b], out[row:], PANEL_UNITS * b)
 
 
 @tile_kernel
@@ -214,7 +219,8 @@ def stack_inputs(hx, h, x, first):
 
 
 PANEL_UNITS = 8                   # hidden units per panel: 4 groups of 8 columns
-ROW_BLOCK = 3                     # rows of the batch per product-then-gates block (panel_product's rows)
+ROW_BLOCK = 3                     # rows of the batch per panel_product
+GROUP_ROWS = 12                   # rows of the batch per product-then-gates group (4 blocks; 3 to 33 measured alike)
 
 
 def gate_panels(w_hh: np.ndarray, w_ih: np.ndarray, gru: bool) -> np.ndarray:
@@ -239,18 +245,18 @@ def gate_panels(w_hh: np.ndarray, w_ih: np.ndarray, gru: bool) -> np.ndarray:
 @tile_kernel
 def lstm_sequence(seq, panels, bias, hx, hw, c, out, offset, reverse):
     """One layer's direction over all T steps in one call (in its time order), no Python-level call per
-    step: per step and block of ROW_BLOCK rows, [h_prev, x_t] copied into hx [ROW_BLOCK, H + C], its product
-    with the panels (the input projection included, so there is no separate GEMM and no buffer of them) into
-    hw [ROW_BLOCK, 4 * 8 * len(panels)], then lstm_cell on those rows, their products still in L1. The first
-    step (0, or T-1 when reverse) starts from zero state (h_prev and c). seq [T, N, C] (the layer's input),
-    c [N, H], out [T, N, D*H]."""
+    step: per step and group of GROUP_ROWS rows, [h_prev, x_t] copied into hx [GROUP_ROWS, H + C], its
+    product with the panels (the input projection included) into hw [GROUP_ROWS, 4 * 8 * len(panels)], then
+    lstm_cell on those rows. The first step (0, or T-1 when reverse) starts from zero state (h_prev and
+    c). seq [T, N, C] (the layer's input), c [N, H], out [T, N, D*H]; hx and hw may have fewer rows when N
+    does."""
     steps, batch = seq.shape[0], seq.shape[1]
     hidden = c.shape[1]
     c[:] = 0
     for s in range(steps):
         t = steps - 1 - s if reverse else s
-        for row in range(0, batch, ROW_BLOCK):
-            end = min(row + ROW_BLOCK, batch)
+        for row in range(0, batch, GROUP_ROWS):
+            end = min(row + GROUP_ROWS, batch)
             block, products = hx[:end - row], hw[:end - row]
             previous = out[t + 1 if reverse else t - 1] if s else out[t]
             stack_inputs(block, previous[row:end, offset:offset + hidden], seq[t, row:end], s == 0)
@@ -265,8 +271,8 @@ def gru_sequence(seq, panels, bias, b_hn, hx, hw, out, offset, reverse):
     hidden = b_hn.shape[0]
     for s in range(steps):
         t = steps - 1 - s if reverse else s
-        for row in range(0, batch, ROW_BLOCK):
-            end = min(row + ROW_BLOCK, batch)
+        for row in range(0, batch, GROUP_ROWS):
+            end = min(row + GROUP_ROWS, batch)
             block, products = hx[:end - row], hw[:end - row]
             previous = out[t + 1 if reverse else t - 1] if s else out[t]
             stack_inputs(block, previous[row:end, offset:offset + hidden], seq[t, row:end], s == 0)
@@ -308,11 +314,11 @@ class RecurrentLayer:
         seq = new_buffer((steps, n, src.shape[1]))
         plan = [partial(np.copyto, seq, src.transpose(2, 0, 1))]
         state = new_buffer((n, h))                          # lstm's c
-        hw = new_buffer((ROW_BLOCK, 4 * PANEL_UNITS * self.cells[0][0][0].shape[0]))   # a block's products
+        hw = new_buffer((min(n, GROUP_ROWS), 4 * PANEL_UNITS * self.cells[0][0][0].shape[0]))   # a group's products
         outputs = [new_buffer((steps, n, h * d)) for _ in range(min(2, len(self.cells)))]
         for layer, cells in enumerate(self.cells):
             out = outputs[layer % 2]
-            block = new_buffer((ROW_BLOCK, h + seq.shape[2]))      # a block's [h_prev, x_t]
+            block = new_buffer((min(n, GROUP_ROWS), h + seq.shape[2]))      # a group's [h_prev, x_t]
             for direction, (panels, bias, b_hn) in enumerate(cells):
                 if self.op.name == "lstm":
                     plan.append(partial(lstm_sequence, seq, panels, bias, block, hw, state, out, direction * h, direction))
