@@ -64,7 +64,7 @@ else:
         raising ZeroDivisionError, and whose float sums may be reassociated and multiply-adds fused
         (fastmath "reassoc" and "contract" only: NaN and infinity keep their meaning). Without the
         division check in the way LLVM vectorizes loops that divide (recurrent.py's tanh_ratio: 0.7
-        instead of 2.5 ns a value); reassociation lets it vectorize dot products (recurrent_product).
+        instead of 2.5 ns a value); reassociation lets it vectorize sums over a loop.
         The ahead-of-time module compiles it as a @kernel (same results up to rounding, slower)."""
         return numba.njit(cache=CACHE_ENABLED, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})(function)
 

@@ -94,11 +94,12 @@ def test_onnx_export_runs_in_onnxruntime(case, tmp_path):
 
 
 @pytest.mark.parametrize("op", ["lstm", "gru"])
-@pytest.mark.parametrize("rows", [1, 2, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 13])
 def test_cpu_backend_tiles_match_numpy(op, rows):
-    """runtime/cpu/recurrent.py's products in panels of 8 hidden units and blocks of 3 rows: hidden 13 (a
-    second, partial panel), two bidirectional layers (inputs of 4, then 26 features), and batches of one
-    row (its own product), two (a block with a row repeated), 4 and 5 (a full block, then 1 or 2 rows)."""
+    """runtime/cpu/recurrent.py's products in panels of 8 hidden units, blocks of 3 rows and groups of 12:
+    hidden 13 (a second, partial panel), two bidirectional layers (inputs of 4, then 26 features), and
+    batches of one row (its own product), two (a block with a row repeated), 5 (a full block, then 2 rows)
+    and 13 (a full group of 4 blocks, then one row)."""
     from lnn.runtime import Session
 
     model = parse_model({"input_shape": [4, 6], "loss": "mse", "layers": [
