@@ -31,6 +31,7 @@ if KERNELS not in ("jit", "aot"):
 if KERNELS == "aot":
     from lnn.runtime.cpu.aot import compiled_kernel as kernel  # noqa: F401  (what the kernel files import)
     from lnn.runtime.cpu.aot import compiled_kernel as ieee_kernel  # noqa: F401
+    from lnn.runtime.cpu.aot import compiled_kernel as tile_kernel  # noqa: F401
 
     CACHE_ENABLED = False
 else:
@@ -44,7 +45,9 @@ else:
                       f"again in every process (set LNN_CACHE_DIR to a writable folder)", RuntimeWarning, stacklevel=2)
     THREADING_LAYER = os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
+    import llvmlite.binding  # noqa: E402
     import numba  # noqa: E402  (must follow the environment set-up above)
+    from numba.core.compiler_lock import global_compiler_lock  # noqa: E402
 
     if CACHE_ENABLED:
         numba.config.CACHE_DIR = str(CACHE_DIR)
@@ -61,6 +64,32 @@ else:
         raising ZeroDivisionError, and whose float sums may be reassociated and multiply-adds fused
         (fastmath "reassoc" and "contract" only: NaN and infinity keep their meaning). Without the
         division check in the way LLVM vectorizes loops that divide (recurrent.py's tanh_ratio: 0.7
-        instead of 2.5 ns a value); reassociation lets it vectorize dot products (recurrent_product).
+        instead of 2.5 ns a value); reassociation lets it vectorize sums over a loop.
         The ahead-of-time module compiles it as a @kernel (same results up to rounding, slower)."""
         return numba.njit(cache=CACHE_ENABLED, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})(function)
+
+    # LLVM's SLP vectorizer (off by default in Numba since its PR 8852, for miscompilations reported then)
+    # is switched on only while a @tile_kernel compiles; at most 8 lanes a vector: otherwise it made one
+    # 96-lane "vector" of a tile's sums, split back into registers by shuffles (ten times as slow).
+    llvmlite.binding.set_option("lnn", "-slp-max-vf=8")
+
+    def tile_kernel(function):
+        """@tile_kernel: a @kernel for register-tiled code (recurrent.py's panel_product): its sums are written
+        as separate scalars (tuples of 8), which LLVM's SLP vectorizer, switched on while this kernel and the
+        kernels it inlines compile, packs into vector registers; float multiply-adds may be fused ("contract")
+        but not reassociated (with "reassoc" the loop vectorizer takes the scalars as a hundred reductions
+        over the inner loop instead, and spills them) and division follows IEEE 754, as in @ieee_kernel,
+        whose kernels it may call. The ahead-of-time module compiles it as a @kernel."""
+        dispatcher = numba.njit(cache=CACHE_ENABLED, nogil=True, error_model="numpy", fastmath={"contract"})(function)
+        compile_signature = dispatcher.compile
+
+        def compile_with_slp(signature):
+            with global_compiler_lock:                   # no other compile sees the switch
+                numba.config.SLP_VECTORIZE, saved = 1, numba.config.SLP_VECTORIZE
+                try:
+                    return compile_signature(signature)
+                finally:
+                    numba.config.SLP_VECTORIZE = saved
+
+        dispatcher.compile = compile_with_slp
+        return dispatcher

@@ -93,30 +93,23 @@ def test_onnx_export_runs_in_onnxruntime(case, tmp_path):
         np.testing.assert_allclose(theirs, ours[:len(rows)], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["lstm_bi2_last", "gru_bi2_last", "lstm_seq"])
-def test_cpu_backend_per_step_path_matches_numpy(case):
-    """Batches above SEQUENCE_KERNEL_MAX_BATCH take the per-step BLAS path of runtime/cpu/recurrent.py."""
-    from lnn.runtime.cpu.recurrent import SEQUENCE_KERNEL_MAX_BATCH
+@pytest.mark.parametrize("op", ["lstm", "gru"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 13])
+def test_cpu_backend_tiles_match_numpy(op, rows):
+    """runtime/cpu/recurrent.py's products in panels of 8 hidden units, blocks of 3 rows and groups of 12:
+    hidden 13 (a second, partial panel), two bidirectional layers (inputs of 4, then 26 features), and
+    batches of one row (its own product), two (a block with a row repeated), 5 (a full block, then 2 rows)
+    and 13 (a full group of 4 blocks, then one row)."""
+    from lnn.runtime import Session
 
-    model, params, x, _ = golden(case)
-    rows = np.random.default_rng(3).standard_normal((SEQUENCE_KERNEL_MAX_BATCH + 3, *x.shape[1:])).astype(np.float32)
-    expected = session_of(model, params, "numpy").run(rows)
-    np.testing.assert_allclose(session_of(model, params, "cpu").run(rows), expected, atol=3e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("case", ["lstm_bi2_last", "gru_bi2_last", "lstm_seq"])
-@pytest.mark.parametrize("rows", [2, 19])
-def test_cpu_backend_input_projections_in_chunks_of_steps(case, rows, monkeypatch):
-    """With a tiny XW_CHUNK_BYTES the input projections run a few steps at a time (both directions, two
-    layers, the one-kernel loop at 2 rows and the per-step path at 19): the same answers as NumPy's."""
-    from lnn.runtime.cpu import recurrent
-
-    model, params, x, _ = golden(case)
-    node = model.nodes[0]
-    monkeypatch.setattr(recurrent, "XW_CHUNK_BYTES", 4 * rows * get_op(node.op).gates * node.attrs["hidden_size"] * 2)
-    batch = np.random.default_rng(4).standard_normal((rows, *x.shape[1:])).astype(np.float32)
-    expected = session_of(model, params, "numpy").run(batch)
-    np.testing.assert_allclose(session_of(model, params, "cpu").run(batch), expected, atol=3e-6, rtol=1e-5)
+    model = parse_model({"input_shape": [4, 6], "loss": "mse", "layers": [
+        {"type": op, "name": "rnn", "hidden_size": 13, "num_layers": 2, "bidirectional": True}]})
+    rng = np.random.default_rng(rows)
+    weights = {f"rnn.{name}": rng.uniform(-0.4, 0.4, shape).astype(np.float32)
+               for name, shape in model.nodes[0].param_shapes.items()}
+    blob = parse_bin_bytes(encode_bin(model, weights, build_metadata(model)))
+    x = rng.standard_normal((rows, 4, 6)).astype(np.float32)
+    np.testing.assert_allclose(Session(blob, "cpu").run(x), Session(blob, "numpy").run(x), atol=3e-6, rtol=1e-5)
 
 
 def test_tanh_and_sigmoid_ratios_are_within_4e_7():
