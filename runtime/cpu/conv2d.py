@@ -8,11 +8,13 @@ Reference: formats/ops.py Conv2d.forward (PyTorch semantics: zero padding, strid
 Each image goes through three steps, chosen per layer at load:
   1. columns   the input is zero-padded (padding.py) to [C, HP, WP]; the columns matrix has a row per
                (c, ky, kx) and a column per output position.
-               stride 1: "shifted rows". With the padded image flattened per channel, row (c, ky, kx)
-               is the contiguous run image[c].flat[ky*DH*WP + kx*DW :][:L], L = (OH-1)*WP + OW, so
-               `shifted_im2col` is C*KH*KW plain copies. Column oy*WP + ox holds output (oy, ox); the
-               WP - OW columns at the end of each row are junk, computed and never read.
-               other strides: `im2col` gathers every window; column oy*OW + ox holds output (oy, ox).
+               stride 1 with at most SHIFTED_MAX_JUNK of a padded row junk: "shifted rows". With the
+               padded image flattened per channel, row (c, ky, kx) is the contiguous run
+               image[c].flat[ky*DH*WP + kx*DW :][:L], L = (OH-1)*WP + OW, so `shifted_im2col` is
+               C*KH*KW plain copies. Column oy*WP + ox holds output (oy, ox); the WP - OW columns at
+               the end of each row are junk, computed and never read.
+               other strides, and small images: `im2col` gathers every window; column oy*OW + ox
+               holds output (oy, ox).
                1x1, stride 1, unpadded: the image itself is the columns matrix.
   2. product   per group, numpy's BLAS computes W2d[g] @ cols[g], W2d [O, C/G*KH*KW], into acc [O, positions].
      direct    instead of 1-2, grouped convs with few inputs per output (depthwise: C/groups = 1) run
@@ -100,6 +102,10 @@ WINOGRAD_MIN_TILES = 9
 # C=1 O=16 28^2 0.025 vs 0.024; more outputs lose: C=3 O=24 128^2 0.49 vs 0.47, O=32 224^2 2.0 vs 1.9.
 DIRECT_MAX_CHANNELS = 3
 DIRECT_MAX_OUT_CHANNELS = 16
+# Stride-1 columns are "shifted rows" (pitch WP) while at most this share of each row is junk (WP - OW
+# columns); on narrower images im2col gathers them at pitch OW and the product computes no junk. 1 thread,
+# ms, the bundled model's conv5 (192 -> 384, 8x8, pad 1: 20% junk), im2col vs shifted: 1.56 vs 1.73.
+SHIFTED_MAX_JUNK = 0.125
 # A conv cut by output channels over threads (conv2d.plan) is cut on multiples of this many channels.
 CHANNEL_ALIGN = 16
 
@@ -479,7 +485,8 @@ class Conv2dLayer:
             return self._winograd_product(image, bands, channels, new_buffer, shared)
         weight2d = weight.reshape(groups, (o_end - o_first) // groups, -1)
         rows = weight2d.shape[2] * groups
-        shifted = a["stride"] == (1, 1) and not self.pointwise
+        shifted = (a["stride"] == (1, 1) and not self.pointwise
+                   and image.shape[3] - conv_w <= SHIFTED_MAX_JUNK * image.shape[3])
         pitch = image.shape[3] if shifted else conv_w
 
         def positions(band):
