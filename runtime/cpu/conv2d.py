@@ -60,7 +60,8 @@ from lnn.runtime.cpu.conv_direct import conv3x3_direct
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
-from lnn.runtime.cpu.winograd import TILE, tile_count, transformed_weight, winograd_input, winograd_output
+from lnn.runtime.cpu.winograd import (TILE, input_work_shape, tile_count, transformed_weight, winograd_input,
+                                      winograd_output)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -556,7 +557,7 @@ class Conv2dLayer:
         tiles_w = tile_count(self.conv_shape[2])
         most = max(tile_rows * tiles_w * images for _, tile_rows, images in map(self._band_tiles, bands))
         v_buffer = new_buffer((36, in_channels + 1, self._tile_stride(most)))
-        blocks = [(block, new_buffer((6, 4 * tiles_w + 2))) for block in split_range(0, in_channels, parts)]
+        blocks = [(block, new_buffer(input_work_shape(tiles_w, most))) for block in split_range(0, in_channels, parts)]
         tasks = []
         for band in bands:
             tile_first, tile_rows, _ = self._band_tiles(band)
@@ -583,7 +584,7 @@ class Conv2dLayer:
         stride = self._tile_stride(max(rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)))
         if shared is None:
             v_buffer = new_buffer((36, in_channels + 1, stride))
-            input_work = new_buffer((6, 4 * tiles_w + 2))      # the kernels' scratch rows (winograd.py)
+            input_work = new_buffer(input_work_shape(tiles_w, stride))      # the kernel's scratch (winograd.py)
         else:
             v_buffer = shared
         m_buffer = new_buffer((36, out_channels + 1, stride))
