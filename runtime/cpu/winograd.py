@@ -6,6 +6,7 @@ multiplies per 4x4 output tile instead of 144 (4x fewer; F(2x2, 3x3), used befor
     V[k, c, t] = (B^T d[c, t] B)[k]                 d = the tile's 6x6 input patch            (`winograd_input`)
     M[k]       = U[k] @ V[k]                        36 BLAS products [O, C] x [C, T] (np.matmul)
     y[o, tile] = A^T M[:, o, t] A                   the tile's 4x4 outputs                    (`winograd_output`)
+                                                    or their 2x2 maxima (a 2x2/2 max-pool, `winograd_output_pool2`)
 with k = 6 * row + column of the 6x6 transform domain, tile t covering conv output rows 4ty..4ty+3
 and columns 4tx..4tx+3 from the padded input rows 4ty..4ty+5 and columns 4tx..4tx+5. Cells of a
 patch outside the padded input read as 0; outputs outside the conv output are not written. U is
@@ -21,7 +22,7 @@ the small late layers waste more of 6x6 tiles). The kernels read A^T and B^T as 
 BT32); tests/runtime/test_cpu_winograd.py checks them against the matrices and bounds the error
 against float64.
 
-Both kernels take a channel range (c_first..c_end of the input, o_first..o_end of the output) and
+The kernels take a channel range (c_first..c_end of the input, o_first..o_end of the output) and
 tile rows, so a caller may split one conv's transforms over threads by channels or by rows; the
 product splits by output rows of U (U[:, o_first:o_end]).
 """
@@ -39,7 +40,9 @@ from lnn.runtime.cpu.jit import kernel
 # only by other kernels, compiled into them.
 AOT_SIGNATURES = {
     "winograd_input": (A3, I, I, I, I, I, A2, A3),
+    "tile_outputs": None,
     "winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
+    "winograd_output_pool2": (A3, I, I, I, I, I, I, I, I, A2, A2),
 }
 
 TILE = 4                        # outputs per tile side
@@ -159,34 +162,40 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
 
 
 @kernel
+def tile_outputs(m, o, count, work):
+    """m [36, >= O, >= T] -> work rows 24-39: Y[4a + b, t] = (A^T M[:, o, t] A)[a, b] for tiles t < count
+    of output channel o, over all tiles at once: S[4i + b] = sum_l A^T[b, l] m[6i + l] (M A, into
+    work rows 0-23), then Y[4a + b] = sum_i A^T[a, i] S[4i + b]."""
+    for i in range(6):
+        k = 6 * i
+        for b in range(4):
+            a0, a1, a2, a3, a4, a5 = AT32[b, 0], AT32[b, 1], AT32[b, 2], AT32[b, 3], AT32[b, 4], AT32[b, 5]
+            out = work[4 * i + b]
+            for t in range(count):
+                out[t] = (a0 * m[k, o, t] + a1 * m[k + 1, o, t] + a2 * m[k + 2, o, t] + a3 * m[k + 3, o, t]
+                          + a4 * m[k + 4, o, t] + a5 * m[k + 5, o, t])
+    for a in range(4):
+        a0, a1, a2, a3, a4, a5 = AT32[a, 0], AT32[a, 1], AT32[a, 2], AT32[a, 3], AT32[a, 4], AT32[a, 5]
+        for b in range(4):
+            out = work[24 + 4 * a + b]
+            for t in range(count):
+                out[t] = (a0 * work[b, t] + a1 * work[4 + b, t] + a2 * work[8 + b, t] + a3 * work[12 + b, t]
+                          + a4 * work[16 + b, t] + a5 * work[20 + b, t])
+
+
+@kernel
 def winograd_output(m, o_first, o_end, images, tiles_per_image, tile_first, conv_h, conv_w, y_first, y_end,
                     work, acc):
     """m [36, >= O, >= T] -> acc [O, positions] for output channels o_first..o_end-1: conv output
     (image j, y, x) of the band's images j, rows y_first..y_end-1, at position (j * conv_h + y -
     y_first) * conv_w + x; tile t = j * tiles_per_image + (ty - tile_first) * TW + tx holds rows
     4ty..4ty+3 and columns 4tx..4tx+3. work [40, >= T] scratch (one per concurrent caller).
-    Per output channel, over all T tiles at once: S[4i + b] = sum_l A^T[b, l] m[6i + l] (M A), then
-    Y[4a + b] = sum_i A^T[a, i] S[4i + b] (A^T M A), then Y into acc tile row by tile row."""
+    Per output channel: tile_outputs, then Y into acc tile row by tile row."""
     tiles_w = (conv_w + 3) // 4                    # tile_count(conv_w)
     tile_rows = tiles_per_image // tiles_w
-    count = images * tiles_per_image
     full_w = conv_w // 4                           # tiles with all 4 columns inside
     for o in range(o_first, o_end):
-        for i in range(6):
-            k = 6 * i
-            for b in range(4):
-                a0, a1, a2, a3, a4, a5 = AT32[b, 0], AT32[b, 1], AT32[b, 2], AT32[b, 3], AT32[b, 4], AT32[b, 5]
-                out = work[4 * i + b]
-                for t in range(count):
-                    out[t] = (a0 * m[k, o, t] + a1 * m[k + 1, o, t] + a2 * m[k + 2, o, t] + a3 * m[k + 3, o, t]
-                              + a4 * m[k + 4, o, t] + a5 * m[k + 5, o, t])
-        for a in range(4):
-            a0, a1, a2, a3, a4, a5 = AT32[a, 0], AT32[a, 1], AT32[a, 2], AT32[a, 3], AT32[a, 4], AT32[a, 5]
-            for b in range(4):
-                out = work[24 + 4 * a + b]
-                for t in range(count):
-                    out[t] = (a0 * work[b, t] + a1 * work[4 + b, t] + a2 * work[8 + b, t] + a3 * work[12 + b, t]
-                              + a4 * work[16 + b, t] + a5 * work[20 + b, t])
+        tile_outputs(m, o, images * tiles_per_image, work)
         target = acc[o]
         for j in range(images):
             for row in range(tile_rows):
@@ -199,3 +208,41 @@ def winograd_output(m, o_first, o_end, images, tiles_per_image, tile_first, conv
                         line[4 * tx], line[4 * tx + 1], line[4 * tx + 2], line[4 * tx + 3] = y0[tx], y1[tx], y2[tx], y3[tx]
                     for x in range(4 * full_w, conv_w):
                         line[x] = work[24 + 4 * a + x % 4, t0 + x // 4]
+
+
+@kernel
+def winograd_output_pool2(m, o_first, o_end, images, tiles_per_image, tile_first, conv_w, out_first, out_end,
+                          work, pooled):
+    """winograd_output followed by the 2x2/2 unpadded max-pool, without acc: pooled [O, positions] gets
+    output row py, column px of the band's image j (rows out_first..out_end-1, out_w = conv_w // 2
+    columns) at (j * (out_end - out_first) + py - out_first) * out_w + px, the max of conv outputs
+    (2py + dy, 2px + dx) in max_pool_2x2_rows' order (the same bytes). Tile ty holds pooled rows 2ty,
+    2ty + 1: per output channel, tile_outputs, then each tile's 4 maxima over all tiles at once (work
+    rows 0-3: P[2pa + pb] for pooled (2ty + pa, 2tx + pb)), then P into pooled tile row by tile row."""
+    tiles_w = (conv_w + 3) // 4
+    tile_rows = tiles_per_image // tiles_w
+    count = images * tiles_per_image
+    out_w = conv_w // 2
+    full_w = out_w // 2                            # tiles with both pooled columns inside
+    band_rows = out_end - out_first
+    for o in range(o_first, o_end):
+        tile_outputs(m, o, count, work)
+        for pa in range(2):
+            for pb in range(2):
+                top, bottom = work[24 + 8 * pa + 2 * pb], work[28 + 8 * pa + 2 * pb]
+                top_right, bottom_right = work[25 + 8 * pa + 2 * pb], work[29 + 8 * pa + 2 * pb]
+                out = work[2 * pa + pb]
+                for t in range(count):
+                    out[t] = max(max(top[t], top_right[t]), max(bottom[t], bottom_right[t]))
+        target = pooled[o]
+        for j in range(images):
+            for row in range(tile_rows):
+                py0 = 2 * (tile_first + row)
+                t0 = j * tiles_per_image + row * tiles_w
+                for pa in range(max(0, out_first - py0), min(2, out_end - py0)):
+                    line = target[(j * band_rows + py0 + pa - out_first) * out_w:]
+                    left, right = work[2 * pa, t0:], work[2 * pa + 1, t0:]
+                    for tx in range(full_w):
+                        line[2 * tx], line[2 * tx + 1] = left[tx], right[tx]
+                    for x in range(2 * full_w, out_w):
+                        line[x] = work[2 * pa + x % 2, t0 + x // 2]

@@ -199,3 +199,27 @@ def test_winograd_weight_is_packed_at_load_after_batch_norm_folding():
     np.testing.assert_array_equal(layer.winograd_weight, transformed_weight(layer.weight))     # the folded weight
     x = rng.standard_normal((2, 16, 10, 9)).astype(np.float32)
     np.testing.assert_allclose(backend.run(x), NumpyBackend(model, weights).run(x), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("conv_h, conv_w", [(13, 10), (16, 36)])
+def test_output_with_pool_is_output_then_pool(conv_h, conv_w):
+    """winograd_output_pool2 gives the bytes of winograd_output then max_pool_2x2_rows, for two images
+    and for a band of tile rows starting below the first (odd sizes: the last row and column dropped)."""
+    from lnn.runtime.cpu.conv2d import max_pool_2x2_rows
+    from lnn.runtime.cpu.winograd import tile_count, winograd_output, winograd_output_pool2
+
+    rng = np.random.default_rng(4)
+    tiles_w, tile_rows = tile_count(conv_w), tile_count(conv_h)
+    out_h, out_w = conv_h // 2, conv_w // 2
+    for images, tile_first, out_first, out_end in ((2, 0, 0, out_h), (1, 1, 2, out_h)):
+        per_image = (tile_rows - tile_first) * tiles_w
+        m = rng.standard_normal((36, 3, images * per_image)).astype(np.float32)
+        y_first, y_end = 2 * out_first, conv_h
+        acc = np.zeros((3, images * conv_h * conv_w), np.float32)
+        work = np.zeros((40, images * per_image), np.float32)
+        winograd_output(m, 0, 3, images, per_image, tile_first, conv_h, conv_w, y_first, y_end, work, acc)
+        expected = np.zeros((3, images * (out_end - out_first) * out_w), np.float32)
+        max_pool_2x2_rows(acc, conv_w, y_first, conv_h, images, expected, out_first, out_end, out_w)
+        got = np.full_like(expected, np.nan)
+        winograd_output_pool2(m, 0, 3, images, per_image, tile_first, conv_w, out_first, out_end, work, got)
+        np.testing.assert_array_equal(got, expected)
