@@ -23,9 +23,10 @@ Each image goes through three steps, chosen per layer at load:
                on an RGB photo) run `conv3x3_direct` (conv_direct.py) into acc [O, positions], pitch OW.
                A 1x1 stride-1 unpadded conv is one plain GEMM on the image itself (step 1 below).
      winograd  instead of 1-2, 3x3 stride-1 undilated ungrouped convs with at least WINOGRAD_MIN_CHANNELS
-               inputs and WINOGRAD_MIN_TILES output tiles (or any such conv whose layer asks for
-               "algorithm": "winograd") run Winograd
+               inputs and WINOGRAD_MIN_TILES output tiles, or WINOGRAD_MIN_WHOLE_TILES whole ones (or
+               any such conv whose layer asks for "algorithm": "winograd") run Winograd
                F(4x4, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
+               A band of fewer than WINOGRAD_MIN_TILES tiles runs its products as skinny_products.
                Its transformed weight U [36, O, C] is made once, at load (after batch-norm folding).
   3. output    the fused max-pool, if any (`max_pool_2x2_rows`, or `max_pool_rows` for any other window),
                reads acc by position pitch into `pooled` (a Winograd conv's 2x2/2 pool is done by its
@@ -61,8 +62,8 @@ from lnn.runtime.cpu.conv_direct import conv3x3_direct
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
-from lnn.runtime.cpu.winograd import (TILE, input_work_shape, tile_count, transformed_weight, winograd_input,
-                                      winograd_output, winograd_output_pool2)
+from lnn.runtime.cpu.winograd import (TILE, input_work_shape, skinny_products, tile_count, transformed_weight,
+                                      winograd_input, winograd_output, winograd_output_pool2)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -93,10 +94,17 @@ WINOGRAD_CHUNK_SCALE = 4
 # 0.172; C=32 O=64 32^2 0.39 vs 0.73; C=64 O=128 16^2 0.29 vs 0.60; C=128 O=256 8^2 0.57 vs 0.60.
 WINOGRAD_MIN_CHANNELS = 16
 # ... and whose output has at least this many 4x4 tiles per image: with fewer, U (4x the weight) is read
-# for a few columns. 1 thread, conv + ReLU, ms, Winograd vs columns + GEMM (2-core EPYC, busy):
-# C=128 O=256 8^2 (4 tiles) 0.89 vs 0.64, 12^2 (9) 1.02 vs 1.22, 16^2 2.25 vs 2.29; C=256 O=512 8^2
-# 3.68 vs 2.81; C=64 O=128 8^2 0.28 vs 0.17, 12^2 0.27 vs 0.32.
+# for a few columns. 1 thread, conv + ReLU, ms, Winograd (BLAS products) vs columns + GEMM (2-core EPYC,
+# busy): C=128 O=256 8^2 (4 tiles) 0.89 vs 0.64, 12^2 (9) 1.02 vs 1.22, 16^2 2.25 vs 2.29; C=256 O=512
+# 8^2 3.68 vs 2.81; C=64 O=128 8^2 0.28 vs 0.17, 12^2 0.27 vs 0.32. A band with fewer tiles than this
+# runs its 36 products as skinny_products instead (winograd.py: BLAS packs each [O, C] block of U for a
+# few columns).
 WINOGRAD_MIN_TILES = 9
+# ... or at least this many, all whole (output height and width multiples of 4), with skinny_products.
+# 1 thread, conv + ReLU, ms, Winograd vs columns + GEMM, interleaved (2-core EPYC, shared): 8^2 C=16
+# O=32 0.067 vs 0.073, C=64 O=128 0.25 vs 0.28, C=128 O=256 0.67 vs 0.81, C=192 O=384 (the bundled
+# model's conv5) 1.10 vs 1.63, C=256 O=512 2.54 vs 3.07; but 6^2 (4 tiles, 56% used) C=64 O=128 0.24 vs 0.18.
+WINOGRAD_MIN_WHOLE_TILES = 4
 # "auto" runs 3x3 convs with at most this many inputs and outputs direct (conv_direct.py): the
 # columns matrix has too few rows (9C) and the product too few (O) for BLAS. Measured on 1 thread
 # (2-core EPYC, shared), one conv + ReLU + 2x2 max-pool, ms, direct vs columns + GEMM (banded):
@@ -317,8 +325,10 @@ class Conv2dLayer:
                     and a["groups"] == 1)
         if a["algorithm"] == "auto":
             _, conv_h, conv_w = self.conv_shape
+            tiles = tile_count(conv_h) * tile_count(conv_w)
+            whole = conv_h % TILE == 0 and conv_w % TILE == 0
             return (eligible and a["in_channels"] >= WINOGRAD_MIN_CHANNELS
-                    and tile_count(conv_h) * tile_count(conv_w) >= WINOGRAD_MIN_TILES)
+                    and (tiles >= WINOGRAD_MIN_TILES or whole and tiles >= WINOGRAD_MIN_WHOLE_TILES))
         return eligible and a["algorithm"] == "winograd"
 
     @property
@@ -599,6 +609,11 @@ class Conv2dLayer:
             input_work = new_buffer(input_work_shape(tiles_w, stride))      # the kernel's scratch (winograd.py)
         else:
             v_buffer = shared
+        skinny = [rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)
+                  if rows * tiles_w * images < WINOGRAD_MIN_TILES]
+        if skinny:
+            vt_buffer = new_buffer((36, -(-max(skinny) // 4) * 4, in_channels))
+            vt_buffer.fill(0.0)          # the rows past a band's tiles stay 0
         m_buffer = new_buffer((36, out_channels + 1, stride))
         output_work = new_buffer((40, stride))
         if not self.winograd_pools:
@@ -613,8 +628,12 @@ class Conv2dLayer:
                 for n in range(n_first, n_end):
                     steps.append(partial(winograd_input, image[n], 0, in_channels, tile_first, tile_rows,
                                          (n - n_first) * per_image, input_work, v_buffer))
-            steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],
-                                 out=m_buffer[:, :out_channels, :count]))
+            if count < WINOGRAD_MIN_TILES:
+                steps.append(partial(np.copyto, vt_buffer[:, :count], v_buffer[:, :in_channels, :count].transpose(0, 2, 1)))
+                steps.append(partial(skinny_products, self.winograd_weight, o_first, o_end, vt_buffer, count, m_buffer))
+            else:
+                steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],
+                                     out=m_buffer[:, :out_channels, :count]))
             if self.winograd_pools:
                 steps.append(partial(winograd_output_pool2, m_buffer, 0, out_channels, images, per_image, tile_first,
                                      conv_w, out_first, out_end, output_work, pooled))

@@ -4,7 +4,8 @@ Same result as conv2d.py's columns + product (reference: formats/ops.py Conv2d.f
 multiplies per 4x4 output tile instead of 144 (4x fewer; F(2x2, 3x3), used before, saved 2.25x):
     U[k, o, c] = (G g[o, c] G^T)[k]                 weight [O, C, 3, 3] -> U [36, O, C], once per layer
     V[k, c, t] = (B^T d[c, t] B)[k]                 d = the tile's 6x6 input patch            (`winograd_input`)
-    M[k]       = U[k] @ V[k]                        36 BLAS products [O, C] x [C, T] (np.matmul)
+    M[k]       = U[k] @ V[k]                        36 BLAS products [O, C] x [C, T] (np.matmul), or
+                                                    for a few tiles, dot products (`skinny_products`)
     y[o, tile] = A^T M[:, o, t] A                   the tile's 4x4 outputs                    (`winograd_output`)
                                                     or their 2x2 maxima (a 2x2/2 max-pool, `winograd_output_pool2`)
 with k = 6 * row + column of the 6x6 transform domain, tile t covering conv output rows 4ty..4ty+3
@@ -34,12 +35,13 @@ from fractions import Fraction
 import numpy as np
 
 from lnn.runtime.cpu.aot import A2, A3, I
-from lnn.runtime.cpu.jit import kernel
+from lnn.runtime.cpu.jit import ieee_kernel, kernel
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
 AOT_SIGNATURES = {
     "winograd_input": (A3, I, I, I, I, I, A2, A3),
+    "skinny_products": (A3, I, I, A3, I, A3),
     "tile_outputs": None,
     "winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
     "winograd_output_pool2": (A3, I, I, I, I, I, I, I, I, A2, A2),
@@ -159,6 +161,29 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
                     out = v[6 * k + l, c, column:column + count]
                     for t in range(count):
                         out[t] = a0 * d0[t] + a1 * d1[t] + a2 * d2[t] + a3 * d3[t] + a4 * d4[t] + a5 * d5[t]
+
+
+@ieee_kernel
+def skinny_products(u, o_first, o_end, vt, tiles, m):
+    """M[k, o - o_first, t] = sum over c of U[k, o, c] * V^T[k, t, c] for o_first <= o < o_end and tiles
+    t < `tiles` rounded up to 4: u [36, O, C] (all of U), vt [36, >= that, C] (V transposed; its rows
+    past `tiles` 0), m [36, >= o_end - o_first, >= that]. The 36 products of a band with few tiles
+    (conv2d.py WINOGRAD_MIN_TILES): BLAS packs each [O, C] block of U for a few columns; here
+    every U row is read once for 4 tiles, as sums in registers over C (vectorized: ieee_kernel)."""
+    channels = u.shape[2]
+    for k in range(36):
+        for o in range(o_first, o_end):
+            row = u[k, o]
+            for t in range(0, tiles, 4):
+                v0, v1, v2, v3 = vt[k, t], vt[k, t + 1], vt[k, t + 2], vt[k, t + 3]
+                s0 = s1 = s2 = s3 = np.float32(0)
+                for c in range(channels):
+                    w = row[c]
+                    s0 += w * v0[c]
+                    s1 += w * v1[c]
+                    s2 += w * v2[c]
+                    s3 += w * v3[c]
+                m[k, o - o_first, t], m[k, o - o_first, t + 1], m[k, o - o_first, t + 2], m[k, o - o_first, t + 3] = s0, s1, s2, s3
 
 
 @kernel
