@@ -114,7 +114,8 @@ DIRECT_MAX_CHANNELS = 3
 DIRECT_MAX_OUT_CHANNELS = 16
 # Stride-1 columns are "shifted rows" (pitch WP) while at most this share of each row is junk (WP - OW
 # columns); on narrower images im2col gathers them at pitch OW and the product computes no junk. 1 thread,
-# ms, the bundled model's conv5 (192 -> 384, 8x8, pad 1: 20% junk), im2col vs shifted: 1.56 vs 1.73.
+# ms, a conv like the bundled model's conv5 (192 -> 384, 8x8, pad 1: 20% junk; it runs Winograd) as columns +
+# GEMM, im2col vs shifted: 1.56 vs 1.73.
 SHIFTED_MAX_JUNK = 0.125
 # A conv cut by output channels over threads (conv2d.plan) is cut on multiples of this many channels.
 CHANNEL_ALIGN = 16
