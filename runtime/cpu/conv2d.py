@@ -30,8 +30,9 @@ Each image goes through three steps, chosen per layer at load:
                Its transformed weight U [36, O, C] is made once, at load (after batch-norm folding).
   3. output    the fused max-pool, if any (`max_pool_2x2_rows`, or `max_pool_rows` for any other window),
                reads acc by position pitch into `pooled` (a Winograd conv's 2x2/2 pool is done by its
-               output transform instead, winograd_output_pool2: no acc); `epilogue_rows` applies act(v * scale[o] + shift[o])
-               (activations.py) and writes y[n], or the interior of the next conv's zero-padded input.
+               output transform instead, winograd_output_pool2: no acc); `epilogue_rows` applies
+               act(v * scale[o] + shift[o]) (activations.py) and writes y[n], or the interior of the
+               next conv's zero-padded input.
                Separate kernels, chosen at plan time: a model compiles only those it uses.
 Steps 1-3 run on bands (CHUNK_BYTES; larger for Winograd) so that cols and acc are still in L2 when
 read: bands of one image's output rows, or several small images at once (one product for all of them).
@@ -630,7 +631,8 @@ class Conv2dLayer:
                     steps.append(partial(winograd_input, image[n], 0, in_channels, tile_first, tile_rows,
                                          (n - n_first) * per_image, input_work, v_buffer))
             if count < WINOGRAD_MIN_TILES:
-                steps.append(partial(np.copyto, vt_buffer[:, :count], v_buffer[:, :in_channels, :count].transpose(0, 2, 1)))
+                transposed = v_buffer[:, :in_channels, :count].transpose(0, 2, 1)
+                steps.append(partial(np.copyto, vt_buffer[:, :count], transposed))
                 steps.append(partial(skinny_products, self.winograd_weight, o_first, o_end, vt_buffer, count, m_buffer))
             else:
                 steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],

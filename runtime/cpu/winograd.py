@@ -173,7 +173,7 @@ def skinny_products(u, o_first, o_end, vt, tiles, m):
     channels = u.shape[2]
     for k in range(36):
         for o in range(o_first, o_end):
-            row = u[k, o]
+            row, out = u[k, o], m[k, o - o_first]
             for t in range(0, tiles, 4):
                 v0, v1, v2, v3 = vt[k, t], vt[k, t + 1], vt[k, t + 2], vt[k, t + 3]
                 s0 = s1 = s2 = s3 = np.float32(0)
@@ -183,7 +183,7 @@ def skinny_products(u, o_first, o_end, vt, tiles, m):
                     s1 += w * v1[c]
                     s2 += w * v2[c]
                     s3 += w * v3[c]
-                m[k, o - o_first, t], m[k, o - o_first, t + 1], m[k, o - o_first, t + 2], m[k, o - o_first, t + 3] = s0, s1, s2, s3
+                out[t], out[t + 1], out[t + 2], out[t + 3] = s0, s1, s2, s3
 
 
 @kernel

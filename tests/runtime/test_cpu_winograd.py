@@ -61,7 +61,8 @@ def test_transforms_are_exact_in_float64():
 def test_kernels_compute_the_matrices(width):
     """Full tiles and tiles past the image's bottom and right edges through winograd_input; random M
     through winograd_output."""
-    from lnn.runtime.cpu.winograd import AT, BT, WHOLE_CHANNEL_MIN_TILES_W, input_work_shape, winograd_input, winograd_output
+    from lnn.runtime.cpu.winograd import (AT, BT, WHOLE_CHANNEL_MIN_TILES_W, input_work_shape, winograd_input,
+                                          winograd_output)
 
     rng = np.random.default_rng(1)
     tiles_w = (width + 1) // 4
