@@ -99,7 +99,10 @@ WINOGRAD_MIN_CHANNELS = 16
 # busy): C=128 O=256 8^2 (4 tiles) 0.89 vs 0.64, 12^2 (9) 1.02 vs 1.22, 16^2 2.25 vs 2.29; C=256 O=512
 # 8^2 3.68 vs 2.81; C=64 O=128 8^2 0.28 vs 0.17, 12^2 0.27 vs 0.32. A band with fewer tiles than this
 # runs its 36 products as skinny_products instead (winograd.py: BLAS packs each [O, C] block of U for a
-# few columns).
+# few columns). One conv + ReLU, 1 thread, ms, Winograd with skinny_products / with BLAS products /
+# columns + GEMM, interleaved: 8^2 (4 tiles) C=16 O=32 0.067 / 0.102 / 0.073, C=64 O=128 0.26 / 0.33 /
+# 0.26, C=192 O=384 1.52 / 2.87 / 1.74; 8x16 (8 tiles) C=16 O=32 0.064 / 0.076 / 0.054, C=32 O=64
+# 0.095 / 0.090 / 0.091, C=128 O=256 0.89 / 1.09 / 1.33, C=192 O=384 2.12 / 3.20 / 3.43.
 WINOGRAD_MIN_TILES = 9
 # ... or at least this many, all whole (output height and width multiples of 4), with skinny_products.
 # 1 thread, conv + ReLU, ms, Winograd vs columns + GEMM, interleaved (2-core EPYC, shared): 8^2 C=16

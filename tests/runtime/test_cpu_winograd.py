@@ -14,9 +14,11 @@ from lnn.formats.model import parse_model
 ERROR_BOUND = 1e-5
 
 # (batch, in channels, height, width, out channels, padding): odd sizes, outputs narrower than a
-# tile, many channels, padding 0-2
+# tile, many channels, padding 0-2, 4 tiles with many channels (skinny_products)
 CASES = [(1, 16, 9, 11, 7, 1), (2, 67, 13, 6, 33, 0), (1, 20, 5, 3, 5, 1), (3, 24, 17, 19, 40, 2),
          (1, 130, 8, 8, 9, 1), (1, 16, 4, 21, 12, 0)]
+SKINNY_CASE = (1, 128, 8, 8, 260, 1)        # 4 tiles: skinny_products, also when cut in 2 by channels
+CASES.append(SKINNY_CASE)
 
 
 def conv64(x, weight, padding):
@@ -94,6 +96,12 @@ def test_winograd_matches_float64_convolution(case):
     backend, got = one_conv(x, weight, padding, "winograd")
     assert backend.layers[0].winograd
     check_bound(got, x, weight, padding)
+    if case == SKINNY_CASE:
+        from lnn.runtime.cpu.parallel import all_steps
+        from lnn.runtime.cpu.winograd import skinny_products
+
+        steps = all_steps(backend._plan(batch, backend.threads).steps)
+        assert skinny_products in [getattr(step, "func", None) for step in steps]
 
 
 def test_winograd_in_row_bands_matches_float64(monkeypatch):
