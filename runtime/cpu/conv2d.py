@@ -8,11 +8,13 @@ Reference: formats/ops.py Conv2d.forward (PyTorch semantics: zero padding, strid
 Each image goes through three steps, chosen per layer at load:
   1. columns   the input is zero-padded (padding.py) to [C, HP, WP]; the columns matrix has a row per
                (c, ky, kx) and a column per output position.
-               stride 1: "shifted rows". With the padded image flattened per channel, row (c, ky, kx)
-               is the contiguous run image[c].flat[ky*DH*WP + kx*DW :][:L], L = (OH-1)*WP + OW, so
-               `shifted_im2col` is C*KH*KW plain copies. Column oy*WP + ox holds output (oy, ox); the
-               WP - OW columns at the end of each row are junk, computed and never read.
-               other strides: `im2col` gathers every window; column oy*OW + ox holds output (oy, ox).
+               stride 1 with at most SHIFTED_MAX_JUNK of a padded row junk: "shifted rows". With the
+               padded image flattened per channel, row (c, ky, kx) is the contiguous run
+               image[c].flat[ky*DH*WP + kx*DW :][:L], L = (OH-1)*WP + OW, so `shifted_im2col` is
+               C*KH*KW plain copies. Column oy*WP + ox holds output (oy, ox); the WP - OW columns at
+               the end of each row are junk, computed and never read.
+               other strides, and small images: `im2col` gathers every window; column oy*OW + ox
+               holds output (oy, ox).
                1x1, stride 1, unpadded: the image itself is the columns matrix.
   2. product   per group, numpy's BLAS computes W2d[g] @ cols[g], W2d [O, C/G*KH*KW], into acc [O, positions].
      direct    instead of 1-2, grouped convs with few inputs per output (depthwise: C/groups = 1) run
@@ -21,13 +23,16 @@ Each image goes through three steps, chosen per layer at load:
                on an RGB photo) run `conv3x3_direct` (conv_direct.py) into acc [O, positions], pitch OW.
                A 1x1 stride-1 unpadded conv is one plain GEMM on the image itself (step 1 below).
      winograd  instead of 1-2, 3x3 stride-1 undilated ungrouped convs with at least WINOGRAD_MIN_CHANNELS
-               inputs and WINOGRAD_MIN_TILES output tiles (or any such conv whose layer asks for
-               "algorithm": "winograd") run Winograd
+               inputs and WINOGRAD_MIN_TILES output tiles, or WINOGRAD_MIN_WHOLE_TILES whole ones (or
+               any such conv whose layer asks for "algorithm": "winograd") run Winograd
                F(4x4, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
+               A band of fewer than WINOGRAD_MIN_TILES tiles runs its products as skinny_products.
                Its transformed weight U [36, O, C] is made once, at load (after batch-norm folding).
   3. output    the fused max-pool, if any (`max_pool_2x2_rows`, or `max_pool_rows` for any other window),
-               reads acc by position pitch into `pooled`; `epilogue_rows` applies act(v * scale[o] + shift[o])
-               (activations.py) and writes y[n], or the interior of the next conv's zero-padded input.
+               reads acc by position pitch into `pooled` (a Winograd conv's 2x2/2 pool is done by its
+               output transform instead, winograd_output_pool2: no acc); `epilogue_rows` applies
+               act(v * scale[o] + shift[o]) (activations.py) and writes y[n], or the interior of the
+               next conv's zero-padded input.
                Separate kernels, chosen at plan time: a model compiles only those it uses.
 Steps 1-3 run on bands (CHUNK_BYTES; larger for Winograd) so that cols and acc are still in L2 when
 read: bands of one image's output rows, or several small images at once (one product for all of them).
@@ -58,7 +63,8 @@ from lnn.runtime.cpu.conv_direct import conv3x3_direct
 from lnn.runtime.cpu.jit import kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
-from lnn.runtime.cpu.winograd import TILE, tile_count, transformed_weight, winograd_input, winograd_output
+from lnn.runtime.cpu.winograd import (TILE, input_work_shape, skinny_products, tile_count, transformed_weight,
+                                      winograd_input, winograd_output, winograd_output_pool2)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -89,10 +95,20 @@ WINOGRAD_CHUNK_SCALE = 4
 # 0.172; C=32 O=64 32^2 0.39 vs 0.73; C=64 O=128 16^2 0.29 vs 0.60; C=128 O=256 8^2 0.57 vs 0.60.
 WINOGRAD_MIN_CHANNELS = 16
 # ... and whose output has at least this many 4x4 tiles per image: with fewer, U (4x the weight) is read
-# for a few columns. 1 thread, conv + ReLU, ms, Winograd vs columns + GEMM (2-core EPYC, busy):
-# C=128 O=256 8^2 (4 tiles) 0.89 vs 0.64, 12^2 (9) 1.02 vs 1.22, 16^2 2.25 vs 2.29; C=256 O=512 8^2
-# 3.68 vs 2.81; C=64 O=128 8^2 0.28 vs 0.17, 12^2 0.27 vs 0.32.
+# for a few columns. 1 thread, conv + ReLU, ms, Winograd (BLAS products) vs columns + GEMM (2-core EPYC,
+# busy): C=128 O=256 8^2 (4 tiles) 0.89 vs 0.64, 12^2 (9) 1.02 vs 1.22, 16^2 2.25 vs 2.29; C=256 O=512
+# 8^2 3.68 vs 2.81; C=64 O=128 8^2 0.28 vs 0.17, 12^2 0.27 vs 0.32. A band with fewer tiles than this
+# runs its 36 products as skinny_products instead (winograd.py: BLAS packs each [O, C] block of U for a
+# few columns). One conv + ReLU, 1 thread, ms, Winograd with skinny_products / with BLAS products /
+# columns + GEMM, interleaved: 8^2 (4 tiles) C=16 O=32 0.067 / 0.102 / 0.073, C=64 O=128 0.26 / 0.33 /
+# 0.26, C=192 O=384 1.52 / 2.87 / 1.74; 8x16 (8 tiles) C=16 O=32 0.064 / 0.076 / 0.054, C=32 O=64
+# 0.095 / 0.090 / 0.091, C=128 O=256 0.89 / 1.09 / 1.33, C=192 O=384 2.12 / 3.20 / 3.43.
 WINOGRAD_MIN_TILES = 9
+# ... or at least this many, all whole (output height and width multiples of 4), with skinny_products.
+# 1 thread, conv + ReLU, ms, Winograd vs columns + GEMM, interleaved (2-core EPYC, shared): 8^2 C=16
+# O=32 0.067 vs 0.073, C=64 O=128 0.25 vs 0.28, C=128 O=256 0.67 vs 0.81, C=192 O=384 (the bundled
+# model's conv5) 1.10 vs 1.63, C=256 O=512 2.54 vs 3.07; but 6^2 (4 tiles, 56% used) C=64 O=128 0.24 vs 0.18.
+WINOGRAD_MIN_WHOLE_TILES = 4
 # "auto" runs 3x3 convs with at most this many inputs and outputs direct (conv_direct.py): the
 # columns matrix has too few rows (9C) and the product too few (O) for BLAS. Measured on 1 thread
 # (2-core EPYC, shared), one conv + ReLU + 2x2 max-pool, ms, direct vs columns + GEMM (banded):
@@ -100,6 +116,11 @@ WINOGRAD_MIN_TILES = 9
 # C=1 O=16 28^2 0.025 vs 0.024; more outputs lose: C=3 O=24 128^2 0.49 vs 0.47, O=32 224^2 2.0 vs 1.9.
 DIRECT_MAX_CHANNELS = 3
 DIRECT_MAX_OUT_CHANNELS = 16
+# Stride-1 columns are "shifted rows" (pitch WP) while at most this share of each row is junk (WP - OW
+# columns); on narrower images im2col gathers them at pitch OW and the product computes no junk. 1 thread,
+# ms, a conv like the bundled model's conv5 (192 -> 384, 8x8, pad 1: 20% junk; it runs Winograd) as columns +
+# GEMM, im2col vs shifted: 1.56 vs 1.73.
+SHIFTED_MAX_JUNK = 0.125
 # A conv cut by output channels over threads (conv2d.plan) is cut on multiples of this many channels.
 CHANNEL_ALIGN = 16
 
@@ -309,9 +330,17 @@ class Conv2dLayer:
                     and a["groups"] == 1)
         if a["algorithm"] == "auto":
             _, conv_h, conv_w = self.conv_shape
+            tiles = tile_count(conv_h) * tile_count(conv_w)
+            whole = conv_h % TILE == 0 and conv_w % TILE == 0
             return (eligible and a["in_channels"] >= WINOGRAD_MIN_CHANNELS
-                    and tile_count(conv_h) * tile_count(conv_w) >= WINOGRAD_MIN_TILES)
+                    and (tiles >= WINOGRAD_MIN_TILES or whole and tiles >= WINOGRAD_MIN_WHOLE_TILES))
         return eligible and a["algorithm"] == "winograd"
+
+    @property
+    def winograd_pools(self) -> bool:
+        """A Winograd conv whose fused max-pool is 2x2/2 unpadded: its output transform pools (winograd.py
+        winograd_output_pool2; its bands and parts hold whole tile rows, _tile_rows_align)."""
+        return self.winograd and self.pool == ((2, 2), (2, 2), (0, 0))
 
     @property
     def pointwise(self) -> bool:
@@ -375,11 +404,11 @@ class Conv2dLayer:
         o_first, o_end = channels
         whole = (o_first, o_end) == (0, out_channels)
         per_band = []
-        product = self._product(image, bands, channels, new_buffer, shared)
         e = self.epilogue
         out_w = self.out_shape[2]
         rows_max = new_buffer((conv_w,))
         pooled = new_buffer((o_end - o_first, max((band[1] - band[0]) * (band[3] - band[2]) for band in bands) * out_w))
+        product = self._product(image, bands, channels, new_buffer, shared, pooled)
         pool = (*self.pool[0], *self.pool[1], *self.pool[2])
         code = NONE if e.code == SOFTMAX else e.code
         scale, shift = e.scale[o_first:o_end], e.shift[o_first:o_end]
@@ -393,7 +422,9 @@ class Conv2dLayer:
                 source = (acc, pitch, y_first, conv_h)
             else:
                 source = (pooled, out_w, out_first, out_end - out_first)
-                if pool == (2, 2, 2, 2, 0, 0):
+                if self.winograd_pools:
+                    pass                        # the product wrote pooled
+                elif pool == (2, 2, 2, 2, 0, 0):
                     steps.append(partial(max_pool_2x2_rows, acc, pitch, y_first, conv_h, images, pooled, *rows))
                 else:
                     steps.append(partial(max_pool_rows, acc, pitch, y_first, conv_h, conv_w, images, pool, rows_max,
@@ -448,11 +479,12 @@ class Conv2dLayer:
         (kh, _), (sh, _), (ph, _) = self.pool
         return TILE // sh if kh == sh and ph == 0 and TILE % sh == 0 else 1
 
-    def _product(self, image, bands: list, channels: tuple, new_buffer, shared=None):
+    def _product(self, image, bands: list, channels: tuple, new_buffer, shared=None, pooled=None):
         """f(band, steps) -> (acc, pitch): appends the steps that fill acc [o_end - o_first, positions]
         with conv rows y_first..y_end-1 of the band's images, output channels o_first..o_end-1
         (`channels`; a block of whole groups): (image n_first + j, y, x) at position
-        (j * conv_h + y - y_first) * pitch + x. Kernels get whole buffers, or blocks of their first
+        (j * conv_h + y - y_first) * pitch + x; when winograd_pools, they fill `pooled` instead, as the
+        2x2 max-pool step would. Kernels get whole buffers, or blocks of their first
         axis, not column views: a view is a non-contiguous array type, which Numba would compile a
         second time."""
         a = self.attrs
@@ -476,10 +508,11 @@ class Conv2dLayer:
         if self.small_direct:
             return self._small_direct_product(image, bands, weight, new_buffer)
         if self.winograd:
-            return self._winograd_product(image, bands, channels, new_buffer, shared)
+            return self._winograd_product(image, bands, channels, new_buffer, shared, pooled)
         weight2d = weight.reshape(groups, (o_end - o_first) // groups, -1)
         rows = weight2d.shape[2] * groups
-        shifted = a["stride"] == (1, 1) and not self.pointwise
+        shifted = (a["stride"] == (1, 1) and not self.pointwise
+                   and image.shape[3] - conv_w <= SHIFTED_MAX_JUNK * image.shape[3])
         pitch = image.shape[3] if shifted else conv_w
 
         def positions(band):
@@ -549,7 +582,7 @@ class Conv2dLayer:
         tiles_w = tile_count(self.conv_shape[2])
         most = max(tile_rows * tiles_w * images for _, tile_rows, images in map(self._band_tiles, bands))
         v_buffer = new_buffer((36, in_channels + 1, self._tile_stride(most)))
-        blocks = [(block, new_buffer((6, 4 * tiles_w + 2))) for block in split_range(0, in_channels, parts)]
+        blocks = [(block, new_buffer(input_work_shape(tiles_w, most))) for block in split_range(0, in_channels, parts)]
         tasks = []
         for band in bands:
             tile_first, tile_rows, _ = self._band_tiles(band)
@@ -558,11 +591,13 @@ class Conv2dLayer:
                            for n in range(band[0], band[1])] for (c_first, c_end), work in blocks])
         return v_buffer, tasks
 
-    def _winograd_product(self, image, bands: list, channels: tuple, new_buffer, shared=None):
+    def _winograd_product(self, image, bands: list, channels: tuple, new_buffer, shared=None, pooled=None):
         """The product step of _product as Winograd F(4x4, 3x3): conv rows y_first..y_end-1 of the
         band's images into acc, pitch OW, from the tile rows that cover them (winograd.py), for output
         channels o_first..o_end-1 (U[:, o_first:o_end]: each of the 36 products reads its block).
         shared: V of _shared_winograd_input, which earlier steps fill: no input transform here.
+        winograd_pools: the output transform also max-pools each tile's 2x2 blocks, into `pooled`
+        (pitch OW / 2; no acc: 30-40% less time than the output transform and the pool step apart).
 
         V and M are [36, rows + 1, T'] buffers used as [36, rows, T]: the spare row and T' (16 times an
         odd number) keep the 36 planes off the same cache sets (with power-of-two plane strides the
@@ -576,15 +611,21 @@ class Conv2dLayer:
         stride = self._tile_stride(max(rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)))
         if shared is None:
             v_buffer = new_buffer((36, in_channels + 1, stride))
-            input_work = new_buffer((6, 4 * tiles_w + 2))      # the kernels' scratch rows (winograd.py)
+            input_work = new_buffer(input_work_shape(tiles_w, stride))      # the kernel's scratch (winograd.py)
         else:
             v_buffer = shared
+        skinny = [rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)
+                  if rows * tiles_w * images < WINOGRAD_MIN_TILES]
+        if skinny:
+            vt_buffer = new_buffer((36, -(-max(skinny) // 4) * 4, in_channels))
+            vt_buffer.fill(0.0)          # the rows past a band's tiles stay 0
         m_buffer = new_buffer((36, out_channels + 1, stride))
         output_work = new_buffer((40, stride))
-        acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
+        if not self.winograd_pools:
+            acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
 
         def product(band, steps):
-            n_first, n_end, _, _, y_first, y_end = band
+            n_first, n_end, out_first, out_end, y_first, y_end = band
             tile_first, tile_rows, images = self._band_tiles(band)
             per_image = tile_rows * tiles_w
             count = per_image * images
@@ -592,8 +633,17 @@ class Conv2dLayer:
                 for n in range(n_first, n_end):
                     steps.append(partial(winograd_input, image[n], 0, in_channels, tile_first, tile_rows,
                                          (n - n_first) * per_image, input_work, v_buffer))
-            steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],
-                                 out=m_buffer[:, :out_channels, :count]))
+            if count < WINOGRAD_MIN_TILES:
+                transposed = v_buffer[:, :in_channels, :count].transpose(0, 2, 1)
+                steps.append(partial(np.copyto, vt_buffer[:, :count], transposed))
+                steps.append(partial(skinny_products, self.winograd_weight, o_first, o_end, vt_buffer, count, m_buffer))
+            else:
+                steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],
+                                     out=m_buffer[:, :out_channels, :count]))
+            if self.winograd_pools:
+                steps.append(partial(winograd_output_pool2, m_buffer, 0, out_channels, images, per_image, tile_first,
+                                     conv_w, out_first, out_end, output_work, pooled))
+                return pooled, self.out_shape[2]
             steps.append(partial(winograd_output, m_buffer, 0, out_channels, images, per_image, tile_first, conv_h,
                                  conv_w, y_first, y_end, output_work, acc))
             return acc, conv_w

@@ -4,8 +4,10 @@ Same result as conv2d.py's columns + product (reference: formats/ops.py Conv2d.f
 multiplies per 4x4 output tile instead of 144 (4x fewer; F(2x2, 3x3), used before, saved 2.25x):
     U[k, o, c] = (G g[o, c] G^T)[k]                 weight [O, C, 3, 3] -> U [36, O, C], once per layer
     V[k, c, t] = (B^T d[c, t] B)[k]                 d = the tile's 6x6 input patch            (`winograd_input`)
-    M[k]       = U[k] @ V[k]                        36 BLAS products [O, C] x [C, T] (np.matmul)
+    M[k]       = U[k] @ V[k]                        36 BLAS products [O, C] x [C, T] (np.matmul), or
+                                                    for a few tiles, dot products (`skinny_products`)
     y[o, tile] = A^T M[:, o, t] A                   the tile's 4x4 outputs                    (`winograd_output`)
+                                                    or their 2x2 maxima (a 2x2/2 max-pool, `winograd_output_pool2`)
 with k = 6 * row + column of the 6x6 transform domain, tile t covering conv output rows 4ty..4ty+3
 and columns 4tx..4tx+3 from the padded input rows 4ty..4ty+5 and columns 4tx..4tx+5. Cells of a
 patch outside the padded input read as 0; outputs outside the conv output are not written. U is
@@ -21,7 +23,7 @@ the small late layers waste more of 6x6 tiles). The kernels read A^T and B^T as 
 BT32); tests/runtime/test_cpu_winograd.py checks them against the matrices and bounds the error
 against float64.
 
-Both kernels take a channel range (c_first..c_end of the input, o_first..o_end of the output) and
+The kernels take a channel range (c_first..c_end of the input, o_first..o_end of the output) and
 tile rows, so a caller may split one conv's transforms over threads by channels or by rows; the
 product splits by output rows of U (U[:, o_first:o_end]).
 """
@@ -33,13 +35,16 @@ from fractions import Fraction
 import numpy as np
 
 from lnn.runtime.cpu.aot import A2, A3, I
-from lnn.runtime.cpu.jit import kernel
+from lnn.runtime.cpu.jit import ieee_kernel, kernel
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
 AOT_SIGNATURES = {
     "winograd_input": (A3, I, I, I, I, I, A2, A3),
+    "skinny_products": (A3, I, I, A3, I, A3),
+    "tile_outputs": None,
     "winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
+    "winograd_output_pool2": (A3, I, I, I, I, I, I, I, I, A2, A2),
 }
 
 TILE = 4                        # outputs per tile side
@@ -79,18 +84,37 @@ def tile_count(size: int) -> int:
     return -(-size // TILE)
 
 
+# From this many tiles a row (TW), winograd_input's second step runs over all tile rows of a channel at
+# once (vectorized, after gathering each tile's 6 columns); on narrower rows tile by tile. 1 thread, a
+# C x H^2 input transform, ms, at once / tile by tile (its loop as now) / the kernel before (one loop
+# for both; medians of 600 interleaved calls, 2-core EPYC, shared): 16x64^2 0.186 / - / 0.242,
+# 16x112^2 0.54 / - / 0.79, 32x32^2 0.123 / - / 0.143; 64x16^2 (TW 4) 0.056 / 0.053 / 0.059, 192x8^2
+# (TW 2) 0.142 / 0.054 / 0.066.
+WHOLE_CHANNEL_MIN_TILES_W = 8
+
+
+def input_work_shape(tiles_w: int, tiles: int) -> tuple:
+    """The shape of winograd_input's scratch `work` for rows of tiles_w tiles and at most `tiles` per call."""
+    return 42, max(4 * tiles_w + 2, tiles)
+
+
 @kernel
 def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v):
     """image [C, HP, WP] (padded) -> v[:, c, column + (ty - tile_first) * TW + tx] for channels
     c_first..c_end-1, tile rows tile_first..tile_first+tile_rows-1 and all TW = tile_count(WP - 2)
-    tile columns; v [36, >= C, >= T], work [6, >= 4 * TW + 2] scratch (one per concurrent caller).
-    Per channel and tile row: E[k] = sum_i B^T[k, i] image row (4ty + i) (whole rows at once), then
-    v[6k + l, c, t] = sum_j B^T[l, j] E[k, 4tx + j]. Every inner loop reads at most 6 arrays rows and
-    writes one, so LLVM vectorizes it (its runtime alias checks stay under its limit of 8)."""
+    tile columns; v [36, >= C, >= T], work of input_work_shape (scratch, one per concurrent caller).
+    Per channel and tile row: E[k] = sum_i B^T[k, i] image row (4ty + i) (whole rows at once, into
+    work rows 0-5), then v[6k + l, c, t] = sum_j B^T[l, j] E[k, 4tx + j]: tile by tile, or, from
+    WHOLE_CHANNEL_MIN_TILES_W tiles a row, with E[k, 4tx + j] gathered into work row 6 + 6k + j at
+    column t, for all of the channel's tiles at once (the same sums in the same order: the same bytes).
+    Every inner loop reads at most 6 arrays rows and writes one, so LLVM vectorizes it (its runtime
+    alias checks stay under its limit of 8)."""
     _, padded_h, padded_w = image.shape
     tiles_w = (padded_w + 1) // 4                  # tile_count(WP - 2)
     span = 4 * tiles_w + 2                         # E's columns: past WP they stay 0
-    work[:, padded_w:span] = 0
+    whole_channel = tiles_w >= WHOLE_CHANNEL_MIN_TILES_W
+    count = tile_rows * tiles_w
+    work[:6, padded_w:span] = 0
     for c in range(c_first, c_end):
         plane = image[c]
         for ty in range(tile_first, tile_first + tile_rows):
@@ -109,6 +133,16 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
                         b, row = BT32[k, i], plane[y + i]
                         for x in range(padded_w):
                             e[x] += b * row[x]
+            if whole_channel:
+                t0 = (ty - tile_first) * tiles_w
+                for k in range(6):
+                    e = work[k]
+                    d0, d1, d2 = work[6 + 6 * k, t0:], work[7 + 6 * k, t0:], work[8 + 6 * k, t0:]
+                    d3, d4, d5 = work[9 + 6 * k, t0:], work[10 + 6 * k, t0:], work[11 + 6 * k, t0:]
+                    for tx in range(tiles_w):
+                        x = 4 * tx
+                        d0[tx], d1[tx], d2[tx], d3[tx], d4[tx], d5[tx] = e[x], e[x + 1], e[x + 2], e[x + 3], e[x + 4], e[x + 5]
+                continue
             t0 = column + (ty - tile_first) * tiles_w
             for k in range(6):
                 e = work[k]
@@ -118,6 +152,60 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
                     for l in range(6):
                         v[6 * k + l, c, t0 + tx] = (BT32[l, 0] * e0 + BT32[l, 1] * e1 + BT32[l, 2] * e2 + BT32[l, 3] * e3
                                                     + BT32[l, 4] * e4 + BT32[l, 5] * e5)
+        if whole_channel:
+            for k in range(6):
+                d0, d1, d2 = work[6 + 6 * k], work[7 + 6 * k], work[8 + 6 * k]
+                d3, d4, d5 = work[9 + 6 * k], work[10 + 6 * k], work[11 + 6 * k]
+                for l in range(6):
+                    a0, a1, a2, a3, a4, a5 = BT32[l, 0], BT32[l, 1], BT32[l, 2], BT32[l, 3], BT32[l, 4], BT32[l, 5]
+                    out = v[6 * k + l, c, column:column + count]
+                    for t in range(count):
+                        out[t] = a0 * d0[t] + a1 * d1[t] + a2 * d2[t] + a3 * d3[t] + a4 * d4[t] + a5 * d5[t]
+
+
+@ieee_kernel
+def skinny_products(u, o_first, o_end, vt, tiles, m):
+    """M[k, o - o_first, t] = sum over c of U[k, o, c] * V^T[k, t, c] for o_first <= o < o_end and tiles
+    t < `tiles` rounded up to 4: u [36, O, C] (all of U), vt [36, >= that, C] (V transposed; its rows
+    past `tiles` 0), m [36, >= o_end - o_first, >= that]. The 36 products of a band with few tiles
+    (conv2d.py WINOGRAD_MIN_TILES): BLAS packs each [O, C] block of U for a few columns; here
+    every U row is read once for 4 tiles, as sums in registers over C (vectorized: ieee_kernel)."""
+    channels = u.shape[2]
+    for k in range(36):
+        for o in range(o_first, o_end):
+            row, out = u[k, o], m[k, o - o_first]
+            for t in range(0, tiles, 4):
+                v0, v1, v2, v3 = vt[k, t], vt[k, t + 1], vt[k, t + 2], vt[k, t + 3]
+                s0 = s1 = s2 = s3 = np.float32(0)
+                for c in range(channels):
+                    w = row[c]
+                    s0 += w * v0[c]
+                    s1 += w * v1[c]
+                    s2 += w * v2[c]
+                    s3 += w * v3[c]
+                out[t], out[t + 1], out[t + 2], out[t + 3] = s0, s1, s2, s3
+
+
+@kernel
+def tile_outputs(m, o, count, work):
+    """m [36, >= O, >= T] -> work rows 24-39: Y[4a + b, t] = (A^T M[:, o, t] A)[a, b] for tiles t < count
+    of output channel o, over all tiles at once: S[4i + b] = sum_l A^T[b, l] m[6i + l] (M A, into
+    work rows 0-23), then Y[4a + b] = sum_i A^T[a, i] S[4i + b]."""
+    for i in range(6):
+        k = 6 * i
+        for b in range(4):
+            a0, a1, a2, a3, a4, a5 = AT32[b, 0], AT32[b, 1], AT32[b, 2], AT32[b, 3], AT32[b, 4], AT32[b, 5]
+            out = work[4 * i + b]
+            for t in range(count):
+                out[t] = (a0 * m[k, o, t] + a1 * m[k + 1, o, t] + a2 * m[k + 2, o, t] + a3 * m[k + 3, o, t]
+                          + a4 * m[k + 4, o, t] + a5 * m[k + 5, o, t])
+    for a in range(4):
+        a0, a1, a2, a3, a4, a5 = AT32[a, 0], AT32[a, 1], AT32[a, 2], AT32[a, 3], AT32[a, 4], AT32[a, 5]
+        for b in range(4):
+            out = work[24 + 4 * a + b]
+            for t in range(count):
+                out[t] = (a0 * work[b, t] + a1 * work[4 + b, t] + a2 * work[8 + b, t] + a3 * work[12 + b, t]
+                          + a4 * work[16 + b, t] + a5 * work[20 + b, t])
 
 
 @kernel
@@ -127,28 +215,12 @@ def winograd_output(m, o_first, o_end, images, tiles_per_image, tile_first, conv
     (image j, y, x) of the band's images j, rows y_first..y_end-1, at position (j * conv_h + y -
     y_first) * conv_w + x; tile t = j * tiles_per_image + (ty - tile_first) * TW + tx holds rows
     4ty..4ty+3 and columns 4tx..4tx+3. work [40, >= T] scratch (one per concurrent caller).
-    Per output channel, over all T tiles at once: S[4i + b] = sum_l A^T[b, l] m[6i + l] (M A), then
-    Y[4a + b] = sum_i A^T[a, i] S[4i + b] (A^T M A), then Y into acc tile row by tile row."""
+    Per output channel: tile_outputs, then Y into acc tile row by tile row."""
     tiles_w = (conv_w + 3) // 4                    # tile_count(conv_w)
     tile_rows = tiles_per_image // tiles_w
-    count = images * tiles_per_image
     full_w = conv_w // 4                           # tiles with all 4 columns inside
     for o in range(o_first, o_end):
-        for i in range(6):
-            k = 6 * i
-            for b in range(4):
-                a0, a1, a2, a3, a4, a5 = AT32[b, 0], AT32[b, 1], AT32[b, 2], AT32[b, 3], AT32[b, 4], AT32[b, 5]
-                out = work[4 * i + b]
-                for t in range(count):
-                    out[t] = (a0 * m[k, o, t] + a1 * m[k + 1, o, t] + a2 * m[k + 2, o, t] + a3 * m[k + 3, o, t]
-                              + a4 * m[k + 4, o, t] + a5 * m[k + 5, o, t])
-        for a in range(4):
-            a0, a1, a2, a3, a4, a5 = AT32[a, 0], AT32[a, 1], AT32[a, 2], AT32[a, 3], AT32[a, 4], AT32[a, 5]
-            for b in range(4):
-                out = work[24 + 4 * a + b]
-                for t in range(count):
-                    out[t] = (a0 * work[b, t] + a1 * work[4 + b, t] + a2 * work[8 + b, t] + a3 * work[12 + b, t]
-                              + a4 * work[16 + b, t] + a5 * work[20 + b, t])
+        tile_outputs(m, o, images * tiles_per_image, work)
         target = acc[o]
         for j in range(images):
             for row in range(tile_rows):
@@ -161,3 +233,41 @@ def winograd_output(m, o_first, o_end, images, tiles_per_image, tile_first, conv
                         line[4 * tx], line[4 * tx + 1], line[4 * tx + 2], line[4 * tx + 3] = y0[tx], y1[tx], y2[tx], y3[tx]
                     for x in range(4 * full_w, conv_w):
                         line[x] = work[24 + 4 * a + x % 4, t0 + x // 4]
+
+
+@kernel
+def winograd_output_pool2(m, o_first, o_end, images, tiles_per_image, tile_first, conv_w, out_first, out_end,
+                          work, pooled):
+    """winograd_output followed by the 2x2/2 unpadded max-pool, without acc: pooled [O, positions] gets
+    output row py, column px of the band's image j (rows out_first..out_end-1, out_w = conv_w // 2
+    columns) at (j * (out_end - out_first) + py - out_first) * out_w + px, the max of conv outputs
+    (2py + dy, 2px + dx) in max_pool_2x2_rows' order (the same bytes). Tile ty holds pooled rows 2ty,
+    2ty + 1: per output channel, tile_outputs, then each tile's 4 maxima over all tiles at once (work
+    rows 0-3: P[2pa + pb] for pooled (2ty + pa, 2tx + pb)), then P into pooled tile row by tile row."""
+    tiles_w = (conv_w + 3) // 4
+    tile_rows = tiles_per_image // tiles_w
+    count = images * tiles_per_image
+    out_w = conv_w // 2
+    full_w = out_w // 2                            # tiles with both pooled columns inside
+    band_rows = out_end - out_first
+    for o in range(o_first, o_end):
+        tile_outputs(m, o, count, work)
+        for pa in range(2):
+            for pb in range(2):
+                top, bottom = work[24 + 8 * pa + 2 * pb], work[28 + 8 * pa + 2 * pb]
+                top_right, bottom_right = work[25 + 8 * pa + 2 * pb], work[29 + 8 * pa + 2 * pb]
+                out = work[2 * pa + pb]
+                for t in range(count):
+                    out[t] = max(max(top[t], top_right[t]), max(bottom[t], bottom_right[t]))
+        target = pooled[o]
+        for j in range(images):
+            for row in range(tile_rows):
+                py0 = 2 * (tile_first + row)
+                t0 = j * tiles_per_image + row * tiles_w
+                for pa in range(max(0, out_first - py0), min(2, out_end - py0)):
+                    line = target[(j * band_rows + py0 + pa - out_first) * out_w:]
+                    left, right = work[2 * pa, t0:], work[2 * pa + 1, t0:]
+                    for tx in range(full_w):
+                        line[2 * tx], line[2 * tx + 1] = left[tx], right[tx]
+                    for x in range(2 * full_w, out_w):
+                        line[x] = work[2 * pa + x % 2, t0 + x // 2]

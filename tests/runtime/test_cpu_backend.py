@@ -249,8 +249,9 @@ def test_non_monotone_activation_before_max_pool_matches_onnxruntime(tmp_path):
 
 
 def test_conv_algorithm_choice():
-    """"auto" runs Winograd for 3x3 stride-1 ungrouped convs with enough inputs and output tiles; a
-    layer's "algorithm" overrides it where Winograd applies, and is ignored where it does not (stride 2)."""
+    """"auto" runs Winograd for 3x3 stride-1 ungrouped convs with enough inputs and output tiles (fewer
+    when all are whole); a layer's "algorithm" overrides it where Winograd applies, and is ignored
+    where it does not (stride 2)."""
     from lnn.runtime.cpu.conv2d import WINOGRAD_MIN_CHANNELS
 
     def uses_winograd(channels, size=12, **attrs):
@@ -259,8 +260,10 @@ def test_conv_algorithm_choice():
 
     assert uses_winograd(WINOGRAD_MIN_CHANNELS, padding=1)                  # 3 x 3 tiles
     assert not uses_winograd(WINOGRAD_MIN_CHANNELS - 1, padding=1)
-    assert not uses_winograd(WINOGRAD_MIN_CHANNELS, size=8, padding=1)      # 2 x 2 tiles
-    assert uses_winograd(WINOGRAD_MIN_CHANNELS, size=8, padding=1, algorithm="winograd")
+    assert uses_winograd(WINOGRAD_MIN_CHANNELS, size=8, padding=1)          # 2 x 2 whole tiles
+    assert not uses_winograd(WINOGRAD_MIN_CHANNELS, size=6, padding=1)      # 2 x 2 tiles, 36 of 64 cells used
+    assert not uses_winograd(WINOGRAD_MIN_CHANNELS, size=4, padding=1)      # 1 tile
+    assert uses_winograd(WINOGRAD_MIN_CHANNELS, size=6, padding=1, algorithm="winograd")
     assert not uses_winograd(WINOGRAD_MIN_CHANNELS, padding=1, algorithm="im2col")
     assert uses_winograd(3, algorithm="winograd")
     assert not uses_winograd(3, algorithm="winograd", stride=2)

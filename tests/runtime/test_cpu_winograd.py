@@ -14,9 +14,11 @@ from lnn.formats.model import parse_model
 ERROR_BOUND = 1e-5
 
 # (batch, in channels, height, width, out channels, padding): odd sizes, outputs narrower than a
-# tile, many channels, padding 0-2
+# tile, many channels, padding 0-2, 4 tiles with many channels (skinny_products)
 CASES = [(1, 16, 9, 11, 7, 1), (2, 67, 13, 6, 33, 0), (1, 20, 5, 3, 5, 1), (3, 24, 17, 19, 40, 2),
          (1, 130, 8, 8, 9, 1), (1, 16, 4, 21, 12, 0)]
+SKINNY_CASE = (1, 128, 8, 8, 260, 1)        # 4 tiles: skinny_products, also when cut in 2 by channels
+CASES.append(SKINNY_CASE)
 
 
 def conv64(x, weight, padding):
@@ -57,18 +59,24 @@ def test_transforms_are_exact_in_float64():
             np.testing.assert_allclose(winograd, direct, rtol=0, atol=1e-12)
 
 
-def test_kernels_compute_the_matrices():
-    """One full tile and one past the image's edge through winograd_input; random M through winograd_output."""
-    from lnn.runtime.cpu.winograd import AT, BT, winograd_input, winograd_output
+@pytest.mark.parametrize("width", [9, 37])       # 2 tiles a row: tile by tile; 9: a channel's tiles at once
+def test_kernels_compute_the_matrices(width):
+    """Full tiles and tiles past the image's bottom and right edges through winograd_input; random M
+    through winograd_output."""
+    from lnn.runtime.cpu.winograd import (AT, BT, WHOLE_CHANNEL_MIN_TILES_W, input_work_shape, winograd_input,
+                                          winograd_output)
 
     rng = np.random.default_rng(1)
-    image = rng.standard_normal((2, 6, 9)).astype(np.float32)            # tiles: columns 0-5 and 4-9 (9 is past)
-    v = np.zeros((36, 2, 2), np.float32)
-    winograd_input(image, 0, 2, 0, 1, 0, np.zeros((6, 10), np.float32), v)
-    padded = np.pad(image.astype(np.float64), ((0, 0), (0, 0), (0, 1)))
+    tiles_w = (width + 1) // 4
+    assert (tiles_w >= WHOLE_CHANNEL_MIN_TILES_W) == (width > 9)
+    image = rng.standard_normal((2, 9, width)).astype(np.float32)        # tile rows 0-5 and 4-9 (9 is past)
+    v = np.zeros((36, 2, 2 * tiles_w), np.float32)
+    winograd_input(image, 0, 2, 0, 2, 0, np.zeros(input_work_shape(tiles_w, 2 * tiles_w), np.float32), v)
+    padded = np.pad(image.astype(np.float64), ((0, 0), (0, 1), (0, 4 * tiles_w + 2 - width)))
     for c in range(2):
-        for t, x in enumerate((0, 4)):
-            expected = BT @ padded[c, :, x:x + 6] @ BT.T
+        for t in range(2 * tiles_w):
+            y, x = 4 * (t // tiles_w), 4 * (t % tiles_w)
+            expected = BT @ padded[c, y:y + 6, x:x + 6] @ BT.T
             np.testing.assert_allclose(v[:, c, t], expected.ravel(), rtol=0, atol=1e-5 * np.abs(expected).max())
     m = rng.standard_normal((36, 3, 2)).astype(np.float32)
     acc = np.zeros((3, 4 * 7), np.float32)
@@ -88,6 +96,12 @@ def test_winograd_matches_float64_convolution(case):
     backend, got = one_conv(x, weight, padding, "winograd")
     assert backend.layers[0].winograd
     check_bound(got, x, weight, padding)
+    if case == SKINNY_CASE:
+        from lnn.runtime.cpu.parallel import all_steps
+        from lnn.runtime.cpu.winograd import skinny_products
+
+        steps = all_steps(backend._plan(batch, backend.threads).steps)
+        assert skinny_products in [getattr(step, "func", None) for step in steps]
 
 
 def test_winograd_in_row_bands_matches_float64(monkeypatch):
@@ -110,24 +124,27 @@ def test_winograd_in_row_bands_matches_float64(monkeypatch):
     check_bound(got, x, weight, 1)
 
 
-def test_winograd_kernels_split_by_channels_and_rows():
+@pytest.mark.parametrize("width", [14, 38])      # conv 12 or 36 wide: 3 tiles a row (tile by tile) or 9 (at once)
+def test_winograd_kernels_split_by_channels_and_rows(width):
     """What a caller splitting one conv over threads does: channel ranges and tile-row ranges give the same V and acc."""
-    from lnn.runtime.cpu.winograd import tile_count, winograd_input, winograd_output
+    from lnn.runtime.cpu.winograd import input_work_shape, tile_count, winograd_input, winograd_output
 
     rng = np.random.default_rng(3)
-    image = rng.standard_normal((10, 15, 14)).astype(np.float32)        # conv 13 x 12: 4 x 3 tiles
-    tiles_w, tile_rows = tile_count(12), tile_count(13)
+    image = rng.standard_normal((10, 15, width)).astype(np.float32)     # conv 13 high: 4 tile rows
+    tiles_w, tile_rows = tile_count(width - 2), tile_count(13)
     count = tiles_w * tile_rows
     whole, split = np.zeros((36, 10, count), np.float32), np.zeros((36, 10, count), np.float32)
-    winograd_input(image, 0, 10, 0, tile_rows, 0, np.zeros((6, 4 * tiles_w + 2), np.float32), whole)
+    winograd_input(image, 0, 10, 0, tile_rows, 0, np.zeros(input_work_shape(tiles_w, count), np.float32), whole)
     for c_first, c_end, first, rows in ((0, 4, 0, 2), (0, 4, 2, 2), (4, 10, 0, 4)):
-        winograd_input(image, c_first, c_end, first, rows, first * tiles_w, np.zeros((6, 14), np.float32), split)
+        work = np.zeros(input_work_shape(tiles_w, rows * tiles_w), np.float32)
+        winograd_input(image, c_first, c_end, first, rows, first * tiles_w, work, split)
     np.testing.assert_array_equal(split, whole)
     m = rng.standard_normal((36, 5, count)).astype(np.float32)
-    acc_whole, acc_split = np.zeros((5, 13 * 12), np.float32), np.zeros((5, 13 * 12), np.float32)
-    winograd_output(m, 0, 5, 1, count, 0, 13, 12, 0, 13, np.zeros((40, count), np.float32), acc_whole)
+    conv_w = width - 2
+    acc_whole, acc_split = np.zeros((5, 13 * conv_w), np.float32), np.zeros((5, 13 * conv_w), np.float32)
+    winograd_output(m, 0, 5, 1, count, 0, 13, conv_w, 0, 13, np.zeros((40, count), np.float32), acc_whole)
     for o_first, o_end in ((0, 2), (2, 5)):
-        winograd_output(m, o_first, o_end, 1, count, 0, 13, 12, 0, 13, np.zeros((40, count), np.float32), acc_split)
+        winograd_output(m, o_first, o_end, 1, count, 0, 13, conv_w, 0, 13, np.zeros((40, count), np.float32), acc_split)
     np.testing.assert_array_equal(acc_split, acc_whole)
 
 
@@ -191,3 +208,27 @@ def test_winograd_weight_is_packed_at_load_after_batch_norm_folding():
     np.testing.assert_array_equal(layer.winograd_weight, transformed_weight(layer.weight))     # the folded weight
     x = rng.standard_normal((2, 16, 10, 9)).astype(np.float32)
     np.testing.assert_allclose(backend.run(x), NumpyBackend(model, weights).run(x), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("conv_h, conv_w", [(13, 10), (16, 36)])
+def test_output_with_pool_is_output_then_pool(conv_h, conv_w):
+    """winograd_output_pool2 gives the bytes of winograd_output then max_pool_2x2_rows, for two images
+    and for a band of tile rows starting below the first (odd sizes: the last row and column dropped)."""
+    from lnn.runtime.cpu.conv2d import max_pool_2x2_rows
+    from lnn.runtime.cpu.winograd import tile_count, winograd_output, winograd_output_pool2
+
+    rng = np.random.default_rng(4)
+    tiles_w, tile_rows = tile_count(conv_w), tile_count(conv_h)
+    out_h, out_w = conv_h // 2, conv_w // 2
+    for images, tile_first, out_first, out_end in ((2, 0, 0, out_h), (1, 1, 2, out_h)):
+        per_image = (tile_rows - tile_first) * tiles_w
+        m = rng.standard_normal((36, 3, images * per_image)).astype(np.float32)
+        y_first, y_end = 2 * out_first, conv_h
+        acc = np.zeros((3, images * conv_h * conv_w), np.float32)
+        work = np.zeros((40, images * per_image), np.float32)
+        winograd_output(m, 0, 3, images, per_image, tile_first, conv_h, conv_w, y_first, y_end, work, acc)
+        expected = np.zeros((3, images * (out_end - out_first) * out_w), np.float32)
+        max_pool_2x2_rows(acc, conv_w, y_first, conv_h, images, expected, out_first, out_end, out_w)
+        got = np.full_like(expected, np.nan)
+        winograd_output_pool2(m, 0, 3, images, per_image, tile_first, conv_w, out_first, out_end, work, got)
+        np.testing.assert_array_equal(got, expected)
