@@ -154,7 +154,8 @@ class Plan:
         for node, layer in zip(self.model.nodes, self.layers):
             if node.op == "conv2d" and conv_gemm.supported(node.attrs):
                 layer.use_implicit_gemm(self.compute_dtype)
-                self.conv_scratch += conv_gemm.scratch_bytes(node.attrs, node.in_shape, node.out_shape)
+                self.conv_scratch += conv_gemm.scratch_bytes(node.attrs, node.in_shape, node.out_shape,
+                                                            self.compute_dtype)
 
     def _fold_final_softmax(self):
         """With cross-entropy the loss takes the logits: a trailing softmax is skipped in training."""

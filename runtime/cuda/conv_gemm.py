@@ -769,6 +769,12 @@ def uses_halo(attrs: dict) -> bool:
     return tuple(attrs["kernel_size"]) == (3, 3)
 
 
+def uses_halo_weight_gradient(attrs: dict, channels: int) -> bool:
+    """Whether such a conv2d's weight gradient is lnn_conv3x3_wgrad_mma too: from 16 input channels (with
+    fewer, most of its 16-channel block would idle; the gather kernel runs it)."""
+    return uses_halo(attrs) and channels >= 16
+
+
 def arranged_elements(rows: int, sums: int) -> int:
     """Size of lnn_conv3x3_arrange's [rows, ceil(sums/16), 9, 16]."""
     return rows * ceil_div(sums, 16) * 144
@@ -820,19 +826,24 @@ def chunking(columns: int, limit: int) -> tuple:
     return chunk, ceil_div(columns, chunk)
 
 
-def scratch_bytes(attrs: dict, in_shape, out_shape) -> int:
-    """Device bytes a ConvKernels holds besides the plan's pool (tables, flipped weight, partial sums)."""
+def scratch_bytes(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
+    """Device bytes a training ConvKernels of `dtype` holds besides the plan's pool: the window tables, the
+    flipped (or, for the halo kernels, arranged) weights and the weight gradient's partial sums. float16
+    is counted as on a card with tensor cores (compute capability 8.0+)."""
     channels, out_channels = in_shape[0], out_shape[0]
     kh, kw = attrs["kernel_size"]
     reduction = channels * kh * kw
-    tables = 4 * 3 * reduction + 4 * 3 * out_channels * kh * kw
-    weights = 4 * out_channels * reduction
-    partial = partial_elements(out_channels, reduction, attrs["bias"])
-    if uses_halo(attrs):                           # float16 on tensor cores: arranged weights, halo chunks
-        weights = max(weights, 2 * (arranged_elements(out_channels, channels) + arranged_elements(channels, out_channels)))
-        partial = max(partial, partial_elements(out_channels, reduction, attrs["bias"],
-                                                halo_max_chunks(channels, out_channels)))
-    return tables + weights + 4 * partial
+    itemsize = np.dtype(dtype).itemsize
+    halo = np.dtype(dtype) == np.float16 and uses_halo(attrs)
+    if halo:
+        tables = 4 * 3 * reduction
+        weights = itemsize * (arranged_elements(out_channels, channels) + arranged_elements(channels, out_channels))
+    else:
+        tables = 4 * 3 * reduction + 4 * 3 * out_channels * kh * kw
+        weights = itemsize * out_channels * reduction
+    chunks = (halo_max_chunks(channels, out_channels) if halo and uses_halo_weight_gradient(attrs, channels)
+              else max_chunks(out_channels, reduction, attrs["bias"]))
+    return tables + weights + 4 * partial_elements(out_channels, reduction, attrs["bias"], chunks)
 
 
 _MODULE = None
@@ -888,7 +899,7 @@ class ConvKernels:
         module = _module()
         self.tensor_cores = dtype == np.float16 and tensor_cores()
         self.halo = self.tensor_cores and uses_halo(attrs)
-        self.halo_wgrad = self.halo and self.channels >= 16       # fewer channels: most of a 16-channel block idles
+        self.halo_wgrad = self.halo and uses_halo_weight_gradient(attrs, self.channels)
         if self.halo:
             self._halo = {(bm, tile): module.get_function(f"lnn_conv3x3_mma<{bm}, {tile[0]}, {tile[1]}, {tile[2]}>")
                           for bm in FORWARD_TILES for tile in HALO_TILES}
