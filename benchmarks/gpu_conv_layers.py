@@ -16,6 +16,7 @@ import cupy
 import numpy as np
 
 from lnn.runtime.cuda import conv_gemm
+from report import cuda_event_ms
 
 LAYERS = [(3, 128, 24), (24, 64, 48), (48, 32, 96), (96, 16, 192), (192, 8, 384)]
 ATTRS = {"kernel_size": (3, 3), "stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1,
@@ -23,17 +24,6 @@ ATTRS = {"kernel_size": (3, 3), "stride": (1, 1), "padding": (1, 1), "dilation":
 VARIANTS = [("fp32", np.float32, {}), ("fp16 cuda cores", np.float16, {"tensor_cores": lambda: False}),
             ("fp16 mma gather", np.float16, {"uses_halo": lambda attrs: False}), ("fp16 mma halo", np.float16, {})]
 REPEATS = 30
-
-
-def gpu_ms(fn) -> float:
-    fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(REPEATS):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) / REPEATS
 
 
 def lnn_layer(dtype, overrides: dict, batch: int, channels: int, size: int, out_channels: int) -> tuple:
@@ -49,9 +39,9 @@ def lnn_layer(dtype, overrides: dict, batch: int, channels: int, size: int, out_
         dy = rng.standard_normal((batch, out_channels, size, size), dtype=np.float32).astype(dtype)
         y, dx, dweight = cupy.empty_like(dy), cupy.empty_like(x), cupy.empty_like(weight)
         kernels = conv_gemm.ConvKernels(ATTRS, (channels, size, size), (out_channels, size, size), dtype=dtype)
-        return (gpu_ms(lambda: kernels.forward(x, weight, None, y)),
-                gpu_ms(lambda: kernels.weight_gradient(dy, x, dweight, None, False)),
-                gpu_ms(lambda: kernels.input_gradient(dy, weight, dx)))
+        return (cuda_event_ms(lambda: kernels.forward(x, weight, None, y), REPEATS),
+                cuda_event_ms(lambda: kernels.weight_gradient(dy, x, dweight, None, False), REPEATS),
+                cuda_event_ms(lambda: kernels.input_gradient(dy, weight, dx), REPEATS))
     finally:
         for name, value in saved.items():
             setattr(conv_gemm, name, value)

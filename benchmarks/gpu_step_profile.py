@@ -27,6 +27,7 @@ def description_of(model_name: str) -> dict:
 
 def lnn_profile(model_name: str, batch: int, algorithm: str, amp: bool, reps: int = 10):
     import cupy
+    from report import cuda_event_ms
 
     from lnn.train.layers import Call
     from lnn.train.trainer import Trainer
@@ -43,16 +44,6 @@ def lnn_profile(model_name: str, batch: int, algorithm: str, amp: bool, reps: in
     for _ in range(3):
         trainer.step(x, y)
 
-    def timed(function):
-        function()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(reps):
-            function()
-        end.record()
-        end.synchronize()
-        return cupy.cuda.get_elapsed_time(start, end) / reps
-
     views = plan.views(batch)
     rows = []
     for i, layer in enumerate(plan.layers):
@@ -60,10 +51,10 @@ def lnn_profile(model_name: str, batch: int, algorithm: str, amp: bool, reps: in
             continue
         call = Call(cupy, key=0, index=plan.dropout_index, **views["calls"][i])
         label = f"{i}:{plan.model.nodes[i].op}"
-        rows.append((f"fwd {label}", timed(lambda: layer.run_forward(call, True))))
+        rows.append((f"fwd {label}", cuda_event_ms(lambda: layer.run_forward(call, True), reps)))
         if plan.runs_backward[i]:
-            rows.append((f"bwd {label}", timed(lambda: layer.run_backward(call))))
-    rows.append(("optimizer", timed(lambda: trainer.optimizer.update(plan.grads, 0.0))))
+            rows.append((f"bwd {label}", cuda_event_ms(lambda: layer.run_backward(call), reps)))
+    rows.append(("optimizer", cuda_event_ms(lambda: trainer.optimizer.update(plan.grads, 0.0), reps)))
     total = sum(ms for _, ms in rows)
     print(f"\n== lnn {model_name} batch {batch}{' amp' if amp else ''} ({algorithm}): sum {total:.3f} ms; "
           f"pool {cupy.get_default_memory_pool().total_bytes() / 2**20:.0f} MiB")

@@ -34,6 +34,21 @@ def call_times(function, warmup: int, at_least: int, seconds: float, at_most: in
     return times
 
 
+def cuda_event_ms(function, repeats: int) -> float:
+    """Mean GPU ms of function() over `repeats` calls after one untimed call, between two CUDA events on the
+    current stream (imports CuPy)."""
+    import cupy
+
+    function()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(repeats):
+        function()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / repeats
+
+
 def machine_line(packages=("numpy", "numba", "onnxruntime")) -> str:
     cpu = platform.processor() or platform.machine()
     try:
