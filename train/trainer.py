@@ -600,7 +600,8 @@ class Trainer:
                     correct += result.correct
                     rows_done += result.rows
                     labelled_done += result.labelled
-                    norms.append(result.grad_norm)
+                    if not result.skipped:          # an overflowed amp step's norm is inf: not a gradient
+                        norms.append(result.grad_norm)
                     bar.update(result.rows)
                 pending = []
                 postfix = {"loss": f"{loss_sum / rows_done:.4f}", "img/s": f"{rows_done / (time.perf_counter() - started):.0f}"}
@@ -611,7 +612,8 @@ class Trainer:
                 bar.set_postfix(postfix)
         seconds = time.perf_counter() - started
         entry = {"epoch": epoch, "train_loss": loss_sum / rows_done, "lr": self.lr, "epoch_s": round(seconds, 3),
-                 "images_per_s": round(rows_done / seconds, 1), "grad_norm": float(np.mean(norms))}
+                 "images_per_s": round(rows_done / seconds, 1),
+                 "grad_norm": float(np.mean(norms)) if norms else None}
         if self.model.loss == "cross_entropy":
             entry["train_accuracy"] = correct / max(labelled_done, 1)
         if self.amp:

@@ -86,6 +86,33 @@ def test_amp_trains_and_counts_overflows():
     np.testing.assert_allclose(trainer.predict(x[:8]), reference.predict(x_host[:8]), rtol=0.05, atol=0.05)
 
 
+def test_amp_run_with_overflowed_steps_writes_readable_files(tmp_path):
+    """An epoch whose amp steps overflow (grad norm inf) must still write strict-JSON metrics and checkpoints
+    that read back: the H200 run of the bundled recipe lost its model.bin to an Infinity in best.npz."""
+    import json
+
+    from lnn.train import ArrayDataset
+    from lnn.train.checkpoint import read_checkpoint
+
+    model = load_model(EXAMPLES / "reference" / "mnist_cnn.json")
+    rng = np.random.default_rng(4)
+    data = ArrayDataset(rng.integers(0, 256, (128, 1, 28, 28), dtype=np.uint8), np.arange(128) % 10)
+    trainer = Trainer(model, device="cuda", batch_size=64, amp=True, log=lambda *a: None)
+    trainer._amp_state[0] = 2.0 ** 40                 # every fp16 gradient overflows until the scale comes down
+    history = trainer.fit(data, data, epochs=2, out_dir=tmp_path / "run", progress=False)
+    assert history[0]["overflow_steps"] == 2 and history[0]["grad_norm"] is None
+
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds {constant}")
+
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line, parse_constant=refuse)["epoch"] for line in lines] == [1, 2]
+    for name in ("best.npz", "checkpoint.npz"):
+        meta, _, _ = read_checkpoint(tmp_path / "run" / name)
+        assert len(meta["history"]) >= 1
+    assert (tmp_path / "run" / "model.bin").stat().st_size > 0
+
+
 def test_memmap_data_through_pinned_prefetch(tmp_path):
     model = load_model(EXAMPLES / "reference" / "mnist_mlp.json")
     rng = np.random.default_rng(3)
