@@ -12,8 +12,8 @@ maxpool2d: x [N, C, H, W] -> y [N, C, OH, OW], max over the window's cells insid
     training the winning offset; maxpool2d_backward routes dy back through it (the one max pool of the GPU).
 channel_affine: batch norm's y = x * scale[c] + shift[c]; batchnorm_input_gradient: its dx;
     batchnorm_statistics / batchnorm_gradient_sums: its per-channel bookkeeping around them.
-lstm_cell_forward / lstm_cell_backward: one lstm time step's gate arithmetic over [N, H] (runtime/cuda/recurrent.py
-    holds the step loop, its GEMMs and the reference arithmetic these replace on the GPU).
+lstm_step_forward / lstm_step_backward: one lstm time step, its recurrent product and gate arithmetic over [N, H]
+    (runtime/cuda/recurrent.py holds the step loop, the input-projection GEMMs and the reference these replace).
 The window, im2col and batch-norm kernels take float32 or float16 (amp), computing in float32; the
 trainer's kernels (train/kernels.py) call them on CuPy when `fits`, so training and inference share them.
 `i` and `n` are reserved names in ElementwiseKernel bodies. Importing this module imports CuPy; the
@@ -300,52 +300,153 @@ batchnorm_gradient_sums = cupy.ElementwiseKernel(
     "mean_dy_xhat = sum_dy_xhat / (float)count;",
     "lnn_batchnorm_gradient_sums")
 
-# lstm, one time step, element (row, j) of [N, H]; gates [N, 4H] in blocks i, f, g, o; sigmoid as 0.5 + 0.5 tanh(a / 2).
-# forward: a = gates + hw (hw = h_prev @ W_hh^T; both 0 on a direction's first step) -> gates = the activated
-#   i, f, g, o (saved for the backward); c = i g + f c_prev; h = o tanh(c)
-_lstm_cell_forward = cupy.ElementwiseKernel(
-    "raw T hw, raw T c_prev, int64 hidden, int32 first", "raw T gates, T c, T h",
-    "const long long base = (i / hidden) * 4 * hidden + i % hidden;"
-    "float a[4];"
-    "for (int k = 0; k < 4; ++k) a[k] = (float)gates[base + k * hidden] + (first ? 0.0f : (float)hw[base + k * hidden]);"
-    "const float in_gate = 0.5f + 0.5f * tanhf(0.5f * a[0]), forget = 0.5f + 0.5f * tanhf(0.5f * a[1]);"
-    "const float cand = tanhf(a[2]), out_gate = 0.5f + 0.5f * tanhf(0.5f * a[3]);"
-    "gates[base] = (T)in_gate; gates[base + hidden] = (T)forget;"
-    "gates[base + 2 * hidden] = (T)cand; gates[base + 3 * hidden] = (T)out_gate;"
-    "const float cell = in_gate * cand + (first ? 0.0f : forget * (float)c_prev[i]);"
-    "c = (T)cell; h = (T)(out_gate * tanhf(cell));",
-    "lnn_lstm_cell_forward")
+# lstm, one time step with its recurrent product, in one launch; gates [N, 4H] in blocks i, f, g, o; W_hh [4H, H];
+# sigmoid as 0.5 + 0.5 tanh(a / 2). A block of 256 threads owns 8 rows x 8 hidden units; 4 threads share each
+# (row, unit), each summing every 4th term of the product (float32), joined by warp shuffles; the product's
+# inner dimension passes through shared memory in chunks (the 4-float pad keeps the 32 banks apart).
+# forward: a = gates + h_prev @ W_hh^T (gates hold the input projection; no product on a direction's first step)
+#   -> gates = the activated i, f, g, o (saved for the backward); c = i g + f c_prev; h = o tanh(c)
+# backward: dh = dh_out[:, offset:offset + H] (the step's output gradient, [N, D*H]) + dgates_after @ W_hh (the
+#   step after in time, none on the first step walked), dc carried from the step after -> dgates (pre-
+#   activation) and dc for the step before: dc += dh o (1 - tanh(c)^2); da_i = dc g i (1 - i);
+#   da_f = dc c_prev f (1 - f) (0 on a direction's first step); da_g = dc i (1 - g^2); da_o = dh tanh(c) o (1 - o);
+#   dc = dc f
+_LSTM_SOURCE = CONVERSIONS + r"""
+constexpr int LSTM_ROWS = 8, LSTM_UNITS = 8, LSTM_SPLIT = 4, LSTM_THREADS = LSTM_ROWS * LSTM_UNITS * LSTM_SPLIT;
 
-# backward: dh (this step's total), dc carried from the step after -> dgates (pre-activation) and dc for the
-# step before: dc += dh o (1 - tanh(c)^2); da_i = dc g i (1 - i); da_f = dc c_prev f (1 - f) (0 on the first
-# step); da_g = dc i (1 - g^2); da_o = dh tanh(c) o (1 - o); dc = dc f
-_lstm_cell_backward = cupy.ElementwiseKernel(
-    "raw T gates, T c, raw T c_prev, T dh, int64 hidden, int32 first", "T dc, raw T dgates",
-    "const long long base = (i / hidden) * 4 * hidden + i % hidden;"
-    "const float in_gate = (float)gates[base], forget = (float)gates[base + hidden];"
-    "const float cand = (float)gates[base + 2 * hidden], out_gate = (float)gates[base + 3 * hidden];"
-    "const float tc = tanhf((float)c), grad_h = (float)dh;"
-    "const float grad_c = (float)dc + grad_h * out_gate * (1.0f - tc * tc);"
-    "dgates[base] = (T)(grad_c * cand * in_gate * (1.0f - in_gate));"
-    "dgates[base + hidden] = first ? (T)0.0f : (T)(grad_c * (float)c_prev[i] * forget * (1.0f - forget));"
-    "dgates[base + 2 * hidden] = (T)(grad_c * in_gate * (1.0f - cand * cand));"
-    "dgates[base + 3 * hidden] = (T)(grad_h * tc * out_gate * (1.0f - out_gate));"
-    "dc = (T)(grad_c * forget);",
-    "lnn_lstm_cell_backward")
+__device__ __forceinline__ float lnn_split_sum(float v) {          // the 4 lanes of one (row, unit)
+    v += __shfl_down_sync(0xffffffffu, v, 2);
+    return v + __shfl_down_sync(0xffffffffu, v, 1);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(LSTM_THREADS) lnn_lstm_step_forward(
+        T* __restrict__ gates, const T* __restrict__ h_prev, const T* __restrict__ w_hh, const T* __restrict__ c_prev,
+        T* __restrict__ c, T* __restrict__ h, int rows, int hidden, int first) {
+    constexpr int CHUNK = 128, STRIDE = CHUNK + 4;
+    __shared__ float h_tile[LSTM_ROWS][CHUNK];
+    __shared__ float w_tile[4 * LSTM_UNITS][STRIDE];                // row k * LSTM_UNITS + unit: gate k's W_hh row
+    const int t = threadIdx.x, r = t / 32, u = t / LSTM_SPLIT % LSTM_UNITS, s = t % LSTM_SPLIT;
+    const int row0 = blockIdx.y * LSTM_ROWS, unit0 = blockIdx.x * LSTM_UNITS, n = row0 + r, j = unit0 + u;
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int m0 = 0; !first && m0 < hidden; m0 += CHUNK) {
+        #pragma unroll 4
+        for (int e = t; e < 4 * LSTM_UNITS * CHUNK; e += LSTM_THREADS) {
+            const int row = e / CHUNK, m = e % CHUNK, k = row / LSTM_UNITS, unit = unit0 + row % LSTM_UNITS;
+            w_tile[row][m] = unit < hidden && m0 + m < hidden
+                ? lnn_load(w_hh[(long long)(k * hidden + unit) * hidden + m0 + m]) : 0.0f;
+        }
+        #pragma unroll
+        for (int e = t; e < LSTM_ROWS * CHUNK; e += LSTM_THREADS) {
+            const int row = row0 + e / CHUNK, m = e % CHUNK;
+            h_tile[e / CHUNK][m] = row < rows && m0 + m < hidden ? lnn_load(h_prev[(long long)row * hidden + m0 + m]) : 0.0f;
+        }
+        __syncthreads();
+        #pragma unroll 8
+        for (int m = s; m < CHUNK; m += LSTM_SPLIT) {
+            const float v = h_tile[r][m];
+            #pragma unroll
+            for (int k = 0; k < 4; ++k) a[k] += v * w_tile[k * LSTM_UNITS + u][m];
+        }
+        __syncthreads();
+    }
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) a[k] = lnn_split_sum(a[k]);
+    if (s != 0 || n >= rows || j >= hidden) return;
+    const long long base = (long long)n * 4 * hidden + j, at = (long long)n * hidden + j;
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) a[k] += lnn_load(gates[base + k * hidden]);
+    const float in_gate = 0.5f + 0.5f * tanhf(0.5f * a[0]), forget = 0.5f + 0.5f * tanhf(0.5f * a[1]);
+    const float cand = tanhf(a[2]), out_gate = 0.5f + 0.5f * tanhf(0.5f * a[3]);
+    lnn_store(&gates[base], in_gate);
+    lnn_store(&gates[base + hidden], forget);
+    lnn_store(&gates[base + 2 * hidden], cand);
+    lnn_store(&gates[base + 3 * hidden], out_gate);
+    const float cell = in_gate * cand + (first ? 0.0f : forget * lnn_load(c_prev[at]));
+    lnn_store(&c[at], cell);
+    lnn_store(&h[at], out_gate * tanhf(cell));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(LSTM_THREADS) lnn_lstm_step_backward(
+        const T* __restrict__ gates, const T* __restrict__ c, const T* __restrict__ c_prev,
+        const T* __restrict__ dgates_after, const T* __restrict__ w_hh, const T* __restrict__ dh_out,
+        long long out_width, int out_offset, T* __restrict__ dc, T* __restrict__ dgates,
+        int rows, int hidden, int first, int has_after) {
+    constexpr int CHUNK = 256, STRIDE = CHUNK + 4;
+    __shared__ float g_tile[LSTM_ROWS][CHUNK];
+    __shared__ float w_tile[LSTM_UNITS][STRIDE];                    // [unit][m] = W_hh[m0 + m, unit0 + unit]
+    const int t = threadIdx.x, r = t / 32, u = t / LSTM_SPLIT % LSTM_UNITS, s = t % LSTM_SPLIT;
+    const int row0 = blockIdx.y * LSTM_ROWS, unit0 = blockIdx.x * LSTM_UNITS, n = row0 + r, j = unit0 + u;
+    const int width = 4 * hidden;
+    float grad_h = 0.0f;
+    for (int m0 = 0; has_after && m0 < width; m0 += CHUNK) {
+        #pragma unroll 4
+        for (int e = t; e < LSTM_UNITS * CHUNK; e += LSTM_THREADS) {
+            const int m = e / LSTM_UNITS, unit = unit0 + e % LSTM_UNITS;
+            w_tile[e % LSTM_UNITS][m] = m0 + m < width && unit < hidden
+                ? lnn_load(w_hh[(long long)(m0 + m) * hidden + unit]) : 0.0f;
+        }
+        #pragma unroll 4
+        for (int e = t; e < LSTM_ROWS * CHUNK; e += LSTM_THREADS) {
+            const int row = row0 + e / CHUNK, m = e % CHUNK;
+            g_tile[e / CHUNK][m] = row < rows && m0 + m < width
+                ? lnn_load(dgates_after[(long long)row * width + m0 + m]) : 0.0f;
+        }
+        __syncthreads();
+        #pragma unroll 8
+        for (int m = s; m < CHUNK; m += LSTM_SPLIT) grad_h += g_tile[r][m] * w_tile[u][m];
+        __syncthreads();
+    }
+    grad_h = lnn_split_sum(grad_h);
+    if (s != 0 || n >= rows || j >= hidden) return;
+    const long long base = (long long)n * width + j, at = (long long)n * hidden + j;
+    grad_h += lnn_load(dh_out[(long long)n * out_width + out_offset + j]);
+    const float in_gate = lnn_load(gates[base]), forget = lnn_load(gates[base + hidden]);
+    const float cand = lnn_load(gates[base + 2 * hidden]), out_gate = lnn_load(gates[base + 3 * hidden]);
+    const float tc = tanhf(lnn_load(c[at]));
+    const float grad_c = lnn_load(dc[at]) + grad_h * out_gate * (1.0f - tc * tc);
+    lnn_store(&dgates[base], grad_c * cand * in_gate * (1.0f - in_gate));
+    lnn_store(&dgates[base + hidden], first ? 0.0f : grad_c * lnn_load(c_prev[at]) * forget * (1.0f - forget));
+    lnn_store(&dgates[base + 2 * hidden], grad_c * in_gate * (1.0f - cand * cand));
+    lnn_store(&dgates[base + 3 * hidden], grad_h * tc * out_gate * (1.0f - out_gate));
+    lnn_store(&dc[at], grad_c * forget);
+}
+"""
+_lstm_module = None
 
 
-def lstm_cell_forward(gates, hw, c_prev, c, h):
-    """gates [N, 4H] (input-side pre-activations, biases added) and hw [N, 4H] -> the activated gates in
-    place, c and h [N, H]; c_prev None on a direction's first step (hw is then not read)."""
+def _lstm_launch(name: str, like, rows: int, hidden: int, arguments: tuple):
+    global _lstm_module
+    if _lstm_module is None:
+        names = [f"{kernel}<{kind}>" for kernel in ("lnn_lstm_step_forward", "lnn_lstm_step_backward")
+                 for kind, _ in _CHANNEL_TYPES.values()]
+        _lstm_module = cupy.RawModule(code=_LSTM_SOURCE, options=("-std=c++17",), name_expressions=names)
+    grid = (-(-hidden // 8), -(-rows // 8))                   # LSTM_UNITS, LSTM_ROWS
+    _lstm_module.get_function(f"{name}<{_CHANNEL_TYPES[like.dtype][0]}>")(grid, (256,), arguments)
+
+
+def lstm_step_forward(gates, h_prev, w_hh, c_prev, c, h):
+    """One step: gates [N, 4H] (the input projection, then in place the activated gates), h_prev and c_prev
+    [N, H] (None on a direction's first step), w_hh [4H, H] -> c, h [N, H]."""
+    rows, hidden = c.shape
     first = c_prev is None
-    return _lstm_cell_forward(hw, c if first else c_prev, c.shape[1], int(first), gates, c, h)
+    _lstm_launch("lnn_lstm_step_forward", c, rows, hidden, (gates, h if first else h_prev, w_hh, c if first else c_prev,
+                                                            c, h, cupy.int32(rows), cupy.int32(hidden), cupy.int32(first)))
+    return h
 
 
-def lstm_cell_backward(gates, c, c_prev, dh, dc, dgates):
-    """The step's activated gates, c and c_prev (None on the first step), dh -> dgates [N, 4H]; dc [N, H]
-    carried in place."""
-    first = c_prev is None
-    return _lstm_cell_backward(gates, c, c if first else c_prev, dh, c.shape[1], int(first), dc, dgates)
+def lstm_step_backward(gates, c, c_prev, dgates_after, w_hh, dh_out, out_offset: int, dc, dgates):
+    """One step back: its activated gates, c and c_prev (None on a direction's first step), dgates_after [N, 4H]
+    (the step after in time; None on the first step walked back), w_hh [4H, H], dh_out [N, D*H] (the step's
+    output gradient, this direction's columns from out_offset) -> dgates [N, 4H]; dc [N, H] carried in place."""
+    rows, hidden = c.shape
+    first, has_after = c_prev is None, dgates_after is not None
+    _lstm_launch("lnn_lstm_step_backward", c, rows, hidden,
+                 (gates, c, c if first else c_prev, dgates_after if has_after else dgates, w_hh, dh_out,
+                  cupy.int64(dh_out.shape[1]), cupy.int32(out_offset), dc, dgates, cupy.int32(rows), cupy.int32(hidden),
+                  cupy.int32(first), cupy.int32(has_after)))
+    return dgates
 
 
 FAST_TYPES = ("float32", "float16")

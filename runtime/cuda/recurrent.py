@@ -26,7 +26,8 @@ from lnn.runtime.cuda.kernels import gpu_kernels
 #   hidden  [L, T, N, D*H]      bidirectional only: each layer's output, both directions side by side
 #   hw      [N, G*H], tmp [N, H]  per-step scratch
 # Per step: one recurrent GEMM (hw = h_prev @ W_hh.T, from hdir), then the gate arithmetic in place (lstm on
-# CuPy: one launch, runtime/cuda/fused.py lstm_cell_forward / lstm_cell_backward; the code here is its reference).
+# CuPy: both in one launch, runtime/cuda/fused.py lstm_step_forward / lstm_step_backward, the backward's product
+# dgates_after @ W_hh and output-gradient add included; the code here is their reference).
 # Only out= calls on planned buffers, sigmoid as (1 + tanh(x/2)) / 2 in place: no allocation, no
 # host synchronization, no branch on array values (the same calls can be captured in a CUDA graph).
 
@@ -79,14 +80,17 @@ def recurrent_forward(xp, op, x, params: dict, attrs: dict, out, ws: dict):
             previous = None
             for t in step_order(steps, direction):
                 g = gates[t]
+                fused = gpu_kernels(xp, g, w_hh, states[t], hdir[t]) if lstm else None
+                if fused is not None:                  # the recurrent product and the arithmetic below, one launch
+                    fused.lstm_step_forward(g, None if previous is None else hdir[previous], w_hh,
+                                            None if previous is None else states[previous], states[t], hdir[t])
+                    previous = t
+                    continue
                 if previous is None:
                     hw.fill(0)
                 else:
                     matmul(xp, hdir[previous], w_hh.T, hw)
-                fused = gpu_kernels(xp, g, hw, states[t], hdir[t]) if lstm else None
-                if fused is not None:                                            # the same arithmetic, one launch
-                    fused.lstm_cell_forward(g, hw, None if previous is None else states[previous], states[t], hdir[t])
-                elif lstm:
+                if lstm:
                     g += hw
                     sigmoid_in_place(xp, g[:, :2 * h])
                     xp.tanh(g[:, 2 * h:3 * h], out=g[:, 2 * h:3 * h])
@@ -251,24 +255,26 @@ def recurrent_backward(xp, op, dy, params: dict, grads: dict, attrs: dict, dx, w
             dh.fill(0)
             dc.fill(0)
             order = step_order(steps, direction)
+            after = None                            # the step after t in time, walked before it
             for k in reversed(range(steps)):
                 t, previous = order[k], (order[k - 1] if k else None)
-                dh += dlayer[t][:, direction * h:(direction + 1) * h]
-                if lstm:
-                    c_prev = None if previous is None else states[previous]
-                    fused = gpu_kernels(xp, gates[t], states[t], dh, dc, dgates[t])
-                    if fused is not None:                   # _lstm_step_backward's arithmetic in one launch
-                        fused.lstm_cell_backward(gates[t], states[t], c_prev, dh, dc, dgates[t])
-                    else:
-                        _lstm_step_backward(xp, h, gates[t], states[t], c_prev, dh, dc, dgates[t], s)
-                    if previous is not None:
-                        matmul(xp, dgates[t], params[w_hh], dh)
+                before = None if previous is None else (states if lstm else hdir)[previous]   # lstm: c; gru: h
+                fused = gpu_kernels(xp, gates[t], states[t], dc, dgates[t], dlayer[t], params[w_hh]) if lstm else None
+                if fused is not None:   # dh = output gradient + dgates[after] @ W_hh, then the cell's backward, one launch
+                    fused.lstm_step_backward(gates[t], states[t], before, None if after is None else dgates[after],
+                                             params[w_hh], dlayer[t], direction * h, dc, dgates[t])
                 else:
-                    _gru_step_backward(xp, h, gates[t], states[t], None if previous is None else hdir[previous],
-                                       dh, dgates[t], drec[t], s)
-                    if previous is not None:
-                        matmul(xp, drec[t], params[w_hh], s[0])
-                        dh += s[0]
+                    dh += dlayer[t][:, direction * h:(direction + 1) * h]
+                    if lstm:
+                        _lstm_step_backward(xp, h, gates[t], states[t], before, dh, dc, dgates[t], s)
+                        if previous is not None:
+                            matmul(xp, dgates[t], params[w_hh], dh)
+                    else:
+                        _gru_step_backward(xp, h, gates[t], states[t], before, dh, dgates[t], drec[t], s)
+                        if previous is not None:
+                            matmul(xp, drec[t], params[w_hh], s[0])
+                            dh += s[0]
+                after = t
             dg_2d = dgates.reshape(steps * n, -1)
             dw_ih = ws["dw_ih0"] if layer == 0 else ws["dw_ih"]
             matmul(xp, dg_2d.T, in_2d, dw_ih)
