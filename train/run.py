@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import time
 from pathlib import Path
 
@@ -33,12 +34,11 @@ CURVES_EVERY_S = 30.0
 
 
 def _score(entry: dict) -> float:
-    """Higher is better."""
-    if "val_accuracy" in entry:
-        return entry["val_accuracy"]
-    if "val_loss" in entry:
-        return -entry["val_loss"]
-    return -entry["train_loss"]
+    """Higher is better; a figure recorded as null (not finite) scores lowest."""
+    for key, sign in (("val_accuracy", 1), ("val_loss", -1), ("train_loss", -1)):
+        if key in entry:
+            return -math.inf if entry[key] is None else sign * entry[key]
+    return -math.inf
 
 
 def _same_network(a: dict, b: dict) -> bool:
@@ -87,6 +87,12 @@ class RunDirectory:
         return {**self.trainer.state_meta(), "epoch": len(self.history), "history": self.history, "best": self.best}
 
     def end_epoch(self, entry: dict):
+        """Record a finished epoch. A non-finite figure (an inf validation loss from overflowed logits, say)
+        is recorded as null: JSON has no Infinity, and the files must read back (--resume, lnn-export)."""
+        for key, value in entry.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                self.trainer.log(f"epoch {entry.get('epoch')}: {key} is {value}; recorded as null")
+                entry[key] = None
         if self.best is None or _score(entry) > self.best["score"]:
             self.best = {"epoch": entry["epoch"], "score": _score(entry)}
             self._save(BEST)

@@ -254,6 +254,39 @@ def test_model_bin_gets_its_card_trained_field_from_the_run(tmp_path):
         f"batch 16, SGD nesterov momentum 0.9 lr 0.05 constant, about {median:.1f} s per epoch")}
 
 
+def test_a_non_finite_figure_is_recorded_as_null_and_the_run_still_exports(tmp_path):
+    """An inf validation loss (overflowed logits) must not make metrics.jsonl or the checkpoints unreadable."""
+    from lnn.formats.model import parse_model
+    from lnn.train import Trainer
+
+    model = parse_model({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}],
+                         "optimizer": {"type": "sgd", "lr": 0.05}})
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.integers(0, 2, 32)
+    messages = []
+    trainer = Trainer(model, device="numpy", seed=0, batch_size=16, log=messages.append)
+    evaluate, calls = trainer.evaluate, []
+
+    def overflowing(dataset):
+        calls.append(1)
+        return {**evaluate(dataset), "loss": float("inf")} if len(calls) == 2 else evaluate(dataset)
+
+    trainer.evaluate = overflowing
+    trainer.fit((x, y), (x, y), epochs=3, out_dir=tmp_path / "run", progress=False)
+
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds {constant}")
+
+    lines = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [entry["val_loss"] is None for entry in lines] == [False, True, False]
+    assert any("epoch 2: val_loss is inf; recorded as null" in m for m in messages)
+    for name in ("best.npz", "checkpoint.npz"):
+        assert len(read_checkpoint(tmp_path / "run" / name)[0]["history"]) >= 1
+    assert (tmp_path / "run" / "model.bin").stat().st_size > 0
+    resumed = Trainer(model, device="numpy", seed=0, batch_size=16, log=lambda *a: None)
+    assert len(resumed.fit((x, y), (x, y), epochs=4, out_dir=tmp_path / "run", resume=True, progress=False)) == 4
+
+
 def test_init_starts_from_the_given_models_weights(tmp_path):
     """--init: a run with a vanishing learning rate ends where the given .bin started; a model of other
     layers is one line."""
