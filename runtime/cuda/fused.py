@@ -12,8 +12,9 @@ maxpool2d: x [N, C, H, W] -> y [N, C, OH, OW], max over the window's cells insid
     training the winning offset; maxpool2d_backward routes dy back through it (the one max pool of the GPU).
 channel_affine: batch norm's y = x * scale[c] + shift[c]; batchnorm_input_gradient: its dx;
     batchnorm_statistics / batchnorm_gradient_sums: its per-channel bookkeeping around them.
-lstm_step_forward / lstm_step_backward: one lstm time step, its recurrent product and gate arithmetic over [N, H]
-    (runtime/cuda/recurrent.py holds the step loop, the input-projection GEMMs and the reference these replace).
+lstm_step_forward / lstm_step_backward, gru_step_forward / gru_step_backward: one time step, its recurrent product
+    and gate arithmetic over [N, H] (runtime/cuda/recurrent.py holds the step loop, the input-projection GEMMs
+    and the reference these replace).
 The window, im2col and batch-norm kernels take float32 or float16 (amp), computing in float32; the
 trainer's kernels (train/kernels.py) call them on CuPy when `fits`, so training and inference share them.
 `i` and `n` are reserved names in ElementwiseKernel bodies. Importing this module imports CuPy; the
@@ -300,139 +301,217 @@ batchnorm_gradient_sums = cupy.ElementwiseKernel(
     "mean_dy_xhat = sum_dy_xhat / (float)count;",
     "lnn_batchnorm_gradient_sums")
 
-# lstm, one time step with its recurrent product, in one launch; gates [N, 4H] in blocks i, f, g, o; W_hh [4H, H];
-# sigmoid as 0.5 + 0.5 tanh(a / 2). A block of 256 threads owns 8 rows x 8 hidden units; 4 threads share each
-# (row, unit), each summing every 4th term of the product (float32), joined by warp shuffles; the product's
-# inner dimension passes through shared memory in chunks (the 4-float pad keeps the 32 banks apart).
-# forward: a = gates + h_prev @ W_hh^T (gates hold the input projection; no product on a direction's first step)
-#   -> gates = the activated i, f, g, o (saved for the backward); c = i g + f c_prev; h = o tanh(c)
-# backward: dh = dh_out[:, offset:offset + H] (the step's output gradient, [N, D*H]) + dgates_after @ W_hh (the
-#   step after in time, none on the first step walked), dc carried from the step after -> dgates (pre-
-#   activation) and dc for the step before: dc += dh o (1 - tanh(c)^2); da_i = dc g i (1 - i);
-#   da_f = dc c_prev f (1 - f) (0 on a direction's first step); da_g = dc i (1 - g^2); da_o = dh tanh(c) o (1 - o);
-#   dc = dc f
-_LSTM_SOURCE = CONVERSIONS + r"""
-constexpr int LSTM_ROWS = 8, LSTM_UNITS = 8, LSTM_SPLIT = 4, LSTM_THREADS = LSTM_ROWS * LSTM_UNITS * LSTM_SPLIT;
+# lstm and gru, one time step with its recurrent product, in one launch each way; gates [N, G*H] in blocks (lstm
+# i, f, g, o; gru r, z, n), W_hh [G*H, H]; sigmoid as 0.5 + 0.5 tanh(a / 2). A block of 256 threads owns 8 rows x
+# 8 hidden units; 4 threads share each (row, unit), each summing every 4th term of the product (float32),
+# joined by warp shuffles; the product's inner dimension passes through shared memory in chunks (the 4-float
+# pad keeps the 32 banks apart). No product on a direction's first step (h_prev = 0) or, backward, on the first
+# step walked (no step after it).
+# lstm forward: a = gates + h_prev @ W_hh^T (gates hold the input projection and both biases) -> gates = the
+#   activated i, f, g, o (saved for the backward); c = i g + f c_prev; h = o tanh(c)
+# lstm backward: dh = dh_out[:, offset:offset + H] (the step's output gradient, [N, D*H]) + dgates_after @ W_hh
+#   (the step after in time), dc carried from the step after -> dgates (pre-activation) and dc for the step
+#   before: dc += dh o (1 - tanh(c)^2); da_i = dc g i (1 - i); da_f = dc c_prev f (1 - f) (0 on a direction's
+#   first step); da_g = dc i (1 - g^2); da_o = dh tanh(c) o (1 - o); dc = dc f
+# gru forward: a = h_prev @ W_hh^T + b_hh; r = sig(gates_r + a_r), z = sig(gates_z + a_z), ghn = a_n (saved),
+#   n = tanh(gates_n + r ghn), h = n + z (h_prev - n) -> gates = r, z, n
+# gru backward: dh = dh_out[:, offset:] + dh_carry (dh z of the step after) + dgh_after @ W_hh; dn = dh (1 - z);
+#   da_n = dn (1 - n^2); da_z = dh (h_prev - n) z (1 - z); da_r = da_n ghn r (1 - r) -> dgates = (da_r, da_z,
+#   da_n), dgh = (da_r, da_z, da_n r), dh_carry = dh z
+_RECURRENT_SOURCE = CONVERSIONS + r"""
+constexpr int STEP_ROWS = 8, STEP_UNITS = 8, STEP_SPLIT = 4, STEP_THREADS = STEP_ROWS * STEP_UNITS * STEP_SPLIT;
+
+struct LnnStepThread {          // this thread's place: row r, unit u, split s of its block's tile
+    int r, u, s, row0, unit0, n, j;
+    __device__ LnnStepThread()
+        : r(threadIdx.x / 32), u(threadIdx.x / STEP_SPLIT % STEP_UNITS), s(threadIdx.x % STEP_SPLIT),
+          row0(blockIdx.y * STEP_ROWS), unit0(blockIdx.x * STEP_UNITS), n(row0 + r), j(unit0 + u) {}
+    __device__ bool owns() const { return s == 0; }
+};
 
 __device__ __forceinline__ float lnn_split_sum(float v) {          // the 4 lanes of one (row, unit)
     v += __shfl_down_sync(0xffffffffu, v, 2);
     return v + __shfl_down_sync(0xffffffffu, v, 1);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(LSTM_THREADS) lnn_lstm_step_forward(
-        T* __restrict__ gates, const T* __restrict__ h_prev, const T* __restrict__ w_hh, const T* __restrict__ c_prev,
-        T* __restrict__ c, T* __restrict__ h, int rows, int hidden, int first) {
+// a[k] = sum over m < H of h_prev[n, m] W_hh[k H + j, m], k < GATES; every lane of the block calls it
+template <typename T, int GATES>
+__device__ void lnn_forward_product(const LnnStepThread& at, const T* __restrict__ h_prev, const T* __restrict__ w_hh,
+                                    int rows, int hidden, float* a) {
     constexpr int CHUNK = 128, STRIDE = CHUNK + 4;
-    __shared__ float h_tile[LSTM_ROWS][CHUNK];
-    __shared__ float w_tile[4 * LSTM_UNITS][STRIDE];                // row k * LSTM_UNITS + unit: gate k's W_hh row
-    const int t = threadIdx.x, r = t / 32, u = t / LSTM_SPLIT % LSTM_UNITS, s = t % LSTM_SPLIT;
-    const int row0 = blockIdx.y * LSTM_ROWS, unit0 = blockIdx.x * LSTM_UNITS, n = row0 + r, j = unit0 + u;
-    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int m0 = 0; !first && m0 < hidden; m0 += CHUNK) {
+    __shared__ float h_tile[STEP_ROWS][CHUNK];
+    __shared__ float w_tile[GATES * STEP_UNITS][STRIDE];           // row k * STEP_UNITS + unit: gate k's W_hh row
+    for (int k = 0; k < GATES; ++k) a[k] = 0.0f;
+    for (int m0 = 0; m0 < hidden; m0 += CHUNK) {
         #pragma unroll 4
-        for (int e = t; e < 4 * LSTM_UNITS * CHUNK; e += LSTM_THREADS) {
-            const int row = e / CHUNK, m = e % CHUNK, k = row / LSTM_UNITS, unit = unit0 + row % LSTM_UNITS;
+        for (int e = threadIdx.x; e < GATES * STEP_UNITS * CHUNK; e += STEP_THREADS) {
+            const int row = e / CHUNK, m = e % CHUNK, k = row / STEP_UNITS, unit = at.unit0 + row % STEP_UNITS;
             w_tile[row][m] = unit < hidden && m0 + m < hidden
                 ? lnn_load(w_hh[(long long)(k * hidden + unit) * hidden + m0 + m]) : 0.0f;
         }
         #pragma unroll
-        for (int e = t; e < LSTM_ROWS * CHUNK; e += LSTM_THREADS) {
-            const int row = row0 + e / CHUNK, m = e % CHUNK;
+        for (int e = threadIdx.x; e < STEP_ROWS * CHUNK; e += STEP_THREADS) {
+            const int row = at.row0 + e / CHUNK, m = e % CHUNK;
             h_tile[e / CHUNK][m] = row < rows && m0 + m < hidden ? lnn_load(h_prev[(long long)row * hidden + m0 + m]) : 0.0f;
         }
         __syncthreads();
         #pragma unroll 8
-        for (int m = s; m < CHUNK; m += LSTM_SPLIT) {
-            const float v = h_tile[r][m];
+        for (int m = at.s; m < CHUNK; m += STEP_SPLIT) {
+            const float v = h_tile[at.r][m];
             #pragma unroll
-            for (int k = 0; k < 4; ++k) a[k] += v * w_tile[k * LSTM_UNITS + u][m];
+            for (int k = 0; k < GATES; ++k) a[k] += v * w_tile[k * STEP_UNITS + at.u][m];
         }
         __syncthreads();
     }
     #pragma unroll
-    for (int k = 0; k < 4; ++k) a[k] = lnn_split_sum(a[k]);
-    if (s != 0 || n >= rows || j >= hidden) return;
-    const long long base = (long long)n * 4 * hidden + j, at = (long long)n * hidden + j;
+    for (int k = 0; k < GATES; ++k) a[k] = lnn_split_sum(a[k]);
+}
+
+// sum over m < GATES H of d_after[n, m] W_hh[m, j]; every lane of the block calls it
+template <typename T, int GATES>
+__device__ float lnn_backward_product(const LnnStepThread& at, const T* __restrict__ d_after,
+                                      const T* __restrict__ w_hh, int rows, int hidden) {
+    constexpr int CHUNK = 256, STRIDE = CHUNK + 4;
+    __shared__ float g_tile[STEP_ROWS][CHUNK];
+    __shared__ float w_tile[STEP_UNITS][STRIDE];                    // [unit][m] = W_hh[m0 + m, unit0 + unit]
+    const int width = GATES * hidden;
+    float sum = 0.0f;
+    for (int m0 = 0; m0 < width; m0 += CHUNK) {
+        #pragma unroll 4
+        for (int e = threadIdx.x; e < STEP_UNITS * CHUNK; e += STEP_THREADS) {
+            const int m = e / STEP_UNITS, unit = at.unit0 + e % STEP_UNITS;
+            w_tile[e % STEP_UNITS][m] = m0 + m < width && unit < hidden
+                ? lnn_load(w_hh[(long long)(m0 + m) * hidden + unit]) : 0.0f;
+        }
+        #pragma unroll 4
+        for (int e = threadIdx.x; e < STEP_ROWS * CHUNK; e += STEP_THREADS) {
+            const int row = at.row0 + e / CHUNK, m = e % CHUNK;
+            g_tile[e / CHUNK][m] = row < rows && m0 + m < width ? lnn_load(d_after[(long long)row * width + m0 + m]) : 0.0f;
+        }
+        __syncthreads();
+        #pragma unroll 8
+        for (int m = at.s; m < CHUNK; m += STEP_SPLIT) sum += g_tile[at.r][m] * w_tile[at.u][m];
+        __syncthreads();
+    }
+    return lnn_split_sum(sum);
+}
+
+__device__ __forceinline__ float lnn_sigmoid(float a) { return 0.5f + 0.5f * tanhf(0.5f * a); }
+
+template <typename T>
+__global__ void __launch_bounds__(STEP_THREADS) lnn_lstm_step_forward(
+        T* __restrict__ gates, const T* __restrict__ h_prev, const T* __restrict__ w_hh, const T* __restrict__ c_prev,
+        T* __restrict__ c, T* __restrict__ h, int rows, int hidden, int first) {
+    const LnnStepThread at;
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (!first) lnn_forward_product<T, 4>(at, h_prev, w_hh, rows, hidden, a);
+    if (!at.owns() || at.n >= rows || at.j >= hidden) return;
+    const long long base = (long long)at.n * 4 * hidden + at.j, e = (long long)at.n * hidden + at.j;
     #pragma unroll
     for (int k = 0; k < 4; ++k) a[k] += lnn_load(gates[base + k * hidden]);
-    const float in_gate = 0.5f + 0.5f * tanhf(0.5f * a[0]), forget = 0.5f + 0.5f * tanhf(0.5f * a[1]);
-    const float cand = tanhf(a[2]), out_gate = 0.5f + 0.5f * tanhf(0.5f * a[3]);
+    const float in_gate = lnn_sigmoid(a[0]), forget = lnn_sigmoid(a[1]), cand = tanhf(a[2]), out_gate = lnn_sigmoid(a[3]);
     lnn_store(&gates[base], in_gate);
     lnn_store(&gates[base + hidden], forget);
     lnn_store(&gates[base + 2 * hidden], cand);
     lnn_store(&gates[base + 3 * hidden], out_gate);
-    const float cell = in_gate * cand + (first ? 0.0f : forget * lnn_load(c_prev[at]));
-    lnn_store(&c[at], cell);
-    lnn_store(&h[at], out_gate * tanhf(cell));
+    const float cell = in_gate * cand + (first ? 0.0f : forget * lnn_load(c_prev[e]));
+    lnn_store(&c[e], cell);
+    lnn_store(&h[e], out_gate * tanhf(cell));
 }
 
 template <typename T>
-__global__ void __launch_bounds__(LSTM_THREADS) lnn_lstm_step_backward(
+__global__ void __launch_bounds__(STEP_THREADS) lnn_lstm_step_backward(
         const T* __restrict__ gates, const T* __restrict__ c, const T* __restrict__ c_prev,
         const T* __restrict__ dgates_after, const T* __restrict__ w_hh, const T* __restrict__ dh_out,
         long long out_width, int out_offset, T* __restrict__ dc, T* __restrict__ dgates,
         int rows, int hidden, int first, int has_after) {
-    constexpr int CHUNK = 256, STRIDE = CHUNK + 4;
-    __shared__ float g_tile[LSTM_ROWS][CHUNK];
-    __shared__ float w_tile[LSTM_UNITS][STRIDE];                    // [unit][m] = W_hh[m0 + m, unit0 + unit]
-    const int t = threadIdx.x, r = t / 32, u = t / LSTM_SPLIT % LSTM_UNITS, s = t % LSTM_SPLIT;
-    const int row0 = blockIdx.y * LSTM_ROWS, unit0 = blockIdx.x * LSTM_UNITS, n = row0 + r, j = unit0 + u;
-    const int width = 4 * hidden;
-    float grad_h = 0.0f;
-    for (int m0 = 0; has_after && m0 < width; m0 += CHUNK) {
-        #pragma unroll 4
-        for (int e = t; e < LSTM_UNITS * CHUNK; e += LSTM_THREADS) {
-            const int m = e / LSTM_UNITS, unit = unit0 + e % LSTM_UNITS;
-            w_tile[e % LSTM_UNITS][m] = m0 + m < width && unit < hidden
-                ? lnn_load(w_hh[(long long)(m0 + m) * hidden + unit]) : 0.0f;
-        }
-        #pragma unroll 4
-        for (int e = t; e < LSTM_ROWS * CHUNK; e += LSTM_THREADS) {
-            const int row = row0 + e / CHUNK, m = e % CHUNK;
-            g_tile[e / CHUNK][m] = row < rows && m0 + m < width
-                ? lnn_load(dgates_after[(long long)row * width + m0 + m]) : 0.0f;
-        }
-        __syncthreads();
-        #pragma unroll 8
-        for (int m = s; m < CHUNK; m += LSTM_SPLIT) grad_h += g_tile[r][m] * w_tile[u][m];
-        __syncthreads();
-    }
-    grad_h = lnn_split_sum(grad_h);
-    if (s != 0 || n >= rows || j >= hidden) return;
-    const long long base = (long long)n * width + j, at = (long long)n * hidden + j;
-    grad_h += lnn_load(dh_out[(long long)n * out_width + out_offset + j]);
+    const LnnStepThread at;
+    float grad_h = has_after ? lnn_backward_product<T, 4>(at, dgates_after, w_hh, rows, hidden) : 0.0f;
+    if (!at.owns() || at.n >= rows || at.j >= hidden) return;
+    const long long base = (long long)at.n * 4 * hidden + at.j, e = (long long)at.n * hidden + at.j;
+    grad_h += lnn_load(dh_out[(long long)at.n * out_width + out_offset + at.j]);
     const float in_gate = lnn_load(gates[base]), forget = lnn_load(gates[base + hidden]);
     const float cand = lnn_load(gates[base + 2 * hidden]), out_gate = lnn_load(gates[base + 3 * hidden]);
-    const float tc = tanhf(lnn_load(c[at]));
-    const float grad_c = lnn_load(dc[at]) + grad_h * out_gate * (1.0f - tc * tc);
+    const float tc = tanhf(lnn_load(c[e]));
+    const float grad_c = lnn_load(dc[e]) + grad_h * out_gate * (1.0f - tc * tc);
     lnn_store(&dgates[base], grad_c * cand * in_gate * (1.0f - in_gate));
-    lnn_store(&dgates[base + hidden], first ? 0.0f : grad_c * lnn_load(c_prev[at]) * forget * (1.0f - forget));
+    lnn_store(&dgates[base + hidden], first ? 0.0f : grad_c * lnn_load(c_prev[e]) * forget * (1.0f - forget));
     lnn_store(&dgates[base + 2 * hidden], grad_c * in_gate * (1.0f - cand * cand));
     lnn_store(&dgates[base + 3 * hidden], grad_h * tc * out_gate * (1.0f - out_gate));
-    lnn_store(&dc[at], grad_c * forget);
+    lnn_store(&dc[e], grad_c * forget);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(STEP_THREADS) lnn_gru_step_forward(
+        T* __restrict__ gates, const T* __restrict__ h_prev, const T* __restrict__ w_hh, const T* __restrict__ b_hh,
+        T* __restrict__ ghn, T* __restrict__ h, int rows, int hidden, int first, int has_bias) {
+    const LnnStepThread at;
+    float a[3] = {0.0f, 0.0f, 0.0f};
+    if (!first) lnn_forward_product<T, 3>(at, h_prev, w_hh, rows, hidden, a);
+    if (!at.owns() || at.n >= rows || at.j >= hidden) return;
+    const long long base = (long long)at.n * 3 * hidden + at.j, e = (long long)at.n * hidden + at.j;
+    #pragma unroll
+    for (int k = 0; k < 3; ++k) a[k] += has_bias ? lnn_load(b_hh[k * hidden + at.j]) : 0.0f;
+    const float reset = lnn_sigmoid(lnn_load(gates[base]) + a[0]);
+    const float update = lnn_sigmoid(lnn_load(gates[base + hidden]) + a[1]);
+    const float cand = tanhf(lnn_load(gates[base + 2 * hidden]) + reset * a[2]);
+    const float before = first ? 0.0f : lnn_load(h_prev[e]);
+    lnn_store(&gates[base], reset);
+    lnn_store(&gates[base + hidden], update);
+    lnn_store(&gates[base + 2 * hidden], cand);
+    lnn_store(&ghn[e], a[2]);
+    lnn_store(&h[e], cand + update * (before - cand));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(STEP_THREADS) lnn_gru_step_backward(
+        const T* __restrict__ gates, const T* __restrict__ ghn, const T* __restrict__ h_prev,
+        const T* __restrict__ dgh_after, const T* __restrict__ w_hh, const T* __restrict__ dh_out,
+        long long out_width, int out_offset, T* __restrict__ dh_carry, T* __restrict__ dgates, T* __restrict__ dgh,
+        int rows, int hidden, int first, int has_after) {
+    const LnnStepThread at;
+    float grad_h = has_after ? lnn_backward_product<T, 3>(at, dgh_after, w_hh, rows, hidden) : 0.0f;
+    if (!at.owns() || at.n >= rows || at.j >= hidden) return;
+    const long long base = (long long)at.n * 3 * hidden + at.j, e = (long long)at.n * hidden + at.j;
+    grad_h += lnn_load(dh_out[(long long)at.n * out_width + out_offset + at.j]) + lnn_load(dh_carry[e]);
+    const float reset = lnn_load(gates[base]), update = lnn_load(gates[base + hidden]);
+    const float cand = lnn_load(gates[base + 2 * hidden]), before = first ? 0.0f : lnn_load(h_prev[e]);
+    const float grad_n = grad_h * (1.0f - update) * (1.0f - cand * cand);
+    const float grad_z = grad_h * (before - cand) * update * (1.0f - update);
+    const float grad_r = grad_n * lnn_load(ghn[e]) * reset * (1.0f - reset);
+    lnn_store(&dgates[base], grad_r);
+    lnn_store(&dgates[base + hidden], grad_z);
+    lnn_store(&dgates[base + 2 * hidden], grad_n);
+    lnn_store(&dgh[base], grad_r);
+    lnn_store(&dgh[base + hidden], grad_z);
+    lnn_store(&dgh[base + 2 * hidden], grad_n * reset);
+    lnn_store(&dh_carry[e], grad_h * update);
 }
 """
-_lstm_module = None
+_recurrent_module = None
 
 
-def _lstm_launch(name: str, like, rows: int, hidden: int, arguments: tuple):
-    global _lstm_module
-    if _lstm_module is None:
-        names = [f"{kernel}<{kind}>" for kernel in ("lnn_lstm_step_forward", "lnn_lstm_step_backward")
+def _step_launch(name: str, like, rows: int, hidden: int, arguments: tuple, flags: tuple):
+    """Launch a step kernel over [rows, hidden]: its arrays and sizes (`arguments`), then rows, hidden, flags."""
+    global _recurrent_module
+    if any(isinstance(a, cupy.ndarray) and a.dtype != like.dtype for a in arguments):
+        raise TypeError(f"{name}: every array must be {like.dtype}, got "
+                        f"{[a.dtype.name for a in arguments if isinstance(a, cupy.ndarray)]}")
+    if _recurrent_module is None:
+        names = [f"lnn_{cell}_step_{way}<{kind}>" for cell in ("lstm", "gru") for way in ("forward", "backward")
                  for kind, _ in _CHANNEL_TYPES.values()]
-        _lstm_module = cupy.RawModule(code=_LSTM_SOURCE, options=("-std=c++17",), name_expressions=names)
-    grid = (-(-hidden // 8), -(-rows // 8))                   # LSTM_UNITS, LSTM_ROWS
-    _lstm_module.get_function(f"{name}<{_CHANNEL_TYPES[like.dtype][0]}>")(grid, (256,), arguments)
+        _recurrent_module = cupy.RawModule(code=_RECURRENT_SOURCE, options=("-std=c++17",), name_expressions=names)
+    grid = (-(-hidden // 8), -(-rows // 8))                   # STEP_UNITS, STEP_ROWS
+    _recurrent_module.get_function(f"{name}<{_CHANNEL_TYPES[like.dtype][0]}>")(
+        grid, (256,), (*arguments, cupy.int32(rows), cupy.int32(hidden), *(cupy.int32(flag) for flag in flags)))
 
 
 def lstm_step_forward(gates, h_prev, w_hh, c_prev, c, h):
     """One step: gates [N, 4H] (the input projection, then in place the activated gates), h_prev and c_prev
     [N, H] (None on a direction's first step), w_hh [4H, H] -> c, h [N, H]."""
-    rows, hidden = c.shape
     first = c_prev is None
-    _lstm_launch("lnn_lstm_step_forward", c, rows, hidden, (gates, h if first else h_prev, w_hh, c if first else c_prev,
-                                                            c, h, cupy.int32(rows), cupy.int32(hidden), cupy.int32(first)))
+    _step_launch("lnn_lstm_step_forward", c, *c.shape,
+                 (gates, h if first else h_prev, w_hh, c if first else c_prev, c, h), (first,))
     return h
 
 
@@ -440,12 +519,30 @@ def lstm_step_backward(gates, c, c_prev, dgates_after, w_hh, dh_out, out_offset:
     """One step back: its activated gates, c and c_prev (None on a direction's first step), dgates_after [N, 4H]
     (the step after in time; None on the first step walked back), w_hh [4H, H], dh_out [N, D*H] (the step's
     output gradient, this direction's columns from out_offset) -> dgates [N, 4H]; dc [N, H] carried in place."""
-    rows, hidden = c.shape
     first, has_after = c_prev is None, dgates_after is not None
-    _lstm_launch("lnn_lstm_step_backward", c, rows, hidden,
+    _step_launch("lnn_lstm_step_backward", c, *c.shape,
                  (gates, c, c if first else c_prev, dgates_after if has_after else dgates, w_hh, dh_out,
-                  cupy.int64(dh_out.shape[1]), cupy.int32(out_offset), dc, dgates, cupy.int32(rows), cupy.int32(hidden),
-                  cupy.int32(first), cupy.int32(has_after)))
+                  cupy.int64(dh_out.shape[1]), cupy.int32(out_offset), dc, dgates), (first, has_after))
+    return dgates
+
+
+def gru_step_forward(gates, h_prev, w_hh, b_hh, ghn, h):
+    """One step: gates [N, 3H] (the input projection with b_ih, then in place the activated r, z, n), h_prev
+    [N, H] (None on a direction's first step), w_hh [3H, H], b_hh [3H] or None -> ghn (W_hn h_prev + b_hn), h."""
+    first = h_prev is None
+    _step_launch("lnn_gru_step_forward", h, *h.shape,
+                 (gates, h if first else h_prev, w_hh, w_hh if b_hh is None else b_hh, ghn, h), (first, b_hh is not None))
+    return h
+
+
+def gru_step_backward(gates, ghn, h_prev, dgh_after, w_hh, dh_out, out_offset: int, dh_carry, dgates, dgh):
+    """One step back: its activated gates, ghn and h_prev (None on a direction's first step), dgh_after [N, 3H]
+    (None on the first step walked back), dh_out as lstm_step_backward's -> dgates, dgh [N, 3H]; dh_carry [N, H]
+    (dh z, the direct part of the step before's dh) carried in place, zero before the first step walked."""
+    first, has_after = h_prev is None, dgh_after is not None
+    _step_launch("lnn_gru_step_backward", ghn, *ghn.shape,
+                 (gates, ghn, ghn if first else h_prev, dgh_after if has_after else dgh, w_hh, dh_out,
+                  cupy.int64(dh_out.shape[1]), cupy.int32(out_offset), dh_carry, dgates, dgh), (first, has_after))
     return dgates
 
 

@@ -25,9 +25,9 @@ from lnn.runtime.cuda.kernels import gpu_kernels
 #   hdir    [L, D, T, N, H]     each direction's hidden state after each step (contiguous rows for GEMMs)
 #   hidden  [L, T, N, D*H]      bidirectional only: each layer's output, both directions side by side
 #   hw      [N, G*H], tmp [N, H]  per-step scratch
-# Per step: one recurrent GEMM (hw = h_prev @ W_hh.T, from hdir), then the gate arithmetic in place (lstm on
-# CuPy: both in one launch, runtime/cuda/fused.py lstm_step_forward / lstm_step_backward, the backward's product
-# dgates_after @ W_hh and output-gradient add included; the code here is their reference).
+# Per step: one recurrent GEMM (hw = h_prev @ W_hh.T, from hdir), then the gate arithmetic in place (on CuPy
+# both in one launch, runtime/cuda/fused.py lstm_/gru_step_forward and _backward, the backward's product with
+# W_hh and output-gradient add included; the code here is their reference).
 # Only out= calls on planned buffers, sigmoid as (1 + tanh(x/2)) / 2 in place: no allocation, no
 # host synchronization, no branch on array values (the same calls can be captured in a CUDA graph).
 
@@ -80,10 +80,14 @@ def recurrent_forward(xp, op, x, params: dict, attrs: dict, out, ws: dict):
             previous = None
             for t in step_order(steps, direction):
                 g = gates[t]
-                fused = gpu_kernels(xp, g, w_hh, states[t], hdir[t]) if lstm else None
+                fused = gpu_kernels(xp, g, w_hh, states[t], hdir[t])
                 if fused is not None:                  # the recurrent product and the arithmetic below, one launch
-                    fused.lstm_step_forward(g, None if previous is None else hdir[previous], w_hh,
-                                            None if previous is None else states[previous], states[t], hdir[t])
+                    h_prev = None if previous is None else hdir[previous]
+                    if lstm:
+                        fused.lstm_step_forward(g, h_prev, w_hh, None if previous is None else states[previous],
+                                                states[t], hdir[t])
+                    else:
+                        fused.gru_step_forward(g, h_prev, w_hh, b_hh, states[t], hdir[t])
                     previous = t
                     continue
                 if previous is None:
@@ -259,10 +263,13 @@ def recurrent_backward(xp, op, dy, params: dict, grads: dict, attrs: dict, dx, w
             for k in reversed(range(steps)):
                 t, previous = order[k], (order[k - 1] if k else None)
                 before = None if previous is None else (states if lstm else hdir)[previous]   # lstm: c; gru: h
-                fused = gpu_kernels(xp, gates[t], states[t], dc, dgates[t], dlayer[t], params[w_hh]) if lstm else None
-                if fused is not None:   # dh = output gradient + dgates[after] @ W_hh, then the cell's backward, one launch
+                fused = gpu_kernels(xp, gates[t], states[t], dh, dc, dgates[t], drec[t], dlayer[t], params[w_hh])
+                if fused is not None and lstm:   # dh = output gradient + dgates[after] @ W_hh, the cell's backward
                     fused.lstm_step_backward(gates[t], states[t], before, None if after is None else dgates[after],
                                              params[w_hh], dlayer[t], direction * h, dc, dgates[t])
+                elif fused is not None:          # dh = output gradient + carried dh z + dgh[after] @ W_hh, the cell's
+                    fused.gru_step_backward(gates[t], states[t], before, None if after is None else drec[after],
+                                            params[w_hh], dlayer[t], direction * h, dh, dgates[t], drec[t])
                 else:
                     dh += dlayer[t][:, direction * h:(direction + 1) * h]
                     if lstm:

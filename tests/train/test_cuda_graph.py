@@ -80,17 +80,18 @@ GPU_CASES = {
     "recurrent": {"input_shape": [3, 12], "loss": "cross_entropy", "optimizer": {"type": "adam", "lr": 0.003, "eps": 1e-3},
                   "layers": [{"type": "lstm", "hidden_size": 6, "num_layers": 2, "bidirectional": True},
                              {"type": "gru", "hidden_size": 5, "return": "last"}, {"type": "linear", "out_features": 3}]},
-    # the fused lstm step kernels' tiles (8 rows x 8 hidden units; the product in chunks of 128 forward, 256
-    # backward): 20 rows and 130 units make partial tiles, two chunks forward and three backward, both directions
-    "lstm_wide": {"input_shape": [5, 9], "loss": "cross_entropy", "optimizer": {"type": "adam", "lr": 0.003, "eps": 1e-3},
-                  "training": {"batch_size": 20},
-                  "layers": [{"type": "lstm", "hidden_size": 130, "bidirectional": True, "return": "last"},
-                             {"type": "linear", "out_features": 3}]},
+    # the fused lstm and gru step kernels' tiles (8 rows x 8 hidden units; the product in chunks of 128 forward,
+    # 256 backward): 20 rows and 130 units make partial tiles, two chunks forward and 2-3 backward, both directions
+    "recurrent_wide": {"input_shape": [5, 9], "loss": "cross_entropy",
+                       "optimizer": {"type": "adam", "lr": 0.003, "eps": 1e-3}, "training": {"batch_size": 20},
+                       "layers": [{"type": "lstm", "hidden_size": 130, "bidirectional": True},
+                                  {"type": "gru", "hidden_size": 130, "bidirectional": True, "return": "last"},
+                                  {"type": "linear", "out_features": 3}]},
     "accumulated": _description("mnist_mlp", training={"batch_size": 16, "accumulate": 2}),
     "mse": {"input_shape": [10], "loss": "mse", "optimizer": {"type": "adam", "lr": 0.01, "eps": 1e-3},
             "layers": [{"type": "linear", "out_features": 16, "activation": "tanh"}, {"type": "linear", "out_features": 3}]},
 }
-AMP_CASES = ("mnist_cnn", "batchnorm_blocks", "leaf_cnn", "lstm_wide")
+AMP_CASES = ("mnist_cnn", "batchnorm_blocks", "leaf_cnn", "recurrent_wide")
 
 
 def _layer_ops(description):
