@@ -305,7 +305,7 @@ batchnorm_gradient_sums = cupy.ElementwiseKernel(
 # i, f, g, o; gru r, z, n), W_hh [G*H, H]; sigmoid as 0.5 + 0.5 tanh(a / 2). A block of 256 threads owns 8 rows x
 # 8 hidden units; 4 threads share each (row, unit), each summing every 4th term of the product (float32),
 # joined by warp shuffles; the product's inner dimension passes through shared memory in chunks (the 4-float
-# pad keeps the 32 banks apart). No product on a direction's first step (h_prev = 0) or, backward, on the first
+# pad keeps the 32 banks apart), read 4 values an access where H is a multiple of 4 and the arrays aligned. No product on a direction's first step (h_prev = 0) or, backward, on the first
 # step walked (no step after it).
 # lstm forward: a = gates + h_prev @ W_hh^T (gates hold the input projection and both biases) -> gates = the
 #   activated i, f, g, o (saved for the backward); c = i g + f c_prev; h = o tanh(c)
@@ -334,32 +334,60 @@ __device__ __forceinline__ float lnn_split_sum(float v) {          // the 4 lane
     return v + __shfl_down_sync(0xffffffffu, v, 1);
 }
 
+template <typename T> struct LnnQuad;                                // four T in one access
+template <> struct LnnQuad<float> { using type = float4; };
+template <> struct LnnQuad<unsigned short> { using type = ushort4; };
+
+// v[0..VEC) = p[0..VEC) as float32: one access when VEC is 4 (p aligned to it), else one value
+template <int VEC, typename T>
+__device__ __forceinline__ void lnn_load_run(const T* p, bool inside, float* v) {
+    if (!inside) {
+        #pragma unroll
+        for (int q = 0; q < VEC; ++q) v[q] = 0.0f;
+    } else if constexpr (VEC == 4) {
+        const typename LnnQuad<T>::type quad = *reinterpret_cast<const typename LnnQuad<T>::type*>(p);
+        const T* e = reinterpret_cast<const T*>(&quad);
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] = lnn_load(e[q]);
+    } else {
+        v[0] = lnn_load(p[0]);
+    }
+}
+
+// rows x CHUNK of a row-major matrix (row stride `stride`, `width` valid columns) into tile[row][m]
+template <int VEC, int CHUNK, int TILE_STRIDE, typename T>
+__device__ __forceinline__ void lnn_load_rows(float* tile, const T* __restrict__ a, long long stride, int row0,
+                                              int rows, int tile_rows, int m0, int width) {
+    #pragma unroll 4
+    for (int e = threadIdx.x; e < tile_rows * CHUNK / VEC; e += STEP_THREADS) {
+        const int row = e / (CHUNK / VEC), m = e % (CHUNK / VEC) * VEC;
+        float v[VEC];
+        lnn_load_run<VEC>(&a[(row0 + row) * stride + m0 + m], row0 + row < rows && m0 + m < width, v);
+        #pragma unroll
+        for (int q = 0; q < VEC; ++q) tile[row * TILE_STRIDE + m + q] = v[q];
+    }
+}
+
 // a[k] = sum over m < H of h_prev[n, m] W_hh[k H + j, m], k < GATES; every lane of the block calls it
-template <typename T, int GATES>
+template <typename T, int GATES, int VEC>
 __device__ void lnn_forward_product(const LnnStepThread& at, const T* __restrict__ h_prev, const T* __restrict__ w_hh,
                                     int rows, int hidden, float* a) {
     constexpr int CHUNK = 128, STRIDE = CHUNK + 4;
     __shared__ float h_tile[STEP_ROWS][CHUNK];
-    __shared__ float w_tile[GATES * STEP_UNITS][STRIDE];           // row k * STEP_UNITS + unit: gate k's W_hh row
+    __shared__ float w_tile[GATES][STEP_UNITS][STRIDE];            // [k][unit]: gate k's W_hh row for that unit
     for (int k = 0; k < GATES; ++k) a[k] = 0.0f;
     for (int m0 = 0; m0 < hidden; m0 += CHUNK) {
-        #pragma unroll 4
-        for (int e = threadIdx.x; e < GATES * STEP_UNITS * CHUNK; e += STEP_THREADS) {
-            const int row = e / CHUNK, m = e % CHUNK, k = row / STEP_UNITS, unit = at.unit0 + row % STEP_UNITS;
-            w_tile[row][m] = unit < hidden && m0 + m < hidden
-                ? lnn_load(w_hh[(long long)(k * hidden + unit) * hidden + m0 + m]) : 0.0f;
-        }
         #pragma unroll
-        for (int e = threadIdx.x; e < STEP_ROWS * CHUNK; e += STEP_THREADS) {
-            const int row = at.row0 + e / CHUNK, m = e % CHUNK;
-            h_tile[e / CHUNK][m] = row < rows && m0 + m < hidden ? lnn_load(h_prev[(long long)row * hidden + m0 + m]) : 0.0f;
-        }
+        for (int k = 0; k < GATES; ++k)
+            lnn_load_rows<VEC, CHUNK, STRIDE>(&w_tile[k][0][0], w_hh + (long long)k * hidden * hidden, hidden, at.unit0,
+                                              hidden, STEP_UNITS, m0, hidden);
+        lnn_load_rows<VEC, CHUNK, CHUNK>(&h_tile[0][0], h_prev, hidden, at.row0, rows, STEP_ROWS, m0, hidden);
         __syncthreads();
         #pragma unroll 8
         for (int m = at.s; m < CHUNK; m += STEP_SPLIT) {
             const float v = h_tile[at.r][m];
             #pragma unroll
-            for (int k = 0; k < GATES; ++k) a[k] += v * w_tile[k * STEP_UNITS + at.u][m];
+            for (int k = 0; k < GATES; ++k) a[k] += v * w_tile[k][at.u][m];
         }
         __syncthreads();
     }
@@ -368,7 +396,7 @@ __device__ void lnn_forward_product(const LnnStepThread& at, const T* __restrict
 }
 
 // sum over m < GATES H of d_after[n, m] W_hh[m, j]; every lane of the block calls it
-template <typename T, int GATES>
+template <typename T, int GATES, int VEC>
 __device__ float lnn_backward_product(const LnnStepThread& at, const T* __restrict__ d_after,
                                       const T* __restrict__ w_hh, int rows, int hidden) {
     constexpr int CHUNK = 256, STRIDE = CHUNK + 4;
@@ -378,16 +406,14 @@ __device__ float lnn_backward_product(const LnnStepThread& at, const T* __restri
     float sum = 0.0f;
     for (int m0 = 0; m0 < width; m0 += CHUNK) {
         #pragma unroll 4
-        for (int e = threadIdx.x; e < STEP_UNITS * CHUNK; e += STEP_THREADS) {
-            const int m = e / STEP_UNITS, unit = at.unit0 + e % STEP_UNITS;
-            w_tile[e % STEP_UNITS][m] = m0 + m < width && unit < hidden
-                ? lnn_load(w_hh[(long long)(m0 + m) * hidden + unit]) : 0.0f;
+        for (int e = threadIdx.x; e < CHUNK * STEP_UNITS / VEC; e += STEP_THREADS) {
+            const int m = e / (STEP_UNITS / VEC), u = e % (STEP_UNITS / VEC) * VEC;
+            float v[VEC];
+            lnn_load_run<VEC>(&w_hh[(long long)(m0 + m) * hidden + at.unit0 + u], m0 + m < width && at.unit0 + u < hidden, v);
+            #pragma unroll
+            for (int q = 0; q < VEC; ++q) w_tile[u + q][m] = v[q];
         }
-        #pragma unroll 4
-        for (int e = threadIdx.x; e < STEP_ROWS * CHUNK; e += STEP_THREADS) {
-            const int row = at.row0 + e / CHUNK, m = e % CHUNK;
-            g_tile[e / CHUNK][m] = row < rows && m0 + m < width ? lnn_load(d_after[(long long)row * width + m0 + m]) : 0.0f;
-        }
+        lnn_load_rows<VEC, CHUNK, CHUNK>(&g_tile[0][0], d_after, width, at.row0, rows, STEP_ROWS, m0, width);
         __syncthreads();
         #pragma unroll 8
         for (int m = at.s; m < CHUNK; m += STEP_SPLIT) sum += g_tile[at.r][m] * w_tile[at.u][m];
@@ -398,13 +424,13 @@ __device__ float lnn_backward_product(const LnnStepThread& at, const T* __restri
 
 __device__ __forceinline__ float lnn_sigmoid(float a) { return 0.5f + 0.5f * tanhf(0.5f * a); }
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void __launch_bounds__(STEP_THREADS) lnn_lstm_step_forward(
         T* __restrict__ gates, const T* __restrict__ h_prev, const T* __restrict__ w_hh, const T* __restrict__ c_prev,
         T* __restrict__ c, T* __restrict__ h, int rows, int hidden, int first) {
     const LnnStepThread at;
     float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (!first) lnn_forward_product<T, 4>(at, h_prev, w_hh, rows, hidden, a);
+    if (!first) lnn_forward_product<T, 4, VEC>(at, h_prev, w_hh, rows, hidden, a);
     if (!at.owns() || at.n >= rows || at.j >= hidden) return;
     const long long base = (long long)at.n * 4 * hidden + at.j, e = (long long)at.n * hidden + at.j;
     #pragma unroll
@@ -419,14 +445,14 @@ __global__ void __launch_bounds__(STEP_THREADS) lnn_lstm_step_forward(
     lnn_store(&h[e], out_gate * tanhf(cell));
 }
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void __launch_bounds__(STEP_THREADS) lnn_lstm_step_backward(
         const T* __restrict__ gates, const T* __restrict__ c, const T* __restrict__ c_prev,
         const T* __restrict__ dgates_after, const T* __restrict__ w_hh, const T* __restrict__ dh_out,
         long long out_width, int out_offset, T* __restrict__ dc, T* __restrict__ dgates,
         int rows, int hidden, int first, int has_after) {
     const LnnStepThread at;
-    float grad_h = has_after ? lnn_backward_product<T, 4>(at, dgates_after, w_hh, rows, hidden) : 0.0f;
+    float grad_h = has_after ? lnn_backward_product<T, 4, VEC>(at, dgates_after, w_hh, rows, hidden) : 0.0f;
     if (!at.owns() || at.n >= rows || at.j >= hidden) return;
     const long long base = (long long)at.n * 4 * hidden + at.j, e = (long long)at.n * hidden + at.j;
     grad_h += lnn_load(dh_out[(long long)at.n * out_width + out_offset + at.j]);
@@ -441,13 +467,13 @@ __global__ void __launch_bounds__(STEP_THREADS) lnn_lstm_step_backward(
     lnn_store(&dc[e], grad_c * forget);
 }
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void __launch_bounds__(STEP_THREADS) lnn_gru_step_forward(
         T* __restrict__ gates, const T* __restrict__ h_prev, const T* __restrict__ w_hh, const T* __restrict__ b_hh,
         T* __restrict__ ghn, T* __restrict__ h, int rows, int hidden, int first, int has_bias) {
     const LnnStepThread at;
     float a[3] = {0.0f, 0.0f, 0.0f};
-    if (!first) lnn_forward_product<T, 3>(at, h_prev, w_hh, rows, hidden, a);
+    if (!first) lnn_forward_product<T, 3, VEC>(at, h_prev, w_hh, rows, hidden, a);
     if (!at.owns() || at.n >= rows || at.j >= hidden) return;
     const long long base = (long long)at.n * 3 * hidden + at.j, e = (long long)at.n * hidden + at.j;
     #pragma unroll
@@ -463,14 +489,14 @@ __global__ void __launch_bounds__(STEP_THREADS) lnn_gru_step_forward(
     lnn_store(&h[e], cand + update * (before - cand));
 }
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void __launch_bounds__(STEP_THREADS) lnn_gru_step_backward(
         const T* __restrict__ gates, const T* __restrict__ ghn, const T* __restrict__ h_prev,
         const T* __restrict__ dgh_after, const T* __restrict__ w_hh, const T* __restrict__ dh_out,
         long long out_width, int out_offset, T* __restrict__ dh_carry, T* __restrict__ dgates, T* __restrict__ dgh,
         int rows, int hidden, int first, int has_after) {
     const LnnStepThread at;
-    float grad_h = has_after ? lnn_backward_product<T, 3>(at, dgh_after, w_hh, rows, hidden) : 0.0f;
+    float grad_h = has_after ? lnn_backward_product<T, 3, VEC>(at, dgh_after, w_hh, rows, hidden) : 0.0f;
     if (!at.owns() || at.n >= rows || at.j >= hidden) return;
     const long long base = (long long)at.n * 3 * hidden + at.j, e = (long long)at.n * hidden + at.j;
     grad_h += lnn_load(dh_out[(long long)at.n * out_width + out_offset + at.j]) + lnn_load(dh_carry[e]);
@@ -498,11 +524,13 @@ def _step_launch(name: str, like, rows: int, hidden: int, arguments: tuple, flag
         raise TypeError(f"{name}: every array must be {like.dtype}, got "
                         f"{[a.dtype.name for a in arguments if isinstance(a, cupy.ndarray)]}")
     if _recurrent_module is None:
-        names = [f"lnn_{cell}_step_{way}<{kind}>" for cell in ("lstm", "gru") for way in ("forward", "backward")
-                 for kind, _ in _CHANNEL_TYPES.values()]
+        names = [f"lnn_{cell}_step_{way}<{kind}, {vec}>" for cell in ("lstm", "gru") for way in ("forward", "backward")
+                 for kind, _ in _CHANNEL_TYPES.values() for vec in (1, 4)]
         _recurrent_module = cupy.RawModule(code=_RECURRENT_SOURCE, options=("-std=c++17",), name_expressions=names)
+    arrays = [a for a in arguments if isinstance(a, cupy.ndarray)]
+    vec = 4 if hidden % 4 == 0 and all(a.data.ptr % (4 * a.itemsize) == 0 for a in arrays) else 1   # 4-value runs
     grid = (-(-hidden // 8), -(-rows // 8))                   # STEP_UNITS, STEP_ROWS
-    _recurrent_module.get_function(f"{name}<{_CHANNEL_TYPES[like.dtype][0]}>")(
+    _recurrent_module.get_function(f"{name}<{_CHANNEL_TYPES[like.dtype][0]}, {vec}>")(
         grid, (256,), (*arguments, cupy.int32(rows), cupy.int32(hidden), *(cupy.int32(flag) for flag in flags)))
 
 
