@@ -40,12 +40,13 @@ __device__ __forceinline__ void lnn_store(lnn_bf16* p, float v) {
 """
 
 C_TYPES = {"float32": "float", "float16": "unsigned short", "bfloat16": "lnn_bf16"}     # by dtype name
-HALF_TYPES = ("float16", "bfloat16")                 # amp's precisions: 16-bit floats, computed in float32
+HALF_TYPES = ("float16", "bfloat16")                 # amp's 16-bit floats, computed in float32
+AMP_PRECISIONS = {"fp16": "float16", "bf16": "bfloat16"}   # the trainer's names for them (amp=, --amp)
 
 
 def c_type(dtype) -> str:
-    """The kernels' C type for arrays of `dtype` (float32, float16 or bfloat16)."""
-    return C_TYPES[np.dtype(dtype).name]
+    """The kernels' C type for arrays of `dtype` (float32, float16 or bfloat16: a dtype or its name)."""
+    return C_TYPES[dtype if isinstance(dtype, str) else np.dtype(dtype).name]
 
 
 def bfloat16():

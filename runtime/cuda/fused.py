@@ -14,7 +14,8 @@ channel_affine: batch norm's y = x * scale[c] + shift[c]; batchnorm_input_gradie
     batchnorm_statistics / batchnorm_gradient_sums: its per-channel bookkeeping around them.
 lstm_cell_forward / lstm_cell_backward: one lstm time step's gate arithmetic over [N, H] (runtime/cuda/recurrent.py
     holds the step loop, its GEMMs and the reference arithmetic these replace on the GPU).
-The window, im2col and batch-norm kernels take float32 or float16 (amp), computing in float32; the
+The window, im2col and batch-norm kernels take float32, float16 or bfloat16 (amp), computing in float32 (CuPy's
+own element-wise kernels take bfloat16 as CuPy 14's `bfloat16` type, the raw ones as float16.py's lnn_bf16); the
 trainer's kernels (train/kernels.py) call them on CuPy when `fits`, so training and inference share them.
 `i` and `n` are reserved names in ElementwiseKernel bodies. Importing this module imports CuPy; the
 kernels compile on first use (CuPy caches them on disk).
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import cupy
 
-from lnn.runtime.cuda.float16 import CONVERSIONS
+from lnn.runtime.cuda.float16 import CONVERSIONS, HALF_TYPES, c_type
 
 # Activation codes passed to the epilogue kernels; softmax has none (see above).
 ACTIVATION_CODES = {None: 0, "relu": 1, "relu6": 2, "leaky_relu": 3, "sigmoid": 4, "tanh": 5}
@@ -60,7 +61,7 @@ epilogue_from_gemm = cupy.ElementwiseKernel(
     "y = lnn_activate(src[((long long)c * batch + image) * positions + p] * scale[c] + shift[c], code, slope);",
     "lnn_epilogue_from_gemm", preamble=_ACTIVATE)
 
-# T: float32 or float16 (amp), computed in float32. Window kernels index planes [N*C, H, W].
+# T: float32, float16 or bfloat16 (amp), computed in float32. Window kernels index planes [N*C, H, W].
 _im2col = cupy.ElementwiseKernel(
     "raw T x, int32 batch, int32 channels, int32 height, int32 width, int32 out_h, int32 out_w, "
     "int32 kernel_h, int32 kernel_w, int32 stride_h, int32 stride_w, int32 pad_h, int32 pad_w, "
@@ -179,7 +180,7 @@ _maxpool2d_backward = cupy.ElementwiseKernel(
     "dx = (T)sum;",
     "lnn_maxpool2d_backward")
 
-# Batch norm's per-channel passes over x [N, C, P] (float32 or float16 as its bits; float32 arithmetic), 16 bytes
+# Batch norm's per-channel passes over x [N, C, P] (float32, or float16 or bfloat16 as its bits; float32 arithmetic), 16 bytes
 # per load where P is a multiple of the vector and the arrays are 16-byte aligned (CuPy's own float16
 # element-wise kernels ran these at a fifth of the card's bandwidth):
 #   lnn_channel_affine:           y = act(x * scale[c] + shift[c]), act none or relu (batch norm's affine)
@@ -236,7 +237,7 @@ __global__ void lnn_batchnorm_input_gradient(const T* __restrict__ dy, const T* 
     }
 }
 """
-_CHANNEL_TYPES = {cupy.dtype(cupy.float32): ("float", 4), cupy.dtype(cupy.float16): ("unsigned short", 8)}
+_CHANNEL_VECTORS = {"float32": 4, "float16": 8, "bfloat16": 8}        # elements per 16-byte access
 _channel_module = None
 
 
@@ -245,10 +246,10 @@ def _channel_pass(name: str, arrays: tuple, positions: int, channels: int, leadi
     where P and every array allow, else one by one."""
     global _channel_module
     if _channel_module is None:
-        names = [f"{kernel}<{kind}, {vec}>" for kernel in ("lnn_channel_affine", "lnn_batchnorm_input_gradient")
-                 for kind, wide in _CHANNEL_TYPES.values() for vec in (1, wide)]
+        names = [f"{kernel}<{c_type(name)}, {vec}>" for kernel in ("lnn_channel_affine", "lnn_batchnorm_input_gradient")
+                 for name, wide in _CHANNEL_VECTORS.items() for vec in (1, wide)]
         _channel_module = cupy.RawModule(code=_CHANNEL_SOURCE, options=("-std=c++17",), name_expressions=names)
-    kind, vec = _CHANNEL_TYPES[arrays[0].dtype]
+    kind, vec = c_type(arrays[0].dtype), _CHANNEL_VECTORS[arrays[0].dtype.name]
     if positions % vec or any(a.data.ptr % 16 for a in arrays):
         vec = 1
     groups = arrays[0].size // vec
@@ -270,7 +271,7 @@ def batchnorm_input_gradient(dy, x, mean, inv_std, k, mean_dy, mean_dy_xhat, pos
     return dx
 
 # batch norm's per-channel bookkeeping over [C], one launch each (instead of about 20 tiny ones); the
-# statistics and sums float32, parameters (W), running averages (R) and gradients (G) float32 or float16:
+# statistics and sums float32, parameters (W), running averages (R) and gradients (G) float32, float16 or bfloat16:
 # batchnorm_statistics, from the batch mean and the centered sum of squares: saved mean and
 #   1/sqrt(var + eps), the running averages (the unbiased variance), scale = w * inv_std, shift = b - mean * scale
 # batchnorm_gradient_sums, from sum(dy) and sum(dy * (x - mean)): dweight += sum(dy * x_hat), dbias += sum(dy),
@@ -348,11 +349,11 @@ def lstm_cell_backward(gates, c, c_prev, dh, dc, dgates):
     return _lstm_cell_backward(gates, c, c if first else c_prev, dh, c.shape[1], int(first), dc, dgates)
 
 
-FAST_TYPES = ("float32", "float16")
+FAST_TYPES = ("float32",) + HALF_TYPES
 
 
 def fits(*arrays) -> bool:
-    """These kernels take C-contiguous float32 or float16 arrays."""
+    """These kernels take C-contiguous float32, float16 or bfloat16 arrays."""
     return all(a.dtype.name in FAST_TYPES and a.flags.c_contiguous for a in arrays)
 
 
