@@ -101,6 +101,18 @@ def test_gpu_plan_drops_the_im2col_workspaces_and_needs_less_memory():
     assert gpu_report["peak"] - gpu_report["gemm_workspace"] < plan_memory(model, 64, gpu=False)["peak"]   # cuBLAS's is fixed
 
 
+def test_bf16_scratch_is_counted_as_fp16():
+    bfloat16 = pytest.importorskip("ml_dtypes").bfloat16
+    for kernel, padding in (((3, 3), (1, 1)), ((1, 1), (0, 0)), ((5, 5), (2, 2))):
+        attrs = attrs_of(kernel, padding, True)
+        shapes = ((32, 16, 16), (48, 16, 16))
+        bf16, fp16, fp32 = (conv_gemm.scratch_bytes(attrs, *shapes, dtype=dtype)
+                            for dtype in (bfloat16, np.float16, np.float32))
+        assert bf16 == fp16 != fp32                             # 2-byte weights (3x3: the halo kernels' arranged ones)
+    assert [name for name in conv_gemm.kernel_names("lnn_bf16", True) if "mma" in name][0] == \
+        "lnn_conv_igemm_mma<lnn_bf16, 16, 128>"
+
+
 # --------------------------------------------------------------------------- on the GPU
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"k{c[5][0]}{c[5][1]}p{c[6][0]}")
@@ -229,32 +241,41 @@ def test_winograd_forward_and_input_gradient_match_float64_numpy(case, chunk_byt
     np.testing.assert_allclose(dx.get(), dx_ref, rtol=1e-4, atol=1e-4)
 
 
+# amp's 16-bit types and their tolerance: 4x the type's unit roundoff (float16 2^-11, bfloat16 2^-9)
+HALF_PRECISIONS = [pytest.param("float16", 2e-3, id="fp16"), pytest.param("bfloat16", 8e-3, id="bf16")]
+
+
+@pytest.mark.parametrize("precision, tol", HALF_PRECISIONS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"k{c[5][0]}{c[5][1]}p{c[6][0]}")
-def test_float16_kernels_match_float64_numpy_on_float16_inputs(case):
-    """amp: float16 in and out, float32 accumulation (on tensor cores where the card has them: every tile
-    size and both weight-gradient widths are among the cases); against float64 on the same
-    (float16-rounded) inputs, the error is float16's output rounding (about 1e-3 relative)."""
+def test_16_bit_kernels_match_float64_numpy_on_16_bit_inputs(case, precision, tol):
+    """amp: float16 or bfloat16 in and out, float32 accumulation (on tensor cores where the card has them: every
+    tile size, both weight-gradient widths and the 3x3 halo kernels, with under and over 16 input channels, are
+    among the cases); against float64 on the same (rounded) inputs, the error is the type's output rounding."""
     cupy = gpu_cupy()
+    dtype = np.float16 if precision == "float16" else pytest.importorskip("ml_dtypes").bfloat16
     n, c, h, w, o, kernel, padding, bias = case
     rng = np.random.default_rng(sum(case[:5]) + 1)
-    x = rng.standard_normal((n, c, h, w)).astype(np.float16)
-    weight = (rng.standard_normal((o, c) + kernel) / np.sqrt(c * kernel[0] * kernel[1])).astype(np.float16)
-    b = rng.standard_normal(o).astype(np.float16) if bias else None
+    x = rng.standard_normal((n, c, h, w)).astype(dtype)
+    weight = (rng.standard_normal((o, c) + kernel) / np.sqrt(c * kernel[0] * kernel[1])).astype(dtype)
+    b = rng.standard_normal(o).astype(dtype) if bias else None
     y_ref, backward = reference_conv(x.astype(np.float64), weight.astype(np.float64),
                                      None if b is None else b.astype(np.float64), padding)
     dy = rng.standard_normal(y_ref.shape).astype(np.float16)
     dweight_ref, dbias_ref, dx_ref = backward(dy.astype(np.float64))
-    kernels = conv_gemm.ConvKernels(attrs_of(kernel, padding, bias), (c, h, w), y_ref.shape[1:], dtype=np.float16)
+    kernels = conv_gemm.ConvKernels(attrs_of(kernel, padding, bias), (c, h, w), y_ref.shape[1:], dtype=dtype)
     assert kernels.tensor_cores == (int(cupy.cuda.Device().compute_capability) >= 80)
+    assert kernels.halo == (kernels.tensor_cores and kernel == (3, 3))
     gx, gw, gdy = cupy.asarray(x), cupy.asarray(weight), cupy.asarray(dy)
-    y = cupy.empty(y_ref.shape, np.float16)
+    y = cupy.empty(y_ref.shape, dtype)
     kernels.forward(gx, gw, None if b is None else cupy.asarray(b), y)
-    np.testing.assert_allclose(y.get().astype(np.float64), y_ref, rtol=2e-3, atol=2e-3)
-    dweight = cupy.empty(weight.shape, np.float16)
-    dbias = None if b is None else cupy.empty(o, np.float16)
-    dx = cupy.empty(x.shape, np.float16)
+    np.testing.assert_allclose(y.get().astype(np.float64), y_ref, rtol=tol, atol=tol)
+    dweight = cupy.empty(weight.shape, dtype)
+    dbias = None if b is None else cupy.empty(o, dtype)
+    dx = cupy.empty(x.shape, dtype)
     kernels.weight_gradient(gdy, gx, dweight, dbias, accumulate=False)
     kernels.input_gradient(gdy, gw, dx)
     scale = np.sqrt(n * y_ref.shape[2] * y_ref.shape[3])
-    np.testing.assert_allclose(dweight.get().astype(np.float64), dweight_ref, rtol=2e-3, atol=2e-3 * scale)
-    np.testing.assert_allclose(dx.get().astype(np.float64), dx_ref, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(dweight.get().astype(np.float64), dweight_ref, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(dx.get().astype(np.float64), dx_ref, rtol=tol, atol=tol)
+    if b is not None:
+        np.testing.assert_allclose(dbias.get().astype(np.float64), dbias_ref, rtol=tol, atol=tol * scale)
