@@ -6,6 +6,8 @@ machine by benchmarks/gpu_check.sh). Shapes cover channel counts off the tile si
 64 k-columns), kernels 1x1, 3x3, 5x5 and 2x3, padding 0 up to kernel-1, with and without bias.
 """
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -111,6 +113,55 @@ def test_bf16_scratch_is_counted_as_fp16():
         assert bf16 == fp16 != fp32                             # 2-byte weights (3x3: the halo kernels' arranged ones)
     assert [name for name in conv_gemm.kernel_names("lnn_bf16", True) if "mma" in name][0] == \
         "lnn_conv_igemm_mma<lnn_bf16, 16, 128>"
+
+
+class FakeCupy:
+    """Enough of CuPy for ConvKernels' host side on a machine without it: arrays are NumPy's, a RawModule
+    records its name expressions, and a launch records the kernel it asked for (which must be one of them)."""
+
+    def __init__(self, capability):
+        import types
+
+        self.launched = []
+        self.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(compute_capability=str(capability)))
+        self.asarray, self.zeros, self.empty = np.asarray, np.zeros, np.empty
+
+    def RawModule(self, code, options, name_expressions):
+        fake, names = self, set(name_expressions)
+
+        class Module:
+            def get_function(self, name):
+                assert name in names, f"{name} is not among the module's name expressions"
+                return lambda grid, block, args: fake.launched.append(name)
+        return Module()
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+@pytest.mark.parametrize("capability", [80, 75])
+@pytest.mark.parametrize("kernel, padding, channels", [((3, 3), (1, 1), 16), ((3, 3), (1, 1), 4), ((1, 1), (0, 0), 16)])
+def test_16_bit_layers_launch_their_own_instances(monkeypatch, kernel, padding, channels, capability, precision):
+    """Every launch of a bfloat16 (float16) ConvKernels names a lnn_bf16 (unsigned short) instance its module
+    holds: the tensor-core halo kernels for 3x3 (their weight gradient from 16 channels), the gather ones for
+    1x1, CUDA-core below 8.0 (where the trainer refuses bfloat16, but the kernels exist)."""
+    dtype = pytest.importorskip("ml_dtypes").bfloat16 if precision == "bfloat16" else np.float16
+    kind = conv_gemm.c_type(dtype)
+    fake = FakeCupy(capability)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(conv_gemm, "_MODULES", {})
+    attrs = attrs_of(kernel, padding, True)
+    kernels = conv_gemm.ConvKernels(attrs, (channels, 8, 8), (8, 8, 8), dtype=dtype)
+    x, dy = np.zeros((2, channels, 8, 8), dtype), np.zeros((2, 8, 8, 8), dtype)
+    weight, bias = np.zeros((8, channels) + kernel, dtype), np.zeros(8, dtype)
+    kernels.forward(x, weight, bias, dy)
+    kernels.weight_gradient(dy, x, weight, bias, accumulate=True)
+    kernels.input_gradient(dy, weight, x)
+    assert fake.launched and all(name.startswith(f"{name.split('<')[0]}<{kind}") for name in fake.launched)
+    families = {name.split("<")[0] for name in fake.launched}
+    tensor_cores, halo = capability >= 80, capability >= 80 and kernel == (3, 3)
+    assert ("lnn_conv3x3_mma" in families) == halo and ("lnn_conv3x3_arrange" in families) == halo
+    assert ("lnn_conv3x3_wgrad_mma" in families) == (halo and channels >= 16)
+    assert ("lnn_conv_igemm_mma" in families) == (tensor_cores and not halo)
+    assert ("lnn_conv_igemm" in families) == (not tensor_cores)
 
 
 # --------------------------------------------------------------------------- on the GPU
