@@ -191,10 +191,11 @@ def test_amp_graph_steps_match_amp_eager_and_fp32(case):
 
 @pytest.mark.parametrize("case", BF16_CASES)
 def test_bf16_graph_steps_match_bf16_eager_and_fp32(case):
-    """amp bf16: the graph and the eager bf16 step run the same kernels; against the float64 reference the
-    tolerances are fp16's times 3 (loss 3e-2, weights 6e-2 relative and 6e-3 absolute): bfloat16 keeps 8
-    mantissa bits to float16's 11, while master weights, accumulation and the optimizer are float32 in both.
-    The loss scale stays 1 (bfloat16 has float32's range)."""
+    """amp bf16: the graph and the eager bf16 step run the same kernels; against the float64 reference: loss
+    2e-2 relative (grad norm 2e-1), weights 6e-2 relative and 6e-3 absolute (fp16's 1e-2, 2e-2, 2e-3 times 2-3:
+    bfloat16 keeps 8 mantissa bits to float16's 11; master weights, accumulation and the optimizer are float32
+    in both). The same steps in bfloat16 on NumPy (the generic kernels, ml_dtypes) came within loss 5e-4, grad
+    norm 1.3e-2 and weights 3.4e-3 beyond the relative part on these cases. The loss scale stays 1."""
     gpu_cupy()
     pytest.importorskip("ml_dtypes")
     description = GPU_CASES[case]
@@ -204,7 +205,7 @@ def test_bf16_graph_steps_match_bf16_eager_and_fp32(case):
                 "graph": Trainer(description, device="cuda", amp="bf16", cuda_graph=True, log=messages.append)}
     graph = trainers["graph"]
     assert graph.amp == "bf16" and graph.graph_mode and graph.plan.compute_dtype.name == "bfloat16"
-    _compare(case, trainers, _batches(description, _rows(graph)), 3e-2, 6e-2, 6e-3, messages)
+    _compare(case, trainers, _batches(description, _rows(graph)), 2e-2, 6e-2, 6e-3, messages)
     assert graph.loss_scale == trainers["eager"].loss_scale == 1.0 and graph.overflow_steps == 0
 
 
