@@ -7,7 +7,10 @@
 # The package is put on the path through a symlink named lnn (no install, no network needed).
 # About 12 minutes on an H200: more than one device call allows, so STAGES picks (default: all):
 #   STAGES="tests" or "tests step" or "step accuracy" ...; "lstm" (not in the default: a few minutes)
-#   runs benchmarks/gpu_lstm_step.py, the conv1d + LSTM step against PyTorch's cuDNN LSTM.
+#   runs benchmarks/gpu_lstm_step.py, the conv1d + LSTM step against PyTorch's cuDNN LSTM; "bf16" (not in the
+#   default either: "tests" and "step" cover it) runs only the bfloat16 tests and step sides, in a few minutes.
+# amp bf16 needs ml_dtypes on the GPU machine (NumPy has no bfloat16; CuPy 14 takes ml_dtypes' type): without it
+# the bf16 tests skip and the "lnn bf16" side fails with one line saying so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
@@ -28,7 +31,12 @@ for stage in $STAGES; do
         profile) python3 benchmarks/gpu_step_profile.py --side lnn --models leaf_cnn tomato_leaf --batches 256 2>&1 | tee "$OUT/gpu_step_profile.log" ;;
         accuracy) python3 benchmarks/tomato_time_to_accuracy.py 2>&1 | tee "$OUT/tomato_time_to_accuracy.log" ;;
         lstm) python3 benchmarks/gpu_lstm_step.py 2>&1 | tee "$OUT/gpu_lstm_step.log" ;;
-        *) echo "gpu_check.sh: unknown stage $stage (tests train infer step conv profile accuracy lstm)"; exit 2 ;;
+        bf16) python3 -m pytest -q -p no:cacheprovider -k "bf16 or bfloat16" tests/train/test_gpu.py \
+                  tests/train/test_cuda_graph.py tests/runtime 2>&1 | tee "$OUT/gpu_bf16_tests.log"
+              python3 benchmarks/gpu_train_step.py --out "$OUT/bf16_step" \
+                  --sides "lnn fp32" "lnn amp" "lnn bf16" "torch amp cl" "torch bf16 amp cl" 2>&1 \
+                  | tee "$OUT/gpu_bf16_step.log" ;;
+        *) echo "gpu_check.sh: unknown stage $stage (tests train infer step conv profile accuracy lstm bf16)"; exit 2 ;;
     esac
 done
 cp docs/BENCHMARKS.md "$OUT/"

@@ -28,7 +28,6 @@ REPEATS = 30
 
 def lnn_layer(dtype, overrides: dict, batch: int, channels: int, size: int, out_channels: int) -> tuple:
     """(forward, weight gradient, input gradient) ms with conv_gemm's choices replaced by `overrides`."""
-    conv_gemm._module()                          # compiled with every kernel the card has
     saved = {name: getattr(conv_gemm, name) for name in overrides}
     for name, value in overrides.items():
         setattr(conv_gemm, name, value)

@@ -1,6 +1,6 @@
 """Where an lnn training step spends its GPU time, layer by layer, next to PyTorch's kernels.
 
-    python benchmarks/gpu_step_profile.py [--models leaf_cnn tomato_leaf] [--batches 256 64] [--amp] [--algorithm winograd]
+    python benchmarks/gpu_step_profile.py [--models leaf_cnn tomato_leaf] [--batches 256 64] [--amp [bf16]] [--algorithm winograd]
 
 lnn: each layer's forward and backward of the step (train/layers.py, the code the captured graph
 replays) run on their own between two CUDA events, median of `reps` repetitions, plus the optimizer.
@@ -25,7 +25,7 @@ def description_of(model_name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def lnn_profile(model_name: str, batch: int, algorithm: str, amp: bool, reps: int = 10):
+def lnn_profile(model_name: str, batch: int, algorithm: str, amp, reps: int = 10):
     import cupy
     from report import cuda_event_ms
 
@@ -56,7 +56,7 @@ def lnn_profile(model_name: str, batch: int, algorithm: str, amp: bool, reps: in
             rows.append((f"bwd {label}", cuda_event_ms(lambda: layer.run_backward(call), reps)))
     rows.append(("optimizer", cuda_event_ms(lambda: trainer.optimizer.update(plan.grads, 0.0), reps)))
     total = sum(ms for _, ms in rows)
-    print(f"\n== lnn {model_name} batch {batch}{' amp' if amp else ''} ({algorithm}): sum {total:.3f} ms; "
+    print(f"\n== lnn {model_name} batch {batch}{f' amp {amp}' if amp else ''} ({algorithm}): sum {total:.3f} ms; "
           f"pool {cupy.get_default_memory_pool().total_bytes() / 2**20:.0f} MiB")
     for label, ms in rows:
         print(f"  {label:28s} {ms:8.3f} ms")
@@ -104,13 +104,16 @@ def torch_profile(model_name: str, batch: int):
 
 
 def main():
+    from lnn.runtime.cuda.float16 import AMP_PRECISIONS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["leaf_cnn", "mnist_cnn"])
     parser.add_argument("--batches", nargs="+", type=int, default=[256, 64])
     parser.add_argument("--side", choices=["lnn", "torch", "both"], default="both")
     parser.add_argument("--algorithm", choices=["auto", "im2col", "winograd"], default="auto",
                         help="the conv layers' algorithm field for the lnn side")
-    parser.add_argument("--amp", action="store_true", help="the lnn side in mixed precision")
+    parser.add_argument("--amp", nargs="?", const="fp16", choices=tuple(AMP_PRECISIONS),
+                        help="the lnn side in mixed precision (--amp alone: fp16)")
     args = parser.parse_args()
     for model_name in args.models:
         for batch in args.batches:

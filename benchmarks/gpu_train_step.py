@@ -1,4 +1,4 @@
-"""Training step time and memory on one GPU: lnn (fp32, TF32, amp; captured graphs) vs what a PyTorch user picks.
+"""Training step time and memory on one GPU: lnn (fp32, TF32, amp fp16 and bf16; captured graphs) vs what a PyTorch user picks.
 
     python benchmarks/gpu_train_step.py [--models mnist_cnn leaf_cnn leaf_cnn224 tomato_leaf] [--sides ...]
 
@@ -10,11 +10,13 @@ fresh process:
   lnn fp32     Trainer(cuda_graph=True): the step captured and replayed (train/cuda_graph.py), float32
   lnn tf32     the same with tf32=True (TF32 tensor cores in the GEMMs; named as such)
   lnn amp      the same with amp=True: fp16 activations, fp32 master weights, dynamic loss scale
+  lnn bf16     the same with amp="bf16": bfloat16 activations, fp32 master weights, no loss scaling
   torch fp32   eager, TF32 off (true fp32)
   torch defaults  eager with PyTorch's defaults (cuDNN convolutions in TF32)
   torch amp cl    eager autocast fp16 + GradScaler, channels_last
   torch amp cl graph  the same step captured as a CUDA graph (static loss scale 1024: GradScaler syncs)
   torch compile amp   torch.compile(model) with autocast fp16 + GradScaler, channels_last
+  torch bf16 amp cl   eager autocast bfloat16 (no GradScaler), channels_last
 Time: median over 7 blocks of K steps of (block time / K), synchronized at block ends only.
 Peak memory: lnn, CuPy's default pool plus the graphs' private pools (total bytes held: a conservative
 figure, it counts cached blocks); PyTorch, torch.cuda.max_memory_allocated. Writes the `gpu_train_step`
@@ -37,8 +39,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 MODELS = ("mnist_cnn", "leaf_cnn", "leaf_cnn224", "tomato_leaf")
 BATCHES = {"tomato_leaf": (32, 64, 256)}
 DEFAULT_BATCHES = (64, 256)
-SIDES = ("lnn fp32", "lnn tf32", "lnn amp", "torch fp32", "torch defaults", "torch amp cl", "torch amp cl graph",
-         "torch compile amp")
+SIDES = ("lnn fp32", "lnn tf32", "lnn amp", "lnn bf16", "torch fp32", "torch defaults", "torch amp cl",
+         "torch amp cl graph", "torch compile amp", "torch bf16 amp cl")
+LNN_AMP = {"amp": "fp16", "bf16": "bf16"}          # lnn side mode -> Trainer(amp=...)
 BLOCKS = 7
 SIDE_TIMEOUT_S = 240
 
@@ -79,7 +82,7 @@ def lnn_side(model_name: str, mode: str) -> dict:
     for batch in batches_of(model_name):
         messages = []
         trainer = Trainer(str(description_path(model_name)), device="cuda", batch_size=batch, cuda_graph=True,
-                          amp=mode == "amp", tf32=mode == "tf32", log=messages.append)
+                          amp=LNN_AMP.get(mode, False), tf32=mode == "tf32", log=messages.append)
         shape = (batch,) + tuple(trainer.model.input_shape)
         classes = trainer.model.output_shape[0]
         data = [(cupy.random.randint(0, 256, shape, dtype=cupy.uint8), cupy.random.randint(0, classes, batch))
@@ -118,7 +121,8 @@ def torch_side(model_name: str, mode: str) -> dict:
     torch.backends.cudnn.allow_tf32 = not true_fp32            # PyTorch's default is True (convolutions)
     torch.backends.cuda.matmul.allow_tf32 = False               # PyTorch's default
     torch.backends.cudnn.benchmark = True
-    amp = mode.startswith("amp") or mode == "compile amp"
+    bf16 = mode.startswith("bf16")
+    amp = mode.startswith("amp") or mode == "compile amp" or bf16
     channels_last = amp
     torch.manual_seed(0)
     model = load_model(description_path(model_name))
@@ -141,7 +145,7 @@ def torch_side(model_name: str, mode: str) -> dict:
                 net.parameters(), lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
                 weight_decay=opt["weight_decay"], capturable=capturable)
         forward = torch.compile(net) if mode == "compile amp" else net
-        scaler = torch.amp.GradScaler("cuda", enabled=amp and not capturable)
+        scaler = torch.amp.GradScaler("cuda", enabled=amp and not capturable and not bf16)   # disabled: a pass-through
         shape = (batch,) + tuple(model.input_shape)
         classes = model.output_shape[0]
         data = [(torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda"),
@@ -151,7 +155,7 @@ def torch_side(model_name: str, mode: str) -> dict:
 
         def loss_of(x, y):
             x = ((x.float() * (1 / 255) - mean) / std).contiguous(memory_format=memory_format)
-            with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+            with torch.autocast("cuda", dtype=torch.bfloat16 if bf16 else torch.float16, enabled=amp):
                 return nn.functional.cross_entropy(forward(x), y)
 
         def eager_step(x, y):
@@ -274,10 +278,11 @@ def main():
             print(f"{model} {side}: {json.dumps(results[(model, side)])}", file=sys.stderr, flush=True)
     headers = ["model", "batch"] + [f"{side} ms" for side in args.sides]
     comparisons = [("lnn fp32", "torch fp32"), ("lnn amp", "lnn fp32"), ("lnn amp", "torch amp cl"),
-                   ("lnn amp", "torch compile amp")]
+                   ("lnn amp", "torch compile amp"), ("lnn bf16", "lnn fp32"), ("lnn bf16", "torch bf16 amp cl")]
     comparisons = [(a, b) for a, b in comparisons if a in args.sides and b in args.sides]
     headers += [f"{a} ÷ {b}" for a, b in comparisons]
-    memory = [(a, b) for a, b in (("lnn fp32", "torch fp32"), ("lnn amp", "torch amp cl"), ("lnn amp", "lnn fp32"))
+    memory = [(a, b) for a, b in (("lnn fp32", "torch fp32"), ("lnn amp", "torch amp cl"), ("lnn amp", "lnn fp32"),
+                                  ("lnn bf16", "torch bf16 amp cl"))
               if a in args.sides and b in args.sides]
     headers += [f"memory {a} ÷ {b}" for a, b in memory]
     rows = []
@@ -295,7 +300,7 @@ def main():
     print(f"total {time.perf_counter() - started:.0f} s", file=sys.stderr)
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                          text=True).stdout.strip()
-    update_section("gpu_train_step", f"""## Training step time on the GPU: lnn (captured graphs: fp32, TF32, amp) vs PyTorch
+    update_section("gpu_train_step", f"""## Training step time on the GPU: lnn (captured graphs: fp32, TF32, amp fp16 and bf16) vs PyTorch
 
 Command: `python benchmarks/gpu_train_step.py` (run by `benchmarks/gpu_check.sh`). Machine: {gpu};
 {machine_line(("numpy", "cupy-cuda13x", "torch"))}.
@@ -304,7 +309,8 @@ Median ms per training step (forward, backward, the model's own optimizer and cl
 data already on the GPU, normalized inside the step; each side in a fresh process. lnn runs every step
 as a replayed CUDA graph of its one training path. "torch fp32" is true fp32 (TF32 off); "torch
 defaults" lets cuDNN use TF32 (PyTorch's default); "amp cl" is autocast fp16 with channels_last and a
-GradScaler; its graph side uses a static loss scale; "compile" is torch.compile. Memory: lnn's CuPy
+GradScaler; its graph side uses a static loss scale; "compile" is torch.compile; "bf16 amp cl" is autocast
+bfloat16 with channels_last, no scaler ("lnn bf16": amp="bf16", no loss scaling either). Memory: lnn's CuPy
 pools (total held, counting cached blocks) vs torch.cuda.max_memory_allocated.
 
 {table}

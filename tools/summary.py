@@ -13,7 +13,8 @@ the largest batch whose planned training memory fits a card of SIZE, keeping 10%
 300 MiB (CUDA context, library workspaces) free. Sizes: 512MB, 6GB (decimal: 6 x 10^9 bytes) or
 6GiB (binary: 6 x 2^30 bytes). A .bin or an lnn-train checkpoint also works as MODEL. The plan's
 memory is also given per layer (activations, gradients, optimizer state); for a series model
-(input [C, T]) --length T gives every figure, --max-batch too, at another sequence length.
+(input [C, T]) --length T gives every figure, --max-batch too, at another sequence length. --amp (fp16) or
+--amp bf16 plans as lnn-train --amp does (16-bit activations and weight copies: bf16 counts as fp16).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections import Counter
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.formats.model import FLOAT_BYTES, Model
 from lnn.formats.ops import get_op
+from lnn.runtime.cuda.float16 import AMP_PRECISIONS
 from lnn.formats.vectors import TENSOR_PREFIX as VECTOR_TENSORS
 from lnn.tools.cli import command_parser, human_bytes, human_flops, read_model_source, run_command
 
@@ -59,6 +61,8 @@ def build_parser():
     parser.add_argument("--length", type=int, metavar="T",
                         help="a series model ([C, T] input) at this sequence length instead of its own: every figure, "
                              "--max-batch too (the layers must fit the length, e.g. a pool's window)")
+    parser.add_argument("--amp", nargs="?", const="fp16", choices=tuple(AMP_PRECISIONS), metavar="fp16|bf16",
+                        help="the training plan's figures with lnn-train --amp: 16-bit activations (--amp alone: fp16)")
     return parser
 
 
@@ -80,46 +84,48 @@ def usable_card_bytes(card: int) -> int:
     return int(card * (1 - CARD_RESERVE_FRACTION)) - CARD_RESERVE_BYTES
 
 
-def planned_peak(model: Model, batch: int) -> int:
+def planned_peak(model: Model, batch: int, amp=None) -> int:
     from lnn.train.plan import plan_memory      # only here: the rest of lnn-summary does not need lnn.train
 
-    return plan_memory(model, batch)["peak"]
+    return plan_memory(model, batch, amp=amp)["peak"]
 
 
-def largest_batch(model: Model, usable: int) -> int:
+def largest_batch(model: Model, usable: int, amp=None) -> int:
     """The largest batch whose planned training memory is at most `usable` bytes (0 when batch 1 does not fit)."""
-    if planned_peak(model, 1) > usable:
+    if planned_peak(model, 1, amp) > usable:
         return 0
     fits, too_big = 1, 2
-    while planned_peak(model, too_big) <= usable:         # double until it does not fit
+    while planned_peak(model, too_big, amp) <= usable:    # double until it does not fit
         fits, too_big = too_big, too_big * 2
         if too_big > LARGEST_BATCH_TRIED:
             return fits
     while too_big - fits > 1:                             # then halve the gap
         middle = (fits + too_big) // 2
-        fits, too_big = (middle, too_big) if planned_peak(model, middle) <= usable else (fits, middle)
+        fits, too_big = (middle, too_big) if planned_peak(model, middle, amp) <= usable else (fits, middle)
     return fits
 
 
-def plan_lines(model: Model, batch: int) -> list:
-    """The training memory of the real plan (lnn.train) at `batch`, line by line."""
+def plan_lines(model: Model, batch: int, amp=None) -> list:
+    """The training memory of the real plan (lnn.train) at `batch` (with `amp`: "fp16" or "bf16"), line by line."""
     from lnn.train.plan import plan_memory
 
     try:
-        report = plan_memory(model, batch)
+        report = plan_memory(model, batch, amp=amp)
     except LnnError as err:
         return [f"training plan at batch {batch}: not available ({err})"]
     optimizer = model.optimizer["type"]
     parts = [("activations and their gradients, pooled", report["activations_pooled"]),
              ("parameters", report["params"]), ("batch-norm running statistics", report["running_stats"]),
              ("gradients", report["grads"]), (f"optimizer state ({optimizer})", report["optimizer_state"]),
+             *([(f"{amp} copies of the parameters and gradients", report["amp_copies"])] if amp else []),
              ("convolution tables and weight-gradient partial sums", report["conv_scratch"]),
              ("cuBLAS workspace", report["gemm_workspace"]),
              ("batch data (inputs: uint8 images, float32 series or rows; int64 labels)", report["batch_data"]), ("total", report["peak"])]
     width = max(len(what) for what, _ in parts)
     naive, pooled = report["activations_naive"], report["activations_pooled"]
-    lines = [f"training memory of the plan lnn-train builds on the GPU, at batch {batch} (float32, {optimizer} from "
-             f"the description; measured peak: lnn-train prints it after training):"]
+    precision = f"amp {amp}: {AMP_PRECISIONS[amp]} activations, float32 master weights" if amp else "float32"
+    lines = [f"training memory of the plan lnn-train builds on the GPU, at batch {batch} ({precision}, {optimizer} "
+             f"from the description; measured peak: lnn-train prints it after training):"]
     lines += [f"  {what:<{width}}  {human_bytes(size):>10}  ({size:,} bytes)" for what, size in parts]
     lines.append(f"  pooled activations {human_bytes(pooled)} against a naive sum of {human_bytes(naive)} "
                  f"({naive:,} bytes): {naive / max(pooled, 1):.1f}x less")
@@ -167,18 +173,19 @@ def at_length(model: Model, length: int | None) -> Model:
         raise LnnInputError(f"--length {length}: {err}") from None
 
 
-def max_batch_lines(model: Model, card: int) -> list:
+def max_batch_lines(model: Model, card: int, amp=None) -> list:
     usable = usable_card_bytes(card)
     margin = (f"a card of {card:,} bytes ({human_bytes(card)}), keeping {CARD_RESERVE_FRACTION:.0%} of it and "
               f"{human_bytes(CARD_RESERVE_BYTES)} (CUDA context, workspaces) free: {max(usable, 0):,} bytes for training")
     if usable <= 0:
         raise LnnInputError(f"{margin.split(':')[0]} leaves nothing for training")
-    batch = largest_batch(model, usable)
+    batch = largest_batch(model, usable, amp)
     if batch == 0:
-        raise LnnInputError(f"batch 1 needs {planned_peak(model, 1):,} bytes of training memory; {margin}")
+        raise LnnInputError(f"batch 1 needs {planned_peak(model, 1, amp):,} bytes of training memory; {margin}")
     capped = " (the largest tried; it may fit more)" if batch == LARGEST_BATCH_TRIED else ""
-    return [f"largest training batch: {batch}{capped}, planned {human_bytes(planned_peak(model, batch))} "
-            f"({planned_peak(model, batch):,} bytes)", f"  on {margin}"]
+    peak = planned_peak(model, batch, amp)
+    return [f"largest training batch: {batch}{capped}{f' with amp {amp}' if amp else ''}, planned {human_bytes(peak)} "
+            f"({peak:,} bytes)", f"  on {margin}"]
 
 
 def layer_type(node) -> str:
@@ -257,7 +264,7 @@ def summarize(args) -> int:
     model, bin_model = read_model_source(args.source)
     model = at_length(model, args.length)
     if args.max_batch:
-        print("\n".join(max_batch_lines(model, args.memory)))
+        print("\n".join(max_batch_lines(model, args.memory, args.amp)))
         return 0
     batch = args.batch
     flops = sum(node.flops for node in model.nodes)
@@ -280,7 +287,7 @@ def summarize(args) -> int:
         print(f"  {what:<{width}}  {human_bytes(size):>10}  ({size:,} bytes)")
     print(FORMULA)
     print()
-    print("\n".join(plan_lines(model, batch)))
+    print("\n".join(plan_lines(model, batch, args.amp)))
     return 0
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.formats.model import load_description, parse_model
+from lnn.runtime.cuda.float16 import AMP_PRECISIONS
 from lnn.tools.cli import command_parser, human_bytes, is_bin_file, is_npz_file, read_checkpoint_source, run_command
 
 PROG = "lnn-train"
@@ -60,7 +61,10 @@ def build_parser():
                              "default: whenever the model, optimizer and device allow it")
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                         help="run every step eagerly on the GPU")
-    parser.add_argument("--amp", action="store_true", help="mixed precision on the GPU (float16 activations)")
+    parser.add_argument("--amp", nargs="?", const="fp16", choices=tuple(AMP_PRECISIONS), metavar="fp16|bf16",
+                        help="mixed precision on the GPU: 16-bit activations, float32 master weights; --amp alone is "
+                             "fp16 (dynamic loss scaling, compute capability 7.0+), --amp bf16 is bfloat16 (float32's "
+                             "range, no loss scaling, 8.0+: Ampere or newer)")
     parser.add_argument("--tf32", action="store_true",
                         help="float32 GEMMs on TF32 tensor cores (GPU; 10-bit mantissa inputs; off by default)")
     parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR after its last checkpoint")
@@ -185,7 +189,7 @@ def body(args) -> int:
         trainer.set_weights(initial_weights_from(args.init))
     memory = trainer.plan.memory_report()
     print(f"{model.name}: {model.num_params:,} parameters on {trainer.device}"
-          f"{' (amp)' if trainer.amp else ''}{' (tf32)' if trainer.tf32 else ''}{', cuda graph' if trainer.graph_mode else ''}, batch {trainer.plan.batch_size}"
+          f"{f' (amp {trainer.amp})' if trainer.amp else ''}{' (tf32)' if trainer.tf32 else ''}{', cuda graph' if trainer.graph_mode else ''}, batch {trainer.plan.batch_size}"
           f" x {trainer.config.accumulate} accumulated; plan memory {human_bytes(memory['peak'])} "
           f"(activations pooled {human_bytes(memory['activations_pooled'])}, naive "
           f"{human_bytes(memory['activations_naive'])})", flush=True)

@@ -64,7 +64,8 @@ def to_numpy(array) -> np.ndarray:
 
 
 def cuda_info(cupy) -> dict:
-    """Name, compute capability, memory and whether fp16 is fast (compute capability >= 7.0)."""
+    """Name, compute capability, memory, whether fp16 is fast (compute capability >= 7.0) and whether the card
+    has bfloat16 tensor cores (8.0, Ampere, or newer)."""
     device = cupy.cuda.Device()
     properties = cupy.cuda.runtime.getDeviceProperties(device.id)
     name = properties["name"]
@@ -72,7 +73,8 @@ def cuda_info(cupy) -> dict:
     free, total = device.mem_info
     capability = int(device.compute_capability)
     return {"name": name, "compute_capability": f"{capability // 10}.{capability % 10}",
-            "memory_total": int(total), "memory_free": int(free), "fast_fp16": capability >= 70}
+            "memory_total": int(total), "memory_free": int(free), "fast_fp16": capability >= 70,
+            "bfloat16": capability >= 80}
 
 
 def free_bytes(xp) -> int | None:

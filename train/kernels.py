@@ -29,7 +29,7 @@ from lnn.runtime.cuda.blas import matmul
 from lnn.runtime.cuda.kernels import (  # noqa: F401 - the forward half of each pair, used as K.*_forward
     activation_forward, avgpool2d_forward, avgpool_divisor, batchnorm_eval_forward, channel_affine, conv2d_forward,
     global_avg_pool_forward, global_max_pool_forward, gpu_kernels, grouped_weight, im2col,
-    layernorm_forward, linear_forward, maxpool2d_forward, per_channel, window_slices)
+    layernorm_forward, linear_forward, maxpool2d_forward, per_channel, sum_dtype, window_slices)
 
 # --------------------------------------------------------------------------- window helpers
 
@@ -63,7 +63,7 @@ def activation_backward(xp, activation: dict, dy, y, dx):
         dx[...] = dy * (1 - y * y)
         return dx
     if kind == "softmax":
-        dx[...] = y * (dy - (dy * y).sum(axis=1, keepdims=True))
+        dx[...] = y * (dy - (dy * y).sum(axis=1, keepdims=True, dtype=sum_dtype(y)))
         return dx
     raise ValueError(f"unknown activation {kind!r}")
 
@@ -74,7 +74,7 @@ def activation_backward(xp, activation: dict, dy, y, dx):
 def linear_backward(xp, dy, x, weight, dweight, dbias, dx):
     matmul(xp, dy.T, x, dweight, accumulate=True)
     if dbias is not None:
-        dbias += dy.sum(axis=0)
+        dbias += dy.sum(axis=0, dtype=sum_dtype(dy))
     if dx is not None:
         matmul(xp, dy, weight, dx)
     return dx
@@ -107,7 +107,7 @@ def conv2d_backward(xp, dy, x, weight, attrs, dweight, dbias, dx, padded, cols, 
     gemm_out[...] = dy.transpose(1, 0, 2, 3)                               # dy as [O, N, OH, OW]
     dy_grouped = gemm_out.reshape(groups, o // groups, -1)                 # [g, O/g, N*OH*OW]
     if dbias is not None:
-        dbias += gemm_out.reshape(o, -1).sum(axis=1)
+        dbias += gemm_out.reshape(o, -1).sum(axis=1, dtype=sum_dtype(gemm_out))
     im2col(xp, x, attrs, padded, cols)
     columns = cols.reshape(groups, -1, cols[0, 0, 0].size)
     matmul(xp, dy_grouped, columns.transpose(0, 2, 1), dweight.reshape(dy_grouped.shape[:2] + (-1,)), accumulate=True)
@@ -176,7 +176,7 @@ def global_max_pool_backward(xp, dy, argmax, positions, dx):
 # Training: y = (x - mean) / sqrt(var + eps) * w + b with the batch's biased var; the running
 # statistics move by `momentum` towards the batch's mean and UNBIASED var (PyTorch semantics).
 # `saved` [2, C] float32 keeps mean and 1/sqrt(var + eps) for the backward, which recomputes
-# x_hat from x. Statistics are computed in float32 even when x is float16.
+# x_hat from x. Statistics are computed in float32 even when x is float16 or bfloat16.
 
 def _channel_axes(x):
     return (0,) + tuple(range(2, x.ndim))
@@ -184,7 +184,7 @@ def _channel_axes(x):
 
 def channel_sums(xp, a, b, shift_a, shift_b):
     """Per channel c of a, b [N, C] or [N, C, H, W]: s1[c] = sum a[:, c] and s2[c] = sum (a[:, c] - shift_a[c])
-    * (b[:, c] - shift_b[c]), in float32 (float64 for float64 inputs). On CuPy, float32 and float16 run as
+    * (b[:, c] - shift_b[c]), in float32 (float64 for float64 inputs). On CuPy, float32, float16 and bfloat16 run as
     runtime/cuda/reduce.py's two-pass kernel (CuPy's own reduction over axes 0, 2, 3 is 50x slower)."""
     if xp is not np:
         from lnn.runtime.cuda import reduce
@@ -261,10 +261,10 @@ def layernorm_backward(xp, dy, x, weight, saved, count: int, dweight, dbias, dx)
     if dweight is not None:
         dweight += (grads * x_hat).sum(axis=0).reshape(dweight.shape).astype(dweight.dtype)
     if dbias is not None:
-        dbias += grads.sum(axis=0).reshape(dbias.shape).astype(dbias.dtype)
+        dbias += grads.sum(axis=0, dtype=sum_dtype(grads)).reshape(dbias.shape).astype(dbias.dtype)
     if dx is not None:
         g = grads * weight.reshape(1, -1) if weight is not None else grads
-        dx.reshape(-1, count)[...] = inv_std * (g - g.mean(axis=1, keepdims=True)
+        dx.reshape(-1, count)[...] = inv_std * (g - g.mean(axis=1, keepdims=True, dtype=sum_dtype(g))
                                                 - x_hat * (g * x_hat).mean(axis=1, keepdims=True))
     return dx
 

@@ -91,7 +91,7 @@ class LinearLayer(Layer):
 
 class Conv2dLayer(Layer):
     """im2col + GEMM (kernels.py), or on the GPU when the plan asks for it and the convolution qualifies:
-    implicit GEMM (runtime/cuda/conv_gemm.py: no workspaces; float32 or float16), or in float32 where winograd.chosen() ("winograd", or
+    implicit GEMM (runtime/cuda/conv_gemm.py: no workspaces; float32, float16 or bfloat16), or in float32 where winograd.chosen() ("winograd", or
     "auto" with >= 32 channels in and out) Winograd F(2x2, 3x3) for the forward and the input gradient
     (runtime/cuda/winograd.py: its V and M buffers are workspaces) and implicit GEMM for the weight
     gradient."""
@@ -106,7 +106,7 @@ class Conv2dLayer(Layer):
         self._implicit = self._winograd = None
 
     def use_implicit_gemm(self, dtype) -> None:
-        """dtype: the plan's activations (float32; float16 with amp, where Winograd, float32 only, is not chosen)."""
+        """dtype: the plan's activations (float32; float16 or bfloat16 with amp, where Winograd, float32 only, is not chosen)."""
         self.implicit = True
         self.dtype = np.dtype(dtype)
         self.winograd = self.dtype == np.float32 and winograd.chosen(self.attrs, self.node.in_shape[0],

@@ -13,8 +13,9 @@ Flatten costs nothing (its output is a reshaped view of its input). Layers befor
 with parameters get no backward, and the first layer with parameters computes no input gradient.
 With cross-entropy, a final softmax (a last softmax layer or a softmax activation on the last
 layer) is folded into the loss during training (the loss wants logits); prediction applies it.
-Mixed precision (amp): activations, their gradients and a float16 copy of the parameters in
-float16; master parameters, gradients for the optimizer and all statistics in float32.
+Mixed precision (amp "fp16" or "bf16"; True means "fp16"): activations, their gradients and a 16-bit copy of
+the parameters in float16 or bfloat16 (ml_dtypes' dtype: NumPy has none), the same kernels and the same bytes
+for both; master parameters, gradients for the optimizer and all statistics in float32.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from functools import partial
 
 import numpy as np
 
+from lnn.formats.errors import LnnError
 from lnn.formats.model import Model
 from lnn.formats.ops import get_op
 from lnn.runtime.cuda import blas, conv_gemm    # the rules and the sizing only: importing them imports no CuPy
+from lnn.runtime.cuda.float16 import AMP_PRECISIONS, HALF_TYPES, bfloat16
 from lnn.train.layers import COMPUTE, Call, make_layers
 
 POOL_ALIGN = 256            # bytes: every pooled buffer starts on this boundary
@@ -98,28 +101,50 @@ def assign_offsets(buffers: list, n: int) -> int:
     return int(ends.max(initial=0))
 
 
+def amp_precision(amp) -> str | None:
+    """The amp precision asked for: None (no amp) for False or None, "fp16" for True or "fp16", "bf16" for "bf16"."""
+    if amp is None or amp is False:
+        return None
+    if amp is True:
+        return "fp16"
+    if isinstance(amp, str) and amp in AMP_PRECISIONS:
+        return amp
+    raise LnnError(f"amp must be one of {', '.join(AMP_PRECISIONS)} (True means fp16), not {amp!r}")
+
+
+def amp_dtype(precision: str) -> np.dtype:
+    """The activations' dtype of an amp precision."""
+    if AMP_PRECISIONS[precision] == "float16":
+        return np.dtype(np.float16)
+    dtype = bfloat16()
+    if dtype is None:
+        raise LnnError("amp bf16 needs the ml_dtypes package for bfloat16 arrays (NumPy has none): "
+                       "pip install ml_dtypes")
+    return dtype
+
+
 OPTIMIZER_STATE_COPIES = {"sgd": lambda cfg: 1 if cfg.get("momentum", 0) else 0, "adam": lambda cfg: 2,
                           "adamw": lambda cfg: 2}
 
 
 class Plan:
-    def __init__(self, model: Model, batch_size: int, dtype="float32", amp: bool = False, inspect: bool = False,
+    def __init__(self, model: Model, batch_size: int, dtype="float32", amp=False, inspect: bool = False,
                  input_gradient: bool = False, implicit_conv: bool = False):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.model = model
         self.batch_size = batch_size
         self.param_dtype = np.dtype(dtype)
-        self.compute_dtype = np.dtype("float16") if amp else self.param_dtype
+        self.amp = amp_precision(amp)                  # None, "fp16" or "bf16"
+        self.compute_dtype = amp_dtype(self.amp) if self.amp else self.param_dtype
         self.stat_dtype = np.dtype(np.float64 if self.param_dtype == np.float64 else np.float32)   # losses, norms, targets
-        self.amp = amp
         self.inspect = inspect
         self.input_gradient = input_gradient       # also compute dL/d(input) into "grad:-1" (tests, saliency)
         self.layers = make_layers(model.nodes)
         self.num_layers = len(self.layers)
         self.conv_scratch = 0           # bytes the implicit-GEMM convolutions hold outside the pool
         self.gemm_workspace = blas.WORKSPACE_BYTES if implicit_conv else 0    # GPU: cuBLAS's own (runtime/cuda/blas.py)
-        if implicit_conv and self.compute_dtype in (np.float32, np.float16):
+        if implicit_conv and self.compute_dtype.name in ("float32",) + HALF_TYPES:
             self._use_implicit_conv()
         self._layout_parameters()
         self._fold_final_softmax()
@@ -150,7 +175,7 @@ class Plan:
         self.num_learned = sum(s.size for s in self.param_slots.values())
 
     def _use_implicit_conv(self):
-        """GPU float32 or float16: convolutions that qualify run as implicit GEMM (no im2col workspaces)."""
+        """GPU float32, float16 or bfloat16: convolutions that qualify run as implicit GEMM (no im2col workspaces)."""
         for node, layer in zip(self.model.nodes, self.layers):
             if node.op == "conv2d" and conv_gemm.supported(node.attrs):
                 layer.use_implicit_gemm(self.compute_dtype)
@@ -391,7 +416,7 @@ class Plan:
             layer.run_backward(call, activate=not (i == last and self.final_softmax_activation))
 
 
-def plan_memory(model: Model, batch_size: int, amp: bool = False, dtype="float32", gpu: bool = True) -> dict:
+def plan_memory(model: Model, batch_size: int, amp=False, dtype="float32", gpu: bool = True) -> dict:
     """The training memory of `model` at `batch_size`, from the real plan, allocating nothing; `gpu`
     plans as the trainer does on the GPU (implicit-GEMM convolutions), else as on the CPU."""
     return Plan(model, batch_size, dtype=dtype, amp=amp, implicit_conv=gpu).memory_report()

@@ -10,9 +10,11 @@ preprocess block) or float inputs already preprocessed; y integer labels (cross_
 targets (mse). R rows are run as micro-batches of at most batch_size rows, their gradients summed
 with the loss normalized over all R rows, so `accumulate: k` with R = k * batch_size gives the
 update of one batch of R rows. Then: global gradient norm, clipping, one optimizer step.
-Mixed precision (amp, CUDA only): float16 activations and gradients, float32 master weights and
-optimizer; the loss is multiplied by a dynamic scale (start 2^16, halved on an overflow, doubled
-after 2000 clean steps); a step whose gradients overflow is skipped and counted.
+Mixed precision (amp="fp16" or True, amp="bf16"; CUDA only): float16 or bfloat16 activations and gradients,
+float32 master weights and optimizer. fp16 multiplies the loss by a dynamic scale (start 2^16, halved on an
+overflow, doubled after 2000 clean steps); bf16 has float32's range and keeps the scale at 1. Either way a
+step whose gradients are not finite is skipped and counted, on the device. bf16 needs compute capability 8.0
+(Ampere) or newer, fp16 7.0.
 CUDA graph (cuda_graph="auto" | True | False): on the GPU, full batches of uint8 images run as one
 replayed CUDA graph when every op is supported (train/cuda_graph.py); its StepResult numbers stay on
 the device until read, and fit() reads them every 10 steps. Other batches run eagerly.
@@ -42,7 +44,7 @@ from lnn.train.config import TrainingConfig, learning_rate
 from lnn.train.data import ArrayDataset, DeviceFeeder, PinnedSlots, Prefetcher, epoch_order
 from lnn.train.device import check_memory_fits, cuda_info, is_cupy, out_of_memory, select_device, to_numpy
 from lnn.train.optim import clip_by_global_norm, global_norm, make_optimizer
-from lnn.train.plan import Plan
+from lnn.train.plan import Plan, amp_dtype, amp_precision
 
 LOSS_SCALE_START, LOSS_SCALE_GROWTH_INTERVAL = 2.0 ** 16, 2000
 
@@ -152,7 +154,7 @@ def initial_weights(model: Model, seed: int) -> dict:
 class Trainer:
     def __init__(self, spec, device: str = "auto", seed: int | None = None, batch_size: int | None = None,
                  accumulate: int | None = None, grad_clip: float | None = None, lr: float | None = None,
-                 amp: bool = False, dtype: str = "float32", inspect: bool = False, log=None, cuda_graph="auto",
+                 amp=False, dtype: str = "float32", inspect: bool = False, log=None, cuda_graph="auto",
                  outliers: bool = False, tf32: bool = False):
         self.model = as_model(spec)
         self.log = log or (lambda message: print(message, flush=True))
@@ -166,7 +168,7 @@ class Trainer:
             raise LnnError(f"outlier exposure needs the cross_entropy loss, not {self.model.loss}")
         self.outliers = bool(outliers)
         self.xp, self.device = select_device(device)
-        self.amp = self._amp_possible(amp)
+        self.amp = self._amp_possible(amp_precision(amp))        # None, "fp16" or "bf16"
         self.plan = Plan(self.model, config.batch_size, dtype=dtype, amp=self.amp, inspect=inspect,
                          implicit_conv=is_cupy(self.xp))
         self.memory_planned = self.plan.memory_report()["peak"]
@@ -186,8 +188,8 @@ class Trainer:
         self.step_count = 0              # steps run (amp's skipped steps included)
         self.dropout_calls = 0
         self._dropout_layers = [i for i, node in enumerate(self.model.nodes) if node.op == "dropout"]
-        # amp's dynamic loss scale [scale, clean steps in a row, overflowed steps], kept on the device
-        self._amp_state = self.xp.asarray([LOSS_SCALE_START if self.amp else 1.0, 0, 0], np.float32)
+        # amp's loss scale [scale, clean steps in a row, overflowed steps], kept on the device (fp16: dynamic)
+        self._amp_state = self.xp.asarray([self._loss_scale_start, 0, 0], np.float32)
         self.tf32 = bool(tf32) and self.device == "cuda" and self.plan.compute_dtype == np.float32
         self._normalizer = self._make_normalizer()
         self._device_data = {}
@@ -212,18 +214,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def _amp_possible(self, amp: bool) -> bool:
-        if not amp:
-            return False
+    def _amp_possible(self, precision: str | None) -> str | None:
+        """The amp precision this device trains in: None on the CPU and, for fp16, before Volta (said in a log
+        line; training goes on in float32); bf16 on a card without it is refused (amp_refusal)."""
+        if precision is None:
+            return None
         if self.device != "cuda":
             self.log("amp: mixed precision needs a CUDA GPU; training in float32 on the CPU")
-            return False
+            return None
         info = cuda_info(self.xp)
-        if not info["fast_fp16"]:
+        if precision == "fp16" and not info["fast_fp16"]:
             self.log(f"amp: {info['name']} (compute capability {info['compute_capability']}) has no fast "
                      f"float16 (needs 7.0 or newer); training in float32")
-            return False
-        return True
+            return None
+        refusal = amp_refusal(precision, info, self.xp)
+        if refusal:
+            raise LnnError(refusal)
+        return precision
+
+    @property
+    def _loss_scale_start(self) -> float:
+        return LOSS_SCALE_START if self.amp == "fp16" else 1.0
 
     def _make_normalizer(self):
         pre = self.model.preprocess
@@ -371,12 +382,13 @@ class Trainer:
         Python values (lr, keys and the loss scale are device arrays), so it can be captured as is.
         Micro-batches of at most batch_size rows; gradients summed with the loss normalized over all rows
         (cross_entropy: over the labelled rows; outlier rows weigh training.outliers' weight in all);
-        amp: unscale, and an overflow skips the update and halves the scale (doubled after
-        LOSS_SCALE_GROWTH_INTERVAL clean steps); then the global norm, clipping, the optimizer."""
+        amp: the float32 gradients from the 16-bit ones, and fp16 unscales them; a non-finite gradient norm skips
+        the update (fp16 also halves the scale, doubled after LOSS_SCALE_GROWTH_INTERVAL clean steps); then
+        the global norm, clipping, the optimizer."""
         xp, plan = self.xp, self.plan
         rows = inputs.rows
         plan.grads_compute.fill(0)
-        loss_scale = self._amp_state[0] if self.amp else 1.0
+        loss_scale = self._amp_state[0] if self.amp == "fp16" else 1.0
         if self.model.loss != "cross_entropy":
             labelled = divisor = rows * math.prod(self.model.output_shape)
             outlier_weight = 0.0
@@ -408,6 +420,7 @@ class Trainer:
                 plan.backward(n, dropout_keys=keys)
         if self.amp:
             plan.grads[...] = plan.grads_compute
+        if self.amp == "fp16":
             plan.grads /= loss_scale
         norm = global_norm(xp, plan.grads)
         skipped = ~xp.isfinite(norm)
@@ -425,8 +438,12 @@ class Trainer:
         stats[4] = labelled
 
     def _update_loss_scale(self, skipped) -> None:
-        """On the device: halve the scale on an overflow, double it after LOSS_SCALE_GROWTH_INTERVAL clean steps."""
+        """On the device: count an overflowed step; fp16 halves the scale on one, and doubles it after
+        LOSS_SCALE_GROWTH_INTERVAL clean steps."""
         xp, state = self.xp, self._amp_state
+        if self.amp != "fp16":
+            state[2] += skipped
+            return
         clean = xp.where(skipped, 0, state[1] + 1)
         grow = clean >= LOSS_SCALE_GROWTH_INTERVAL
         state[0] = xp.where(skipped, state[0] / 2, xp.where(grow, state[0] * 2, state[0]))
@@ -524,7 +541,7 @@ class Trainer:
         self.optimizer.load_state_dict({key: np.asarray(v) for key, v in optimizer_state.items()})
         self.step_count = int(meta["step"])
         self.lr = float(meta["lr"])
-        self._amp_state[...] = self.xp.asarray([float(meta["loss_scale"]) if self.amp else 1.0,
+        self._amp_state[...] = self.xp.asarray([float(meta["loss_scale"]) if self.amp == "fp16" else 1.0,
                                                 float(meta["clean_steps"]), float(meta["overflow_steps"])], np.float32)
         self.dropout_calls = int(meta["rng"]["dropout_calls"])
 
@@ -619,6 +636,24 @@ class Trainer:
         if self.amp:
             entry.update(overflow_steps=self.overflow_steps, loss_scale=self.loss_scale)
         return entry
+
+
+def amp_refusal(precision: str, info: dict, xp) -> str | None:
+    """Why this GPU (cuda_info) and array module cannot train in `precision`, in one line, or None."""
+    if precision != "bf16":
+        return None
+    if not info["bfloat16"]:
+        return (f"amp bf16: {info['name']} (compute capability {info['compute_capability']}) has no bfloat16 "
+                f"tensor cores (needs 8.0, Ampere, or newer); use amp fp16 (--amp) or none")
+    try:
+        xp.zeros(1, amp_dtype("bf16")) + 1
+    except LnnError as err:
+        return str(err)
+    except Exception as err:        # noqa: BLE001 - CuPy's refusals vary (dtype, kernel compile): each means no bf16
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return (f"amp bf16: CuPy {getattr(xp, '__version__', '?')} cannot make bfloat16 arrays (needs CuPy 14 or "
+                f"newer with ml_dtypes): {first}")
+    return None
 
 
 def _epoch_line(entry: dict, epochs: int) -> str:

@@ -17,10 +17,12 @@ Tiles: forward <BM, BN, TN>: BM output channels x BN positions per block of 256 
 4 x TN results, 16 reduction rows per shared-memory step. Weight gradient <BM, BN>: BM output channels
 x BN columns of k (32 or 64), each thread 4 x 4 results, 32 positions per step shared by 256 / (BM*BN/16)
 groups of threads. The offset of each k = (c, kh, kw) inside a window comes from a
-table [3, K] (offset, kh, kw) built once per layer. float32 or float16 (amp) in and out, float32
-accumulation. float16 on a card with mma.m16n8k16 (compute capability 8.0+) runs the tensor-core twins
-(lnn_conv_igemm_mma, lnn_conv_wgrad_mma): the same gathers and contracts, 32-row steps, the products on
-mma.sync; older cards keep the CUDA-core kernels for float16 too.
+table [3, K] (offset, kh, kw) built once per layer. float32, float16 or bfloat16 (amp) in and out, float32
+accumulation: every kernel is one template over the element type (runtime/cuda/float16.py). float16 and
+bfloat16 on a card with mma.m16n8k16 (compute capability 8.0+) run the tensor-core twins (lnn_conv_igemm_mma,
+lnn_conv_wgrad_mma, and the halo-tile lnn_conv3x3_mma / lnn_conv3x3_wgrad_mma for 3x3 windows): the same
+gathers and contracts, 32-row steps, the products on mma.sync (.f16 or .bf16); older cards keep the
+CUDA-core kernels for float16 (bfloat16 needs 8.0: the trainer refuses it below).
 CuPy is imported when a ConvKernels is made (the sizing functions here do not need it).
 """
 
@@ -28,19 +30,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from lnn.runtime.cuda.float16 import CONVERSIONS
+from lnn.runtime.cuda.float16 import CONVERSIONS, HALF_TYPES, c_type
 
 THREADS = 256
 TARGET_BLOCKS = 4 * 132             # blocks of the weight-gradient pass: a few waves of a large GPU
 WGRAD_STEP = 32                     # positions per weight-gradient shared-memory step
 FORWARD_TILES = {16: (256, 4), 32: (128, 4), 64: (128, 8)}      # BM -> (BN, TN)
 TENSOR_CORE_COLUMNS = 128           # BN of the tensor-core forward kernel, for every BM
-TENSOR_CORE_CAPABILITY = 80         # mma.sync.m16n8k16 with float16: Ampere and newer
+TENSOR_CORE_CAPABILITY = 80         # mma.sync.m16n8k16 with float16 or bfloat16: Ampere and newer
 
 SOURCE = CONVERSIONS + r"""
 #define THREADS 256
 
-// T is float or unsigned short (the bits of a float16, amp), computed in float (lnn_load, lnn_store).
+// T is float, unsigned short (the bits of a float16) or lnn_bf16 (amp), computed in float (lnn_load,
+// lnn_store).
 // Where output position q (of `columns`) reads its window: the value of k = (c, kh, kw) is x[base +
 // offset(k)] inside the image, 0 outside, from the table [3, K] (offset, kh, kw) of the layer.
 struct LnnWindow {
@@ -59,9 +62,9 @@ struct LnnWindow {
     }
     template <typename T>
     __device__ T at(const T* x, const int* table, int reduction, int k, int height, int width) const {
-        if (!valid || k >= reduction) return T(0);
+        if (!valid || k >= reduction) return T{};
         const int h = corner_h + table[reduction + k], w = corner_w + table[2 * reduction + k];
-        return h >= 0 && h < height && w >= 0 && w < width ? x[base + table[k]] : T(0);
+        return h >= 0 && h < height && w >= 0 && w < width ? x[base + table[k]] : T{};
     }
 };
 
@@ -289,42 +292,57 @@ __global__ void lnn_conv_flip_weight(const T* __restrict__ weight, T* __restrict
 """
 
 TENSOR_CORE_SOURCE = r"""
-// ---- tensor cores (float16 in and out, float32 accumulation; sm_80 and newer) ----
-// The same tiles and gathers as above, the block's products on mma.sync.m16n8k16. Fragment layouts
-// (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point type"), lane = 4 * group + quad:
+// ---- tensor cores (T: float16 as unsigned short, or lnn_bf16; float32 accumulation; sm_80 and newer) ----
+// The same tiles and gathers as above, the block's products on mma.sync.m16n8k16 (.f16 or .bf16 inputs by T).
+// Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point type", the same for both
+// types), lane = 4 * group + quad:
 //   A 16x16 row-major: regs {A[g][2q..2q+1]}, {A[g+8][2q..]}, {A[g][2q+8..]}, {A[g+8][2q+8..]}
 //   B 16x8  (k x n):   regs {B[2q..2q+1][g]}, {B[2q+8..2q+9][g]}
 //   C 16x8  float:     C[g][2q], C[g][2q+1], C[g+8][2q], C[g+8][2q+1]
 // (a register's lower 16 bits hold the element with the smaller index).
-__device__ __forceinline__ void lnn_mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
+template <typename T> __device__ void lnn_mma_16x8x16(float* c, const unsigned* a, const unsigned* b);
+template <> __device__ __forceinline__ void lnn_mma_16x8x16<unsigned short>(float* c, const unsigned* a,
+                                                                            const unsigned* b) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-__device__ __forceinline__ unsigned lnn_pair(const unsigned short* p) { return *(const unsigned*)p; }
-__device__ __forceinline__ unsigned lnn_pair(unsigned short lo, unsigned short hi) {
-    return (unsigned)lo | ((unsigned)hi << 16);
+template <> __device__ __forceinline__ void lnn_mma_16x8x16<lnn_bf16>(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+__device__ __forceinline__ unsigned lnn_bits(unsigned short v) { return v; }
+__device__ __forceinline__ unsigned lnn_bits(lnn_bf16 v) { return v.bits; }
+template <typename T> __device__ __forceinline__ T lnn_one();           // 1.0 in T
+template <> __device__ __forceinline__ unsigned short lnn_one<unsigned short>() { return 0x3C00; }
+template <> __device__ __forceinline__ lnn_bf16 lnn_one<lnn_bf16>() { return lnn_bf16{0x3F80}; }
+template <typename T>
+__device__ __forceinline__ unsigned lnn_pair(const T* p) { return *(const unsigned*)p; }
+template <typename T>
+__device__ __forceinline__ unsigned lnn_pair(T lo, T hi) { return lnn_bits(lo) | (lnn_bits(hi) << 16); }
 // acc[i][j] += a[i] b[j] for a warp's FM x FN fragments
-template <int FM, int FN>
+template <typename T, int FM, int FN>
 __device__ __forceinline__ void lnn_mma_tiles(float (&acc)[FM][FN][4], const unsigned (&a)[FM][4],
                                               const unsigned (&b)[FN][2]) {
     #pragma unroll
     for (int i = 0; i < FM; ++i)
         #pragma unroll
-        for (int j = 0; j < FN; ++j) lnn_mma_16x8x16(acc[i][j], a[i], b[j]);
+        for (int j = 0; j < FN; ++j) lnn_mma_16x8x16<T>(acc[i][j], a[i], b[j]);
 }
 // the forward kernels' epilogue: *y = act(v + bias[o]), act relu or none
-__device__ __forceinline__ void lnn_store_output(unsigned short* y, float v, const unsigned short* bias, int o,
-                                                 int has_bias, int relu) {
+template <typename T>
+__device__ __forceinline__ void lnn_store_output(T* y, float v, const T* bias, int o, int has_bias, int relu) {
     v += has_bias ? lnn_load(bias[o]) : 0.0f;
     lnn_store(y, relu ? fmaxf(v, 0.0f) : v);
 }
 // A fragment rows [row, row + 16) and columns [col, col + 16) of a row-major half tile with leading dimension ld
-__device__ __forceinline__ void lnn_load_a(unsigned* a, const unsigned short* tile, int ld, int row, int col) {
+template <typename T>
+__device__ __forceinline__ void lnn_load_a(unsigned* a, const T* tile, int ld, int row, int col) {
     const int lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
-    const unsigned short* p = tile + (row + g) * ld + col + 2 * q;
+    const T* p = tile + (row + g) * ld + col + 2 * q;
     a[0] = lnn_pair(p);
     a[1] = lnn_pair(p + 8 * ld);
     a[2] = lnn_pair(p + 8);
@@ -333,10 +351,10 @@ __device__ __forceinline__ void lnn_load_a(unsigned* a, const unsigned short* ti
 
 // the forward kernel's contract (lnn_conv_igemm) on tensor cores: BM output channels x BN positions per
 // block, 32 reduction rows per shared-memory step; 8 warps of WM x WN results each
-template <int BM, int BN>
+template <typename T, int BM, int BN>
 __global__ void __launch_bounds__(THREADS, 2) lnn_conv_igemm_mma(
-        const unsigned short* __restrict__ x, const unsigned short* __restrict__ weight,
-        const unsigned short* __restrict__ bias, const int* __restrict__ table, unsigned short* __restrict__ y,
+        const T* __restrict__ x, const T* __restrict__ weight,
+        const T* __restrict__ bias, const int* __restrict__ table, T* __restrict__ y,
         int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
         int pad_h, int pad_w, int reduction, int has_bias, int relu) {
     constexpr int BK = 32, LDA = BK + 8, LDB = BN + 8;
@@ -346,8 +364,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv_igemm_mma(
     constexpr int B_ROWS_PER_PASS = THREADS / BN;
     constexpr int A_LOADS = BM * BK / THREADS, B_LOADS = BK / B_ROWS_PER_PASS;
     static_assert(A_LOADS * THREADS == BM * BK && B_LOADS * B_ROWS_PER_PASS == BK, "whole tiles");
-    __shared__ __align__(16) unsigned short a_tile[BM * LDA];     // weight [o][k]
-    __shared__ __align__(16) unsigned short b_tile[BK * LDB];     // gathered x [k][q]
+    __shared__ __align__(16) T a_tile[BM * LDA];     // weight [o][k]
+    __shared__ __align__(16) T b_tile[BK * LDB];     // gathered x [k][q]
     const int positions = out_h * out_w;
     const long long columns = (long long)batch * positions;
     const long long q0 = (long long)blockIdx.x * BN;
@@ -355,13 +373,13 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv_igemm_mma(
     const int load_column = threadIdx.x % BN;
     const LnnWindow window(q0 + load_column, columns, positions, out_w, pad_h, pad_w, channels, height, width);
 
-    unsigned short a_next[A_LOADS], b_next[B_LOADS];
+    T a_next[A_LOADS], b_next[B_LOADS];
     auto load = [&](int k0) {
         #pragma unroll
         for (int t = 0; t < A_LOADS; ++t) {
             const int e = threadIdx.x + t * THREADS;
             const int o = o0 + e / BK, k = k0 + e % BK;
-            a_next[t] = (o < out_channels && k < reduction) ? weight[(long long)o * reduction + k] : 0;
+            a_next[t] = (o < out_channels && k < reduction) ? weight[(long long)o * reduction + k] : T{};
         }
         #pragma unroll
         for (int t = 0; t < B_LOADS; ++t) {
@@ -398,11 +416,11 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv_igemm_mma(
             for (int i = 0; i < FM; ++i) lnn_load_a(a[i], a_tile, LDA, warp_m + 16 * i, kk);
             #pragma unroll
             for (int j = 0; j < FN; ++j) {
-                const unsigned short* p = b_tile + (kk + 2 * quad) * LDB + warp_n + 8 * j + g;
+                const T* p = b_tile + (kk + 2 * quad) * LDB + warp_n + 8 * j + g;
                 b[j][0] = lnn_pair(p[0], p[LDB]);
                 b[j][1] = lnn_pair(p[8 * LDB], p[9 * LDB]);
             }
-            lnn_mma_tiles(acc, a, b);
+            lnn_mma_tiles<T>(acc, a, b);
         }
         __syncthreads();
     }
@@ -424,9 +442,9 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv_igemm_mma(
 // the weight-gradient kernel's contract (lnn_conv_wgrad) on tensor cores: partial [chunks, O, K + has_bias];
 // 32 positions per step, dy [o][q] and the gathered x [k][q] both staged with q fastest; 8 warps of
 // 16 x WN results, in GROUPS groups that take every GROUPS-th 16-position half of a step
-template <int BM, int BN>
+template <typename T, int BM, int BN>
 __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad_mma(
-        const unsigned short* __restrict__ dy, const unsigned short* __restrict__ x, const int* __restrict__ table,
+        const T* __restrict__ dy, const T* __restrict__ x, const int* __restrict__ table,
         float* __restrict__ partial,
         int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
         int pad_h, int pad_w, int reduction, int has_bias, long long chunk) {
@@ -436,8 +454,8 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad_mma(
     static_assert(WARPS_M * WARPS_N * GROUPS == 8 && GROUPS * 16 <= BR && FN * 8 == WN, "warp layout");
     constexpr int A_LOADS = BM / LOAD_GROUPS, B_LOADS = BN / LOAD_GROUPS;
     static_assert(A_LOADS * LOAD_GROUPS == BM && B_LOADS * LOAD_GROUPS == BN, "whole tiles");
-    __shared__ __align__(16) unsigned short a_tile[BM * LD];     // dy [o][q]
-    __shared__ __align__(16) unsigned short b_tile[BN * LD];     // gathered x [k][q]
+    __shared__ __align__(16) T a_tile[BM * LD];     // dy [o][q]
+    __shared__ __align__(16) T b_tile[BN * LD];     // gathered x [k][q]
     __shared__ float group_sums[GROUPS > 1 ? (GROUPS - 1) * BM * BN : 1];
     const int lane = threadIdx.x % BR, load_group = threadIdx.x / BR;
     const int columns_k = reduction + has_bias;
@@ -447,18 +465,18 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad_mma(
     const long long q_begin = (long long)blockIdx.z * chunk;
     const long long q_end = q_begin + chunk < q_end_all ? q_begin + chunk : q_end_all;
 
-    unsigned short a_next[A_LOADS], b_next[B_LOADS];
+    T a_next[A_LOADS], b_next[B_LOADS];
     auto load = [&](long long q_step) {
         const LnnWindow window(q_step + lane, q_end, positions, out_w, pad_h, pad_w, channels, height, width);
         #pragma unroll
         for (int t = 0; t < A_LOADS; ++t) {
             const int o = o0 + load_group + t * LOAD_GROUPS;
-            a_next[t] = window.valid && o < out_channels ? dy[(window.n * out_channels + o) * positions + window.p] : 0;
+            a_next[t] = window.valid && o < out_channels ? dy[(window.n * out_channels + o) * positions + window.p] : T{};
         }
         #pragma unroll
         for (int t = 0; t < B_LOADS; ++t) {
             const int k = k0 + load_group + t * LOAD_GROUPS;        // k = reduction: the bias column of ones
-            b_next[t] = k == reduction && k < columns_k && window.valid ? (unsigned short)0x3C00   // 1.0 in float16
+            b_next[t] = k == reduction && k < columns_k && window.valid ? lnn_one<T>()
                         : window.at(x, table, reduction, k, height, width);
         }
     };
@@ -486,12 +504,12 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad_mma(
             lnn_load_a(a, a_tile, LD, warp_m, kk);
             #pragma unroll
             for (int j = 0; j < FN; ++j) {
-                const unsigned short* p = b_tile + (warp_n + 8 * j + g) * LD + kk + 2 * quad;
+                const T* p = b_tile + (warp_n + 8 * j + g) * LD + kk + 2 * quad;
                 b[j][0] = lnn_pair(p);
                 b[j][1] = lnn_pair(p + 8);
             }
             #pragma unroll
-            for (int j = 0; j < FN; ++j) lnn_mma_16x8x16(acc[j], a, b[j]);
+            for (int j = 0; j < FN; ++j) lnn_mma_16x8x16<T>(acc[j], a, b[j]);
         }
         __syncthreads();
     }
@@ -528,10 +546,10 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad_mma(
 // fastest ([pixel][channel]; a pixel's value serves all 9 taps), and the weights come pre-arranged
 // (lnn_conv3x3_arrange) as [O][ceil(C/16)][9][16]: the reduction order is (channel block, kh, kw, channel),
 // so each 16-long k step is one tap and 16 channels, and a B register holds two channels of one pixel.
-template <int BM, int IMGS, int TH, int TW>
+template <typename T, int BM, int IMGS, int TH, int TW>
 __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
-        const unsigned short* __restrict__ x, const unsigned short* __restrict__ arranged,
-        const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
+        const T* __restrict__ x, const T* __restrict__ arranged,
+        const T* __restrict__ bias, T* __restrict__ y,
         int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
         int pad_h, int pad_w, int has_bias, int relu) {
     constexpr int CB = 16, TAPS = 9, STEP = TAPS * CB, VECTORS_PER_ROW = STEP / 8;
@@ -541,8 +559,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
     constexpr int WARPS_M = BM >= 32 ? 2 : 1, WARPS_N = 8 / WARPS_M;
     constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, FM = WM / 16, FN = WN / 8;
     constexpr int PATCH_ELEMENTS = CB * PIXELS, A_VECTORS = BM * VECTORS_PER_ROW;
-    __shared__ __align__(16) unsigned short patch[PIXELS * LDC];
-    __shared__ __align__(16) unsigned short a_tile[BM * LDA];
+    __shared__ __align__(16) T patch[PIXELS * LDC];
+    __shared__ __align__(16) T a_tile[BM * LDA];
     const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
     const int tile_x = blockIdx.x % tiles_w, tile_y = (blockIdx.x / tiles_w) % tiles_h;
     const int image0 = blockIdx.x / (tiles_w * tiles_h) * IMGS;
@@ -563,7 +581,7 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
         for (int e = threadIdx.x; e < PATCH_ELEMENTS; e += THREADS) {   // (channel, image, row, column)
             const int px = e % PW, py = e / PW % PH, image = e / (PW * PH) % IMGS, c = e / PIXELS;
             const int n = image0 + image, ch = chunk * CB + c, iy = y0 - pad_h + py, ix = x0 - pad_w + px;
-            unsigned short v = 0;
+            T v{};
             if (n < batch && ch < channels && iy >= 0 && iy < height && ix >= 0 && ix < width)
                 v = x[(((long long)n * channels + ch) * height + iy) * width + ix];
             patch[e % PIXELS * LDC + c] = v;
@@ -597,11 +615,11 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
             for (int i = 0; i < FM; ++i) lnn_load_a(a[i], a_tile, LDA, warp_m + 16 * i, tap * CB);
             #pragma unroll
             for (int j = 0; j < FN; ++j) {
-                const unsigned short* p = patch + (pixel_of[j] + shift) * LDC + 2 * quad;
+                const T* p = patch + (pixel_of[j] + shift) * LDC + 2 * quad;
                 b[j][0] = lnn_pair(p);
                 b[j][1] = lnn_pair(p + 8);
             }
-            lnn_mma_tiles(acc, a, b);
+            lnn_mma_tiles<T>(acc, a, b);
         }
         __syncthreads();
     }
@@ -627,9 +645,9 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
 // [16][pixel] go to shared memory and mma reduces over the positions (a B register: two adjacent positions
 // of one channel and tap). Writes partial [chunks, O, K + has_bias] with k = 9c + tap (lnn_conv_wgrad's
 // contract; lnn_conv_wgrad_reduce adds the chunks); the channel block 0 also sums dy for the bias.
-template <int BM, int IMGS, int TH, int TW>
+template <typename T, int BM, int IMGS, int TH, int TW>
 __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
-        const unsigned short* __restrict__ dy, const unsigned short* __restrict__ x, float* __restrict__ partial,
+        const T* __restrict__ dy, const T* __restrict__ x, float* __restrict__ partial,
         int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
         int pad_h, int pad_w, int has_bias, int tiles_per_chunk) {
     constexpr int CB = 16, COLUMNS = 9 * CB, BN = IMGS * TH * TW, PH = TH + 2, PW = TW + 2, PIXELS = IMGS * PH * PW;
@@ -638,8 +656,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
     static_assert(BN == 128 && TW % 2 == 0, "128 positions, pairs within a row");
     constexpr int WARPS_M = BM / 16, WARPS_N = 8 / WARPS_M, NF = (COLUMNS / 8 + WARPS_N - 1) / WARPS_N;
     constexpr int ROW_THREADS = THREADS / BM;                  // threads summing one dy row (bias)
-    __shared__ __align__(16) unsigned short a_tile[BM * LDA];
-    __shared__ __align__(16) unsigned short patch[CB * LDP];
+    __shared__ __align__(16) T a_tile[BM * LDA];
+    __shared__ __align__(16) T patch[CB * LDP];
     const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
     const int tiles = (batch + IMGS - 1) / IMGS * tiles_h * tiles_w;
     const int c0 = blockIdx.x * CB, o0 = blockIdx.y * BM;
@@ -663,7 +681,7 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
         for (int e = threadIdx.x; e < BM * BN; e += THREADS) {     // (o, position), position fastest
             const int o = o0 + e / BN, n = e % BN;
             const int image = image0 + n / (TH * TW), oy = y0 + n / TW % TH, ox = x0 + n % TW;
-            unsigned short v = 0;
+            T v{};
             if (o < out_channels && image < batch && oy < out_h && ox < out_w)
                 v = dy[(((long long)image * out_channels + o) * out_h + oy) * out_w + ox];
             a_tile[e / BN * LDA + n] = v;
@@ -671,7 +689,7 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
         for (int e = threadIdx.x; e < CB * PIXELS; e += THREADS) { // (channel, image, row, column)
             const int px = e % PW, py = e / PW % PH, image = image0 + e / (PW * PH) % IMGS, c = c0 + e / PIXELS;
             const int iy = y0 - pad_h + py, ix = x0 - pad_w + px;
-            unsigned short v = 0;
+            T v{};
             if (image < batch && c < channels && iy >= 0 && iy < height && ix >= 0 && ix < width)
                 v = x[(((long long)image * channels + c) * height + iy) * width + ix];
             patch[e / PIXELS * LDP + e % PIXELS] = v;
@@ -695,11 +713,11 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
                 const int j = warp_n + WARPS_N * f;            // columns 8j .. 8j + 7: tap j / 2, channels 8 (j % 2) + g
                 if (j >= COLUMNS / 8) continue;
                 const int tap = j / 2;
-                const unsigned short* p = patch + (8 * (j % 2) + g) * LDP + tap / 3 * PW + tap % 3;
+                const T* p = patch + (8 * (j % 2) + g) * LDP + tap / 3 * PW + tap % 3;
                 unsigned b[2];
                 b[0] = lnn_pair(p[pixel[0]], p[pixel[0] + 1]);
                 b[1] = lnn_pair(p[pixel[1]], p[pixel[1] + 1]);
-                lnn_mma_16x8x16(acc[f], a, b);
+                lnn_mma_16x8x16<T>(acc[f], a, b);
             }
         }
         __syncthreads();
@@ -729,7 +747,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
 // weight [O, C, 3, 3] -> arranged [R, ceil(S/16), 9, 16], zeros past S: arranged[r, sb, 3*kh + kw, s % 16] =
 // weight[r, 16*sb + s, kh, kw] (R = O, S = C); with flip, the input gradient's weight (the forward's
 // flipped[c, o, kh, kw] = weight[o, c, 2-kh, 2-kw]): R = C, S = O
-__global__ void lnn_conv3x3_arrange(const unsigned short* __restrict__ weight, unsigned short* __restrict__ arranged,
+template <typename T>
+__global__ void lnn_conv3x3_arrange(const T* __restrict__ weight, T* __restrict__ arranged,
                                     int out_channels, int channels, int flip) {
     const int rows = flip ? channels : out_channels, sums = flip ? out_channels : channels;
     const int chunks = (sums + 15) / 16;
@@ -737,7 +756,7 @@ __global__ void lnn_conv3x3_arrange(const unsigned short* __restrict__ weight, u
     if (i >= rows * chunks * 144) return;
     const int row = i / (chunks * 144), rest = i % (chunks * 144);
     const int s = rest / 144 * 16 + rest % 16, tap = rest % 144 / 16, kh = tap / 3, kw = tap % 3;
-    unsigned short v = 0;
+    T v{};
     if (s < sums)
         v = flip ? weight[(((long long)s * channels + row) * 3 + 2 - kh) * 3 + 2 - kw]
                  : weight[(((long long)row * channels + s) * 3 + kh) * 3 + kw];
@@ -765,7 +784,7 @@ HALO_TILES = [halo_tile(w) for w in (16, 8, 4)]
 
 
 def uses_halo(attrs: dict) -> bool:
-    """Whether a float16 conv2d on tensor cores runs forward and input gradient as lnn_conv3x3_mma."""
+    """Whether a 16-bit (amp) conv2d on tensor cores runs forward and input gradient as lnn_conv3x3_mma."""
     return tuple(attrs["kernel_size"]) == (3, 3)
 
 
@@ -829,12 +848,12 @@ def chunking(columns: int, limit: int) -> tuple:
 def scratch_bytes(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
     """Device bytes a training ConvKernels of `dtype` holds besides the plan's pool: the window tables, the
     flipped (or, for the halo kernels, arranged) weights and the weight gradient's partial sums. float16
-    is counted as on a card with tensor cores (compute capability 8.0+)."""
+    and bfloat16 are counted alike, as on a card with tensor cores (compute capability 8.0+)."""
     channels, out_channels = in_shape[0], out_shape[0]
     kh, kw = attrs["kernel_size"]
     reduction = channels * kh * kw
     itemsize = np.dtype(dtype).itemsize
-    halo = np.dtype(dtype) == np.float16 and uses_halo(attrs)
+    halo = np.dtype(dtype).name in HALF_TYPES and uses_halo(attrs)
     if halo:
         tables = 4 * 3 * reduction
         weights = itemsize * (arranged_elements(out_channels, channels) + arranged_elements(channels, out_channels))
@@ -846,37 +865,40 @@ def scratch_bytes(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
     return tables + weights + 4 * partial_elements(out_channels, reduction, attrs["bias"], chunks)
 
 
-_MODULE = None
-KERNEL_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "unsigned short"}   # float16 as its bits
+_MODULES = {}
 
 
 def tensor_cores() -> bool:
-    """Whether this GPU runs the float16 convolutions on tensor cores (compute capability 8.0 or newer)."""
+    """Whether this GPU runs the 16-bit convolutions on tensor cores (compute capability 8.0 or newer)."""
     import cupy
 
     return int(cupy.cuda.Device().compute_capability) >= TENSOR_CORE_CAPABILITY
 
 
-def _module():
-    global _MODULE
-    if _MODULE is None:
+def kernel_names(kind: str, tensor_core: bool) -> list:
+    """The template instances a module for element type `kind` (a C type of float16.py) holds."""
+    names = [f"lnn_conv_igemm<{kind}, {bm}, {bn}, {tn}>" for bm, (bn, tn) in FORWARD_TILES.items()]
+    names += [f"lnn_conv_wgrad<{kind}, {bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
+    names += [f"lnn_conv_wgrad_reduce<{kind}>", f"lnn_conv_flip_weight<{kind}>"]
+    if tensor_core:
+        names += [f"lnn_conv_igemm_mma<{kind}, {bm}, {TENSOR_CORE_COLUMNS}>" for bm in FORWARD_TILES]
+        names += [f"lnn_conv_wgrad_mma<{kind}, {bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
+        names += [f"lnn_conv3x3_mma<{kind}, {bm}, {i}, {h}, {w}>" for bm in FORWARD_TILES for i, h, w in HALO_TILES]
+        names += [f"lnn_conv3x3_wgrad_mma<{kind}, {bm}, {i}, {h}, {w}>" for bm in FORWARD_TILES
+                  for i, h, w in HALO_TILES]
+        names += [f"lnn_conv3x3_arrange<{kind}>"]
+    return names
+
+
+def _module(kind: str, tensor_core: bool):
+    """One compiled module per element type (float32, float16, bfloat16) and kernel set, made on first use."""
+    if (kind, tensor_core) not in _MODULES:
         import cupy
 
-        names = []
-        for kind in KERNEL_TYPES.values():
-            names += [f"lnn_conv_igemm<{kind}, {bm}, {bn}, {tn}>" for bm, (bn, tn) in FORWARD_TILES.items()]
-            names += [f"lnn_conv_wgrad<{kind}, {bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
-            names += [f"lnn_conv_wgrad_reduce<{kind}>", f"lnn_conv_flip_weight<{kind}>"]
-        code = SOURCE
-        if tensor_cores():
-            code += TENSOR_CORE_SOURCE
-            names += [f"lnn_conv_igemm_mma<{bm}, {TENSOR_CORE_COLUMNS}>" for bm in FORWARD_TILES]
-            names += [f"lnn_conv_wgrad_mma<{bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
-            names += [f"lnn_conv3x3_mma<{bm}, {i}, {h}, {w}>" for bm in FORWARD_TILES for i, h, w in HALO_TILES]
-            names += [f"lnn_conv3x3_wgrad_mma<{bm}, {i}, {h}, {w}>" for bm in FORWARD_TILES for i, h, w in HALO_TILES]
-            names += ["lnn_conv3x3_arrange"]
-        _MODULE = cupy.RawModule(code=code, options=("-std=c++17",), name_expressions=names)
-    return _MODULE
+        code = SOURCE + (TENSOR_CORE_SOURCE if tensor_core else "")
+        _MODULES[kind, tensor_core] = cupy.RawModule(code=code, options=("-std=c++17",),
+                                                     name_expressions=kernel_names(kind, tensor_core))
+    return _MODULES[kind, tensor_core]
 
 
 class ConvKernels:
@@ -887,7 +909,7 @@ class ConvKernels:
         import cupy
 
         dtype = np.dtype(dtype)
-        kind = KERNEL_TYPES[dtype]
+        kind = c_type(dtype)
         self.channels, self.height, self.width = in_shape
         self.out_channels, self.out_h, self.out_w = out_shape
         self.kernel_h, self.kernel_w = attrs["kernel_size"]
@@ -896,21 +918,21 @@ class ConvKernels:
         self.reduction = self.channels * self.kernel_h * self.kernel_w
         self.table = cupy.asarray(window_table(self.channels, self.height, self.width, self.kernel_h, self.kernel_w))
         self.no_bias = cupy.zeros(1, dtype)
-        module = _module()
-        self.tensor_cores = dtype == np.float16 and tensor_cores()
+        self.tensor_cores = dtype.name in HALF_TYPES and tensor_cores()
+        module = _module(kind, self.tensor_cores)
         self.halo = self.tensor_cores and uses_halo(attrs)
         self.halo_wgrad = self.halo and uses_halo_weight_gradient(attrs, self.channels)
         if self.halo:
-            self._halo = {(bm, tile): module.get_function(f"lnn_conv3x3_mma<{bm}, {tile[0]}, {tile[1]}, {tile[2]}>")
+            self._halo = {(bm, tile): module.get_function(f"lnn_conv3x3_mma<{kind}, {bm}, {tile[0]}, {tile[1]}, {tile[2]}>")
                           for bm in FORWARD_TILES for tile in HALO_TILES}
-            self._halo_wgrad = {(bm, tile): module.get_function(f"lnn_conv3x3_wgrad_mma<{bm}, {tile[0]}, {tile[1]}, {tile[2]}>")
+            self._halo_wgrad = {(bm, tile): module.get_function(f"lnn_conv3x3_wgrad_mma<{kind}, {bm}, {tile[0]}, {tile[1]}, {tile[2]}>")
                                 for bm in FORWARD_TILES for tile in HALO_TILES}
-            self._arrange = module.get_function("lnn_conv3x3_arrange")
+            self._arrange = module.get_function(f"lnn_conv3x3_arrange<{kind}>")
             self.arranged = cupy.empty(arranged_elements(self.out_channels, self.channels), dtype)
             if backward:
                 self.arranged_dx = cupy.empty(arranged_elements(self.channels, self.out_channels), dtype)
         if self.tensor_cores:
-            self._forward_functions = {bm: (module.get_function(f"lnn_conv_igemm_mma<{bm}, {TENSOR_CORE_COLUMNS}>"),
+            self._forward_functions = {bm: (module.get_function(f"lnn_conv_igemm_mma<{kind}, {bm}, {TENSOR_CORE_COLUMNS}>"),
                                             TENSOR_CORE_COLUMNS) for bm in FORWARD_TILES}
         else:
             self._forward_functions = {bm: (module.get_function(f"lnn_conv_igemm<{kind}, {bm}, {bn}, {tn}>"), bn)
@@ -924,7 +946,7 @@ class ConvKernels:
                                 else max_chunks(self.out_channels, self.reduction, self.bias))
             self.partial = cupy.empty(partial_elements(self.out_channels, self.reduction, self.bias,
                                                        self.chunk_limit), np.float32)
-            wgrad = (f"lnn_conv_wgrad_mma<{rows_tile(self.out_channels)}, " if self.tensor_cores
+            wgrad = (f"lnn_conv_wgrad_mma<{kind}, {rows_tile(self.out_channels)}, " if self.tensor_cores
                      else f"lnn_conv_wgrad<{kind}, {rows_tile(self.out_channels)}, ")
             self._wgrad = {bn: module.get_function(f"{wgrad}{bn}>") for bn in (32, 64)}
             self._reduce = module.get_function(f"lnn_conv_wgrad_reduce<{kind}>")

@@ -15,7 +15,8 @@ channel_affine: batch norm's y = x * scale[c] + shift[c]; batchnorm_input_gradie
 lstm_step_forward / lstm_step_backward, gru_step_forward / gru_step_backward: one time step, its recurrent product
     and gate arithmetic over [N, H] (runtime/cuda/recurrent.py holds the step loop, the input-projection GEMMs
     and the reference these replace).
-The window, im2col and batch-norm kernels take float32 or float16 (amp), computing in float32; the
+The window, im2col and batch-norm kernels take float32, float16 or bfloat16 (amp), computing in float32 (CuPy's
+own element-wise kernels take bfloat16 as CuPy 14's `bfloat16` type, the raw ones as float16.py's lnn_bf16); the
 trainer's kernels (train/kernels.py) call them on CuPy when `fits`, so training and inference share them.
 `i` and `n` are reserved names in ElementwiseKernel bodies. Importing this module imports CuPy; the
 kernels compile on first use (CuPy caches them on disk).
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import cupy
 
-from lnn.runtime.cuda.float16 import CONVERSIONS
+from lnn.runtime.cuda.float16 import CONVERSIONS, HALF_TYPES, c_type
 
 # Activation codes passed to the epilogue kernels; softmax has none (see above).
 ACTIVATION_CODES = {None: 0, "relu": 1, "relu6": 2, "leaky_relu": 3, "sigmoid": 4, "tanh": 5}
@@ -61,7 +62,7 @@ epilogue_from_gemm = cupy.ElementwiseKernel(
     "y = lnn_activate(src[((long long)c * batch + image) * positions + p] * scale[c] + shift[c], code, slope);",
     "lnn_epilogue_from_gemm", preamble=_ACTIVATE)
 
-# T: float32 or float16 (amp), computed in float32. Window kernels index planes [N*C, H, W].
+# T: float32, float16 or bfloat16 (amp), computed in float32. Window kernels index planes [N*C, H, W].
 _im2col = cupy.ElementwiseKernel(
     "raw T x, int32 batch, int32 channels, int32 height, int32 width, int32 out_h, int32 out_w, "
     "int32 kernel_h, int32 kernel_w, int32 stride_h, int32 stride_w, int32 pad_h, int32 pad_w, "
@@ -180,7 +181,7 @@ _maxpool2d_backward = cupy.ElementwiseKernel(
     "dx = (T)sum;",
     "lnn_maxpool2d_backward")
 
-# Batch norm's per-channel passes over x [N, C, P] (float32 or float16 as its bits; float32 arithmetic), 16 bytes
+# Batch norm's per-channel passes over x [N, C, P] (float32, or float16 or bfloat16 as its bits; float32 arithmetic), 16 bytes
 # per load where P is a multiple of the vector and the arrays are 16-byte aligned (CuPy's own float16
 # element-wise kernels ran these at a fifth of the card's bandwidth):
 #   lnn_channel_affine:           y = act(x * scale[c] + shift[c]), act none or relu (batch norm's affine)
@@ -237,7 +238,7 @@ __global__ void lnn_batchnorm_input_gradient(const T* __restrict__ dy, const T* 
     }
 }
 """
-_CHANNEL_TYPES = {cupy.dtype(cupy.float32): ("float", 4), cupy.dtype(cupy.float16): ("unsigned short", 8)}
+_CHANNEL_VECTORS = {"float32": 4, "float16": 8, "bfloat16": 8}        # elements per 16-byte access
 _channel_module = None
 
 
@@ -246,10 +247,10 @@ def _channel_pass(name: str, arrays: tuple, positions: int, channels: int, leadi
     where P and every array allow, else one by one."""
     global _channel_module
     if _channel_module is None:
-        names = [f"{kernel}<{kind}, {vec}>" for kernel in ("lnn_channel_affine", "lnn_batchnorm_input_gradient")
-                 for kind, wide in _CHANNEL_TYPES.values() for vec in (1, wide)]
+        names = [f"{kernel}<{c_type(name)}, {vec}>" for kernel in ("lnn_channel_affine", "lnn_batchnorm_input_gradient")
+                 for name, wide in _CHANNEL_VECTORS.items() for vec in (1, wide)]
         _channel_module = cupy.RawModule(code=_CHANNEL_SOURCE, options=("-std=c++17",), name_expressions=names)
-    kind, vec = _CHANNEL_TYPES[arrays[0].dtype]
+    kind, vec = c_type(arrays[0].dtype), _CHANNEL_VECTORS[arrays[0].dtype.name]
     if positions % vec or any(a.data.ptr % 16 for a in arrays):
         vec = 1
     groups = arrays[0].size // vec
@@ -271,7 +272,7 @@ def batchnorm_input_gradient(dy, x, mean, inv_std, k, mean_dy, mean_dy_xhat, pos
     return dx
 
 # batch norm's per-channel bookkeeping over [C], one launch each (instead of about 20 tiny ones); the
-# statistics and sums float32, parameters (W), running averages (R) and gradients (G) float32 or float16:
+# statistics and sums float32, parameters (W), running averages (R) and gradients (G) float32, float16 or bfloat16:
 # batchnorm_statistics, from the batch mean and the centered sum of squares: saved mean and
 #   1/sqrt(var + eps), the running averages (the unbiased variance), scale = w * inv_std, shift = b - mean * scale
 # batchnorm_gradient_sums, from sum(dy) and sum(dy * (x - mean)): dweight += sum(dy * x_hat), dbias += sum(dy),
@@ -337,6 +338,7 @@ __device__ __forceinline__ float lnn_split_sum(float v) {          // the 4 lane
 template <typename T> struct LnnQuad;                                // four T in one access
 template <> struct LnnQuad<float> { using type = float4; };
 template <> struct LnnQuad<unsigned short> { using type = ushort4; };
+template <> struct LnnQuad<lnn_bf16> { using type = ushort4; };
 
 // v[0..VEC) = p[0..VEC) as float32: one access when VEC is 4 (p aligned to it), else one value
 template <int VEC, typename T>
@@ -525,12 +527,12 @@ def _step_launch(name: str, like, rows: int, hidden: int, arguments: tuple, flag
                         f"{[a.dtype.name for a in arguments if isinstance(a, cupy.ndarray)]}")
     if _recurrent_module is None:
         names = [f"lnn_{cell}_step_{way}<{kind}, {vec}>" for cell in ("lstm", "gru") for way in ("forward", "backward")
-                 for kind, _ in _CHANNEL_TYPES.values() for vec in (1, 4)]
+                 for kind in map(c_type, ("float32",) + HALF_TYPES) for vec in (1, 4)]
         _recurrent_module = cupy.RawModule(code=_RECURRENT_SOURCE, options=("-std=c++17",), name_expressions=names)
     arrays = [a for a in arguments if isinstance(a, cupy.ndarray)]
     vec = 4 if hidden % 4 == 0 and all(a.data.ptr % (4 * a.itemsize) == 0 for a in arrays) else 1   # 4-value runs
     grid = (-(-hidden // 8), -(-rows // 8))                   # STEP_UNITS, STEP_ROWS
-    _recurrent_module.get_function(f"{name}<{_CHANNEL_TYPES[like.dtype][0]}, {vec}>")(
+    _recurrent_module.get_function(f"{name}<{c_type(like.dtype)}, {vec}>")(
         grid, (256,), (*arguments, cupy.int32(rows), cupy.int32(hidden), *(cupy.int32(flag) for flag in flags)))
 
 
@@ -574,11 +576,11 @@ def gru_step_backward(gates, ghn, h_prev, dgh_after, w_hh, dh_out, out_offset: i
     return dgates
 
 
-FAST_TYPES = ("float32", "float16")
+FAST_TYPES = ("float32",) + HALF_TYPES
 
 
 def fits(*arrays) -> bool:
-    """These kernels take C-contiguous float32 or float16 arrays."""
+    """These kernels take C-contiguous float32, float16 or bfloat16 arrays."""
     return all(a.dtype.name in FAST_TYPES and a.flags.c_contiguous for a in arrays)
 
 

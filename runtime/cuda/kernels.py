@@ -22,12 +22,18 @@ from lnn.runtime.cuda.blas import matmul
 
 def gpu_kernels(xp, *arrays):
     """runtime/cuda/fused.py (one launch per op) when xp is CuPy and its kernels take these arrays
-    (C-contiguous float32 or float16), else None: the generic code below runs."""
+    (C-contiguous float32, float16 or bfloat16), else None: the generic code below runs."""
     if xp is np:
         return None
     from lnn.runtime.cuda import fused
 
     return fused if fused.fits(*arrays) else None
+
+
+def sum_dtype(x):
+    """The dtype to sum x in: float32 for bfloat16 (CuPy sums float16 in float32 by itself, but may sum bfloat16
+    in bfloat16, whose 8-bit mantissa stalls a long sum), else None: x's own."""
+    return np.float32 if x.dtype.name == "bfloat16" else None
 
 
 # --------------------------------------------------------------------------- window helpers
@@ -87,7 +93,7 @@ def activation_forward(xp, activation: dict, x, out):
     if kind == "softmax":
         shifted = x - x.max(axis=1, keepdims=True)
         xp.exp(shifted, out=out)
-        out /= out.sum(axis=1, keepdims=True)
+        out /= out.sum(axis=1, keepdims=True, dtype=sum_dtype(out))
         return out
     raise ValueError(f"unknown activation {kind!r}")
 
@@ -194,7 +200,7 @@ def avgpool2d_forward(xp, x, attrs, divisor, out, padded):
 # [N, C] (int32), when given, records which position won (the trainer's backward routes dy through it).
 
 def global_avg_pool_forward(xp, x, out):
-    out[...] = x.mean(axis=tuple(range(2, x.ndim))).reshape(out.shape)
+    out[...] = x.mean(axis=tuple(range(2, x.ndim)), dtype=sum_dtype(x)).reshape(out.shape)
     return out
 
 

@@ -2,7 +2,7 @@
 
     channel_sums(a, b, shift_a, shift_b) -> (s1 [C], s2 [C]) float32
         s1[c] = sum of a[:, c]            s2[c] = sum of (a[:, c] - shift_a[c]) * (b[:, c] - shift_b[c])
-    over a, b [N, C] or [N, C, H, W] (float32 or float16, accumulated in float32); shift_a, shift_b [C]
+    over a, b [N, C] or [N, C, H, W] (float32, float16 or bfloat16, accumulated in float32); shift_a, shift_b [C]
     float32. The reference is train/kernels.py channel_sums on NumPy (the same sums along axes 0, 2, 3).
 
 CuPy's own reduction over axes (0, 2, 3) gives each channel one block: on the tomato model's first
@@ -88,6 +88,11 @@ __global__ void lnn_channel_sums_f16(const unsigned short* a, const unsigned sho
                                      long long inner) {
     partial_sums<unsigned short>(a, b, shift_a, shift_b, partial, outer, channels, inner);
 }
+__global__ void lnn_channel_sums_bf16(const lnn_bf16* a, const lnn_bf16* b, const float* shift_a,
+                                      const float* shift_b, float* partial, long long outer, int channels,
+                                      long long inner) {
+    partial_sums<lnn_bf16>(a, b, shift_a, shift_b, partial, outer, channels, inner);
+}
 // one block per channel: the chunks' partial sums in a fixed order
 __global__ void lnn_channel_sums_finish(const float* partial, float* s1, float* s2, int chunks) {
     float first = 0.0f, second = 0.0f;
@@ -103,11 +108,11 @@ __global__ void lnn_channel_sums_finish(const float* partial, float* s1, float* 
 """
 
 _module = None
-KERNEL_NAMES = {np.dtype(np.float32): "lnn_channel_sums_f32", np.dtype(np.float16): "lnn_channel_sums_f16"}
+KERNEL_NAMES = {"float32": "lnn_channel_sums_f32", "float16": "lnn_channel_sums_f16", "bfloat16": "lnn_channel_sums_bf16"}
 
 
 def supported(a) -> bool:
-    return a.dtype in KERNEL_NAMES and a.flags.c_contiguous
+    return a.dtype.name in KERNEL_NAMES and a.flags.c_contiguous
 
 
 def channel_sums(a, b, shift_a, shift_b):
@@ -120,7 +125,7 @@ def channel_sums(a, b, shift_a, shift_b):
     partial = cupy.empty(channels * chunks * 2, np.float32)
     s1 = cupy.empty(channels, np.float32)
     s2 = cupy.empty(channels, np.float32)
-    _module.get_function(KERNEL_NAMES[a.dtype])(
+    _module.get_function(KERNEL_NAMES[a.dtype.name])(
         (chunks, channels), (THREADS,),
         (a, b, shift_a, shift_b, partial, np.int64(outer), np.int32(channels), np.int64(inner)))
     _module.get_function("lnn_channel_sums_finish")((channels,), (THREADS,), (partial, s1, s2, np.int32(chunks)))

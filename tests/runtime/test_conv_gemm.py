@@ -6,6 +6,8 @@ machine by benchmarks/gpu_check.sh). Shapes cover channel counts off the tile si
 64 k-columns), kernels 1x1, 3x3, 5x5 and 2x3, padding 0 up to kernel-1, with and without bias.
 """
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -99,6 +101,67 @@ def test_gpu_plan_drops_the_im2col_workspaces_and_needs_less_memory():
     gpu_report = plan_memory(model, 64)
     assert gpu_report["gemm_workspace"] > 0 == plan_memory(model, 64, gpu=False)["gemm_workspace"]
     assert gpu_report["peak"] - gpu_report["gemm_workspace"] < plan_memory(model, 64, gpu=False)["peak"]   # cuBLAS's is fixed
+
+
+def test_bf16_scratch_is_counted_as_fp16():
+    bfloat16 = pytest.importorskip("ml_dtypes").bfloat16
+    for kernel, padding in (((3, 3), (1, 1)), ((1, 1), (0, 0)), ((5, 5), (2, 2))):
+        attrs = attrs_of(kernel, padding, True)
+        shapes = ((32, 16, 16), (48, 16, 16))
+        bf16, fp16, fp32 = (conv_gemm.scratch_bytes(attrs, *shapes, dtype=dtype)
+                            for dtype in (bfloat16, np.float16, np.float32))
+        assert bf16 == fp16 != fp32                             # 2-byte weights (3x3: the halo kernels' arranged ones)
+    assert [name for name in conv_gemm.kernel_names("lnn_bf16", True) if "mma" in name][0] == \
+        "lnn_conv_igemm_mma<lnn_bf16, 16, 128>"
+
+
+class FakeCupy:
+    """Enough of CuPy for ConvKernels' host side on a machine without it: arrays are NumPy's, a RawModule
+    records its name expressions, and a launch records the kernel it asked for (which must be one of them)."""
+
+    def __init__(self, capability):
+        import types
+
+        self.launched = []
+        self.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(compute_capability=str(capability)))
+        self.asarray, self.zeros, self.empty = np.asarray, np.zeros, np.empty
+
+    def RawModule(self, code, options, name_expressions):
+        fake, names = self, set(name_expressions)
+
+        class Module:
+            def get_function(self, name):
+                assert name in names, f"{name} is not among the module's name expressions"
+                return lambda grid, block, args: fake.launched.append(name)
+        return Module()
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+@pytest.mark.parametrize("capability", [80, 75])
+@pytest.mark.parametrize("kernel, padding, channels", [((3, 3), (1, 1), 16), ((3, 3), (1, 1), 4), ((1, 1), (0, 0), 16)])
+def test_16_bit_layers_launch_their_own_instances(monkeypatch, kernel, padding, channels, capability, precision):
+    """Every launch of a bfloat16 (float16) ConvKernels names a lnn_bf16 (unsigned short) instance its module
+    holds: the tensor-core halo kernels for 3x3 (their weight gradient from 16 channels), the gather ones for
+    1x1, CUDA-core below 8.0 (where the trainer refuses bfloat16, but the kernels exist)."""
+    dtype = pytest.importorskip("ml_dtypes").bfloat16 if precision == "bfloat16" else np.float16
+    kind = conv_gemm.c_type(dtype)
+    fake = FakeCupy(capability)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(conv_gemm, "_MODULES", {})
+    attrs = attrs_of(kernel, padding, True)
+    kernels = conv_gemm.ConvKernels(attrs, (channels, 8, 8), (8, 8, 8), dtype=dtype)
+    x, dy = np.zeros((2, channels, 8, 8), dtype), np.zeros((2, 8, 8, 8), dtype)
+    weight, bias = np.zeros((8, channels) + kernel, dtype), np.zeros(8, dtype)
+    kernels.forward(x, weight, bias, dy)
+    kernels.weight_gradient(dy, x, weight, bias, accumulate=True)
+    kernels.input_gradient(dy, weight, x)
+    assert fake.launched and all(name.startswith(f"{name.split('<')[0]}<{kind}") for name in fake.launched)
+    families = {name.split("<")[0] for name in fake.launched}
+    tensor_cores, halo = capability >= 80, capability >= 80 and kernel == (3, 3)
+    assert ("lnn_conv3x3_mma" in families) == halo and ("lnn_conv3x3_arrange" in families) == halo
+    assert ("lnn_conv3x3_wgrad_mma" in families) == (halo and channels >= 16)
+    assert ("lnn_conv_igemm_mma" in families) == (tensor_cores and not halo)
+    assert ("lnn_conv_igemm" in families) == (not tensor_cores)
 
 
 # --------------------------------------------------------------------------- on the GPU
@@ -229,32 +292,41 @@ def test_winograd_forward_and_input_gradient_match_float64_numpy(case, chunk_byt
     np.testing.assert_allclose(dx.get(), dx_ref, rtol=1e-4, atol=1e-4)
 
 
+# amp's 16-bit types and their tolerance: 4x the type's unit roundoff (float16 2^-11, bfloat16 2^-9)
+HALF_PRECISIONS = [pytest.param("float16", 2e-3, id="fp16"), pytest.param("bfloat16", 8e-3, id="bf16")]
+
+
+@pytest.mark.parametrize("precision, tol", HALF_PRECISIONS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"k{c[5][0]}{c[5][1]}p{c[6][0]}")
-def test_float16_kernels_match_float64_numpy_on_float16_inputs(case):
-    """amp: float16 in and out, float32 accumulation (on tensor cores where the card has them: every tile
-    size and both weight-gradient widths are among the cases); against float64 on the same
-    (float16-rounded) inputs, the error is float16's output rounding (about 1e-3 relative)."""
+def test_16_bit_kernels_match_float64_numpy_on_16_bit_inputs(case, precision, tol):
+    """amp: float16 or bfloat16 in and out, float32 accumulation (on tensor cores where the card has them: every
+    tile size, both weight-gradient widths and the 3x3 halo kernels, with under and over 16 input channels, are
+    among the cases); against float64 on the same (rounded) inputs, the error is the type's output rounding."""
     cupy = gpu_cupy()
+    dtype = np.float16 if precision == "float16" else pytest.importorskip("ml_dtypes").bfloat16
     n, c, h, w, o, kernel, padding, bias = case
     rng = np.random.default_rng(sum(case[:5]) + 1)
-    x = rng.standard_normal((n, c, h, w)).astype(np.float16)
-    weight = (rng.standard_normal((o, c) + kernel) / np.sqrt(c * kernel[0] * kernel[1])).astype(np.float16)
-    b = rng.standard_normal(o).astype(np.float16) if bias else None
+    x = rng.standard_normal((n, c, h, w)).astype(dtype)
+    weight = (rng.standard_normal((o, c) + kernel) / np.sqrt(c * kernel[0] * kernel[1])).astype(dtype)
+    b = rng.standard_normal(o).astype(dtype) if bias else None
     y_ref, backward = reference_conv(x.astype(np.float64), weight.astype(np.float64),
                                      None if b is None else b.astype(np.float64), padding)
     dy = rng.standard_normal(y_ref.shape).astype(np.float16)
     dweight_ref, dbias_ref, dx_ref = backward(dy.astype(np.float64))
-    kernels = conv_gemm.ConvKernels(attrs_of(kernel, padding, bias), (c, h, w), y_ref.shape[1:], dtype=np.float16)
+    kernels = conv_gemm.ConvKernels(attrs_of(kernel, padding, bias), (c, h, w), y_ref.shape[1:], dtype=dtype)
     assert kernels.tensor_cores == (int(cupy.cuda.Device().compute_capability) >= 80)
+    assert kernels.halo == (kernels.tensor_cores and kernel == (3, 3))
     gx, gw, gdy = cupy.asarray(x), cupy.asarray(weight), cupy.asarray(dy)
-    y = cupy.empty(y_ref.shape, np.float16)
+    y = cupy.empty(y_ref.shape, dtype)
     kernels.forward(gx, gw, None if b is None else cupy.asarray(b), y)
-    np.testing.assert_allclose(y.get().astype(np.float64), y_ref, rtol=2e-3, atol=2e-3)
-    dweight = cupy.empty(weight.shape, np.float16)
-    dbias = None if b is None else cupy.empty(o, np.float16)
-    dx = cupy.empty(x.shape, np.float16)
+    np.testing.assert_allclose(y.get().astype(np.float64), y_ref, rtol=tol, atol=tol)
+    dweight = cupy.empty(weight.shape, dtype)
+    dbias = None if b is None else cupy.empty(o, dtype)
+    dx = cupy.empty(x.shape, dtype)
     kernels.weight_gradient(gdy, gx, dweight, dbias, accumulate=False)
     kernels.input_gradient(gdy, gw, dx)
     scale = np.sqrt(n * y_ref.shape[2] * y_ref.shape[3])
-    np.testing.assert_allclose(dweight.get().astype(np.float64), dweight_ref, rtol=2e-3, atol=2e-3 * scale)
-    np.testing.assert_allclose(dx.get().astype(np.float64), dx_ref, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(dweight.get().astype(np.float64), dweight_ref, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(dx.get().astype(np.float64), dx_ref, rtol=tol, atol=tol)
+    if b is not None:
+        np.testing.assert_allclose(dbias.get().astype(np.float64), dbias_ref, rtol=tol, atol=tol * scale)

@@ -12,6 +12,11 @@ from conftest import gpu_cupy
 SHAPES = [((5, 7), (7, 3)), ((1, 9), (9, 1)), ((3, 4, 6), (3, 6, 2)), ((4, 6), (3, 6, 5))]
 
 
+def _dtype(dtype):
+    """bfloat16 by name (ml_dtypes' type: the module is optional), the others as they are."""
+    return pytest.importorskip("ml_dtypes").bfloat16 if dtype == "bfloat16" else dtype
+
+
 def _operands(rng, a_shape, b_shape, transpose_a, transpose_b, dtype):
     a = rng.normal(size=a_shape).astype(dtype)
     b = rng.normal(size=b_shape).astype(dtype)
@@ -30,11 +35,12 @@ def test_numpy_matmul_writes_and_accumulates():
     np.testing.assert_allclose(matmul(np, a, b, out, accumulate=True), a @ b + 1)
 
 
-@pytest.mark.parametrize("dtype, rtol", [(np.float32, 1e-5), (np.float64, 1e-12), (np.float16, 2e-2)])
+@pytest.mark.parametrize("dtype, rtol", [(np.float32, 1e-5), (np.float64, 1e-12), (np.float16, 2e-2), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("a_shape, b_shape", SHAPES)
 @pytest.mark.parametrize("transpose_a, transpose_b", [(False, False), (True, False), (False, True), (True, True)])
 def test_cublas_matmul_matches_numpy(a_shape, b_shape, transpose_a, transpose_b, dtype, rtol):
     cupy = gpu_cupy()
+    dtype = _dtype(dtype)
     rng = np.random.default_rng(1)
     a, b = _operands(rng, a_shape, b_shape, transpose_a, transpose_b, dtype)
     expected = np.matmul(a.astype(np.float64), b.astype(np.float64))
@@ -66,9 +72,10 @@ def test_cublas_matmul_is_captured_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("shape", [(7, 3), (4, 5, 9, 11), (64, 16, 130, 129)])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
 def test_gpu_channel_sums_match_numpy(shape, dtype):
     cupy = gpu_cupy()
+    dtype = _dtype(dtype)
     rng = np.random.default_rng(2)
     a = (rng.normal(size=shape) * 3 + 1).astype(dtype)
     b = rng.normal(size=shape).astype(dtype)

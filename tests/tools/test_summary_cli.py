@@ -92,6 +92,24 @@ def test_training_memory_of_the_real_plan_is_shown(capsys):
     assert report["activations_pooled"] < report["activations_naive"]
 
 
+def test_amp_plans_are_shown_and_bf16_counts_as_fp16(capsys):
+    pytest.importorskip("ml_dtypes")
+    model = load_model(EXAMPLES / "reference" / "leaf_cnn.json")
+    fp32, fp16, bf16 = (plan_memory(model, 64, amp=amp) for amp in (False, "fp16", "bf16"))
+    assert bf16 == fp16 and bf16["peak"] < fp32["peak"]
+    outs = {amp: summary_of(capsys, EXAMPLES / "reference" / "leaf_cnn.json", "--batch", 64, *flags)
+            for amp, flags in (("fp16", ["--amp"]), ("bf16", ["--amp", "bf16"]))}
+    assert "at batch 64 (amp bf16: bfloat16 activations, float32 master weights, sgd" in outs["bf16"]
+    assert "bf16 copies of the parameters and gradients" in outs["bf16"] and f"({bf16['peak']:,} bytes)" in outs["bf16"]
+    plans = {amp: out.split("training memory of the plan")[1] for amp, out in outs.items()}
+    assert plans["bf16"].replace("bf16", "fp16").replace("bfloat16", "float16") == plans["fp16"]
+    out = summary_of(capsys, EXAMPLES / "reference" / "leaf_cnn.json", "--max-batch", "--memory", "6GB", "--amp", "bf16")
+    batch = int(out.split("largest training batch: ")[1].split(" ")[0])
+    usable = usable_card_bytes(parse_size("6GB"))
+    assert "with amp bf16" in out
+    assert plan_memory(model, batch, amp="bf16")["peak"] <= usable < plan_memory(model, batch + 1, amp="bf16")["peak"]
+
+
 @pytest.mark.parametrize("text, size", [("6GB", 6 * 10**9), ("6GiB", 6 * 2**30), ("512MB", 512 * 10**6),
                                         ("1.5 gib", 3 * 2**29), ("300MiB", 300 * 2**20), ("80kb", 80_000)])
 def test_sizes_are_decimal_for_gb_and_binary_for_gib(text, size):

@@ -5,7 +5,7 @@ three steps on different batches with a learning rate that changes between them:
 on the graph's stream (warm-up), step 2 is captured and launched, step 3 replays it. Every step's
 loss, correct count and gradient norm, and the weights after it, must match the eager CuPy trainer
 (the same kernels: tight) and the float64 NumPy trainer (the reference: float32 tolerances; amp: fp16
-ones). The cases together hold every op of the registry (formats/ops.py OPS), which a CPU test checks,
+or bf16 ones). The cases together hold every op of the registry (formats/ops.py OPS), which a CPU test checks,
 so an op added without a GPU training path fails here. Needs CuPy and a GPU for the rest (skipped
 otherwise):  pytest tests/train/test_cuda_graph.py
 """
@@ -87,11 +87,22 @@ GPU_CASES = {
                        "layers": [{"type": "lstm", "hidden_size": 130, "bidirectional": True},
                                   {"type": "gru", "hidden_size": 130, "bidirectional": True, "return": "last"},
                                   {"type": "linear", "out_features": 3}]},
+    # the convolutions by kernel path: 3x3 on the halo tiles (under and over 16 input channels), 1x1 on the
+    # gather kernels, strided and grouped on im2col + cuBLAS; batch norm; SGD with momentum
+    "conv_kinds": dict(IMAGE, optimizer={"type": "sgd", "lr": 0.05, "momentum": 0.9}, layers=[
+        {"type": "conv2d", "out_channels": 16, "kernel_size": 3, "padding": 1, "activation": "relu"},
+        {"type": "conv2d", "out_channels": 16, "kernel_size": 3, "padding": 1, "bias": False},
+        {"type": "batchnorm", "activation": "relu"},
+        {"type": "conv2d", "out_channels": 8, "kernel_size": 1, "activation": "relu"},
+        {"type": "conv2d", "out_channels": 8, "kernel_size": 3, "stride": 2, "padding": 1, "activation": "relu"},
+        {"type": "conv2d", "out_channels": 8, "kernel_size": 3, "padding": 1, "groups": 2},
+        {"type": "global_avg_pool"}, {"type": "linear", "out_features": 5}]),
     "accumulated": _description("mnist_mlp", training={"batch_size": 16, "accumulate": 2}),
     "mse": {"input_shape": [10], "loss": "mse", "optimizer": {"type": "adam", "lr": 0.01, "eps": 1e-3},
             "layers": [{"type": "linear", "out_features": 16, "activation": "tanh"}, {"type": "linear", "out_features": 3}]},
 }
 AMP_CASES = ("mnist_cnn", "batchnorm_blocks", "leaf_cnn", "recurrent_wide")
+BF16_CASES = AMP_CASES + ("conv_kinds", "mnist_mlp")
 
 
 def _layer_ops(description):
@@ -183,6 +194,64 @@ def test_amp_graph_steps_match_amp_eager_and_fp32(case):
                 "graph": Trainer(description, device="cuda", amp=True, cuda_graph=True, log=messages.append)}
     assert trainers["graph"].amp and trainers["graph"].graph_mode
     _compare(case, trainers, _batches(description, _rows(trainers["graph"])), 1e-2, 2e-2, 2e-3, messages)
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bf16_graph_steps_match_bf16_eager_and_fp32(case):
+    """amp bf16: the graph and the eager bf16 step run the same kernels; against the float64 reference: loss
+    2e-2 relative (grad norm 2e-1), weights 6e-2 relative and 6e-3 absolute (fp16's 1e-2, 2e-2, 2e-3 times 2-3:
+    bfloat16 keeps 8 mantissa bits to float16's 11; master weights, accumulation and the optimizer are float32
+    in both). The same steps in bfloat16 on NumPy (the generic kernels, ml_dtypes) came within loss 5e-4, grad
+    norm 1.3e-2 and weights 3.4e-3 beyond the relative part on these cases. The loss scale stays 1."""
+    gpu_cupy()
+    pytest.importorskip("ml_dtypes")
+    description = GPU_CASES[case]
+    messages = []
+    trainers = {"numpy": Trainer(description, device="cpu", dtype="float64", log=messages.append),
+                "eager": Trainer(description, device="cuda", amp="bf16", cuda_graph=False, log=messages.append),
+                "graph": Trainer(description, device="cuda", amp="bf16", cuda_graph=True, log=messages.append)}
+    graph = trainers["graph"]
+    assert graph.amp == "bf16" and graph.graph_mode and graph.plan.compute_dtype.name == "bfloat16"
+    _compare(case, trainers, _batches(description, _rows(graph)), 2e-2, 6e-2, 6e-3, messages)
+    assert graph.loss_scale == trainers["eager"].loss_scale == 1.0 and graph.overflow_steps == 0
+
+
+def test_bf16_skips_a_non_finite_step_inside_the_graph_with_the_scale_at_1():
+    cupy = gpu_cupy()
+    pytest.importorskip("ml_dtypes")
+    description = _description("mnist_mlp")
+    trainer = Trainer(description, device="cuda", amp="bf16", cuda_graph=True, batch_size=32, log=print)
+    (x, y), = _batches(description, 32, count=1)
+    x, y = cupy.asarray(x), cupy.asarray(y)
+    trainer.step(x, y), trainer.step(x, y)                           # warm-up, capture
+    before = trainer.weights()
+    plan = trainer.plan
+    plan.params[0], plan.params_compute[0] = np.inf, np.inf          # the next forward is not finite
+    result = trainer.step(x, y)
+    assert result.skipped and trainer.overflow_steps == 1 and trainer.loss_scale == 1.0
+    after = trainer.weights()
+    first = next(iter(after))
+    assert np.isinf(after[first].flat[0])
+    after[first].flat[0] = before[first].flat[0]
+    for key, value in after.items():
+        np.testing.assert_array_equal(value, before[key], err_msg=key)
+    plan.params[0], plan.params_compute[0] = float(before[first].flat[0]), float(before[first].flat[0])
+    assert not trainer.step(x, y).skipped and trainer.optimizer.steps == 3 and trainer.loss_scale == 1.0
+
+
+def test_bf16_is_refused_on_a_card_without_it(monkeypatch):
+    gpu_cupy()
+    pytest.importorskip("ml_dtypes")
+    from lnn.train import trainer as trainer_module
+
+    real = trainer_module.cuda_info
+    monkeypatch.setattr(trainer_module, "cuda_info", lambda xp: dict(real(xp), name="Tesla T4",
+                                                                      compute_capability="7.5", bfloat16=False))
+    description = _description("mnist_mlp")
+    with pytest.raises(LnnError, match=r"^amp bf16: Tesla T4 \(compute capability 7.5\) has no bfloat16 tensor "
+                                       r"cores \(needs 8.0, Ampere, or newer\)"):
+        Trainer(description, device="cuda", amp="bf16", log=print)
+    assert Trainer(description, device="cuda", amp=True, log=print).amp == "fp16"     # fp16 needs 7.0 only
 
 
 def test_amp_overflow_is_skipped_and_the_scale_halves_inside_the_graph():

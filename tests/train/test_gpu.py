@@ -113,6 +113,27 @@ def test_amp_run_with_overflowed_steps_writes_readable_files(tmp_path):
     assert (tmp_path / "run" / "model.bin").stat().st_size > 0
 
 
+def test_bf16_amp_trains_on_tensor_cores_with_the_scale_at_1():
+    pytest.importorskip("ml_dtypes")
+    model = load_model(EXAMPLES / "reference" / "mnist_cnn.json")
+    rng = np.random.default_rng(2)
+    x = cupy.asarray(rng.integers(0, 256, (128, 1, 28, 28), dtype=np.uint8))
+    y = cupy.asarray(np.arange(128) % 10)
+    trainer = Trainer(model, device="cuda", batch_size=64, amp="bf16", log=lambda *a: None)
+    assert trainer.amp == "bf16" and trainer.plan.compute_dtype.name == "bfloat16"
+    fp16 = Trainer(model, device="cuda", batch_size=64, amp="fp16", log=lambda *a: None)
+    assert trainer.plan.memory_report() == fp16.plan.memory_report()
+    losses = [trainer.step(x, y) for _ in range(30)]
+    assert not any(r.skipped for r in losses) and trainer.overflow_steps == 0 and trainer.loss_scale == 1.0
+    assert losses[-1].loss < losses[0].loss
+    convs = [layer for layer in trainer.plan.layers if getattr(layer, "implicit", False)]
+    assert convs and all(layer.implicit_kernels().tensor_cores for layer in convs)
+    reference = Trainer(model, device="cpu", batch_size=64, log=lambda *a: None)
+    reference.set_weights(trainer.weights())
+    np.testing.assert_allclose(trainer.predict(x[:8]).astype(np.float32), reference.predict(x.get()[:8]),
+                               rtol=0.1, atol=0.1)
+
+
 def test_memmap_data_through_pinned_prefetch(tmp_path):
     model = load_model(EXAMPLES / "reference" / "mnist_mlp.json")
     rng = np.random.default_rng(3)

@@ -9,7 +9,8 @@ from lnn.runtime.reference import NumpyBackend
 from lnn.train import Trainer, plan_memory
 from lnn.train.config import TrainingConfig, learning_rate
 from lnn.train.optim import make_optimizer
-from lnn.train.plan import Plan
+from lnn.train.plan import Plan, amp_precision
+from lnn.train.trainer import amp_refusal
 
 from conftest import EXAMPLES
 from test_gradients import CASES
@@ -202,6 +203,96 @@ def test_memory_report_counts_optimizer_state():
     adam = Plan(model, 32).memory_report({"type": "adam"})
     assert sgd["optimizer_state"] == sgd["params"] and adam["optimizer_state"] == 2 * adam["params"]
     assert sgd["params"] >= model.num_params * 4
+
+
+# --------------------------------------------------------------------------- amp precisions
+
+def test_amp_precision_names():
+    assert amp_precision(True) == amp_precision("fp16") == "fp16"
+    assert amp_precision("bf16") == "bf16"
+    assert amp_precision(False) is None and amp_precision(None) is None
+    with pytest.raises(LnnError, match="amp must be one of fp16, bf16 .* not 'bf32'"):
+        amp_precision("bf32")
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+def test_bf16_plans_the_bytes_of_fp16(name):
+    pytest.importorskip("ml_dtypes")
+    model = load_model(EXAMPLES / "reference" / f"{name}.json")
+    bf16, fp16 = (Plan(model, 64, amp=amp, implicit_conv=True) for amp in ("bf16", "fp16"))
+    fp32 = Plan(model, 64, implicit_conv=True)
+    assert bf16.compute_dtype.name == "bfloat16" and bf16.compute_dtype.itemsize == 2 and bf16.amp == "bf16"
+    report = bf16.memory_report()
+    assert report == fp16.memory_report() == plan_memory(model, 64, amp="bf16")
+    assert report["amp_copies"] == 2 * 2 * bf16.params_size > 0
+    assert report["activations_pooled"] < fp32.memory_report()["activations_pooled"]
+    assert {n: b.dtype.name for n, b in bf16.buffers.items() if b.dtype.itemsize == 2} == {
+        n: "bfloat16" for n, b in fp16.buffers.items() if b.dtype == np.float16}
+
+
+def test_bf16_is_refused_in_one_line_on_a_card_without_it():
+    pytest.importorskip("ml_dtypes")
+    old = {"name": "Tesla T4", "compute_capability": "7.5", "fast_fp16": True, "bfloat16": False}
+    refusal = amp_refusal("bf16", old, np)
+    assert refusal.splitlines() == [refusal] and "Tesla T4 (compute capability 7.5)" in refusal
+    assert "needs 8.0" in refusal and "fp16" in refusal
+    assert amp_refusal("fp16", old, np) is None
+    ampere = dict(old, name="A100", compute_capability="8.0", bfloat16=True)
+    assert amp_refusal("bf16", ampere, np) is None                       # NumPy with ml_dtypes makes bf16 arrays
+
+    class NoBfloat16:                                                    # an array module without bfloat16 (CuPy 13)
+        __version__ = "13.6.0"
+
+        @staticmethod
+        def zeros(shape, dtype):
+            raise TypeError(f"Unsupported dtype {dtype}\nmore")
+    refusal = amp_refusal("bf16", ampere, NoBfloat16)
+    assert refusal == ("amp bf16: CuPy 13.6.0 cannot make bfloat16 arrays (needs CuPy 14 or newer with ml_dtypes): "
+                       "Unsupported dtype bfloat16")
+
+
+def _plan_step(model, amp, dtype, params, stats, x, r, n):
+    plan = Plan(model, n, dtype=dtype, amp=amp, input_gradient=True)
+    plan.allocate(np)
+    plan.params[...], plan.stats[...] = params, stats
+    plan.params_compute[...] = plan.params
+    plan.input_buffer(n)[...] = x
+    keys = {i: 7 + i for i in range(len(model.nodes))}
+    out = plan.forward(n, training=True, dropout_keys=keys).astype(np.float64)
+    plan.grads_compute.fill(0)
+    plan.output_grad_buffer(n)[...] = r
+    plan.backward(n, dropout_keys=keys)
+    return out, plan.grads_compute.astype(np.float64), plan.views(n)["grad:-1"].astype(np.float64)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_bf16_plan_runs_the_generic_kernels_within_bf16_rounding_of_float64(case):
+    """The NumPy half of every layer's kernels on bfloat16 activations (ml_dtypes' type; the GPU runs the same
+    code where fused.py has no kernel): output, parameter and input gradients within 3e-2 of the largest
+    value (bfloat16 keeps 8 mantissa bits). With a max pool only the output is compared: values that differ
+    in float64 tie in bfloat16, and the gradient then goes to the first of them."""
+    pytest.importorskip("ml_dtypes")
+    input_shape, layers = CASES[case]
+    model = parse_model({"input_shape": list(input_shape), "layers": layers, "loss": "mse"})
+    n = 5
+    probe = Plan(model, n, input_gradient=True)
+    rng = np.random.default_rng(0)
+    params = rng.normal(0, 0.5, probe.params_size).astype(np.float32)
+    stats = rng.uniform(0.5, 1.5, probe.stats_size).astype(np.float32)
+    x = rng.normal(size=(n,) + tuple(input_shape)).astype(np.float32)
+    r = rng.normal(size=(n,) + tuple(model.output_shape)).astype(np.float32)
+    expected = _plan_step(model, False, "float64", params, stats, x, r, n)
+    got = _plan_step(model, "bf16", "float32", params, stats, x, r, n)
+    compared = 1 if any(node.op in ("maxpool2d", "maxpool1d", "global_max_pool") for node in model.nodes) else 3
+    for name, a, b in list(zip(("output", "parameter gradients", "input gradient"), got, expected))[:compared]:
+        np.testing.assert_allclose(a, b, rtol=0, atol=3e-2 * max(1.0, np.abs(b).max()), err_msg=name)
+
+
+def test_amp_on_the_cpu_says_so_and_trains_in_float32():
+    messages = []
+    trainer = Trainer(EXAMPLES / "reference" / "mnist_mlp.json", device="cpu", amp="bf16", log=messages.append)
+    assert trainer.amp is None and trainer.plan.compute_dtype == np.float32 and trainer.loss_scale == 1.0
+    assert messages == ["amp: mixed precision needs a CUDA GPU; training in float32 on the CPU"]
 
 
 # --------------------------------------------------------------------------- training block

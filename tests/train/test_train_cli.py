@@ -95,11 +95,24 @@ def test_command_errors_are_one_line(tmp_path):
     for args, fragment in [((MLP, "--data", "cifar:x", "--out", tmp_path / "a"), "--data must look like KIND:PATH"),
                            ((MLP, "--data", f"mnist:{tmp_path / 'none'}", "--out", tmp_path / "a"), "no such folder"),
                            ((tmp_path / "missing.json", "--data", "mnist:x", "--out", tmp_path / "a"), "no such file"),
-                           ((MLP, "--data", "mnist:x", "--out", tmp_path / "a", "--epochs", 0), "--epochs must be")]:
+                           ((MLP, "--data", "mnist:x", "--out", tmp_path / "a", "--epochs", 0), "--epochs must be"),
+                           ((MLP, "--data", "mnist:x", "--out", tmp_path / "a", "--amp", "bf32"),
+                            "argument --amp: invalid choice: 'bf32'")]:
         done = run(*args)
         assert done.returncode != 0
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("lnn-train: error: ") and fragment in lines[0], done.stderr
+
+
+def test_amp_alone_is_fp16_and_bf16_is_asked_for_by_name():
+    from lnn.tools.train import build_parser
+
+    parse = build_parser().parse_args
+    base = [str(MLP), "--data", "mnist:x", "--out", "runs/x"]
+    assert parse(base).amp is None
+    assert parse(base + ["--amp"]).amp == "fp16"
+    assert parse(base + ["--amp", "bf16"]).amp == "bf16"
+    assert parse(base[:1] + ["--amp", "fp16"] + base[1:]).amp == "fp16"
 
 
 def test_idx_reader_errors(tmp_path):
