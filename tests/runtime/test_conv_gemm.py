@@ -311,7 +311,7 @@ def test_16_bit_kernels_match_float64_numpy_on_16_bit_inputs(case, precision, to
     b = rng.standard_normal(o).astype(dtype) if bias else None
     y_ref, backward = reference_conv(x.astype(np.float64), weight.astype(np.float64),
                                      None if b is None else b.astype(np.float64), padding)
-    dy = rng.standard_normal(y_ref.shape).astype(np.float16)
+    dy = rng.standard_normal(y_ref.shape).astype(dtype)
     dweight_ref, dbias_ref, dx_ref = backward(dy.astype(np.float64))
     kernels = conv_gemm.ConvKernels(attrs_of(kernel, padding, bias), (c, h, w), y_ref.shape[1:], dtype=dtype)
     assert kernels.tensor_cores == (int(cupy.cuda.Device().compute_capability) >= 80)
