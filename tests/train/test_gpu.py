@@ -8,12 +8,12 @@ and the pinned-memory prefetch path for data that is not held on the device.
 import numpy as np
 import pytest
 
-from lnn.formats.model import load_model, parse_model
+from lnn.formats.model import load_model
 from lnn.train import MemmapDataset, Trainer
 from lnn.train.plan import Plan
 
 from conftest import EXAMPLES, gpu_cupy
-from test_gradients import CASES
+from test_gradients import CASES, random_plan_case
 
 cupy = gpu_cupy()                  # skips the whole module without CuPy and a GPU
 
@@ -35,16 +35,8 @@ def _run_plan(xp, model, params, stats, x, r, keys):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cupy_forward_and_backward_match_numpy(case):
-    input_shape, layers = CASES[case]
-    model = parse_model({"input_shape": list(input_shape), "layers": layers, "loss": "mse"})
-    n = 5
-    probe = Plan(model, n, input_gradient=True)
-    rng = np.random.default_rng(0)
-    params = rng.normal(0, 0.5, probe.params_size).astype(np.float32)
-    stats = rng.uniform(0.5, 1.5, probe.stats_size).astype(np.float32)
-    x = rng.normal(size=(n,) + tuple(input_shape)).astype(np.float32)
-    r = rng.normal(size=(n,) + tuple(model.output_shape)).astype(np.float32)
-    keys = {i: 777 + i for i in range(len(layers))}
+    model, params, stats, x, r = random_plan_case(case)
+    keys = {i: 777 + i for i in range(len(CASES[case][1]))}
     expected = _run_plan(np, model, params, stats, x, r, keys)
     got = _run_plan(cupy, model, params, stats, x, r, keys)
     for name, a, b in zip(("output", "input gradient", "parameter gradients", "running stats"), got, expected):

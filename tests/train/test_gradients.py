@@ -159,6 +159,20 @@ for act in ACTIVATIONS:
     CASES[f"linear_fused_{name}"] = ((6,), [{"type": "linear", "out_features": 5, "activation": act}])
 
 
+def random_plan_case(case: str, n: int = 5):
+    """CASES[case] as a model with random parameters, statistics, input x and output gradient r for n rows,
+    the start of the tests that run one plan's forward and backward in two ways and compare them."""
+    input_shape, layers = CASES[case]
+    model = parse_model({"input_shape": list(input_shape), "layers": layers, "loss": "mse"})
+    probe = Plan(model, n, input_gradient=True)
+    rng = np.random.default_rng(0)
+    params = rng.normal(0, 0.5, probe.params_size).astype(np.float32)
+    stats = rng.uniform(0.5, 1.5, probe.stats_size).astype(np.float32)
+    x = rng.normal(size=(n,) + tuple(input_shape)).astype(np.float32)
+    r = rng.normal(size=(n,) + tuple(model.output_shape)).astype(np.float32)
+    return model, params, stats, x, r
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_backward_matches_finite_differences(case):
     input_shape, layers = CASES[case]

@@ -13,7 +13,7 @@ from lnn.train.plan import Plan, amp_precision
 from lnn.train.trainer import amp_refusal
 
 from conftest import EXAMPLES
-from test_gradients import CASES
+from test_gradients import CASES, random_plan_case
 
 REFERENCE_NAMES = ["mnist_mlp", "mnist_cnn", "leaf_cnn"]
 
@@ -272,15 +272,8 @@ def test_a_bf16_plan_runs_the_generic_kernels_within_bf16_rounding_of_float64(ca
     value (bfloat16 keeps 8 mantissa bits). With a max pool only the output is compared: values that differ
     in float64 tie in bfloat16, and the gradient then goes to the first of them."""
     pytest.importorskip("ml_dtypes")
-    input_shape, layers = CASES[case]
-    model = parse_model({"input_shape": list(input_shape), "layers": layers, "loss": "mse"})
     n = 5
-    probe = Plan(model, n, input_gradient=True)
-    rng = np.random.default_rng(0)
-    params = rng.normal(0, 0.5, probe.params_size).astype(np.float32)
-    stats = rng.uniform(0.5, 1.5, probe.stats_size).astype(np.float32)
-    x = rng.normal(size=(n,) + tuple(input_shape)).astype(np.float32)
-    r = rng.normal(size=(n,) + tuple(model.output_shape)).astype(np.float32)
+    model, params, stats, x, r = random_plan_case(case, n)
     expected = _plan_step(model, False, "float64", params, stats, x, r, n)
     got = _plan_step(model, "bf16", "float32", params, stats, x, r, n)
     compared = 1 if any(node.op in ("maxpool2d", "maxpool1d", "global_max_pool") for node in model.nodes) else 3
