@@ -9,8 +9,8 @@ Python-level call per step. Per step and group of GROUP_ROWS rows of the batch:
   - [h_prev, x_t] copied into hx [rows, H + C] (stack_inputs; h_prev zero at the first step);
   - ONE product hw [rows, 4W] = hx @ panels, the input projection included (so no separate GEMM and no
     buffer of all steps' projections), panel by panel (one stays in L1 for the group), in tiles of 3 rows
-    x 32 columns whose sums stay in 12 vector registers (panel_product; panel_product_row for a single
-    row). numpy's BLAS (OpenBLAS), called per step, packed W_hh again at every call: at batch 32, hidden
+    x 32 columns whose sums stay in 12 vector registers (panel_product; a single row two panels at a time,
+    panel_pair_product_row). numpy's BLAS (OpenBLAS), called per step, packed W_hh again at every call: at batch 32, hidden
     128 it took as long as onnxruntime's whole call (MLAS on weights packed once). The tiles are written
     as tuples of 8 scalars that LLVM's SLP vectorizer packs into registers (jit.tile_kernel);
   - ONE fused gate kernel on those rows (lstm_cell / gru_cell) that adds the biases (b_ih + b_hh for
@@ -47,6 +47,7 @@ AOT_SIGNATURES = {
     "store8": None,
     "panel_product": None,
     "panel_product_row": None,
+    "panel_pair_product_row": None,
     "stack_inputs": None,
     "recurrent_product": None,
     "lstm_sequence": (A3, A3, A1, A2, A2, A2, A3, I, I),
@@ -192,19 +193,40 @@ def panel_product_row(hx, w, out, column):
 
 
 @tile_kernel
+def panel_pair_product_row(hx, w, v, out, column):
+    """panel_product_row over two neighbouring panels at once (w for `column`, v for column + 8): eight sums in
+    registers, so twice the multiply-adds in flight while each waits on its own chain."""
+    depth, width = w.shape[0], out.shape[1] // 4
+    z = np.float32(0)
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = (z, z, z, z, z, z, z, z)
+    for k in range(depth):
+        x = hx[0, k]
+        a0, a1, a2, a3 = fma8(a0, x, w, k, 0), fma8(a1, x, w, k, 8), fma8(a2, x, w, k, 16), fma8(a3, x, w, k, 24)
+        b0, b1, b2, b3 = fma8(b0, x, v, k, 0), fma8(b1, x, v, k, 8), fma8(b2, x, v, k, 16), fma8(b3, x, v, k, 24)
+    store8(a0, out, 0, column), store8(a1, out, 0, width + column)
+    store8(a2, out, 0, 2 * width + column), store8(a3, out, 0, 3 * width + column)
+    store8(b0, out, 0, column + 8), store8(b1, out, 0, width + column + 8)
+    store8(b2, out, 0, 2 * width + column + 8), store8(b3, out, 0, 3 * width + column + 8)
+
+
+@tile_kernel
 def recurrent_product(hx, panels, out):
     """One step's product for a group of rows: out [rows, 4W] = hx @ the panels (W = 8 * len(panels) >= H;
     gate g's block at columns g * W..), panel by panel (it stays in L1 for the group's blocks), blocks of
-    3 rows (or 2), a last single row by itself."""
-    rows = out.shape[0]
-    for b in range(panels.shape[0]):
+    3 rows (or 2); a last single row by itself afterwards, two panels at a time."""
+    rows, count = out.shape[0], panels.shape[0]
+    single = rows - 1 if rows % ROW_BLOCK == 1 else rows
+    for b in range(count):
         row = 0
-        while row + 1 < rows:
-            end = min(row + ROW_BLOCK, rows)
+        while row < single:
+            end = min(row + ROW_BLOCK, single)
             panel_product(hx[row:end], panels[b], out[row:end], PANEL_UNITS * b)
             row = end
-        if row < rows:
-            panel_product_row(hx[row:], panels[b], out[row:], PANEL_UNITS * b)
+    if single < rows:
+        for b in range(0, count - 1, 2):
+            panel_pair_product_row(hx[single:], panels[b], panels[b + 1], out[single:], PANEL_UNITS * b)
+        if count % 2:
+            panel_product_row(hx[single:], panels[count - 1], out[single:], PANEL_UNITS * (count - 1))
 
 
 @tile_kernel
