@@ -4,7 +4,7 @@ gates i, f, g, o and r, z, n; weights [G*H, in] and [G*H, H]).
 
 Time-major inside. The input is copied once to seq [T, N, C]. At load, each layer and direction's W_hh and
 W_ih are packed once into panels (gate_panels: per 8 hidden units, [H + C, 32], the 4 gate groups side by
-side). Then one kernel call per layer and direction runs all T steps (lstm_sequence / gru_sequence), no
+side). Then one kernel call per layer and direction runs all T steps (recurrent_sequence), no
 Python-level call per step. Per step and group of GROUP_ROWS rows of the batch:
   - [h_prev, x_t] copied into hx [rows, H + C] (stack_inputs; h_prev zero at the first step);
   - ONE product hw [rows, 4W] = hx @ panels, the input projection included (so no separate GEMM and no
@@ -50,8 +50,7 @@ AOT_SIGNATURES = {
     "panel_pair_product_row": None,
     "stack_inputs": None,
     "recurrent_product": None,
-    "lstm_sequence": (A3, A3, A1, A2, A2, A2, A3, I, I),
-    "gru_sequence": (A3, A3, A1, A1, A2, A2, A3, I, I),
+    "recurrent_sequence": (A3, A3, A1, A1, A2, A2, A2, A3, I, I, I),
 }
 
 
@@ -268,15 +267,16 @@ def gate_panels(w_hh: np.ndarray, w_ih: np.ndarray, gru: bool) -> np.ndarray:
 
 
 @tile_kernel
-def lstm_sequence(seq, panels, bias, hx, hw, c, out, offset, reverse):
+def recurrent_sequence(seq, panels, bias, b_hn, hx, hw, c, out, offset, reverse, gru):
     """One layer's direction over all T steps in one call (in its time order), no Python-level call per
     step: per step and group of GROUP_ROWS rows, [h_prev, x_t] copied into hx [GROUP_ROWS, H + C], its
     product with the panels (the input projection included) into hw [GROUP_ROWS, 4 * 8 * len(panels)], then
-    lstm_cell on those rows. The first step (0, or T-1 when reverse) starts from zero state (h_prev and
-    c). seq [T, N, C] (the layer's input), c [N, H], out [T, N, D*H]; hx and hw may have fewer rows when N
-    does."""
+    the gate kernel on those rows (lstm_cell, or gru_cell when `gru`: its state is h itself, hx's first H
+    columns; b_hn and c are the other cell's and not read). The first step (0, or T-1 when reverse) starts
+    from zero state. seq [T, N, C] (the layer's input), c [N, H] (lstm's cell state), b_hn [H], out [T, N, D*H];
+    hx and hw may have fewer rows when N does."""
     steps, batch = seq.shape[0], seq.shape[1]
-    hidden = c.shape[1]
+    hidden = b_hn.shape[0]
     c[:] = 0
     for s in range(steps):
         t = steps - 1 - s if reverse else s
@@ -286,23 +286,10 @@ def lstm_sequence(seq, panels, bias, hx, hw, c, out, offset, reverse):
             previous = out[t + 1 if reverse else t - 1] if s else out[t]
             stack_inputs(block, previous[row:end, offset:offset + hidden], seq[t, row:end], s == 0)
             recurrent_product(block, panels, products)
-            lstm_cell(products, bias, c[row:end], out[t, row:end], offset)
-
-
-@tile_kernel
-def gru_sequence(seq, panels, bias, b_hn, hx, hw, out, offset, reverse):
-    """gru's counterpart of lstm_sequence: the state is h itself (hx's first H columns, zero at the first step)."""
-    steps, batch = seq.shape[0], seq.shape[1]
-    hidden = b_hn.shape[0]
-    for s in range(steps):
-        t = steps - 1 - s if reverse else s
-        for row in range(0, batch, GROUP_ROWS):
-            end = min(row + GROUP_ROWS, batch)
-            block, products = hx[:end - row], hw[:end - row]
-            previous = out[t + 1 if reverse else t - 1] if s else out[t]
-            stack_inputs(block, previous[row:end, offset:offset + hidden], seq[t, row:end], s == 0)
-            recurrent_product(block, panels, products)
-            gru_cell(products, bias, b_hn, block, out[t, row:end], offset)
+            if gru:
+                gru_cell(products, bias, b_hn, block, out[t, row:end], offset)
+            else:
+                lstm_cell(products, bias, c[row:end], out[t, row:end], offset)
 
 
 class RecurrentLayer:
@@ -345,10 +332,8 @@ class RecurrentLayer:
             out = outputs[layer % 2]
             block = new_buffer((min(n, GROUP_ROWS), h + seq.shape[2]))      # a group's [h_prev, x_t]
             for direction, (panels, bias, b_hn) in enumerate(cells):
-                if self.op.name == "lstm":
-                    plan.append(partial(lstm_sequence, seq, panels, bias, block, hw, state, out, direction * h, direction))
-                else:
-                    plan.append(partial(gru_sequence, seq, panels, bias, b_hn, block, hw, out, direction * h, direction))
+                plan.append(partial(recurrent_sequence, seq, panels, bias, b_hn, block, hw, state, out, direction * h,
+                                    direction, int(self.op.name == "gru")))
             seq = out
         dst = new_buffer((n, *self.out_shape))
         if self.attrs["return"] == "sequence":
