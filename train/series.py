@@ -37,7 +37,8 @@ DEFAULT_VAL_FRACTION, DEFAULT_SPLIT_SEED = 0.2, 0
 
 def ucr_files(folder) -> dict:
     """{"train": path, "test": path} of the dataset in `folder` (NAME_TRAIN.ts|.tsv|.arff, NAME_TEST.*;
-    .ts is preferred when a dataset comes in several formats)."""
+    .ts is preferred when a dataset comes in several formats). A folder holding several datasets gives the one
+    named like the folder, as the archive lays them out (JapaneseVowels/ beside JapaneseVowels_eq_TRAIN.ts)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise LnnInputError(f"{folder}: no such folder (pass --data ucr:DIR, DIR holding NAME_TRAIN.ts and NAME_TEST.ts)")
@@ -50,8 +51,11 @@ def ucr_files(folder) -> dict:
         if not candidates:
             raise LnnInputError(f"{folder}: no NAME_{split.upper()} file ({', '.join(SERIES_SUFFIXES)}): not a dataset "
                                 f"of the UCR/UEA archive layout")
-        if len(names) > 1:
-            raise LnnInputError(f"{folder}: holds several datasets ({', '.join(sorted(names))}); pass the folder of one")
+        if len(names) > 1 and folder.name in names:
+            candidates = [p for p in candidates if p.stem[:-len(split) - 1] == folder.name]
+        elif len(names) > 1:
+            raise LnnInputError(f"{folder}: holds several datasets ({', '.join(sorted(names))}) and none named like "
+                                f"the folder; pass the folder of one")
         found[split] = candidates[0]
     return found
 

@@ -126,6 +126,23 @@ def test_series_errors_are_one_line(trained_series, toy_ucr, tmp_path):
     assert_one_line_error(result.stderr, "lnn-infer", "takes no images", ".ts, .tsv or .arff")
 
 
+
+def test_a_folder_of_several_datasets_gives_the_one_named_like_it(tmp_path):
+    from lnn.formats.errors import LnnInputError
+    from lnn.train.series import ucr_files
+
+    folder = tmp_path / "Toy"
+    folder.mkdir()
+    for name in ("Toy", "Toy_eq"):
+        for split, seed in (("TRAIN", 0), ("TEST", 1)):
+            write_ts(folder / f"{name}_{split}.ts", toy_series(6, seed))
+    assert {split: path.name for split, path in ucr_files(folder).items()} == {"train": "Toy_TRAIN.ts",
+                                                                                 "test": "Toy_TEST.ts"}
+    other = tmp_path / "Other"
+    folder.rename(other)
+    with pytest.raises(LnnInputError, match="several datasets .Toy, Toy_eq. and none named like the folder"):
+        ucr_files(other)
+
 # --------------------------------------------------------------------------- tables
 
 def toy_table(path, rows: int = 120, seed: int = 0):
