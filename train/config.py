@@ -2,6 +2,8 @@
 
     "training": {
         "epochs": 10,                 # passes over the training data
+        "min_steps": null,            # at least this many optimizer steps: a small dataset gets more
+                                      #   epochs (null: epochs as given; --epochs overrides both)
         "batch_size": 64,             # rows per forward/backward (a micro-batch when accumulating)
         "accumulate": 1,              # micro-batches per optimizer step: the same update as one
                                       #   batch of batch_size * accumulate rows
@@ -43,7 +45,7 @@ SCHEDULES = {
     "cosine": {"warmup_epochs": 0.0, "min_lr": 0.0},
     "step": {"warmup_epochs": 0.0, "step_epochs": 10, "gamma": 0.1},
 }
-TRAINING_FIELDS = {"epochs": 10, "batch_size": 64, "accumulate": 1, "grad_clip": None, "patience": None,
+TRAINING_FIELDS = {"epochs": 10, "min_steps": None, "batch_size": 64, "accumulate": 1, "grad_clip": None, "patience": None,
                    "seed": 0, "lr_schedule": {"type": "constant"}, "augment": None, "outliers": None}
 OUTLIER_FIELDS = {"ratio": 0.25, "weight": 0.5}       # Hendrycks et al. 2019 use weight 0.5
 
@@ -60,7 +62,9 @@ def _positive_int(where: str, value) -> int:
 
 @dataclass
 class TrainingConfig:
+    """The parsed "training" block (the module's doc)."""
     epochs: int = 10
+    min_steps: int | None = None
     batch_size: int = 64
     accumulate: int = 1
     grad_clip: float | None = None
@@ -69,6 +73,12 @@ class TrainingConfig:
     lr_schedule: dict = field(default_factory=lambda: {"type": "constant", "warmup_epochs": 0.0})
     augment: object = None            # the description's value, checked (lnn.train.augment.parse_augment)
     outliers: dict = field(default_factory=lambda: dict(OUTLIER_FIELDS))
+
+    def epochs_for(self, steps_per_epoch: int) -> int:
+        """The epochs to run with this many optimizer steps an epoch: `epochs`, raised to reach min_steps."""
+        if self.min_steps is None:
+            return self.epochs
+        return max(self.epochs, math.ceil(self.min_steps / steps_per_epoch))
 
     @classmethod
     def parse(cls, block) -> "TrainingConfig":
@@ -80,6 +90,8 @@ class TrainingConfig:
             raise ModelSpecError(f"training: unknown field {sorted(unknown)[0]!r}; known: {', '.join(TRAINING_FIELDS)}")
         config = cls()
         config.epochs = _positive_int("epochs", block.get("epochs", config.epochs))
+        min_steps = block.get("min_steps")
+        config.min_steps = None if min_steps is None else _positive_int("min_steps", min_steps)
         config.batch_size = _positive_int("batch_size", block.get("batch_size", config.batch_size))
         config.accumulate = _positive_int("accumulate", block.get("accumulate", config.accumulate))
         clip = block.get("grad_clip")

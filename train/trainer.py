@@ -568,13 +568,17 @@ class Trainer:
         val = self._as_dataset(val_data, "validation data")
         if getattr(train, "has_outliers", False) and not self.outliers:
             raise LnnError(f"{train.name} holds outlier rows (label -1): create the Trainer with outliers=True")
-        epochs = epochs or self.config.epochs
+        rows_per_step = self.plan.batch_size * self.config.accumulate
+        steps_per_epoch = math.ceil(len(train) / rows_per_step)
+        if not epochs:
+            epochs = self.config.epochs_for(steps_per_epoch)
+            if epochs > self.config.epochs:
+                self.log(f"training.min_steps {self.config.min_steps}: {epochs} epochs of {steps_per_epoch} steps "
+                         f"(training.epochs {self.config.epochs} would make {self.config.epochs * steps_per_epoch})")
         patience = patience if patience is not None else self.config.patience
         run = RunDirectory(out_dir, self, resume) if out_dir is not None else None
         history = run.history if run else []
         first_epoch = len(history) + 1
-        rows_per_step = self.plan.batch_size * self.config.accumulate
-        steps_per_epoch = math.ceil(len(train) / rows_per_step)
         if run and run.stopped_early(patience):
             self.log(f"the run in {out_dir} already stopped early (patience {patience})")
             first_epoch = epochs + 1

@@ -300,9 +300,25 @@ def test_training_block_defaults_and_errors():
                          ({"grad_clip": -1}, "grad_clip must be a positive number"),
                          ({"lr_schedule": {"type": "linear"}}, "lr_schedule must be an object whose type"),
                          ({"lr_schedule": {"type": "step", "gamma": 0}}, "gamma must be a positive number"),
-                         ({"lr_schedule": {"type": "cosine", "steps": 3}}, "unknown field 'steps'")]:
+                         ({"lr_schedule": {"type": "cosine", "steps": 3}}, "unknown field 'steps'"),
+                         ({"min_steps": 0}, "min_steps must be a positive integer")]:
         with pytest.raises(ModelSpecError, match=message):
             TrainingConfig.parse(bad)
+
+
+def test_min_steps_raises_the_epochs_of_a_small_dataset_only():
+    config = TrainingConfig.parse({"epochs": 10, "min_steps": 100})
+    assert [config.epochs_for(steps) for steps in (1, 3, 10, 50)] == [100, 34, 10, 10]
+    assert TrainingConfig.parse({"epochs": 10}).epochs_for(1) == 10
+    model = parse_model({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}],
+                         "optimizer": {"type": "sgd", "lr": 0.05}, "training": {"epochs": 2, "min_steps": 12}})
+    rng = np.random.default_rng(0)
+    data = (rng.normal(size=(20, 4)).astype(np.float32), rng.integers(0, 2, 20))
+    messages = []
+    trainer = Trainer(model, device="numpy", batch_size=10, log=messages.append)
+    assert len(trainer.fit(data, progress=False)) == 6                     # 2 steps an epoch: 6 epochs for 12
+    assert any("training.min_steps 12: 6 epochs of 2 steps" in m for m in messages)
+    assert len(Trainer(model, device="numpy", batch_size=10, log=lambda *a: None).fit(data, epochs=1, progress=False)) == 1
 
 
 def test_learning_rate_schedules():
