@@ -387,7 +387,12 @@ class Conv2dLayer:
             by_channels, align = batch < parts, group_out
         else:
             _, conv_h, conv_w = self.conv_shape
-            by_channels = self.winograd or (self.attrs["groups"] == 1 and out_channels > conv_h * conv_w * batch)
+            in_channels = self.weight.shape[1]
+            if self.winograd:       # U [36, O, C] against V and M [36, C + O, tiles] of the batch
+                tiles = tile_count(conv_h) * tile_count(conv_w) * batch
+                by_channels = out_channels * in_channels > (in_channels + out_channels) * tiles
+            else:
+                by_channels = self.attrs["groups"] == 1 and out_channels > conv_h * conv_w * batch
             align = CHANNEL_ALIGN
         blocks = split_range(0, out_channels, parts, align)
         if not by_channels or len(blocks) == 1:
