@@ -130,21 +130,18 @@ else:
             return context.get_dummy_value()
         return types.none(array, types.intp, types.int64), codegen
 
-    def spin_while_equal(flags, index, value, hot, mark, marked, settle):
+    def spin_while_equal(flags, index, value, hot, mark, marked):
         """Without the GIL: first flags[mark] = marked (when mark >= 0), then wait while flags[index] == value
         (and flags[hot] != 0 when hot >= 0), yielding the CPU between reads (a thread woken onto this CPU
-        runs), then `settle` more reads; True when flags[index] changed. parallel.py's crew waits with it
-        during a call instead of blocking: a thread that says "done" from here already holds no GIL when
-        the one waiting for it wants it, and `settle` leaves the GIL to a thread that just gave a task
-        until it is in its own kernel (a thread that waits for the GIL sleeps, and wakes 30-80 us later)."""
+        runs); True when flags[index] changed. parallel.py's crew waits with it during a call instead of
+        blocking; a helper says "done" from here (mark), so it holds no GIL when the caller, seeing it,
+        wants the GIL (a thread that waits for the GIL sleeps, and wakes 30-80 us later on the 2-core VM)."""
         if mark >= 0:
             _store_release(flags, mark, marked)
         while _load_acquire(flags, index) == value:
             if hot >= 0 and _load_acquire(flags, hot) == 0:
                 return False
             _sched_yield()
-        for _ in range(settle):
-            _load_acquire(flags, index)
         return True
 
     spin_while_equal = (None if sys.platform == "win32"                 # no sched_yield

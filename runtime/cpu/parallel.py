@@ -6,8 +6,10 @@ on any thread, and give the same bytes. Called as a plain step it runs them one 
 calling thread alone); `Crew.run` runs the first in the calling thread and the others on helper
 threads (the kernels and BLAS release the GIL), and returns when all are done.
 
-A crew's helpers wait on locks (no polling, no thread started per call); a hand-off costs tens of
-microseconds, which is why backend.py splits only layers with enough work per task.
+A crew's helpers block on locks between calls (no thread started per call); during a call they and
+the caller wait for each other by spinning (Crew), and a hand-off still costs tens of microseconds,
+which is why backend.py splits only layers with enough work per task, and keeps a split only where
+it timed faster than one thread.
 """
 
 from __future__ import annotations
@@ -18,9 +20,6 @@ import weakref
 import numpy as np
 
 from lnn.runtime.cpu.jit import spin_while_equal
-
-
-SETTLE = 0      # reads a helper spins after it sees a task, before it takes the GIL (jit.spin_while_equal)
 
 
 class Parallel:
@@ -69,13 +68,14 @@ class Crew:
     the crew (that caller then runs its tasks itself: same results, its own core). The helpers end
     when the crew is garbage collected or closed.
 
-    Hand-offs: every task is given through a lock that the helper blocks on, and every "done" through
-    one the caller blocks on; with the JIT kernels, each side first spins on a counter of its own
-    (`spin_while_equal`, without the GIL) for up to SPIN_SECONDS, so that during a call neither
-    thread sleeps between two layers. A sleeping thread on this 2-core VM took 30-80 us to wake (an
-    idle vCPU halts), a hand-off of an empty task 100-120 us, and the tomato model has 9 split steps.
-    While `try_run` holds the crew its helpers are woken at once and spin between tasks; at its end
-    they block again."""
+    Hand-offs: counters in `_flags` say how many tasks each helper was given and has done. With the JIT
+    kernels, while `try_run` holds the crew (HOT set), a helper waits for its next task, and the caller
+    for a helper's "done", by spinning on them without the GIL (jit.spin_while_equal, which yields the
+    CPU between reads), so that no thread sleeps between two layers of a call: on the 2-core VM a
+    sleeping thread took 30-80 us to wake (an idle vCPU halts), a hand-off of an empty task through
+    locks alone 100-120 us in a model's process, and the tomato model had 9 split steps. `try_run`
+    wakes the helpers when it starts; at its end they block on their `go` lock again (an idle crew
+    uses no CPU). Without the JIT (the app's compiled kernels keep the GIL) the locks alone hand off."""
 
     def __init__(self, helpers: int, name: str = "lnn-cpu"):
         self._busy = threading.Lock()
@@ -160,7 +160,7 @@ class _Slot:
 
     def wait(self):
         if spin_while_equal is not None:
-            spin_while_equal(self.flags, self.done_at, self.flags[self.given] - 1, -1, -1, 0, 0)
+            spin_while_equal(self.flags, self.done_at, self.flags[self.given] - 1, -1, -1, 0)
         self.done.acquire()
         error, self.error = self.error, None
         return error
@@ -173,7 +173,7 @@ def _serve(slot: _Slot) -> None:
     while not slot.stopped:
         if flags[slot.given] == seen:
             if spin_while_equal is not None and (flags[hot] or done >= 0):
-                spin_while_equal(flags, slot.given, seen, hot, done, seen, SETTLE)
+                spin_while_equal(flags, slot.given, seen, hot, done, seen)
                 done = -1
             if flags[slot.given] == seen:
                 slot.go.acquire()
