@@ -130,17 +130,20 @@ else:
             return context.get_dummy_value()
         return types.none(array, types.intp, types.int64), codegen
 
-    def spin_while_equal(flags, index, value, hot, mark, marked):
-        """Without the GIL: first flags[mark] = marked (when mark >= 0), then wait while flags[index] == value
-        (and flags[hot] != 0 when hot >= 0), yielding the CPU between reads (a thread woken onto this CPU
-        runs); True when flags[index] changed. parallel.py's crew waits with it during a call instead of
-        blocking; a helper says "done" from here (mark), so it holds no GIL when the caller, seeing it,
-        wants the GIL (a thread that waits for the GIL sleeps, and wakes 30-80 us later on the 2-core VM)."""
+    def spin_while_equal(flags, index, value, hot, mark, marked, linger):
+        """Without the GIL: first flags[mark] = marked (when mark >= 0), then wait while flags[index] == value,
+        yielding the CPU between reads (a thread woken onto this CPU runs); when hot >= 0, only while
+        flags[hot] != 0, or for `linger` more yields once it is 0. True when flags[index] changed.
+        parallel.py's crew waits with it during a call instead of blocking; a helper says "done" from here
+        (mark), so it holds no GIL when the caller, seeing it, wants the GIL (a thread that waits for the GIL
+        sleeps, and wakes 30-80 us later on the 2-core VM)."""
         if mark >= 0:
             _store_release(flags, mark, marked)
         while _load_acquire(flags, index) == value:
             if hot >= 0 and _load_acquire(flags, hot) == 0:
-                return False
+                if linger <= 0:
+                    return False
+                linger -= 1
             _sched_yield()
         return True
 

@@ -174,7 +174,7 @@ def test_helpers_spin_only_during_a_call():
     assert crew.try_run(lambda c: [c.run(tasks) for _ in range(50)])
     assert ran.count("helper") == 50 and ran.count("caller") == 50
     clock = time.pthread_getcpuclockid(crew.threads[0].ident)
-    time.sleep(0.05)                         # the helper has seen the end of the call
+    time.sleep(0.05)                         # the helper has seen the end of the call, and its linger is over
     before = time.clock_gettime(clock)
     time.sleep(0.3)
     assert time.clock_gettime(clock) - before < 0.03, "an idle helper should block, not spin"
