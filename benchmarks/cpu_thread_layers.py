@@ -17,7 +17,6 @@ docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,19 +26,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from cpu_peers import load_bin, random_input  # noqa: E402
-from report import machine_line, markdown_table, update_section  # noqa: E402
+from report import busy_seconds, machine_line, markdown_table, others_cores, update_section  # noqa: E402
 
 MODELS = ["tomato", "leaf_cnn224", "leaf_cnn"]
 QUIET = 0.1          # cores other processes may use during a kept measurement
 ATTEMPTS = 6
-
-
-def busy_seconds() -> tuple[float, float]:
-    """(CPU seconds of every process on the machine, of this one) since boot."""
-    with open("/proc/stat") as stat:
-        values = [int(v) for v in stat.readline().split()[1:]]
-    times = os.times()
-    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK"), times.user + times.system
 
 
 def timed_plan(model, weights, threads: int, x):
@@ -77,7 +68,7 @@ def measure(backend, log: list, x, calls: int) -> tuple[list, float, float]:
         backend.run(x)
     for _ in range(ATTEMPTS):
         calls_log, walls = [], []
-        machine, own = busy_seconds()
+        before = busy_seconds()
         start = time.perf_counter()
         for _ in range(calls):
             log.clear()
@@ -85,9 +76,7 @@ def measure(backend, log: list, x, calls: int) -> tuple[list, float, float]:
             backend.run(x)
             walls.append(time.perf_counter() - begin)
             calls_log.append(list(log))
-        elapsed = time.perf_counter() - start
-        machine_after, own_after = busy_seconds()
-        others = ((machine_after - machine) - (own_after - own)) / elapsed
+        others = others_cores(before, busy_seconds(), time.perf_counter() - start)
         if others < QUIET:
             break
         time.sleep(2)
