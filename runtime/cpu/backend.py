@@ -27,8 +27,10 @@ share of the work:
     which) and each linear layer's output features are cut into parts, each part a task with its
     own scratch buffers writing a disjoint block of the output, when the layer has at least
     MIN_TASK_FLOPS of work per part (a hand-off to a helper costs tens of microseconds); the tasks of
-    a layer run at the same time and the next layer waits for all of them (a Winograd conv: two
-    such steps per band, V by input channels, then the rest by output channels). A part computes its
+    a layer run at the same time and the next layer waits for all of them (a Winograd conv cut by
+    output channels: two such steps per band, V by input channels, then the rest). Whether a batch
+    size runs that split plan or the one-thread plan is timed on its first calls (`_choose`): a
+    split is kept only where it was faster. A part computes its
     outputs exactly as one thread does, up to where BLAS's blocking of a smaller product rounds
     differently (up to 2e-6 on the reference models' and the bundled model's outputs;
     tests/runtime/test_cpu_threads.py checks 1e-5).
