@@ -80,7 +80,8 @@ class Crew:
     locks alone 100-120 us in a model's process, and the tomato model had 9 split steps. `try_run`
     wakes the helpers when it starts; after its end they spin LINGER_SECONDS more (a call right after
     finds them awake: 1.18 -> 1.28x on leaf_cnn, 1.30 -> 1.32 on tomato, 1.66 -> 1.69 on leaf_cnn224,
-    2 threads / 1, interleaved), then block on their `go` lock again (an idle crew uses no CPU). Without the JIT (the app's compiled kernels keep the GIL) the locks alone hand off."""
+    2 threads / 1, interleaved), then block on their `go` lock again (an idle crew uses no CPU).
+    Without the JIT (the app's compiled kernels keep the GIL) the locks alone hand off."""
 
     def __init__(self, helpers: int, name: str = "lnn-cpu"):
         self._busy = threading.Lock()
