@@ -14,7 +14,7 @@ onnxruntime `intra_op_num_threads`; LiteRT the XNNPACK interpreter with `num_thr
 resized to the batch; ncnn `opt.num_threads`, one image per call (it has no batch axis: batch 32 is
 32 calls). The processes run `--rounds` times, interleaved, and each figure is the median of the
 rounds: the machine is shared. Other processes' CPU use during each process is read from /proc/stat;
-a process is run again (up to RETRIES more times, the quietest kept) while they took more than
+a process is run again (up to --retries more times, the quietest kept) while they took more than
 QUIET_CORES. Prints the table and writes the "cpu_peers" section of docs/BENCHMARKS.md.
 """
 
@@ -43,8 +43,7 @@ CONFIGS = [(1, 1), (2, 1), (2, 32)]           # (threads, batch)
 SECONDS = 0.4
 WORKER_SECONDS = 90       # a runtime's process for one model (ncnn's spinning threads crawl on a busy machine)
 COMMAND = "python benchmarks/cpu_peers.py"
-QUIET_CORES = 0.25        # a runtime's process is run again (up to RETRIES more times) when others took more meanwhile
-RETRIES = 2
+QUIET_CORES = 0.25        # a runtime's process is run again (up to --retries more times) when others took more meanwhile
 
 
 def median_ms(function) -> float:
@@ -156,7 +155,7 @@ def peer_files(name: str, folder: Path) -> dict:
     return files
 
 
-def measure(rounds: int, models: list, runtimes: list, others_seen: list) -> dict:
+def measure(rounds: int, models: list, runtimes: list, others_seen: list, retries: int) -> dict:
     """{(model, runtime): [{"threads,batch": ms}, ...] per round}; appends to others_seen the cores other
     processes used during each kept worker."""
     results = {}
@@ -167,7 +166,7 @@ def measure(rounds: int, models: list, runtimes: list, others_seen: list) -> dic
                 for runtime in runtimes:
                     if runtime not in files[name]:
                         continue
-                    done = quiet_run(name, runtime, files[name][runtime])
+                    done = quiet_run(name, runtime, files[name][runtime], retries)
                     if done is None:
                         print(f"round {round_ + 1} {name:12} {runtime:12} over {WORKER_SECONDS} s: left out", flush=True)
                         continue
@@ -179,11 +178,11 @@ def measure(rounds: int, models: list, runtimes: list, others_seen: list) -> dic
     return results
 
 
-def quiet_run(name: str, runtime: str, files: dict):
-    """(the worker's finished process, cores other processes used meanwhile): run again, up to RETRIES more
+def quiet_run(name: str, runtime: str, files: dict, retries: int):
+    """(the worker's finished process, cores other processes used meanwhile): run again, up to `retries` more
     times, while others took more than QUIET_CORES (the quietest kept); None when it ran over WORKER_SECONDS."""
     best = None
-    for _ in range(1 + RETRIES):
+    for _ in range(1 + retries):
         before, start = busy_seconds(), time.perf_counter()
         try:
             done = subprocess.run([sys.executable, __file__, "--worker", runtime, name, json.dumps(files)],
@@ -230,6 +229,8 @@ def main() -> None:
     parser.add_argument("--note", default="", help="a remark on the machine for the section")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {','.join(MODELS)}")
     parser.add_argument("--runtimes", default=",".join(RUNTIMES), help=f"comma-separated, of {','.join(RUNTIMES)} (lnn always)")
+    parser.add_argument("--retries", type=int, default=2,
+                        help=f"runs of a runtime's process more while other processes took over {QUIET_CORES} cores")
     parser.add_argument("--worker", nargs=3, metavar=("RUNTIME", "MODEL", "FILES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -241,7 +242,7 @@ def main() -> None:
     models = args.models.split(",")
     runtimes = ["lnn", *[r for r in args.runtimes.split(",") if r != "lnn"]]
     others_seen = []
-    results = measure(args.rounds, models, runtimes, others_seen)
+    results = measure(args.rounds, models, runtimes, others_seen, args.retries)
     headers = ["model", "threads", "batch", "onnxruntime ms", "LiteRT ms", "ncnn ms", "lnn ms", "lnn / best peer"]
     rows = table(results, models)
     speed = scaling(results, models)
@@ -249,13 +250,13 @@ def main() -> None:
     print(markdown_table(["model", "lnn 1 thread / 2 threads, batch 1 (median)", "per round"], speed))
     body = "\n\n".join([
         "## CPU runtimes side by side: lnn, onnxruntime, LiteRT, ncnn (one image over threads)",
-        f"Command: `{COMMAND} --rounds {args.rounds} --models {args.models} --runtimes {','.join(runtimes)}`. Machine: {machine_line(('numpy', 'numba', 'onnxruntime', 'ai-edge-litert', 'ncnn'))}."
+        f"Command: `{COMMAND} --rounds {args.rounds} --models {args.models} --runtimes {','.join(runtimes)} --retries {args.retries}`. Machine: {machine_line(('numpy', 'numba', 'onnxruntime', 'ai-edge-litert', 'ncnn'))}."
         + (f" {args.note}" if args.note else ""),
         "Each runtime in its own process, median ms per call after warm-up, the median of "
         f"{args.rounds} interleaved rounds. lnn: `threads=N` splits one image's convs (by output channels "
         "or rows) and linear outputs over N threads (docs/ARCHITECTURE.md); ncnn has no batch axis (batch 32 = 32 calls); "
         "the tomato model has no LiteRT or ncnn file (onnxruntime runs its `lnn-export --onnx`). "
-        f"Other processes' CPU during each process (/proc/stat): one is run again, up to {RETRIES} more times, "
+        f"Other processes' CPU during each process (/proc/stat): one is run again, up to {args.retries} more times, "
         f"while they took over {QUIET_CORES} of a core; during those kept, a median of "
         f"{np.median(others_seen):.2f} and at most {max(others_seen):.2f} cores.",
         markdown_table(headers, rows),
