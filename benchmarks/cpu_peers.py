@@ -156,8 +156,8 @@ def peer_files(name: str, folder: Path) -> dict:
 
 
 def measure(rounds: int, models: list, runtimes: list, others_seen: list, retries: int) -> dict:
-    """{(model, runtime): [{"threads,batch": ms}, ...] per round}; appends to others_seen the cores other
-    processes used during each kept worker."""
+    """{(model, runtime): [{"threads,batch": ms, ..., "others": cores}, ...] per round}, "others" the cores
+    other processes used meanwhile; appends those to others_seen."""
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         files = {name: peer_files(name, Path(folder)) for name in models}
@@ -172,7 +172,9 @@ def measure(rounds: int, models: list, runtimes: list, others_seen: list, retrie
                         continue
                     done, others = done
                     others_seen.append(others)
-                    results.setdefault((name, runtime), []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    result = json.loads(done.stdout.strip().splitlines()[-1])
+                    result["others"] = others
+                    results.setdefault((name, runtime), []).append(result)
                     print(f"round {round_ + 1} {name:12} {runtime:12} {results[(name, runtime)][-1]} "
                           f"(others: {others:.2f} cores)", flush=True)
     return results
@@ -199,12 +201,17 @@ def quiet_run(name: str, runtime: str, files: dict, retries: int):
     return best
 
 
+def quiet(rounds: list) -> list:
+    """The rounds during which other processes took at most QUIET_CORES, or all of them when none was."""
+    return [r for r in rounds if r["others"] <= QUIET_CORES] or rounds
+
+
 def table(results: dict, models: list) -> list:
     rows = []
     for name in models:
         for threads, batch in CONFIGS:
             key = f"{threads},{batch}"
-            ms = {runtime: float(np.median([r[key] for r in results[(name, runtime)]]))
+            ms = {runtime: float(np.median([r[key] for r in quiet(results[(name, runtime)])]))
                   for runtime in RUNTIMES if results.get((name, runtime))}
             peers = {runtime: v for runtime, v in ms.items() if runtime != "lnn"}
             cells = [f"{ms[runtime]:.3f}" if runtime in ms else "-" for runtime in RUNTIMES[1:]]
@@ -215,11 +222,13 @@ def table(results: dict, models: list) -> list:
 
 
 def scaling(results: dict, models: list) -> list:
-    """lnn's 1-thread / 2-thread time at batch 1, per model (per round, then the median)."""
+    """lnn's 1-thread / 2-thread time at batch 1, per model (per quiet round, then the median; every round
+    with the cores others took)."""
     rows = []
     for name in models:
-        speedups = [r["1,1"] / r["2,1"] for r in results[(name, "lnn")]]
-        rows.append([name, f"{np.median(speedups):.2f}", " ".join(f"{s:.2f}" for s in speedups)])
+        speedups = [r["1,1"] / r["2,1"] for r in quiet(results[(name, "lnn")])]
+        rows.append([name, f"{np.median(speedups):.2f}",
+                     " ".join(f"{r['1,1'] / r['2,1']:.2f} ({r['others']:.2f})" for r in results[(name, "lnn")])])
     return rows
 
 
@@ -247,13 +256,14 @@ def main() -> None:
     rows = table(results, models)
     speed = scaling(results, models)
     print(markdown_table(headers, rows))
-    print(markdown_table(["model", "lnn 1 thread / 2 threads, batch 1 (median)", "per round"], speed))
+    print(markdown_table(["model", "lnn 1 thread / 2 threads, batch 1 (median)", "per round (others' cores)"], speed))
     body = "\n\n".join([
         "## CPU runtimes side by side: lnn, onnxruntime, LiteRT, ncnn (one image over threads)",
         f"Command: `{COMMAND} --rounds {args.rounds} --models {args.models} --runtimes {','.join(runtimes)} --retries {args.retries}`. Machine: {machine_line(('numpy', 'numba', 'onnxruntime', 'ai-edge-litert', 'ncnn'))}."
         + (f" {args.note}" if args.note else ""),
         "Each runtime in its own process, median ms per call after warm-up, the median of "
-        f"{args.rounds} interleaved rounds. lnn: `threads=N` splits one image's convs (by output channels "
+        f"{args.rounds} interleaved rounds (of those during which other processes took at most {QUIET_CORES} "
+        "of a core, where there are such rounds). lnn: `threads=N` splits one image's convs (by output channels "
         "or rows) and linear outputs over N threads (docs/ARCHITECTURE.md); ncnn has no batch axis (batch 32 = 32 calls); "
         "the tomato model has no LiteRT or ncnn file (onnxruntime runs its `lnn-export --onnx`). "
         f"Other processes' CPU during each process (/proc/stat): one is run again, up to {args.retries} more times, "
@@ -261,7 +271,7 @@ def main() -> None:
         f"{np.median(others_seen):.2f} and at most {max(others_seen):.2f} cores.",
         markdown_table(headers, rows),
         "lnn at batch 1, 1 thread / 2 threads (the issue's target: >= 1.7 on leaf_cnn224 and tomato):",
-        markdown_table(["model", "speed-up (median)", "per round"], speed),
+        markdown_table(["model", "speed-up (median of the quiet rounds)", "per round (others' cores)"], speed),
     ])
     update_section("cpu_peers", body)
     print("wrote the cpu_peers section of docs/BENCHMARKS.md")
