@@ -49,6 +49,22 @@ def cuda_event_ms(function, repeats: int) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / repeats
 
 
+def busy_seconds() -> tuple[float, float]:
+    """(CPU seconds every process on the machine has used since boot, from /proc/stat; this process's and its
+    waited-for children's): their differences over a measurement give the CPU that other processes took
+    meanwhile (Linux only)."""
+    with open("/proc/stat") as stat:
+        values = [int(v) for v in stat.readline().split()[1:]]
+    times = os.times()
+    return ((sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK"),
+            times.user + times.system + times.children_user + times.children_system)
+
+
+def others_cores(before: tuple, after: tuple, seconds: float) -> float:
+    """Cores other processes used between two busy_seconds() readings `seconds` apart."""
+    return ((after[0] - before[0]) - (after[1] - before[1])) / max(seconds, 1e-9)
+
+
 def machine_line(packages=("numpy", "numba", "onnxruntime")) -> str:
     cpu = platform.processor() or platform.machine()
     try:

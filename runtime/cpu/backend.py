@@ -27,8 +27,10 @@ share of the work:
     which) and each linear layer's output features are cut into parts, each part a task with its
     own scratch buffers writing a disjoint block of the output, when the layer has at least
     MIN_TASK_FLOPS of work per part (a hand-off to a helper costs tens of microseconds); the tasks of
-    a layer run at the same time and the next layer waits for all of them (a Winograd conv: two
-    such steps per band, V by input channels, then the rest by output channels). A part computes its
+    a layer run at the same time and the next layer waits for all of them (a Winograd conv cut by
+    output channels: two such steps per band, V by input channels, then the rest). Whether a batch
+    size runs that split plan or the one-thread plan is timed on its first calls (`_choose`): a
+    split is kept only where it was faster. A part computes its
     outputs exactly as one thread does, up to where BLAS's blocking of a smaller product rounds
     differently (up to 2e-6 on the reference models' and the bundled model's outputs;
     tests/runtime/test_cpu_threads.py checks 1e-5).
@@ -78,6 +80,8 @@ IDENTITY_AT_INFERENCE = {"dropout"}
 PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
 MIN_SPLIT_FLOPS = 250e6  # a batch is split across threads from this much work on (measured on 2 cores)
 MIN_TASK_FLOPS = 4e6     # a layer is split into parts of at least this much work each (mnist_cnn's 7 MFLOP conv: not)
+TRIAL_CALLS = 5          # timed calls of the split plan and of the one-thread plan before a batch size's choice
+SPLIT_GAIN = 0.95        # ... the split plan is kept when its median is below this share of the other's
 ALIGNMENT = 64          # bytes
 
 
@@ -185,6 +189,8 @@ class CpuBackend:
             PLANS_KEPT)
         self._flops_per_row = sum(node.flops for node in model.nodes)
         self._crew = Crew(self.threads - 1) if self.threads > 1 else None
+        self._trials: dict = {}            # batch -> ([split plan's s], [one-thread plan's s]) while unchosen
+        self._chosen: dict = {}            # batch -> parts of its plan (threads, or 1 where splitting lost)
         BLAS_THREADS.find_libraries()
         self.compile_seconds: float | None = None     # set by warmup(): first-call compile or cache load
 
@@ -201,13 +207,36 @@ class CpuBackend:
         if self._crew is not None and batch > 1 and batch * self._flops_per_row >= MIN_SPLIT_FLOPS:
             with BLAS_THREADS:
                 return self._run_split(x)
-        plan = self._plan(batch, self.threads)
+        parts = self._chosen.get(batch) or self._choose(batch)
+        plan = self._plan(batch, parts)
+        trial = self._trials.get(batch)
+        start = time.perf_counter()
         if plan.uses_blas:                  # holding BLAS at one thread costs ~15 us of CPU a call
             with BLAS_THREADS:
                 self._run_plan(plan, x)
         else:
             self._run_plan(plan, x)
+        if trial is not None:
+            trial[parts == 1].append(time.perf_counter() - start)
         return plan.output, plan.kept
+
+    def _choose(self, batch: int) -> int:
+        """parts of the plan for this call of a one-image (unsplit-batch) size: `threads` when its plan
+        splits no layer or the split is forced (task_flops 0); else the split plan and the one-thread plan
+        take turns, the first call of each untimed (compile, planning), until each has TRIAL_CALLS timed
+        calls, and the faster by median is kept (the split one only SPLIT_GAIN faster: its tasks cost
+        more CPU in all). So threads > 1 is never kept slower than one thread where hand-offs cost more
+        than the split saves (measured: leaf_cnn's layers on the 2-core VM, docs/BENCHMARKS.md)."""
+        if self._crew is None or not self.task_flops or not self._plan(batch, self.threads).splits:
+            self._chosen[batch] = self.threads
+            return self.threads
+        split, whole = self._trials.setdefault(batch, ([], []))
+        if min(len(split), len(whole)) > TRIAL_CALLS:
+            chosen = self.threads if np.median(split[1:]) < SPLIT_GAIN * np.median(whole[1:]) else 1
+            self._chosen[batch] = chosen
+            self._trials.pop(batch, None)
+            return chosen
+        return self.threads if len(split) <= len(whole) else 1
 
     def _run_plan(self, plan: Plan, x: np.ndarray) -> None:
         if not plan.splits or self._crew is None or not self._crew.try_run(lambda crew: plan.run(x, crew)):

@@ -36,14 +36,14 @@ Each image goes through three steps, chosen per layer at load:
                Separate kernels, chosen at plan time: a model compiles only those it uses.
 Steps 1-3 run on bands (CHUNK_BYTES; larger for Winograd) so that cols and acc are still in L2 when
 read: bands of one image's output rows, or several small images at once (one product for all of them).
-With parts > 1 (backend.py: one image over several threads) the work is first cut into parts, each
-one task with its own cols/acc/M scratch (`_parts`): by blocks of output channels (each task all of
-the bands, the product of its rows of the weight or of U, its channels' output transform, pool and
-epilogue) for Winograd, for columns + GEMM with more output channels than positions and for grouped
-direct convs on one image; else by the images or each image's output rows (whole Winograd tile rows
-after a 2x2 pool). Winograd's V is made once per band, by tasks of input channels, before the tasks
-of output channels read it; the columns, made per task, are the redundant work a cut by channels
-costs, the weights read by every task that of a cut by rows.
+With parts > 1 (backend.py: one image over several threads) the work is first cut into parts, each one
+task with its own cols/acc/M scratch (`_parts`): by blocks of output channels (each task all of the
+bands, the product of its rows of the weight or of U, its channels' output transform, pool and
+epilogue) for Winograd where U outweighs V and M (O*C > (C + O) * tiles), for columns + GEMM with more
+output channels than positions and for grouped direct convs on one image; else by the images or each
+image's output rows (whole Winograd tile rows after a 2x2 pool). Winograd's V is made once per band, by
+tasks of input channels, before the tasks of output channels read it; the columns, made per task, are
+the redundant work a cut by channels costs, the weights read by every task that of a cut by rows.
 Max-pool fusion (backend.py): a max-pool right after the conv, when the epilogue is monotone, is
 applied to acc before the epilogue: a per-channel bias and a non-decreasing activation commute with
 the max, so act(max(v) + b) = max(act(v + b)). The full-size conv output is never written in NCHW.
@@ -372,12 +372,13 @@ class Conv2dLayer:
 
     def _parts(self, batch: int, padded_w: int, parts: int) -> list:
         """[(bands, (o_first, o_end)), ...]: one task each. Cut by output channels (each task all of the
-        bands, one image per band, a block of the channels): always for Winograd (its V is made first,
-        split by input channels, then read by every block: plan), so that no part reads all of U and
-        the 36 products keep the band's full width; for columns + GEMM where the weights outweigh the
-        columns (out_channels > the batch's positions: a part by rows reads all the weights, a part by
-        channels makes all the columns); for a grouped direct conv on fewer images than parts. By rows
-        or images (`_bands`) otherwise, or when the channels make one block, or for a softmax
+        bands, one image per band, a block of the channels): for Winograd where U [36, O, C] outweighs V and M
+        [36, C+O, tiles] (its V is made first, split by input channels, then read by every block: plan), so
+        that no part reads all of U and the 36 products keep the band's full width (by tile rows otherwise:
+        one hand-off a layer instead of two a band, for no more work in all); for columns + GEMM where the
+        weights outweigh the columns (out_channels > the batch's positions: a part by rows reads all the
+        weights, a part by channels makes all the columns); for a grouped direct conv on fewer images than
+        parts. By rows or images (`_bands`) otherwise, or when the channels make one block, or for a softmax
         epilogue (it reads every channel)."""
         out_channels = self.conv_shape[0]
         if parts == 1 or self.epilogue.code == SOFTMAX:
@@ -387,7 +388,12 @@ class Conv2dLayer:
             by_channels, align = batch < parts, group_out
         else:
             _, conv_h, conv_w = self.conv_shape
-            by_channels = self.winograd or (self.attrs["groups"] == 1 and out_channels > conv_h * conv_w * batch)
+            in_channels = self.weight.shape[1]
+            if self.winograd:       # U [36, O, C] against V and M [36, C + O, tiles] of the batch
+                tiles = tile_count(conv_h) * tile_count(conv_w) * batch
+                by_channels = out_channels * in_channels > (in_channels + out_channels) * tiles
+            else:
+                by_channels = self.attrs["groups"] == 1 and out_channels > conv_h * conv_w * batch
             align = CHANNEL_ALIGN
         blocks = split_range(0, out_channels, parts, align)
         if not by_channels or len(blocks) == 1:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import warnings
 
 from lnn.runtime.cpu.cache import ensure_writable, numba_cache_dir
@@ -34,6 +35,7 @@ if KERNELS == "aot":
     from lnn.runtime.cpu.aot import compiled_kernel as tile_kernel  # noqa: F401
 
     CACHE_ENABLED = False
+    spin_while_equal = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
 else:
     CACHE_DIR = numba_cache_dir()
     _problem = ensure_writable(CACHE_DIR)
@@ -93,3 +95,57 @@ else:
 
         dispatcher.compile = compile_with_slp
         return dispatcher
+
+
+    from numba import types  # noqa: E402
+    from numba.core import cgutils  # noqa: E402
+    from numba.extending import intrinsic  # noqa: E402
+
+    @intrinsic
+    def _load_acquire(typingctx, array, index):
+        """array[index] of an int64 array as an atomic load (acquire): read from memory on every call, so a
+        loop waiting for another thread's store is not reduced to one read."""
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            return builder.load_atomic(builder.gep(data, [args[1]]), "acquire", 8)
+        return types.int64(array, types.intp), codegen
+
+    @intrinsic
+    def _sched_yield(typingctx):
+        """The C library's sched_yield(): the CPU to another runnable thread, if one waits for it (linked by
+        name, so the cached kernel holds no address)."""
+        def codegen(context, builder, signature, args):
+            function = cgutils.get_or_insert_function(builder.module, llvmlite.ir.FunctionType(
+                llvmlite.ir.IntType(32), []), "sched_yield")
+            builder.call(function, [])
+            return context.get_dummy_value()
+        return types.none(), codegen
+
+    @intrinsic
+    def _store_release(typingctx, array, index, value):
+        """array[index] = value, an int64 array, as an atomic store (release)."""
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            builder.store_atomic(args[2], builder.gep(data, [args[1]]), "release", 8)
+            return context.get_dummy_value()
+        return types.none(array, types.intp, types.int64), codegen
+
+    def spin_while_equal(flags, index, value, hot, mark, marked, linger):
+        """Without the GIL: first flags[mark] = marked (when mark >= 0), then wait while flags[index] == value,
+        yielding the CPU between reads (a thread woken onto this CPU runs); when hot >= 0, only while
+        flags[hot] != 0, or for `linger` more yields once it is 0. True when flags[index] changed.
+        parallel.py's crew waits with it during a call instead of blocking; a helper says "done" from here
+        (mark), so it holds no GIL when the caller, seeing it, wants the GIL (a thread that waits for the GIL
+        sleeps, and wakes 30-80 us later on the 2-core VM)."""
+        if mark >= 0:
+            _store_release(flags, mark, marked)
+        while _load_acquire(flags, index) == value:
+            if hot >= 0 and _load_acquire(flags, hot) == 0:
+                if linger <= 0:
+                    return False
+                linger -= 1
+            _sched_yield()
+        return True
+
+    spin_while_equal = (None if sys.platform == "win32"                 # no sched_yield
+                        else numba.njit(cache=CACHE_ENABLED, nogil=True)(spin_while_equal))

@@ -31,7 +31,10 @@ def conv(out_channels, kernel_size=3, **attrs):
 
 CASES = {
     "conv_im2col_pool": ([3, 23, 19], [conv(8, padding=1, activation="relu"), {"type": "maxpool2d", "kernel_size": 2}]),
-    "conv_winograd_odd": ([16, 13, 11], [conv(24, padding=1, algorithm="winograd", activation="relu")]),
+    # more tiles than weights (C·O < (C + O)·tiles): Winograd cut by tile rows
+    "conv_winograd_odd_rows": ([16, 13, 11], [conv(24, padding=1, algorithm="winograd", activation="relu")]),
+    "conv_winograd_rows_pool": ([16, 24, 20], [conv(16, padding=1, algorithm="winograd", activation="relu"),
+                                               {"type": "maxpool2d", "kernel_size": 2}]),
     "conv_stride2_3x3pool": ([5, 17, 15], [conv(12, stride=2, padding=1, activation="relu"),
                                            {"type": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1}]),
     # more output channels than positions (Winograd: tiles): cut by output channels
@@ -90,10 +93,12 @@ def test_a_split_image_gives_the_one_thread_answer(case, threads):
                         if any(type(step) is Parallel for step in plan.steps[first:end])]
         assert split_layers == splittable(split.layers), "every conv and BLAS linear layer should have been split"
         assert all(len(step.tasks) >= 2 for step in plan.steps if type(step) is Parallel)
+    layer = split.layers[0]
+    cuts = [channels for _, channels in layer._parts(1, input_shape[2] + 2, threads)]
     if "_channels" in case:                  # cut by output channels, not by rows
-        layer = split.layers[0]
-        whole = (0, layer.conv_shape[0])
-        assert all(channels != whole for _, channels in layer._parts(1, input_shape[2] + 2, threads))
+        assert all(channels != (0, layer.conv_shape[0]) for channels in cuts)
+    if "_rows" in case:                      # cut by rows: every task all of the channels
+        assert len(cuts) == threads and all(channels == (0, layer.conv_shape[0]) for channels in cuts)
 
 
 def test_tasks_write_disjoint_outputs_in_any_order():
@@ -119,7 +124,7 @@ def test_winograd_cut_by_channels_band_by_band(monkeypatch):
     from lnn.runtime.cpu.parallel import Parallel
 
     monkeypatch.setattr(conv2d, "CHUNK_BYTES", 2048)
-    input_shape, layers = [16, 21, 10], [conv(40, padding=1, algorithm="winograd", activation="relu"),
+    input_shape, layers = [32, 12, 10], [conv(64, padding=1, algorithm="winograd", activation="relu"),
                                          {"type": "maxpool2d", "kernel_size": 2}]
     model = parse_model({"input_shape": input_shape, "layers": layers})
     weights = random_weights(model, np.random.default_rng(8))
@@ -154,6 +159,59 @@ def test_an_error_in_a_helper_reaches_the_caller_and_the_crew_still_works():
     assert crew.try_run(lambda c: c.run([[lambda: seen.append(3)], [lambda: seen.append(4)]]))
     assert sorted(seen) == [0, 2, 3, 4]
     crew.close()
+
+
+def test_helpers_spin_only_during_a_call():
+    """Within a call the helpers wait for tasks by spinning (no sleep between layers); after it they block:
+    an idle crew uses no CPU."""
+    import time
+
+    from lnn.runtime.cpu.parallel import Crew
+
+    crew = Crew(1)
+    ran = []
+    tasks = [[lambda: ran.append("caller")], [lambda: ran.append("helper")]]
+    assert crew.try_run(lambda c: [c.run(tasks) for _ in range(50)])
+    assert ran.count("helper") == 50 and ran.count("caller") == 50
+    clock = time.pthread_getcpuclockid(crew.threads[0].ident)
+    time.sleep(0.05)                         # the helper has seen the end of the call, and its linger is over
+    before = time.clock_gettime(clock)
+    time.sleep(0.3)
+    assert time.clock_gettime(clock) - before < 0.03, "an idle helper should block, not spin"
+    crew.close()
+
+
+def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
+    """threads > 1 times its split plan against the one-thread plan on the first calls of a batch size and
+    keeps the faster: with every hand-off made 3 ms slower, the one-thread plan; with the one-thread plan
+    3 ms slower, the split one; same answers throughout."""
+    import time
+
+    from lnn.runtime.cpu import backend as cpu_backend
+
+    input_shape, layers = CASES["conv_chain_then_linear"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(5))
+    x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+    expected = cpu_backend.CpuBackend(model, weights, threads=1).run(x).copy()
+    slow = cpu_backend.CpuBackend(model, weights, threads=2)
+    slow.task_flops = 1                      # the default rule, but every layer worth splitting
+    run = slow._crew.run
+    monkeypatch.setattr(slow._crew, "run", lambda tasks: (time.sleep(0.003), run(tasks)))
+    for _ in range(2 * (cpu_backend.TRIAL_CALLS + 1) + 2):
+        np.testing.assert_allclose(slow.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
+    assert slow._chosen == {1: 1}
+    paying = cpu_backend.CpuBackend(model, weights, threads=2)
+    paying.task_flops = 1
+    whole = paying._plan(1, 1)
+    whole_run = whole.run
+    monkeypatch.setattr(whole, "run", lambda x, crew=None: (time.sleep(0.003), whole_run(x))[1])
+    for _ in range(2 * (cpu_backend.TRIAL_CALLS + 1) + 2):
+        np.testing.assert_allclose(paying.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
+    assert paying._chosen == {1: 2}
+    forced = split_backend(model, weights, 2)          # task_flops 0: always split, no trial
+    forced.run(x)
+    assert forced._chosen == {1: 2}
 
 
 def test_threads_auto_is_the_usable_cores():
