@@ -123,7 +123,9 @@ class Session:
         if self.threads is None:
             return f"{self.device} backend (no thread count of its own: {THREADS_OF[self.device]})"
         how = f"auto: {usable_cores()} usable cores" if self.threads_asked in (None, "auto") else "as asked"
-        return f"{self.device} backend, {self.threads} thread{'s' if self.threads > 1 else ''} ({how})"
+        choice = getattr(self.backend, "split_choice", lambda: None)()
+        return (f"{self.device} backend, {self.threads} thread{'s' if self.threads > 1 else ''} ({how})"
+                + (f"; {choice}" if choice else ""))
 
     @property
     def input_shape(self) -> tuple:

@@ -238,6 +238,18 @@ class CpuBackend:
             return chosen
         return self.threads if len(split) <= len(whole) else 1
 
+    def split_choice(self) -> str | None:
+        """What _choose decided, in words, for the one-image calls seen so far (None with one thread)."""
+        if self._crew is None:
+            return None
+        decided = sorted(self._chosen.items())
+        if not decided:
+            return (f"one image's layers: split over {self.threads} threads where timed at least "
+                    f"{1 - SPLIT_GAIN:.0%} faster than one (decided after {TRIAL_CALLS + 1} calls of each)")
+        return "; ".join(f"batch {batch}: " + (f"layers split over {parts} threads" if parts > 1 else
+                                               "one thread (the split was not faster)")
+                         for batch, parts in decided)
+
     def _run_plan(self, plan: Plan, x: np.ndarray) -> None:
         if not plan.splits or self._crew is None or not self._crew.try_run(lambda crew: plan.run(x, crew)):
             plan.run(x)

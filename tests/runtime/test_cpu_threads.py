@@ -200,7 +200,7 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     monkeypatch.setattr(slow._crew, "run", lambda tasks: (time.sleep(0.003), run(tasks)))
     for _ in range(2 * (cpu_backend.TRIAL_CALLS + 1) + 2):
         np.testing.assert_allclose(slow.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
-    assert slow._chosen == {1: 1}
+    assert slow._chosen == {1: 1} and slow.split_choice() == "batch 1: one thread (the split was not faster)"
     paying = cpu_backend.CpuBackend(model, weights, threads=2)
     paying.task_flops = 1
     whole = paying._plan(1, 1)
@@ -208,7 +208,7 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     monkeypatch.setattr(whole, "run", lambda x, crew=None: (time.sleep(0.003), whole_run(x))[1])
     for _ in range(2 * (cpu_backend.TRIAL_CALLS + 1) + 2):
         np.testing.assert_allclose(paying.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
-    assert paying._chosen == {1: 2}
+    assert paying._chosen == {1: 2} and paying.split_choice() == "batch 1: layers split over 2 threads"
     forced = split_backend(model, weights, 2)          # task_flops 0: always split, no trial
     forced.run(x)
     assert forced._chosen == {1: 2}
@@ -223,9 +223,12 @@ def test_threads_auto_is_the_usable_cores():
     source = parse_bin_bytes(encode_bin(tiny, random_weights(tiny, np.random.default_rng(0)), build_metadata(tiny)))
     auto = Session(source, "cpu")
     assert auto.threads == auto.backend.threads == usable_cores()
-    assert auto.describe_threads() == (f"cpu backend, {usable_cores()} thread{'s' if usable_cores() > 1 else ''} "
-                                       f"(auto: {usable_cores()} usable cores)")
-    assert Session(source, "cpu", threads=3).describe_threads() == "cpu backend, 3 threads (as asked)"
+    assert auto.describe_threads().startswith(f"cpu backend, {usable_cores()} thread{'s' if usable_cores() > 1 else ''} "
+                                              f"(auto: {usable_cores()} usable cores)")
+    three = Session(source, "cpu", threads=3)
+    assert three.describe_threads() == ("cpu backend, 3 threads (as asked); one image's layers: split over 3 threads "
+                                        "where timed at least 5% faster than one (decided after 6 calls of each)")
+    assert Session(source, "cpu", threads=1).describe_threads() == "cpu backend, 1 thread (as asked)"
     numpy_session = Session(source, "numpy")
     assert numpy_session.threads is None and "no thread count of its own" in numpy_session.describe_threads()
 
