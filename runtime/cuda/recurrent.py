@@ -78,9 +78,9 @@ def recurrent_forward(xp, op, x, params: dict, attrs: dict, out, ws: dict):
                 if lstm:
                     gates += b_hh
             previous = None
+            fused = gpu_kernels(xp, gates, w_hh, states, hdir)      # (a step's rows of these are C-contiguous too)
             for t in step_order(steps, direction):
                 g = gates[t]
-                fused = gpu_kernels(xp, g, w_hh, states[t], hdir[t])
                 if fused is not None:                  # the recurrent product and the arithmetic below, one launch
                     h_prev = None if previous is None else hdir[previous]
                     if lstm:
@@ -260,10 +260,10 @@ def recurrent_backward(xp, op, dy, params: dict, grads: dict, attrs: dict, dx, w
             dc.fill(0)
             order = step_order(steps, direction)
             after = None                            # the step after t in time, walked before it
+            fused = gpu_kernels(xp, gates, states, dh, dc, dgates, drec, dlayer, params[w_hh])
             for k in reversed(range(steps)):
                 t, previous = order[k], (order[k - 1] if k else None)
                 before = None if previous is None else (states if lstm else hdir)[previous]   # lstm: c; gru: h
-                fused = gpu_kernels(xp, gates[t], states[t], dh, dc, dgates[t], drec[t], dlayer[t], params[w_hh])
                 if fused is not None and lstm:   # dh = output gradient + dgates[after] @ W_hh, the cell's backward
                     fused.lstm_step_backward(gates[t], states[t], before, None if after is None else dgates[after],
                                              params[w_hh], dlayer[t], direction * h, dc, dgates[t])
