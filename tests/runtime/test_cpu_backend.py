@@ -374,7 +374,9 @@ def test_warmup_records_compile_time():
     assert backend.warmup() == backend.compile_seconds >= 0
 
 
-def _python(code: str, env_changes: dict, timeout=120) -> subprocess.CompletedProcess:
+def _python(code: str, env_changes: dict, timeout=900) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter. The timeout only guards against a hang: a fresh Numba compile takes
+    seconds here but ran past 120 s under arm64 emulation on a busy host (BENCHMARKS arm64_emulation)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "LNN_CACHE_DIR")}
     env.update(env_changes)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
