@@ -78,7 +78,7 @@ def lnn_side(batches: list, mode: str) -> dict:
         run_block(5)                                            # warm-up, capture, replays
         first = trainer.step(*data[0]).loss
         ms = median_ms(run_block, steps_per_block(batch, STEPS), cupy.cuda.Device().synchronize)
-        row = {"ms": ms, "peak_bytes": int(pool.total_bytes() + trainer.graph_pool_bytes()), "first_loss": first}
+        row = {"ms": ms, "peak_bytes": trainer.memory_held(), "first_loss": first}
         if not trainer.graph_mode:
             row["failed"] = "; ".join(messages)[:200] or "the graph path was not used"
         out[str(batch)] = row

@@ -98,7 +98,7 @@ def lnn_side(model_name: str, mode: str) -> dict:
         run_block(5)                                            # warm-up, capture, replays
         first = trainer.step(*data[0]).loss
         ms = median_ms(run_block, steps_per_block(batch, math.prod(shape[1:])), cupy.cuda.Device().synchronize)
-        row = {"ms": ms, "peak_bytes": int(pool.total_bytes() + trainer.graph_pool_bytes()), "first_loss": first}
+        row = {"ms": ms, "peak_bytes": trainer.memory_held(), "first_loss": first}
         if not trainer.graph_mode:
             row["failed"] = "; ".join(messages)[:200] or "the graph path was not used"
         out[str(batch)] = row

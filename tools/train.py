@@ -173,7 +173,6 @@ def body(args) -> int:
                             f"{args.data} images are {list(train.sample_shape)}")
 
     from lnn.train.config import TrainingConfig
-    from lnn.train.device import device_bytes_held
     from lnn.train.trainer import Trainer
 
     train = train.limit(args.limit_train)
@@ -196,10 +195,10 @@ def body(args) -> int:
     with cpu_blas_threads(trainer.device, args.threads):
         trainer.fit(train, test, epochs=args.epochs, out_dir=args.out, resume=args.resume,
                     patience=args.patience, progress=not args.quiet)
-    held = device_bytes_held(trainer.xp)
+    held = trainer.memory_held()
     if held is not None:
         graphs = trainer.graph_pool_bytes()
-        print(f"GPU memory: planned {human_bytes(memory['peak'])}, measured {human_bytes(held + graphs)} held by CuPy's "
+        print(f"GPU memory: planned {human_bytes(memory['peak'])}, measured {human_bytes(held)} held by CuPy's "
               f"pools after training ({human_bytes(graphs)} of it the captured steps' temporaries; also the data "
               f"kept on the GPU)", flush=True)
     return 0

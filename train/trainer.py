@@ -42,7 +42,7 @@ from lnn.runtime.cuda import blas
 from lnn.train import kernels as K
 from lnn.train.config import TrainingConfig, learning_rate
 from lnn.train.data import ArrayDataset, DeviceFeeder, PinnedSlots, Prefetcher, epoch_order
-from lnn.train.device import check_memory_fits, cuda_info, is_cupy, out_of_memory, select_device, to_numpy
+from lnn.train.device import check_memory_fits, cuda_info, device_bytes_held, is_cupy, out_of_memory, select_device, to_numpy
 from lnn.train.optim import clip_by_global_norm, global_norm, make_optimizer
 from lnn.train.plan import Plan, amp_dtype, amp_precision
 
@@ -354,6 +354,13 @@ class Trainer:
     def graph_pool_bytes(self) -> int:
         """GPU bytes the captured steps' private memory pools hold (their temporaries)."""
         return sum(graph.pool.total_bytes() for graph in self._graphs.values())
+
+    def memory_held(self) -> int | None:
+        """GPU bytes CuPy's pools hold for this process (the default pool: the plan, parameters, optimizer state,
+        workspaces, data kept on the device; plus the captured steps' pools); None on the CPU. The figure to
+        set beside the plan's (memory_report()["peak"])."""
+        held = device_bytes_held(self.xp)
+        return None if held is None else held + self.graph_pool_bytes()
 
     def _check_finite(self, result) -> None:
         if not result.skipped and not math.isfinite(result.grad_norm):
