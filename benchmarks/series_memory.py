@@ -4,21 +4,20 @@
 
 Issue 12 asks that the plan's figure (`lnn-summary MODEL --batch N [--length T]`, `plan_memory()["peak"]`:
 parameters, gradients, optimizer state, the pooled activations and workspaces, convolution and GEMM scratch,
-the staged batch) match what training measures on the GPU. For each case below, in one process and one at
-a time: a Trainer with the captured step (`cuda_graph=True`) trains 8 steps on random standard-normal
+the staged batch) match what training measures on the GPU. For each case below, in a fresh process (as
+lnn-train is: cuBLAS's handle and workspace are made once per process): a Trainer with the captured step (`cuda_graph=True`) trains 8 steps on random standard-normal
 series and random labels (host arrays, staged by the trainer as lnn-train's are); then
   held      what CuPy's pools hold for lnn (`Trainer.memory_held()`: the default pool, which holds every
             buffer lnn allocates, plus the captured steps' private pools), the figure lnn-train prints
-  device    the growth of the device's used memory (cudaMemGetInfo) over the same span: also what CUDA
-            and cuBLAS take outside CuPy's pools (loaded kernels, handles, workspaces)
-Before each case the pool is emptied and checked empty. Writes the `series_memory` section of
+  device    the growth of the device's used memory (cudaMemGetInfo) from just after CuPy's first kernel:
+            also what CUDA and cuBLAS take outside CuPy's pools (loaded kernels, the handle)
+Writes the `series_memory` section of
 docs/BENCHMARKS.md and runs/series_memory/series_memory.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 STEPS = 8
+CASE_TIMEOUT_S = 300
 
 
 def fcn(channels: int, length: int, classes: int) -> dict:
@@ -81,17 +81,14 @@ def device_used(cupy) -> int:
 
 
 def measure(description: dict, batch: int, amp) -> dict:
+    """One case, in this (fresh) process."""
     import cupy
     import numpy as np
 
     from lnn.train.plan import plan_memory
     from lnn.train.trainer import Trainer
 
-    pool = cupy.get_default_memory_pool()
-    gc.collect()
-    pool.free_all_blocks()
-    if pool.total_bytes():
-        raise RuntimeError(f"CuPy's pool still holds {pool.total_bytes()} bytes before the case")
+    cupy.zeros(1).sum()                                   # the context and CuPy's first module
     before = device_used(cupy)
     messages = []
     trainer = Trainer(description, device="cuda", batch_size=batch, cuda_graph=True, amp=amp, log=messages.append)
@@ -107,8 +104,19 @@ def measure(description: dict, batch: int, amp) -> dict:
            "graph_mode": bool(trainer.graph_mode), "parameters": int(trainer.model.num_params)}
     if not trainer.graph_mode:
         row["eager_reason"] = "; ".join(messages)[:200]
-    del trainer
     return row
+
+
+def run_case(index: int) -> dict:
+    command = [sys.executable, __file__, "--case", str(index)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"series_memory: case {CASES[index][0]} timed out after {CASE_TIMEOUT_S} s") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise SystemExit(f"series_memory: case {CASES[index][0]} failed: {lines[-1]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def mib(n: int) -> str:
@@ -118,17 +126,18 @@ def mib(n: int) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / "runs" / "series_memory"))
+    parser.add_argument("--case", type=int, help=argparse.SUPPRESS)         # run_case: one case, printed as JSON
     args = parser.parse_args()
-
-    import cupy
+    if args.case is not None:
+        print(json.dumps(measure(*CASES[args.case][1:])))
+        return
 
     from report import machine_line, markdown_table, update_section
 
-    cupy.zeros(1).sum()                                   # the context and CuPy's first module, before any case
     started = time.perf_counter()
     results, rows = {}, []
-    for name, description, batch, amp in CASES:
-        row = results[name] = measure(description, batch, amp)
+    for index, (name, description, batch, amp) in enumerate(CASES):
+        row = results[name] = run_case(index)
         print(f"{name}, batch {batch}: {json.dumps(row)}", file=sys.stderr, flush=True)
         rows.append([name, batch, amp or "fp32", f"{row['parameters']:,}", mib(row["planned"]), mib(row["held"]),
                      f"{row['held'] / row['planned']:.3f}", mib(row["graph_pools"]), mib(row["device"]),
@@ -149,7 +158,7 @@ def main():
 Command: `python benchmarks/series_memory.py`. Machine: {gpu}; {machine_line(("numpy", "cupy-cuda13x"))}.
 
 "planned" is what `lnn-summary MODEL --batch N` reports (`plan_memory()["peak"]`); "held" is what CuPy's
-pools hold after {STEPS} captured training steps on random series (`Trainer.memory_held()`, the figure
+pools hold after {STEPS} captured training steps on random series, each case in a fresh process (`Trainer.memory_held()`, the figure
 lnn-train prints at the end), the captured steps' private pools included; "device used growth" is the
 growth of the GPU's used memory over the same span (cudaMemGetInfo: also CUDA's and cuBLAS's own, outside
 the pools). The fcn rows are the default recipe (examples/series/default.json) at the shapes named, the
