@@ -48,6 +48,9 @@ def unpad_into(xp, padded, padding: tuple, dx):
 def activation_backward(xp, activation: dict, dy, y, dx):
     """dx = dL/dx from dy = dL/dy and the output y. dx may be dy itself (in place)."""
     kind = activation["type"]
+    fused = gpu_kernels(xp, dy, y, dx)
+    if fused is not None and kind != "softmax":
+        return fused.activation_backward(activation, dy, y, dx)          # one launch, no mask array
     if kind == "relu":
         return xp.multiply(dy, y > 0, out=dx)
     if kind == "relu6":
@@ -285,28 +288,39 @@ def _hash32(xp, h):
     return h
 
 
+def _dropout_threshold(p: float) -> int:
+    return min(int(p * 2.0 ** 32), 2 ** 32 - 1)
+
+
+def _uint32_key(xp, key):
+    return xp.asarray(key & 0xFFFFFFFF, np.uint32) if isinstance(key, int) else key
+
+
 def dropout_keep_mask(xp, shape, p: float, key, index):
     """Boolean mask of `shape`; `index` is a preallocated uint32 arange of at least prod(shape); `key` a
     uint32 0-d array (a device array in the trainer: the step reads it, so a captured step replays
     with each step's key) or an int."""
-    size = math.prod(shape)
-    h = index[:size] + (xp.asarray(key & 0xFFFFFFFF, np.uint32) if isinstance(key, int) else key)
-    threshold = min(int(p * 2.0 ** 32), 2 ** 32 - 1)
-    return (_hash32(xp, h) >= xp.uint32(threshold)).reshape(shape)
+    h = index[:math.prod(shape)] + _uint32_key(xp, key)
+    return (_hash32(xp, h) >= xp.uint32(_dropout_threshold(p))).reshape(shape)
 
 
-def dropout_forward(xp, x, p: float, key, index, out):
-    keep = dropout_keep_mask(xp, x.shape, p, key, index)
-    xp.multiply(x, keep, out=out)
-    out *= x.dtype.type(1 / (1 - p))
+def _dropout(xp, x, p: float, key, index, out):
+    """out = x * keep / (1 - p): the forward on x, the backward on dy (the same mask)."""
+    scale = x.dtype.type(1 / (1 - p))
+    fused = gpu_kernels(xp, x, out)
+    if fused is not None:                           # one launch: no hash buffer, no mask
+        return fused.dropout(x, _uint32_key(xp, key), _dropout_threshold(p), float(scale), out)
+    xp.multiply(x, dropout_keep_mask(xp, x.shape, p, key, index), out=out)
+    out *= scale
     return out
 
 
+def dropout_forward(xp, x, p: float, key, index, out):
+    return _dropout(xp, x, p, key, index, out)
+
+
 def dropout_backward(xp, dy, p: float, key, index, dx):
-    keep = dropout_keep_mask(xp, dy.shape, p, key, index)
-    xp.multiply(dy, keep, out=dx)
-    dx *= dy.dtype.type(1 / (1 - p))
-    return dx
+    return _dropout(xp, dy, p, key, index, dx)
 
 
 # --------------------------------------------------------------------------- losses

@@ -12,13 +12,29 @@ default); batch-norm running statistics are not in these buffers.
 `clip_by_global_norm` scales g in place so that ||g||_2 <= max_norm (PyTorch's clip_grad_norm_).
 Everything stays on the device: the learning rate, the step count (Adam's bias corrections), the norm
 and amp's "skip this step" flag are arrays, so a step can be captured as a CUDA graph and replayed.
+On the GPU each update and the norm is one kernel of runtime/cuda/fused.py with this arithmetic (no
+parameter-sized temporaries in a captured step); the NumPy code below is the reference and the CPU path.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+
+def _fused(xp, *arrays):
+    """runtime/cuda/fused.py's optimizer kernels when xp is CuPy and they take these arrays, else None."""
+    if xp is np:
+        return None
+    from lnn.runtime.cuda import fused
+
+    return fused if fused.optimizer_fits(*arrays) else None
+
 
 def global_norm(xp, grads):
     """||grads||_2 as a 0-d array on the device (no host sync)."""
+    fused = _fused(xp, grads)
+    if fused is not None:
+        return fused.global_norm(grads)                  # one reduction, no squared copy
     return xp.sqrt((grads * grads).sum())
 
 
@@ -48,7 +64,11 @@ class Optimizer:
         lr = xp.asarray(lr, dtype=self.params.dtype)
         keep = None if skip is None else ~skip
         self.step_number += 1 if keep is None else keep.astype(self.step_number.dtype)
-        self._update(grads, lr, keep)
+        fused = _fused(xp, self.params, grads, *self.state.values())
+        if fused is None:
+            self._update(grads, lr, keep)
+        else:                                            # one launch over the parameters, no temporaries
+            self._fused_update(fused, grads, lr, xp.ones((), bool) if keep is None else keep)
 
     def _write(self, target, value, keep) -> None:
         if keep is None:
@@ -81,6 +101,11 @@ class SGD(Optimizer):
             g = g + t(c["momentum"]) * buf if c["nesterov"] else buf
         self._write(p, p - lr * g, keep)
 
+    def _fused_update(self, fused, grads, lr, keep):
+        c = self.config
+        fused.sgd(self.params, grads, lr, keep, c["weight_decay"], c["momentum"], c["nesterov"],
+                  self.state.get("momentum_buffer"))
+
 
 class Adam(Optimizer):
     state_names = ("exp_avg", "exp_avg_sq")
@@ -104,6 +129,11 @@ class Adam(Optimizer):
         self._write(self.state["exp_avg"], m, keep)
         self._write(self.state["exp_avg_sq"], v, keep)
         self._write(p, param - (lr / bias1) * m / (xp.sqrt(v / bias2) + t(c["eps"])), keep)
+
+    def _fused_update(self, fused, grads, lr, keep):
+        c = self.config
+        fused.adam(self.params, grads, self.state["exp_avg"], self.state["exp_avg_sq"], lr, self.step_number, keep,
+                   c["weight_decay"], self.decoupled, c["betas"], c["eps"])
 
 
 class AdamW(Adam):

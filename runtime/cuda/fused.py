@@ -576,6 +576,110 @@ def gru_step_backward(gates, ghn, h_prev, dgh_after, w_hh, dh_out, out_offset: i
     return dgates
 
 
+# The step's element-wise work that the generic NumPy-style code does with temporaries (a boolean mask, a hash
+# buffer, the optimizer's intermediate arrays), in one launch and no allocation each, so a captured step holds
+# only what its plan (train/plan.py) counts.
+# activation_backward: dx = dy * f'(y) from the output y, T float32, float16 or bfloat16, computed in float32; code
+#   as ACTIVATION_CODES (softmax is not element-wise); dx may be dy itself.
+_ACTIVATION_GRADIENT = r"""
+__device__ __forceinline__ float lnn_activation_gradient(float dy, float y, int code, float slope) {
+    switch (code) {
+        case 1: return y > 0.0f ? dy : 0.0f;
+        case 2: return (y > 0.0f && y < 6.0f) ? dy : 0.0f;
+        case 3: return y > 0.0f ? dy : dy * slope;
+        case 4: return dy * y * (1.0f - y);
+        case 5: return dy * (1.0f - y * y);
+        default: return dy;
+    }
+}
+"""
+
+_activation_backward = cupy.ElementwiseKernel(
+    "T dy, T y, int32 code, float32 slope", "T dx",
+    "dx = (T)lnn_activation_gradient((float)dy, (float)y, code, slope);",
+    "lnn_activation_backward", preamble=_ACTIVATION_GRADIENT)
+
+# dropout: y = x * scale where lowbias32(element index + key) >= threshold, else 0 (train/kernels.py's mask, the
+# same bits); key a one-element uint32 array (the step's, read on the device), scale 1 / (1 - p) rounded to T.
+_dropout = cupy.ElementwiseKernel(
+    "T x, raw uint32 key, uint32 threshold, float32 scale", "T y",
+    "unsigned int h = (unsigned int)i + key[0];"
+    "h ^= h >> 16; h *= 0x7FEB352Du; h ^= h >> 15; h *= 0x846CA68Bu; h ^= h >> 16;"
+    "y = h >= threshold ? (T)((float)x * scale) : (T)0.0f;",
+    "lnn_dropout")
+
+# optimizers over the flat float32 (or float64) parameters P, gradients G and state, as train/optim.py's NumPy
+# code; lr and step are one-element device arrays, keep a one-element bool array (false: amp's skipped step,
+# nothing written). Adam: decoupled is AdamW's weight decay; the bias corrections use max(step, 1).
+_sgd = cupy.ElementwiseKernel(
+    "T g, raw T lr, raw bool keep, T weight_decay", "T p",
+    "if (keep[0]) p = p - lr[0] * (g + weight_decay * p);",
+    "lnn_sgd")
+
+_sgd_momentum = cupy.ElementwiseKernel(
+    "T g, raw T lr, raw bool keep, T weight_decay, T momentum, int32 nesterov", "T p, T buf",
+    "if (keep[0]) {"
+    "    const T grad = g + weight_decay * p;"
+    "    const T b = momentum * buf + grad;"
+    "    buf = b;"
+    "    p = p - lr[0] * (nesterov ? grad + momentum * b : b);"
+    "}",
+    "lnn_sgd_momentum")
+
+_adam = cupy.ElementwiseKernel(
+    "T g, raw T lr, raw T step, raw bool keep, T weight_decay, int32 decoupled, T beta1, T one_minus_beta1, "
+    "T beta2, T one_minus_beta2, T eps", "T p, T m, T v",
+    "if (keep[0]) {"
+    "    const T rate = lr[0];"
+    "    const T grad = decoupled ? g : g + weight_decay * p;"
+    "    const T param = decoupled ? p * ((T)1 - rate * weight_decay) : p;"
+    "    const T m1 = beta1 * m + one_minus_beta1 * grad;"
+    "    const T v1 = beta2 * v + one_minus_beta2 * grad * grad;"
+    "    const T s = step[0] > (T)1 ? step[0] : (T)1;"
+    "    const T bias1 = (T)1 - pow(beta1, s), bias2 = (T)1 - pow(beta2, s);"
+    "    m = m1;"
+    "    v = v1;"
+    "    p = param - (rate / bias1) * m1 / (sqrt(v1 / bias2) + eps);"
+    "}",
+    "lnn_adam")
+
+# ||g||_2 over the flat gradients, a 0-d array (no squared copy)
+_global_norm = cupy.ReductionKernel("T g", "T norm", "g * g", "a + b", "norm = sqrt(a)", "0", "lnn_global_norm")
+
+
+def activation_backward(activation: dict, dy, y, dx):
+    return _activation_backward(dy, y, ACTIVATION_CODES[activation["type"]],
+                                float(activation.get("negative_slope", 0.0)), dx)
+
+
+def dropout(x, key, threshold: int, scale: float, y):
+    return _dropout(x, key.reshape(1), cupy.uint32(threshold), cupy.float32(scale), y)
+
+
+def optimizer_fits(*arrays) -> bool:
+    """The optimizer kernels take C-contiguous float32 or float64 arrays of one dtype."""
+    return len({a.dtype for a in arrays}) == 1 and all(a.dtype.name in ("float32", "float64")
+                                                        and a.flags.c_contiguous for a in arrays)
+
+
+def sgd(p, g, lr, keep, weight_decay: float, momentum: float, nesterov: bool, buf=None):
+    t = p.dtype.type
+    if buf is None:
+        return _sgd(g, lr.reshape(1), keep.reshape(1), t(weight_decay), p)
+    return _sgd_momentum(g, lr.reshape(1), keep.reshape(1), t(weight_decay), t(momentum), int(nesterov), p, buf)
+
+
+def adam(p, g, m, v, lr, step, keep, weight_decay: float, decoupled: bool, betas, eps: float):
+    t = p.dtype.type
+    beta1, beta2 = betas
+    return _adam(g, lr.reshape(1), step.reshape(1), keep.reshape(1), t(weight_decay), int(decoupled), t(beta1),
+                 t(1 - beta1), t(beta2), t(1 - beta2), t(eps), p, m, v)
+
+
+def global_norm(g):
+    return _global_norm(g)
+
+
 FAST_TYPES = ("float32",) + HALF_TYPES
 
 

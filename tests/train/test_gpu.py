@@ -142,3 +142,92 @@ def test_memmap_data_through_pinned_prefetch(tmp_path):
     a, b = gpu.fit(streamed, in_memory, epochs=2, progress=False), cpu.fit(in_memory, in_memory, epochs=2, progress=False)
     assert a[-1]["train_loss"] == pytest.approx(b[-1]["train_loss"], rel=1e-3)
     assert a[-1]["val_accuracy"] == pytest.approx(b[-1]["val_accuracy"], abs=0.01)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fused_step_kernels_match_the_numpy_code(dtype):
+    """runtime/cuda/fused.py's activation gradients, dropout, norm and optimizer updates (one launch each, no
+    temporaries) against train/kernels.py's and train/optim.py's NumPy code on the same values."""
+    from lnn.train import kernels as K
+    from lnn.train.optim import global_norm, make_optimizer
+
+    rng = np.random.default_rng(5)
+    y = rng.standard_normal((4, 6, 33)).astype(dtype)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    for activation in ({"type": "relu"}, {"type": "relu6"}, {"type": "leaky_relu", "negative_slope": 0.1},
+                       {"type": "sigmoid"}, {"type": "tanh"}):
+        out = y if activation["type"] != "sigmoid" else 1 / (1 + np.exp(-y.astype(np.float32))).astype(dtype)
+        expected = K.activation_backward(np, activation, dy.copy(), out, np.empty_like(dy))
+        got = cupy.asarray(dy)
+        K.activation_backward(cupy, activation, got, cupy.asarray(out), got)             # in place, as the layers
+        np.testing.assert_allclose(got.get().astype(np.float32), expected.astype(np.float32), rtol=2e-3, atol=2e-3,
+                                   err_msg=activation["type"])
+    index = np.arange(y.size, dtype=np.uint32)
+    expected = K.dropout_forward(np, y, 0.3, np.uint32(12345), index, np.empty_like(y))
+    got = K.dropout_forward(cupy, cupy.asarray(y), 0.3, cupy.asarray(np.uint32(12345)), cupy.asarray(index),
+                            cupy.empty(y.shape, dtype))
+    assert np.array_equal(got.get() != 0, expected != 0)                              # the same mask, bit for bit
+    np.testing.assert_array_equal(got.get(), expected)
+
+    params = rng.standard_normal(1000).astype(np.float32)
+    for config in ({"type": "sgd", "lr": 0.1, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
+                   {"type": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+                   {"type": "adam", "lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
+                   {"type": "adamw", "lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}):
+        host, device = make_optimizer(np, params.copy(), config), make_optimizer(cupy, cupy.asarray(params), config)
+        for step, skip in enumerate((False, True, False, False)):
+            grads = rng.standard_normal(params.size).astype(np.float32)
+            lr = np.float32(config["lr"] / (step + 1))
+            host.update(grads, lr, skip=np.asarray(skip))
+            device.update(cupy.asarray(grads), cupy.asarray(lr), skip=cupy.asarray(skip))
+        assert device.steps == host.steps == 3
+        np.testing.assert_allclose(device.params.get(), host.params, rtol=1e-5, atol=1e-6, err_msg=config["type"])
+        for name, value in host.state.items():
+            np.testing.assert_allclose(device.state[name].get(), value, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert float(global_norm(cupy, cupy.asarray(params))) == pytest.approx(float(np.linalg.norm(params)), rel=1e-5)
+
+
+MEMORY_CASES = {
+    "fcn series": {"input_shape": [2, 300], "layers": [
+        {"type": "conv1d", "out_channels": 64, "kernel_size": 8, "padding": "same", "bias": False},
+        {"type": "batchnorm", "activation": "relu"},
+        {"type": "conv1d", "out_channels": 32, "kernel_size": 5, "padding": "same", "activation": "relu"},
+        {"type": "global_avg_pool"}, {"type": "linear", "out_features": 3}],
+        "optimizer": {"type": "adamw", "lr": 0.003, "weight_decay": 0.01}},
+    "conv1d + lstm": {"input_shape": [3, 200], "layers": [
+        {"type": "conv1d", "out_channels": 32, "kernel_size": 7, "padding": "same", "activation": "tanh"},
+        {"type": "lstm", "hidden_size": 48, "num_layers": 2, "bidirectional": True, "return": "last"},
+        {"type": "linear", "out_features": 4}], "optimizer": {"type": "adam", "lr": 0.001}},
+    "table mlp with dropout": {"input_shape": [12], "layers": [
+        {"type": "linear", "out_features": 256, "activation": "relu"}, {"type": "dropout", "p": 0.2},
+        {"type": "linear", "out_features": 256, "activation": "sigmoid"}, {"type": "linear", "out_features": 3}],
+        "optimizer": {"type": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEMORY_CASES))
+@pytest.mark.parametrize("amp", [None, "fp16"])
+def test_training_holds_what_the_plan_says(case, amp):
+    """Issue 12: the plan's memory figure (lnn-summary's) is what captured training holds on the GPU. The
+    process's cuBLAS handle, with its workspace (counted in every plan), exists before the trainer here."""
+    import gc
+
+    from lnn.runtime.cuda import blas
+
+    batch = 256
+    blas.matmul(cupy, cupy.ones((2, 2), np.float32), cupy.ones((2, 2), np.float32), cupy.empty((2, 2), np.float32))
+    pool = cupy.get_default_memory_pool()
+    gc.collect()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    trainer = Trainer({**MEMORY_CASES[case], "name": "m", "loss": "cross_entropy"}, device="cuda", batch_size=batch,
+                      cuda_graph=True, amp=amp, log=lambda *a: None)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        trainer.step(rng.standard_normal((batch, *trainer.model.input_shape), dtype=np.float32),
+                     rng.integers(0, trainer.model.output_shape[-1], batch))
+    cupy.cuda.Device().synchronize()
+    assert trainer.graph_mode
+    held = trainer.memory_held() - before
+    planned = trainer.plan.memory_report()["peak"] - blas.WORKSPACE_BYTES
+    assert abs(held - planned) <= 0.02 * planned + 2 ** 20, f"held {held:,} bytes, planned {planned:,}"
