@@ -310,6 +310,7 @@ def _dropout(xp, x, p: float, key, index, out):
     fused = gpu_kernels(xp, x, out)
     if fused is not None:                           # one launch: no hash buffer, no mask
         return fused.dropout(x, _uint32_key(xp, key), _dropout_threshold(p), float(scale), out)
+    index = xp.arange(x.size, dtype=np.uint32) if index is None else index     # None: a GPU plan (no index buffer)
     xp.multiply(x, dropout_keep_mask(xp, x.shape, p, key, index), out=out)
     out *= scale
     return out

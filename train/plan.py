@@ -144,6 +144,9 @@ class Plan:
         self.num_layers = len(self.layers)
         self.conv_scratch = 0           # bytes the implicit-GEMM convolutions hold outside the pool
         self.gemm_workspace = blas.WORKSPACE_BYTES if implicit_conv else 0    # GPU: cuBLAS's own (runtime/cuda/blas.py)
+        # NumPy's dropout hashes a uint32 element index it is given; the GPU kernel hashes its own thread's index
+        dropout_sizes = [math.prod(node.out_shape) for node in model.nodes if node.op == "dropout"]
+        self.dropout_index_size = 0 if implicit_conv else batch_size * max(dropout_sizes, default=0)
         if implicit_conv and self.compute_dtype.name in ("float32",) + HALF_TYPES:
             self._use_implicit_conv()
         self._layout_parameters()
@@ -288,10 +291,11 @@ class Plan:
             "activations_pooled": self.pool_bytes,
             "conv_scratch": self.conv_scratch,
             "gemm_workspace": self.gemm_workspace,
+            "dropout_index": 4 * self.dropout_index_size,
             "batch_data": batch_data,
         }
         report["peak"] = (params + stats + grads + state + compute_copies + self.pool_bytes + self.conv_scratch
-                          + self.gemm_workspace + batch_data)
+                          + self.gemm_workspace + report["dropout_index"] + batch_data)
         report["layers"] = self.layer_memory(optimizer)
         return report
 
@@ -328,8 +332,7 @@ class Plan:
             self.grads_compute = xp.zeros(self.params_size, dtype=self.compute_dtype)
         else:
             self.params_compute, self.grads_compute = self.params, self.grads
-        dropout_sizes = [math.prod(node.out_shape) for node in self.model.nodes if node.op == "dropout"]
-        self.dropout_index = xp.arange(self.batch_size * max(dropout_sizes, default=0), dtype=np.uint32)
+        self.dropout_index = xp.arange(self.dropout_index_size, dtype=np.uint32) if self.dropout_index_size else None
         self._views = {}
 
     @staticmethod
