@@ -579,8 +579,8 @@ def gru_step_backward(gates, ghn, h_prev, dgh_after, w_hh, dh_out, out_offset: i
 # The step's element-wise work that the generic NumPy-style code does with temporaries (a boolean mask, a hash
 # buffer, the optimizer's intermediate arrays), in one launch and no allocation each, so a captured step holds
 # only what its plan (train/plan.py) counts.
-# activation_backward: dx = dy * f'(y) from the output y, T float32, float16 or bfloat16, computed in float32; code
-#   as ACTIVATION_CODES (softmax is not element-wise); dx may be dy itself.
+# activation_forward: y = f(x); activation_backward: dx = dy * f'(y) from the output y; T float32, float16 or bfloat16,
+#   computed in float32; code as ACTIVATION_CODES (softmax is not element-wise); y may be x, dx may be dy.
 _ACTIVATION_GRADIENT = r"""
 __device__ __forceinline__ float lnn_activation_gradient(float dy, float y, int code, float slope) {
     switch (code) {
@@ -593,6 +593,10 @@ __device__ __forceinline__ float lnn_activation_gradient(float dy, float y, int 
     }
 }
 """
+
+_activation_forward = cupy.ElementwiseKernel(
+    "T x, int32 code, float32 slope", "T y", "y = (T)lnn_activate((float)x, code, slope);",
+    "lnn_activation_forward", preamble=_ACTIVATE)
 
 _activation_backward = cupy.ElementwiseKernel(
     "T dy, T y, int32 code, float32 slope", "T dx",
@@ -645,6 +649,10 @@ _adam = cupy.ElementwiseKernel(
 
 # ||g||_2 over the flat gradients, a 0-d array (no squared copy)
 _global_norm = cupy.ReductionKernel("T g", "T norm", "g * g", "a + b", "norm = sqrt(a)", "0", "lnn_global_norm")
+
+
+def activation_forward(activation: dict, x, y):
+    return _activation_forward(x, ACTIVATION_CODES[activation["type"]], float(activation.get("negative_slope", 0.0)), y)
 
 
 def activation_backward(activation: dict, dy, y, dx):

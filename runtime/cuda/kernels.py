@@ -76,6 +76,9 @@ def per_channel(values, x):
 
 def activation_forward(xp, activation: dict, x, out):
     kind = activation["type"]
+    fused = gpu_kernels(xp, x, out)
+    if fused is not None and kind != "softmax":
+        return fused.activation_forward(activation, x, out)            # one launch, no temporaries
     if kind == "relu":
         return xp.maximum(x, 0, out=out)
     if kind == "relu6":
