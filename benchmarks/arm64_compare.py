@@ -14,7 +14,6 @@ further than TARGET from x86-64.
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 from pathlib import Path
@@ -24,9 +23,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from cpu_latency import MODELS, load_bin  # noqa: E402  (the reference models, built the same way there)
-from report import update_section  # noqa: E402
+from report import SHARED, update_section  # noqa: E402
 
-REFERENCE_MODELS = Path(os.environ.get("LNN_SHARED") or REPO.parent / "shared") / "reference_models"
+REFERENCE_MODELS = SHARED / "reference_models"
 BACKENDS = ("numpy", "cpu")
 TOMATO = "tomato_leaf"
 TARGET = 1e-5          # issue 16: every reference model within 1e-5 of x86-64 on both backends

@@ -27,6 +27,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
+from report import SHARED  # noqa: E402
 RECIPE = REPO / "examples" / "tomato_leaf.json"
 PICTURE = REPO / "docs" / "images" / "augmented_samples.png"
 GPU_ROWS_PER_EPOCH, GPU_EPOCH_S = 4000, 2.3
@@ -55,7 +56,7 @@ def save_grid(augmenter, images, masks, path: Path, columns: int = 8, rows: int 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tomato", default=str(REPO.parent / "shared" / "data" / "tomato"))
+    parser.add_argument("--tomato", default=str(SHARED / "data" / "tomato"))
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")

@@ -27,13 +27,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from cpu_latency import median_ms  # noqa: E402
-from report import machine_line, markdown_table, update_section  # noqa: E402
+from report import SHARED, machine_line, markdown_table, update_section  # noqa: E402
 
 from lnn.formats.binfile import encode_bin, fp16_dtypes, int8_dtypes, parse_bin_bytes, read_bin  # noqa: E402
 from lnn.runtime import Session  # noqa: E402
 from lnn.tools.export import calibration_set, accuracy  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data"
+DATA = SHARED / "data"
 MODELS = [("mnist_cnn", REPO / "examples" / "trained" / "mnist_cnn.bin", f"mnist:{DATA / 'mnist'}"),
           ("tomato_leaf", REPO / "models" / "tomato_leaf.bin", f"folder:{DATA / 'tomato'}")]
 COMMAND = "python benchmarks/compression.py"

@@ -35,9 +35,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from report import call_times, machine_line, markdown_table, update_section  # noqa: E402
+from report import SHARED, call_times, machine_line, markdown_table, update_section  # noqa: E402
 
-REFERENCE_MODELS = REPO.parent / "shared" / "reference_models"
+REFERENCE_MODELS = SHARED / "reference_models"
 PEERS = REFERENCE_MODELS / "peer_formats"
 TOMATO = REPO / "models" / "tomato_leaf.bin"
 MODELS = ["leaf_cnn", "leaf_cnn224", "mnist_cnn", "tomato_leaf"]

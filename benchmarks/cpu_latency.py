@@ -27,12 +27,12 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from report import call_times, machine_line, markdown_table, update_section  # noqa: E402
+from report import SHARED, call_times, machine_line, markdown_table, update_section  # noqa: E402
 
 from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes  # noqa: E402
 from lnn.formats.model import load_model  # noqa: E402
 
-REFERENCE_MODELS = REPO.parent / "shared" / "reference_models"
+REFERENCE_MODELS = SHARED / "reference_models"
 MODELS = ["mnist_mlp", "mnist_cnn", "leaf_cnn", "leaf_cnn224"]
 THREADS = (1, 2)
 BATCHES = (1, 32)

@@ -32,9 +32,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from report import busy_seconds, call_times, machine_line, markdown_table, others_cores, update_section  # noqa: E402
+from report import SHARED, busy_seconds, call_times, machine_line, markdown_table, others_cores, update_section  # noqa: E402
 
-REFERENCE_MODELS = REPO.parent / "shared" / "reference_models"
+REFERENCE_MODELS = SHARED / "reference_models"
 PEER_FORMATS = REFERENCE_MODELS / "peer_formats"
 BUNDLED = REPO / "models" / "tomato_leaf.bin"
 MODELS = ["leaf_cnn", "leaf_cnn224", "tomato", "mnist_cnn", "mnist_mlp"]

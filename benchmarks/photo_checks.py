@@ -21,9 +21,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from report import machine_line, markdown_table, update_section  # noqa: E402
+from report import SHARED, machine_line, markdown_table, update_section  # noqa: E402
 
-SHARED_DATA = REPO.parent / "shared" / "data"
+SHARED_DATA = SHARED / "data"
 
 
 def box_blur(image: np.ndarray, radius: int, times: int = 3) -> np.ndarray:

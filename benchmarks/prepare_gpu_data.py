@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from report import SHARED  # noqa: E402
+
 LIMIT_MIB = 50
 
 
@@ -43,7 +46,7 @@ def shrink(source: Path, target: Path, side: int, quality: int, longer: bool) ->
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shared", default=str(REPO.parent / "shared" / "data"))
+    parser.add_argument("--shared", default=str(SHARED / "data"))
     parser.add_argument("--out", default=str(REPO / ".devdata" / "gpu"))
     parser.add_argument("--size", type=int, default=128, help="tomato photos: shorter side in px (the model's input)")
     parser.add_argument("--outlier-size", type=int, default=160, help="outlier photos: longer side in px")

@@ -13,7 +13,9 @@ import platform
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "BENCHMARKS.md"
+SHARED = Path(os.environ.get("LNN_SHARED") or REPO.parent / "shared")   # ../shared, or a copy named by $LNN_SHARED
 HEADER = "# Benchmarks\n\nEvery figure below was written by the script named in its section; rerun it to refresh.\n"
 
 

@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine_line, markdown_table, update_section  # noqa: E402
+from report import SHARED, machine_line, markdown_table, update_section  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "tomato_leaf.bin"
-SHARED = Path(os.environ.get("LNN_SHARED") or REPO.parent / "shared")
+SHARED = SHARED
 TOMATO = SHARED / "data" / "tomato"
 REFERENCE_MODELS = SHARED / "reference_models"
 PICTURE = REPO / "docs" / "images" / "serve_load.png"

@@ -30,6 +30,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
+from report import SHARED  # noqa: E402
 PICTURE = REPO / "docs" / "images" / "shifted_copy.png"
 SHIFTS = ("background", "darker", "blurred", "smaller", "all")
 SEED = 20261201
@@ -97,7 +98,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", metavar="NAME=PATH",
                         help="a model to measure (repeatable); default: bundled=models/tomato_leaf.bin")
-    parser.add_argument("--tomato", default=str(REPO.parent / "shared" / "data" / "tomato"))
+    parser.add_argument("--tomato", default=str(SHARED / "data" / "tomato"))
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     parser.add_argument("--note", default="", help="a sentence for the section (e.g. which model is which)")

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from report import machine_line, markdown_table, update_section
+from report import SHARED, machine_line, markdown_table, update_section
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "examples" / "series" / "default.json"
@@ -48,7 +48,7 @@ def run(args: list, env: dict) -> tuple:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "ucr"))
+    parser.add_argument("--data", default=str(SHARED / "data" / "ucr"))
     parser.add_argument("--seeds", default="0", help="comma-separated training seeds; the first is reported "
                                                         "with its times (0: the recipe's own)")
     parser.add_argument("--note", default="", help="a remark on the machine (e.g. shared, its load)")
