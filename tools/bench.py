@@ -101,6 +101,16 @@ def percentiles(seconds: list) -> dict:
 
 
 def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory. On Linux, VmHWM of its own address space: getrusage's ru_maxrss also
+    takes in the address space it was started from (the kernel records the parent's peak at exec), so a process
+    started by a big one (a test runner) would report its parent's peak."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     try:
         import resource
     except ImportError:                   # Windows

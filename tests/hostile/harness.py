@@ -1,8 +1,10 @@
 """Run one hostile case in a child process with bounded memory and time, and judge what it printed.
 
 Limits (the issue's targets): the child's address space is capped with RLIMIT_AS at MEMORY_LIMIT (Numba's
-JIT, onnxruntime and OpenCV all start under it), its peak resident memory (os.wait4's rusage) must stay
-under it too, and it is killed, with its process group, after TIME_LIMIT_S. The thread-count variables
+JIT, onnxruntime and OpenCV all start under it), its peak resident memory must stay under it too, and it
+is killed, with its process group, after TIME_LIMIT_S. The peak is the rusage of a grandchild: a process's
+ru_maxrss also takes in the address space it was forked from (the kernel records that one's peak at exec),
+which here is the test runner's, so a small launcher process forks the command and reports its rusage. The thread-count variables
 keep OpenBLAS and Numba from reserving address space per core on a many-core machine, and
 MALLOC_ARENA_MAX keeps glibc from reserving 64 MiB per thread: both would count against RLIMIT_AS
 without using memory. `file_size` caps the size of any file the child writes (RLIMIT_FSIZE, with
@@ -15,6 +17,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +65,23 @@ def command(prog: str, args: list) -> list:
     return [sys.executable, "-m", f"lnn.tools.{MODULES[prog]}", *args]
 
 
+# argv: the write end of a pipe, then the command. Forks it, waits, writes its peak (KiB) to the pipe, and ends as
+# it ended (the same exit status, or killed by the same signal).
+LAUNCHER = """
+import os, signal, sys
+pid = os.fork()
+if pid == 0:
+    os.close(int(sys.argv[1]))
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+os.write(int(sys.argv[1]), str(usage.ru_maxrss).encode())
+if os.WIFSIGNALED(status):
+    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    os.kill(os.getpid(), os.WTERMSIG(status))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def run_limited(argv: list, env: dict | None = None, cwd=None, file_size: int | None = None,
                 seconds: float = TIME_LIMIT_S) -> Outcome:
     def limit():
@@ -72,8 +92,12 @@ def run_limited(argv: list, env: dict | None = None, cwd=None, file_size: int | 
 
     child_env = {**os.environ, **QUIET_THREADS, **(env or {})}
     start = time.monotonic()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=child_env, cwd=cwd, preexec_fn=limit, start_new_session=True)
+    peak_read, peak_write = os.pipe()
+    executable = argv[0] if os.path.dirname(argv[0]) else shutil.which(argv[0]) or argv[0]
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(peak_write), executable, *argv[1:]],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=child_env, cwd=cwd, preexec_fn=limit, start_new_session=True, pass_fds=(peak_write,))
+    os.close(peak_write)
     captured = {}
 
     def drain(name, pipe):
@@ -93,7 +117,7 @@ def run_limited(argv: list, env: dict | None = None, cwd=None, file_size: int | 
 
     timer = threading.Timer(seconds, kill)
     timer.start()
-    _, status, usage = os.wait4(proc.pid, 0)            # the child's own rusage: its peak resident memory
+    _, status, _ = os.wait4(proc.pid, 0)
     seconds = time.monotonic() - start
     timer.cancel()
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -103,7 +127,9 @@ def run_limited(argv: list, env: dict | None = None, cwd=None, file_size: int | 
         pass
     for reader in readers:
         reader.join()
-    return Outcome(proc.returncode, captured["out"], captured["err"], usage.ru_maxrss * 1024, seconds,
+    with os.fdopen(peak_read, "rb") as pipe:
+        peak_kib = pipe.read().decode() or "0"         # nothing: the launcher was killed (timed out)
+    return Outcome(proc.returncode, captured["out"], captured["err"], int(peak_kib) * 1024, seconds,
                    timed_out.is_set())
 
 

@@ -254,8 +254,13 @@ def test_hostile_input(case, outcomes, corpus):
 
 
 def test_the_limits_bite(tmp_path):
-    """The harness itself: a child that allocates 2 GiB fails, one that sleeps is killed after the time limit,
-    one that writes past the "full disk" gets EFBIG."""
+    """The harness itself: a child's peak memory is its own, not the test runner's; a child that allocates 2 GiB
+    fails, one that sleeps is killed after the time limit, one that writes past the "full disk" gets EFBIG."""
+    ballast = bytearray(400 << 20)                      # the test runner grows (every page touched): the
+    ballast[::4096] = b"\1" * len(ballast[::4096])      # child's figure must not (ru_maxrss alone would)
+    small = run_limited([sys.executable, "-c", "b = bytearray(50 << 20)"])
+    assert small.returncode == 0 and 50 << 20 < small.peak_rss < 200 << 20, small.peak_rss
+    del ballast
     grab = run_limited([sys.executable, "-c", "b = bytearray(2 << 30)"])
     assert grab.returncode != 0 and "MemoryError" in grab.stderr and grab.peak_rss < MEMORY_LIMIT
     sleeper = run_limited([sys.executable, "-c", "import time; time.sleep(60)"])

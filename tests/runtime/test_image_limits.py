@@ -194,8 +194,8 @@ def test_a_200_megapixel_phone_jpeg_is_answered_within_1_gb(tmp_path, image_libr
             "image[..., 2] = ((x + y) // 64 % 256).astype(np.uint8); "
             f"cv2.imwrite({str(path)!r}, image, [cv2.IMWRITE_JPEG_QUALITY, 80])")
     subprocess.run([sys.executable, "-c", make], check=True)
-    measure = ("import resource, sys; from lnn.tools.infer import main; status = main(sys.argv[1:]); "
-               "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(status)")
+    measure = ("import sys; from lnn.tools.bench import peak_rss_bytes; from lnn.tools.infer import main; "
+               "status = main(sys.argv[1:]); print(peak_rss_bytes() // 1024); sys.exit(status)")
     result = subprocess.run([sys.executable, "-c", measure, "--json", "--model", str(DEFAULT_MODEL), str(path)],
                             capture_output=True, text=True, timeout=120, cwd=REPO,
                             env={**os.environ, "LNN_IMAGE_LIBRARY": image_library})
