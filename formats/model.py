@@ -363,12 +363,17 @@ def _parse_preprocess(value, input_shape: tuple) -> dict | None:
     return out
 
 
-SERIES_PREPROCESS = {"kind": "series", "length": "T", "resample": "linear", "mean": "[C]", "std": "[C]"}
+SERIES_PREPROCESS = {"kind": "series", "length": "T", "resample": '"linear" | "pad_mean"', "mean": "[C]", "std": "[C]"}
+# How a raw series of another length T' is brought to the model's T (lnn.runtime.series fit_length): "linear"
+# resamples it over the same time span; "pad_mean" keeps its time scale, a shorter series padded at its end with
+# its own mean per channel (a longer one still resampled). lnn-train picks pad_mean for training series of
+# unequal lengths (measured: BENCHMARKS "ucr_unseen").
+SERIES_FITS = ("linear", "pad_mean")
 TABLE_PREPROCESS = {"kind": "table", "columns": "[F names]", "mean": "[F]", "std": "[F]"}
 
 
 def _parse_standardize(value, input_shape: tuple) -> dict:
-    """The preprocessing of a series model ([C, T]: resampled to T along time, then standardized per
+    """The preprocessing of a series model ([C, T]: brought to T along time, then standardized per
     channel) or a table model ([F]: each column standardized); x = (raw - mean) / std. Complete, no defaults:
     it is fitted on the training data (lnn.train.series), never written by hand."""
     series = len(input_shape) == 2
@@ -381,9 +386,10 @@ def _parse_standardize(value, input_shape: tuple) -> dict:
     if series:
         if value["length"] != input_shape[1] or isinstance(value["length"], bool):
             raise ModelSpecError(f"preprocess: length must be the input length {input_shape[1]}, not {value['length']!r}")
-        if value["resample"] != "linear":
-            raise ModelSpecError(f"preprocess: resample must be \"linear\", not {value['resample']!r}")
-        out.update(length=input_shape[1], resample="linear")
+        if value["resample"] not in SERIES_FITS:
+            raise ModelSpecError(f"preprocess: resample must be one of {', '.join(map(repr, SERIES_FITS))}, "
+                                 f"not {value['resample']!r}")
+        out.update(length=input_shape[1], resample=value["resample"])
     else:
         columns = value["columns"]
         if (not isinstance(columns, list) or len(columns) != count or not all(isinstance(c, str) and c for c in columns)

@@ -222,8 +222,8 @@ class Session:
 
     def prepare_series(self, values) -> np.ndarray:
         """Raw values for a series model ([T], [C, T'], [N, C, T'] or a list of [C, T_i]) or a table model ([F],
-        [N, F]) -> [N, *input_shape] float32 with the model's preprocessing (lnn.runtime.series: resampled to
-        the model's length, standardized as fitted on the training data)."""
+        [N, F]) -> [N, *input_shape] float32 with the model's preprocessing (lnn.runtime.series: brought to
+        the model's length as its preprocessing says, standardized as fitted on the training data)."""
         from lnn.runtime.series import model_inputs
 
         if len(self.model.input_shape) not in (1, 2):

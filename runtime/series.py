@@ -8,15 +8,15 @@ line and the column or channel):
     attribute whose value is `'c1 values\\nc2 values'`). Univariate and multivariate. Each series is
     [C, T_i] float32: trailing missing values (`?`, NaN: how the archive pads a shorter series) are cut
     off, missing values inside a series are filled by linear interpolation between their neighbours.
-    Lengths may differ; `resample` brings every series to the model's length (unequal lengths are
-    resampled, not padded and masked).
+    Lengths may differ; `fit_length` brings every series to the model's length, as its preprocessing
+    says: resampled ("linear") or padded at the end with its own mean ("pad_mean"; no mask).
   - `read_table(path, target=None)` -> Table: a CSV file with a header row; every cell outside the target
     column must be a finite number (empty cells, text, NaN and infinity and ragged rows are refused with
     their line and column).
 
 Preprocessing (a model's metadata.preprocess, formats/model.py `_parse_standardize`, SPEC "Metadata
-JSON"): series `{"kind": "series", "length": T, "resample": "linear", "mean": [C], "std": [C]}`, tables
-`{"kind": "table", "columns": [F], "mean": [F], "std": [F]}`; x = (raw - mean) / std after resampling.
+JSON"): series `{"kind": "series", "length": T, "resample": "linear" | "pad_mean", "mean": [C], "std": [C]}`,
+tables `{"kind": "table", "columns": [F], "mean": [F], "std": [F]}`; x = (raw - mean) / std after fitting the length.
 `fit_standardize` fits mean and std on training data, `standardize` applies them: the trainer and every
 Session call the same function.
 """
@@ -321,16 +321,26 @@ def resample(series: np.ndarray, length: int) -> np.ndarray:
     return np.stack([np.interp(positions, np.arange(series.shape[1]), channel) for channel in series])
 
 
-def stack_series(series: list, length: int) -> np.ndarray:
-    """Series [C, T_i] -> [N, C, length] float32, each resampled to `length`; at most 16 x MAX_INPUT_ELEMENTS
-    values (1 GiB) at once."""
+def fit_length(series: np.ndarray, length: int, how: str = "linear") -> np.ndarray:
+    """[C, T_i] -> [C, length] as formats/model.py SERIES_FITS says: "linear" resamples; "pad_mean" pads a
+    shorter series at its end with its own mean per channel, so time keeps its scale (a longer one is resampled)."""
+    series = np.asarray(series, np.float64)
+    if how == "pad_mean" and series.shape[1] < length:
+        fill = np.repeat(series.mean(axis=1, keepdims=True), length - series.shape[1], axis=1)
+        return np.concatenate([series, fill], axis=1)
+    return resample(series, length)
+
+
+def stack_series(series: list, length: int, how: str = "linear") -> np.ndarray:
+    """Series [C, T_i] -> [N, C, length] float32, each brought to `length` by fit_length; at most
+    16 x MAX_INPUT_ELEMENTS values (1 GiB) at once."""
     channels = series[0].shape[0]
     if len(series) * channels * length > MAX_INPUT_ELEMENTS * 16:
         raise LnnInputError(f"{len(series):,} series of {channels} x {length} values are too many to hold at once "
                             f"(16 x MAX_INPUT_ELEMENTS in lnn/formats/limits.py)")
     out = np.empty((len(series), channels, length), np.float32)
     for row, values in enumerate(series):
-        out[row] = resample(values, length)
+        out[row] = fit_length(values, length, how)
     return out
 
 
@@ -345,7 +355,7 @@ def fit_standardize(values: np.ndarray) -> tuple:
 
 
 def standardize(values: np.ndarray, preprocess: dict) -> np.ndarray:
-    """[N, C, T] or [N, F] raw values (already resampled) -> float32 model inputs, (x - mean) / std."""
+    """[N, C, T] or [N, F] raw values (already of the model's length) -> float32 model inputs, (x - mean) / std."""
     shape = (1, -1, 1) if values.ndim == 3 else (1, -1)
     mean = np.asarray(preprocess["mean"], np.float64).reshape(shape)
     std = np.asarray(preprocess["std"], np.float64).reshape(shape)
@@ -380,7 +390,7 @@ def model_inputs(model, values) -> np.ndarray:
         raise LnnInputError(f"model {model.name!r} takes {kind} with {'C' if rank == 2 else 'F'} = "
                             f"{model.input_shape[0]}; got shape {list(np.shape(values))}")
     if rank == 2:
-        array = stack_series(list(array), model.input_shape[1])
+        array = stack_series(list(array), model.input_shape[1], (model.preprocess or {}).get("resample", "linear"))
     if model.preprocess is None:
         return array.astype(np.float32)
     return standardize(array, model.preprocess)

@@ -242,7 +242,8 @@ def metadata_lines(bin_model) -> list:
     lines.append(f"labels: {len(labels)} ({shown})")
     pre = meta.get("preprocess")
     if pre and pre.get("kind") in ("series", "table"):
-        what = (f"resample to {pre['length']} steps ({pre['resample']}), per channel" if pre["kind"] == "series"
+        fit = {"linear": "resampled (linear)", "pad_mean": "shorter ones padded with their mean, longer ones resampled"}
+        what = (f"{pre['length']} steps ({fit[pre['resample']]}), per channel" if pre["kind"] == "series"
                 else f"columns {', '.join(pre['columns'])}, per column")
         lines.append(f"preprocess: {pre['kind']}, {what} (x - mean) / std, mean {[round(v, 6) for v in pre['mean']]}, "
                      f"std {[round(v, 6) for v in pre['std']]}")

@@ -9,8 +9,8 @@ come from the description's "training" block (see lnn.train.config); options giv
 Data: mnist:FOLDER (the four MNIST IDX files, gzipped or raw); training uses the 60,000 training
 images (--limit-train keeps the first N), evaluation the 10,000 test images after every epoch.
 ucr:DIR (one UCR/UEA dataset: NAME_TRAIN and NAME_TEST as .ts, .tsv or .arff; see lnn.train.series)
-trains on NAME_TRAIN without validation (the test split is lnn-eval's), series resampled to the longest
-training length; csv:FILE --target COLUMN trains on a numeric table, --val-fraction of each class kept
+trains on NAME_TRAIN without validation (the test split is lnn-eval's), shorter series padded with their mean to the
+longest training length; csv:FILE --target COLUMN trains on a numeric table, --val-fraction of each class kept
 for validation (seed 0). Both store the per-channel / per-column normalisation fitted on the training
 rows as the model's preprocessing, and fill "input_shape": "from_data" and "out_features": "from_data"
 (the class count) of the description. folder:DIR (one sub-folder of photos per class; see lnn.train.images): decoded once into a cache at

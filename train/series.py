@@ -3,8 +3,10 @@
 ucr:DIR is one dataset of the UCR/UEA archive: DIR holds NAME_TRAIN and NAME_TEST as .ts, .tsv or .arff
 (lnn.runtime.series reads them). The training split trains, with no validation during training (the archive has none, and the
 test split must not choose the epoch kept: the run keeps its last epoch's neighbourhood by the lowest
-training loss, lnn.train.run); lnn-eval --split test measures. Series of unequal length are resampled
-by linear interpolation to the longest training series (stated in the model's preprocessing).
+training loss, lnn.train.run); lnn-eval --split test measures. Series of unequal length are padded at
+their end with their own mean (per channel) to the longest training series ("pad_mean", stated in the
+model's preprocessing; time keeps its scale); a later series longer than that is resampled down. Training series of
+one length: "linear" (a series of another length at inference is resampled to it).
 
 csv:FILE --target COLUMN is one table: rows split per class into training and validation (seeded,
 --val-fraction, the split lnn-eval --split val repeats; --split all evaluates every row).
@@ -79,10 +81,11 @@ def ucr_datasets(folder, description: dict) -> tuple:
     if train.labels is None:
         raise LnnInputError(f"{files['train']}: has no class labels (@classLabel false)")
     classes = class_order(train.labels, train.classes)
-    length = max(s.shape[1] for s in train.series)
-    raw = stack_series(train.series, length)
+    lengths = {s.shape[1] for s in train.series}
+    length, how = max(lengths), "pad_mean" if len(lengths) > 1 else "linear"
+    raw = stack_series(train.series, length, how)
     mean, std = fit_standardize(raw)
-    preprocess = {"kind": "series", "length": length, "resample": "linear", "mean": mean, "std": std}
+    preprocess = {"kind": "series", "length": length, "resample": how, "mean": mean, "std": std}
     description = complete_description(description, [train.channels, length], classes, preprocess, files["train"])
     labels = label_indices(description, train.labels)
     return ArrayDataset(standardize(raw, preprocess), labels, f"{Path(folder).name} train"), None, description

@@ -7,7 +7,7 @@ import lnn
 from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes, write_bin
 from lnn.formats.errors import LnnFormatError, LnnInputError, ModelSpecError
 from lnn.formats.model import parse_model
-from lnn.runtime.series import (fit_standardize, model_inputs, read_series_file, read_table, resample,
+from lnn.runtime.series import (fit_length, fit_standardize, model_inputs, read_series_file, read_table, resample,
                                 standardize)
 from lnn.tests.formats.test_binfile import refresh_crcs
 
@@ -124,6 +124,14 @@ def test_resample_keeps_the_time_span():
     assert resample(x, 3) is not None and np.array_equal(resample(x, 3), x)
 
 
+def test_pad_mean_keeps_time_and_pads_with_the_series_mean():
+    x = np.array([[0.0, 1.0, 5.0], [5.0, 4.0, 3.0]])
+    np.testing.assert_array_equal(fit_length(x, 5, "pad_mean"), [[0, 1, 5, 2, 2], [5, 4, 3, 4, 4]])
+    np.testing.assert_array_equal(fit_length(x, 3, "pad_mean"), x)
+    np.testing.assert_allclose(fit_length(x, 2, "pad_mean"), resample(x, 2))                 # longer: resampled
+    np.testing.assert_allclose(fit_length(x, 5, "linear"), resample(x, 5))
+
+
 def test_standardize_per_channel_and_a_constant_channel():
     rng = np.random.default_rng(0)
     x = rng.normal([[3.0], [-1.0]], [[2.0], [0.5]], size=(50, 2, 30))
@@ -158,6 +166,13 @@ def test_series_preprocessing_round_trips_through_the_bin_and_is_applied(tmp_pat
     prediction = session.predict_series(raw)
     assert prediction[0][0] == f"c{int(np.argmax(logits))}"
     assert len(session.predict_series([raw, raw[:, :5]])) == 2              # a list of unequal lengths
+    padded = parse_model(series_description() | {"preprocess": {**series_description()["preprocess"],
+                                                                 "resample": "pad_mean"}})
+    write_bin(tmp_path / "padded.bin", padded, weights)
+    short = raw[:, :5]                                                      # shorter: padded with its mean
+    expected_x = ((fit_length(short, 8, "pad_mean") - np.array([[1.5], [-2.0]])) / np.array([[2.0], [0.5]]))
+    np.testing.assert_allclose(lnn.load(tmp_path / "padded.bin", device="numpy").prepare_series(short)[0],
+                               expected_x.astype(np.float32), rtol=1e-6)
 
 
 def test_table_preprocessing_round_trip_and_column_names():

@@ -27,7 +27,7 @@ MLP = {"name": "series_mlp", "input_shape": "from_data",
 
 def toy_series(count: int, seed: int) -> list:
     """(label, [2, T_i]) pairs: a rising or a falling ramp with noise, offset 5 (so standardizing matters),
-    lengths 18 to 24 (unequal: resampled)."""
+    lengths 18 to 24 (unequal: padded with their mean)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(count):
@@ -68,10 +68,14 @@ def test_train_stores_the_fitted_preprocessing_and_the_data_shape(trained_series
     bin_model = read_bin(trained_series)
     pre = bin_model.metadata["preprocess"]
     assert bin_model.model.input_shape == (2, 24) and pre["length"] == 24        # the longest training series
+    assert pre["resample"] == "pad_mean"                                        # unequal lengths: padded
     assert [label["name"] for label in bin_model.model.labels] == ["rise", "fall"]   # @classLabel order
     from lnn.runtime.series import read_series_file, stack_series
 
-    raw = stack_series(read_series_file(toy_ucr / "Toy_TRAIN.ts").series, 24).astype(np.float64)
+    series = read_series_file(toy_ucr / "Toy_TRAIN.ts").series
+    raw = stack_series(series, 24, "pad_mean").astype(np.float64)
+    short = next(i for i, values in enumerate(series) if values.shape[1] < 24)
+    np.testing.assert_allclose(raw[short, :, -1], series[short].mean(axis=1), rtol=1e-6)   # the series' own mean
     np.testing.assert_allclose(pre["mean"], raw.mean(axis=(0, 2)), rtol=1e-9)
     np.testing.assert_allclose(pre["std"], raw.std(axis=(0, 2)), rtol=1e-9)
 
