@@ -12,6 +12,9 @@ maxpool2d: x [N, C, H, W] -> y [N, C, OH, OW], max over the window's cells insid
     training the winning offset; maxpool2d_backward routes dy back through it (the one max pool of the GPU).
 channel_affine: batch norm's y = x * scale[c] + shift[c]; batchnorm_input_gradient: its dx;
     batchnorm_statistics / batchnorm_gradient_sums: its per-channel bookkeeping around them.
+activation_forward / activation_backward (any shape, element-wise, from the output), dropout (any shape: the
+    element index hashed with the step's key), sgd / adam over the flat parameters, global_norm: the training
+    step's element-wise work without temporaries (so a captured step holds only its plan).
 lstm_step_forward / lstm_step_backward, gru_step_forward / gru_step_backward: one time step, its recurrent product
     and gate arithmetic over [N, H] (runtime/cuda/recurrent.py holds the step loop, the input-projection GEMMs
     and the reference these replace).
