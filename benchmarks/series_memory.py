@@ -26,8 +26,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
+from gpu_train_step import run_side  # noqa: E402
 STEPS = 8
-CASE_TIMEOUT_S = 300
 
 
 def fcn(channels: int, length: int, classes: int) -> dict:
@@ -108,15 +108,11 @@ def measure(description: dict, batch: int, amp) -> dict:
 
 
 def run_case(index: int) -> dict:
-    command = [sys.executable, __file__, "--case", str(index)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise SystemExit(f"series_memory: case {CASES[index][0]} timed out after {CASE_TIMEOUT_S} s") from None
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
-        raise SystemExit(f"series_memory: case {CASES[index][0]} failed: {lines[-1]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """One case in a fresh process (gpu_train_step's run_side: the worker is `--side INDEX`)."""
+    row = run_side("-", str(index), script=__file__)
+    if "failed" in row:
+        raise SystemExit(f"series_memory: case {CASES[index][0]} failed: {row['failed']}")
+    return row
 
 
 def mib(n: int) -> str:
@@ -126,10 +122,11 @@ def mib(n: int) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / "runs" / "series_memory"))
-    parser.add_argument("--case", type=int, help=argparse.SUPPRESS)         # run_case: one case, printed as JSON
+    parser.add_argument("--side", type=int, help=argparse.SUPPRESS)         # run_case: one case, printed as JSON
+    parser.add_argument("--model", help=argparse.SUPPRESS)                  # run_side passes it; not used here
     args = parser.parse_args()
-    if args.case is not None:
-        print(json.dumps(measure(*CASES[args.case][1:])))
+    if args.side is not None:
+        print(json.dumps(measure(*CASES[args.side][1:])))
         return
 
     from report import machine_line, markdown_table, update_section
