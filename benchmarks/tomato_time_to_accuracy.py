@@ -131,7 +131,7 @@ def torch_side(data: str, epochs: int | None, stop_at_target: bool) -> dict:
         net.train()
         order = epoch_order(len(train), config.seed, epoch)
         slices = [order[i:i + batch] for i in range(0, len(order), batch)]
-        with Prefetcher(slices, train.batch) as prefetcher:          # lnn's augmentation workers, as lnn-train
+        with Prefetcher(slices, train.batch, loaders=train.loads_at_once) as prefetcher:   # as lnn-train reads
             for host_x, host_y in prefetcher:
                 x = torch.from_numpy(np.ascontiguousarray(host_x)).cuda(non_blocking=True)
                 y = torch.from_numpy(np.asarray(host_y)).long().cuda(non_blocking=True)
