@@ -781,6 +781,11 @@ def halo_tile(out_w: int) -> tuple:
 
 
 HALO_TILES = [halo_tile(w) for w in (16, 8, 4)]
+# The weight gradient runs on halo tiles only on the 16-wide one (outputs wider than 8). On narrower maps the
+# gather kernel won: the bundled model's conv5 (192 x 8x8 -> 384, amp, H200; BENCHMARKS "gpu_conv_layers"),
+# ms, halo against gather, 0.224 vs 0.190 at batch 64 and 0.788 vs 0.706 at batch 256; at 16x16 the halo
+# tile won (96 -> 192: 0.138 vs 0.225 and 0.782 vs 0.922).
+WGRAD_HALO_TILE = halo_tile(16)
 
 
 def uses_halo(attrs: dict) -> bool:
@@ -788,10 +793,11 @@ def uses_halo(attrs: dict) -> bool:
     return tuple(attrs["kernel_size"]) == (3, 3)
 
 
-def uses_halo_weight_gradient(attrs: dict, channels: int) -> bool:
+def uses_halo_weight_gradient(attrs: dict, channels: int, out_w: int) -> bool:
     """Whether such a conv2d's weight gradient is lnn_conv3x3_wgrad_mma too: from 16 input channels (with
-    fewer, most of its 16-channel block would idle; the gather kernel runs it)."""
-    return uses_halo(attrs) and channels >= 16
+    fewer, most of its 16-channel block would idle) and outputs wider than 8 (WGRAD_HALO_TILE); else the
+    gather kernel runs it."""
+    return uses_halo(attrs) and channels >= 16 and halo_tile(out_w) == WGRAD_HALO_TILE
 
 
 def arranged_elements(rows: int, sums: int) -> int:
@@ -860,7 +866,7 @@ def scratch_bytes(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
     else:
         tables = 4 * 3 * reduction + 4 * 3 * out_channels * kh * kw
         weights = itemsize * out_channels * reduction
-    chunks = (halo_max_chunks(channels, out_channels) if halo and uses_halo_weight_gradient(attrs, channels)
+    chunks = (halo_max_chunks(channels, out_channels) if halo and uses_halo_weight_gradient(attrs, channels, out_shape[2])
               else max_chunks(out_channels, reduction, attrs["bias"]))
     return tables + weights + 4 * partial_elements(out_channels, reduction, attrs["bias"], chunks)
 
@@ -884,10 +890,14 @@ def kernel_names(kind: str, tensor_core: bool) -> list:
         names += [f"lnn_conv_igemm_mma<{kind}, {bm}, {TENSOR_CORE_COLUMNS}>" for bm in FORWARD_TILES]
         names += [f"lnn_conv_wgrad_mma<{kind}, {bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
         names += [f"lnn_conv3x3_mma<{kind}, {bm}, {i}, {h}, {w}>" for bm in FORWARD_TILES for i, h, w in HALO_TILES]
-        names += [f"lnn_conv3x3_wgrad_mma<{kind}, {bm}, {i}, {h}, {w}>" for bm in FORWARD_TILES
-                  for i, h, w in HALO_TILES]
+        names += [wgrad_halo_name(kind, bm) for bm in FORWARD_TILES]
         names += [f"lnn_conv3x3_arrange<{kind}>"]
     return names
+
+
+def wgrad_halo_name(kind: str, bm: int) -> str:
+    images, th, tw = WGRAD_HALO_TILE
+    return f"lnn_conv3x3_wgrad_mma<{kind}, {bm}, {images}, {th}, {tw}>"
 
 
 def _module(kind: str, tensor_core: bool):
@@ -921,12 +931,11 @@ class ConvKernels:
         self.tensor_cores = dtype.name in HALF_TYPES and tensor_cores()
         module = _module(kind, self.tensor_cores)
         self.halo = self.tensor_cores and uses_halo(attrs)
-        self.halo_wgrad = self.halo and uses_halo_weight_gradient(attrs, self.channels)
+        self.halo_wgrad = self.halo and uses_halo_weight_gradient(attrs, self.channels, self.out_w)
         if self.halo:
             self._halo = {(bm, tile): module.get_function(f"lnn_conv3x3_mma<{kind}, {bm}, {tile[0]}, {tile[1]}, {tile[2]}>")
                           for bm in FORWARD_TILES for tile in HALO_TILES}
-            self._halo_wgrad = {(bm, tile): module.get_function(f"lnn_conv3x3_wgrad_mma<{kind}, {bm}, {tile[0]}, {tile[1]}, {tile[2]}>")
-                                for bm in FORWARD_TILES for tile in HALO_TILES}
+            self._halo_wgrad = {bm: module.get_function(wgrad_halo_name(kind, bm)) for bm in FORWARD_TILES}
             self._arrange = module.get_function(f"lnn_conv3x3_arrange<{kind}>")
             self.arranged = cupy.empty(arranged_elements(self.out_channels, self.channels), dtype)
             if backward:
@@ -995,13 +1004,12 @@ class ConvKernels:
         sizes = (n, self.channels, self.height, self.width, self.out_channels, self.out_h, self.out_w,
                  self.pad_h, self.pad_w)
         if self.halo_wgrad:
-            tile = halo_tile(self.out_w)
-            images, th, tw = tile
+            images, th, tw = WGRAD_HALO_TILE
             tiles = ceil_div(n, images) * ceil_div(self.out_h, th) * ceil_div(self.out_w, tw)
             per_chunk = ceil_div(tiles, min(self.chunk_limit, tiles))
             chunks = ceil_div(tiles, per_chunk)
             grid = (ceil_div(self.channels, 16), ceil_div(self.out_channels, bm), chunks)
-            self._halo_wgrad[bm, tile](grid, (THREADS,), (dy, x, self.partial, *(np.int32(v) for v in
+            self._halo_wgrad[bm](grid, (THREADS,), (dy, x, self.partial, *(np.int32(v) for v in
                                                                                  (*sizes, has_bias, per_chunk))))
         else:
             chunk, chunks = chunking(n * self.out_h * self.out_w, self.chunk_limit)

@@ -138,19 +138,20 @@ class FakeCupy:
 
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 @pytest.mark.parametrize("capability", [80, 75])
-@pytest.mark.parametrize("kernel, padding, channels", [((3, 3), (1, 1), 16), ((3, 3), (1, 1), 4), ((1, 1), (0, 0), 16)])
-def test_16_bit_layers_launch_their_own_instances(monkeypatch, kernel, padding, channels, capability, precision):
+@pytest.mark.parametrize("kernel, padding, channels, size", [((3, 3), (1, 1), 16, 16), ((3, 3), (1, 1), 16, 8),
+                                                         ((3, 3), (1, 1), 4, 16), ((1, 1), (0, 0), 16, 16)])
+def test_16_bit_layers_launch_their_own_instances(monkeypatch, kernel, padding, channels, size, capability, precision):
     """Every launch of a bfloat16 (float16) ConvKernels names a lnn_bf16 (unsigned short) instance its module
-    holds: the tensor-core halo kernels for 3x3 (their weight gradient from 16 channels), the gather ones for
-    1x1, CUDA-core below 8.0 (where the trainer refuses bfloat16, but the kernels exist)."""
+    holds: the tensor-core halo kernels for 3x3 (their weight gradient from 16 channels on maps wider than 8),
+    the gather ones for 1x1, CUDA-core below 8.0 (where the trainer refuses bfloat16, but the kernels exist)."""
     dtype = pytest.importorskip("ml_dtypes").bfloat16 if precision == "bfloat16" else np.float16
     kind = conv_gemm.c_type(dtype)
     fake = FakeCupy(capability)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(conv_gemm, "_MODULES", {})
     attrs = attrs_of(kernel, padding, True)
-    kernels = conv_gemm.ConvKernels(attrs, (channels, 8, 8), (8, 8, 8), dtype=dtype)
-    x, dy = np.zeros((2, channels, 8, 8), dtype), np.zeros((2, 8, 8, 8), dtype)
+    kernels = conv_gemm.ConvKernels(attrs, (channels, size, size), (8, size, size), dtype=dtype)
+    x, dy = np.zeros((2, channels, size, size), dtype), np.zeros((2, 8, size, size), dtype)
     weight, bias = np.zeros((8, channels) + kernel, dtype), np.zeros(8, dtype)
     kernels.forward(x, weight, bias, dy)
     kernels.weight_gradient(dy, x, weight, bias, accumulate=True)
@@ -159,7 +160,7 @@ def test_16_bit_layers_launch_their_own_instances(monkeypatch, kernel, padding, 
     families = {name.split("<")[0] for name in fake.launched}
     tensor_cores, halo = capability >= 80, capability >= 80 and kernel == (3, 3)
     assert ("lnn_conv3x3_mma" in families) == halo and ("lnn_conv3x3_arrange" in families) == halo
-    assert ("lnn_conv3x3_wgrad_mma" in families) == (halo and channels >= 16)
+    assert ("lnn_conv3x3_wgrad_mma" in families) == (halo and channels >= 16 and size > 8)
     assert ("lnn_conv_igemm_mma" in families) == (tensor_cores and not halo)
     assert ("lnn_conv_igemm" in families) == (not tensor_cores)
 
