@@ -30,7 +30,8 @@ share of the work:
     a layer run at the same time and the next layer waits for all of them (a Winograd conv cut by
     output channels: two such steps per band, V by input channels, then the rest). Whether a batch
     size runs that split plan or the one-thread plan is timed on its first calls (`_choose`): a
-    split is kept only where it was faster. A part computes its
+    split is kept only where it was faster; the choice is timed again after REVIEW_FIRST calls, then
+    REVIEW_GROWTH times later each time, so one noisy start does not decide for good. A part computes its
     outputs exactly as one thread does, up to where BLAS's blocking of a smaller product rounds
     differently (up to 2e-6 on the reference models' and the bundled model's outputs;
     tests/runtime/test_cpu_threads.py checks 1e-5).
@@ -82,6 +83,13 @@ MIN_SPLIT_FLOPS = 250e6  # a batch is split across threads from this much work o
 MIN_TASK_FLOPS = 4e6     # a layer is split into parts of at least this much work each (mnist_cnn's 7 MFLOP conv: not)
 TRIAL_CALLS = 5          # timed calls of the split plan and of the one-thread plan before a batch size's choice
 SPLIT_GAIN = 0.95        # ... the split plan is kept when its median is below this share of the other's
+# A choice is timed again (the same turns) after this many calls of its batch size, then REVIEW_GROWTH times
+# later each time, up to every REVIEW_MOST calls: decided once on a process's first calls, it flipped between
+# processes on the quiet 2-core VM (the bundled model, 6 processes: split in 3 at 4.1 ms a call, one thread
+# in 3 at 5.5-5.7 ms). A review runs TRIAL_CALLS + 1 calls of the plan not chosen.
+REVIEW_FIRST = 50
+REVIEW_GROWTH = 4
+REVIEW_MOST = 3200
 ALIGNMENT = 64          # bytes
 
 
@@ -191,6 +199,7 @@ class CpuBackend:
         self._crew = Crew(self.threads - 1) if self.threads > 1 else None
         self._trials: dict = {}            # batch -> ([split plan's s], [one-thread plan's s]) while unchosen
         self._chosen: dict = {}            # batch -> parts of its plan (threads, or 1 where splitting lost)
+        self._reviews: dict = {}           # batch -> [calls until its choice is timed again, the next interval]
         BLAS_THREADS.find_libraries()
         self.compile_seconds: float | None = None     # set by warmup(): first-call compile or cache load
 
@@ -207,7 +216,7 @@ class CpuBackend:
         if self._crew is not None and batch > 1 and batch * self._flops_per_row >= MIN_SPLIT_FLOPS:
             with BLAS_THREADS:
                 return self._run_split(x)
-        parts = self._chosen.get(batch) or self._choose(batch)
+        parts = self._parts(batch)
         plan = self._plan(batch, parts)
         trial = self._trials.get(batch)
         start = time.perf_counter()
@@ -220,13 +229,27 @@ class CpuBackend:
             trial[parts == 1].append(time.perf_counter() - start)
         return plan.output, plan.kept
 
+    def _parts(self, batch: int) -> int:
+        """The chosen parts of a one-image batch size, or _choose's turn while it is (again) being timed."""
+        chosen = self._chosen.get(batch)
+        if chosen is None or batch in self._trials:
+            return self._choose(batch)
+        review = self._reviews.get(batch)
+        if review is not None:
+            review[0] -= 1
+            if review[0] <= 0:
+                self._trials[batch] = ([], [])
+                return self._choose(batch)
+        return chosen
+
     def _choose(self, batch: int) -> int:
         """parts of the plan for this call of a one-image (unsplit-batch) size: `threads` when its plan
         splits no layer or the split is forced (task_flops 0); else the split plan and the one-thread plan
         take turns, the first call of each untimed (compile, planning), until each has TRIAL_CALLS timed
         calls, and the faster by median is kept (the split one only SPLIT_GAIN faster: its tasks cost
         more CPU in all). So threads > 1 is never kept slower than one thread where hand-offs cost more
-        than the split saves (measured: leaf_cnn's layers on the 2-core VM, docs/BENCHMARKS.md)."""
+        than the split saves (measured: leaf_cnn's layers on the 2-core VM, docs/BENCHMARKS.md). The
+        choice is reviewed the same way after REVIEW_FIRST calls, then REVIEW_GROWTH times later each time."""
         if self._crew is None or not self.task_flops or not self._plan(batch, self.threads).splits:
             self._chosen[batch] = self.threads
             return self.threads
@@ -235,6 +258,8 @@ class CpuBackend:
             chosen = self.threads if np.median(split[1:]) < SPLIT_GAIN * np.median(whole[1:]) else 1
             self._chosen[batch] = chosen
             self._trials.pop(batch, None)
+            interval = self._reviews[batch][1] if batch in self._reviews else REVIEW_FIRST
+            self._reviews[batch] = [interval, min(interval * REVIEW_GROWTH, REVIEW_MOST)]
             return chosen
         return self.threads if len(split) <= len(whole) else 1
 

@@ -214,6 +214,41 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     assert forced._chosen == {1: 2}
 
 
+def test_a_choice_is_timed_again_later(monkeypatch):
+    """A choice made on a process's first calls is timed again after REVIEW_FIRST calls: hand-offs slow at
+    first keep one thread; once the one-thread plan is the slow one, the review keeps the split, and the
+    next review comes REVIEW_GROWTH times later."""
+    import time
+
+    from lnn.runtime.cpu import backend as cpu_backend
+
+    input_shape, layers = CASES["conv_chain_then_linear"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(5))
+    x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+    backend = cpu_backend.CpuBackend(model, weights, threads=2)
+    backend.task_flops = 1
+    slow = {"split": True}
+    run = backend._crew.run
+    monkeypatch.setattr(backend._crew, "run", lambda tasks: (time.sleep(0.003 * slow["split"]), run(tasks)))
+    whole = backend._plan(1, 1)
+    whole_run = whole.run
+    monkeypatch.setattr(whole, "run", lambda x, crew=None: (time.sleep(0.003 * (not slow["split"])), whole_run(x))[1])
+    trial = 2 * (cpu_backend.TRIAL_CALLS + 1) + 1               # both plans' turns and the deciding call
+    for _ in range(trial):
+        backend.run(x)
+    assert backend._chosen == {1: 1}
+    slow["split"] = False
+    for _ in range(cpu_backend.REVIEW_FIRST - 1):
+        backend.run(x)
+    assert backend._chosen == {1: 1} and not backend._trials
+    for _ in range(trial):
+        backend.run(x)
+    assert backend._chosen == {1: 2}
+    assert backend._reviews[1] == [cpu_backend.REVIEW_FIRST * cpu_backend.REVIEW_GROWTH,
+                                   cpu_backend.REVIEW_FIRST * cpu_backend.REVIEW_GROWTH ** 2]
+
+
 def test_threads_auto_is_the_usable_cores():
     assert usable_cores() == len(os.sched_getaffinity(0))
     assert resolve_threads("auto") == resolve_threads(None) == usable_cores()
