@@ -11,6 +11,8 @@ Each backend runs in a process of its own (so its load time, first call and peak
            cache (said as "not cached yet", "from the cache", or "ahead of time" for the packaged kernels);
            --cold gives that process an empty cache, so the first call compiles everything
   warm     --runs calls after --warmup calls, at --batch and --threads: median (p50), p90, p99 and mean
+           (on the cpu backend with threads, the warm-up lasts at least until it has timed its split plan
+           against one thread and chosen: its first dozen calls of a batch size)
   peak RSS the process's peak resident memory at the end
 The inputs are real: the model's own test vectors (lnn-export stores them), repeated to fill the batch,
 or --images (photos or a folder, preprocessed as the model says); never zeros. A model with neither is
@@ -153,6 +155,8 @@ def measure(args) -> dict:
         cache.mark_cached(session.model)  # as the backend's warmup() does, so a later run says "from the cache"
     for _ in range(args.warmup):
         session.run(x)
+    while getattr(session.backend, "choosing", lambda batch: False)(len(x)):
+        session.run(x)                    # the cpu backend's split choice made before the timed calls
     seconds = []
     for _ in range(args.runs):
         start = time.perf_counter()

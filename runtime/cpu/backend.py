@@ -263,6 +263,12 @@ class CpuBackend:
             return chosen
         return self.threads if len(split) <= len(whole) else 1
 
+    def choosing(self, batch: int) -> bool:
+        """Whether calls of this batch size are still timing the split plan against the one-thread plan
+        (_choose's turns, up to 2 (TRIAL_CALLS + 1) + 1 calls; again at each review): a warm-up before timed
+        calls runs until this is False, so those calls measure the chosen plan."""
+        return batch in self._trials
+
     def split_choice(self) -> str | None:
         """What _choose decided, in words, for the one-image calls seen so far (None with one thread)."""
         if self._crew is None:

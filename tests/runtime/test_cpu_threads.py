@@ -235,9 +235,10 @@ def test_a_choice_is_timed_again_later(monkeypatch):
     whole_run = whole.run
     monkeypatch.setattr(whole, "run", lambda x, crew=None: (time.sleep(0.003 * (not slow["split"])), whole_run(x))[1])
     trial = 2 * (cpu_backend.TRIAL_CALLS + 1) + 1               # both plans' turns and the deciding call
-    for _ in range(trial):
+    for call in range(trial):
+        assert backend.choosing(1) == (0 < call)                 # from its first call until it decides
         backend.run(x)
-    assert backend._chosen == {1: 1}
+    assert backend._chosen == {1: 1} and not backend.choosing(1)
     slow["split"] = False
     for _ in range(cpu_backend.REVIEW_FIRST - 1):
         backend.run(x)
