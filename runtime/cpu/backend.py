@@ -85,8 +85,8 @@ TRIAL_CALLS = 5          # timed calls of the split plan and of the one-thread p
 SPLIT_GAIN = 0.95        # ... the split plan is kept when its median is below this share of the other's
 # A choice is timed again (the same turns) after this many calls of its batch size, then REVIEW_GROWTH times
 # later each time, up to every REVIEW_MOST calls: decided once on a process's first calls, it flipped between
-# processes on the quiet 2-core VM (the bundled model, 6 processes: split in 3 at 4.1 ms a call, one thread
-# in 3 at 5.5-5.7 ms). A review runs TRIAL_CALLS + 1 calls of the plan not chosen.
+# processes on the quiet 2-core VM (the bundled model, 2 threads, 8 processes: 2 kept one thread, 5.5-5.7 ms a
+# call; the split ran at 4.1 ms where kept). A review runs TRIAL_CALLS + 1 calls of the plan not chosen.
 REVIEW_FIRST = 50
 REVIEW_GROWTH = 4
 REVIEW_MOST = 3200
