@@ -22,8 +22,6 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import queue
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -140,43 +138,30 @@ class Batcher:
     A batch takes every image waiting, up to max_batch. While other requests are still being decoded it waits
     up to max_delay_s for them; with none on the way it runs at once (waiting could gain nothing, so a lone
     phone never pays the delay). Images that arrive while a batch computes are waiting when it ends, so
-    under load batches fill without any wait. A job whose request gave up (timeout) is dropped unrun.
-
-    The inference thread takes its batches itself from a thread-safe queue and hands each batch's answers
-    back to the event loop, so the next batch starts as soon as one ends, without waiting for the event loop
-    to wake and get to it between other requests' work (bundled model, 16 clients, 2-core VM, 3 interleaved
-    rounds against the event-loop batcher: 166 / 160 / 167 answers/s against 134 / 169 / 140; the inference
-    thread used about 0.7 of a core before and after). It warms up first, on the thread whose plans the CPU
-    backend keeps."""
+    under load batches fill without any wait. A job whose request gave up (timeout) is dropped unrun."""
 
     def __init__(self, session, max_batch: int, max_delay_s: float, metrics: Metrics):
         self.session = session
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
         self.metrics = metrics
-        self.waiting: queue.SimpleQueue = queue.SimpleQueue()     # Jobs; None: stop
+        self.waiting: asyncio.Queue = asyncio.Queue()
         self.being_decoded = 0               # requests whose image is on the decode pool: soon waiting here
+        self.inference = ThreadPoolExecutor(1, thread_name_prefix="lnn-serve-inference")
         self.ready = asyncio.Event()
-        self._loop = None
-        self._warmed = None
-        self._thread = threading.Thread(target=self._serve, name="lnn-serve-inference", daemon=True)
+        self._task = None
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._warmed = self._loop.create_future()
-        self._thread.start()
+        self._task = asyncio.get_running_loop().create_task(self._serve())
 
     async def warm_up(self) -> None:
-        """Wait for the inference thread's warm-up, then be ready (its failure is this coroutine's)."""
-        await self._warmed
-        self.ready.set()
-
-    def _warm_up(self) -> None:
-        """Run every chunk size once (Numba's compile or cache load, and the CPU backend's buffers). The NumPy
-        backend has neither: one call does."""
+        """Run every chunk size once (Numba's compile or cache load, and the CPU backend's buffers), then be
+        ready. The NumPy backend has neither: one call does."""
         rng = np.random.default_rng(0)
         for size in CHUNK_SIZES if self.session.device == "cpu" else [1]:
-            self.session.predict(rng.standard_normal((size, *self.session.input_shape)).astype(np.float32))
+            batch = rng.standard_normal((size, *self.session.input_shape)).astype(np.float32)
+            await asyncio.get_running_loop().run_in_executor(self.inference, self.session.predict, batch)
+        self.ready.set()
 
     @contextlib.contextmanager
     def decoding(self):
@@ -189,82 +174,55 @@ class Batcher:
 
     async def classify(self, image: np.ndarray, check) -> tuple:
         job = Job(image, check, asyncio.get_running_loop().create_future())
+        self.waiting.put_nowait(job)
         self.metrics.queue_depth.inc()
-        self.waiting.put(job)
         return await job.answer
 
-    def _next_batch(self) -> list | None:
-        """On the inference thread: the next batch (None: stop)."""
-        first = self.waiting.get()
-        if first is None:
-            return None
-        batch = [first]
-        deadline = time.monotonic() + self.max_delay_s
+    async def _next_batch(self) -> list:
+        loop = asyncio.get_running_loop()
+        batch = [await self.waiting.get()]
+        deadline = loop.time() + self.max_delay_s
         while len(batch) < self.max_batch:
-            try:
-                job = self.waiting.get_nowait()
-            except queue.Empty:
-                left = deadline - time.monotonic()
-                if left <= 0 or self.being_decoded == 0:
-                    break
-                try:
-                    job = self.waiting.get(timeout=left)
-                except queue.Empty:
-                    break
-            if job is None:                   # stop after this batch
-                self.waiting.put(None)
+            if not self.waiting.empty():
+                batch.append(self.waiting.get_nowait())
+                continue
+            left = deadline - loop.time()
+            if left <= 0 or self.being_decoded == 0:
                 break
-            batch.append(job)
+            try:
+                batch.append(await asyncio.wait_for(self.waiting.get(), left))
+            except asyncio.TimeoutError:
+                break
         self.metrics.queue_depth.dec(len(batch))
         return [job for job in batch if not job.answer.done()]       # done = its request gave up
 
-    def _serve(self) -> None:
-        """The inference thread: the warm-up (requests arriving meanwhile wait in the queue), then batches
-        until close()."""
-        try:
-            self._warm_up()
-        except Exception as err:              # noqa: BLE001 - reported by warm_up's task; /readyz stays 503
-            self._loop.call_soon_threadsafe(self._settle, self._warmed, err)
-            return
-        self._loop.call_soon_threadsafe(self._settle, self._warmed, None)
-        while (jobs := self._next_batch()) is not None:
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        await self.ready.wait()
+        while True:
+            jobs = await self._next_batch()
             if not jobs:
                 continue
             self.metrics.batch_size.observe(len(jobs))
             try:
-                answers = judge_in_chunks(self.session, [job.image for job in jobs], [job.check for job in jobs])
-            except Exception as err:          # noqa: BLE001 - each waiting request answers 500, none hangs
-                self._loop.call_soon_threadsafe(self._fail, jobs, err)
+                probabilities, reasons = await loop.run_in_executor(self.inference, judge_in_chunks, self.session,
+                                                                    [job.image for job in jobs],
+                                                                    [job.check for job in jobs])
+            except Exception as err:                  # noqa: BLE001 - each waiting request answers 500, none hangs
+                for job in jobs:
+                    if not job.answer.done():
+                        job.answer.set_exception(err)
                 continue
-            self._loop.call_soon_threadsafe(self._answer, jobs, *answers)
-
-    @staticmethod
-    def _settle(future: asyncio.Future, error: Exception | None) -> None:
-        if future.done():                     # cancelled: the server stopped during the warm-up
-            return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-
-    @staticmethod
-    def _answer(jobs: list, probabilities, reasons) -> None:
-        for job, row, reason in zip(jobs, probabilities, reasons):
-            if not job.answer.done():
-                job.answer.set_result((row, reason))
-
-    @staticmethod
-    def _fail(jobs: list, err: Exception) -> None:
-        for job in jobs:
-            if not job.answer.done():
-                job.answer.set_exception(err)
+            for job, row, reason in zip(jobs, probabilities, reasons):
+                if not job.answer.done():
+                    job.answer.set_result((row, reason))
 
     async def close(self) -> None:
-        """Stop the inference thread after the batch it computes (the requests in flight were drained)."""
-        self.waiting.put(None)
-        if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join)
-
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.inference.shutdown(wait=True)
 
 
 CHUNK_SIZES = (8, 4, 2, 1)      # the CPU backend keeps buffers for 4 batch sizes (PLANS_KEPT): these four
