@@ -288,15 +288,17 @@ def breakdown_part(stages: dict, by: dict, servers: list) -> str:
                      f"thread hand-offs)"])
         rows.append([f"{row['server']}, 16 clients: this script's client CPU per request", f"{row['client_cpu_ms']:.2f}"])
     total = {name: row["server_cpu_ms"] + row["client_cpu_ms"] for name, row in (("b", batched), ("u", unbatched))}
+    cores = {name: total[name] * row["throughput"] / 1000 for name, row in (("b", batched), ("u", unbatched))}
     return "\n\n".join([
         "### Where a request's CPU goes (16 clients)",
         f"Each stage is lnn-serve's own function on the same {PHOTOS} uploads, run in this script on one thread (CPU time; BLAS and Numba at one thread, as the server runs "
         f"them; medians of {STAGE_ROUNDS} interleaved rounds), in ms per photo; the server rows are the 16-client "
         f"rows of the table above (CPU of all the server's threads, over the requests sent).",
         markdown_table(["stage", "CPU ms per photo"], rows),
-        f"Both servers are CPU-bound at 16 clients: the server and this script's clients share the 2 cores, so "
-        f"throughput is at most 2 cores over the CPU per request, {total['b']:.1f} ms with batching and "
-        f"{total['u']:.1f} ms without: at most {total['u'] / total['b']:.2f}× apart. Batching changes only the "
+        f"The server and this script's clients share the 2 cores, so throughput is at most 2 cores over the CPU "
+        f"per request, {total['b']:.1f} ms with batching and {total['u']:.1f} ms without: were both CPU-bound, at "
+        f"most {total['u'] / total['b']:.2f}× apart. At 16 clients they used {cores['b']:.2f} and {cores['u']:.2f} "
+        f"of the 2 cores (answers/s × that CPU), so neither is quite CPU-bound. Batching changes only the "
         f"model's cost per image ({model[1]:.2f} ms at batch 1, {model[8]:.2f} at 8, {model[16]:.2f} at 16 on one "
         f"thread: {gain:.2f}× at best) and the hand-offs per request; decoding, preprocessing, photo checks, "
         f"HTTP and the answer ({common:.2f} ms of stages, plus the server's rest and the client) are paid per photo "
@@ -311,7 +313,12 @@ def breakdown_part(stages: dict, by: dict, servers: list) -> str:
         "(tools/serve.py one_blas_thread). With that, preprocessing on whole channel planes (0.56 → 0.12 ms) and "
         "leaner photo checks (the same measures), in one run of 3 interleaved rounds at 16 clients (load average "
         "about 6): the batching server's CPU per request went from 9.6 to 6.5 ms, the unbatched one's from 9.2 to "
-        "8.1 ms; 2 cores over server + client CPU, 175 → 247 answers/s batching and 174 → 197 without."])
+        "8.1 ms; 2 cores over server + client CPU, 175 → 247 answers/s batching and 174 → 197 without.",
+        "Each thread's CPU in /proc at 16 clients, seventh session, by hand (8 s): in the batching server the inference "
+        "thread used 0.70-0.73 of a core, each of the two decode threads 0.18-0.19, the event loop 0.11-0.12; without "
+        "batching 0.67-0.71, 0.13-0.15 and 0.15. No thread is saturated, and what keeps the rest of the cores idle was "
+        "not found (an inference thread taking its own batches, without the event loop between batches, was tried: "
+        "161 against 155 answers/s over 7 interleaved rounds, within the noise, not kept)."])
 
 
 # --------------------------------------------------------------------------- the runs
