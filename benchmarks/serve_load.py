@@ -302,8 +302,8 @@ def breakdown_part(stages: dict, by: dict, servers: list) -> str:
         f"model's cost per image ({model[1]:.2f} ms at batch 1, {model[8]:.2f} at 8, {model[16]:.2f} at 16 on one "
         f"thread: {gain:.2f}× at best) and the hand-offs per request; decoding, preprocessing, photo checks, "
         f"HTTP and the answer ({common:.2f} ms of stages, plus the server's rest and the client) are paid per photo "
-        f"either way. Even were everything but the model free, batching could make the server at most "
-        f"{gain:.2f}× faster: the 2× target is out of reach for this model on this CPU, whose "
+        f"either way. Even were everything but the model free, batching could cut the CPU per request by at most "
+        f"{gain:.2f}×: the 2× target is out of reach for this model on this CPU, whose "
         f"kernels run one image nearly as efficiently as a batch (lnn-bench models/tomato_leaf.bin --batch 1 / 16 "
         f"--threads 1 says the same).",
         "Found with py-spy and each thread's CPU in /proc (2026-12-01, 16 clients): OpenBLAS's helper thread took "
@@ -439,7 +439,7 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
     update_section("serve_load", "\n\n".join([
         "## lnn-serve under load (dynamic batching on and off, onnxruntime behind the same stack)",
         f"Command: `python benchmarks/serve_load.py --seconds {args.seconds:g}`. Machine: {machine_line()}. "
-        f"Load average when it started: {load_before:.2f}{args.note}.",
+        f"Load average when it started: {load_before:.2f}{'; ' + args.note if args.note else ''}.",
         f"Loopback only; each server its own process (`lnn-serve --device cpu`: one inference thread with one "
         f"Numba/BLAS thread, photos decoded on a pool of one thread per core; onnxruntime with one intra-op "
         f"thread per call, one call per request on Starlette's thread pool, so calls run side by side; "
@@ -502,7 +502,7 @@ def run_soak(args, photos, labels) -> None:
     update_section("serve_soak", "\n\n".join([
         f"## lnn-serve soak: 16 clients for {args.soak / 60:g} minutes, RSS",
         f"Command: `python benchmarks/serve_load.py --soak {args.soak:g}`. Machine: {machine_line()}. "
-        f"Load average when it started: {load_before:.2f}{args.note}.",
+        f"Load average when it started: {load_before:.2f}{'; ' + args.note if args.note else ''}.",
         "The batching server (`lnn-serve --device cpu`, defaults), 16 closed-loop clients on loopback; the "
         "server's resident memory (VmRSS) sampled every 5 s; figures counted after the warm-up.",
         summary + ".",
