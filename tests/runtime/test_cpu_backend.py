@@ -351,7 +351,7 @@ def test_threads_option_limits_blas_during_run():
     seen = []
     backend.layers[0].plan = _spy_plan(backend.layers[0].plan, lambda: seen.append(
         [info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"]))
-    backend.run(np.ones((8, 13), np.float32))                 # batch 8: a BLAS product (not linear_rows)
+    backend.run(np.ones((8, 13), np.float32))                 # batch 8: a BLAS product (not linear_dots)
     assert seen and all(n == 1 for n in seen[0])
     assert backend._plan(8).uses_blas
     backend.run(np.ones((2, 13), np.float32))                 # batch 2: one fused kernel, BLAS left alone

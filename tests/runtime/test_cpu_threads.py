@@ -46,7 +46,7 @@ CASES = {
                                              {"type": "flatten"}, {"type": "linear", "out_features": 97,
                                                                    "activation": "relu"},
                                              {"type": "linear", "out_features": 80},
-                                             {"type": "linear", "out_features": 9}]),     # narrow: linear_rows
+                                             {"type": "linear", "out_features": 9}]),     # narrow: linear_dots
 }
 
 
