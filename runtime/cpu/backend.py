@@ -82,7 +82,7 @@ PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
 MIN_SPLIT_FLOPS = 250e6  # a batch is split across threads from this much work on (measured on 2 cores)
 MIN_TASK_FLOPS = 4e6     # a layer is split into parts of at least this much work each (mnist_cnn's 7 MFLOP conv: not)
 TRIAL_CALLS = 5          # timed calls of the split plan and of the one-thread plan before a batch size's choice
-SPLIT_GAIN = 0.95        # ... the split plan is kept when its median is below this share of the other's
+SPLIT_GAIN = 0.95        # ... the split plan is kept when its fastest is below this share of the other's
 # A choice is timed again (the same turns) after this many calls of its batch size, then REVIEW_GROWTH times
 # later each time, up to every REVIEW_MOST calls: decided once on a process's first calls, it flipped between
 # processes on the quiet 2-core VM (the bundled model, 2 threads, 8 processes: 2 kept one thread, 5.5-5.7 ms a
@@ -246,8 +246,13 @@ class CpuBackend:
         """parts of the plan for this call of a one-image (unsplit-batch) size: `threads` when its plan
         splits no layer or the split is forced (task_flops 0); else the split plan and the one-thread plan
         take turns, the first call of each untimed (compile, planning), until each has TRIAL_CALLS timed
-        calls, and the faster by median is kept (the split one only SPLIT_GAIN faster: its tasks cost
-        more CPU in all). So threads > 1 is never kept slower than one thread where hand-offs cost more
+        calls, and the faster by its fastest call is kept (the split one only SPLIT_GAIN faster: its tasks
+        cost more CPU in all). The fastest, not the median: what slows a plan's calls here comes from
+        outside it and only adds time. The bundled model at 2 threads in 6 fresh processes on the 2-core
+        VM: the split's timed trial calls ran near one thread's speed in 4 (8.0, 7.9, 8.1, 7.9, then 4.6
+        ms; the one-thread plan's 7.0-7.7), 2 of them at 4.6-5.2 ms soon after; by median 2 processes
+        kept one thread, by the fastest 1 (whose split stayed at about 7 ms for its next 100 calls). In
+        10 later processes the split ran at 4.6-5.9 ms from its first call. So threads > 1 is never kept slower than one thread where hand-offs cost more
         than the split saves (measured: leaf_cnn's layers on the 2-core VM, docs/BENCHMARKS.md). The
         choice is reviewed the same way after REVIEW_FIRST calls, then REVIEW_GROWTH times later each time."""
         if self._crew is None or not self.task_flops or not self._plan(batch, self.threads).splits:
@@ -255,7 +260,7 @@ class CpuBackend:
             return self.threads
         split, whole = self._trials.setdefault(batch, ([], []))
         if min(len(split), len(whole)) > TRIAL_CALLS:
-            chosen = self.threads if np.median(split[1:]) < SPLIT_GAIN * np.median(whole[1:]) else 1
+            chosen = self.threads if min(split[1:]) < SPLIT_GAIN * min(whole[1:]) else 1
             self._chosen[batch] = chosen
             self._trials.pop(batch, None)
             interval = self._reviews[batch][1] if batch in self._reviews else REVIEW_FIRST

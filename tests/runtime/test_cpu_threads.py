@@ -214,6 +214,37 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     assert forced._chosen == {1: 2}
 
 
+def test_a_split_slow_only_at_first_is_kept(monkeypatch):
+    """The split plan is judged by its fastest trial call: slowed on its first timed calls (as a second
+    core was seen to be, in some fresh processes), then faster than the one-thread plan, it is kept;
+    by median it was not."""
+    import time
+
+    from lnn.runtime.cpu import backend as cpu_backend
+
+    input_shape, layers = CASES["conv_chain_then_linear"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(5))
+    x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+    backend = cpu_backend.CpuBackend(model, weights, threads=2)
+    backend.task_flops = 1
+    split, whole = backend._plan(1, 2), backend._plan(1, 1)
+    split_run, whole_run = split.run, whole.run
+    split_calls = []
+    slow_first = cpu_backend.TRIAL_CALLS // 2 + 2          # the untimed first call, then most of the timed ones
+
+    def slow_at_first(x, crew=None):
+        split_calls.append(1)
+        time.sleep(0.02 if len(split_calls) <= slow_first else 0)
+        return split_run(x, crew)
+
+    monkeypatch.setattr(split, "run", slow_at_first)
+    monkeypatch.setattr(whole, "run", lambda x, crew=None: (time.sleep(0.01), whole_run(x))[1])
+    for _ in range(2 * (cpu_backend.TRIAL_CALLS + 1) + 1):
+        backend.run(x)
+    assert backend._chosen == {1: 2}
+
+
 def test_a_choice_is_timed_again_later(monkeypatch):
     """A choice made on a process's first calls is timed again after REVIEW_FIRST calls: hand-offs slow at
     first keep one thread; once the one-thread plan is the slow one, the review keeps the split, and the
