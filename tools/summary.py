@@ -114,11 +114,11 @@ def plan_lines(model: Model, batch: int, amp=None) -> list:
     except LnnError as err:
         return [f"training plan at batch {batch}: not available ({err})"]
     optimizer = model.optimizer["type"]
-    parts = [("activations and their gradients, pooled", report["activations_pooled"]),
+    parts = [("activations, their gradients and layer scratch, pooled", report["activations_pooled"]),
              ("parameters", report["params"]), ("batch-norm running statistics", report["running_stats"]),
              ("gradients", report["grads"]), (f"optimizer state ({optimizer})", report["optimizer_state"]),
              *([(f"{amp} copies of the parameters and gradients", report["amp_copies"])] if amp else []),
-             ("convolution tables and weight-gradient partial sums", report["conv_scratch"]),
+             ("convolution tables and arranged weights", report["conv_scratch"]),
              ("cuBLAS workspace", report["gemm_workspace"]),
              ("batch data (inputs: uint8 images, float32 series or rows; int64 labels)", report["batch_data"]), ("total", report["peak"])]
     width = max(len(what) for what, _ in parts)

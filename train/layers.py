@@ -20,6 +20,7 @@ import numpy as np
 from lnn.formats.errors import ModelSpecError
 from lnn.formats.model import as_rows
 from lnn.formats.ops import ACTIVATIONS, conv1d_padded_length, get_op, layer_table
+from lnn.runtime.cuda import conv_gemm           # the partial sums' size here; CuPy only once a ConvKernels is made
 from lnn.runtime.cuda import recurrent          # lstm and gru: forward and backward (no CuPy import)
 from lnn.runtime.cuda import winograd           # the rule and the sizing only: importing it imports no CuPy
 from lnn.train import kernels as K
@@ -91,7 +92,7 @@ class LinearLayer(Layer):
 
 class Conv2dLayer(Layer):
     """im2col + GEMM (kernels.py), or on the GPU when the plan asks for it and the convolution qualifies:
-    implicit GEMM (runtime/cuda/conv_gemm.py: no workspaces; float32, float16 or bfloat16), or in float32 where winograd.chosen() ("winograd", or
+    implicit GEMM (runtime/cuda/conv_gemm.py: its weight gradient's partial sums are a workspace; float32, float16 or bfloat16), or in float32 where winograd.chosen() ("winograd", or
     "auto" with >= 32 channels in and out) Winograd F(2x2, 3x3) for the forward and the input gradient
     (runtime/cuda/winograd.py: its V and M buffers are workspaces) and implicit GEMM for the weight
     gradient."""
@@ -115,9 +116,7 @@ class Conv2dLayer(Layer):
     def implicit_kernels(self):
         """The layer's ConvKernels (made on first use: imports CuPy, allocates tables and scratch)."""
         if self._implicit is None:
-            from lnn.runtime.cuda.conv_gemm import ConvKernels
-
-            self._implicit = ConvKernels(self.attrs, self.node.in_shape, self.node.out_shape, dtype=self.dtype)
+            self._implicit = conv_gemm.ConvKernels(self.attrs, self.node.in_shape, self.node.out_shape, dtype=self.dtype)
         return self._implicit
 
     def winograd_kernels(self):
@@ -130,13 +129,18 @@ class Conv2dLayer(Layer):
     def workspaces(self, n):
         cin, h, w = self.node.in_shape
         cout, oh, ow = self.node.out_shape
+        spaces = []
+        if self.implicit:      # the weight gradient's partial sums (float32), alive only during it: pooled
+            partials = conv_gemm.partial_sums_elements(self.attrs, self.node.in_shape, self.node.out_shape, self.dtype)
+            spaces.append(("wgrad_partial", (partials,), np.float32, "backward"))
         if self.winograd:
             v, m = winograd.workspace_shapes(cin, cout, (h, w), (oh, ow), n)
             v_b, m_b = winograd.workspace_shapes(cout, cin, (oh, ow), (h, w), n)
-            return [("winograd_v", v, COMPUTE, "forward"), ("winograd_m", m, COMPUTE, "forward"),
-                    ("winograd_v_b", v_b, COMPUTE, "input_gradient"), ("winograd_m_b", m_b, COMPUTE, "input_gradient")]
+            return spaces + [("winograd_v", v, COMPUTE, "forward"), ("winograd_m", m, COMPUTE, "forward"),
+                             ("winograd_v_b", v_b, COMPUTE, "input_gradient"),
+                             ("winograd_m_b", m_b, COMPUTE, "input_gradient")]
         if self.implicit:
-            return []
+            return spaces
         kh, kw = self.attrs["kernel_size"]
         spaces = [("cols", (cin, kh, kw, n, oh, ow), COMPUTE, "forward"),
                   ("cols_b", (cin, kh, kw, n, oh, ow), COMPUTE, "backward"),
@@ -165,7 +169,8 @@ class Conv2dLayer(Layer):
             K.conv2d_backward(c.xp, c.dy, c.x, weight, self.attrs, c.grads["weight"], c.grads.get("bias"),
                               c.dx, c.ws.get("padded_b"), c.ws["cols_b"], c.ws["gemm_b"])
             return
-        self.implicit_kernels().weight_gradient(c.dy, c.x, c.grads["weight"], c.grads.get("bias"), accumulate=True)
+        self.implicit_kernels().weight_gradient(c.dy, c.x, c.grads["weight"], c.grads.get("bias"), accumulate=True,
+                                                partial=c.ws["wgrad_partial"])
         if c.dx is None:
             return
         if self.winograd:

@@ -852,23 +852,36 @@ def chunking(columns: int, limit: int) -> tuple:
 
 
 def scratch_bytes(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
-    """Device bytes a training ConvKernels of `dtype` holds besides the plan's pool: the window tables, the
-    flipped (or, for the halo kernels, arranged) weights and the weight gradient's partial sums. float16
-    and bfloat16 are counted alike, as on a card with tensor cores (compute capability 8.0+)."""
+    """Device bytes a training ConvKernels of `dtype` holds besides the plan's pool: the window tables and
+    the flipped (or, for the halo kernels, arranged) weights. float16 and bfloat16 are counted alike, as on
+    a card with tensor cores (compute capability 8.0+). The weight gradient's partial sums are a workspace
+    of the plan's pool instead (partial_sums_elements)."""
     channels, out_channels = in_shape[0], out_shape[0]
     kh, kw = attrs["kernel_size"]
     reduction = channels * kh * kw
     itemsize = np.dtype(dtype).itemsize
-    halo = np.dtype(dtype).name in HALF_TYPES and uses_halo(attrs)
-    if halo:
+    if np.dtype(dtype).name in HALF_TYPES and uses_halo(attrs):
         tables = 4 * 3 * reduction
         weights = itemsize * (arranged_elements(out_channels, channels) + arranged_elements(channels, out_channels))
     else:
         tables = 4 * 3 * reduction + 4 * 3 * out_channels * kh * kw
         weights = itemsize * out_channels * reduction
-    chunks = (halo_max_chunks(channels, out_channels) if halo and uses_halo_weight_gradient(attrs, channels, out_shape[2])
-              else max_chunks(out_channels, reduction, attrs["bias"]))
-    return tables + weights + 4 * partial_elements(out_channels, reduction, attrs["bias"], chunks)
+    return tables + weights
+
+
+def partial_sums_elements(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
+    """float32 elements of the weight gradient's partial sums [chunks, O, K + bias] of a ConvKernels of
+    `dtype` on any card: for float16 and bfloat16 the larger of the two passes' (the halo pass runs on
+    tensor cores only, and the trainer's plan does not ask the card). Alive only during the layer's
+    weight gradient, so the plan pools it with the other layers' backward scratch (train/layers.py)."""
+    channels, out_channels = in_shape[0], out_shape[0]
+    kh, kw = attrs["kernel_size"]
+    reduction = channels * kh * kw
+    chunks = max_chunks(out_channels, reduction, attrs["bias"])
+    if (np.dtype(dtype).name in HALF_TYPES and uses_halo(attrs)
+            and uses_halo_weight_gradient(attrs, channels, out_shape[2])):
+        chunks = max(chunks, halo_max_chunks(channels, out_channels))
+    return partial_elements(out_channels, reduction, attrs["bias"], chunks)
 
 
 _MODULES = {}
@@ -913,7 +926,9 @@ def _module(kind: str, tensor_core: bool):
 
 class ConvKernels:
     """One conv2d layer's implicit-GEMM launches (any batch). Allocates its tables, and with `backward`
-    the flipped weight and partial sums, here, once: the launches allocate nothing (CUDA-graph safe)."""
+    the flipped weight, here, once: the launches allocate nothing (CUDA-graph safe). The weight gradient's
+    partial sums are the caller's (the trainer's pooled workspace, partial_sums_elements), or, called
+    without them (tests, benchmarks), a buffer of its own made on the first call."""
 
     def __init__(self, attrs: dict, in_shape, out_shape, backward: bool = True, dtype=np.float32):
         import cupy
@@ -953,8 +968,8 @@ class ConvKernels:
                 self.flipped = cupy.empty((self.channels, self.out_channels, self.kernel_h, self.kernel_w), dtype)
             self.chunk_limit = (halo_max_chunks(self.channels, self.out_channels) if self.halo_wgrad
                                 else max_chunks(self.out_channels, self.reduction, self.bias))
-            self.partial = cupy.empty(partial_elements(self.out_channels, self.reduction, self.bias,
-                                                       self.chunk_limit), np.float32)
+            self.partial_size = partial_elements(self.out_channels, self.reduction, self.bias, self.chunk_limit)
+            self._own_partial = None
             wgrad = (f"lnn_conv_wgrad_mma<{kind}, {rows_tile(self.out_channels)}, " if self.tensor_cores
                      else f"lnn_conv_wgrad<{kind}, {rows_tile(self.out_channels)}, ")
             self._wgrad = {bn: module.get_function(f"{wgrad}{bn}>") for bn in (32, 64)}
@@ -994,9 +1009,18 @@ class ConvKernels:
         else:
             self._igemm(x, weight, bias, self.table, y, self.pad_h, self.pad_w, relu)
 
-    def weight_gradient(self, dy, x, dweight, dbias, accumulate: bool):
+    def weight_gradient(self, dy, x, dweight, dbias, accumulate: bool, partial=None):
         """dweight [O, C, KH, KW] and dbias [O] (None: no bias) from dy [N, O, OH, OW] and x: written, or
-        added with accumulate."""
+        added with accumulate. partial: float32 scratch of at least partial_sums_elements (None: our own)."""
+        if partial is None:
+            if self._own_partial is None:
+                import cupy
+
+                self._own_partial = cupy.empty(self.partial_size, np.float32)
+            partial = self._own_partial
+        if partial.size < self.partial_size or partial.dtype != np.float32:
+            raise ValueError(f"the weight gradient's partial sums need {self.partial_size} float32, "
+                             f"not {partial.size} {partial.dtype}")
         n = dy.shape[0]
         has_bias = dbias is not None
         columns_k = self.reduction + has_bias
@@ -1009,18 +1033,18 @@ class ConvKernels:
             per_chunk = ceil_div(tiles, min(self.chunk_limit, tiles))
             chunks = ceil_div(tiles, per_chunk)
             grid = (ceil_div(self.channels, 16), ceil_div(self.out_channels, bm), chunks)
-            self._halo_wgrad[bm](grid, (THREADS,), (dy, x, self.partial, *(np.int32(v) for v in
+            self._halo_wgrad[bm](grid, (THREADS,), (dy, x, partial, *(np.int32(v) for v in
                                                                                  (*sizes, has_bias, per_chunk))))
         else:
             chunk, chunks = chunking(n * self.out_h * self.out_w, self.chunk_limit)
             bn = wgrad_columns(columns_k)
             grid = (ceil_div(columns_k, bn), ceil_div(self.out_channels, bm), chunks)
-            self._wgrad[bn](grid, (THREADS,), (dy, x, self.table, self.partial,
+            self._wgrad[bn](grid, (THREADS,), (dy, x, self.table, partial,
                                                *(np.int32(v) for v in (*sizes, self.reduction, has_bias)),
                                                np.int64(chunk)))
         outputs = self.out_channels * columns_k
         self._reduce((ceil_div(outputs, THREADS),), (THREADS,),
-                     (self.partial, dweight, self.no_bias if dbias is None else dbias,
+                     (partial, dweight, self.no_bias if dbias is None else dbias,
                       *(np.int32(v) for v in (chunks, self.out_channels, self.reduction, has_bias, accumulate))))
 
     def input_gradient(self, dy, weight, dx):
