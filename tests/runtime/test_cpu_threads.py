@@ -181,6 +181,14 @@ def test_helpers_spin_only_during_a_call():
     crew.close()
 
 
+def chain_case() -> tuple:
+    """(model, weights, one input) of the conv + linear chain the split-choice tests time."""
+    input_shape, layers = CASES["conv_chain_then_linear"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(5))
+    return model, weights, np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+
+
 def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     """threads > 1 times its split plan against the one-thread plan on the first calls of a batch size and
     keeps the faster: with every hand-off made 3 ms slower, the one-thread plan; with the one-thread plan
@@ -189,10 +197,7 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
 
     from lnn.runtime.cpu import backend as cpu_backend
 
-    input_shape, layers = CASES["conv_chain_then_linear"]
-    model = parse_model({"input_shape": input_shape, "layers": layers})
-    weights = random_weights(model, np.random.default_rng(5))
-    x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+    model, weights, x = chain_case()
     expected = cpu_backend.CpuBackend(model, weights, threads=1).run(x).copy()
     slow = cpu_backend.CpuBackend(model, weights, threads=2)
     slow.task_flops = 1                      # the default rule, but every layer worth splitting
@@ -222,10 +227,7 @@ def test_a_split_slow_only_at_first_is_kept(monkeypatch):
 
     from lnn.runtime.cpu import backend as cpu_backend
 
-    input_shape, layers = CASES["conv_chain_then_linear"]
-    model = parse_model({"input_shape": input_shape, "layers": layers})
-    weights = random_weights(model, np.random.default_rng(5))
-    x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+    model, weights, x = chain_case()
     backend = cpu_backend.CpuBackend(model, weights, threads=2)
     backend.task_flops = 1
     split, whole = backend._plan(1, 2), backend._plan(1, 1)
@@ -253,10 +255,7 @@ def test_a_choice_is_timed_again_later(monkeypatch):
 
     from lnn.runtime.cpu import backend as cpu_backend
 
-    input_shape, layers = CASES["conv_chain_then_linear"]
-    model = parse_model({"input_shape": input_shape, "layers": layers})
-    weights = random_weights(model, np.random.default_rng(5))
-    x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+    model, weights, x = chain_case()
     backend = cpu_backend.CpuBackend(model, weights, threads=2)
     backend.task_flops = 1
     slow = {"split": True}
