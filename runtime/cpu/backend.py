@@ -200,6 +200,7 @@ class CpuBackend:
         self._trials: dict = {}            # batch -> ([split plan's s], [one-thread plan's s]) while unchosen
         self._chosen: dict = {}            # batch -> parts of its plan (threads, or 1 where splitting lost)
         self._reviews: dict = {}           # batch -> [calls until its choice is timed again, the next interval]
+        self._nothing_to_split: set = set()   # batch sizes whose plan has no layer worth splitting (one thread runs it)
         BLAS_THREADS.find_libraries()
         self.compile_seconds: float | None = None     # set by warmup(): first-call compile or cache load
 
@@ -255,7 +256,12 @@ class CpuBackend:
         10 later processes the split ran at 4.6-5.9 ms from its first call. So threads > 1 is never kept slower than one thread where hand-offs cost more
         than the split saves (measured: leaf_cnn's layers on the 2-core VM, docs/BENCHMARKS.md). The
         choice is reviewed the same way after REVIEW_FIRST calls, then REVIEW_GROWTH times later each time."""
-        if self._crew is None or not self.task_flops or not self._plan(batch, self.threads).splits:
+        if self._crew is None:
+            self._chosen[batch] = self.threads
+            return self.threads
+        if not self._plan(batch, self.threads).splits:
+            self._nothing_to_split.add(batch)
+        if not self.task_flops or batch in self._nothing_to_split:
             self._chosen[batch] = self.threads
             return self.threads
         split, whole = self._trials.setdefault(batch, ([], []))
@@ -282,7 +288,9 @@ class CpuBackend:
         if not decided:
             return (f"one image's layers: split over {self.threads} threads where timed at least "
                     f"{1 - SPLIT_GAIN:.0%} faster than one (decided after {TRIAL_CALLS + 1} calls of each)")
-        return "; ".join(f"batch {batch}: " + (f"layers split over {parts} threads" if parts > 1 else
+        return "; ".join(f"batch {batch}: " + ("one thread (no layer large enough to split)"
+                                               if batch in self._nothing_to_split else
+                                               f"layers split over {parts} threads" if parts > 1 else
                                                "one thread (the split was not faster)")
                          for batch, parts in decided)
 

@@ -216,7 +216,10 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     assert paying._chosen == {1: 2} and paying.split_choice() == "batch 1: layers split over 2 threads"
     forced = split_backend(model, weights, 2)          # task_flops 0: always split, no trial
     forced.run(x)
-    assert forced._chosen == {1: 2}
+    assert forced._chosen == {1: 2} and forced.split_choice() == "batch 1: layers split over 2 threads"
+    small = cpu_backend.CpuBackend(model, weights, threads=2)     # the default rule: no layer of this chain is worth it
+    small.run(x)
+    assert not small._plan(1, 2).splits and small.split_choice() == "batch 1: one thread (no layer large enough to split)"
 
 
 def test_a_split_slow_only_at_first_is_kept(monkeypatch):
