@@ -251,9 +251,10 @@ class CpuBackend:
         cost more CPU in all). The fastest, not the median: what slows a plan's calls here comes from
         outside it and only adds time. The bundled model at 2 threads in 6 fresh processes on the 2-core
         VM: the split's timed trial calls ran near one thread's speed in 4 (8.0, 7.9, 8.1, 7.9, then 4.6
-        ms; the one-thread plan's 7.0-7.7), 2 of them at 4.6-5.2 ms soon after; by median 2 processes
-        kept one thread, by the fastest 1 (whose split stayed at about 7 ms for its next 100 calls). In
-        10 later processes the split ran at 4.6-5.9 ms from its first call. So threads > 1 is never kept slower than one thread where hand-offs cost more
+        ms; the one-thread plan's 7.0-7.7); by median 2 processes kept one thread, by the fastest 1. In
+        both of those the split then ran at about 7 ms for 100 calls, so that time neither choice was
+        slower; the reviews decide again later. In 10 later processes the split ran at 4.6-5.9 ms from
+        its first call. So threads > 1 is never kept slower than one thread where hand-offs cost more
         than the split saves (measured: leaf_cnn's layers on the 2-core VM, docs/BENCHMARKS.md). The
         choice is reviewed the same way after REVIEW_FIRST calls, then REVIEW_GROWTH times later each time."""
         if self._crew is None:
