@@ -43,6 +43,7 @@ CONFIGS = [(1, 1), (2, 1), (2, 32)]           # (threads, batch)
 SECONDS = 0.4
 WORKER_SECONDS = 90       # a runtime's process for one model (ncnn's spinning threads crawl on a busy machine)
 COMMAND = "python benchmarks/cpu_peers.py"
+PER_ROUND = "per round (others' cores; one thread: the 2-thread process ran the one-thread plan)"   # a column's head
 QUIET_CORES = 0.25        # a runtime's process is run again (up to --retries more times) when others took more meanwhile
 
 
@@ -272,7 +273,7 @@ def main() -> None:
     rows = table(results, models)
     speed = scaling(results, models)
     print(markdown_table(headers, rows))
-    print(markdown_table(["model", "lnn 1 thread / 2 threads, batch 1 (median)", "per round (others' cores; one thread: the 2-thread process ran the one-thread plan)"], speed))
+    print(markdown_table(["model", "lnn 1 thread / 2 threads, batch 1 (median)", PER_ROUND], speed))
     body = "\n\n".join([
         "## CPU runtimes side by side: lnn, onnxruntime, LiteRT, ncnn (one image over threads)",
         f"Command: `{COMMAND} --rounds {args.rounds} --models {args.models} --runtimes {','.join(runtimes)} --retries {args.retries}`. Machine: {machine_line(('numpy', 'numba', 'onnxruntime', 'ai-edge-litert', 'ncnn'))}."
@@ -287,8 +288,7 @@ def main() -> None:
         f"{np.median(others_seen):.2f} and at most {max(others_seen):.2f} cores.",
         markdown_table(headers, rows),
         "lnn at batch 1, 1 thread / 2 threads (the issue's target: >= 1.7 on leaf_cnn224 and tomato):",
-        markdown_table(["model", "speed-up (median of the quiet rounds)",
-                        "per round (others' cores; one thread: the 2-thread process ran the one-thread plan)"], speed),
+        markdown_table(["model", "speed-up (median of the quiet rounds)", PER_ROUND], speed),
     ])
     update_section("cpu_peers", body)
     print("wrote the cpu_peers section of docs/BENCHMARKS.md")
