@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import cupy
 
-from lnn.runtime.cuda.float16 import CONVERSIONS, HALF_TYPES, c_type
+from lnn.runtime.cuda.float16 import CONVERSIONS, HALF_TYPES, INDEXING, c_type
 
 # Activation codes passed to the epilogue kernels; softmax has none (see above).
 ACTIVATION_CODES = {None: 0, "relu": 1, "relu6": 2, "leaky_relu": 3, "sigmoid": 4, "tanh": 5}
@@ -112,16 +112,20 @@ _col2im = cupy.ElementwiseKernel(
     "dx = (T)sum;",
     "lnn_col2im")
 
-_WINDOW_MAX = r"""
+_WINDOW_MAX = INDEXING + r"""
+// Element i of an [planes, rows, columns] array as (plane, row, column)
+__device__ __forceinline__ long long lnn_plane_of(long long i, int rows, int columns, int* row, int* column) {
+    return lnn_divide(lnn_divide(i, columns, column), rows, row);
+}
+
 // The max over one pooling window of plane `plane` and the kernel offset that won (the first on ties);
 // cells outside the image are -inf, as the reference's padding.
 template <typename T>
 __device__ float lnn_window_max(const T* x, long long i, int height, int width, int out_h, int out_w,
                                 int kernel_h, int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w,
                                 int* winner) {
-    const int ow = (int)(i % out_w);
-    const int oh = (int)((i / out_w) % out_h);
-    const T* plane = x + (i / out_w / out_h) * (long long)height * width;
+    int oh, ow;
+    const T* plane = x + lnn_plane_of(i, out_h, out_w, &oh, &ow) * (long long)height * width;
     float best = __int_as_float(0xff800000);
     *winner = 0;
     for (int a = 0; a < kernel_h; ++a) {
@@ -154,18 +158,27 @@ _maxpool2d_argmax = cupy.ElementwiseKernel(
 
 # dx [planes, H, W] = the sum of dy over the windows whose argmax is this cell; relu_mask: the layer
 # before ends in relu, undone here (train/layers.py PoolUndoingRelu): dy counts only where the pool's y > 0.
+# Windows that tile the image (kernel == stride, no padding, H = OH * KH, W = OW * KW): one thread per window
+# writes its KH x KW cells (dy to the winner, 0 to the others), every cell once. Otherwise one thread per
+# cell gathers from the windows that hold it.
+_maxpool2d_backward_tiled = cupy.ElementwiseKernel(
+    "T dy, I argmax, T y, int32 relu_mask, int32 height, int32 width, int32 out_h, int32 out_w, "
+    "int32 kernel_h, int32 kernel_w", "raw T dx",
+    "int oh, ow;"
+    "const long long plane = lnn_plane_of(i, out_h, out_w, &oh, &ow);"
+    "T* cell = &dx[0] + (plane * height + (long long)oh * kernel_h) * width + (long long)ow * kernel_w;"
+    "const int winner = (int)argmax;"
+    "const T zero = (T)0.0f;"
+    "const T g = (!relu_mask || (float)y > 0.0f) ? dy : zero;"
+    "for (int a = 0; a < kernel_h; ++a)"
+    "    for (int b = 0; b < kernel_w; ++b) cell[a * width + b] = a * kernel_w + b == winner ? g : zero;",
+    "lnn_maxpool2d_backward_tiled", preamble=_WINDOW_MAX)
+
 _maxpool2d_backward = cupy.ElementwiseKernel(
-    "raw T dy, raw I argmax, raw T y, int32 relu_mask, int32 tiled, " + _POOL_ARGS, "T dx",
-    "const int w = (int)(i % width);"
-    "const int h = (int)((i / width) % height);"
-    "const long long plane = (i / width / height) * (long long)out_h * out_w;"
+    "raw T dy, raw I argmax, raw T y, int32 relu_mask, " + _POOL_ARGS, "T dx",
+    "int h, w;"
+    "const long long plane = lnn_plane_of(i, height, width, &h, &w) * (long long)out_h * out_w;"
     "float sum = 0.0f;"
-    "if (tiled) {"          # kernel == stride, no padding, windows tile the image: one window per cell
-    "    const int oh = h / kernel_h, ow = w / kernel_w;"
-    "    const long long o = plane + (long long)oh * out_w + ow;"
-    "    const bool wins = (int)argmax[o] == (h - oh * kernel_h) * kernel_w + (w - ow * kernel_w);"
-    "    if (wins && (!relu_mask || (float)y[o] > 0.0f)) sum = (float)dy[o];"
-    "} else {"
     "for (int a = 0; a < kernel_h; ++a) {"
     "    const int hs = h + pad_h - a;"
     "    if (hs < 0 || hs % stride_h) continue;"
@@ -180,9 +193,8 @@ _maxpool2d_backward = cupy.ElementwiseKernel(
     "        if ((int)argmax[o] == a * kernel_w + b && (!relu_mask || (float)y[o] > 0.0f)) sum += (float)dy[o];"
     "    }"
     "}"
-    "}"
     "dx = (T)sum;",
-    "lnn_maxpool2d_backward")
+    "lnn_maxpool2d_backward", preamble=_WINDOW_MAX)
 
 # Batch norm's per-channel passes over x [N, C, P] (float32, or float16 or bfloat16 as its bits; float32 arithmetic), 16 bytes
 # per load where P is a multiple of the vector and the arrays are 16-byte aligned (CuPy's own float16
@@ -190,7 +202,7 @@ _maxpool2d_backward = cupy.ElementwiseKernel(
 #   lnn_channel_affine:           y = act(x * scale[c] + shift[c]), act none or relu (batch norm's affine)
 #   lnn_batchnorm_input_gradient: dx = k[c] * (dy - mean_dy[c] - x_hat * mean_dy_xhat[c]),
 #                                 x_hat = (x - mean[c]) * inv_std[c]
-_CHANNEL_SOURCE = CONVERSIONS + r"""
+_CHANNEL_SOURCE = CONVERSIONS + INDEXING + r"""
 // VEC consecutive elements of one (n, c) row: one 16-byte access when VEC > 1
 template <typename T, int VEC>
 __device__ __forceinline__ void lnn_read(const T* base, long long group, T* e) {
@@ -208,7 +220,8 @@ __global__ void lnn_channel_affine(const T* __restrict__ x, const float* __restr
                                    const float* __restrict__ shift, T* __restrict__ y, long long groups,
                                    long long positions, int channels, int relu) {
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < groups; g += (long long)gridDim.x * blockDim.x) {
-        const int c = (int)(g * VEC / positions % channels);
+        int p, c;
+        lnn_divide(lnn_divide(g * VEC, (int)positions, &p), channels, &c);
         const float s = scale[c], t = shift[c];
         __align__(16) T e[VEC];
         lnn_read<T, VEC>(x, g, e);
@@ -227,7 +240,8 @@ __global__ void lnn_batchnorm_input_gradient(const T* __restrict__ dy, const T* 
         const float* __restrict__ mean_dy, const float* __restrict__ mean_dy_xhat, T* __restrict__ dx,
         long long groups, long long positions, int channels) {
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < groups; g += (long long)gridDim.x * blockDim.x) {
-        const int c = (int)(g * VEC / positions % channels);
+        int p, c;
+        lnn_divide(lnn_divide(g * VEC, (int)positions, &p), channels, &c);
         const float m = mean[c], is = inv_std[c], kc = k[c], md = mean_dy[c], mdx = mean_dy_xhat[c];
         __align__(16) T a[VEC], b[VEC];
         lnn_read<T, VEC>(dy, g, a);
@@ -730,8 +744,10 @@ def maxpool2d(x, attrs, out, argmax=None):
 
 
 def maxpool2d_backward(dy, argmax, y, relu_mask: bool, attrs, dx):
-    """train/kernels.maxpool2d_backward in one launch (a gather: no atomics); relu_mask drops dy where y <= 0."""
+    """train/kernels.maxpool2d_backward in one launch (no atomics); relu_mask drops dy where y <= 0."""
     geometry = _pool_geometry(dx, dy, attrs)
     height, width, out_h, out_w, kh, kw, sh, sw, ph, pw = geometry
-    tiled = (sh, sw) == (kh, kw) and (ph, pw) == (0, 0) and height == out_h * kh and width == out_w * kw
-    return _maxpool2d_backward(dy, argmax, y, int(relu_mask), int(tiled), *geometry, dx)
+    if (sh, sw) == (kh, kw) and (ph, pw) == (0, 0) and height == out_h * kh and width == out_w * kw:
+        _maxpool2d_backward_tiled(dy, argmax, y, int(relu_mask), height, width, out_h, out_w, kh, kw, dx)
+        return dx
+    return _maxpool2d_backward(dy, argmax, y, int(relu_mask), *geometry, dx)

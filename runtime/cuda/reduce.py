@@ -17,13 +17,13 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from lnn.runtime.cuda.float16 import CONVERSIONS
+from lnn.runtime.cuda.float16 import CONVERSIONS, INDEXING
 
 THREADS = 256
 CHUNK = 8192                  # elements of one channel per first-pass block, at least
 MAX_CHUNKS = 256
 
-_SOURCE = CONVERSIONS + r"""
+_SOURCE = CONVERSIONS + INDEXING + r"""
 
 __device__ __forceinline__ void block_sum2(float& s1, float& s2) {
     __shared__ float first[256], second[256];
@@ -63,8 +63,9 @@ __device__ void partial_sums(const T* a, const T* b, const float* shift_a, const
     } else {
         const long long count = (last > first ? last - first : 0) * inner;
         for (long long e = threadIdx.x; e < count; e += blockDim.x) {
-            const long long row = first + e / inner;
-            const long long at = (row * channels + c) * inner + (e % inner);
+            int p;
+            const long long row = first + lnn_divide(e, (int)inner, &p);
+            const long long at = (row * channels + c) * inner + p;
             const float va = lnn_load(a[at]), vb = lnn_load(b[at]);
             s1 += va;
             s2 += (va - sa) * (vb - sb);
