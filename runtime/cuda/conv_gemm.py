@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lnn.runtime.cuda.float16 import CONVERSIONS, HALF_TYPES, c_type
+from lnn.runtime.cuda.float16 import CONVERSIONS, HALF_TYPES, INDEXING, c_type
 
 THREADS = 256
 TARGET_BLOCKS = 4 * 132             # blocks of the weight-gradient pass: a few waves of a large GPU
@@ -38,12 +38,27 @@ WGRAD_STEP = 32                     # positions per weight-gradient shared-memor
 FORWARD_TILES = {16: (256, 4), 32: (128, 4), 64: (128, 8)}      # BM -> (BN, TN)
 TENSOR_CORE_COLUMNS = 128           # BN of the tensor-core forward kernel, for every BM
 TENSOR_CORE_CAPABILITY = 80         # mma.sync.m16n8k16 with float16 or bfloat16: Ampere and newer
+# The forward of a conv with at most this many input channels, and at most DIRECT_MAX_TAPS weights per output
+# channel, runs as lnn_conv_direct (a network's first conv on RGB or gray), DIRECT_OUTPUTS channels a block.
+DIRECT_MAX_CHANNELS = 4
+DIRECT_MAX_TAPS = 100
+DIRECT_OUTPUTS = 16
+MAX_GRID_Z = 65535                  # CUDA's limit on a grid's third dimension
 
-SOURCE = CONVERSIONS + r"""
-#define THREADS 256
+SOURCE = CONVERSIONS + INDEXING + f"""
+#define THREADS {THREADS}
+#define DIRECT_OUTPUTS {DIRECT_OUTPUTS}
+#define DIRECT_MAX_TAPS {DIRECT_MAX_TAPS}
+""" + r"""
 
 // T is float, unsigned short (the bits of a float16) or lnn_bf16 (amp), computed in float (lnn_load,
 // lnn_store).
+// the forward kernels' epilogue: *y = act(v + bias[o]), act relu or none
+template <typename T>
+__device__ __forceinline__ void lnn_store_output(T* y, float v, const T* bias, int o, int has_bias, int relu) {
+    v += has_bias ? lnn_load(bias[o]) : 0.0f;
+    lnn_store(y, relu ? fmaxf(v, 0.0f) : v);
+}
 // Where output position q (of `columns`) reads its window: the value of k = (c, kh, kw) is x[base +
 // offset(k)] inside the image, 0 outside, from the table [3, K] (offset, kh, kw) of the layer.
 struct LnnWindow {
@@ -54,8 +69,7 @@ struct LnnWindow {
                          int channels, int height, int width) {
         if (q >= columns) return;
         valid = true;
-        n = q / positions;
-        p = (int)(q % positions);
+        n = lnn_divide(q, positions, &p);
         corner_h = p / out_w - pad_h;
         corner_w = p % out_w - pad_w;
         base = n * channels * (long long)height * width + (long long)corner_h * width + corner_w;
@@ -144,15 +158,13 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_igemm(
     for (int j = 0; j < TN; ++j) {
         const long long q = q0 + tx + COL_THREADS * j;
         if (q >= columns) continue;
-        const long long n = q / positions;
-        const int p = (int)(q % positions);
+        int p;
+        const long long n = lnn_divide(q, positions, &p);
         #pragma unroll
         for (int i = 0; i < TM; ++i) {
             const int o = o0 + ty + ROW_THREADS * i;
             if (o >= out_channels) continue;
-            float v = acc[i][j] + (has_bias ? lnn_load(bias[o]) : 0.0f);
-            if (relu) v = fmaxf(v, 0.0f);
-            lnn_store(&y[(n * out_channels + o) * positions + p], v);
+            lnn_store_output(&y[(n * out_channels + o) * positions + p], acc[i][j], bias, o, has_bias, relu);
         }
     }
 }
@@ -276,6 +288,56 @@ __global__ void lnn_conv_wgrad_reduce(const float* __restrict__ partial, T* dwei
     lnn_store(target, accumulate ? lnn_load(*target) + sum : sum);
 }
 
+// Direct convolution for few input channels (direct_forward: a network's first conv on an RGB or gray image,
+// whose reduction C*KH*KW is too short for the tiled kernels): one thread per output position of an image
+// (blockIdx.z steps over the images), DIRECT_OUTPUTS output channels from blockIdx.y * DIRECT_OUTPUTS, whose
+// weights sit in shared memory as [k][o] (four channels' weights one 16-byte broadcast read).
+template <typename T>
+__global__ void __launch_bounds__(THREADS) lnn_conv_direct(
+        const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
+        int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
+        int kernel_h, int kernel_w, int pad_h, int pad_w, int has_bias, int relu) {
+    constexpr int OB = DIRECT_OUTPUTS;
+    __shared__ float4 w_tile[DIRECT_MAX_TAPS * OB / 4];
+    float* w_flat = reinterpret_cast<float*>(w_tile);
+    const int taps = channels * kernel_h * kernel_w, o0 = blockIdx.y * OB;
+    for (int e = threadIdx.x; e < taps * OB; e += THREADS) {
+        const int o = o0 + e % OB;
+        w_flat[e] = o < out_channels ? lnn_load(weight[o * taps + e / OB]) : 0.0f;
+    }
+    __syncthreads();
+    const int positions = out_h * out_w, p = blockIdx.x * THREADS + threadIdx.x;
+    if (p >= positions) return;
+    const int oy = p / out_w, ox = p - oy * out_w;
+    for (int image = blockIdx.z; image < batch; image += gridDim.z) {
+        const T* plane = x + (long long)image * channels * height * width;
+        float acc[OB];
+        #pragma unroll
+        for (int o = 0; o < OB; ++o) acc[o] = 0.0f;
+        int k = 0;
+        for (int c = 0; c < channels; ++c, plane += height * width)
+            for (int a = 0; a < kernel_h; ++a) {
+                const int h = oy - pad_h + a;
+                for (int b = 0; b < kernel_w; ++b, ++k) {
+                    const int w = ox - pad_w + b;
+                    const float v = h >= 0 && h < height && w >= 0 && w < width ? lnn_load(plane[h * width + w]) : 0.0f;
+                    #pragma unroll
+                    for (int j = 0; j < OB / 4; ++j) {
+                        const float4 q = w_tile[k * (OB / 4) + j];
+                        acc[4 * j] += q.x * v;
+                        acc[4 * j + 1] += q.y * v;
+                        acc[4 * j + 2] += q.z * v;
+                        acc[4 * j + 3] += q.w * v;
+                    }
+                }
+            }
+        T* out = y + ((long long)image * out_channels + o0) * positions + p;
+        #pragma unroll
+        for (int o = 0; o < OB; ++o)
+            if (o0 + o < out_channels) lnn_store_output(out + (long long)o * positions, acc[o], bias, o0 + o, has_bias, relu);
+    }
+}
+
 // weight [O, C, KH, KW] -> flipped [C, O, KH, KW], flipped[c, o, a, b] = weight[o, c, KH-1-a, KW-1-b]
 template <typename T>
 __global__ void lnn_conv_flip_weight(const T* __restrict__ weight, T* __restrict__ flipped,
@@ -331,12 +393,6 @@ __device__ __forceinline__ void lnn_mma_tiles(float (&acc)[FM][FN][4], const uns
     for (int i = 0; i < FM; ++i)
         #pragma unroll
         for (int j = 0; j < FN; ++j) lnn_mma_16x8x16<T>(acc[i][j], a[i], b[j]);
-}
-// the forward kernels' epilogue: *y = act(v + bias[o]), act relu or none
-template <typename T>
-__device__ __forceinline__ void lnn_store_output(T* y, float v, const T* bias, int o, int has_bias, int relu) {
-    v += has_bias ? lnn_load(bias[o]) : 0.0f;
-    lnn_store(y, relu ? fmaxf(v, 0.0f) : v);
 }
 // A fragment rows [row, row + 16) and columns [col, col + 16) of a row-major half tile with leading dimension ld
 template <typename T>
@@ -434,8 +490,9 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv_igemm_mma(
                 const int o = o0 + warp_m + 16 * i + g + (r >= 2 ? 8 : 0);
                 const long long column = q0 + warp_n + 8 * j + 2 * quad + (r & 1);
                 if (o >= out_channels || column >= columns) continue;
-                const long long at = (column / positions * out_channels + o) * positions + column % positions;
-                lnn_store_output(y + at, acc[i][j][r], bias, o, has_bias, relu);
+                int p;
+                const long long image = lnn_divide(column, positions, &p);
+                lnn_store_output(y + (image * out_channels + o) * positions + p, acc[i][j][r], bias, o, has_bias, relu);
             }
 }
 
@@ -773,6 +830,14 @@ def supported(attrs: dict) -> bool:
             and ph <= kh - 1 and pw <= kw - 1)
 
 
+def direct_forward(attrs: dict, channels: int) -> bool:
+    """Whether a supported conv2d's forward runs as lnn_conv_direct: at most DIRECT_MAX_CHANNELS input channels
+    and DIRECT_MAX_TAPS weights per output channel (the tiled and tensor-core kernels would spend most of their
+    reduction steps on padding)."""
+    kh, kw = attrs["kernel_size"]
+    return channels <= DIRECT_MAX_CHANNELS and channels * kh * kw <= DIRECT_MAX_TAPS
+
+
 def halo_tile(out_w: int) -> tuple:
     """(IMGS, TH, TW) of lnn_conv3x3_mma: 128 output positions as IMGS images x TH rows x TW columns."""
     tw = 16 if out_w > 8 else 8 if out_w > 4 else 4
@@ -862,7 +927,8 @@ def scratch_bytes(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
     itemsize = np.dtype(dtype).itemsize
     if np.dtype(dtype).name in HALF_TYPES and uses_halo(attrs):
         tables = 4 * 3 * reduction
-        weights = itemsize * (arranged_elements(out_channels, channels) + arranged_elements(channels, out_channels))
+        forward = 0 if direct_forward(attrs, channels) else arranged_elements(out_channels, channels)
+        weights = itemsize * (forward + arranged_elements(channels, out_channels))
     else:
         tables = 4 * 3 * reduction + 4 * 3 * out_channels * kh * kw
         weights = itemsize * out_channels * reduction
@@ -898,7 +964,7 @@ def kernel_names(kind: str, tensor_core: bool) -> list:
     """The template instances a module for element type `kind` (a C type of float16.py) holds."""
     names = [f"lnn_conv_igemm<{kind}, {bm}, {bn}, {tn}>" for bm, (bn, tn) in FORWARD_TILES.items()]
     names += [f"lnn_conv_wgrad<{kind}, {bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
-    names += [f"lnn_conv_wgrad_reduce<{kind}>", f"lnn_conv_flip_weight<{kind}>"]
+    names += [f"lnn_conv_wgrad_reduce<{kind}>", f"lnn_conv_flip_weight<{kind}>", f"lnn_conv_direct<{kind}>"]
     if tensor_core:
         names += [f"lnn_conv_igemm_mma<{kind}, {bm}, {TENSOR_CORE_COLUMNS}>" for bm in FORWARD_TILES]
         names += [f"lnn_conv_wgrad_mma<{kind}, {bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
@@ -945,14 +1011,17 @@ class ConvKernels:
         self.no_bias = cupy.zeros(1, dtype)
         self.tensor_cores = dtype.name in HALF_TYPES and tensor_cores()
         module = _module(kind, self.tensor_cores)
+        self.direct = direct_forward(attrs, self.channels)
         self.halo = self.tensor_cores and uses_halo(attrs)
         self.halo_wgrad = self.halo and uses_halo_weight_gradient(attrs, self.channels, self.out_w)
+        self._direct = module.get_function(f"lnn_conv_direct<{kind}>")
         if self.halo:
             self._halo = {(bm, tile): module.get_function(f"lnn_conv3x3_mma<{kind}, {bm}, {tile[0]}, {tile[1]}, {tile[2]}>")
                           for bm in FORWARD_TILES for tile in HALO_TILES}
             self._halo_wgrad = {bm: module.get_function(wgrad_halo_name(kind, bm)) for bm in FORWARD_TILES}
             self._arrange = module.get_function(f"lnn_conv3x3_arrange<{kind}>")
-            self.arranged = cupy.empty(arranged_elements(self.out_channels, self.channels), dtype)
+            if not self.direct:
+                self.arranged = cupy.empty(arranged_elements(self.out_channels, self.channels), dtype)
             if backward:
                 self.arranged_dx = cupy.empty(arranged_elements(self.channels, self.out_channels), dtype)
         if self.tensor_cores:
@@ -1002,9 +1071,21 @@ class ConvKernels:
                                                                         out_h, out_w, pad_h, pad_w,
                                                                         bias is not None, relu))))
 
+    def _direct_conv(self, x, weight, bias, y, relu: bool):
+        """lnn_conv_direct: y [N, O, OH, OW] = act(conv(x [N, C, H, W], weight) + bias)."""
+        n = x.shape[0]
+        grid = (ceil_div(self.out_h * self.out_w, THREADS), ceil_div(self.out_channels, DIRECT_OUTPUTS), min(n, MAX_GRID_Z))
+        self._direct(grid, (THREADS,), (x, weight, self.no_bias if bias is None else bias, y,
+                                        *(np.int32(v) for v in (n, self.channels, self.height, self.width,
+                                                                self.out_channels, self.out_h, self.out_w, self.kernel_h,
+                                                                self.kernel_w, self.pad_h, self.pad_w, bias is not None,
+                                                                relu))))
+
     def forward(self, x, weight, bias, y, relu: bool = False):
         """y = act(conv2d(x) + bias) with relu fused when asked; x [N, C, H, W] -> y [N, O, OH, OW]."""
-        if self.halo:
+        if self.direct:
+            self._direct_conv(x, weight, bias, y, relu)
+        elif self.halo:
             self._halo_conv(x, weight, False, self.arranged, bias, y, self.pad_h, self.pad_w, relu)
         else:
             self._igemm(x, weight, bias, self.table, y, self.pad_h, self.pad_w, relu)

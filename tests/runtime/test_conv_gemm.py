@@ -3,7 +3,8 @@ GPU against a float64 NumPy convolution.
 
 The sizing helpers run everywhere; the kernels need CuPy and a GPU (skipped otherwise; run on the GPU
 machine by benchmarks/gpu_check.sh). Shapes cover channel counts off the tile sizes (16/32/64 rows,
-64 k-columns), kernels 1x1, 3x3, 5x5 and 2x3, padding 0 up to kernel-1, with and without bias.
+64 k-columns), kernels 1x1, 3x3, 5x5 and 2x3, padding 0 up to kernel-1, with and without bias, and
+forwards on both sides of the direct kernel's rule (at most 4 input channels).
 """
 
 import sys
@@ -27,6 +28,7 @@ CASES = [
     (2, 5, 8, 9, 17, (2, 3), (1, 2), False),
     (300, 1, 6, 6, 8, (3, 3), (1, 1), True),
     (5, 20, 4, 4, 24, (3, 3), (1, 1), True),
+    (3, 4, 10, 7, 24, (5, 5), (2, 2), False),       # the direct forward at its limit (100 taps), two channel blocks
 ]
 
 
@@ -68,6 +70,16 @@ def test_support_rule():
     assert not conv_gemm.supported(dict(attrs_of((3, 3), (1, 1), True), stride=(2, 2)))
     assert not conv_gemm.supported(dict(attrs_of((3, 3), (1, 1), True), dilation=(2, 2)))
     assert not conv_gemm.supported(dict(attrs_of((3, 3), (1, 1), True), groups=2))
+
+
+def test_direct_forward_rule():
+    assert conv_gemm.direct_forward(attrs_of((3, 3), (1, 1), True), 3)
+    assert conv_gemm.direct_forward(attrs_of((5, 5), (2, 2), True), 4)               # 100 taps
+    assert not conv_gemm.direct_forward(attrs_of((3, 3), (1, 1), True), 5)
+    assert not conv_gemm.direct_forward(attrs_of((7, 7), (3, 3), True), 3)           # 147 taps
+    # amp: a direct forward needs no arranged forward weights, only the input gradient's (and the window table)
+    assert conv_gemm.scratch_bytes(attrs_of((3, 3), (1, 1), True), (4, 16, 16), (8, 16, 16), np.float16) == \
+        4 * 3 * 36 + 2 * conv_gemm.arranged_elements(4, 8)
 
 
 def test_window_table_matches_the_nchw_offsets():
@@ -163,6 +175,7 @@ def test_16_bit_layers_launch_their_own_instances(monkeypatch, kernel, padding, 
     assert ("lnn_conv3x3_wgrad_mma" in families) == (halo and channels >= 16 and size > 8)
     assert ("lnn_conv_igemm_mma" in families) == (tensor_cores and not halo)
     assert ("lnn_conv_igemm" in families) == (not tensor_cores)
+    assert ("lnn_conv_direct" in families) == (channels <= conv_gemm.DIRECT_MAX_CHANNELS)
 
 
 # --------------------------------------------------------------------------- on the GPU
