@@ -154,12 +154,19 @@ class Conv2dLayer(Layer):
     def padded_shape(self, n: int) -> tuple:
         return _padded_shape(n, self.node.in_shape, self.attrs["padding"])
 
-    def forward(self, c, training):
+    def run_forward(self, c, training: bool, activate: bool = True):
+        """On the GPU kernels a relu after the convolution runs inside its output step (no pass of its own)."""
+        if self.implicit and activate and self.activation is not None and self.activation["type"] == "relu":
+            self.forward(c, training, relu=True)
+        else:
+            super().run_forward(c, training, activate)
+
+    def forward(self, c, training, relu: bool = False):
         weight, bias = c.params["weight"], c.params.get("bias")
         if self.winograd:
-            self.winograd_kernels().forward(c.x, weight, bias, c.y, c.ws["winograd_v"], c.ws["winograd_m"])
+            self.winograd_kernels().forward(c.x, weight, bias, c.y, c.ws["winograd_v"], c.ws["winograd_m"], relu)
         elif self.implicit:
-            self.implicit_kernels().forward(c.x, weight, bias, c.y)
+            self.implicit_kernels().forward(c.x, weight, bias, c.y, relu)
         else:
             K.conv2d_forward(c.xp, c.x, weight, bias, self.attrs, c.y, c.ws.get("padded"), c.ws["cols"], c.ws["gemm"])
 
