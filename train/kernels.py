@@ -161,10 +161,16 @@ def avgpool2d_backward(xp, dy, attrs, divisor, dx, padded):
 # x [N, C, T] or [N, C, H, W] -> y [N, C] (or keepdims). Average: dx = dy / P everywhere (P = T or H*W).
 # Max: dx = dy at the saved winning position of each row, 0 elsewhere; `positions` is 0..P-1 (int32).
 
-def global_avg_pool_backward(xp, dy, dx):
+def global_avg_pool_backward(xp, dy, dx, relu_input=None):
+    """relu_input: the pool's input x when the relu before the pool is undone here (dx is 0 where x <= 0)."""
+    fused = gpu_kernels(xp, dy, dx, *([] if relu_input is None else [relu_input]))
+    if fused is not None:
+        return fused.global_avg_pool_backward(dy, dx if relu_input is None else relu_input, relu_input is not None, dx)
     n, c = dx.shape[:2]
     rows = dx.reshape(n, c, -1)
     rows[...] = dy.reshape(n, c, 1) / dx.dtype.type(rows.shape[2])
+    if relu_input is not None:
+        xp.multiply(dx, relu_input > 0, out=dx)
     return dx
 
 

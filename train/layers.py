@@ -26,7 +26,6 @@ from lnn.runtime.cuda import winograd           # the rule and the sizing only: 
 from lnn.train import kernels as K
 
 COMPUTE = "compute"        # a workspace dtype meaning: the plan's activation dtype
-RELU = {"type": "relu"}
 
 
 class Call:
@@ -298,9 +297,7 @@ class GlobalAvgPoolLayer(PoolUndoingRelu):
         K.global_avg_pool_forward(c.xp, c.x, c.y)
 
     def backward(self, c):
-        K.global_avg_pool_backward(c.xp, c.dy, c.dx)
-        if self.takes_relu_backward:
-            K.activation_backward(c.xp, RELU, c.dx, c.x, c.dx)
+        K.global_avg_pool_backward(c.xp, c.dy, c.dx, relu_input=c.x if self.takes_relu_backward else None)
 
 
 class MaxPool1dLayer(OnRows, MaxPoolLayer):
