@@ -10,6 +10,8 @@ im2col: x [N, C, H, W] -> cols [C, KH, KW, N, OH, OW] with zero padding read in 
 maxpool2d: x [N, C, H, W] -> y [N, C, OH, OW], max over the window's cells inside the image (the
     reference pads with -inf, and padding <= half the kernel keeps every window non-empty), and for
     training the winning offset; maxpool2d_backward routes dy back through it (the one max pool of the GPU).
+global_avg_pool_backward: dy [N, C] -> dx [N, C, ...] = dy / positions, 0 where the relu it undoes let nothing
+    through (its input x <= 0).
 channel_affine: batch norm's y = x * scale[c] + shift[c]; batchnorm_input_gradient: its dx;
     batchnorm_statistics / batchnorm_gradient_sums: its per-channel bookkeeping around them.
 activation_forward / activation_backward (any shape, element-wise, from the output), dropout (any shape: the
