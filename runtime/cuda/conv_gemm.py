@@ -23,6 +23,9 @@ bfloat16 on a card with mma.m16n8k16 (compute capability 8.0+) run the tensor-co
 lnn_conv_wgrad_mma, and the halo-tile lnn_conv3x3_mma / lnn_conv3x3_wgrad_mma for 3x3 windows): the same
 gathers and contracts, 32-row steps, the products on mma.sync (.f16 or .bf16); older cards keep the
 CUDA-core kernels for float16 (bfloat16 needs 8.0: the trainer refuses it below).
+Few input channels (direct_forward: C <= DIRECT_MAX_CHANNELS, C*KH*KW <= DIRECT_MAX_TAPS): the forward is
+lnn_conv_direct on every card and type instead, one thread per output position (n, oh, ow) summing its
+C*KH*KW window for DIRECT_OUTPUTS output channels, the same y as above.
 CuPy is imported when a ConvKernels is made (the sizing functions here do not need it).
 """
 
