@@ -41,8 +41,9 @@ __device__ __forceinline__ void lnn_store(lnn_bf16* p, float v) {
 
 INDEXING = r"""
 // q = quotient * divisor + remainder (q >= 0, divisor > 0), in 32-bit arithmetic while q fits: a 64-bit
-// division costs several times a 32-bit one, and splitting flat indices was most of what the max pools did
-// (H200, the 2x2 pool of a [256, 16, 128, 128] float16 map: 0.52 ms backward, 0.15 forward, with 64-bit ones).
+// division costs several times a 32-bit one, and element-wise kernels that split every flat index pay it per
+// element (H200, the 2x2 pool backward of a [256, 16, 128, 128] float16 map: 0.52 ms with 64-bit divisions and
+// one thread per cell, 0.13 with these and one thread per window; its forward took 0.15 ms either way).
 __device__ __forceinline__ long long lnn_divide(long long q, int divisor, int* remainder) {
     if (q <= 0x7fffffffLL) {
         const unsigned u = (unsigned)q, m = u / (unsigned)divisor;
