@@ -42,6 +42,7 @@ class Layer:
     needs_output = False
     alias = False
     relu_undone_by_next = False     # the next layer (a pool) undoes this layer's relu (see PoolUndoingRelu)
+    fuses_relu = False              # forward(c, training, relu=True) runs a following relu in its own pass
 
     def __init__(self, node):
         self.node = node
@@ -57,6 +58,9 @@ class Layer:
         return []
 
     def run_forward(self, c, training: bool, activate: bool = True):
+        if activate and self.activation is not None and self.activation["type"] == "relu" and self.fuses_relu:
+            self.forward(c, training, relu=True)
+            return
         self.forward(c, training)
         if self.activation is not None and activate:
             K.activation_forward(c.xp, self.activation, c.y, c.y)
@@ -153,12 +157,10 @@ class Conv2dLayer(Layer):
     def padded_shape(self, n: int) -> tuple:
         return _padded_shape(n, self.node.in_shape, self.attrs["padding"])
 
-    def run_forward(self, c, training: bool, activate: bool = True):
+    @property
+    def fuses_relu(self) -> bool:
         """On the GPU kernels a relu after the convolution runs inside its output step (no pass of its own)."""
-        if self.implicit and activate and self.activation is not None and self.activation["type"] == "relu":
-            self.forward(c, training, relu=True)
-        else:
-            super().run_forward(c, training, activate)
+        return self.implicit
 
     def forward(self, c, training, relu: bool = False):
         weight, bias = c.params["weight"], c.params.get("bias")
@@ -340,16 +342,10 @@ class FlattenLayer(Layer):
 class BatchNormLayer(Layer):
     ops = ("batchnorm",)
     needs_input = True
+    fuses_relu = True               # a relu after the batch norm runs inside its affine pass
 
     def workspaces(self, n):
         return [("saved", (2, self.attrs["num_features"]), "float32", "saved")]
-
-    def run_forward(self, c, training: bool, activate: bool = True):
-        """A relu after the batch norm runs inside its affine pass."""
-        if activate and self.activation is not None and self.activation["type"] == "relu":
-            self.forward(c, training, relu=True)
-        else:
-            super().run_forward(c, training, activate)
 
     def forward(self, c, training, relu: bool = False):
         p, s = c.params, c.stats
