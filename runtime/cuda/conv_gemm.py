@@ -600,51 +600,137 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad_mma(
         }
 }
 
+// A register of BYTES bytes (the halo kernels' staging loads), and its k-th 16-bit element.
+template <int BYTES> struct lnn_register;
+template <> struct lnn_register<16> { typedef uint4 type; };
+template <> struct lnn_register<8> { typedef uint2 type; };
+template <> struct lnn_register<4> { typedef unsigned type; };
+template <> struct lnn_register<2> { typedef unsigned short type; };
+__device__ __forceinline__ unsigned short lnn_element(uint4 v, int k) {
+    const unsigned word = k < 2 ? v.x : k < 4 ? v.y : k < 6 ? v.z : v.w;
+    return (unsigned short)(k & 1 ? word >> 16 : word);
+}
+__device__ __forceinline__ unsigned short lnn_element(uint2 v, int k) {
+    return (unsigned short)(k & 1 ? (k < 2 ? v.x : v.y) >> 16 : (k < 2 ? v.x : v.y));
+}
+__device__ __forceinline__ unsigned short lnn_element(unsigned v, int k) { return (unsigned short)(k & 1 ? v >> 16 : v); }
+__device__ __forceinline__ unsigned short lnn_element(unsigned short v, int) { return v; }
+
+// The input window of a halo tile (IMGS images x TH rows x TW columns of outputs from (image0, y0, x0), 16
+// channels from c0), read by rows: row r = (channel, image, window row) of CB * IMGS * (TH + 2), each as
+// TW / VEC vectors (the tile's own columns: VEC divides the width and where x starts) and 2 edge elements (the
+// columns beside them, left or right by the padding). Items are zero outside x. A row's pixels start at
+// pixel(r) = (image * (TH + 2) + window row) * (TW + 2) of its channel's (TH + 2) x (TW + 2) window.
+template <typename T, int IMGS, int TH, int TW, int VEC>
+struct LnnHaloRows {
+    typedef typename lnn_register<VEC * sizeof(T)>::type Vec;
+    static constexpr int CB = 16, PH = TH + 2, PW = TW + 2, ROWS = CB * IMGS * PH, ROW_VECTORS = TW / VEC;
+    static constexpr int VECTORS = ROWS * ROW_VECTORS, EDGES = ROWS * 2;
+    const T* x;
+    int batch, channels, height, width, pad_h, pad_w, c0, image0, y0, x0;
+
+    __device__ const T* row(int r, bool* inside) const {
+        const int c = c0 + r / (IMGS * PH), image = image0 + r / PH % IMGS, iy = y0 - pad_h + r % PH;
+        *inside = r < ROWS && c < channels && image < batch && iy >= 0 && iy < height;
+        return x + (((long long)image * channels + c) * height + iy) * width;
+    }
+    __device__ Vec vector(int e) const {                      // vector e % ROW_VECTORS of row e / ROW_VECTORS
+        bool inside;
+        const T* source = row(e / ROW_VECTORS, &inside);
+        const int ix = x0 + e % ROW_VECTORS * VEC;
+        return inside && ix < width ? *reinterpret_cast<const Vec*>(source + ix) : Vec{};
+    }
+    __device__ unsigned short edge(int e) const {             // edge e % 2 of row e / 2
+        bool inside;
+        const T* source = row(e / 2, &inside);
+        const int ix = x0 - pad_w + edge_column(e);
+        return inside && ix >= 0 && ix < width ? (unsigned short)lnn_bits(source[ix]) : (unsigned short)0;
+    }
+    __device__ int vector_column(int e) const { return pad_w + e % ROW_VECTORS * VEC; }       // in the window
+    __device__ int edge_column(int e) const { const int s = e % 2; return s < pad_w ? s : TW + s; }
+    __device__ static int channel(int r) { return r / (IMGS * PH); }
+    __device__ static int pixel(int r) { return r % (IMGS * PH) * PW; }
+};
+
 // 3x3 windows (forward, and the input gradient through the arranged flipped weight) on tensor cores from a
 // halo tile: the block's 128 output positions are a spatial tile, IMGS images x TH rows x TW columns. Per
 // step, 16 input channels of the tile's (TH+2) x (TW+2) input window go to shared memory once, channels
 // fastest ([pixel][channel]; a pixel's value serves all 9 taps), and the weights come pre-arranged
 // (lnn_conv3x3_arrange) as [O][ceil(C/16)][9][16]: the reduction order is (channel block, kh, kw, channel),
 // so each 16-long k step is one tap and 16 channels, and a B register holds two channels of one pixel.
-template <typename T, int BM, int IMGS, int TH, int TW>
+// The window is read by rows, VEC elements a load (LnnHaloRows); on 16-wide tiles with VEC >= 4 the next step's
+// weights and window are read into registers while this step is on the tensor cores (the other tiles and VECs
+// need more registers for that than the 128 that two blocks per SM leave: they spill).
+template <typename T, int BM, int IMGS, int TH, int TW, int VEC>
 __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
         const T* __restrict__ x, const T* __restrict__ arranged,
         const T* __restrict__ bias, T* __restrict__ y,
         int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
         int pad_h, int pad_w, int has_bias, int relu) {
+    typedef LnnHaloRows<T, IMGS, TH, TW, VEC> Rows;
+    typedef typename Rows::Vec Vec;
     constexpr int CB = 16, TAPS = 9, STEP = TAPS * CB, VECTORS_PER_ROW = STEP / 8;
     constexpr int BN = IMGS * TH * TW, PH = TH + 2, PW = TW + 2, PIXELS = IMGS * PH * PW;
     constexpr int LDC = CB + 8, LDA = STEP + 8;            // padded: conflict-free fragment loads
     static_assert(BN == 128, "128 positions per block");
     constexpr int WARPS_M = BM >= 32 ? 2 : 1, WARPS_N = 8 / WARPS_M;
     constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, FM = WM / 16, FN = WN / 8;
-    constexpr int PATCH_ELEMENTS = CB * PIXELS, A_VECTORS = BM * VECTORS_PER_ROW;
-    __shared__ __align__(16) T patch[PIXELS * LDC];
+    constexpr int A_VECTORS = BM * VECTORS_PER_ROW, A_LOADS = (A_VECTORS + THREADS - 1) / THREADS;
+    constexpr int X_LOADS = (Rows::VECTORS + THREADS - 1) / THREADS, EDGE_LOADS = (Rows::EDGES + THREADS - 1) / THREADS;
+    constexpr bool PREFETCH = VEC >= 4 && TW == 16;
+    __shared__ __align__(16) unsigned short patch[PIXELS * LDC];      // the bits of x
     __shared__ __align__(16) T a_tile[BM * LDA];
     const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
     const int tile_x = blockIdx.x % tiles_w, tile_y = (blockIdx.x / tiles_w) % tiles_h;
     const int image0 = blockIdx.x / (tiles_w * tiles_h) * IMGS;
     const int y0 = tile_y * TH, x0 = tile_x * TW, o0 = blockIdx.y * BM;
     const int chunks = (channels + CB - 1) / CB;
+    Rows window{x, batch, channels, height, width, pad_h, pad_w, 0, image0, y0, x0};
 
-    // one step's weights and input window straight into shared memory (no register prefetch: the
-    // accumulators need the registers; two blocks per SM overlap one's loads with the other's products)
-    auto stage = [&](int chunk) {
-        for (int v = threadIdx.x; v < A_VECTORS; v += THREADS) {
-            const int o = o0 + v / VECTORS_PER_ROW;
-            uint4 value = make_uint4(0, 0, 0, 0);
-            if (o < out_channels)
-                value = reinterpret_cast<const uint4*>(arranged + ((long long)o * chunks + chunk) * STEP)
-                        [v % VECTORS_PER_ROW];
-            *reinterpret_cast<uint4*>(a_tile + v / VECTORS_PER_ROW * LDA + v % VECTORS_PER_ROW * 8) = value;
-        }
-        for (int e = threadIdx.x; e < PATCH_ELEMENTS; e += THREADS) {   // (channel, image, row, column)
-            const int px = e % PW, py = e / PW % PH, image = e / (PW * PH) % IMGS, c = e / PIXELS;
-            const int n = image0 + image, ch = chunk * CB + c, iy = y0 - pad_h + py, ix = x0 - pad_w + px;
-            T v{};
-            if (n < batch && ch < channels && iy >= 0 && iy < height && ix >= 0 && ix < width)
-                v = x[(((long long)n * channels + ch) * height + iy) * width + ix];
-            patch[e % PIXELS * LDC + c] = v;
+    // a step's weights (16-byte vector v of the BM x 144 tile) and window items: read, then written to shared memory
+    auto fetch_a = [&](int v, int chunk) {
+        const int o = o0 + v / VECTORS_PER_ROW;
+        return v < A_VECTORS && o < out_channels
+            ? reinterpret_cast<const uint4*>(arranged + ((long long)o * chunks + chunk) * STEP)[v % VECTORS_PER_ROW]
+            : make_uint4(0, 0, 0, 0);
+    };
+    auto put_a = [&](int v, uint4 value) {
+        if (v < A_VECTORS) *reinterpret_cast<uint4*>(a_tile + v / VECTORS_PER_ROW * LDA + v % VECTORS_PER_ROW * 8) = value;
+    };
+    auto put_x = [&](int e, Vec value) {
+        if (e >= Rows::VECTORS) return;
+        const int r = e / Rows::ROW_VECTORS, at = (Rows::pixel(r) + window.vector_column(e)) * LDC + Rows::channel(r);
+        #pragma unroll
+        for (int k = 0; k < VEC; ++k) patch[at + k * LDC] = lnn_element(value, k);
+    };
+    auto put_edge = [&](int e, unsigned short bits) {
+        if (e < Rows::EDGES) patch[(Rows::pixel(e / 2) + window.edge_column(e)) * LDC + Rows::channel(e / 2)] = bits;
+    };
+    uint4 a_next[PREFETCH ? A_LOADS : 1];
+    Vec x_next[PREFETCH ? X_LOADS : 1];
+    unsigned short edge_next[PREFETCH ? EDGE_LOADS : 1];
+    auto prefetch = [&](int chunk) {
+        window.c0 = chunk * CB;
+        #pragma unroll
+        for (int t = 0; t < A_LOADS; ++t) a_next[t] = fetch_a(threadIdx.x + t * THREADS, chunk);
+        #pragma unroll
+        for (int t = 0; t < X_LOADS; ++t) x_next[t] = window.vector(threadIdx.x + t * THREADS);
+        #pragma unroll
+        for (int t = 0; t < EDGE_LOADS; ++t) edge_next[t] = window.edge(threadIdx.x + t * THREADS);
+    };
+    auto stage = [&](int chunk) {                              // the step into shared memory
+        if constexpr (PREFETCH) {
+            #pragma unroll
+            for (int t = 0; t < A_LOADS; ++t) put_a(threadIdx.x + t * THREADS, a_next[t]);
+            #pragma unroll
+            for (int t = 0; t < X_LOADS; ++t) put_x(threadIdx.x + t * THREADS, x_next[t]);
+            #pragma unroll
+            for (int t = 0; t < EDGE_LOADS; ++t) put_edge(threadIdx.x + t * THREADS, edge_next[t]);
+        } else {
+            window.c0 = chunk * CB;
+            for (int v = threadIdx.x; v < A_VECTORS; v += THREADS) put_a(v, fetch_a(v, chunk));
+            for (int e = threadIdx.x; e < Rows::VECTORS; e += THREADS) put_x(e, window.vector(e));
+            for (int e = threadIdx.x; e < Rows::EDGES; e += THREADS) put_edge(e, window.edge(e));
         }
     };
 
@@ -664,9 +750,11 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
             #pragma unroll
             for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
 
+    if constexpr (PREFETCH) prefetch(0);
     for (int chunk = 0; chunk < chunks; ++chunk) {
         stage(chunk);
         __syncthreads();
+        if constexpr (PREFETCH) if (chunk + 1 < chunks) prefetch(chunk + 1);
         #pragma unroll
         for (int tap = 0; tap < TAPS; ++tap) {
             const int shift = tap / 3 * PW + tap % 3;
@@ -675,7 +763,7 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
             for (int i = 0; i < FM; ++i) lnn_load_a(a[i], a_tile, LDA, warp_m + 16 * i, tap * CB);
             #pragma unroll
             for (int j = 0; j < FN; ++j) {
-                const T* p = patch + (pixel_of[j] + shift) * LDC + 2 * quad;
+                const unsigned short* p = patch + (pixel_of[j] + shift) * LDC + 2 * quad;
                 b[j][0] = lnn_pair(p);
                 b[j][1] = lnn_pair(p + 8);
             }
@@ -705,19 +793,31 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
 // [16][pixel] go to shared memory and mma reduces over the positions (a B register: two adjacent positions
 // of one channel and tap). Writes partial [chunks, O, K + has_bias] with k = 9c + tap (lnn_conv_wgrad's
 // contract; lnn_conv_wgrad_reduce adds the chunks); the channel block 0 also sums dy for the bias.
-template <typename T, int BM, int IMGS, int TH, int TW>
+// Staging: rows of dy and of x (LnnHaloRows) are read VEC elements a load (VEC divides both widths and both
+// arrays' offsets). On 16-wide tiles with VEC >= 4 the next tile is read into registers while this one is on
+// the tensor cores (with VEC 1 that spills; on the 8-wide tile it spilled and was slower: 0.234 ms against
+// 0.214 for the bundled model's conv5 at batch 256, H200). The window is held twice, the second copy one
+// element ahead, so that every B register is one aligned 32-bit read whatever the tap's column.
+template <typename T, int BM, int IMGS, int TH, int TW, int VEC>
 __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
         const T* __restrict__ dy, const T* __restrict__ x, float* __restrict__ partial,
         int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
         int pad_h, int pad_w, int has_bias, int tiles_per_chunk) {
+    typedef LnnHaloRows<T, IMGS, TH, TW, VEC> Rows;
+    typedef typename Rows::Vec Vec;
     constexpr int CB = 16, COLUMNS = 9 * CB, BN = IMGS * TH * TW, PH = TH + 2, PW = TW + 2, PIXELS = IMGS * PH * PW;
     constexpr int LDA = BN + 8;                                // dy [o][position]
     constexpr int LDP = PIXELS + (24 - PIXELS % 64 + 64) % 64; // = 24 mod 64: conflict-free B loads
-    static_assert(BN == 128 && TW % 2 == 0, "128 positions, pairs within a row");
+    static_assert(BN == 128 && TW % 2 == 0 && TW % VEC == 0, "128 positions, pairs within a row, whole vectors");
     constexpr int WARPS_M = BM / 16, WARPS_N = 8 / WARPS_M, NF = (COLUMNS / 8 + WARPS_N - 1) / WARPS_N;
     constexpr int ROW_THREADS = THREADS / BM;                  // threads summing one dy row (bias)
+    // staging items: dy rows (o, image, row) of TW / VEC vectors, and the input window's (LnnHaloRows)
+    constexpr int DY_ROW = TW / VEC, DY_LOADS = BM * IMGS * TH * DY_ROW / THREADS, DY_O_STEP = THREADS / (DY_ROW * IMGS * TH);
+    static_assert(DY_LOADS * THREADS == BM * BN / VEC && DY_O_STEP * DY_ROW * IMGS * TH == THREADS, "whole passes");
+    constexpr int X_LOADS = (Rows::VECTORS + THREADS - 1) / THREADS, EDGE_LOADS = (Rows::EDGES + THREADS - 1) / THREADS;
+    constexpr bool PREFETCH = VEC >= 4 && TW == 16;
     __shared__ __align__(16) T a_tile[BM * LDA];
-    __shared__ __align__(16) T patch[CB * LDP];
+    __shared__ __align__(16) unsigned short patch[2][CB * LDP];      // the bits of x; [1][i] = [0][i + 1]
     const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
     const int tiles = (batch + IMGS - 1) / IMGS * tiles_h * tiles_w;
     const int c0 = blockIdx.x * CB, o0 = blockIdx.y * BM;
@@ -725,6 +825,66 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
     const int tile_end = tile_begin + tiles_per_chunk < tiles ? tile_begin + tiles_per_chunk : tiles;
     const int columns_k = channels * 9 + has_bias;
     const bool bias_block = has_bias && blockIdx.x == 0;
+    Rows window{x, batch, channels, height, width, pad_h, pad_w, c0, 0, 0, 0};
+
+    // a tile's items: read from global memory (zero outside the arrays), then written to shared memory. A
+    // thread's dy items (e = threadIdx.x + t * THREADS) share image, row and columns; t steps the channel.
+    const int dy_row = threadIdx.x / DY_ROW, dy_o = o0 + dy_row / (IMGS * TH);
+    const T* dy_at = nullptr;                                  // the thread's item 0 of the tile, null outside dy
+    auto fetch_dy = [&](int t) {
+        return dy_at && dy_o + t * DY_O_STEP < out_channels
+            ? *reinterpret_cast<const Vec*>(dy_at + (long long)t * DY_O_STEP * out_h * out_w) : Vec{};
+    };
+    auto put_dy = [&](int t, Vec v) {
+        *reinterpret_cast<Vec*>(a_tile + (dy_o - o0 + t * DY_O_STEP) * LDA + dy_row % (IMGS * TH) * TW
+                                + threadIdx.x % DY_ROW * VEC) = v;
+    };
+    auto put_patch = [&](int at, unsigned short bits) {        // both copies
+        patch[0][at] = bits;
+        if (at > 0) patch[1][at - 1] = bits;
+    };
+    auto put_x = [&](int e, Vec v) {
+        if (e >= Rows::VECTORS) return;
+        const int r = e / Rows::ROW_VECTORS, at = Rows::channel(r) * LDP + Rows::pixel(r) + window.vector_column(e);
+        #pragma unroll
+        for (int k = 0; k < VEC; ++k) put_patch(at + k, lnn_element(v, k));
+    };
+    auto put_edge = [&](int e, unsigned short bits) {
+        if (e < Rows::EDGES) put_patch(Rows::channel(e / 2) * LDP + Rows::pixel(e / 2) + window.edge_column(e), bits);
+    };
+    Vec dy_next[PREFETCH ? DY_LOADS : 1], x_next[PREFETCH ? X_LOADS : 1];
+    unsigned short edge_next[PREFETCH ? EDGE_LOADS : 1];
+    auto at_tile = [&](int tile) {                             // where the tile's items are
+        const int y0 = tile / tiles_w % tiles_h * TH, x0 = tile % tiles_w * TW, image0 = tile / (tiles_w * tiles_h) * IMGS;
+        window.y0 = y0, window.x0 = x0, window.image0 = image0;
+        const int image = image0 + dy_row / TH % IMGS, oy = y0 + dy_row % TH, ox = x0 + threadIdx.x % DY_ROW * VEC;
+        dy_at = image < batch && oy < out_h && ox < out_w
+            ? dy + (((long long)image * out_channels + dy_o) * out_h + oy) * out_w + ox : nullptr;
+    };
+    auto prefetch = [&](int tile) {
+        at_tile(tile);
+        #pragma unroll
+        for (int t = 0; t < DY_LOADS; ++t) dy_next[t] = fetch_dy(t);
+        #pragma unroll
+        for (int t = 0; t < X_LOADS; ++t) x_next[t] = window.vector(threadIdx.x + t * THREADS);
+        #pragma unroll
+        for (int t = 0; t < EDGE_LOADS; ++t) edge_next[t] = window.edge(threadIdx.x + t * THREADS);
+    };
+    auto stage = [&](int tile) {                               // the tile into shared memory
+        if constexpr (PREFETCH) {
+            #pragma unroll
+            for (int t = 0; t < DY_LOADS; ++t) put_dy(t, dy_next[t]);
+            #pragma unroll
+            for (int t = 0; t < X_LOADS; ++t) put_x(threadIdx.x + t * THREADS, x_next[t]);
+            #pragma unroll
+            for (int t = 0; t < EDGE_LOADS; ++t) put_edge(threadIdx.x + t * THREADS, edge_next[t]);
+        } else {
+            at_tile(tile);
+            for (int t = 0; t < DY_LOADS; ++t) put_dy(t, fetch_dy(t));
+            for (int e = threadIdx.x; e < Rows::VECTORS; e += THREADS) put_x(e, window.vector(e));
+            for (int e = threadIdx.x; e < Rows::EDGES; e += THREADS) put_edge(e, window.edge(e));
+        }
+    };
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, quad = lane & 3;
     const int warp_m = (warp / WARPS_N) * 16, warp_n = warp % WARPS_N;
@@ -735,26 +895,11 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
         for (int r = 0; r < 4; ++r) acc[j][r] = 0.0f;
     float bias_sum = 0.0f;
 
+    if constexpr (PREFETCH) prefetch(tile_begin);
     for (int tile = tile_begin; tile < tile_end; ++tile) {
-        const int tile_x = tile % tiles_w, tile_y = tile / tiles_w % tiles_h, image0 = tile / (tiles_w * tiles_h) * IMGS;
-        const int y0 = tile_y * TH, x0 = tile_x * TW;
-        for (int e = threadIdx.x; e < BM * BN; e += THREADS) {     // (o, position), position fastest
-            const int o = o0 + e / BN, n = e % BN;
-            const int image = image0 + n / (TH * TW), oy = y0 + n / TW % TH, ox = x0 + n % TW;
-            T v{};
-            if (o < out_channels && image < batch && oy < out_h && ox < out_w)
-                v = dy[(((long long)image * out_channels + o) * out_h + oy) * out_w + ox];
-            a_tile[e / BN * LDA + n] = v;
-        }
-        for (int e = threadIdx.x; e < CB * PIXELS; e += THREADS) { // (channel, image, row, column)
-            const int px = e % PW, py = e / PW % PH, image = image0 + e / (PW * PH) % IMGS, c = c0 + e / PIXELS;
-            const int iy = y0 - pad_h + py, ix = x0 - pad_w + px;
-            T v{};
-            if (image < batch && c < channels && iy >= 0 && iy < height && ix >= 0 && ix < width)
-                v = x[(((long long)image * channels + c) * height + iy) * width + ix];
-            patch[e / PIXELS * LDP + e % PIXELS] = v;
-        }
+        stage(tile);
         __syncthreads();
+        if constexpr (PREFETCH) if (tile + 1 < tile_end) prefetch(tile + 1);
         if (bias_block)
             for (int n = threadIdx.x % ROW_THREADS; n < BN; n += ROW_THREADS)
                 bias_sum += lnn_load(a_tile[threadIdx.x / ROW_THREADS * LDA + n]);
@@ -762,7 +907,7 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
         for (int k0 = 0; k0 < BN; k0 += 16) {
             unsigned a[4];
             lnn_load_a(a, a_tile, LDA, warp_m, k0);
-            int pixel[2];                                      // positions k0 + 2 quad and k0 + 2 quad + 8
+            int pixel[2];                                      // positions k0 + 2 quad and k0 + 2 quad + 8 (even)
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int n = k0 + 2 * quad + 8 * h;
@@ -772,11 +917,11 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
             for (int f = 0; f < NF; ++f) {
                 const int j = warp_n + WARPS_N * f;            // columns 8j .. 8j + 7: tap j / 2, channels 8 (j % 2) + g
                 if (j >= COLUMNS / 8) continue;
-                const int tap = j / 2;
-                const T* p = patch + (8 * (j % 2) + g) * LDP + tap / 3 * PW + tap % 3;
+                const int tap = j / 2, shift = tap / 3 * PW + tap % 3, odd = shift & 1;
+                const unsigned short* p = patch[odd] + (8 * (j % 2) + g) * LDP + shift - odd;
                 unsigned b[2];
-                b[0] = lnn_pair(p[pixel[0]], p[pixel[0] + 1]);
-                b[1] = lnn_pair(p[pixel[1]], p[pixel[1] + 1]);
+                b[0] = lnn_pair(p + pixel[0]);
+                b[1] = lnn_pair(p + pixel[1]);
                 lnn_mma_16x8x16<T>(acc[f], a, b);
             }
         }
@@ -849,11 +994,12 @@ def halo_tile(out_w: int) -> tuple:
 
 
 HALO_TILES = [halo_tile(w) for w in (16, 8, 4)]
-# The weight gradient runs on halo tiles only on the 16-wide one (outputs wider than 8). On narrower maps the
-# gather kernel won: the bundled model's conv5 (192 x 8x8 -> 384, amp, H200; BENCHMARKS "gpu_conv_layers"),
-# ms, halo against gather, 0.224 vs 0.190 at batch 64 and 0.788 vs 0.706 at batch 256; at 16x16 the halo
-# tile won (96 -> 192: 0.138 vs 0.225 and 0.782 vs 0.922).
-WGRAD_HALO_TILE = halo_tile(16)
+# The weight gradient runs on halo tiles on the 16- and 8-wide ones (outputs wider than 4; narrower maps keep
+# the gather kernel's: a 4-wide halo tile was not measured). The bundled model's conv5 (192 x 8x8 -> 384, amp,
+# H200), ms at batch 64 / 256: on the 8-wide tile 0.084 / 0.214, the gather kernel 0.186 / 0.692, and the
+# 16-wide tile (half of it empty) 0.128 / 0.391 in an earlier state of this staging code.
+WGRAD_HALO_TILES = [halo_tile(16), halo_tile(8)]
+HALO_VECTORS = (8, 4, 1)            # VEC of the halo kernels: 16-bit elements per staging load (LnnHaloRows)
 
 
 def uses_halo(attrs: dict) -> bool:
@@ -863,9 +1009,9 @@ def uses_halo(attrs: dict) -> bool:
 
 def uses_halo_weight_gradient(attrs: dict, channels: int, out_w: int) -> bool:
     """Whether such a conv2d's weight gradient is lnn_conv3x3_wgrad_mma too: from 16 input channels (with
-    fewer, most of its 16-channel block would idle) and outputs wider than 8 (WGRAD_HALO_TILE); else the
+    fewer, most of its 16-channel block would idle) and outputs wider than 4 (WGRAD_HALO_TILES); else the
     gather kernel runs it."""
-    return uses_halo(attrs) and channels >= 16 and halo_tile(out_w) == WGRAD_HALO_TILE
+    return uses_halo(attrs) and channels >= 16 and halo_tile(out_w) in WGRAD_HALO_TILES
 
 
 def arranged_elements(rows: int, sums: int) -> int:
@@ -956,6 +1102,11 @@ def partial_sums_elements(attrs: dict, in_shape, out_shape, dtype=np.float32) ->
 _MODULES = {}
 
 
+def start(array) -> int:
+    """Where a CuPy array starts, in elements from address 0 (the alignment its vector loads can have)."""
+    return array.data.ptr // array.itemsize
+
+
 def tensor_cores() -> bool:
     """Whether this GPU runs the 16-bit convolutions on tensor cores (compute capability 8.0 or newer)."""
     import cupy
@@ -971,15 +1122,32 @@ def kernel_names(kind: str, tensor_core: bool) -> list:
     if tensor_core:
         names += [f"lnn_conv_igemm_mma<{kind}, {bm}, {TENSOR_CORE_COLUMNS}>" for bm in FORWARD_TILES]
         names += [f"lnn_conv_wgrad_mma<{kind}, {bm}, {bn}>" for bm in FORWARD_TILES for bn in (32, 64)]
-        names += [f"lnn_conv3x3_mma<{kind}, {bm}, {i}, {h}, {w}>" for bm in FORWARD_TILES for i, h, w in HALO_TILES]
-        names += [wgrad_halo_name(kind, bm) for bm in FORWARD_TILES]
+        names += [halo_name(kind, bm, tile, vec) for bm in FORWARD_TILES for tile in HALO_TILES
+                  for vec in halo_vectors(tile)]
+        names += [wgrad_halo_name(kind, bm, tile, vec) for bm in FORWARD_TILES for tile in WGRAD_HALO_TILES
+                  for vec in halo_vectors(tile)]
         names += [f"lnn_conv3x3_arrange<{kind}>"]
     return names
 
 
-def wgrad_halo_name(kind: str, bm: int) -> str:
-    images, th, tw = WGRAD_HALO_TILE
-    return f"lnn_conv3x3_wgrad_mma<{kind}, {bm}, {images}, {th}, {tw}>"
+def halo_name(kind: str, bm: int, tile: tuple, vec: int) -> str:
+    return f"lnn_conv3x3_mma<{kind}, {bm}, {tile[0]}, {tile[1]}, {tile[2]}, {vec}>"
+
+
+def wgrad_halo_name(kind: str, bm: int, tile: tuple, vec: int) -> str:
+    return f"lnn_conv3x3_wgrad_mma<{kind}, {bm}, {tile[0]}, {tile[1]}, {tile[2]}, {vec}>"
+
+
+def halo_vectors(tile: tuple) -> list:
+    """The VECs a halo tile (IMGS, TH, TW) is compiled for: those of HALO_VECTORS that divide its width."""
+    return [vec for vec in HALO_VECTORS if tile[2] % vec == 0]
+
+
+def halo_vector(tile: tuple, *elements: int) -> int:
+    """VEC of a halo kernel's launch: the largest of halo_vectors(tile) that divides each of `elements` (the
+    widths of the rows it reads and, in elements, where each array starts), so every row load is whole and
+    aligned."""
+    return next(vec for vec in halo_vectors(tile) if all(count % vec == 0 for count in elements))
 
 
 def _module(kind: str, tensor_core: bool):
@@ -1019,9 +1187,12 @@ class ConvKernels:
         self.halo_wgrad = self.halo and uses_halo_weight_gradient(attrs, self.channels, self.out_w)
         self._direct = module.get_function(f"lnn_conv_direct<{kind}>")
         if self.halo:
-            self._halo = {(bm, tile): module.get_function(f"lnn_conv3x3_mma<{kind}, {bm}, {tile[0]}, {tile[1]}, {tile[2]}>")
-                          for bm in FORWARD_TILES for tile in HALO_TILES}
-            self._halo_wgrad = {bm: module.get_function(wgrad_halo_name(kind, bm)) for bm in FORWARD_TILES}
+            self._halo = {(bm, tile, vec): module.get_function(halo_name(kind, bm, tile, vec))
+                          for bm in FORWARD_TILES for tile in HALO_TILES for vec in halo_vectors(tile)}
+            self.wgrad_tile = halo_tile(self.out_w)
+            self._halo_wgrad = {vec: module.get_function(wgrad_halo_name(kind, rows_tile(self.out_channels),
+                                                                         self.wgrad_tile, vec))
+                                for vec in halo_vectors(self.wgrad_tile)} if self.halo_wgrad else {}
             self._arrange = module.get_function(f"lnn_conv3x3_arrange<{kind}>")
             if not self.direct:
                 self.arranged = cupy.empty(arranged_elements(self.out_channels, self.channels), dtype)
@@ -1069,7 +1240,7 @@ class ConvKernels:
         bm, tile = rows_tile(out_channels), halo_tile(out_w)
         images, th, tw = tile
         grid = (ceil_div(n, images) * ceil_div(out_h, th) * ceil_div(out_w, tw), ceil_div(out_channels, bm))
-        self._halo[bm, tile](grid, (THREADS,), (x, arranged, self.no_bias if bias is None else bias, y,
+        self._halo[bm, tile, halo_vector(tile, width, start(x))](grid, (THREADS,), (x, arranged, self.no_bias if bias is None else bias, y,
                                                 *(np.int32(v) for v in (n, channels, height, width, out_channels,
                                                                         out_h, out_w, pad_h, pad_w,
                                                                         bias is not None, relu))))
@@ -1112,13 +1283,14 @@ class ConvKernels:
         sizes = (n, self.channels, self.height, self.width, self.out_channels, self.out_h, self.out_w,
                  self.pad_h, self.pad_w)
         if self.halo_wgrad:
-            images, th, tw = WGRAD_HALO_TILE
+            images, th, tw = self.wgrad_tile
             tiles = ceil_div(n, images) * ceil_div(self.out_h, th) * ceil_div(self.out_w, tw)
             per_chunk = ceil_div(tiles, min(self.chunk_limit, tiles))
             chunks = ceil_div(tiles, per_chunk)
             grid = (ceil_div(self.channels, 16), ceil_div(self.out_channels, bm), chunks)
-            self._halo_wgrad[bm](grid, (THREADS,), (dy, x, partial, *(np.int32(v) for v in
-                                                                                 (*sizes, has_bias, per_chunk))))
+            vec = halo_vector(self.wgrad_tile, self.out_w, self.width, *(start(a) for a in (dy, x)))
+            self._halo_wgrad[vec](grid, (THREADS,), (dy, x, partial, *(np.int32(v) for v in
+                                                                       (*sizes, has_bias, per_chunk))))
         else:
             chunk, chunks = chunking(n * self.out_h * self.out_w, self.chunk_limit)
             bn = wgrad_columns(columns_k)

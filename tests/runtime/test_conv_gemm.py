@@ -29,6 +29,14 @@ CASES = [
     (300, 1, 6, 6, 8, (3, 3), (1, 1), True),
     (5, 20, 4, 4, 24, (3, 3), (1, 1), True),
     (3, 4, 10, 7, 24, (5, 5), (2, 2), False),       # the direct forward at its limit (100 taps), two channel blocks
+    # the halo kernels' staging widths (halo_vector): 8 with partial row, channel and output blocks; 1 (odd
+    # widths; no padding: x 2 wider than y); padding 2 (x 12 wide: 4 forward, outputs 14 wide: 1 backward); 8 on
+    # the 8-wide tile
+    (3, 24, 10, 16, 40, (3, 3), (1, 1), True),
+    (2, 17, 9, 13, 20, (3, 3), (1, 1), False),
+    (2, 16, 9, 18, 24, (3, 3), (0, 0), True),
+    (1, 16, 6, 12, 16, (3, 3), (2, 2), True),
+    (2, 16, 8, 8, 24, (3, 3), (1, 1), True),
 ]
 
 
@@ -80,6 +88,18 @@ def test_direct_forward_rule():
     # amp: a direct forward needs no arranged forward weights, only the input gradient's (and the window table)
     assert conv_gemm.scratch_bytes(attrs_of((3, 3), (1, 1), True), (4, 16, 16), (8, 16, 16), np.float16) == \
         4 * 3 * 36 + 2 * conv_gemm.arranged_elements(4, 8)
+
+
+def test_halo_kernels_load_whole_aligned_vectors():
+    wide, narrow = conv_gemm.halo_tile(16), conv_gemm.halo_tile(4)
+    assert conv_gemm.halo_vectors(wide) == [8, 4, 1] and conv_gemm.halo_vectors(narrow) == [4, 1]
+    assert conv_gemm.halo_vector(wide, 16, 16, 0, 64) == 8
+    assert conv_gemm.halo_vector(narrow, 16, 0) == 4                    # no wider than the tile
+    assert conv_gemm.halo_vector(wide, 28, 28, 0, 0) == 4
+    assert conv_gemm.halo_vector(wide, 16, 18, 0, 0) == 1               # no padding: x is 2 wider
+    assert conv_gemm.halo_vector(wide, 16, 16, 0, 4) == 4               # x starts 4 elements past an alignment
+    assert conv_gemm.halo_vector(wide, 16, 16, 3, 0) == 1
+    assert conv_gemm.halo_vector(wide, 13, 13, 0, 0) == 1
 
 
 def test_window_table_matches_the_nchw_offsets():
@@ -136,7 +156,8 @@ class FakeCupy:
 
         self.launched = []
         self.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(compute_capability=str(capability)))
-        self.asarray, self.zeros, self.empty = np.asarray, np.zeros, np.empty
+        self.asarray, self.empty = np.asarray, np.empty
+        self.zeros = lambda shape, dtype: np.zeros(shape, dtype).view(DeviceLike)
 
     def RawModule(self, code, options, name_expressions):
         fake, names = self, set(name_expressions)
@@ -148,13 +169,24 @@ class FakeCupy:
         return Module()
 
 
+class DeviceLike(np.ndarray):
+    """A NumPy array with CuPy's `.data.ptr` (the launches read where arrays start)."""
+
+    @property
+    def data(self):
+        import types
+
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 @pytest.mark.parametrize("capability", [80, 75])
 @pytest.mark.parametrize("kernel, padding, channels, size", [((3, 3), (1, 1), 16, 16), ((3, 3), (1, 1), 16, 8),
+                                                         ((3, 3), (1, 1), 16, 4),
                                                          ((3, 3), (1, 1), 4, 16), ((1, 1), (0, 0), 16, 16)])
 def test_16_bit_layers_launch_their_own_instances(monkeypatch, kernel, padding, channels, size, capability, precision):
     """Every launch of a bfloat16 (float16) ConvKernels names a lnn_bf16 (unsigned short) instance its module
-    holds: the tensor-core halo kernels for 3x3 (their weight gradient from 16 channels on maps wider than 8),
+    holds: the tensor-core halo kernels for 3x3 (their weight gradient from 16 channels on maps wider than 4),
     the gather ones for 1x1, CUDA-core below 8.0 (where the trainer refuses bfloat16, but the kernels exist)."""
     dtype = pytest.importorskip("ml_dtypes").bfloat16 if precision == "bfloat16" else np.float16
     kind = conv_gemm.c_type(dtype)
@@ -163,8 +195,8 @@ def test_16_bit_layers_launch_their_own_instances(monkeypatch, kernel, padding, 
     monkeypatch.setattr(conv_gemm, "_MODULES", {})
     attrs = attrs_of(kernel, padding, True)
     kernels = conv_gemm.ConvKernels(attrs, (channels, size, size), (8, size, size), dtype=dtype)
-    x, dy = np.zeros((2, channels, size, size), dtype), np.zeros((2, 8, size, size), dtype)
-    weight, bias = np.zeros((8, channels) + kernel, dtype), np.zeros(8, dtype)
+    x, dy = fake.zeros((2, channels, size, size), dtype), fake.zeros((2, 8, size, size), dtype)
+    weight, bias = fake.zeros((8, channels) + kernel, dtype), fake.zeros(8, dtype)
     kernels.forward(x, weight, bias, dy)
     kernels.weight_gradient(dy, x, weight, bias, accumulate=True)
     kernels.input_gradient(dy, weight, x)
@@ -172,7 +204,7 @@ def test_16_bit_layers_launch_their_own_instances(monkeypatch, kernel, padding, 
     families = {name.split("<")[0] for name in fake.launched}
     tensor_cores, halo = capability >= 80, capability >= 80 and kernel == (3, 3)
     assert ("lnn_conv3x3_mma" in families) == halo and ("lnn_conv3x3_arrange" in families) == halo
-    assert ("lnn_conv3x3_wgrad_mma" in families) == (halo and channels >= 16 and size > 8)
+    assert ("lnn_conv3x3_wgrad_mma" in families) == (halo and channels >= 16 and size > 4)
     assert ("lnn_conv_igemm_mma" in families) == (tensor_cores and not halo)
     assert ("lnn_conv_igemm" in families) == (not tensor_cores)
     assert ("lnn_conv_direct" in families) == (channels <= conv_gemm.DIRECT_MAX_CHANNELS)
@@ -237,6 +269,42 @@ def test_smaller_batches_reuse_the_layer_kernels():
         dweight_ref, dbias_ref, _ = backward(dy.astype(np.float64))
         np.testing.assert_allclose(dweight.get(), dweight_ref, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(dbias.get(), dbias_ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("offset, vec", [(0, 8), (4, 4), (1, 1)])
+def test_halo_kernels_on_arrays_that_start_anywhere(offset, vec):
+    """x, dy, y and dx as views `offset` elements into larger buffers (a micro-batch of a batch): the staging
+    loads narrow to what the start allows, and the float16 results are the same."""
+    cupy = gpu_cupy()
+    rng = np.random.default_rng(offset)
+    shape_x, shape_y = (3, 16, 16, 16), (3, 32, 16, 16)
+    kernels = conv_gemm.ConvKernels(attrs_of((3, 3), (1, 1), True), shape_x[1:], shape_y[1:], dtype=np.float16)
+    if not kernels.halo_wgrad:
+        pytest.skip("no tensor cores: the halo kernels do not run")
+
+    def placed(values):
+        buffer = cupy.zeros(values.size + 8, np.float16)
+        view = buffer[offset:offset + values.size].reshape(values.shape)
+        view[...] = cupy.asarray(values)
+        return view
+
+    x = rng.standard_normal(shape_x).astype(np.float16)
+    weight = (rng.standard_normal((32, 16, 3, 3)) / 12).astype(np.float16)
+    dy = rng.standard_normal(shape_y).astype(np.float16)
+    gx, gdy, y, dx = placed(x), placed(dy), placed(np.zeros(shape_y, np.float16)), placed(np.zeros(shape_x, np.float16))
+    assert conv_gemm.halo_vector(conv_gemm.halo_tile(16), 16, *(conv_gemm.start(a) for a in (gdy, gx))) == vec
+    y_ref, backward = reference_conv(x.astype(np.float64), weight.astype(np.float64), None, (1, 1))
+    dweight_ref, dbias_ref, dx_ref = backward(dy.astype(np.float64))
+    dweight, dbias = cupy.empty((32, 16, 3, 3), np.float16), cupy.empty(32, np.float16)
+    gw = cupy.asarray(weight)
+    kernels.forward(gx, gw, None, y)
+    kernels.weight_gradient(gdy, gx, dweight, dbias, accumulate=False)
+    kernels.input_gradient(gdy, gw, dx)
+    scale = np.sqrt(3 * 16 * 16)
+    np.testing.assert_allclose(y.get().astype(np.float64), y_ref, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(dx.get().astype(np.float64), dx_ref, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(dweight.get().astype(np.float64), dweight_ref, rtol=2e-3, atol=2e-3 * scale)
+    np.testing.assert_allclose(dbias.get().astype(np.float64), dbias_ref, rtol=2e-3, atol=2e-3 * scale)
 
 
 # --------------------------------------------------------------------------- Winograd F(2x2, 3x3)
