@@ -695,7 +695,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
             : make_uint4(0, 0, 0, 0);
     };
     auto put_a = [&](int v, uint4 value) {
-        if (v < A_VECTORS) *reinterpret_cast<uint4*>(a_tile + v / VECTORS_PER_ROW * LDA + v % VECTORS_PER_ROW * 8) = value;
+        if (v < A_VECTORS)
+            *reinterpret_cast<uint4*>(a_tile + v / VECTORS_PER_ROW * LDA + v % VECTORS_PER_ROW * 8) = value;
     };
     auto put_x = [&](int e, Vec value) {
         if (e >= Rows::VECTORS) return;
@@ -812,7 +813,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
     constexpr int WARPS_M = BM / 16, WARPS_N = 8 / WARPS_M, NF = (COLUMNS / 8 + WARPS_N - 1) / WARPS_N;
     constexpr int ROW_THREADS = THREADS / BM;                  // threads summing one dy row (bias)
     // staging items: dy rows (o, image, row) of TW / VEC vectors, and the input window's (LnnHaloRows)
-    constexpr int DY_ROW = TW / VEC, DY_LOADS = BM * IMGS * TH * DY_ROW / THREADS, DY_O_STEP = THREADS / (DY_ROW * IMGS * TH);
+    constexpr int DY_ROW = TW / VEC, DY_LOADS = BM * IMGS * TH * DY_ROW / THREADS;
+    constexpr int DY_O_STEP = THREADS / (DY_ROW * IMGS * TH);
     static_assert(DY_LOADS * THREADS == BM * BN / VEC && DY_O_STEP * DY_ROW * IMGS * TH == THREADS, "whole passes");
     constexpr int X_LOADS = (Rows::VECTORS + THREADS - 1) / THREADS, EDGE_LOADS = (Rows::EDGES + THREADS - 1) / THREADS;
     constexpr bool PREFETCH = VEC >= 4 && TW == 16;
@@ -855,7 +857,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
     Vec dy_next[PREFETCH ? DY_LOADS : 1], x_next[PREFETCH ? X_LOADS : 1];
     unsigned short edge_next[PREFETCH ? EDGE_LOADS : 1];
     auto at_tile = [&](int tile) {                             // where the tile's items are
-        const int y0 = tile / tiles_w % tiles_h * TH, x0 = tile % tiles_w * TW, image0 = tile / (tiles_w * tiles_h) * IMGS;
+        const int y0 = tile / tiles_w % tiles_h * TH, x0 = tile % tiles_w * TW;
+        const int image0 = tile / (tiles_w * tiles_h) * IMGS;
         window.y0 = y0, window.x0 = x0, window.image0 = image0;
         const int image = image0 + dy_row / TH % IMGS, oy = y0 + dy_row % TH, ox = x0 + threadIdx.x % DY_ROW * VEC;
         dy_at = image < batch && oy < out_h && ox < out_w
@@ -1102,7 +1105,7 @@ def partial_sums_elements(attrs: dict, in_shape, out_shape, dtype=np.float32) ->
 _MODULES = {}
 
 
-def start(array) -> int:
+def element_start(array) -> int:
     """Where a CuPy array starts, in elements from address 0 (the alignment its vector loads can have)."""
     return array.data.ptr // array.itemsize
 
@@ -1240,10 +1243,10 @@ class ConvKernels:
         bm, tile = rows_tile(out_channels), halo_tile(out_w)
         images, th, tw = tile
         grid = (ceil_div(n, images) * ceil_div(out_h, th) * ceil_div(out_w, tw), ceil_div(out_channels, bm))
-        self._halo[bm, tile, halo_vector(tile, width, start(x))](grid, (THREADS,), (x, arranged, self.no_bias if bias is None else bias, y,
-                                                *(np.int32(v) for v in (n, channels, height, width, out_channels,
-                                                                        out_h, out_w, pad_h, pad_w,
-                                                                        bias is not None, relu))))
+        kernel = self._halo[bm, tile, halo_vector(tile, width, element_start(x))]
+        kernel(grid, (THREADS,), (x, arranged, self.no_bias if bias is None else bias, y,
+                                  *(np.int32(v) for v in (n, channels, height, width, out_channels, out_h, out_w,
+                                                          pad_h, pad_w, bias is not None, relu))))
 
     def _direct_conv(self, x, weight, bias, y, relu: bool):
         """lnn_conv_direct: y [N, O, OH, OW] = act(conv(x [N, C, H, W], weight) + bias)."""
@@ -1288,7 +1291,7 @@ class ConvKernels:
             per_chunk = ceil_div(tiles, min(self.chunk_limit, tiles))
             chunks = ceil_div(tiles, per_chunk)
             grid = (ceil_div(self.channels, 16), ceil_div(self.out_channels, bm), chunks)
-            vec = halo_vector(self.wgrad_tile, self.out_w, self.width, *(start(a) for a in (dy, x)))
+            vec = halo_vector(self.wgrad_tile, self.out_w, self.width, *(element_start(a) for a in (dy, x)))
             self._halo_wgrad[vec](grid, (THREADS,), (dy, x, partial, *(np.int32(v) for v in
                                                                        (*sizes, has_bias, per_chunk))))
         else:

@@ -292,7 +292,7 @@ def test_halo_kernels_on_arrays_that_start_anywhere(offset, vec):
     weight = (rng.standard_normal((32, 16, 3, 3)) / 12).astype(np.float16)
     dy = rng.standard_normal(shape_y).astype(np.float16)
     gx, gdy, y, dx = placed(x), placed(dy), placed(np.zeros(shape_y, np.float16)), placed(np.zeros(shape_x, np.float16))
-    assert conv_gemm.halo_vector(conv_gemm.halo_tile(16), 16, *(conv_gemm.start(a) for a in (gdy, gx))) == vec
+    assert conv_gemm.halo_vector(conv_gemm.halo_tile(16), 16, *(conv_gemm.element_start(a) for a in (gdy, gx))) == vec
     y_ref, backward = reference_conv(x.astype(np.float64), weight.astype(np.float64), None, (1, 1))
     dweight_ref, dbias_ref, dx_ref = backward(dy.astype(np.float64))
     dweight, dbias = cupy.empty((32, 16, 3, 3), np.float16), cupy.empty(32, np.float16)
