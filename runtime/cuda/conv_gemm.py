@@ -600,20 +600,19 @@ __global__ void __launch_bounds__(THREADS) lnn_conv_wgrad_mma(
         }
 }
 
-// A register of BYTES bytes (the halo kernels' staging loads), and its k-th 16-bit element.
+// A register of BYTES bytes (the halo kernels' staging loads: VEC 8, 4 or 1), and its k-th 16-bit element.
 template <int BYTES> struct lnn_register;
 template <> struct lnn_register<16> { typedef uint4 type; };
 template <> struct lnn_register<8> { typedef uint2 type; };
-template <> struct lnn_register<4> { typedef unsigned type; };
 template <> struct lnn_register<2> { typedef unsigned short type; };
 __device__ __forceinline__ unsigned short lnn_element(uint4 v, int k) {
     const unsigned word = k < 2 ? v.x : k < 4 ? v.y : k < 6 ? v.z : v.w;
     return (unsigned short)(k & 1 ? word >> 16 : word);
 }
 __device__ __forceinline__ unsigned short lnn_element(uint2 v, int k) {
-    return (unsigned short)(k & 1 ? (k < 2 ? v.x : v.y) >> 16 : (k < 2 ? v.x : v.y));
+    const unsigned word = k < 2 ? v.x : v.y;
+    return (unsigned short)(k & 1 ? word >> 16 : word);
 }
-__device__ __forceinline__ unsigned short lnn_element(unsigned v, int k) { return (unsigned short)(k & 1 ? v >> 16 : v); }
 __device__ __forceinline__ unsigned short lnn_element(unsigned short v, int) { return v; }
 
 // The input window of a halo tile (IMGS images x TH rows x TW columns of outputs from (image0, y0, x0), 16
