@@ -54,6 +54,10 @@ __device__ __forceinline__ long long lnn_divide(long long q, int divisor, int* r
     *remainder = (int)(q - m * divisor);
     return m;
 }
+// Element i of an [planes, rows, columns] array as (plane, row, column)
+__device__ __forceinline__ long long lnn_plane_of(long long i, int rows, int columns, int* row, int* column) {
+    return lnn_divide(lnn_divide(i, columns, column), rows, row);
+}
 """
 
 C_TYPES = {"float32": "float", "float16": "unsigned short", "bfloat16": "lnn_bf16"}     # by dtype name

@@ -115,11 +115,6 @@ _col2im = cupy.ElementwiseKernel(
     "lnn_col2im")
 
 _WINDOW_MAX = INDEXING + r"""
-// Element i of an [planes, rows, columns] array as (plane, row, column)
-__device__ __forceinline__ long long lnn_plane_of(long long i, int rows, int columns, int* row, int* column) {
-    return lnn_divide(lnn_divide(i, columns, column), rows, row);
-}
-
 // The max over one pooling window of plane `plane` and the kernel offset that won (the first on ties);
 // cells outside the image are -inf, as the reference's padding.
 template <typename T>
@@ -233,7 +228,7 @@ __global__ void lnn_channel_affine(const T* __restrict__ x, const float* __restr
                                    long long positions, int channels, int relu) {
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < groups; g += (long long)gridDim.x * blockDim.x) {
         int p, c;
-        lnn_divide(lnn_divide(g * VEC, (int)positions, &p), channels, &c);
+        lnn_plane_of(g * VEC, channels, (int)positions, &c, &p);
         const float s = scale[c], t = shift[c];
         __align__(16) T e[VEC];
         lnn_read<T, VEC>(x, g, e);
@@ -253,7 +248,7 @@ __global__ void lnn_batchnorm_input_gradient(const T* __restrict__ dy, const T* 
         long long groups, long long positions, int channels) {
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < groups; g += (long long)gridDim.x * blockDim.x) {
         int p, c;
-        lnn_divide(lnn_divide(g * VEC, (int)positions, &p), channels, &c);
+        lnn_plane_of(g * VEC, channels, (int)positions, &c, &p);
         const float m = mean[c], is = inv_std[c], kc = k[c], md = mean_dy[c], mdx = mean_dy_xhat[c];
         __align__(16) T a[VEC], b[VEC];
         lnn_read<T, VEC>(dy, g, a);
