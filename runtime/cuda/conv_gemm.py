@@ -46,12 +46,18 @@ TENSOR_CORE_CAPABILITY = 80         # mma.sync.m16n8k16 with float16 or bfloat16
 DIRECT_MAX_CHANNELS = 4
 DIRECT_MAX_TAPS = 100
 DIRECT_OUTPUTS = 16
+# lnn_conv3x3_wgrad_cuda_cores (float32), BM -> (CB input channels a block, GROUPS): its 256 threads are GROUPS
+# groups of BM/4 x CB, each group summing every GROUPS-th run of positions; as many channels a block as keep
+# its shared memory under the 48 KB of a static array
+CUDA_CORE_WGRAD_BLOCKS = {64: (16, 1), 32: (32, 1), 16: (32, 2)}
+FORWARD_CHANNELS = 8                # input channels per shared-memory step of lnn_conv3x3_cuda_cores (float32)
 MAX_GRID_Z = 65535                  # CUDA's limit on a grid's third dimension
 
 SOURCE = CONVERSIONS + INDEXING + f"""
 #define THREADS {THREADS}
 #define DIRECT_OUTPUTS {DIRECT_OUTPUTS}
 #define DIRECT_MAX_TAPS {DIRECT_MAX_TAPS}
+#define FORWARD_CHANNELS {FORWARD_CHANNELS}
 """ + r"""
 
 // T is float, unsigned short (the bits of a float16) or lnn_bf16 (amp), computed in float (lnn_load,
@@ -289,6 +295,283 @@ __global__ void lnn_conv_wgrad_reduce(const float* __restrict__ partial, T* dwei
     const int o = i / columns_k, k = i % columns_k;
     T* target = k < reduction ? dweight + (long long)o * reduction + k : dbias + o;
     lnn_store(target, accumulate ? lnn_load(*target) + sum : sum);
+}
+
+// The weight gradient of a 3x3 window on CUDA cores from halo tiles (float32): lnn_conv_wgrad's contract
+// (partial [chunks, O, K + has_bias], k = 9c + tap) on lnn_conv3x3_wgrad_mma's spatial tiles. Block (CB input
+// channels, BM output channels, chunk z of the tiles); per tile, dy's 128 positions [BM][128] (read VEC elements
+// a load) and the CB channels' (TH+2) x (TW+2) windows go to shared memory. A thread owns 4 output channels (o,
+// o + BM/4, ...) x 1 input channel x 9 taps and sums every GROUPS-th run of 4 positions (a run lies in one
+// row: TW is a multiple of 4): per run 4 float4 reads of dy, 3 window rows of 6 values, 144 FMAs. The groups of
+// threads add up at the end; the channel block 0 also sums dy for the bias. The window's channel pitch CP is
+// 4 mod 8 so that 8 threads reading 8 channels' float4s hit 8 different banks.
+template <int VEC> struct lnn_floats;                           // VEC floats: one load
+template <> struct lnn_floats<4> { typedef float4 type; };
+template <> struct lnn_floats<1> { typedef float type; };
+template <int BM, int CB, int GROUPS, int IMGS, int TH, int TW, int VEC>
+__global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_cuda_cores(
+        const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ partial,
+        int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
+        int pad_h, int pad_w, int has_bias, int tiles_per_chunk) {
+    constexpr int OG = BM / 4, GROUP = OG * CB, BN = IMGS * TH * TW, PH = TH + 2, PW = TW + 2, ROWS = IMGS * PH;
+    constexpr int XP = TW + 4, CP = ROWS * XP + (12 - ROWS * XP % 8) % 8, DP = BN;
+    constexpr int SUMS = 4 * 9 + 4;                            // a thread's results: 36 weights, 4 bias sums
+    constexpr int TILE = BM * DP + CB * CP, SUMS_SIZE = (GROUPS - 1) * SUMS * GROUP;
+    constexpr int SHARED = TILE > SUMS_SIZE ? TILE : SUMS_SIZE;
+    // staging batches: 4 float4s or 8 floats of dy, 8 floats of x (larger ones spill: the sums hold 40 registers)
+    constexpr int DY_LOADS = BM * BN / VEC / THREADS, DY_BATCH = VEC == 4 ? (DY_LOADS < 4 ? DY_LOADS : 4) : 8;
+    constexpr int X_ITEMS = CB * ROWS * PW, X_BATCH = 8, X_LOADS = (X_ITEMS + THREADS * X_BATCH - 1) / (THREADS * X_BATCH) * X_BATCH;
+    static_assert(GROUP * GROUPS == THREADS && BN == 128 && TW % 4 == 0 && TW % VEC == 0, "tile layout");
+    static_assert(DY_LOADS * VEC * THREADS == BM * BN && DY_LOADS % DY_BATCH == 0, "whole passes over dy");
+    typedef typename lnn_floats<VEC>::type Vec;
+    __shared__ __align__(16) float shared[SHARED];
+    float* dy_tile = shared;                                   // [o][position], pitch DP
+    float* patch = shared + BM * DP;                           // [channel][window row][column], pitches CP, XP
+    const int c_local = threadIdx.x % CB, og = threadIdx.x / CB % OG, group = threadIdx.x / GROUP;
+    const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
+    const int tiles = (batch + IMGS - 1) / IMGS * tiles_h * tiles_w;
+    const int c0 = blockIdx.x * CB, o0 = blockIdx.y * BM;
+    const int tile_begin = blockIdx.z * tiles_per_chunk;
+    const int tile_end = tile_begin + tiles_per_chunk < tiles ? tile_begin + tiles_per_chunk : tiles;
+    const int columns_k = channels * 9 + has_bias;
+    const bool bias_block = has_bias && blockIdx.x == 0;
+
+    float acc[4][9], bias_sum[4];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        bias_sum[i] = 0.0f;
+        #pragma unroll
+        for (int t = 0; t < 9; ++t) acc[i][t] = 0.0f;
+    }
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+        const int y0 = tile / tiles_w % tiles_h * TH, x0 = tile % tiles_w * TW;
+        const int image0 = tile / (tiles_w * tiles_h) * IMGS;
+        // the tile's items by batches: a batch's loads first (one wait for all of them), then its shared-memory stores
+        auto dy_item = [&](int e) {                            // dy rows, zero outside
+            const int n = e % (BN / VEC) * VEC, o = o0 + e / (BN / VEC);
+            const int image = image0 + n / (TH * TW), oy = y0 + n / TW % TH, ox = x0 + n % TW;
+            return o < out_channels && image < batch && oy < out_h && ox < out_w
+                ? *reinterpret_cast<const Vec*>(dy + (((long long)image * out_channels + o) * out_h + oy) * out_w + ox)
+                : Vec{};
+        };
+        auto x_item = [&](int e) {                             // the windows, zero outside x
+            const int c = c0 + e / (ROWS * PW), r = e / PW % ROWS;
+            const int image = image0 + r / PH, iy = y0 - pad_h + r % PH, ix = x0 - pad_w + e % PW;
+            return e < X_ITEMS && c < channels && image < batch && iy >= 0 && iy < height && ix >= 0 && ix < width
+                ? x[(((long long)image * channels + c) * height + iy) * width + ix] : 0.0f;
+        };
+        #pragma unroll 1
+        for (int t0 = 0; t0 < DY_LOADS; t0 += DY_BATCH) {
+            Vec items[DY_BATCH];
+            #pragma unroll
+            for (int t = 0; t < DY_BATCH; ++t) items[t] = dy_item(threadIdx.x + (t0 + t) * THREADS);
+            #pragma unroll
+            for (int t = 0; t < DY_BATCH; ++t) {
+                const int e = threadIdx.x + (t0 + t) * THREADS;
+                *reinterpret_cast<Vec*>(dy_tile + e / (BN / VEC) * DP + e % (BN / VEC) * VEC) = items[t];
+            }
+        }
+        #pragma unroll 1
+        for (int t0 = 0; t0 < X_LOADS; t0 += X_BATCH) {
+            float items[X_BATCH];
+            #pragma unroll
+            for (int t = 0; t < X_BATCH; ++t) items[t] = x_item(threadIdx.x + (t0 + t) * THREADS);
+            #pragma unroll
+            for (int t = 0; t < X_BATCH; ++t) {
+                const int e = threadIdx.x + (t0 + t) * THREADS;
+                if (e < X_ITEMS) patch[e / (ROWS * PW) * CP + e / PW % ROWS * XP + e % PW] = items[t];
+            }
+        }
+        __syncthreads();
+        for (int run = group; run < BN / 4; run += GROUPS) {
+            const int n0 = 4 * run, image = n0 / (TH * TW), row = n0 / TW % TH, column = n0 % TW;
+            float d[4][4], v[3][6];
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float4 q = *reinterpret_cast<const float4*>(dy_tile + (og + OG * i) * DP + n0);
+                d[i][0] = q.x, d[i][1] = q.y, d[i][2] = q.z, d[i][3] = q.w;
+            }
+            #pragma unroll
+            for (int kh = 0; kh < 3; ++kh) {
+                const float* p = patch + c_local * CP + (image * PH + row + kh) * XP + column;
+                const float4 a = *reinterpret_cast<const float4*>(p);
+                const float2 b = *reinterpret_cast<const float2*>(p + 4);
+                v[kh][0] = a.x, v[kh][1] = a.y, v[kh][2] = a.z, v[kh][3] = a.w, v[kh][4] = b.x, v[kh][5] = b.y;
+            }
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                #pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    #pragma unroll
+                    for (int t = 0; t < 9; ++t) acc[i][t] = fmaf(d[i][p], v[t / 3][p + t % 3], acc[i][t]);
+                    if (bias_block) bias_sum[i] += d[i][p];
+                }
+        }
+        __syncthreads();
+    }
+
+    // groups 1.. leave their sums in shared memory ([result][thread of the group]); group 0 adds them and writes
+    if constexpr (GROUPS > 1) {
+        const int slot = threadIdx.x % GROUP;
+        if (group > 0) {
+            float* mine = shared + (group - 1) * SUMS * GROUP + slot;
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                mine[(36 + i) * GROUP] = bias_sum[i];
+                #pragma unroll
+                for (int t = 0; t < 9; ++t) mine[(9 * i + t) * GROUP] = acc[i][t];
+            }
+        }
+        __syncthreads();
+        if (group > 0) return;
+        for (int s = 1; s < GROUPS; ++s) {
+            const float* theirs = shared + (s - 1) * SUMS * GROUP + slot;
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                bias_sum[i] += theirs[(36 + i) * GROUP];
+                #pragma unroll
+                for (int t = 0; t < 9; ++t) acc[i][t] += theirs[(9 * i + t) * GROUP];
+            }
+        }
+    }
+    const int c = c0 + c_local;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int o = o0 + og + OG * i;
+        if (o >= out_channels) continue;
+        float* out = partial + ((long long)blockIdx.z * out_channels + o) * columns_k;
+        if (c < channels)
+            #pragma unroll
+            for (int t = 0; t < 9; ++t) out[9 * c + t] = acc[i][t];
+        if (bias_block && c_local == 0) out[channels * 9] = bias_sum[i];
+    }
+}
+
+// 3x3 windows (forward, and the input gradient through the transposed flipped weight) on CUDA cores from halo tiles
+// (float32): lnn_conv3x3_mma's tiles and contract. Block (spatial tile of 128 outputs, BM output channels); per step,
+// CB input channels' (TH+2) x (TW+2) windows and their weights (lnn_conv3x3_transpose: [C][9][O], output channels
+// fastest) go to shared memory. A thread owns BM/8 consecutive output channels x a run of 4 consecutive outputs of
+// one row; a warp is 4 such channel groups x 8 runs, so a window read (6 values: the run and the 2 beside it) is
+// shared by 4 threads and a weight read (BM/8 channels of one tap) by 8. Per input channel and kernel row: 2
+// window reads, 3 x BM/32 weight reads and 3 x BM/2 FMAs.
+template <int BM, int IMGS, int TH, int TW>
+__global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_cuda_cores(
+        const float* __restrict__ x, const float* __restrict__ transposed, const float* __restrict__ bias,
+        float* __restrict__ y, int batch, int channels, int height, int width, int out_channels, int out_h, int out_w,
+        int pad_h, int pad_w, int has_bias, int relu) {
+    constexpr int CB = FORWARD_CHANNELS, TM = BM / 8, BN = IMGS * TH * TW, PH = TH + 2, PW = TW + 2, ROWS = IMGS * PH;
+    constexpr int XP = TW + 4, CP = ROWS * XP, STEP = CB * 9;
+    constexpr int W_ITEMS = STEP * BM, X_ITEMS = CB * ROWS * PW, BATCH = 4;    // staged per step, loads a batch
+    constexpr int W_LOADS = (W_ITEMS + THREADS * BATCH - 1) / (THREADS * BATCH) * BATCH;
+    constexpr int X_LOADS = (X_ITEMS + THREADS * BATCH - 1) / (THREADS * BATCH) * BATCH;
+    static_assert(BN == 128 && TW % 4 == 0 && TM % 2 == 0, "tile layout");
+    __shared__ __align__(16) float w_tile[STEP * BM];          // [c][tap][o]
+    __shared__ __align__(16) float patch[CB * CP];             // [c][window row][column], pitch XP
+    const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
+    const int tile_x = blockIdx.x % tiles_w, tile_y = (blockIdx.x / tiles_w) % tiles_h;
+    const int image0 = blockIdx.x / (tiles_w * tiles_h) * IMGS;
+    const int y0 = tile_y * TH, x0 = tile_x * TW, o0 = blockIdx.y * BM;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int group = warp / 4 * 4 + lane / 8, run = warp % 4 * 8 + lane % 8;      // output channels, positions
+    const int n0 = 4 * run, image = n0 / (TH * TW), row = n0 / TW % TH, column = n0 % TW;
+
+    auto w_item = [&](int e, int c0) {                         // [c][tap][o] of the step, zero outside
+        const int k = e / BM, o = o0 + e % BM;
+        return e < W_ITEMS && c0 + k / 9 < channels && o < out_channels
+            ? transposed[((long long)c0 * 9 + k) * out_channels + o] : 0.0f;
+    };
+    auto x_item = [&](int e, int c0) {                         // the windows, zero outside x
+        const int c = c0 + e / (ROWS * PW), r = e / PW % ROWS;
+        const int n = image0 + r / PH, iy = y0 - pad_h + r % PH, ix = x0 - pad_w + e % PW;
+        return e < X_ITEMS && c < channels && n < batch && iy >= 0 && iy < height && ix >= 0 && ix < width
+            ? x[(((long long)n * channels + c) * height + iy) * width + ix] : 0.0f;
+    };
+    float acc[TM][4];
+    #pragma unroll
+    for (int i = 0; i < TM; ++i)
+        #pragma unroll
+        for (int p = 0; p < 4; ++p) acc[i][p] = 0.0f;
+
+    for (int c0 = 0; c0 < channels; c0 += CB) {
+        // the step's items by batches of 8: a batch's loads first (one wait for all of them), then its stores
+        #pragma unroll 1
+        for (int t0 = 0; t0 < W_LOADS; t0 += BATCH) {
+            float items[BATCH];
+            #pragma unroll
+            for (int t = 0; t < BATCH; ++t) items[t] = w_item(threadIdx.x + (t0 + t) * THREADS, c0);
+            #pragma unroll
+            for (int t = 0; t < BATCH; ++t) {
+                const int e = threadIdx.x + (t0 + t) * THREADS;
+                if (e < W_ITEMS) w_tile[e] = items[t];
+            }
+        }
+        #pragma unroll 1
+        for (int t0 = 0; t0 < X_LOADS; t0 += BATCH) {
+            float items[BATCH];
+            #pragma unroll
+            for (int t = 0; t < BATCH; ++t) items[t] = x_item(threadIdx.x + (t0 + t) * THREADS, c0);
+            #pragma unroll
+            for (int t = 0; t < BATCH; ++t) {
+                const int e = threadIdx.x + (t0 + t) * THREADS;
+                if (e < X_ITEMS) patch[e / (ROWS * PW) * CP + e / PW % ROWS * XP + e % PW] = items[t];
+            }
+        }
+        __syncthreads();
+        #pragma unroll 2
+        for (int c = 0; c < CB; ++c)
+            #pragma unroll
+            for (int kh = 0; kh < 3; ++kh) {
+                const float* p = patch + c * CP + (image * PH + row + kh) * XP + column;
+                const float4 a = *reinterpret_cast<const float4*>(p);
+                const float2 b = *reinterpret_cast<const float2*>(p + 4);
+                const float v[6] = {a.x, a.y, a.z, a.w, b.x, b.y};
+                #pragma unroll
+                for (int kw = 0; kw < 3; ++kw) {
+                    const float* weights = w_tile + (c * 9 + kh * 3 + kw) * BM + group * TM;
+                    float w[TM];
+                    #pragma unroll
+                    for (int i = 0; i < TM; i += TM % 4 == 0 ? 4 : 2) {
+                        if constexpr (TM % 4 == 0) {
+                            const float4 q = *reinterpret_cast<const float4*>(weights + i);
+                            w[i] = q.x, w[i + 1] = q.y, w[i + 2] = q.z, w[i + 3] = q.w;
+                        } else {
+                            const float2 q = *reinterpret_cast<const float2*>(weights + i);
+                            w[i] = q.x, w[i + 1] = q.y;
+                        }
+                    }
+                    #pragma unroll
+                    for (int i = 0; i < TM; ++i)
+                        #pragma unroll
+                        for (int q = 0; q < 4; ++q) acc[i][q] = fmaf(w[i], v[q + kw], acc[i][q]);
+                }
+            }
+        __syncthreads();
+    }
+
+    const int at = image0 + image, oy = y0 + row;
+    if (at >= batch || oy >= out_h) return;
+    #pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int o = o0 + group * TM + i;
+        if (o >= out_channels) continue;
+        float* out = y + (((long long)at * out_channels + o) * out_h + oy) * out_w + x0 + column;
+        #pragma unroll
+        for (int q = 0; q < 4; ++q)
+            if (x0 + column + q < out_w) lnn_store_output(out + q, acc[i][q], bias, o, has_bias, relu);
+    }
+}
+
+// weight [O, C, 3, 3] -> transposed [S, 9, R] (lnn_conv3x3_cuda_cores' weights): transposed[s, tap, r] =
+// weight[r, s, tap] (R = O, S = C); with flip, the input gradient's (flipped[c, o, kh, kw] = weight[o, c, 2-kh, 2-kw]):
+// transposed[o, tap, c] = weight[o, c, 8 - tap] (R = C, S = O)
+template <typename T>
+__global__ void lnn_conv3x3_transpose(const T* __restrict__ weight, T* __restrict__ transposed,
+                                      int out_channels, int channels, int flip) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= out_channels * channels * 9) return;
+    const int rows = flip ? channels : out_channels;
+    const int r = i % rows, tap = i / rows % 9, s = i / (rows * 9);
+    transposed[i] = flip ? weight[((long long)s * channels + r) * 9 + 8 - tap] : weight[((long long)r * channels + s) * 9 + tap];
 }
 
 // Direct convolution for few input channels (direct_forward: a network's first conv on an RGB or gray image,
@@ -1002,17 +1285,20 @@ HALO_TILES = [halo_tile(w) for w in (16, 8, 4)]
 # 16-wide tile (half of it empty) 0.128 / 0.391 in an earlier state of this staging code.
 WGRAD_HALO_TILES = [halo_tile(16), halo_tile(8)]
 HALO_VECTORS = (8, 4, 1)            # VEC of the halo kernels: 16-bit elements per staging load (LnnHaloRows)
+CUDA_CORE_VECTORS = (4, 1)          # VEC of lnn_conv3x3_wgrad_cuda_cores: float32 elements per dy load
 
 
 def uses_halo(attrs: dict) -> bool:
-    """Whether a 16-bit (amp) conv2d on tensor cores runs forward and input gradient as lnn_conv3x3_mma."""
+    """Whether a conv2d runs forward and input gradient on halo tiles: lnn_conv3x3_mma (16-bit, amp, on
+    tensor cores) or lnn_conv3x3_cuda_cores (float32, any card)."""
     return tuple(attrs["kernel_size"]) == (3, 3)
 
 
 def uses_halo_weight_gradient(attrs: dict, channels: int, out_w: int) -> bool:
-    """Whether such a conv2d's weight gradient is lnn_conv3x3_wgrad_mma too: from 16 input channels (with
-    fewer, most of its 16-channel block would idle) and outputs wider than 4 (WGRAD_HALO_TILES); else the
-    gather kernel runs it."""
+    """Whether a 3x3 conv2d's weight gradient runs on halo tiles (lnn_conv3x3_wgrad_mma for 16-bit types on
+    tensor cores, lnn_conv3x3_wgrad_cuda_cores for float32 on any card): from 16 input channels (with fewer,
+    most of a 16-channel block would idle) and outputs wider than 4 (WGRAD_HALO_TILES); else the gather
+    kernel runs it."""
     return uses_halo(attrs) and channels >= 16 and halo_tile(out_w) in WGRAD_HALO_TILES
 
 
@@ -1048,11 +1334,15 @@ def max_chunks(out_channels: int, reduction: int, bias: bool) -> int:
     return max(1, ceil_div(TARGET_BLOCKS, tiles))
 
 
-def halo_max_chunks(channels: int, out_channels: int) -> int:
-    """Chunks of lnn_conv3x3_wgrad_mma (blocks: 16 input x BM output channels x chunk): half of the CUDA-core
-    pass's blocks (two per SM fit; its partial sums stay about as large)."""
-    blocks = ceil_div(channels, 16) * ceil_div(out_channels, rows_tile(out_channels))
-    return max(1, ceil_div(TARGET_BLOCKS // 2, blocks))
+def halo_max_chunks(channels: int, out_channels: int, cuda_cores: bool = False) -> int:
+    """Chunks of lnn_conv3x3_wgrad_mma (blocks: 16 input x BM output channels x chunk): half of the gather
+    pass's blocks (two per SM fit; its partial sums stay about as large); with cuda_cores, of
+    lnn_conv3x3_wgrad_cuda_cores (CUDA_CORE_WGRAD_BLOCKS): as many as the gather pass."""
+    bm = rows_tile(out_channels)
+    channel_block = CUDA_CORE_WGRAD_BLOCKS[bm][0] if cuda_cores else 16
+    blocks = ceil_div(channels, channel_block) * ceil_div(out_channels, bm)
+    return max(1, ceil_div(TARGET_BLOCKS if cuda_cores else TARGET_BLOCKS // 2, blocks))
+
 
 
 def partial_elements(out_channels: int, reduction: int, bias: bool, chunks: int = 0) -> int:
@@ -1069,17 +1359,18 @@ def chunking(columns: int, limit: int) -> tuple:
 
 def scratch_bytes(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
     """Device bytes a training ConvKernels of `dtype` holds besides the plan's pool: the window tables and
-    the flipped (or, for the halo kernels, arranged) weights. float16 and bfloat16 are counted alike, as on
+    the flipped (or, for the halo kernels, arranged or transposed) weights. float16 and bfloat16 are counted alike, as on
     a card with tensor cores (compute capability 8.0+). The weight gradient's partial sums are a workspace
     of the plan's pool instead (partial_sums_elements)."""
     channels, out_channels = in_shape[0], out_shape[0]
     kh, kw = attrs["kernel_size"]
     reduction = channels * kh * kw
     itemsize = np.dtype(dtype).itemsize
-    if np.dtype(dtype).name in HALF_TYPES and uses_halo(attrs):
+    if uses_halo(attrs):                # the halo kernels' weights: arranged (16-bit) or transposed (float32)
+        size = arranged_elements if np.dtype(dtype).name in HALF_TYPES else lambda rows, sums: rows * sums * 9
         tables = 4 * 3 * reduction
-        forward = 0 if direct_forward(attrs, channels) else arranged_elements(out_channels, channels)
-        weights = itemsize * (forward + arranged_elements(channels, out_channels))
+        forward = 0 if direct_forward(attrs, channels) else size(out_channels, channels)
+        weights = itemsize * (forward + size(channels, out_channels))
     else:
         tables = 4 * 3 * reduction + 4 * 3 * out_channels * kh * kw
         weights = itemsize * out_channels * reduction
@@ -1088,16 +1379,16 @@ def scratch_bytes(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
 
 def partial_sums_elements(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
     """float32 elements of the weight gradient's partial sums [chunks, O, K + bias] of a ConvKernels of
-    `dtype` on any card: for float16 and bfloat16 the larger of the two passes' (the halo pass runs on
-    tensor cores only, and the trainer's plan does not ask the card). Alive only during the layer's
+    `dtype` on any card: the larger of the gather pass's and the halo pass's (for float16 and bfloat16 the
+    halo pass runs on tensor cores only, and the trainer's plan does not ask the card). Alive only during the layer's
     weight gradient, so the plan pools it with the other layers' backward scratch (train/layers.py)."""
     channels, out_channels = in_shape[0], out_shape[0]
     kh, kw = attrs["kernel_size"]
     reduction = channels * kh * kw
     chunks = max_chunks(out_channels, reduction, attrs["bias"])
-    if (np.dtype(dtype).name in HALF_TYPES and uses_halo(attrs)
-            and uses_halo_weight_gradient(attrs, channels, out_shape[2])):
-        chunks = max(chunks, halo_max_chunks(channels, out_channels))
+    if uses_halo_weight_gradient(attrs, channels, out_shape[2]):
+        cuda_cores = np.dtype(dtype).name not in HALF_TYPES
+        chunks = max(chunks, halo_max_chunks(channels, out_channels, cuda_cores))
     return partial_elements(out_channels, reduction, attrs["bias"], chunks)
 
 
@@ -1129,6 +1420,11 @@ def kernel_names(kind: str, tensor_core: bool) -> list:
         names += [wgrad_halo_name(kind, bm, tile, vec) for bm in FORWARD_TILES for tile in WGRAD_HALO_TILES
                   for vec in halo_vectors(tile)]
         names += [f"lnn_conv3x3_arrange<{kind}>"]
+    if kind == "float":
+        names += [cuda_core_halo_name(bm, tile) for bm in FORWARD_TILES for tile in HALO_TILES]
+        names += [cuda_core_wgrad_name(bm, tile, vec) for bm in FORWARD_TILES for tile in WGRAD_HALO_TILES
+                  for vec in halo_vectors(tile, CUDA_CORE_VECTORS)]
+        names += ["lnn_conv3x3_transpose<float>"]
     return names
 
 
@@ -1140,16 +1436,26 @@ def wgrad_halo_name(kind: str, bm: int, tile: tuple, vec: int) -> str:
     return f"lnn_conv3x3_wgrad_mma<{kind}, {bm}, {tile[0]}, {tile[1]}, {tile[2]}, {vec}>"
 
 
-def halo_vectors(tile: tuple) -> list:
-    """The VECs a halo tile (IMGS, TH, TW) is compiled for: those of HALO_VECTORS that divide its width."""
-    return [vec for vec in HALO_VECTORS if tile[2] % vec == 0]
+def cuda_core_halo_name(bm: int, tile: tuple) -> str:
+    return f"lnn_conv3x3_cuda_cores<{bm}, {tile[0]}, {tile[1]}, {tile[2]}>"
 
 
-def halo_vector(tile: tuple, *elements: int) -> int:
-    """VEC of a halo kernel's launch: the largest of halo_vectors(tile) that divides each of `elements` (the
-    widths of the rows it reads and, in elements, where each array starts), so every row load is whole and
-    aligned."""
-    return next(vec for vec in halo_vectors(tile) if all(count % vec == 0 for count in elements))
+def cuda_core_wgrad_name(bm: int, tile: tuple, vec: int) -> str:
+    channels, groups = CUDA_CORE_WGRAD_BLOCKS[bm]
+    return f"lnn_conv3x3_wgrad_cuda_cores<{bm}, {channels}, {groups}, {tile[0]}, {tile[1]}, {tile[2]}, {vec}>"
+
+
+def halo_vectors(tile: tuple, choices=HALO_VECTORS) -> list:
+    """The VECs a halo tile (IMGS, TH, TW) is compiled for: those of `choices` (HALO_VECTORS for the
+    16-bit kernels, CUDA_CORE_VECTORS for the float32 one) that divide its width."""
+    return [vec for vec in choices if tile[2] % vec == 0]
+
+
+def halo_vector(tile: tuple, *elements: int, choices=HALO_VECTORS) -> int:
+    """VEC of a halo kernel's launch: the largest of halo_vectors(tile, choices) that divides each of
+    `elements` (the widths of the rows it reads and, in elements, where each array starts), so every row
+    load is whole and aligned."""
+    return next(vec for vec in halo_vectors(tile, choices) if all(count % vec == 0 for count in elements))
 
 
 def _module(kind: str, tensor_core: bool):
@@ -1186,20 +1492,32 @@ class ConvKernels:
         module = _module(kind, self.tensor_cores)
         self.direct = direct_forward(attrs, self.channels)
         self.halo = self.tensor_cores and uses_halo(attrs)
-        self.halo_wgrad = self.halo and uses_halo_weight_gradient(attrs, self.channels, self.out_w)
+        self.cuda_core_halo = kind == "float" and uses_halo(attrs)      # float32's halo kernels (CUDA cores)
+        self.halo_wgrad = ((self.halo or self.cuda_core_halo)
+                           and uses_halo_weight_gradient(attrs, self.channels, self.out_w))
         self._direct = module.get_function(f"lnn_conv_direct<{kind}>")
-        if self.halo:
-            self._halo = {(bm, tile, vec): module.get_function(halo_name(kind, bm, tile, vec))
-                          for bm in FORWARD_TILES for tile in HALO_TILES for vec in halo_vectors(tile)}
-            self.wgrad_tile = halo_tile(self.out_w)
-            self._halo_wgrad = {vec: module.get_function(wgrad_halo_name(kind, rows_tile(self.out_channels),
-                                                                         self.wgrad_tile, vec))
-                                for vec in halo_vectors(self.wgrad_tile)} if self.halo_wgrad else {}
-            self._arrange = module.get_function(f"lnn_conv3x3_arrange<{kind}>")
+        if self.halo_wgrad:
+            bm, self.wgrad_tile = rows_tile(self.out_channels), halo_tile(self.out_w)
+            self.wgrad_channel_block = 16 if self.halo else CUDA_CORE_WGRAD_BLOCKS[bm][0]
+            self.wgrad_vectors = HALO_VECTORS if self.halo else CUDA_CORE_VECTORS
+            self._halo_wgrad = {vec: module.get_function(wgrad_halo_name(kind, bm, self.wgrad_tile, vec) if self.halo
+                                                         else cuda_core_wgrad_name(bm, self.wgrad_tile, vec))
+                                for vec in halo_vectors(self.wgrad_tile, self.wgrad_vectors)}
+        if self.halo or self.cuda_core_halo:     # the weights as the halo kernels read them: arranged, transposed
+            if self.halo:
+                self._halo = {(bm, tile, vec): module.get_function(halo_name(kind, bm, tile, vec))
+                              for bm in FORWARD_TILES for tile in HALO_TILES for vec in halo_vectors(tile)}
+                self._arrange = module.get_function(f"lnn_conv3x3_arrange<{kind}>")
+                size = arranged_elements
+            else:
+                self._halo = {(bm, tile): module.get_function(cuda_core_halo_name(bm, tile))
+                              for bm in FORWARD_TILES for tile in HALO_TILES}
+                self._arrange = module.get_function("lnn_conv3x3_transpose<float>")
+                size = lambda rows, sums: rows * sums * 9       # noqa: E731
             if not self.direct:
-                self.arranged = cupy.empty(arranged_elements(self.out_channels, self.channels), dtype)
+                self.arranged = cupy.empty(size(self.out_channels, self.channels), dtype)
             if backward:
-                self.arranged_dx = cupy.empty(arranged_elements(self.channels, self.out_channels), dtype)
+                self.arranged_dx = cupy.empty(size(self.channels, self.out_channels), dtype)
         if self.tensor_cores:
             self._forward_functions = {bm: (module.get_function(f"lnn_conv_igemm_mma<{kind}, {bm}, {TENSOR_CORE_COLUMNS}>"),
                                             TENSOR_CORE_COLUMNS) for bm in FORWARD_TILES}
@@ -1207,11 +1525,11 @@ class ConvKernels:
             self._forward_functions = {bm: (module.get_function(f"lnn_conv_igemm<{kind}, {bm}, {bn}, {tn}>"), bn)
                                        for bm, (bn, tn) in FORWARD_TILES.items()}
         if backward:
-            if not self.halo:
+            if not (self.halo or self.cuda_core_halo):
                 self.table_dx = cupy.asarray(window_table(self.out_channels, self.out_h, self.out_w, self.kernel_h,
                                                           self.kernel_w))
                 self.flipped = cupy.empty((self.channels, self.out_channels, self.kernel_h, self.kernel_w), dtype)
-            self.chunk_limit = (halo_max_chunks(self.channels, self.out_channels) if self.halo_wgrad
+            self.chunk_limit = (halo_max_chunks(self.channels, self.out_channels, not self.halo) if self.halo_wgrad
                                 else max_chunks(self.out_channels, self.reduction, self.bias))
             self.partial_size = partial_elements(self.out_channels, self.reduction, self.bias, self.chunk_limit)
             self._own_partial = None
@@ -1234,7 +1552,8 @@ class ConvKernels:
         function(grid, (THREADS,), args)
 
     def _halo_conv(self, x, weight, flip: bool, arranged, bias, y, pad_h, pad_w, relu: bool):
-        """y [N, O', H', W'] = act(conv3x3(x [N, C', H', W'], weight arranged (flipped with flip)) + bias)."""
+        """y [N, O', H', W'] = act(conv3x3(x [N, C', H', W'], weight arranged or transposed (flipped with
+        flip)) + bias): lnn_conv3x3_mma or lnn_conv3x3_cuda_cores."""
         self._arrange((ceil_div(arranged.size, THREADS),), (THREADS,),
                       (weight, arranged, np.int32(self.out_channels), np.int32(self.channels), np.int32(flip)))
         n, channels, height, width = x.shape
@@ -1242,7 +1561,7 @@ class ConvKernels:
         bm, tile = rows_tile(out_channels), halo_tile(out_w)
         images, th, tw = tile
         grid = (ceil_div(n, images) * ceil_div(out_h, th) * ceil_div(out_w, tw), ceil_div(out_channels, bm))
-        kernel = self._halo[bm, tile, halo_vector(tile, width, element_start(x))]
+        kernel = self._halo[bm, tile, halo_vector(tile, width, element_start(x))] if self.halo else self._halo[bm, tile]
         kernel(grid, (THREADS,), (x, arranged, self.no_bias if bias is None else bias, y,
                                   *(np.int32(v) for v in (n, channels, height, width, out_channels, out_h, out_w,
                                                           pad_h, pad_w, bias is not None, relu))))
@@ -1261,7 +1580,7 @@ class ConvKernels:
         """y = act(conv2d(x) + bias) with relu fused when asked; x [N, C, H, W] -> y [N, O, OH, OW]."""
         if self.direct:
             self._direct_conv(x, weight, bias, y, relu)
-        elif self.halo:
+        elif self.halo or self.cuda_core_halo:
             self._halo_conv(x, weight, False, self.arranged, bias, y, self.pad_h, self.pad_w, relu)
         else:
             self._igemm(x, weight, bias, self.table, y, self.pad_h, self.pad_w, relu)
@@ -1289,8 +1608,11 @@ class ConvKernels:
             tiles = ceil_div(n, images) * ceil_div(self.out_h, th) * ceil_div(self.out_w, tw)
             per_chunk = ceil_div(tiles, min(self.chunk_limit, tiles))
             chunks = ceil_div(tiles, per_chunk)
-            grid = (ceil_div(self.channels, 16), ceil_div(self.out_channels, bm), chunks)
-            vec = halo_vector(self.wgrad_tile, self.out_w, self.width, *(element_start(a) for a in (dy, x)))
+            grid = (ceil_div(self.channels, self.wgrad_channel_block), ceil_div(self.out_channels, bm), chunks)
+            # the rows read by vectors: dy's and (on tensor cores) x's
+            rows = (dy, x) if self.halo else (dy,)
+            vec = halo_vector(self.wgrad_tile, *(a.shape[3] for a in rows), *(element_start(a) for a in rows),
+                              choices=self.wgrad_vectors)
             self._halo_wgrad[vec](grid, (THREADS,), (dy, x, partial, *(np.int32(v) for v in
                                                                        (*sizes, has_bias, per_chunk))))
         else:
@@ -1307,7 +1629,7 @@ class ConvKernels:
 
     def input_gradient(self, dy, weight, dx):
         """dx [N, C, H, W] (written) from dy [N, O, OH, OW]: the forward with the flipped weight."""
-        if self.halo:
+        if self.halo or self.cuda_core_halo:
             self._halo_conv(dy, weight, True, self.arranged_dx, None, dx, 2 - self.pad_h, 2 - self.pad_w, False)
             return
         self._flip((ceil_div(self.flipped.size, THREADS),), (THREADS,),

@@ -210,6 +210,37 @@ def test_16_bit_layers_launch_their_own_instances(monkeypatch, kernel, padding, 
     assert ("lnn_conv_direct" in families) == (channels <= conv_gemm.DIRECT_MAX_CHANNELS)
 
 
+@pytest.mark.parametrize("capability", [90, 75])
+@pytest.mark.parametrize("channels, size, halo_wgrad", [(16, 16, True), (33, 7, True), (16, 4, False), (8, 16, False),
+                                                       (3, 16, False)])
+def test_float32_3x3_layers_run_the_cuda_core_halo_kernels(monkeypatch, capability, channels, size, halo_wgrad):
+    """A float32 3x3 layer runs on halo tiles on any card: forward (but for the direct kernel's few input
+    channels) and input gradient as lnn_conv3x3_cuda_cores on the transposed weights, the weight gradient as
+    lnn_conv3x3_wgrad_cuda_cores from 16 input channels on outputs wider than 4 (else the gather kernel); no
+    window tables or flipped weights for the input gradient."""
+    fake = FakeCupy(capability)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(conv_gemm, "_MODULES", {})
+    kernels = conv_gemm.ConvKernels(attrs_of((3, 3), (1, 1), True), (channels, size, size), (40, size, size))
+    x, dy = fake.zeros((2, channels, size, size), np.float32), fake.zeros((2, 40, size, size), np.float32)
+    weight, bias = fake.zeros((40, channels, 3, 3), np.float32), fake.zeros(40, np.float32)
+    kernels.forward(x, weight, bias, dy)
+    kernels.weight_gradient(dy, x, weight, bias, accumulate=False)
+    kernels.input_gradient(dy, weight, x)
+    families = [name.split("<")[0] for name in fake.launched]
+    forward = (["lnn_conv_direct"] if channels <= conv_gemm.DIRECT_MAX_CHANNELS
+               else ["lnn_conv3x3_transpose", "lnn_conv3x3_cuda_cores"])
+    assert families == forward + ["lnn_conv3x3_wgrad_cuda_cores" if halo_wgrad else "lnn_conv_wgrad",
+                                  "lnn_conv_wgrad_reduce", "lnn_conv3x3_transpose", "lnn_conv3x3_cuda_cores"]
+    assert kernels.halo_wgrad == halo_wgrad and kernels.cuda_core_halo and not kernels.halo
+    assert not hasattr(kernels, "flipped") and not hasattr(kernels, "table_dx")
+    if halo_wgrad:
+        assert fake.launched[len(forward)] == conv_gemm.cuda_core_wgrad_name(64, conv_gemm.halo_tile(size),
+                                                                             4 if size % 4 == 0 else 1)
+    for bm, (channel_block, groups) in conv_gemm.CUDA_CORE_WGRAD_BLOCKS.items():
+        assert bm // 4 * channel_block * groups == conv_gemm.THREADS
+
+
 # --------------------------------------------------------------------------- on the GPU
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"k{c[5][0]}{c[5][1]}p{c[6][0]}")
@@ -305,6 +336,36 @@ def test_halo_kernels_on_arrays_that_start_anywhere(offset, vec):
     np.testing.assert_allclose(dx.get().astype(np.float64), dx_ref, rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(dweight.get().astype(np.float64), dweight_ref, rtol=2e-3, atol=2e-3 * scale)
     np.testing.assert_allclose(dbias.get().astype(np.float64), dbias_ref, rtol=2e-3, atol=2e-3 * scale)
+
+
+@pytest.mark.parametrize("offset, vec", [(0, 4), (2, 1), (1, 1)])
+def test_float32_halo_weight_gradient_on_arrays_that_start_anywhere(offset, vec):
+    """lnn_conv3x3_wgrad_cuda_cores reads dy by float4 only where dy's start and rows allow it; the weight
+    gradient is the same from views `offset` elements into larger buffers."""
+    cupy = gpu_cupy()
+    rng = np.random.default_rng(10 + offset)
+    shape_x, shape_y = (3, 20, 12, 16), (3, 24, 12, 16)
+    kernels = conv_gemm.ConvKernels(attrs_of((3, 3), (1, 1), True), shape_x[1:], shape_y[1:])
+    assert kernels.halo_wgrad
+
+    def placed(values):
+        buffer = cupy.zeros(values.size + 8, np.float32)
+        view = buffer[offset:offset + values.size].reshape(values.shape)
+        view[...] = cupy.asarray(values)
+        return view
+
+    x, dy = rng.standard_normal(shape_x).astype(np.float32), rng.standard_normal(shape_y).astype(np.float32)
+    weight = rng.standard_normal((24, 20, 3, 3)).astype(np.float32)
+    gx, gdy = placed(x), placed(dy)
+    assert conv_gemm.halo_vector(kernels.wgrad_tile, 16, conv_gemm.element_start(gdy),
+                                 choices=conv_gemm.CUDA_CORE_VECTORS) == vec
+    _, backward = reference_conv(x.astype(np.float64), weight.astype(np.float64), None, (1, 1))
+    dweight_ref, dbias_ref, _ = backward(dy.astype(np.float64))
+    dweight, dbias = cupy.empty((24, 20, 3, 3), np.float32), cupy.empty(24, np.float32)
+    kernels.weight_gradient(gdy, gx, dweight, dbias, accumulate=False)
+    scale = np.sqrt(3 * 12 * 16)
+    np.testing.assert_allclose(dweight.get(), dweight_ref, rtol=1e-4, atol=1e-4 * scale)
+    np.testing.assert_allclose(dbias.get(), dbias_ref, rtol=1e-4, atol=1e-4 * scale)
 
 
 # --------------------------------------------------------------------------- Winograd F(2x2, 3x3)
