@@ -91,6 +91,20 @@ struct LnnWindow {
     }
 };
 
+// Halo tile `tile` of an output map cut into tiles of IMGS images x TH rows x TW columns, numbered columns first,
+// then rows, then groups of images: (image0, y0, x0) is where its outputs start
+template <int IMGS, int TH, int TW>
+struct LnnHaloTile {
+    int image0, y0, x0;
+    __device__ LnnHaloTile(int tile, int out_h, int out_w) {
+        const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
+        x0 = tile % tiles_w * TW, y0 = tile / tiles_w % tiles_h * TH, image0 = tile / (tiles_w * tiles_h) * IMGS;
+    }
+    __device__ static int count(int batch, int out_h, int out_w) {
+        return (batch + IMGS - 1) / IMGS * ((out_h + TH - 1) / TH) * ((out_w + TW - 1) / TW);
+    }
+};
+
 // table [3, K]: for k = (c, kh, kw): c*H*W + kh*W + kw, then kh, then kw
 template <typename T, int BM, int BN, int TN>
 __global__ void __launch_bounds__(THREADS) lnn_conv_igemm(
@@ -328,8 +342,7 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_cuda_cores(
     float* dy_tile = shared;                                   // [o][position], pitch DP
     float* patch = shared + BM * DP;                           // [channel][window row][column], pitches CP, XP
     const int c_local = threadIdx.x % CB, og = threadIdx.x / CB % OG, group = threadIdx.x / GROUP;
-    const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
-    const int tiles = (batch + IMGS - 1) / IMGS * tiles_h * tiles_w;
+    const int tiles = LnnHaloTile<IMGS, TH, TW>::count(batch, out_h, out_w);
     const int c0 = blockIdx.x * CB, o0 = blockIdx.y * BM;
     const int tile_begin = blockIdx.z * tiles_per_chunk;
     const int tile_end = tile_begin + tiles_per_chunk < tiles ? tile_begin + tiles_per_chunk : tiles;
@@ -344,8 +357,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_cuda_cores(
         for (int t = 0; t < 9; ++t) acc[i][t] = 0.0f;
     }
     for (int tile = tile_begin; tile < tile_end; ++tile) {
-        const int y0 = tile / tiles_w % tiles_h * TH, x0 = tile % tiles_w * TW;
-        const int image0 = tile / (tiles_w * tiles_h) * IMGS;
+        const LnnHaloTile<IMGS, TH, TW> at(tile, out_h, out_w);
+        const int y0 = at.y0, x0 = at.x0, image0 = at.image0;
         // the tile's items by batches: a batch's loads first (one wait for all of them), then its shared-memory stores
         auto dy_item = [&](int e) {                            // dy rows, zero outside
             const int n = e % (BN / VEC) * VEC, o = o0 + e / (BN / VEC);
@@ -467,10 +480,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_cuda_cores(
     static_assert(BN == 128 && TW % 4 == 0 && TM % 2 == 0, "tile layout");
     __shared__ __align__(16) float w_tile[STEP * BM];          // [c][tap][o]
     __shared__ __align__(16) float patch[CB * CP];             // [c][window row][column], pitch XP
-    const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
-    const int tile_x = blockIdx.x % tiles_w, tile_y = (blockIdx.x / tiles_w) % tiles_h;
-    const int image0 = blockIdx.x / (tiles_w * tiles_h) * IMGS;
-    const int y0 = tile_y * TH, x0 = tile_x * TW, o0 = blockIdx.y * BM;
+    const LnnHaloTile<IMGS, TH, TW> tile(blockIdx.x, out_h, out_w);
+    const int image0 = tile.image0, y0 = tile.y0, x0 = tile.x0, o0 = blockIdx.y * BM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = warp / 4 * 4 + lane / 8, run = warp % 4 * 8 + lane % 8;      // output channels, positions
     const int n0 = 4 * run, image = n0 / (TH * TW), row = n0 / TW % TH, column = n0 % TW;
@@ -962,10 +973,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_mma(
     constexpr bool PREFETCH = VEC >= 4 && TW == 16;
     __shared__ __align__(16) unsigned short patch[PIXELS * LDC];      // the bits of x
     __shared__ __align__(16) T a_tile[BM * LDA];
-    const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
-    const int tile_x = blockIdx.x % tiles_w, tile_y = (blockIdx.x / tiles_w) % tiles_h;
-    const int image0 = blockIdx.x / (tiles_w * tiles_h) * IMGS;
-    const int y0 = tile_y * TH, x0 = tile_x * TW, o0 = blockIdx.y * BM;
+    const LnnHaloTile<IMGS, TH, TW> tile(blockIdx.x, out_h, out_w);
+    const int image0 = tile.image0, y0 = tile.y0, x0 = tile.x0, o0 = blockIdx.y * BM;
     const int chunks = (channels + CB - 1) / CB;
     Rows window{x, batch, channels, height, width, pad_h, pad_w, 0, image0, y0, x0};
 
@@ -1102,8 +1111,7 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
     constexpr bool PREFETCH = VEC >= 4 && TW == 16;
     __shared__ __align__(16) T a_tile[BM * LDA];
     __shared__ __align__(16) unsigned short patch[2][CB * LDP];      // the bits of x; [1][i] = [0][i + 1]
-    const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
-    const int tiles = (batch + IMGS - 1) / IMGS * tiles_h * tiles_w;
+    const int tiles = LnnHaloTile<IMGS, TH, TW>::count(batch, out_h, out_w);
     const int c0 = blockIdx.x * CB, o0 = blockIdx.y * BM;
     const int tile_begin = blockIdx.z * tiles_per_chunk;
     const int tile_end = tile_begin + tiles_per_chunk < tiles ? tile_begin + tiles_per_chunk : tiles;
@@ -1139,8 +1147,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
     Vec dy_next[PREFETCH ? DY_LOADS : 1], x_next[PREFETCH ? X_LOADS : 1];
     unsigned short edge_next[PREFETCH ? EDGE_LOADS : 1];
     auto at_tile = [&](int tile) {                             // where the tile's items are
-        const int y0 = tile / tiles_w % tiles_h * TH, x0 = tile % tiles_w * TW;
-        const int image0 = tile / (tiles_w * tiles_h) * IMGS;
+        const LnnHaloTile<IMGS, TH, TW> at(tile, out_h, out_w);
+        const int y0 = at.y0, x0 = at.x0, image0 = at.image0;
         window.y0 = y0, window.x0 = x0, window.image0 = image0;
         const int image = image0 + dy_row / TH % IMGS, oy = y0 + dy_row % TH, ox = x0 + threadIdx.x % DY_ROW * VEC;
         dy_at = image < batch && oy < out_h && ox < out_w
