@@ -61,10 +61,9 @@ def winograd_layer(batch: int, channels: int, size: int, out_channels: int) -> t
     dy = rng.standard_normal((batch, out_channels, size, size), dtype=np.float32)
     y, dx = cupy.empty_like(dy), cupy.empty_like(x)
     kernels = winograd.WinogradKernels(ATTRS, (channels, size, size), (out_channels, size, size))
-    v, m = (cupy.empty(shape, np.float32) for shape in winograd.workspace_shapes(channels, out_channels, (size, size),
-                                                                                  (size, size), batch))
-    v_b, m_b = (cupy.empty(shape, np.float32) for shape in winograd.workspace_shapes(out_channels, channels, (size, size),
-                                                                                      (size, size), batch))
+    hw = (size, size)
+    v, m = (cupy.empty(shape, np.float32) for shape in winograd.workspace_shapes(channels, out_channels, hw, hw, batch))
+    v_b, m_b = (cupy.empty(shape, np.float32) for shape in winograd.workspace_shapes(out_channels, channels, hw, hw, batch))
     return (cuda_event_ms(lambda: kernels.forward(x, weight, None, y, v, m), REPEATS),
             cuda_event_ms(lambda: kernels.input_gradient(dy, weight, dx, v_b, m_b), REPEATS))
 

@@ -18,11 +18,14 @@ Tiles: forward <BM, BN, TN>: BM output channels x BN positions per block of 256 
 x BN columns of k (32 or 64), each thread 4 x 4 results, 32 positions per step shared by 256 / (BM*BN/16)
 groups of threads. The offset of each k = (c, kh, kw) inside a window comes from a
 table [3, K] (offset, kh, kw) built once per layer. float32, float16 or bfloat16 (amp) in and out, float32
-accumulation: every kernel is one template over the element type (runtime/cuda/float16.py). float16 and
-bfloat16 on a card with mma.m16n8k16 (compute capability 8.0+) run the tensor-core twins (lnn_conv_igemm_mma,
-lnn_conv_wgrad_mma, and the halo-tile lnn_conv3x3_mma / lnn_conv3x3_wgrad_mma for 3x3 windows): the same
+accumulation: the kernels are templates over the element type (runtime/cuda/float16.py), but the float32-only
+halo ones below. float16 and bfloat16 on a card with mma.m16n8k16 (compute capability 8.0+) run the
+tensor-core twins (lnn_conv_igemm_mma, lnn_conv_wgrad_mma, and the halo-tile lnn_conv3x3_mma /
+lnn_conv3x3_wgrad_mma for 3x3 windows): the same
 gathers and contracts, 32-row steps, the products on mma.sync (.f16 or .bf16); older cards keep the
-CUDA-core kernels for float16 (bfloat16 needs 8.0: the trainer refuses it below).
+CUDA-core kernels for float16 (bfloat16 needs 8.0: the trainer refuses it below). float32 3x3 windows run on
+halo tiles on CUDA cores on every card (lnn_conv3x3_cuda_cores for the forward and input gradient,
+lnn_conv3x3_wgrad_cuda_cores for the weight gradient): the same contracts and spatial tiles.
 Few input channels (direct_forward: C <= DIRECT_MAX_CHANNELS, C*KH*KW <= DIRECT_MAX_TAPS): the forward is
 lnn_conv_direct on every card and type instead, one thread per output position (n, oh, ow) summing its
 C*KH*KW window for DIRECT_OUTPUTS output channels, the same y as above.
@@ -334,7 +337,8 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_cuda_cores(
     constexpr int SHARED = TILE > SUMS_SIZE ? TILE : SUMS_SIZE;
     // staging batches: 4 float4s or 8 floats of dy, 8 floats of x (larger ones spill: the sums hold 40 registers)
     constexpr int DY_LOADS = BM * BN / VEC / THREADS, DY_BATCH = VEC == 4 ? (DY_LOADS < 4 ? DY_LOADS : 4) : 8;
-    constexpr int X_ITEMS = CB * ROWS * PW, X_BATCH = 8, X_LOADS = (X_ITEMS + THREADS * X_BATCH - 1) / (THREADS * X_BATCH) * X_BATCH;
+    constexpr int X_ITEMS = CB * ROWS * PW, X_BATCH = 8;
+    constexpr int X_LOADS = (X_ITEMS + THREADS * X_BATCH - 1) / (THREADS * X_BATCH) * X_BATCH;
     static_assert(GROUP * GROUPS == THREADS && BN == 128 && TW % 4 == 0 && TW % VEC == 0, "tile layout");
     static_assert(DY_LOADS * VEC * THREADS == BM * BN && DY_LOADS % DY_BATCH == 0, "whole passes over dy");
     typedef typename lnn_floats<VEC>::type Vec;
@@ -504,7 +508,7 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_cuda_cores(
         for (int p = 0; p < 4; ++p) acc[i][p] = 0.0f;
 
     for (int c0 = 0; c0 < channels; c0 += CB) {
-        // the step's items by batches of 8: a batch's loads first (one wait for all of them), then its stores
+        // the step's items by batches: a batch's loads first (one wait for all of them), then its stores
         #pragma unroll 1
         for (int t0 = 0; t0 < W_LOADS; t0 += BATCH) {
             float items[BATCH];
@@ -582,7 +586,8 @@ __global__ void lnn_conv3x3_transpose(const T* __restrict__ weight, T* __restric
     if (i >= out_channels * channels * 9) return;
     const int rows = flip ? channels : out_channels;
     const int r = i % rows, tap = i / rows % 9, s = i / (rows * 9);
-    transposed[i] = flip ? weight[((long long)s * channels + r) * 9 + 8 - tap] : weight[((long long)r * channels + s) * 9 + tap];
+    transposed[i] = flip ? weight[((long long)s * channels + r) * 9 + 8 - tap]
+                         : weight[((long long)r * channels + s) * 9 + tap];
 }
 
 // Direct convolution for few input channels (direct_forward: a network's first conv on an RGB or gray image,
@@ -1354,7 +1359,6 @@ def halo_max_chunks(channels: int, out_channels: int, cuda_cores: bool = False) 
     return max(1, TARGET_BLOCKS // 2 // blocks if cuda_cores else ceil_div(TARGET_BLOCKS // 2, blocks))
 
 
-
 def partial_elements(out_channels: int, reduction: int, bias: bool, chunks: int = 0) -> int:
     """Size of the weight gradient's partial sums [chunks, O, K + bias] (default: max_chunks)."""
     return (chunks or max_chunks(out_channels, reduction, bias)) * out_channels * (reduction + bias)
@@ -1369,9 +1373,9 @@ def chunking(columns: int, limit: int) -> tuple:
 
 def scratch_bytes(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
     """Device bytes a training ConvKernels of `dtype` holds besides the plan's pool: the window tables and
-    the flipped (or, for the halo kernels, arranged or transposed) weights. float16 and bfloat16 are counted alike, as on
-    a card with tensor cores (compute capability 8.0+). The weight gradient's partial sums are a workspace
-    of the plan's pool instead (partial_sums_elements)."""
+    the flipped (or, for the halo kernels, arranged or transposed) weights. float16 and bfloat16 are counted
+    alike, as on a card with tensor cores (compute capability 8.0+). The weight gradient's partial sums are a
+    workspace of the plan's pool instead (partial_sums_elements)."""
     channels, out_channels = in_shape[0], out_shape[0]
     kh, kw = attrs["kernel_size"]
     reduction = channels * kh * kw
