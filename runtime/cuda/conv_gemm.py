@@ -103,8 +103,11 @@ struct LnnHaloTile {
         const int tiles_w = (out_w + TW - 1) / TW, tiles_h = (out_h + TH - 1) / TH;
         x0 = tile % tiles_w * TW, y0 = tile / tiles_w % tiles_h * TH, image0 = tile / (tiles_w * tiles_h) * IMGS;
     }
-    __device__ static int count(int batch, int out_h, int out_w) {
-        return (batch + IMGS - 1) / IMGS * ((out_h + TH - 1) / TH) * ((out_w + TW - 1) / TW);
+    // [*begin, *end): the tiles of a weight gradient's chunk blockIdx.z, tiles_per_chunk a chunk
+    __device__ static void chunk(int batch, int out_h, int out_w, int tiles_per_chunk, int* begin, int* end) {
+        const int tiles = (batch + IMGS - 1) / IMGS * ((out_h + TH - 1) / TH) * ((out_w + TW - 1) / TW);
+        *begin = blockIdx.z * tiles_per_chunk;
+        *end = *begin + tiles_per_chunk < tiles ? *begin + tiles_per_chunk : tiles;
     }
 };
 
@@ -346,10 +349,9 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_cuda_cores(
     float* dy_tile = shared;                                   // [o][position], pitch DP
     float* patch = shared + BM * DP;                           // [channel][window row][column], pitches CP, XP
     const int c_local = threadIdx.x % CB, og = threadIdx.x / CB % OG, group = threadIdx.x / GROUP;
-    const int tiles = LnnHaloTile<IMGS, TH, TW>::count(batch, out_h, out_w);
     const int c0 = blockIdx.x * CB, o0 = blockIdx.y * BM;
-    const int tile_begin = blockIdx.z * tiles_per_chunk;
-    const int tile_end = tile_begin + tiles_per_chunk < tiles ? tile_begin + tiles_per_chunk : tiles;
+    int tile_begin, tile_end;
+    LnnHaloTile<IMGS, TH, TW>::chunk(batch, out_h, out_w, tiles_per_chunk, &tile_begin, &tile_end);
     const int columns_k = channels * 9 + has_bias;
     const bool bias_block = has_bias && blockIdx.x == 0;
 
@@ -1116,10 +1118,9 @@ __global__ void __launch_bounds__(THREADS, 2) lnn_conv3x3_wgrad_mma(
     constexpr bool PREFETCH = VEC >= 4 && TW == 16;
     __shared__ __align__(16) T a_tile[BM * LDA];
     __shared__ __align__(16) unsigned short patch[2][CB * LDP];      // the bits of x; [1][i] = [0][i + 1]
-    const int tiles = LnnHaloTile<IMGS, TH, TW>::count(batch, out_h, out_w);
     const int c0 = blockIdx.x * CB, o0 = blockIdx.y * BM;
-    const int tile_begin = blockIdx.z * tiles_per_chunk;
-    const int tile_end = tile_begin + tiles_per_chunk < tiles ? tile_begin + tiles_per_chunk : tiles;
+    int tile_begin, tile_end;
+    LnnHaloTile<IMGS, TH, TW>::chunk(batch, out_h, out_w, tiles_per_chunk, &tile_begin, &tile_end);
     const int columns_k = channels * 9 + has_bias;
     const bool bias_block = has_bias && blockIdx.x == 0;
     Rows window{x, batch, channels, height, width, pad_h, pad_w, c0, 0, 0, 0};
