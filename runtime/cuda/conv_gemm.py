@@ -1321,6 +1321,11 @@ def arranged_elements(rows: int, sums: int) -> int:
     return rows * ceil_div(sums, 16) * 144
 
 
+def transposed_elements(rows: int, sums: int) -> int:
+    """Size of lnn_conv3x3_transpose's [sums, 9, rows]."""
+    return rows * sums * 9
+
+
 def rows_tile(channels: int) -> int:
     """BM: output channels per block (16, 32 or 64)."""
     return 16 if channels <= 16 else 32 if channels <= 32 else 64
@@ -1382,7 +1387,7 @@ def scratch_bytes(attrs: dict, in_shape, out_shape, dtype=np.float32) -> int:
     reduction = channels * kh * kw
     itemsize = np.dtype(dtype).itemsize
     if uses_halo(attrs):                # the halo kernels' weights: arranged (16-bit) or transposed (float32)
-        size = arranged_elements if np.dtype(dtype).name in HALF_TYPES else lambda rows, sums: rows * sums * 9
+        size = arranged_elements if np.dtype(dtype).name in HALF_TYPES else transposed_elements
         tables = 4 * 3 * reduction
         forward = 0 if direct_forward(attrs, channels) else size(out_channels, channels)
         weights = itemsize * (forward + size(channels, out_channels))
@@ -1528,7 +1533,7 @@ class ConvKernels:
                 self._halo = {(bm, tile): module.get_function(cuda_core_halo_name(bm, tile))
                               for bm in FORWARD_TILES for tile in HALO_TILES}
                 self._arrange = module.get_function("lnn_conv3x3_transpose<float>")
-                size = lambda rows, sums: rows * sums * 9       # noqa: E731
+                size = transposed_elements
             if not self.direct:
                 self.arranged = cupy.empty(size(self.out_channels, self.channels), dtype)
             if backward:
