@@ -302,6 +302,14 @@ def test_smaller_batches_reuse_the_layer_kernels():
         np.testing.assert_allclose(dbias.get(), dbias_ref, rtol=1e-4, atol=1e-3)
 
 
+def view_into_larger_buffer(cupy, values, offset: int):
+    """A device copy of `values` that starts `offset` elements into a larger buffer of their dtype."""
+    buffer = cupy.zeros(values.size + 8, values.dtype)
+    view = buffer[offset:offset + values.size].reshape(values.shape)
+    view[...] = cupy.asarray(values)
+    return view
+
+
 @pytest.mark.parametrize("offset, vec", [(0, 8), (4, 4), (1, 1)])
 def test_halo_kernels_on_arrays_that_start_anywhere(offset, vec):
     """x, dy, y and dx as views `offset` elements into larger buffers (a micro-batch of a batch): the staging
@@ -314,10 +322,7 @@ def test_halo_kernels_on_arrays_that_start_anywhere(offset, vec):
         pytest.skip("no tensor cores: the halo kernels do not run")
 
     def placed(values):
-        buffer = cupy.zeros(values.size + 8, np.float16)
-        view = buffer[offset:offset + values.size].reshape(values.shape)
-        view[...] = cupy.asarray(values)
-        return view
+        return view_into_larger_buffer(cupy, values, offset)
 
     x = rng.standard_normal(shape_x).astype(np.float16)
     weight = (rng.standard_normal((32, 16, 3, 3)) / 12).astype(np.float16)
@@ -349,10 +354,7 @@ def test_float32_halo_weight_gradient_on_arrays_that_start_anywhere(offset, vec)
     assert kernels.halo_wgrad
 
     def placed(values):
-        buffer = cupy.zeros(values.size + 8, np.float32)
-        view = buffer[offset:offset + values.size].reshape(values.shape)
-        view[...] = cupy.asarray(values)
-        return view
+        return view_into_larger_buffer(cupy, values, offset)
 
     x, dy = rng.standard_normal(shape_x).astype(np.float32), rng.standard_normal(shape_y).astype(np.float32)
     weight = rng.standard_normal((24, 20, 3, 3)).astype(np.float32)
