@@ -33,17 +33,23 @@ VARIANTS = [("fp32", np.float32, {}), ("fp32 gather", np.float32, {"uses_halo": 
 REPEATS = 30
 
 
+def layer_arrays(dtype, batch: int, channels: int, size: int, out_channels: int) -> tuple:
+    """Random x, weight and dy of a layer in `dtype` (drawn in float32, seed 0), and y and dx to write."""
+    rng = cupy.random.default_rng(0)
+    x = rng.standard_normal((batch, channels, size, size), dtype=np.float32).astype(dtype)
+    weight = (rng.standard_normal((out_channels, channels, 3, 3), dtype=np.float32) * 0.1).astype(dtype)
+    dy = rng.standard_normal((batch, out_channels, size, size), dtype=np.float32).astype(dtype)
+    return x, weight, dy, cupy.empty_like(dy), cupy.empty_like(x)
+
+
 def lnn_layer(dtype, overrides: dict, batch: int, channels: int, size: int, out_channels: int) -> tuple:
     """(forward, weight gradient, input gradient) ms with conv_gemm's choices replaced by `overrides`."""
     saved = {name: getattr(conv_gemm, name) for name in overrides}
     for name, value in overrides.items():
         setattr(conv_gemm, name, value)
     try:
-        rng = cupy.random.default_rng(0)
-        x = rng.standard_normal((batch, channels, size, size), dtype=np.float32).astype(dtype)
-        weight = (rng.standard_normal((out_channels, channels, 3, 3), dtype=np.float32) * 0.1).astype(dtype)
-        dy = rng.standard_normal((batch, out_channels, size, size), dtype=np.float32).astype(dtype)
-        y, dx, dweight = cupy.empty_like(dy), cupy.empty_like(x), cupy.empty_like(weight)
+        x, weight, dy, y, dx = layer_arrays(dtype, batch, channels, size, out_channels)
+        dweight = cupy.empty_like(weight)
         kernels = conv_gemm.ConvKernels(ATTRS, (channels, size, size), (out_channels, size, size), dtype=dtype)
         return (cuda_event_ms(lambda: kernels.forward(x, weight, None, y), REPEATS),
                 cuda_event_ms(lambda: kernels.weight_gradient(dy, x, dweight, None, False), REPEATS),
@@ -55,11 +61,7 @@ def lnn_layer(dtype, overrides: dict, batch: int, channels: int, size: int, out_
 
 def winograd_layer(batch: int, channels: int, size: int, out_channels: int) -> tuple:
     """(forward, input gradient) ms of the layer on WinogradKernels in float32."""
-    rng = cupy.random.default_rng(0)
-    x = rng.standard_normal((batch, channels, size, size), dtype=np.float32)
-    weight = rng.standard_normal((out_channels, channels, 3, 3), dtype=np.float32) * 0.1
-    dy = rng.standard_normal((batch, out_channels, size, size), dtype=np.float32)
-    y, dx = cupy.empty_like(dy), cupy.empty_like(x)
+    x, weight, dy, y, dx = layer_arrays(np.float32, batch, channels, size, out_channels)
     kernels = winograd.WinogradKernels(ATTRS, (channels, size, size), (out_channels, size, size))
     hw = (size, size)
     v, m = (cupy.empty(shape, np.float32) for shape in winograd.workspace_shapes(channels, out_channels, hw, hw, batch))
