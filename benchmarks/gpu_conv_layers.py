@@ -4,7 +4,7 @@ of the forward, the weight gradient and the input gradient for
   fp32             lnn's float32 kernels on halo tiles (CUDA cores): lnn_conv3x3_cuda_cores, and the weight
                    gradient's lnn_conv3x3_wgrad_cuda_cores from 16 input channels
   fp32 gather      float32 implicit GEMM, the window gathered per element (what other windows run)
-  fp32 winograd    Winograd F(2x2, 3x3) (runtime/cuda/winograd.py): forward and input gradient only
+  fp32 winograd    Winograd F(2x2, 3x3) (runtime/cuda/winograd.py; what float32 runs from 32 channels in and out)
   fp16 cuda cores  lnn's float16 path of cards without mma.m16n8k16 (before sm_80)
   fp16 mma gather  tensor cores, the window gathered per element (what other window sizes run)
   fp16 mma halo    tensor cores from halo tiles (what amp runs for 3x3 windows on sm_80+)
@@ -60,13 +60,16 @@ def lnn_layer(dtype, overrides: dict, batch: int, channels: int, size: int, out_
 
 
 def winograd_layer(batch: int, channels: int, size: int, out_channels: int) -> tuple:
-    """(forward, input gradient) ms of the layer on WinogradKernels in float32."""
+    """(forward, weight gradient, input gradient) ms of the layer on WinogradKernels in float32."""
     x, weight, dy, y, dx = layer_arrays(np.float32, batch, channels, size, out_channels)
+    dweight = cupy.empty_like(weight)
     kernels = winograd.WinogradKernels(ATTRS, (channels, size, size), (out_channels, size, size))
     hw = (size, size)
     v, m = (cupy.empty(shape, np.float32) for shape in winograd.workspace_shapes(channels, out_channels, hw, hw, batch))
-    v_b, m_b = (cupy.empty(shape, np.float32) for shape in winograd.workspace_shapes(out_channels, channels, hw, hw, batch))
+    v_b, m_b, products = (cupy.empty(shape, np.float32)
+                          for shape in winograd.backward_workspace_shapes(channels, out_channels, hw, hw, batch))
     return (cuda_event_ms(lambda: kernels.forward(x, weight, None, y, v, m), REPEATS),
+            cuda_event_ms(lambda: kernels.weight_gradient(dy, x, dweight, None, False, v_b, m_b, products), REPEATS),
             cuda_event_ms(lambda: kernels.input_gradient(dy, weight, dx, v_b, m_b), REPEATS))
 
 
@@ -118,8 +121,9 @@ def main():
                     times = lnn_layer(dtype, overrides, batch, channels, size, out_channels)
                     totals[label] = totals.get(label, 0.0) + sum(times)
                     cells.append(f"{label} " + "/".join(f"{t:.3f}" for t in times) + f" ({sum(times):.3f})")
-                forward, input_gradient = winograd_layer(batch, channels, size, out_channels)
-                cells.append(f"fp32 winograd {forward:.3f}/-/{input_gradient:.3f}")
+                times = winograd_layer(batch, channels, size, out_channels)
+                totals["fp32 winograd"] = totals.get("fp32 winograd", 0.0) + sum(times)
+                cells.append("fp32 winograd " + "/".join(f"{t:.3f}" for t in times) + f" ({sum(times):.3f})")
                 for label, half in (("torch fp16 cl", True), ("torch fp32", False)):
                     try:
                         forward, step = torch_layer(batch, channels, size, out_channels, half)

@@ -11,11 +11,17 @@ image, T = N*TH*TW in all; edge tiles keep what fits), each from a 4x4 input pat
 with G = [[1,0,0],[1/2,1/2,1/2],[1/2,-1/2,1/2],[0,0,1]], B^T = [[1,0,-1,0],[0,1,1,0],[0,-1,1,0],[0,1,0,-1]],
 A^T = [[1,1,1,0],[0,1,-1,-1]] (Lavin & Gray). All transforms and the product are float32. The input
 gradient of such a conv is the same convolution of dy with the flipped, transposed weight and padding
-2 - p, so it runs here too; the weight gradient stays implicit GEMM (conv_gemm.py). The batch goes
-through in chunks of images whose V and M take about as much as the conv's own input and output for
-the whole batch (at least MIN_CHUNK_BYTES): Winograd's scratch stays the size of the activations
-around it. V and M are the caller's flat buffers (the trainer's plan pool; the inference plan's
-buffers), sized by `workspace_shapes`.
+2 - p, so it runs here too. The weight gradient is the forward's transposed (Lavin & Gray's eq. for
+dg): for every tile the input transform V = B^T d B and dy's W = A dy A^T (the 2x2 block of dy, 0 past
+the edge), then
+  products  P [16, O, C] = sum over tiles of W[e] V[e]^T (16 GEMMs whose reduction runs over tiles)
+  weight    dg = G^T P G,    bias: the sum of dy per channel (reduce.py)
+16 products of [O, C] are too few GEMM blocks for a GPU, so each chunk's tiles are cut into S pieces
+(`splits`) and the 16 S products summed by the final transform. The batch goes through in chunks of
+images whose V and M take about as much as the conv's own input and output for the whole batch (at
+least MIN_CHUNK_BYTES): Winograd's scratch stays the size of the activations around it. V, M and P are
+the caller's flat buffers (the trainer's plan pool; the inference plan's buffers), sized by
+`workspace_shapes` and `backward_workspace_shapes`.
 "auto" picks Winograd on the GPU when input and output channels are both >= 32: measured on an H200
 (benchmarks/gpu_step_profile.py --algorithm winograd), it halved leaf_cnn's 32->64 and 64->128 layers
 and lost 3x on its 3->16 layer (transforms and V, M traffic dominate with few channels).
@@ -31,6 +37,8 @@ from lnn.runtime.cuda.conv_gemm import ceil_div
 THREADS = 256
 MIN_CHUNK_BYTES = 8 * 2 ** 20       # V and M of one chunk of images take about max(this, x + y of the batch)
 AUTO_MIN_CHANNELS = 32              # "auto" picks Winograd when both channel counts reach this
+GEMM_BLOCKS = 512                   # the weight gradient's products are split until about this many 64x64 blocks
+MIN_SPLIT_TILES = 512               # ... each piece summing at least this many tiles
 
 SOURCE = r"""
 extern "C" {
@@ -62,14 +70,17 @@ __global__ void lnn_winograd_weight(const float* __restrict__ weight, float* __r
     }
 }
 
-// x [N, C, H, W] -> v [16, C, T]: the 4x4 patch at (2 th - pad_h, 2 tw - pad_w) (0 outside), B^T d B
+// x [N, C, H, W] -> v [16, S, C, TS]: the 4x4 patch at (2 th - pad_h, 2 tw - pad_w) (0 outside), B^T d B.
+// Tile t = s * TS + ts of the S = splits pieces of TS = split_tiles; tiles past T (padding) are 0. The
+// forward and input gradient take S = 1, TS = T: v [16, C, T].
 __global__ void lnn_winograd_input(const float* __restrict__ x, float* __restrict__ v, int batch, int channels,
-                                   int height, int width, int tiles_h, int tiles_w, int pad_h, int pad_w) {
-    const long long tiles = (long long)batch * tiles_h * tiles_w;
+                                   int height, int width, int tiles_h, int tiles_w, int pad_h, int pad_w,
+                                   int splits, long long split_tiles) {
+    const long long tiles = (long long)batch * tiles_h * tiles_w, padded = splits * split_tiles;
     const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= channels * tiles) return;
-    const long long t = i % tiles;
-    const int c = (int)(i / tiles);
+    if (i >= channels * padded) return;
+    const long long t = i % padded;
+    const int c = (int)(i / padded);
     const int tw = (int)(t % tiles_w), th = (int)((t / tiles_w) % tiles_h);
     const long long n = t / ((long long)tiles_w * tiles_h);
     const float* plane = x + (n * channels + c) * (long long)height * width;
@@ -78,7 +89,8 @@ __global__ void lnn_winograd_input(const float* __restrict__ x, float* __restric
     for (int a = 0; a < 4; ++a)
         for (int b = 0; b < 4; ++b) {
             const int h = h0 + a, w = w0 + b;
-            d[a][b] = (h >= 0 && h < height && w >= 0 && w < width) ? plane[(long long)h * width + w] : 0.0f;
+            d[a][b] = (t < tiles && h >= 0 && h < height && w >= 0 && w < width) ? plane[(long long)h * width + w]
+                                                                                  : 0.0f;
         }
     float r[4][4];
     for (int b = 0; b < 4; ++b) {
@@ -87,8 +99,8 @@ __global__ void lnn_winograd_input(const float* __restrict__ x, float* __restric
         r[2][b] = d[2][b] - d[1][b];
         r[3][b] = d[1][b] - d[3][b];
     }
-    const long long stride = (long long)channels * tiles;
-    float* out = v + (long long)c * tiles + t;
+    const long long stride = (long long)channels * padded;
+    float* out = v + ((t / split_tiles) * channels + c) * split_tiles + t % split_tiles;
     for (int a = 0; a < 4; ++a) {
         out[(a * 4 + 0) * stride] = r[a][0] - r[a][2];
         out[(a * 4 + 1) * stride] = r[a][1] + r[a][2];
@@ -130,6 +142,68 @@ __global__ void lnn_winograd_output(const float* __restrict__ m, const float* __
     }
 }
 
+
+// dy [N, O, OH, OW] -> w [16, S, O, TS]: the 2x2 block of dy at (2 th, 2 tw) (0 past the edge), A dy A^T;
+// tiles laid out as lnn_winograd_input's (tiles past T are 0)
+__global__ void lnn_winograd_output_gradient(const float* __restrict__ dy, float* __restrict__ w, int batch,
+                                             int out_channels, int out_h, int out_w, int tiles_h, int tiles_w,
+                                             int splits, long long split_tiles) {
+    const long long tiles = (long long)batch * tiles_h * tiles_w, padded = splits * split_tiles;
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= out_channels * padded) return;
+    const long long t = i % padded;
+    const int o = (int)(i / padded);
+    const int tw = (int)(t % tiles_w), th = (int)((t / tiles_w) % tiles_h);
+    const long long n = t / ((long long)tiles_w * tiles_h);
+    const float* plane = dy + (n * out_channels + o) * (long long)out_h * out_w;
+    float d[2][2];
+    for (int a = 0; a < 2; ++a)
+        for (int b = 0; b < 2; ++b) {
+            const int h = 2 * th + a, w = 2 * tw + b;
+            d[a][b] = (t < tiles && h < out_h && w < out_w) ? plane[(long long)h * out_w + w] : 0.0f;
+        }
+    float r[4][2];                                  // A d, A = [[1, 0], [1, 1], [1, -1], [0, -1]]
+    for (int b = 0; b < 2; ++b) {
+        r[0][b] = d[0][b];
+        r[1][b] = d[0][b] + d[1][b];
+        r[2][b] = d[0][b] - d[1][b];
+        r[3][b] = -d[1][b];
+    }
+    const long long stride = (long long)out_channels * padded;
+    float* out = w + ((t / split_tiles) * out_channels + o) * split_tiles + t % split_tiles;
+    for (int a = 0; a < 4; ++a) {
+        out[(a * 4 + 0) * stride] = r[a][0];
+        out[(a * 4 + 1) * stride] = r[a][0] + r[a][1];
+        out[(a * 4 + 2) * stride] = r[a][0] - r[a][1];
+        out[(a * 4 + 3) * stride] = -r[a][1];
+    }
+}
+
+// products [16, S, O, C] -> dweight [O, C, 3, 3] (+)= G^T m G, m = the sum of the S pieces
+__global__ void lnn_winograd_weight_gradient(const float* __restrict__ products, float* __restrict__ dweight,
+                                             int out_channels, int channels, int splits, int accumulate) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= out_channels * channels) return;
+    const long long pairs = (long long)out_channels * channels;
+    float m[4][4];
+    for (int e = 0; e < 16; ++e) {
+        float sum = 0.0f;
+        for (int s = 0; s < splits; ++s) sum += products[((long long)e * splits + s) * pairs + i];
+        m[e / 4][e % 4] = sum;
+    }
+    float t[3][4];                                  // G^T m, G = [[1, 0, 0], [1/2, 1/2, 1/2], [1/2, -1/2, 1/2], [0, 0, 1]]
+    for (int b = 0; b < 4; ++b) {
+        t[0][b] = m[0][b] + 0.5f * (m[1][b] + m[2][b]);
+        t[1][b] = 0.5f * (m[1][b] - m[2][b]);
+        t[2][b] = 0.5f * (m[1][b] + m[2][b]) + m[3][b];
+    }
+    float* g = dweight + (long long)i * 9;
+    for (int a = 0; a < 3; ++a) {
+        const float row[3] = {t[a][0] + 0.5f * (t[a][1] + t[a][2]), 0.5f * (t[a][1] - t[a][2]),
+                              0.5f * (t[a][1] + t[a][2]) + t[a][3]};
+        for (int b = 0; b < 3; ++b) g[a * 3 + b] = accumulate ? g[a * 3 + b] + row[b] : row[b];
+    }
+}
 }
 """
 
@@ -167,6 +241,33 @@ def workspace_shapes(channels: int, out_channels: int, in_hw: tuple, out_hw: tup
     return (16 * channels * count,), (16 * out_channels * count,)
 
 
+def splits(channels: int, out_channels: int, count: int) -> int:
+    """Pieces S that the weight gradient cuts a chunk's reduction over `count` tiles into: its 16 [O, C]
+    products alone are too few GEMM blocks for a GPU (leaf_cnn224's 64->128 layer: 32 of 64x64)."""
+    blocks = 16 * ceil_div(out_channels, 64) * ceil_div(channels, 64)
+    return max(1, min(ceil_div(GEMM_BLOCKS, blocks), count // MIN_SPLIT_TILES))
+
+
+def weight_gradient_layout(channels: int, out_channels: int, in_hw: tuple, out_hw: tuple, batch: int) -> tuple:
+    """(images a chunk, S, S * TS): the weight gradient's chunks are the forward's, their tiles cut into S
+    pieces of TS (the last padded with zeros)."""
+    tiles_h, tiles_w = tiles(*out_hw)
+    images = chunk_images(channels, out_channels, in_hw, out_hw, batch)
+    count = images * tiles_h * tiles_w
+    pieces = splits(channels, out_channels, count)
+    return images, pieces, pieces * ceil_div(count, pieces)
+
+
+def backward_workspace_shapes(channels: int, out_channels: int, in_hw: tuple, out_hw: tuple, batch: int) -> tuple:
+    """(O side, C side, products) flat buffers of a layer's backward. The input gradient's V [16, O, T] and
+    M [16, C, T] (workspace_shapes of the flipped conv) are, in the weight gradient before it, dy's and x's
+    transforms [16, S, O, TS] and [16, S, C, TS]; its products are [16, S, O, C]."""
+    (o_side,), (c_side,) = workspace_shapes(out_channels, channels, out_hw, in_hw, batch)
+    _, pieces, padded = weight_gradient_layout(channels, out_channels, in_hw, out_hw, batch)
+    return ((max(o_side, 16 * out_channels * padded),), (max(c_side, 16 * channels * padded),),
+            (16 * pieces * out_channels * channels,))
+
+
 _MODULE = None
 
 
@@ -194,10 +295,13 @@ class WinogradKernels:
         self.u = cupy.empty((16, self.out_channels, self.channels), np.float32)
         self.u_flipped = cupy.empty((16, self.channels, self.out_channels), np.float32) if backward else None
         self.no_bias = cupy.zeros(1, np.float32)
+        self.no_shift = cupy.zeros(self.out_channels, np.float32) if backward else None
         module = _module()
         self._weight = module.get_function("lnn_winograd_weight")
         self._input = module.get_function("lnn_winograd_input")
         self._output = module.get_function("lnn_winograd_output")
+        self._output_gradient = module.get_function("lnn_winograd_output_gradient")
+        self._weight_gradient = module.get_function("lnn_winograd_weight_gradient")
 
     def transform_weight(self, weight, flipped: bool = False):
         """U from weight [O, C, 3, 3] (the flipped, transposed one for the input gradient)."""
@@ -222,7 +326,8 @@ class WinogradKernels:
             m_chunk = m[:16 * out_channels * count].reshape(16, out_channels, count)
             self._input((ceil_div(channels * count, THREADS),), (THREADS,),
                         (x[start:start + chunk], v_chunk,
-                         *(np.int32(a) for a in (chunk, channels, height, width, tiles_h, tiles_w, pad_h, pad_w))))
+                         *(np.int32(a) for a in (chunk, channels, height, width, tiles_h, tiles_w, pad_h, pad_w, 1)),
+                         np.int64(count)))
             matmul(self.cupy, u, v_chunk, m_chunk)
             self._output((ceil_div(out_channels * count, THREADS),), (THREADS,),
                          (m_chunk, self.no_bias if bias is None else bias, y[start:start + chunk],
@@ -241,3 +346,44 @@ class WinogradKernels:
         workspace_shapes(O, C, (OH, OW), (H, W), N)."""
         self.transform_weight(weight, flipped=True)
         self._convolve(dy, self.u_flipped, None, dx, v, m, 2 - self.pad_h, 2 - self.pad_w, False)
+
+    def weight_gradient(self, dy, x, dweight, dbias, accumulate: bool, w, v, products):
+        """dweight [O, C, 3, 3] and dbias [O] (None: no bias) from dy [N, O, OH, OW] and x: written, or added
+        with accumulate. Chunk by chunk of images: W = dy's transform, V = x's, products (+)= W @ V^T (16 S
+        products of [O, TS] @ [TS, C], one batched GEMM), then dweight (+)= G^T (sum of the S pieces) G.
+        w, v, products: the flat buffers of backward_workspace_shapes (w and v are the input gradient's V, M)."""
+        from lnn.runtime.cuda.reduce import channel_sums
+
+        n = x.shape[0]
+        channels, out_channels = self.channels, self.out_channels
+        tiles_h, tiles_w = tiles(self.out_h, self.out_w)
+        images, pieces, padded = weight_gradient_layout(channels, out_channels, (self.height, self.width),
+                                                        (self.out_h, self.out_w), n)
+        needs = {"w": (w, 16 * out_channels * padded), "v": (v, 16 * channels * padded),
+                 "products": (products, 16 * pieces * out_channels * channels)}
+        for name, (buffer, size) in needs.items():
+            if buffer.size < size:
+                raise ValueError(f"the Winograd weight gradient's {name} needs {size} floats, not {buffer.size}")
+        sums = products[:16 * pieces * out_channels * channels].reshape(16 * pieces, out_channels, channels)
+        for start in range(0, n, images):
+            chunk = min(images, n - start)
+            split_tiles = ceil_div(chunk * tiles_h * tiles_w, pieces)
+            w_chunk = w[:16 * pieces * out_channels * split_tiles].reshape(16 * pieces, out_channels, split_tiles)
+            v_chunk = v[:16 * pieces * channels * split_tiles].reshape(16 * pieces, channels, split_tiles)
+            self._output_gradient((ceil_div(out_channels * pieces * split_tiles, THREADS),), (THREADS,),
+                                  (dy[start:start + chunk], w_chunk,
+                                   *(np.int32(a) for a in (chunk, out_channels, self.out_h, self.out_w, tiles_h,
+                                                           tiles_w, pieces)), np.int64(split_tiles)))
+            self._input((ceil_div(channels * pieces * split_tiles, THREADS),), (THREADS,),
+                        (x[start:start + chunk], v_chunk,
+                         *(np.int32(a) for a in (chunk, channels, self.height, self.width, tiles_h, tiles_w,
+                                                 self.pad_h, self.pad_w, pieces)), np.int64(split_tiles)))
+            matmul(self.cupy, w_chunk, v_chunk.transpose(0, 2, 1), sums, accumulate=start > 0)
+        self._weight_gradient((ceil_div(out_channels * channels, THREADS),), (THREADS,),
+                              (sums, dweight, *(np.int32(a) for a in (out_channels, channels, pieces, accumulate))))
+        if dbias is not None:
+            dy_sums, _ = channel_sums(dy, dy, self.no_shift, self.no_shift)
+            if accumulate:
+                dbias += dy_sums
+            else:
+                dbias[...] = dy_sums

@@ -395,6 +395,20 @@ def test_winograd_rule_and_buffer_sizes():
     v, m = winograd.workspace_shapes(64, 128, (16, 16), (16, 16), 256)
     activations = 4 * 256 * (64 + 128) * 16 * 16
     assert 4 * (v[0] + m[0]) <= activations < 4 * (v[0] + m[0]) * 2
+    # the weight gradient cuts a chunk's tiles into pieces until its products make enough GEMM blocks
+    assert winograd.splits(64, 128, 50176) == winograd.GEMM_BLOCKS // (16 * 2 * 1)       # leaf_cnn224, 56x56
+    assert winograd.splits(256, 512, 10 ** 6) == 1 and winograd.splits(64, 128, 600) == 1  # enough blocks; few tiles
+    images, pieces, padded = winograd.weight_gradient_layout(3, 8, (9, 12), (7, 10), 3)
+    assert (images, pieces, padded) == (3, 1, 3 * 4 * 5)
+    for case in [(64, 128, (56, 56), (56, 56), 256), (3, 8, (9, 12), (7, 10), 2), (48, 96, (32, 32), (32, 32), 7)]:
+        o_side, c_side, products = winograd.backward_workspace_shapes(*case)
+        images, pieces, padded = winograd.weight_gradient_layout(*case)
+        flipped_v, flipped_m = winograd.workspace_shapes(case[1], case[0], case[3], case[2], case[4])
+        count = images * np.prod(winograd.tiles(*case[3]))
+        assert padded % pieces == 0 and count <= padded < count + pieces
+        assert o_side[0] >= max(flipped_v[0], 16 * case[1] * padded)
+        assert c_side[0] >= max(flipped_m[0], 16 * case[0] * padded)
+        assert products == (16 * pieces * case[0] * case[1],)
 
 
 def test_winograd_layers_plan_their_buffers_and_only_compute_them_when_needed():
@@ -404,15 +418,20 @@ def test_winograd_layers_plan_their_buffers_and_only_compute_them_when_needed():
         {"type": "global_avg_pool"}],
         "loss": "cross_entropy", "optimizer": {"type": "sgd", "lr": 0.1}})
     plan = Plan(model, 8, implicit_conv=True)
-    assert {"ws:0:winograd_v", "ws:0:winograd_m", "ws:1:winograd_v_b", "ws:1:winograd_m_b"} <= set(plan.buffers)
-    assert "ws:0:winograd_v_b" not in plan.buffers                      # the first layer computes no dx
+    # the first layer computes no dx, but its weight gradient uses the backward's buffers too
+    assert {f"ws:{i}:winograd_{name}" for i in (0, 1) for name in ("v", "m", "v_b", "m_b", "products")} <= set(
+        plan.buffers)
+    assert not any("wgrad_partial" in name for name in plan.buffers)    # no implicit-GEMM weight gradient
 
 
-@pytest.mark.parametrize("chunk_bytes", [winograd.MIN_CHUNK_BYTES, 1])      # 1: small chunks
+# (bytes, tiles): the default chunks and pieces; chunks of one image, each cut into pieces of 4 tiles (the last padded)
+@pytest.mark.parametrize("chunk_bytes, split_tiles", [(winograd.MIN_CHUNK_BYTES, winograd.MIN_SPLIT_TILES), (1, 4)],
+                         ids=["default", "small"])
 @pytest.mark.parametrize("case", WINOGRAD_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"p{c[5][0]}{c[5][1]}")
-def test_winograd_forward_and_input_gradient_match_float64_numpy(case, chunk_bytes, monkeypatch):
+def test_winograd_forward_and_gradients_match_float64_numpy(case, chunk_bytes, split_tiles, monkeypatch):
     cupy = gpu_cupy()
     monkeypatch.setattr(winograd, "MIN_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(winograd, "MIN_SPLIT_TILES", split_tiles)
     n, c, h, w, o, padding = case
     rng = np.random.default_rng(sum(case[:5]))
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
@@ -420,7 +439,7 @@ def test_winograd_forward_and_input_gradient_match_float64_numpy(case, chunk_byt
     bias = rng.standard_normal(o).astype(np.float32)
     y_ref, backward = reference_conv(x.astype(np.float64), weight.astype(np.float64), bias, padding)
     dy = rng.standard_normal(y_ref.shape).astype(np.float32)
-    _, _, dx_ref = backward(dy.astype(np.float64))
+    dweight_ref, dbias_ref, dx_ref = backward(dy.astype(np.float64))
 
     attrs = attrs_of((3, 3), padding, True)
     kernels = winograd.WinogradKernels(attrs, (c, h, w), y_ref.shape[1:])
@@ -430,10 +449,17 @@ def test_winograd_forward_and_input_gradient_match_float64_numpy(case, chunk_byt
                     cupy.empty(m_shape, np.float32), relu=True)
     np.testing.assert_allclose(y.get(), np.maximum(y_ref, 0), rtol=1e-4, atol=1e-4)
 
-    v_shape, m_shape = winograd.workspace_shapes(o, c, y_ref.shape[2:], (h, w), n)
+    # the backward's buffers: the weight gradient (written, then added) and the input gradient after it
+    v_b, m_b, products = (cupy.full(shape, np.nan, np.float32)
+                          for shape in winograd.backward_workspace_shapes(c, o, (h, w), y_ref.shape[2:], n))
+    dweight, dbias = cupy.full(weight.shape, np.nan, np.float32), cupy.full(o, np.nan, np.float32)
+    scale = np.sqrt(n * y_ref.shape[2] * y_ref.shape[3])            # dweight and dbias sum this many products
+    for accumulate, times in ((False, 1), (True, 2)):
+        kernels.weight_gradient(cupy.asarray(dy), cupy.asarray(x), dweight, dbias, accumulate, v_b, m_b, products)
+        np.testing.assert_allclose(dweight.get(), times * dweight_ref, rtol=1e-4, atol=1e-5 * scale)
+        np.testing.assert_allclose(dbias.get(), times * dbias_ref, rtol=1e-4, atol=1e-5 * scale)
     dx = cupy.full(x.shape, np.nan, np.float32)
-    kernels.input_gradient(cupy.asarray(dy), cupy.asarray(weight), dx, cupy.empty(v_shape, np.float32),
-                           cupy.empty(m_shape, np.float32))
+    kernels.input_gradient(cupy.asarray(dy), cupy.asarray(weight), dx, v_b, m_b)
     np.testing.assert_allclose(dx.get(), dx_ref, rtol=1e-4, atol=1e-4)
 
 
