@@ -4,7 +4,8 @@ of the forward, the weight gradient and the input gradient for
   fp32             lnn's float32 kernels on halo tiles (CUDA cores): lnn_conv3x3_cuda_cores, and the weight
                    gradient's lnn_conv3x3_wgrad_cuda_cores from 16 input channels
   fp32 gather      float32 implicit GEMM, the window gathered per element (what other windows run)
-  fp32 winograd    Winograd F(2x2, 3x3) (runtime/cuda/winograd.py; what float32 runs from 32 channels in and out)
+  fp32 winograd    Winograd F(2x2, 3x3) (runtime/cuda/winograd.py: float32 forward and input gradient from 32
+                   channels in and out, the weight gradient where winograd.weight_gradient_chosen)
   fp16 cuda cores  lnn's float16 path of cards without mma.m16n8k16 (before sm_80)
   fp16 mma gather  tensor cores, the window gathered per element (what other window sizes run)
   fp16 mma halo    tensor cores from halo tiles (what amp runs for 3x3 windows on sm_80+)
@@ -117,13 +118,12 @@ def main():
             totals = {}
             for channels, size, out_channels in LAYERS[model]:
                 cells = [f"{channels}x{size}->{out_channels}"]
-                for label, dtype, overrides in VARIANTS:
-                    times = lnn_layer(dtype, overrides, batch, channels, size, out_channels)
+                runs = [(label, lnn_layer(dtype, overrides, batch, channels, size, out_channels))
+                        for label, dtype, overrides in VARIANTS]
+                runs.append(("fp32 winograd", winograd_layer(batch, channels, size, out_channels)))
+                for label, times in runs:
                     totals[label] = totals.get(label, 0.0) + sum(times)
                     cells.append(f"{label} " + "/".join(f"{t:.3f}" for t in times) + f" ({sum(times):.3f})")
-                times = winograd_layer(batch, channels, size, out_channels)
-                totals["fp32 winograd"] = totals.get("fp32 winograd", 0.0) + sum(times)
-                cells.append("fp32 winograd " + "/".join(f"{t:.3f}" for t in times) + f" ({sum(times):.3f})")
                 for label, half in (("torch fp16 cl", True), ("torch fp32", False)):
                     try:
                         forward, step = torch_layer(batch, channels, size, out_channels, half)

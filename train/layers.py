@@ -97,13 +97,14 @@ class Conv2dLayer(Layer):
     """im2col + GEMM (kernels.py), or on the GPU when the plan asks for it and the convolution qualifies:
     implicit GEMM (runtime/cuda/conv_gemm.py: its weight gradient's partial sums are a workspace; float32,
     float16 or bfloat16), or in float32 where winograd.chosen() ("winograd", or "auto" with >= 32 channels
-    in and out) Winograd F(2x2, 3x3) for the forward, the weight gradient and the input gradient
-    (runtime/cuda/winograd.py: its transforms and products are workspaces)."""
+    in and out) Winograd F(2x2, 3x3) for the forward and the input gradient, and for the weight gradient
+    where winograd.weight_gradient_chosen() (runtime/cuda/winograd.py: its transforms and products are
+    workspaces)."""
     ops = ("conv2d",)
     needs_input = True
     implicit = False            # GPU kernels (set by the plan)
     dtype = np.dtype(np.float32)
-    winograd = False
+    winograd = winograd_weight_gradient = False
 
     def __init__(self, node):
         super().__init__(node)
@@ -113,8 +114,9 @@ class Conv2dLayer(Layer):
         """dtype: the plan's activations (float32; float16 or bfloat16 with amp, where Winograd, float32 only, is not chosen)."""
         self.implicit = True
         self.dtype = np.dtype(dtype)
-        self.winograd = self.dtype == np.float32 and winograd.chosen(self.attrs, self.node.in_shape[0],
-                                                                     self.node.out_shape[0])
+        channels = (self.node.in_shape[0], self.node.out_shape[0])
+        self.winograd = self.dtype == np.float32 and winograd.chosen(self.attrs, *channels)
+        self.winograd_weight_gradient = self.winograd and winograd.weight_gradient_chosen(self.attrs, *channels)
 
     def implicit_kernels(self):
         """The layer's ConvKernels (made on first use: imports CuPy, allocates tables and scratch)."""
@@ -132,15 +134,23 @@ class Conv2dLayer(Layer):
     def workspaces(self, n):
         cin, h, w = self.node.in_shape
         cout, oh, ow = self.node.out_shape
-        if self.winograd:      # the backward's buffers serve the weight gradient, then the input gradient
-            v, m = winograd.workspace_shapes(cin, cout, (h, w), (oh, ow), n)
-            v_b, m_b, products = winograd.backward_workspace_shapes(cin, cout, (h, w), (oh, ow), n)
-            return [("winograd_v", v, COMPUTE, "forward"), ("winograd_m", m, COMPUTE, "forward"),
-                    ("winograd_v_b", v_b, COMPUTE, "backward"), ("winograd_m_b", m_b, COMPUTE, "backward"),
-                    ("winograd_products", products, COMPUTE, "backward")]
-        if self.implicit:      # the weight gradient's partial sums (float32), alive only during it: pooled
+        spaces = []
+        if self.implicit and not self.winograd_weight_gradient:   # the weight gradient's partial sums: pooled
             partials = conv_gemm.partial_sums_elements(self.attrs, self.node.in_shape, self.node.out_shape, self.dtype)
-            return [("wgrad_partial", (partials,), np.float32, "backward")]
+            spaces.append(("wgrad_partial", (partials,), np.float32, "backward"))
+        if self.winograd:
+            v, m = winograd.workspace_shapes(cin, cout, (h, w), (oh, ow), n)
+            spaces += [("winograd_v", v, COMPUTE, "forward"), ("winograd_m", m, COMPUTE, "forward")]
+            if not self.winograd_weight_gradient:
+                v_b, m_b = winograd.workspace_shapes(cout, cin, (oh, ow), (h, w), n)
+                return spaces + [("winograd_v_b", v_b, COMPUTE, "input_gradient"),
+                                 ("winograd_m_b", m_b, COMPUTE, "input_gradient")]
+            # the backward's buffers serve the weight gradient, then the input gradient
+            v_b, m_b, products = winograd.backward_workspace_shapes(cin, cout, (h, w), (oh, ow), n)
+            return spaces + [("winograd_v_b", v_b, COMPUTE, "backward"), ("winograd_m_b", m_b, COMPUTE, "backward"),
+                             ("winograd_products", products, COMPUTE, "backward")]
+        if self.implicit:
+            return spaces
         kh, kw = self.attrs["kernel_size"]
         spaces = [("cols", (cin, kh, kw, n, oh, ow), COMPUTE, "forward"),
                   ("cols_b", (cin, kh, kw, n, oh, ow), COMPUTE, "backward"),
@@ -174,16 +184,18 @@ class Conv2dLayer(Layer):
             K.conv2d_backward(c.xp, c.dy, c.x, weight, self.attrs, c.grads["weight"], c.grads.get("bias"),
                               c.dx, c.ws.get("padded_b"), c.ws["cols_b"], c.ws["gemm_b"])
             return
-        if self.winograd:
-            kernels = self.winograd_kernels()
-            kernels.weight_gradient(c.dy, c.x, c.grads["weight"], c.grads.get("bias"), True, c.ws["winograd_v_b"],
-                                    c.ws["winograd_m_b"], c.ws["winograd_products"])
-            if c.dx is not None:
-                kernels.input_gradient(c.dy, weight, c.dx, c.ws["winograd_v_b"], c.ws["winograd_m_b"])
+        if self.winograd_weight_gradient:
+            self.winograd_kernels().weight_gradient(c.dy, c.x, c.grads["weight"], c.grads.get("bias"), True,
+                                                    c.ws["winograd_v_b"], c.ws["winograd_m_b"],
+                                                    c.ws["winograd_products"])
+        else:
+            self.implicit_kernels().weight_gradient(c.dy, c.x, c.grads["weight"], c.grads.get("bias"),
+                                                    accumulate=True, partial=c.ws["wgrad_partial"])
+        if c.dx is None:
             return
-        self.implicit_kernels().weight_gradient(c.dy, c.x, c.grads["weight"], c.grads.get("bias"), accumulate=True,
-                                                partial=c.ws["wgrad_partial"])
-        if c.dx is not None:
+        if self.winograd:
+            self.winograd_kernels().input_gradient(c.dy, weight, c.dx, c.ws["winograd_v_b"], c.ws["winograd_m_b"])
+        else:
             self.implicit_kernels().input_gradient(c.dy, weight, c.dx)
 
 

@@ -37,6 +37,7 @@ from lnn.runtime.cuda.conv_gemm import ceil_div
 THREADS = 256
 MIN_CHUNK_BYTES = 8 * 2 ** 20       # V and M of one chunk of images take about max(this, x + y of the batch)
 AUTO_MIN_CHANNELS = 32              # "auto" picks Winograd when both channel counts reach this
+WEIGHT_GRADIENT_MIN_INTENSITY = 32  # "auto" takes Winograd's weight gradient from this C*O/(C+O) (weight_gradient_chosen)
 GEMM_BLOCKS = 512                   # the weight gradient's products are split until about this many 64x64 blocks
 MIN_SPLIT_TILES = 512               # ... each piece summing at least this many tiles
 
@@ -220,6 +221,17 @@ def chosen(attrs: dict, channels: int, out_channels: int) -> bool:
     wanted = attrs["algorithm"] == "winograd" or (attrs["algorithm"] == "auto" and channels >= AUTO_MIN_CHANNELS
                                                   and out_channels >= AUTO_MIN_CHANNELS)
     return wanted and supported(attrs)
+
+
+def weight_gradient_chosen(attrs: dict, channels: int, out_channels: int) -> bool:
+    """Whether a conv that runs Winograd also takes its weight gradient from it: "winograd", or "auto" where
+    the products' work per transformed value, C*O/(C+O), reaches WEIGHT_GRADIENT_MIN_INTENSITY (else the
+    halo kernel of conv_gemm.py). On an H200 at batch 256 (gpu_conv_layers) Winograd's took 4.19 ms on
+    leaf_cnn224's 32->64 layer (21) against the halo kernel's 3.83, and 0.69 / 0.95 on the tomato model's
+    48->96 (32), 2.19 / 4.32 on 64->128, 1.62 / 5.03 on 128->256."""
+    return chosen(attrs, channels, out_channels) and (
+        attrs["algorithm"] == "winograd"
+        or channels * out_channels >= WEIGHT_GRADIENT_MIN_INTENSITY * (channels + out_channels))
 
 
 def tiles(out_h: int, out_w: int) -> tuple:

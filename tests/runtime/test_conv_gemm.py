@@ -390,6 +390,9 @@ def test_winograd_rule_and_buffer_sizes():
                                                                                  algorithm="winograd")
     assert winograd.chosen(auto, 32, 64) and not winograd.chosen(auto, 16, 32) and not winograd.chosen(auto, 64, 16)
     assert winograd.chosen(forced, 3, 16) and not winograd.chosen(dict(auto, algorithm="im2col"), 64, 64)
+    # the weight gradient too where "winograd" asks, or its products' work per transformed value reaches 32
+    assert winograd.weight_gradient_chosen(forced, 3, 16) and winograd.weight_gradient_chosen(auto, 48, 96)
+    assert not winograd.weight_gradient_chosen(auto, 32, 64) and not winograd.weight_gradient_chosen(auto, 16, 512)
     assert winograd.workspace_shapes(3, 8, (9, 12), (7, 10), 2) == ((16 * 3 * 2 * 4 * 5,), (16 * 8 * 2 * 4 * 5,))
     # a large batch goes through in chunks whose V and M take about the conv's x and y for the batch
     v, m = winograd.workspace_shapes(64, 128, (16, 16), (16, 16), 256)
@@ -422,6 +425,15 @@ def test_winograd_layers_plan_their_buffers_and_only_compute_them_when_needed():
     assert {f"ws:{i}:winograd_{name}" for i in (0, 1) for name in ("v", "m", "v_b", "m_b", "products")} <= set(
         plan.buffers)
     assert not any("wgrad_partial" in name for name in plan.buffers)    # no implicit-GEMM weight gradient
+    # "auto" on 32 -> 64 -> 32 channels: Winograd's forward and input gradient, the halo kernel's weight gradient
+    model = parse_model({"input_shape": [32, 8, 8], "layers": [
+        {"type": "conv2d", "out_channels": 64, "kernel_size": 3, "padding": 1},
+        {"type": "conv2d", "out_channels": 32, "kernel_size": 3, "padding": 1}, {"type": "global_avg_pool"}],
+        "loss": "cross_entropy", "optimizer": {"type": "sgd", "lr": 0.1}})
+    plan = Plan(model, 8, implicit_conv=True)
+    assert {"ws:0:winograd_v", "ws:0:wgrad_partial", "ws:1:winograd_v_b", "ws:1:winograd_m_b"} <= set(plan.buffers)
+    assert not any("winograd_products" in name for name in plan.buffers)
+    assert "ws:0:winograd_v_b" not in plan.buffers                      # the first layer computes no dx
 
 
 # (bytes, tiles): the default chunks and pieces; chunks of one image, each cut into pieces of 4 tiles (the last padded)
