@@ -71,27 +71,43 @@ __global__ void lnn_winograd_weight(const float* __restrict__ weight, float* __r
     }
 }
 
-// x [N, C, H, W] -> v [16, S, C, TS]: the 4x4 patch at (2 th - pad_h, 2 tw - pad_w) (0 outside), B^T d B.
-// Tile t = s * TS + ts of the S = splits pieces of TS = split_tiles; tiles past T (padding) are 0. The
-// forward and input gradient take S = 1, TS = T: v [16, C, T].
+// A transform's thread: channel c and tile t of channels x S * TS, where t = s * TS + ts (S = splits pieces
+// of TS = split_tiles; a tile past the batch's T is padding), t's image n and tile row and column, and where
+// its 16 values go in [16, S, channels, TS]: at + e * stride
+struct LnnWinogradTile {
+    long long t, n, at, stride;
+    int c, th, tw;
+    bool padding, past_end;
+    __device__ LnnWinogradTile(int batch, int channels, int tiles_h, int tiles_w, int splits, long long split_tiles) {
+        const long long padded = splits * split_tiles;
+        const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+        past_end = i >= channels * padded;
+        t = i % padded;
+        c = (int)(i / padded);
+        tw = (int)(t % tiles_w);
+        th = (int)((t / tiles_w) % tiles_h);
+        n = t / ((long long)tiles_w * tiles_h);
+        padding = t >= (long long)batch * tiles_h * tiles_w;
+        stride = channels * padded;
+        at = ((t / split_tiles) * channels + c) * split_tiles + t % split_tiles;
+    }
+};
+
+// x [N, C, H, W] -> v [16, S, C, TS]: the 4x4 patch at (2 th - pad_h, 2 tw - pad_w) (0 outside), B^T d B;
+// padding tiles are 0. The forward and input gradient take S = 1, TS = T: v [16, C, T].
 __global__ void lnn_winograd_input(const float* __restrict__ x, float* __restrict__ v, int batch, int channels,
                                    int height, int width, int tiles_h, int tiles_w, int pad_h, int pad_w,
                                    int splits, long long split_tiles) {
-    const long long tiles = (long long)batch * tiles_h * tiles_w, padded = splits * split_tiles;
-    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= channels * padded) return;
-    const long long t = i % padded;
-    const int c = (int)(i / padded);
-    const int tw = (int)(t % tiles_w), th = (int)((t / tiles_w) % tiles_h);
-    const long long n = t / ((long long)tiles_w * tiles_h);
-    const float* plane = x + (n * channels + c) * (long long)height * width;
-    const int h0 = 2 * th - pad_h, w0 = 2 * tw - pad_w;
+    const LnnWinogradTile tile(batch, channels, tiles_h, tiles_w, splits, split_tiles);
+    if (tile.past_end) return;
+    const float* plane = x + (tile.n * channels + tile.c) * (long long)height * width;
+    const int h0 = 2 * tile.th - pad_h, w0 = 2 * tile.tw - pad_w;
     float d[4][4];
     for (int a = 0; a < 4; ++a)
         for (int b = 0; b < 4; ++b) {
             const int h = h0 + a, w = w0 + b;
-            d[a][b] = (t < tiles && h >= 0 && h < height && w >= 0 && w < width) ? plane[(long long)h * width + w]
-                                                                                  : 0.0f;
+            d[a][b] = (!tile.padding && h >= 0 && h < height && w >= 0 && w < width)
+                          ? plane[(long long)h * width + w] : 0.0f;
         }
     float r[4][4];
     for (int b = 0; b < 4; ++b) {
@@ -100,13 +116,12 @@ __global__ void lnn_winograd_input(const float* __restrict__ x, float* __restric
         r[2][b] = d[2][b] - d[1][b];
         r[3][b] = d[1][b] - d[3][b];
     }
-    const long long stride = (long long)channels * padded;
-    float* out = v + ((t / split_tiles) * channels + c) * split_tiles + t % split_tiles;
+    float* out = v + tile.at;
     for (int a = 0; a < 4; ++a) {
-        out[(a * 4 + 0) * stride] = r[a][0] - r[a][2];
-        out[(a * 4 + 1) * stride] = r[a][1] + r[a][2];
-        out[(a * 4 + 2) * stride] = r[a][2] - r[a][1];
-        out[(a * 4 + 3) * stride] = r[a][1] - r[a][3];
+        out[(a * 4 + 0) * tile.stride] = r[a][0] - r[a][2];
+        out[(a * 4 + 1) * tile.stride] = r[a][1] + r[a][2];
+        out[(a * 4 + 2) * tile.stride] = r[a][2] - r[a][1];
+        out[(a * 4 + 3) * tile.stride] = r[a][1] - r[a][3];
     }
 }
 
@@ -143,25 +158,19 @@ __global__ void lnn_winograd_output(const float* __restrict__ m, const float* __
     }
 }
 
-
 // dy [N, O, OH, OW] -> w [16, S, O, TS]: the 2x2 block of dy at (2 th, 2 tw) (0 past the edge), A dy A^T;
-// tiles laid out as lnn_winograd_input's (tiles past T are 0)
+// tiles laid out as lnn_winograd_input's (padding tiles are 0)
 __global__ void lnn_winograd_output_gradient(const float* __restrict__ dy, float* __restrict__ w, int batch,
                                              int out_channels, int out_h, int out_w, int tiles_h, int tiles_w,
                                              int splits, long long split_tiles) {
-    const long long tiles = (long long)batch * tiles_h * tiles_w, padded = splits * split_tiles;
-    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= out_channels * padded) return;
-    const long long t = i % padded;
-    const int o = (int)(i / padded);
-    const int tw = (int)(t % tiles_w), th = (int)((t / tiles_w) % tiles_h);
-    const long long n = t / ((long long)tiles_w * tiles_h);
-    const float* plane = dy + (n * out_channels + o) * (long long)out_h * out_w;
+    const LnnWinogradTile tile(batch, out_channels, tiles_h, tiles_w, splits, split_tiles);
+    if (tile.past_end) return;
+    const float* plane = dy + (tile.n * out_channels + tile.c) * (long long)out_h * out_w;
     float d[2][2];
     for (int a = 0; a < 2; ++a)
         for (int b = 0; b < 2; ++b) {
-            const int h = 2 * th + a, w = 2 * tw + b;
-            d[a][b] = (t < tiles && h < out_h && w < out_w) ? plane[(long long)h * out_w + w] : 0.0f;
+            const int h = 2 * tile.th + a, w = 2 * tile.tw + b;
+            d[a][b] = (!tile.padding && h < out_h && w < out_w) ? plane[(long long)h * out_w + w] : 0.0f;
         }
     float r[4][2];                                  // A d, A = [[1, 0], [1, 1], [1, -1], [0, -1]]
     for (int b = 0; b < 2; ++b) {
@@ -170,13 +179,12 @@ __global__ void lnn_winograd_output_gradient(const float* __restrict__ dy, float
         r[2][b] = d[0][b] - d[1][b];
         r[3][b] = -d[1][b];
     }
-    const long long stride = (long long)out_channels * padded;
-    float* out = w + ((t / split_tiles) * out_channels + o) * split_tiles + t % split_tiles;
+    float* out = w + tile.at;
     for (int a = 0; a < 4; ++a) {
-        out[(a * 4 + 0) * stride] = r[a][0];
-        out[(a * 4 + 1) * stride] = r[a][0] + r[a][1];
-        out[(a * 4 + 2) * stride] = r[a][0] - r[a][1];
-        out[(a * 4 + 3) * stride] = -r[a][1];
+        out[(a * 4 + 0) * tile.stride] = r[a][0];
+        out[(a * 4 + 1) * tile.stride] = r[a][0] + r[a][1];
+        out[(a * 4 + 2) * tile.stride] = r[a][0] - r[a][1];
+        out[(a * 4 + 3) * tile.stride] = -r[a][1];
     }
 }
 
