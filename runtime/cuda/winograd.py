@@ -330,9 +330,17 @@ class WinogradKernels:
                      (weight, self.u_flipped if flipped else self.u, np.int32(self.out_channels),
                       np.int32(self.channels), np.int32(flipped)))
 
+    def _input_transform(self, x, v, tiles_hw: tuple, pad_h: int, pad_w: int, pieces: int, split_tiles: int):
+        """v [16 S, C, TS] = B^T d B of x [n, C, H, W]'s tiles, cut into S = pieces of TS = split_tiles
+        (lnn_winograd_input; the forward and input gradient: S = 1, TS = their count)."""
+        n, channels, height, width = x.shape
+        self._input((ceil_div(channels * pieces * split_tiles, THREADS),), (THREADS,),
+                    (x, v, *(np.int32(a) for a in (n, channels, height, width, *tiles_hw, pad_h, pad_w, pieces)),
+                     np.int64(split_tiles)))
+
     def _convolve(self, x, u, bias, y, v, m, pad_h, pad_w, relu):
         """Chunk by chunk of images: V = input transform, M = U @ V (16 products), y = output transform."""
-        n, channels, height, width = x.shape
+        n, channels = x.shape[:2]
         out_channels, out_h, out_w = y.shape[1:]
         tiles_h, tiles_w = tiles(out_h, out_w)
         per_image = tiles_h * tiles_w
@@ -344,10 +352,7 @@ class WinogradKernels:
             count = chunk * per_image
             v_chunk = v[:16 * channels * count].reshape(16, channels, count)
             m_chunk = m[:16 * out_channels * count].reshape(16, out_channels, count)
-            self._input((ceil_div(channels * count, THREADS),), (THREADS,),
-                        (x[start:start + chunk], v_chunk,
-                         *(np.int32(a) for a in (chunk, channels, height, width, tiles_h, tiles_w, pad_h, pad_w, 1)),
-                         np.int64(count)))
+            self._input_transform(x[start:start + chunk], v_chunk, (tiles_h, tiles_w), pad_h, pad_w, 1, count)
             matmul(self.cupy, u, v_chunk, m_chunk)
             self._output((ceil_div(out_channels * count, THREADS),), (THREADS,),
                          (m_chunk, self.no_bias if bias is None else bias, y[start:start + chunk],
@@ -394,10 +399,8 @@ class WinogradKernels:
                                   (dy[start:start + chunk], w_chunk,
                                    *(np.int32(a) for a in (chunk, out_channels, self.out_h, self.out_w, tiles_h,
                                                            tiles_w, pieces)), np.int64(split_tiles)))
-            self._input((ceil_div(channels * pieces * split_tiles, THREADS),), (THREADS,),
-                        (x[start:start + chunk], v_chunk,
-                         *(np.int32(a) for a in (chunk, channels, self.height, self.width, tiles_h, tiles_w,
-                                                 self.pad_h, self.pad_w, pieces)), np.int64(split_tiles)))
+            self._input_transform(x[start:start + chunk], v_chunk, (tiles_h, tiles_w), self.pad_h, self.pad_w,
+                                  pieces, split_tiles)
             matmul(self.cupy, w_chunk, v_chunk.transpose(0, 2, 1), sums, accumulate=start > 0)
         self._weight_gradient((ceil_div(out_channels * channels, THREADS),), (THREADS,),
                               (sums, dweight, *(np.int32(a) for a in (out_channels, channels, pieces, accumulate))))
