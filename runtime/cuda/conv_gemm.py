@@ -1513,8 +1513,8 @@ class ConvKernels:
         self.direct = direct_forward(attrs, self.channels)
         self.halo = self.tensor_cores and uses_halo(attrs)
         self.cuda_core_halo = kind == "float" and uses_halo(attrs)      # float32's halo kernels (CUDA cores)
-        self.halo_wgrad = ((self.halo or self.cuda_core_halo)
-                           and uses_halo_weight_gradient(attrs, self.channels, self.out_w))
+        self.halo_tiles = self.halo or self.cuda_core_halo               # either: windows read from halo tiles
+        self.halo_wgrad = self.halo_tiles and uses_halo_weight_gradient(attrs, self.channels, self.out_w)
         self._direct = module.get_function(f"lnn_conv_direct<{kind}>")
         if self.halo_wgrad:
             bm, self.wgrad_tile = rows_tile(self.out_channels), halo_tile(self.out_w)
@@ -1523,7 +1523,7 @@ class ConvKernels:
             self._halo_wgrad = {vec: module.get_function(wgrad_halo_name(kind, bm, self.wgrad_tile, vec) if self.halo
                                                          else cuda_core_wgrad_name(bm, self.wgrad_tile, vec))
                                 for vec in halo_vectors(self.wgrad_tile, self.wgrad_vectors)}
-        if self.halo or self.cuda_core_halo:     # the weights as the halo kernels read them: arranged, transposed
+        if self.halo_tiles:     # the weights as the halo kernels read them: arranged, transposed
             if self.halo:
                 self._halo = {(bm, tile, vec): module.get_function(halo_name(kind, bm, tile, vec))
                               for bm in FORWARD_TILES for tile in HALO_TILES for vec in halo_vectors(tile)}
@@ -1545,7 +1545,7 @@ class ConvKernels:
             self._forward_functions = {bm: (module.get_function(f"lnn_conv_igemm<{kind}, {bm}, {bn}, {tn}>"), bn)
                                        for bm, (bn, tn) in FORWARD_TILES.items()}
         if backward:
-            if not (self.halo or self.cuda_core_halo):
+            if not self.halo_tiles:
                 self.table_dx = cupy.asarray(window_table(self.out_channels, self.out_h, self.out_w, self.kernel_h,
                                                           self.kernel_w))
                 self.flipped = cupy.empty((self.channels, self.out_channels, self.kernel_h, self.kernel_w), dtype)
@@ -1600,7 +1600,7 @@ class ConvKernels:
         """y = act(conv2d(x) + bias) with relu fused when asked; x [N, C, H, W] -> y [N, O, OH, OW]."""
         if self.direct:
             self._direct_conv(x, weight, bias, y, relu)
-        elif self.halo or self.cuda_core_halo:
+        elif self.halo_tiles:
             self._halo_conv(x, weight, False, self.arranged, bias, y, self.pad_h, self.pad_w, relu)
         else:
             self._igemm(x, weight, bias, self.table, y, self.pad_h, self.pad_w, relu)
@@ -1649,7 +1649,7 @@ class ConvKernels:
 
     def input_gradient(self, dy, weight, dx):
         """dx [N, C, H, W] (written) from dy [N, O, OH, OW]: the forward with the flipped weight."""
-        if self.halo or self.cuda_core_halo:
+        if self.halo_tiles:
             self._halo_conv(dy, weight, True, self.arranged_dx, None, dx, 2 - self.pad_h, 2 - self.pad_w, False)
             return
         self._flip((ceil_div(self.flipped.size, THREADS),), (THREADS,),
