@@ -588,7 +588,7 @@ class Conv2dLayer:
         tiles_w = tile_count(self.conv_shape[2])
         most = max(tile_rows * tiles_w * images for _, tile_rows, images in map(self._band_tiles, bands))
         v_buffer = new_buffer((36, in_channels + 1, self._tile_stride(most)))
-        blocks = [(block, new_buffer(input_work_shape(tiles_w, most))) for block in split_range(0, in_channels, parts)]
+        blocks = [(block, new_buffer(input_work_shape(tiles_w))) for block in split_range(0, in_channels, parts)]
         tasks = []
         for band in bands:
             tile_first, tile_rows, _ = self._band_tiles(band)
@@ -617,7 +617,7 @@ class Conv2dLayer:
         stride = self._tile_stride(max(rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)))
         if shared is None:
             v_buffer = new_buffer((36, in_channels + 1, stride))
-            input_work = new_buffer(input_work_shape(tiles_w, stride))      # the kernel's scratch (winograd.py)
+            input_work = new_buffer(input_work_shape(tiles_w))      # the kernel's scratch (winograd.py)
         else:
             v_buffer = shared
         skinny = [rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)

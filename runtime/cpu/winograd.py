@@ -84,18 +84,19 @@ def tile_count(size: int) -> int:
     return -(-size // TILE)
 
 
-# From this many tiles a row (TW), winograd_input's second step runs over all tile rows of a channel at
-# once (vectorized, after gathering each tile's 6 columns); on narrower rows tile by tile. 1 thread, a
-# C x H^2 input transform, ms, at once / tile by tile (its loop as now) / the kernel before (one loop
-# for both; medians of 600 interleaved calls, 2-core EPYC, shared): 16x64^2 0.186 / - / 0.242,
-# 16x112^2 0.54 / - / 0.79, 32x32^2 0.123 / - / 0.143; 64x16^2 (TW 4) 0.056 / 0.053 / 0.059, 192x8^2
-# (TW 2) 0.142 / 0.054 / 0.066.
-WHOLE_CHANNEL_MIN_TILES_W = 8
+# From this many tiles a row (TW), winograd_input's second step runs over all tiles of a tile row at once
+# (vectorized, from the 4 column phases of E's row); on narrower rows tile by tile, where the phases' short
+# rows lost (64x28^2, TW 7: 1.6x slower). 1 thread, a C x H^2 input transform, us, this kernel / the one before
+# (which gathered 6 columns of E per tile into rows and ran a channel's tiles at once; medians of 7
+# interleaved rounds of 200 calls, 2-core EPYC with AVX-512; the same bytes): 16x64^2 184 / 254, 32x32^2
+# (TW 8) 145 / 208, 16x112^2 350 / 422, 32x56^2 245 / 293, 24x64^2 193 / 260, 48x32^2 138 / 191; tile by tile
+# as before: 64x16^2 79 / 85, 64x28^2 134 / 134, 192x8^2 49 / 48.
+PHASED_MIN_TILES_W = 8
 
 
-def input_work_shape(tiles_w: int, tiles: int) -> tuple:
-    """The shape of winograd_input's scratch `work` for rows of tiles_w tiles and at most `tiles` per call."""
-    return 42, max(4 * tiles_w + 2, tiles)
+def input_work_shape(tiles_w: int) -> tuple:
+    """The shape of winograd_input's scratch `work` for rows of tiles_w tiles."""
+    return 10, 4 * tiles_w + 2
 
 
 @kernel
@@ -105,15 +106,16 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
     tile columns; v [36, >= C, >= T], work of input_work_shape (scratch, one per concurrent caller).
     Per channel and tile row: E[k] = sum_i B^T[k, i] image row (4ty + i) (whole rows at once, into
     work rows 0-5), then v[6k + l, c, t] = sum_j B^T[l, j] E[k, 4tx + j]: tile by tile, or, from
-    WHOLE_CHANNEL_MIN_TILES_W tiles a row, with E[k, 4tx + j] gathered into work row 6 + 6k + j at
-    column t, for all of the channel's tiles at once (the same sums in the same order: the same bytes).
-    Every inner loop reads at most 6 arrays rows and writes one, so LLVM vectorizes it (its runtime
-    alias checks stay under its limit of 8)."""
+    PHASED_MIN_TILES_W tiles a row, for all of the row's tiles at once from E[k]'s column phases
+    P[p, tx] = E[k, 4tx + p] (work rows 6-9; E[k, 4tx + 4 + p] = P[p, tx + 1]), the same sums in the same
+    order (the same bytes). Every inner loop reads at most 6 arrays rows and writes one, so LLVM
+    vectorizes it (its runtime alias checks stay under its limit of 8); the phases are one interleaved
+    read of E."""
     _, padded_h, padded_w = image.shape
     tiles_w = (padded_w + 1) // 4                  # tile_count(WP - 2)
     span = 4 * tiles_w + 2                         # E's columns: past WP they stay 0
-    whole_channel = tiles_w >= WHOLE_CHANNEL_MIN_TILES_W
-    count = tile_rows * tiles_w
+    phased = tiles_w >= PHASED_MIN_TILES_W
+    p0, p1, p2, p3 = work[6], work[7], work[8], work[9]
     work[:6, padded_w:span] = 0
     for c in range(c_first, c_end):
         plane = image[c]
@@ -133,34 +135,27 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
                         b, row = BT32[k, i], plane[y + i]
                         for x in range(padded_w):
                             e[x] += b * row[x]
-            if whole_channel:
-                t0 = (ty - tile_first) * tiles_w
-                for k in range(6):
-                    e = work[k]
-                    d0, d1, d2 = work[6 + 6 * k, t0:], work[7 + 6 * k, t0:], work[8 + 6 * k, t0:]
-                    d3, d4, d5 = work[9 + 6 * k, t0:], work[10 + 6 * k, t0:], work[11 + 6 * k, t0:]
-                    for tx in range(tiles_w):
-                        x = 4 * tx
-                        d0[tx], d1[tx], d2[tx], d3[tx], d4[tx], d5[tx] = e[x], e[x + 1], e[x + 2], e[x + 3], e[x + 4], e[x + 5]
-                continue
             t0 = column + (ty - tile_first) * tiles_w
             for k in range(6):
                 e = work[k]
+                if phased:
+                    for tx in range(tiles_w):
+                        x = 4 * tx
+                        p0[tx], p1[tx], p2[tx], p3[tx] = e[x], e[x + 1], e[x + 2], e[x + 3]
+                    p0[tiles_w], p1[tiles_w] = e[4 * tiles_w], e[4 * tiles_w + 1]
+                    for l in range(6):
+                        a0, a1, a2, a3, a4, a5 = BT32[l, 0], BT32[l, 1], BT32[l, 2], BT32[l, 3], BT32[l, 4], BT32[l, 5]
+                        out = v[6 * k + l, c, t0:t0 + tiles_w]
+                        for tx in range(tiles_w):
+                            out[tx] = (a0 * p0[tx] + a1 * p1[tx] + a2 * p2[tx] + a3 * p3[tx]
+                                       + a4 * p0[tx + 1] + a5 * p1[tx + 1])
+                    continue
                 for tx in range(tiles_w):
                     x = 4 * tx
                     e0, e1, e2, e3, e4, e5 = e[x], e[x + 1], e[x + 2], e[x + 3], e[x + 4], e[x + 5]
                     for l in range(6):
                         v[6 * k + l, c, t0 + tx] = (BT32[l, 0] * e0 + BT32[l, 1] * e1 + BT32[l, 2] * e2 + BT32[l, 3] * e3
                                                     + BT32[l, 4] * e4 + BT32[l, 5] * e5)
-        if whole_channel:
-            for k in range(6):
-                d0, d1, d2 = work[6 + 6 * k], work[7 + 6 * k], work[8 + 6 * k]
-                d3, d4, d5 = work[9 + 6 * k], work[10 + 6 * k], work[11 + 6 * k]
-                for l in range(6):
-                    a0, a1, a2, a3, a4, a5 = BT32[l, 0], BT32[l, 1], BT32[l, 2], BT32[l, 3], BT32[l, 4], BT32[l, 5]
-                    out = v[6 * k + l, c, column:column + count]
-                    for t in range(count):
-                        out[t] = a0 * d0[t] + a1 * d1[t] + a2 * d2[t] + a3 * d3[t] + a4 * d4[t] + a5 * d5[t]
 
 
 @ieee_kernel

@@ -59,19 +59,19 @@ def test_transforms_are_exact_in_float64():
             np.testing.assert_allclose(winograd, direct, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("width", [9, 37])       # 2 tiles a row: tile by tile; 9: a channel's tiles at once
+@pytest.mark.parametrize("width", [9, 37])       # 2 tiles a row: tile by tile; 9: a tile row's tiles at once
 def test_kernels_compute_the_matrices(width):
     """Full tiles and tiles past the image's bottom and right edges through winograd_input; random M
     through winograd_output."""
-    from lnn.runtime.cpu.winograd import (AT, BT, WHOLE_CHANNEL_MIN_TILES_W, input_work_shape, winograd_input,
+    from lnn.runtime.cpu.winograd import (AT, BT, PHASED_MIN_TILES_W, input_work_shape, winograd_input,
                                           winograd_output)
 
     rng = np.random.default_rng(1)
     tiles_w = (width + 1) // 4
-    assert (tiles_w >= WHOLE_CHANNEL_MIN_TILES_W) == (width > 9)
+    assert (tiles_w >= PHASED_MIN_TILES_W) == (width > 9)
     image = rng.standard_normal((2, 9, width)).astype(np.float32)        # tile rows 0-5 and 4-9 (9 is past)
     v = np.zeros((36, 2, 2 * tiles_w), np.float32)
-    winograd_input(image, 0, 2, 0, 2, 0, np.zeros(input_work_shape(tiles_w, 2 * tiles_w), np.float32), v)
+    winograd_input(image, 0, 2, 0, 2, 0, np.zeros(input_work_shape(tiles_w), np.float32), v)
     padded = np.pad(image.astype(np.float64), ((0, 0), (0, 1), (0, 4 * tiles_w + 2 - width)))
     for c in range(2):
         for t in range(2 * tiles_w):
@@ -134,9 +134,9 @@ def test_winograd_kernels_split_by_channels_and_rows(width):
     tiles_w, tile_rows = tile_count(width - 2), tile_count(13)
     count = tiles_w * tile_rows
     whole, split = np.zeros((36, 10, count), np.float32), np.zeros((36, 10, count), np.float32)
-    winograd_input(image, 0, 10, 0, tile_rows, 0, np.zeros(input_work_shape(tiles_w, count), np.float32), whole)
+    winograd_input(image, 0, 10, 0, tile_rows, 0, np.zeros(input_work_shape(tiles_w), np.float32), whole)
     for c_first, c_end, first, rows in ((0, 4, 0, 2), (0, 4, 2, 2), (4, 10, 0, 4)):
-        work = np.zeros(input_work_shape(tiles_w, rows * tiles_w), np.float32)
+        work = np.zeros(input_work_shape(tiles_w), np.float32)
         winograd_input(image, c_first, c_end, first, rows, first * tiles_w, work, split)
     np.testing.assert_array_equal(split, whole)
     m = rng.standard_normal((36, 5, count)).astype(np.float32)
