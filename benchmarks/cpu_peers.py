@@ -15,7 +15,9 @@ resized to the batch; ncnn `opt.num_threads`, one image per call (it has no batc
 32 calls). The processes run `--rounds` times, interleaved, and each figure is the median of the
 rounds: the machine is shared. Other processes' CPU use during each process is read from /proc/stat;
 a process is run again (up to --retries more times, the quietest kept) while they took more than
-QUIET_CORES. Prints the table and writes the "cpu_peers" section of docs/BENCHMARKS.md.
+QUIET_CORES. Prints the table and, after a run of every model on every runtime, writes the "cpu_peers"
+section of docs/BENCHMARKS.md (a run of fewer, --models or --runtimes, only prints: the section stays one
+whole run).
 """
 
 from __future__ import annotations
@@ -274,6 +276,9 @@ def main() -> None:
     speed = scaling(results, models)
     print(markdown_table(headers, rows))
     print(markdown_table(["model", "lnn 1 thread / 2 threads, batch 1 (median)", PER_ROUND], speed))
+    if set(models) != set(MODELS) or set(runtimes) != set(RUNTIMES):
+        print("a run of fewer models or runtimes: docs/BENCHMARKS.md left as it was", file=sys.stderr)
+        return
     body = "\n\n".join([
         "## CPU runtimes side by side: lnn, onnxruntime, LiteRT, ncnn (one image over threads)",
         f"Command: `{COMMAND} --rounds {args.rounds} --models {args.models} --runtimes {','.join(runtimes)} --retries {args.retries}`. Machine: {machine_line(('numpy', 'numba', 'onnxruntime', 'ai-edge-litert', 'ncnn'))}."
