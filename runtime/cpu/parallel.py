@@ -14,7 +14,9 @@ it timed faster than one thread.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import threading
 import time
 import weakref
@@ -24,6 +26,8 @@ import numpy as np
 from lnn.runtime.cpu.jit import spin_while_equal
 
 LINGER_SECONDS = 5e-4    # how long a helper keeps spinning after a call (the next one, back to back, finds it awake)
+# CPython's GIL switch interval while a crew call runs (the default is 5 ms; see `short_switch_interval`)
+SWITCH_INTERVAL_SECONDS = 5e-5
 
 
 class Parallel:
@@ -81,6 +85,7 @@ class Crew:
     wakes the helpers when it starts; after its end they spin LINGER_SECONDS more (a call right after
     finds them awake: 1.18 -> 1.28x on leaf_cnn, 1.30 -> 1.32 on tomato, 1.66 -> 1.69 on leaf_cnn224,
     2 threads / 1, interleaved), then block on their `go` lock again (an idle crew uses no CPU).
+    During the call the GIL's switch interval is SWITCH_INTERVAL_SECONDS (`short_switch_interval`).
     Without the JIT (the app's compiled kernels keep the GIL) the locks alone hand off."""
 
     def __init__(self, helpers: int, name: str = "lnn-cpu"):
@@ -103,11 +108,14 @@ class Crew:
         if not self._busy.acquire(blocking=False):
             return False
         try:
-            if spin_while_equal is not None:
+            if spin_while_equal is None:
+                function(self, *args)
+            else:
                 self._flags[-1] = 1
                 for slot in self._jobs:
                     slot.wake()               # the helpers wake while the call's first steps run
-            function(self, *args)
+                with short_switch_interval():
+                    function(self, *args)
         finally:
             self._flags[-1] = 0
             self._busy.release()
@@ -136,6 +144,45 @@ class Crew:
 
     def close(self) -> None:
         self._finalizer()
+
+
+class _SwitchInterval:
+    """The process's GIL switch interval, lowered while any crew call runs and restored after the last.
+
+    Every plan step takes the GIL to call its kernel and drops it inside. A thread that wants the GIL
+    while another holds it sleeps until it is dropped, and on the 2-core VM a sleeping thread took
+    30-80 us to run again: by then the caller, whose steps run for 10-200 us each, often held it again,
+    and the helper got it only when CPython forced a switch after the interval, 5 ms by default (a
+    call's timeline on leaf_cnn224: the helper's conv1 task started 2.9 ms after the caller's ended;
+    its conv4 task after the caller's whole task). With 50 us, split plan against the one-thread plan,
+    interleaved in one process, 8 rounds of 50 calls, twice: median 3.51/3.52 -> 3.44/3.34 ms on the
+    bundled tomato model (one thread 4.88/4.56), 8.72/8.54 -> 8.65/8.38 on leaf_cnn224 (14.37/13.49),
+    1.43/1.45 -> 1.31/1.29 on leaf_cnn (1.58/1.91); mean 3.60/4.08 -> 3.47/3.36, 9.73/8.84 -> 8.91/8.64,
+    1.52/1.53 -> 1.36/1.25. 20 and 5 us were no better. Only with the JIT: compiled kernels that keep
+    the GIL would just switch more often."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._saved = None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self._lock:
+            if self._calls == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, SWITCH_INTERVAL_SECONDS))
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls -= 1
+                if self._calls == 0:
+                    sys.setswitchinterval(self._saved)
+
+
+short_switch_interval = _SwitchInterval()
 
 
 class _Slot:

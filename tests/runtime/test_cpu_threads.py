@@ -181,6 +181,41 @@ def test_helpers_spin_only_during_a_call():
     crew.close()
 
 
+def test_the_switch_interval_is_short_only_during_crew_calls():
+    """While a crew call runs, on any of its threads, the GIL switch interval is SWITCH_INTERVAL_SECONDS;
+    after the last of two overlapping calls (two crews) it is the process's own again."""
+    import sys
+    import threading
+
+    from lnn.runtime.cpu import parallel
+    from lnn.runtime.cpu.jit import spin_while_equal
+
+    if spin_while_equal is None:
+        pytest.skip("without the JIT the interval is left alone")
+    own = sys.getswitchinterval()
+    first, second = parallel.Crew(1), parallel.Crew(1)
+    seen, inside, release = [], threading.Event(), threading.Event()
+
+    def hold_second():
+        second.try_run(lambda c: c.run([[inside.set, release.wait], [lambda: seen.append(sys.getswitchinterval())]]))
+
+    short = pytest.approx(parallel.SWITCH_INTERVAL_SECONDS)      # CPython keeps it in whole microseconds
+    other = threading.Thread(target=hold_second, daemon=True)
+    other.start()
+    try:
+        assert inside.wait(5)
+        assert first.try_run(lambda c: c.run([[lambda: seen.append(sys.getswitchinterval())],
+                                              [lambda: seen.append(sys.getswitchinterval())]]))
+        assert sys.getswitchinterval() == short         # the second crew's call still runs
+    finally:
+        release.set()
+        other.join(5)
+    assert seen == [short] * 3
+    assert sys.getswitchinterval() == own
+    first.close()
+    second.close()
+
+
 def chain_case() -> tuple:
     """(model, weights, one input) of the conv + linear chain the split-choice tests time."""
     input_shape, layers = CASES["conv_chain_then_linear"]
