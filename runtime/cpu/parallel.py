@@ -153,8 +153,8 @@ class _SwitchInterval:
     while another holds it sleeps until it is dropped, and on the 2-core VM a sleeping thread took
     30-80 us to run again: by then the caller, whose steps run for 10-200 us each, often held it again,
     and the helper got it only when CPython forced a switch after the interval, 5 ms by default (a
-    call's timeline on leaf_cnn224: the helper's conv1 task started 2.9 ms after the caller's ended;
-    its conv4 task after the caller's whole task). With 50 us, split plan against the one-thread plan,
+    call's timeline on leaf_cnn224: the helper's conv1 task started 2.9 ms after the caller's ended,
+    its task of conv4's products only after the caller's had ended). With 50 us, split plan against the one-thread plan,
     interleaved in one process, 8 rounds of 50 calls, twice: median 3.51/3.52 -> 3.44/3.34 ms on the
     bundled tomato model (one thread 4.88/4.56), 8.72/8.54 -> 8.65/8.38 on leaf_cnn224 (14.37/13.49),
     1.43/1.45 -> 1.31/1.29 on leaf_cnn (1.58/1.91); mean 3.60/4.08 -> 3.47/3.36, 9.73/8.84 -> 8.91/8.64,
