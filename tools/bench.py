@@ -14,6 +14,9 @@ Each backend runs in a process of its own (so its load time, first call and peak
            (on the cpu backend with threads, the warm-up lasts at least until it has timed its split plan
            against one thread and chosen: its first dozen calls of a batch size)
   peak RSS the process's peak resident memory at the end
+  threads  what the backend ran on, read after the timed calls: its thread count and, on the cpu backend
+           with threads, its choice for this batch size (split over the threads, or one thread), which it
+           times again at growing intervals: the timed calls include those turns, and may have run both
 The inputs are real: the model's own test vectors (lnn-export stores them), repeated to fill the batch,
 or --images (photos or a folder, preprocessed as the model says); never zeros. A model with neither is
 refused. A backend that cannot load here is reported as an error for that backend (exit status 1).
@@ -163,7 +166,7 @@ def measure(args) -> dict:
         session.run(x)
         seconds.append(time.perf_counter() - start)
     result = {"load_ms": load * 1e3, "first_ms": first * 1e3, "kernels": kernels, **percentiles(seconds),
-              "peak_rss_bytes": peak_rss_bytes()}
+              "peak_rss_bytes": peak_rss_bytes(), "threads": session.describe_threads()}
     if args.profile:
         layers = session.backend.profile(x, min(PROFILE_REPEATS, args.runs))
         result["profile"] = [{"layer": name, "kind": kind, "ms": seconds * 1e3} for name, kind, seconds in layers]
@@ -199,6 +202,9 @@ def print_table(report: dict) -> None:
         rss = human_bytes(row["peak_rss_bytes"]) if row["peak_rss_bytes"] else "?"
         print(f"{device:7} {row['load_ms']:8.1f} {row['first_ms']:9.1f}  {row['kernels'] or '-':15} "
               f"{row['p50_ms']:8.3f} {row['p90_ms']:8.3f} {row['p99_ms']:8.3f} {row['mean_ms']:8.3f} {rss:>10}")
+    for device, row in report["devices"].items():
+        if "threads" in row:
+            print(f"{device:7} {row['threads']}")
     for device, row in report["devices"].items():
         if "profile" not in row:
             continue

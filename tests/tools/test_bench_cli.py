@@ -27,6 +27,7 @@ def test_numpy_figures_are_ordered_and_the_inputs_are_the_test_vectors(tiny_bin)
     assert 0 < row["min_ms"] <= row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"]
     assert row["load_ms"] > 0 and row["first_ms"] > 0 and row["peak_rss_bytes"] > 10 << 20
     assert report["batch"] == 3 and "4 test vector" in report["inputs"] and row["kernels"] is None
+    assert row["threads"].startswith("numpy backend (no thread count of its own")
     nodes = [node.name for node in read_bin(tiny_bin).model.nodes]
     assert [layer["layer"] for layer in row["profile"]] == nodes and all(layer["ms"] >= 0 for layer in row["profile"])
 
@@ -37,6 +38,7 @@ def test_cpu_profile_names_every_node_once_in_its_fused_layers(tiny_bin):  # noq
     assert result.returncode == 0, result.stderr
     row = report["devices"]["cpu"]
     assert row["kernels"] in ("not cached yet", "from the cache", "ahead of time")
+    assert row["threads"] == "cpu backend, 1 thread (as asked)"
     fused = [name for layer in row["profile"] for name in layer["layer"].split("+")]
     assert fused == [node.name for node in read_bin(tiny_bin).model.nodes]
     assert [layer["kind"] for layer in row["profile"]] == ["conv2d", "globalavgpool", "linear"]
@@ -46,8 +48,9 @@ def test_photos_as_inputs_and_the_table(tiny_bin):  # noqa: F811
     result = run_command("bench", tiny_bin, "--device", "numpy", "--images", EXAMPLES / "leaves" / "healthy.jpg", *QUICK)
     assert result.returncode == 0, result.stderr
     assert "inputs: 1 photos: healthy.jpg" in result.stdout
-    header, row = result.stdout.splitlines()[1:3]
+    header, row, threads = result.stdout.splitlines()[1:4]
     assert header.split()[:3] == ["device", "load", "ms"] and row.split()[0] == "numpy"
+    assert threads.split()[:2] == ["numpy", "numpy"] and "no thread count of its own" in threads
 
 
 def test_a_model_without_vectors_and_bad_options_are_one_line(tiny_bin, tmp_path):  # noqa: F811
