@@ -69,9 +69,9 @@ from lnn.runtime.cpu.activations import NONE, ActivationLayer, is_monotone
 from lnn.runtime.cpu.batchnorm import BatchNormLayer, scale_and_shift
 from lnn.runtime.cpu.conv2d import Conv2dLayer
 from lnn.runtime.cpu.jit import CACHE_ENABLED
-from lnn.runtime.cpu.linear import LinearLayer
+from lnn.runtime.cpu.linear import LinearLayer, chain_eligible, plan_chain
 from lnn.runtime.cpu.padding import padded_buffer
-from lnn.runtime.cpu.parallel import Crew, Parallel, all_steps, run_steps
+from lnn.runtime.cpu.parallel import Claimed, Crew, Parallel, all_steps, run_steps
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
 
@@ -98,27 +98,38 @@ class Plan:
     that many tasks of at least `task_flops` each (Parallel steps)."""
 
     def __init__(self, layers: list, input_shape: tuple, batch: int, kept_after: dict | None = None, parts: int = 1,
-                 task_flops: float = MIN_TASK_FLOPS):
+                 task_flops: float = MIN_TASK_FLOPS, chains: bool = True):
+        """chains: consecutive small linear layers as one kernel call (linear.plan_chain); off for --profile,
+        which times each layer."""
         first_padding = getattr(layers[0], "input_padding", (0, 0)) if layers else (0, 0)
         _, self.input = padded_buffer((batch, *input_shape), *first_padding, self._new_buffer)
+        kept_after = kept_after or {}
         self.steps = []
         self.layer_steps = []            # per layer: (first, end) indices of its steps (lnn-bench --profile)
         self.kept = {}                   # kept node name -> its own buffer, filled right after its layer
         x = self.input
-        for index, layer in enumerate(layers):
-            if hasattr(layer, "flops"):
+        index = 0
+        while index < len(layers):
+            chained = chain_length(layers, index, batch, kept_after) if chains and x.flags.c_contiguous else 0
+            if chained:
+                x, steps = plan_chain(layers[index:index + chained], x, self._new_buffer, parts, task_flops)
+            elif hasattr(layers[index], "flops"):
+                layer = layers[index]
                 layer_parts = int(min(parts, max(1, layer.flops * batch // task_flops) if task_flops else parts))
                 x, steps = layer.plan(x, self._new_buffer, layer_parts)
             else:
-                x, steps = layer.plan(x, self._new_buffer)
-            self.layer_steps.append((len(self.steps), len(self.steps) + len(steps)))
+                x, steps = layers[index].plan(x, self._new_buffer)
+            end = len(self.steps) + len(steps)
+            self.layer_steps += [(len(self.steps), end)] + [(end, end)] * (max(chained, 1) - 1)  # a chain: its first
             self.steps += steps
-            for name in (kept_after or {}).get(index, ()):
+            index += max(chained, 1)
+            for name in kept_after.get(index - 1, ()):
                 copy = self.kept[name] = self._new_buffer(x.shape)
                 self.steps.append(partial(np.copyto, copy, x))
         self.output = x
         self.uses_blas = any(getattr(step, "func", None) is np.matmul for step in all_steps(self.steps))
         self.splits = any(type(step) is Parallel for step in self.steps)      # else no crew needed
+        self.claims = any(type(step) is Claimed for step in self.steps)       # a crew helper may serve these
 
     @staticmethod
     def _new_buffer(shape) -> np.ndarray:
@@ -129,14 +140,23 @@ class Plan:
         start = (-raw.ctypes.data % ALIGNMENT) // 4
         return raw[start:start + size].reshape(shape)
 
-    def run(self, x: np.ndarray, crew: Crew | None = None) -> np.ndarray:
-        """The output buffer for input x; the Parallel steps' tasks spread over `crew` when given."""
+    def run(self, x: np.ndarray, crew: Crew | None = None, held: bool = True) -> np.ndarray:
+        """The output buffer for input x; with `crew`, its first helper serves the Claimed steps and, when
+        this call holds it (held), the Parallel steps' tasks spread over it."""
         np.copyto(self.input, x)
         if crew is None:
             run_steps(self.steps)
         else:
-            crew.run_steps(self.steps)
+            crew.run_steps(self.steps, held)
         return self.output
+
+
+def chain_length(layers: list, start: int, batch: int, kept_after: dict) -> int:
+    """How many layers from `start` on run as one chain (linear.chain_eligible; a kept value ends it)."""
+    end = start
+    while end < len(layers) and chain_eligible(layers[end], batch) and (end == start or end - 1 not in kept_after):
+        end += 1
+    return end - start
 
 
 def build_layers(model: Model, weights: dict, outputs: LayerOutputs | None = None) -> list:
@@ -260,7 +280,8 @@ class CpuBackend:
         if self._crew is None:
             self._chosen[batch] = self.threads
             return self.threads
-        if not self._plan(batch, self.threads).splits:
+        split_plan = self._plan(batch, self.threads)
+        if not (split_plan.splits or split_plan.claims):
             self._nothing_to_split.add(batch)
         if not self.task_flops or batch in self._nothing_to_split:
             self._chosen[batch] = self.threads
@@ -296,8 +317,9 @@ class CpuBackend:
                          for batch, parts in decided)
 
     def _run_plan(self, plan: Plan, x: np.ndarray) -> None:
-        if not plan.splits or self._crew is None or not self._crew.try_run(lambda crew: plan.run(x, crew)):
-            plan.run(x)
+        if plan.splits and self._crew is not None and self._crew.try_run(lambda crew: plan.run(x, crew)):
+            return
+        plan.run(x, self._crew if plan.claims else None, held=False)      # Claimed steps need no hold on it
 
     def _run_split(self, x: np.ndarray) -> tuple:
         batch = x.shape[0]
@@ -320,7 +342,7 @@ class CpuBackend:
     def profile(self, x: np.ndarray, repeats: int) -> list:
         """[(the fused layer's nodes joined by "+", its kind, median seconds)] over `repeats` whole runs of x
         on one thread's plan (a split batch is profiled unsplit)."""
-        plan = self._plan(x.shape[0])
+        plan = Plan(self.layers, self.model.input_shape, x.shape[0], self._kept_after, chains=False)
         times = np.zeros((repeats, len(self.layers)))
         with BLAS_THREADS:
             for repeat in range(repeats):

@@ -36,6 +36,7 @@ if KERNELS == "aot":
 
     CACHE_ENABLED = False
     spin_while_equal = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
+    load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = None   # (the JIT's intrinsics)
 else:
     CACHE_DIR = numba_cache_dir()
     _problem = ensure_writable(CACHE_DIR)
@@ -111,6 +112,24 @@ else:
         return types.int64(array, types.intp), codegen
 
     @intrinsic
+    def _compare_and_swap(typingctx, array, index, expected, new):
+        """array[index] = new if it equals `expected` (int64 array, one atomic step, acquire-release): True
+        when it did."""
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            swapped = builder.cmpxchg(builder.gep(data, [args[1]]), args[2], args[3], "acq_rel", "acquire")
+            return builder.extract_value(swapped, 1)
+        return types.boolean(array, types.intp, types.int64, types.int64), codegen
+
+    @intrinsic
+    def _fetch_add(typingctx, array, index, value):
+        """array[index] += value as one atomic step (int64 array, acquire-release); the value before."""
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            return builder.atomic_rmw("add", builder.gep(data, [args[1]]), args[2], "acq_rel")
+        return types.int64(array, types.intp, types.int64), codegen
+
+    @intrinsic
     def _sched_yield(typingctx):
         """The C library's sched_yield(): the CPU to another runnable thread, if one waits for it (linked by
         name, so the cached kernel holds no address)."""
@@ -149,3 +168,7 @@ else:
 
     spin_while_equal = (None if sys.platform == "win32"                 # no sched_yield
                         else numba.njit(cache=CACHE_ENABLED, nogil=True)(spin_while_equal))
+    # for kernels that hand work between threads themselves (linear.py's chain); None where there is no spin
+    load_acquire, store_release, compare_and_swap, fetch_add, sched_yield = (
+        (None,) * 5 if spin_while_equal is None else
+        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield))

@@ -24,12 +24,15 @@ import numpy as np
 from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import SOFTMAX, Epilogue, activate, as_channels_positions
 from lnn.runtime.cpu.aot import A1, A2, F, I
-from lnn.runtime.cpu.jit import ieee_kernel
-from lnn.runtime.cpu.parallel import parallel_steps, split_range
+from lnn.runtime.cpu.jit import (compare_and_swap, fetch_add, ieee_kernel, kernel, load_acquire, sched_yield,
+                                 spin_while_equal, store_release)
+from lnn.runtime.cpu.parallel import SERVED, Claimed, linger_yields, parallel_steps, split_range
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
-# only by other kernels, compiled into them.
-AOT_SIGNATURES = {"linear_dots": (A2, A2, A1, A1, I, F, I, I, A2)}
+# only by other kernels, compiled into them. The chain's kernels are the JIT's only (CHAINS): the
+# compiled app runs linear_dots layer by layer.
+AOT_SIGNATURES = {"linear_dots": (A2, A2, A1, A1, I, F, I, I, A2), "claim_block": None, "chain_part": None,
+                  "run_chain": None, "serve_chain": None}
 
 FUSED_MAX_BATCH = 4           # linear_dots on batches this small ...
 FUSED_MAX_WEIGHTS = 1 << 20   # ... for layers of at most this many weights (4 MiB; mnist_mlp's largest: 0.2 M)
@@ -94,3 +97,142 @@ class LinearLayer:
             dst3 = as_channels_positions(dst)
             steps.append(partial(self.epilogue.run, dst3, dst3))
         return dst, steps
+
+
+# --------------------------------------------------------------------------- a chain of linear layers
+
+# Consecutive linear layers of a small batch (linear_dots's) run as ONE kernel call, `run_chain`: no Python
+# between layers (mnist_mlp's three layers: 3 calls and the steps around them cost ~4 of its ~17 us). Each
+# layer's outputs are cut into blocks (`bounds`, split_range), and with parts > 1 a crew helper serves the
+# chain (parallel.Claimed): whoever comes first claims a block (compare-and-swap on a counter), the last
+# block of a layer done lets all go on to the next. The counters are tagged with the call's number
+# (call * TAG + count), so a helper that comes late to a call finds nothing to claim and waits for the next.
+# A block computes its outputs exactly as one thread does: the same bytes on any number of threads.
+CHAINS = spin_while_equal is not None      # the JIT with sched_yield (not the compiled app; not Windows)
+CHAIN_TASK_FLOPS = 5e4     # a layer of the chain is cut into parts from this much work per row on
+TAG = 1 << 20              # chain flags: [call number, SERVED, then per layer: claims, blocks done]
+GO = 0
+SPINS_PER_YIELD = 256
+# layout [layers, 8]: weight offset, inputs, outputs, scale/shift offset, source offset, target offset (into
+# acts), activation code, blocks; bounds [layers, parts + 1]: the blocks' first outputs, then the end
+
+
+@kernel
+def claim_block(flags, index, call, blocks, from_end):
+    """The block of flags[index]'s layer this thread takes next (the first one free, or the last one free
+    when from_end), or -1: all taken, or `call` is over. flags[index] = call * TAG + a bit per block taken."""
+    while True:
+        word = load_acquire(flags, index)
+        if word // TAG != call:
+            return -1
+        taken = word % TAG
+        block = -1
+        for step in range(blocks):
+            candidate = blocks - 1 - step if from_end else step
+            if not (taken >> candidate) & 1:
+                block = candidate
+                break
+        if block < 0:
+            return -1
+        if compare_and_swap(flags, index, word, word | (1 << block)):
+            return block
+
+
+@ieee_kernel
+def chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, from_end):
+    """This thread's share of call `call`: x [N, K] -> each layer's blocks it claims (linear_dots, into the
+    layer's [N, outputs] rows of acts), then waiting for the layer's other blocks. False when the call ended
+    without it (a helper that came late)."""
+    rows = x.shape[0]
+    for layer in range(layout.shape[0]):
+        weight_at, inputs, outputs, vector_at, source_at, target_at, code, blocks = layout[layer]
+        source = x if layer == 0 else acts[source_at:source_at + rows * inputs].reshape((rows, inputs))
+        target = acts[target_at:target_at + rows * outputs].reshape((rows, outputs))
+        weight = weights[weight_at:weight_at + outputs * inputs].reshape((outputs, inputs))
+        scale, shift = scales[vector_at:vector_at + outputs], shifts[vector_at:vector_at + outputs]
+        claims, done = 2 + 2 * layer, 3 + 2 * layer
+        block = claim_block(flags, claims, call, blocks, from_end)
+        while block >= 0:
+            linear_dots(source, weight, scale, shift, code, slopes[layer], bounds[layer, block],
+                        bounds[layer, block + 1], target)
+            fetch_add(flags, done, 1)
+            block = claim_block(flags, claims, call, blocks, from_end)
+        spins = 0
+        while True:
+            word = load_acquire(flags, done)
+            if word // TAG != call:
+                return False
+            if word % TAG == blocks:
+                break
+            spins += 1
+            if spins % SPINS_PER_YIELD == 0:
+                sched_yield()
+    return True
+
+
+@kernel
+def run_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags):
+    """The calling thread's side: a new call (its counters reset, then its number published), computed with
+    whichever helper joins."""
+    call = flags[GO] + 1
+    for index in range(2, flags.shape[0]):
+        store_release(flags, index, call * TAG)
+    store_release(flags, GO, call)
+    chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, False)
+
+
+@kernel
+def serve_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, linger, crew_flags, given, taken):
+    """A helper's side (parallel.Claimed.serve): joins each new call until `linger` yields pass without one or
+    crew_flags[given] is no longer `taken` (the crew has other work for it)."""
+    store_release(flags, SERVED, 1)
+    seen = load_acquire(flags, GO) - 1           # the call going on now, if any, is joined
+    idle = 0
+    linger *= SPINS_PER_YIELD
+    while idle < linger and load_acquire(crew_flags, given) == taken:
+        call = load_acquire(flags, GO)
+        if call != seen:
+            seen = call
+            chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, True)
+            idle = 0
+        else:
+            idle += 1
+            if idle % SPINS_PER_YIELD == 0:
+                sched_yield()
+    store_release(flags, SERVED, 0)
+
+
+def chain_eligible(layer, batch: int) -> bool:
+    """Whether `layer` joins a chain at this batch size: a linear layer that linear_dots computes."""
+    return (CHAINS and isinstance(layer, LinearLayer) and batch <= FUSED_MAX_BATCH
+            and layer.weight.size <= FUSED_MAX_WEIGHTS and layer.epilogue.code != SOFTMAX)
+
+
+def plan_chain(layers: list, src, new_buffer, parts: int, task_flops: float):
+    """(dst, [one step]) for consecutive chain_eligible layers: a Claimed step when some layer is cut into
+    blocks (parts > 1, at least CHAIN_TASK_FLOPS a row, or every layer when task_flops is 0), else run_chain
+    alone."""
+    rows = src.shape[0]
+    sizes = [(layer.weight.shape[1], layer.weight.shape[0]) for layer in layers]
+    weights = np.concatenate([layer.weight.ravel() for layer in layers])
+    scales = np.concatenate([layer.epilogue.scale for layer in layers]).astype(np.float32)
+    shifts = np.concatenate([layer.epilogue.shift for layer in layers]).astype(np.float32)
+    slopes = np.array([layer.epilogue.slope for layer in layers], np.float32)
+    acts = new_buffer((sum(rows * outputs for _, outputs in sizes),))
+    layout = np.zeros((len(layers), 8), np.int64)
+    bounds = np.zeros((len(layers), parts + 1), np.int64)
+    weight_at = vector_at = target_at = source_at = 0
+    for index, (layer, (inputs, outputs)) in enumerate(zip(layers, sizes)):
+        cut = parts if not task_flops or layer.flops >= CHAIN_TASK_FLOPS else 1
+        blocks = split_range(0, outputs, cut, align=16)
+        layout[index] = weight_at, inputs, outputs, vector_at, source_at, target_at, layer.epilogue.code, len(blocks)
+        bounds[index] = [first for first, _ in blocks] + [outputs] * (parts + 1 - len(blocks))
+        weight_at, vector_at, source_at = weight_at + layer.weight.size, vector_at + outputs, target_at
+        target_at += rows * outputs
+    flags = np.zeros(2 + 2 * len(layers), np.int64)
+    arguments = (src.reshape(rows, -1), weights, scales, shifts, slopes, layout, bounds, acts)
+    dst = acts[layout[-1, 5]:].reshape(rows, sizes[-1][1])
+    run = partial(run_chain, *arguments, flags)
+    if (layout[:, 7] == 1).all():                # no layer cut: nothing to share
+        return dst, [run]
+    return dst, [Claimed(run, partial(serve_chain, *arguments, flags, linger_yields()), flags)]

@@ -10,10 +10,15 @@ A crew's helpers block on locks between calls (no thread started per call); duri
 the caller wait for each other by spinning (Crew), and a hand-off still costs tens of microseconds,
 which is why backend.py splits only layers with enough work per task, and keeps a split only where
 it timed faster than one thread.
+
+A `Claimed` step (linear.py's chain of small linear layers) hands work out without the GIL: its kernel
+claims blocks with atomic counters, and the crew's first helper, lent to it (`Crew.lend`), waits for its
+calls inside a kernel of its own and claims blocks too; whoever is there computes them.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import sys
@@ -39,6 +44,27 @@ class Parallel:
     def __call__(self) -> None:
         for task in self.tasks:
             run_steps(task)
+
+
+class Claimed:
+    """A plan step whose kernel shares out its own work: `run()` (argument-free) computes the call in the
+    calling thread, claiming its blocks one at a time with atomic counters, and every block no other thread
+    has claimed; `serve(crew_flags, given, taken)` is a helper's loop (no GIL, no Python between calls) that
+    joins each new call of this step and claims blocks too, until it has waited LINGER_SECONDS for one or
+    the crew has given that helper other work (crew_flags[given] is no longer `taken`, its count of
+    tasks). `flags[SERVED]` is 1 while a helper is in that loop. Called as a plain step it runs alone;
+    Crew.run_steps lends it a helper first. The
+    hand-off costs no GIL: a Parallel step's helper takes the GIL to start its task, and on the 2-core VM
+    that cost ~12 us a layer (mnist_mlp split over 2 threads by Parallel steps: 53 against 17 us)."""
+
+    def __init__(self, run, serve, flags: np.ndarray):
+        self.run, self.serve, self.flags = run, serve, flags
+
+    def __call__(self) -> None:
+        self.run()
+
+
+SERVED = 1      # Claimed.flags[SERVED]: 1 while a helper serves the step
 
 
 def run_steps(steps) -> None:
@@ -134,13 +160,26 @@ class Crew:
             if error is not None:
                 raise error
 
-    def run_steps(self, steps: list) -> None:
-        """A plan's steps, each Parallel one spread over the crew."""
+    def run_steps(self, steps: list, held: bool = True) -> None:
+        """A plan's steps, each Parallel one spread over the crew when this call holds it (try_run; else the
+        calling thread runs its tasks), each Claimed one with a helper lent to it (holding or not)."""
         for step in steps:
-            if type(step) is Parallel:
+            if type(step) is Parallel and held:
                 self.run(step.tasks)
+            elif type(step) is Claimed:
+                self.lend(step)
+                step.run()
             else:
                 step()
+
+    def lend(self, step: Claimed) -> None:
+        """The first helper to serve a Claimed step (its loop runs on after this call, so that the next call
+        finds it there), unless it serves one already; with the JIT only (the app's compiled kernels keep
+        the GIL). Needs no hold on the crew: whoever is there claims the blocks."""
+        slot = self._jobs[0]
+        if spin_while_equal is None or step.flags[SERVED] or slot.lent:
+            return
+        slot.give(step.serve, lent=True)
 
     def close(self) -> None:
         self._finalizer()
@@ -195,14 +234,19 @@ class _Slot:
         self.done = threading.Lock()
         self.go.acquire()
         self.done.acquire()
-        self.task = None
+        self.tasks = collections.deque()     # (task, lent) given and not yet taken, in order
+        self.giving = threading.Lock()      # a lent task may be given while a crew call gives one
+        self.lent = False                   # a lent task (Crew.lend) is given and not over: nobody waits for it
         self.error = None
         self.stopped = False
         self.flags, self.given, self.done_at = flags, 2 * index, 2 * index + 1
 
-    def give(self, task) -> None:
-        self.task = task
-        self.flags[self.given] += 1
+    def give(self, task, lent: bool = False) -> None:
+        with self.giving:
+            if lent:
+                self.lent = True
+            self.tasks.append((task, lent))
+            self.flags[self.given] += 1
         self.wake()
 
     def wake(self) -> None:
@@ -233,11 +277,18 @@ def _serve(slot: _Slot) -> None:
                 slot.go.acquire()
                 continue
         seen += 1
+        task, lent = slot.tasks.popleft()
         try:
-            run_steps(slot.task)
+            if lent:
+                task(flags, slot.given, seen)       # it leaves when flags[given] is no longer `seen`
+            else:
+                run_steps(task)
         except BaseException as error:        # noqa: BLE001 - handed to the calling thread, which raises it
-            slot.error = error
-        slot.done.release()
+            slot.error = error                # (a lent task's: to the next call that waits for this helper)
+        if lent:
+            slot.lent = False
+        else:
+            slot.done.release()
         if spin_while_equal is None:
             flags[slot.done_at] = seen
         else:

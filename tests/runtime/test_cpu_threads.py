@@ -67,6 +67,23 @@ def splittable(layers) -> list:
             and not (isinstance(layer, LinearLayer) and layer.out_shape[0] <= 16)]
 
 
+def split_layers(layers, plan) -> list:
+    """The layers the plan cuts into parts: Parallel steps, or blocks of a linear chain (a Claimed step,
+    given to the chain's first layer, whose layout says each of its layers' blocks)."""
+    from lnn.runtime.cpu.parallel import Claimed, Parallel
+
+    found = []
+    for index, (layer, (first, end)) in enumerate(zip(layers, plan.layer_steps)):
+        steps = plan.steps[first:end]
+        if any(type(step) is Parallel for step in steps):
+            found.append(layer)
+        for step in steps:
+            if type(step) is Claimed:
+                layout = step.run.args[5]
+                found += [chained for chained, blocks in zip(layers[index:], layout[:, 7]) if blocks >= 2]
+    return found
+
+
 def random_weights(model, rng):
     """Scaled by 1/sqrt(fan-in), so that every layer's outputs stay of order 1 (the tolerance is absolute)."""
     return {key: (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]) if len(shape) > 1 else 1)).astype(np.float32)
@@ -89,9 +106,8 @@ def test_a_split_image_gives_the_one_thread_answer(case, threads):
         np.testing.assert_allclose(got, expected, rtol=0, atol=SPLIT_TOLERANCE)
         np.testing.assert_allclose(got, NumpyBackend(model, weights).run(x), rtol=0, atol=1e-4)
         plan = split._plan(batch, threads)
-        split_layers = [layer for layer, (first, end) in zip(split.layers, plan.layer_steps)
-                        if any(type(step) is Parallel for step in plan.steps[first:end])]
-        assert split_layers == splittable(split.layers), "every conv and BLAS linear layer should have been split"
+        assert split_layers(split.layers, plan) == splittable(split.layers), \
+            "every conv and linear layer should have been split"
         assert all(len(step.tasks) >= 2 for step in plan.steps if type(step) is Parallel)
     layer = split.layers[0]
     cuts = [channels for _, channels in layer._parts(1, input_shape[2] + 2, threads)]
@@ -245,16 +261,19 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     paying.task_flops = 1
     whole = paying._plan(1, 1)
     whole_run = whole.run
-    monkeypatch.setattr(whole, "run", lambda x, crew=None: (time.sleep(0.003), whole_run(x))[1])
+    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.003), whole_run(x))[1])
     for _ in range(2 * (cpu_backend.TRIAL_CALLS + 1) + 2):
         np.testing.assert_allclose(paying.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
     assert paying._chosen == {1: 2} and paying.split_choice() == "batch 1: layers split over 2 threads"
     forced = split_backend(model, weights, 2)          # task_flops 0: always split, no trial
     forced.run(x)
     assert forced._chosen == {1: 2} and forced.split_choice() == "batch 1: layers split over 2 threads"
-    small = cpu_backend.CpuBackend(model, weights, threads=2)     # the default rule: no layer of this chain is worth it
-    small.run(x)
-    assert not small._plan(1, 2).splits and small.split_choice() == "batch 1: one thread (no layer large enough to split)"
+    tiny = parse_model({"input_shape": [2, 4, 4], "layers": [conv(4, padding=1), {"type": "flatten"},
+                                                            {"type": "linear", "out_features": 16}]})
+    small = cpu_backend.CpuBackend(tiny, random_weights(tiny, np.random.default_rng(5)), threads=2)
+    small.run(np.ones((1, 2, 4, 4), np.float32))          # the default rule: no layer here is worth it
+    assert not small._plan(1, 2).splits and not small._plan(1, 2).claims
+    assert small.split_choice() == "batch 1: one thread (no layer large enough to split)"
 
 
 def test_a_split_slow_only_at_first_is_kept(monkeypatch):
@@ -273,13 +292,13 @@ def test_a_split_slow_only_at_first_is_kept(monkeypatch):
     split_calls = []
     slow_first = cpu_backend.TRIAL_CALLS // 2 + 2          # the untimed first call, then most of the timed ones
 
-    def slow_at_first(x, crew=None):
+    def slow_at_first(x, crew=None, held=True):
         split_calls.append(1)
         time.sleep(0.02 if len(split_calls) <= slow_first else 0)
-        return split_run(x, crew)
+        return split_run(x, crew, held)
 
     monkeypatch.setattr(split, "run", slow_at_first)
-    monkeypatch.setattr(whole, "run", lambda x, crew=None: (time.sleep(0.01), whole_run(x))[1])
+    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.01), whole_run(x))[1])
     for _ in range(2 * (cpu_backend.TRIAL_CALLS + 1) + 1):
         backend.run(x)
     assert backend._chosen == {1: 2}
@@ -301,7 +320,7 @@ def test_a_choice_is_timed_again_later(monkeypatch):
     monkeypatch.setattr(backend._crew, "run", lambda tasks: (time.sleep(0.003 * slow["split"]), run(tasks)))
     whole = backend._plan(1, 1)
     whole_run = whole.run
-    monkeypatch.setattr(whole, "run", lambda x, crew=None: (time.sleep(0.003 * (not slow["split"])), whole_run(x))[1])
+    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.003 * (not slow["split"])), whole_run(x))[1])
     trial = 2 * (cpu_backend.TRIAL_CALLS + 1) + 1               # both plans' turns and the deciding call
     for call in range(trial):
         assert backend.choosing(1) == (0 < call)                 # from its first call until it decides

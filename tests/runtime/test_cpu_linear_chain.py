@@ -1,0 +1,174 @@
+"""Consecutive linear layers of a small batch as one kernel call (runtime/cpu/linear.py run_chain), and that
+call shared with a crew helper by claimed blocks (parallel.Claimed, serve_chain).
+
+The chain must give exactly the bytes of the same layers planned one by one (linear_dots each), on one
+thread and with a helper serving it, call after call, with plans of several threads and other crew work
+(Parallel steps) in between; the claim protocol must hand each block to one thread only and nothing to a
+thread that comes after its call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import runtime_devices
+from lnn.formats.model import parse_model
+from lnn.runtime.reference import NumpyBackend
+
+pytestmark = pytest.mark.skipif("cpu" not in runtime_devices(), reason="the Numba backend is not available")
+
+MLP = {"input_shape": [1, 14, 14], "layers": [
+    {"type": "flatten"},
+    {"type": "linear", "out_features": 200, "activation": "relu"},
+    {"type": "linear", "out_features": 70},
+    {"type": "batchnorm1d"},                                     # folded into the layer before
+    {"type": "leaky_relu", "negative_slope": 0.1},               # the layer's epilogue
+    {"type": "linear", "out_features": 33, "activation": "tanh"},
+    {"type": "linear", "out_features": 5}]}
+CONV_THEN_MLP = {"input_shape": [3, 10, 10], "layers": [
+    {"type": "conv2d", "out_channels": 16, "kernel_size": 3, "padding": 1, "activation": "relu"},
+    {"type": "flatten"}, {"type": "linear", "out_features": 64, "activation": "relu"},
+    {"type": "linear", "out_features": 40}]}
+
+
+def built(spec: dict, seed: int = 0) -> tuple:
+    model = parse_model(spec)
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for key, shape in model.param_shapes().items():
+        scale = 1 / np.sqrt(np.prod(shape[1:])) if len(shape) > 1 else 0.3
+        weights[key] = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if key.endswith("running_var"):
+            weights[key] = np.abs(weights[key]) + 0.5
+    return model, weights
+
+
+def backend(model, weights, threads: int, forced: bool = True):
+    from lnn.runtime.cpu import BACKEND
+
+    made = BACKEND(model, weights, threads=threads)
+    if forced:
+        made.task_flops = 0                 # every layer cut into parts: no timing decides
+    return made
+
+
+def inputs(model, batch: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((batch, *model.input_shape)).astype(np.float32)
+
+
+def layer_by_layer(be, x: np.ndarray) -> np.ndarray:
+    """The same layers planned one by one (no chain), on the calling thread alone."""
+    from lnn.runtime.cpu.backend import Plan
+
+    plan = Plan(be.layers, be.model.input_shape, x.shape[0], be._kept_after, chains=False)
+    return plan.run(x).copy()
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4])
+def test_a_chain_is_one_call_with_the_bytes_of_the_layers_one_by_one(batch):
+    from lnn.runtime.cpu.linear import run_chain
+
+    model, weights = built(MLP)
+    one = backend(model, weights, 1)
+    x = inputs(model, batch, batch)
+    got = one.run(x).copy()
+    steps = one._plan(batch, 1).steps
+    assert [getattr(step, "func", None) for step in steps] == [run_chain], "the four layers should be one call"
+    np.testing.assert_array_equal(got, layer_by_layer(one, x))
+    np.testing.assert_allclose(got, NumpyBackend(model, weights).run(x), rtol=0, atol=1e-5)
+
+
+def test_a_batch_over_the_fused_size_is_not_chained():
+    from lnn.runtime.cpu.linear import FUSED_MAX_BATCH, run_chain
+
+    model, weights = built(MLP)
+    one = backend(model, weights, 1)
+    x = inputs(model, FUSED_MAX_BATCH + 1, 9)
+    np.testing.assert_allclose(one.run(x), NumpyBackend(model, weights).run(x), rtol=0, atol=1e-5)
+    assert run_chain not in [getattr(step, "func", None) for step in one._plan(FUSED_MAX_BATCH + 1, 1).steps]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_chain_served_by_a_helper_gives_the_same_bytes_call_after_call(threads):
+    from lnn.runtime.cpu.parallel import SERVED, Claimed
+
+    model, weights = built(MLP, 1)
+    split = backend(model, weights, threads)
+    xs = [inputs(model, 1, seed) for seed in range(200)]
+    expected = [layer_by_layer(split, x) for x in xs]
+    split.run(xs[0])
+    step = next(step for step in split._plan(1, threads).steps if type(step) is Claimed)
+    assert (step.run.args[5][:, 7] >= 2).sum() >= 3, "the wide layers should be cut into blocks"
+    deadline = time.monotonic() + 60          # the helper's loop compiles (or loads from the cache) on its first lending
+    while not step.flags[SERVED] and time.monotonic() < deadline:
+        split.run(xs[0])
+    served = 0
+    for x, want in zip(xs, expected):
+        np.testing.assert_array_equal(split.run(x), want)
+        served += int(step.flags[SERVED])
+    assert served > len(xs) // 4, f"the helper served the chain during {served} of {len(xs)} calls"
+
+
+def test_a_chain_and_parallel_steps_share_the_crew():
+    """A conv cut by Parallel steps gives the helper tasks while it serves the chain: it leaves the chain's
+    loop for them and is lent to the chain again; batches 1 and 2 (two plans, two chains) alternate."""
+    model, weights = built(CONV_THEN_MLP, 2)
+    split = backend(model, weights, 2)
+    for call in range(120):
+        x = inputs(model, 1 + call % 2, call)
+        np.testing.assert_array_equal(split.run(x), layer_by_layer(split, x))
+
+
+@pytest.mark.parametrize("spec", [MLP, CONV_THEN_MLP], ids=["mlp", "conv_then_mlp"])
+def test_a_backend_shared_by_threads_gives_each_its_own_answers(spec):
+    """Four threads call one 2-thread backend: each has its own plans and chain, and they compete for the one
+    helper that may serve a chain, and (conv_then_mlp) hold the crew for Parallel steps, whose tasks make a
+    helper serving another thread's chain leave it (else that thread's calls would wait for it)."""
+    model, weights = built(spec, 3)
+    shared = backend(model, weights, 2)
+    per_thread = [[inputs(model, 1 + (t + c) % 2, 100 * t + c) for c in range(60)] for t in range(4)]
+    expected = [[layer_by_layer(shared, x) for x in xs] for xs in per_thread]
+    wrong, errors = [], []
+    start = threading.Barrier(4)
+
+    def worker(t):
+        try:
+            start.wait()
+            for c, x in enumerate(per_thread[t]):
+                if not np.array_equal(shared.run(x), expected[t][c]):
+                    wrong.append((t, c))
+        except Exception as err:             # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a thread's calls did not finish"
+    assert not errors and not wrong, (errors, wrong[:5])
+
+
+def test_claims_give_each_block_once_and_nothing_after_the_call():
+    from lnn.runtime.cpu.linear import TAG, chain_part, claim_block
+
+    flags = np.zeros(4, np.int64)
+    flags[2] = 7 * TAG                         # call 7's claims of a layer of 3 blocks
+    assert claim_block(flags, 2, 7, 3, True) == 2          # a helper takes from the end
+    assert claim_block(flags, 2, 7, 3, False) == 0         # the caller from the start
+    assert claim_block(flags, 2, 7, 3, False) == 1
+    assert claim_block(flags, 2, 7, 3, True) == -1         # all taken
+    assert claim_block(flags, 2, 6, 3, False) == -1        # an earlier call's thread: nothing
+    # a thread that comes after its call: no block computed, nothing written
+    model, weights = built(MLP)
+    step = backend(model, weights, 2)._plan(1, 2).steps[-1]
+    x, weights_, scales, shifts, slopes, layout, bounds, acts, chain_flags = step.run.args
+    acts.fill(3.0)
+    chain_flags[2:] = 9 * TAG
+    chain_flags[0] = 9
+    assert not chain_part(x, weights_, scales, shifts, slopes, layout, bounds, acts, chain_flags, 8, True)
+    assert (acts == 3.0).all()
