@@ -102,19 +102,21 @@ class LinearLayer:
 # --------------------------------------------------------------------------- a chain of linear layers
 
 # Consecutive linear layers of a small batch (linear_dots's) run as ONE kernel call, `run_chain`: no Python
-# between layers (mnist_mlp's three layers: 3 calls and the steps around them cost ~4 of its ~17 us). Each
-# layer's outputs are cut into blocks (`bounds`, split_range), and with parts > 1 a crew helper serves the
-# chain (parallel.Claimed): whoever comes first claims a block (compare-and-swap on a counter), the last
-# block of a layer done lets all go on to the next. The counters are tagged with the call's number
-# (call * TAG + count), so a helper that comes late to a call finds nothing to claim and waits for the next.
-# A block computes its outputs exactly as one thread does: the same bytes on any number of threads.
+# between layers (mnist_mlp's three layers: 3 calls and the steps around them cost ~4 of its ~17 us). With
+# parts > 1 each layer's outputs are cut into two blocks (`bounds`, split_range) and the crew's first helper
+# serves the chain (parallel.Claimed): the caller claims blocks from the first, the helper from the last (so
+# that each core keeps reading its own half of the weights), by a compare-and-swap on the layer's claims
+# word; the layer's last block done lets both go on to the next. The words are tagged with the call's number
+# (call * TAG + a bit per block claimed, or + the blocks done), so a helper that comes late to a call finds
+# nothing to claim and waits for the next. A block computes its outputs exactly as one thread does: the same
+# bytes on any number of threads.
 CHAINS = spin_while_equal is not None      # the JIT with sched_yield (not the compiled app; not Windows)
-CHAIN_TASK_FLOPS = 5e4     # a layer of the chain is cut into parts from this much work per row on
+CHAIN_TASK_FLOPS = 5e4     # a layer of the chain is cut into blocks from this much work per row on
+CHAIN_BLOCKS = 2           # the caller and one helper
 TAG = 1 << 20              # chain flags: [call number, SERVED, then per layer: claims, blocks done]
 GO = 0
-SPINS_PER_YIELD = 256
 # layout [layers, 8]: weight offset, inputs, outputs, scale/shift offset, source offset, target offset (into
-# acts), activation code, blocks; bounds [layers, parts + 1]: the blocks' first outputs, then the end
+# acts), activation code, blocks; bounds [layers, CHAIN_BLOCKS + 1]: the blocks' first outputs, then the end
 
 
 @kernel
@@ -157,16 +159,13 @@ def chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, 
                         bounds[layer, block + 1], target)
             fetch_add(flags, done, 1)
             block = claim_block(flags, claims, call, blocks, from_end)
-        spins = 0
         while True:
             word = load_acquire(flags, done)
             if word // TAG != call:
                 return False
             if word % TAG == blocks:
                 break
-            spins += 1
-            if spins % SPINS_PER_YIELD == 0:
-                sched_yield()
+            sched_yield()
     return True
 
 
@@ -188,7 +187,6 @@ def serve_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags,
     store_release(flags, SERVED, 1)
     seen = load_acquire(flags, GO) - 1           # the call going on now, if any, is joined
     idle = 0
-    linger *= SPINS_PER_YIELD
     while idle < linger and load_acquire(crew_flags, given) == taken:
         call = load_acquire(flags, GO)
         if call != seen:
@@ -196,9 +194,8 @@ def serve_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags,
             chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, True)
             idle = 0
         else:
+            sched_yield()
             idle += 1
-            if idle % SPINS_PER_YIELD == 0:
-                sched_yield()
     store_release(flags, SERVED, 0)
 
 
@@ -210,7 +207,7 @@ def chain_eligible(layer, batch: int) -> bool:
 
 def plan_chain(layers: list, src, new_buffer, parts: int, task_flops: float):
     """(dst, [one step]) for consecutive chain_eligible layers: a Claimed step when some layer is cut into
-    blocks (parts > 1, at least CHAIN_TASK_FLOPS a row, or every layer when task_flops is 0), else run_chain
+    blocks (parts > 1 and at least CHAIN_TASK_FLOPS a row, or any size when task_flops is 0), else run_chain
     alone."""
     rows = src.shape[0]
     sizes = [(layer.weight.shape[1], layer.weight.shape[0]) for layer in layers]
@@ -220,13 +217,13 @@ def plan_chain(layers: list, src, new_buffer, parts: int, task_flops: float):
     slopes = np.array([layer.epilogue.slope for layer in layers], np.float32)
     acts = new_buffer((sum(rows * outputs for _, outputs in sizes),))
     layout = np.zeros((len(layers), 8), np.int64)
-    bounds = np.zeros((len(layers), parts + 1), np.int64)
+    bounds = np.zeros((len(layers), CHAIN_BLOCKS + 1), np.int64)
     weight_at = vector_at = target_at = source_at = 0
     for index, (layer, (inputs, outputs)) in enumerate(zip(layers, sizes)):
-        cut = parts if not task_flops or layer.flops >= CHAIN_TASK_FLOPS else 1
+        cut = min(parts, CHAIN_BLOCKS) if not task_flops or layer.flops >= CHAIN_TASK_FLOPS else 1
         blocks = split_range(0, outputs, cut, align=16)
         layout[index] = weight_at, inputs, outputs, vector_at, source_at, target_at, layer.epilogue.code, len(blocks)
-        bounds[index] = [first for first, _ in blocks] + [outputs] * (parts + 1 - len(blocks))
+        bounds[index] = [first for first, _ in blocks] + [outputs] * (CHAIN_BLOCKS + 1 - len(blocks))
         weight_at, vector_at, source_at = weight_at + layer.weight.size, vector_at + outputs, target_at
         target_at += rows * outputs
     flags = np.zeros(2 + 2 * len(layers), np.int64)
