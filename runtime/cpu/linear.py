@@ -232,4 +232,6 @@ def plan_chain(layers: list, src, new_buffer, parts: int, task_flops: float):
     run = partial(run_chain, *arguments, flags)
     if (layout[:, 7] == 1).all():                # no layer cut: nothing to share
         return dst, [run]
-    return dst, [Claimed(run, partial(serve_chain, *arguments, flags, linger_yields()), flags)]
+    serve = partial(serve_chain, *arguments, flags, linger_yields())
+    serve(flags, GO, -1)       # compiled (or loaded) here, while planning: no wait on a helper's first lending
+    return dst, [Claimed(run, serve, flags)]
