@@ -72,6 +72,7 @@ class LinearLayer:
         if node.attrs["bias"]:
             self.epilogue.shift = np.array(weights[node.param_key("bias")], dtype=np.float32)
         self.epilogue.set_activation(node.attrs["activation"])
+        self.chains = {}           # chain_parameters of the chains this layer starts, by their length
 
     def fold(self, scale: np.ndarray, shift: np.ndarray) -> None:
         """Absorb y -> y * scale + shift per output feature (a batch norm) into weight and bias."""
@@ -205,16 +206,27 @@ def chain_eligible(layer, batch: int) -> bool:
             and layer.weight.size <= FUSED_MAX_WEIGHTS and layer.epilogue.code != SOFTMAX)
 
 
+def chain_parameters(layers: list) -> tuple:
+    """(weights, scales, shifts, slopes) of the chain's layers, each layer's after the last's: made once and
+    shared by every plan of the backend (kept on the chain's first layer; a chain from a given layer is
+    the same in each plan that has one), not copied per batch size and thread."""
+    made = layers[0].chains.get(len(layers))
+    if made is None:
+        made = layers[0].chains[len(layers)] = (
+            np.concatenate([layer.weight.ravel() for layer in layers]),
+            np.concatenate([layer.epilogue.scale for layer in layers]).astype(np.float32),
+            np.concatenate([layer.epilogue.shift for layer in layers]).astype(np.float32),
+            np.array([layer.epilogue.slope for layer in layers], np.float32))
+    return made
+
+
 def plan_chain(layers: list, src, new_buffer, parts: int, task_flops: float):
     """(dst, [one step]) for consecutive chain_eligible layers: a Claimed step when some layer is cut into
     blocks (parts > 1 and at least CHAIN_TASK_FLOPS a row, or any size when task_flops is 0), else run_chain
     alone."""
     rows = src.shape[0]
     sizes = [(layer.weight.shape[1], layer.weight.shape[0]) for layer in layers]
-    weights = np.concatenate([layer.weight.ravel() for layer in layers])
-    scales = np.concatenate([layer.epilogue.scale for layer in layers]).astype(np.float32)
-    shifts = np.concatenate([layer.epilogue.shift for layer in layers]).astype(np.float32)
-    slopes = np.array([layer.epilogue.slope for layer in layers], np.float32)
+    weights, scales, shifts, slopes = chain_parameters(layers)
     acts = new_buffer((sum(rows * outputs for _, outputs in sizes),))
     layout = np.zeros((len(layers), 8), np.int64)
     bounds = np.zeros((len(layers), CHAIN_BLOCKS + 1), np.int64)

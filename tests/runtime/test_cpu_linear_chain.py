@@ -172,3 +172,13 @@ def test_claims_give_each_block_once_and_nothing_after_the_call():
     chain_flags[0] = 9
     assert not chain_part(x, weights_, scales, shifts, slopes, layout, bounds, acts, chain_flags, 8, True)
     assert (acts == 3.0).all()
+
+
+def test_the_plans_of_a_backend_share_one_copy_of_a_chains_weights():
+    model, weights = built(MLP)
+    split = backend(model, weights, 2)
+    for batch in (1, 2):
+        split.run(inputs(model, batch, batch))
+    chains = [split._plan(batch, parts).steps[0] for batch in (1, 2) for parts in (1, 2)]
+    packed = [getattr(step, "run", step).args[1] for step in chains]
+    assert all(array is packed[0] for array in packed)
