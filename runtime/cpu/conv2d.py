@@ -60,10 +60,11 @@ from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.aot import A1, A2, A3, A4, F, I, WINDOW
 from lnn.runtime.cpu.conv_direct import conv3x3_direct
-from lnn.runtime.cpu.jit import kernel
+from lnn.runtime.cpu.jit import WIDE_VECTORS, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
-from lnn.runtime.cpu.winograd import (TILE, input_work_shape, skinny_products, tile_count, transformed_weight,
+from lnn.runtime.cpu.winograd import (TILE, input_work_shape, skinny_products, small_products, tile_count,
+                                      transformed_weight,
                                       winograd_input, winograd_output, winograd_output_pool2)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
@@ -104,6 +105,15 @@ WINOGRAD_MIN_CHANNELS = 16
 # 0.26, C=192 O=384 1.52 / 2.87 / 1.74; 8x16 (8 tiles) C=16 O=32 0.064 / 0.076 / 0.054, C=32 O=64
 # 0.095 / 0.090 / 0.091, C=128 O=256 0.89 / 1.09 / 1.33, C=192 O=384 2.12 / 3.20 / 3.43.
 WINOGRAD_MIN_TILES = 9
+# A band's 36 Winograd products of at most this many multiply-adds each (O x C x tiles) run as small_products
+# (winograd.py: register tiles in AVX-512, no BLAS call or packing) on a host with AVX-512 (jit.WIDE_VECTORS);
+# larger ones, and every product elsewhere, through BLAS. small_products / np.matmul time, paired medians of 15
+# interleaved rounds on the Zen 5 VM (OpenBLAS at its AVX2 kernels), O, C, tiles: 48, 24, 256 (tomato's
+# conv2): 0.61; 96, 48, 64: 0.55; 192, 96, 16: 0.65; 32, 16, 256 (leaf_cnn's conv2): 0.70; 64, 32, 64: 0.59;
+# 128, 64, 16: 0.66; 64, 32, 196 (leaf_cnn224's conv2): 0.77. Larger ones were faster in one run (128, 64, 196:
+# 0.66; 64, 32, 784: 0.89) and slower in an earlier one (1.20 and 1.49): left to BLAS.
+SMALL_PRODUCTS = WIDE_VECTORS
+SMALL_PRODUCT_MACS = 5e5
 # ... or at least this many, all whole (output height and width multiples of 4), with skinny_products.
 # 1 thread, conv + ReLU, ms, Winograd vs columns + GEMM, interleaved (2-core EPYC, shared): 8^2 C=16
 # O=32 0.067 vs 0.073, C=64 O=128 0.25 vs 0.28, C=128 O=256 0.67 vs 0.81, C=192 O=384 (the bundled
@@ -588,6 +598,7 @@ class Conv2dLayer:
         tiles_w = tile_count(self.conv_shape[2])
         most = max(tile_rows * tiles_w * images for _, tile_rows, images in map(self._band_tiles, bands))
         v_buffer = new_buffer((36, in_channels + 1, self._tile_stride(most)))
+        v_buffer.fill(0.0)              # the columns past a band's tiles: small_products reads up to 16 of them
         blocks = [(block, new_buffer(input_work_shape(tiles_w))) for block in split_range(0, in_channels, parts)]
         tasks = []
         for band in bands:
@@ -617,6 +628,7 @@ class Conv2dLayer:
         stride = self._tile_stride(max(rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)))
         if shared is None:
             v_buffer = new_buffer((36, in_channels + 1, stride))
+            v_buffer.fill(0.0)          # the columns past a band's tiles: small_products reads up to 16 of them
             input_work = new_buffer(input_work_shape(tiles_w))      # the kernel's scratch (winograd.py)
         else:
             v_buffer = shared
@@ -643,6 +655,9 @@ class Conv2dLayer:
                 transposed = v_buffer[:, :in_channels, :count].transpose(0, 2, 1)
                 steps.append(partial(np.copyto, vt_buffer[:, :count], transposed))
                 steps.append(partial(skinny_products, self.winograd_weight, o_first, o_end, vt_buffer, count, m_buffer))
+            elif SMALL_PRODUCTS and out_channels * in_channels * count <= SMALL_PRODUCT_MACS:
+                steps.append(partial(small_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
+                                     count, m_buffer))
             else:
                 steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],
                                      out=m_buffer[:, :out_channels, :count]))

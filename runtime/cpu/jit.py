@@ -33,6 +33,8 @@ if KERNELS == "aot":
     from lnn.runtime.cpu.aot import compiled_kernel as kernel  # noqa: F401  (what the kernel files import)
     from lnn.runtime.cpu.aot import compiled_kernel as ieee_kernel  # noqa: F401
     from lnn.runtime.cpu.aot import compiled_kernel as tile_kernel  # noqa: F401
+    from lnn.runtime.cpu.aot import compiled_kernel as wide_tile_kernel  # noqa: F401
+    WIDE_VECTORS = False        # (wide tiles are for the JIT on an AVX-512 host)
 
     CACHE_ENABLED = False
     spin_while_equal = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
@@ -74,7 +76,29 @@ else:
     # LLVM's SLP vectorizer (off by default in Numba since its PR 8852, for miscompilations reported then)
     # is switched on only while a @tile_kernel compiles; at most 8 lanes a vector: otherwise it made one
     # 96-lane "vector" of a tile's sums, split back into registers by shuffles (ten times as slow).
+    # @wide_tile_kernel: 16 lanes, one AVX-512 register (WIDE_VECTORS: this host has them).
+    _slp_lanes = [8]            # the -slp-max-vf in force (compiles nest: a kernel compiles the ones it calls)
     llvmlite.binding.set_option("lnn", "-slp-max-vf=8")
+    WIDE_VECTORS = "+avx512f" in llvmlite.binding.get_host_cpu_features().flatten()
+
+    def _slp_kernel(function, lanes: int):
+        dispatcher = numba.njit(cache=CACHE_ENABLED, nogil=True, error_model="numpy", fastmath={"contract"})(function)
+        compile_signature = dispatcher.compile
+
+        def compile_with_slp(signature):
+            with global_compiler_lock:                   # no other compile sees the switch
+                numba.config.SLP_VECTORIZE, saved = 1, numba.config.SLP_VECTORIZE
+                _slp_lanes.append(lanes)
+                llvmlite.binding.set_option("lnn", f"-slp-max-vf={lanes}")
+                try:
+                    return compile_signature(signature)
+                finally:
+                    numba.config.SLP_VECTORIZE = saved
+                    _slp_lanes.pop()
+                    llvmlite.binding.set_option("lnn", f"-slp-max-vf={_slp_lanes[-1]}")
+
+        dispatcher.compile = compile_with_slp
+        return dispatcher
 
     def tile_kernel(function):
         """@tile_kernel: a @kernel for register-tiled code (recurrent.py's panel_product): its sums are written
@@ -83,19 +107,12 @@ else:
         but not reassociated (with "reassoc" the loop vectorizer takes the scalars as a hundred reductions
         over the inner loop instead, and spills them) and division follows IEEE 754, as in @ieee_kernel,
         whose kernels it may call. The ahead-of-time module compiles it as a @kernel."""
-        dispatcher = numba.njit(cache=CACHE_ENABLED, nogil=True, error_model="numpy", fastmath={"contract"})(function)
-        compile_signature = dispatcher.compile
+        return _slp_kernel(function, 8)
 
-        def compile_with_slp(signature):
-            with global_compiler_lock:                   # no other compile sees the switch
-                numba.config.SLP_VECTORIZE, saved = 1, numba.config.SLP_VECTORIZE
-                try:
-                    return compile_signature(signature)
-                finally:
-                    numba.config.SLP_VECTORIZE = saved
-
-        dispatcher.compile = compile_with_slp
-        return dispatcher
+    def wide_tile_kernel(function):
+        """@tile_kernel for tuples of 16 (one 16-lane vector each, an AVX-512 register): for hosts where
+        WIDE_VECTORS (on others its tiles would not fit the registers)."""
+        return _slp_kernel(function, 16)
 
 
     from numba import types  # noqa: E402

@@ -35,13 +35,18 @@ from fractions import Fraction
 import numpy as np
 
 from lnn.runtime.cpu.aot import A2, A3, I
-from lnn.runtime.cpu.jit import ieee_kernel, kernel
+from lnn.runtime.cpu.jit import ieee_kernel, kernel, wide_tile_kernel
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
 AOT_SIGNATURES = {
     "winograd_input": (A3, I, I, I, I, I, A2, A3),
     "skinny_products": (A3, I, I, A3, I, A3),
+    "fma16": None,
+    "store16": None,
+    "product_tile": None,
+    "product_column_tile": None,
+    "small_products": None,       # the JIT on an AVX-512 host only (conv2d.py SMALL_PRODUCTS)
     "tile_outputs": None,
     "winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
     "winograd_output_pool2": (A3, I, I, I, I, I, I, I, I, A2, A2),
@@ -179,6 +184,87 @@ def skinny_products(u, o_first, o_end, vt, tiles, m):
                     s2 += w * v2[c]
                     s3 += w * v3[c]
                 out[t], out[t + 1], out[t + 2], out[t + 3] = s0, s1, s2, s3
+
+
+@wide_tile_kernel
+def fma16(a, x, w):
+    """a + x * w[0:16], a and the result 16-tuples (one AVX-512 register)."""
+    return (a[0] + x * w[0], a[1] + x * w[1], a[2] + x * w[2], a[3] + x * w[3], a[4] + x * w[4], a[5] + x * w[5],
+            a[6] + x * w[6], a[7] + x * w[7], a[8] + x * w[8], a[9] + x * w[9], a[10] + x * w[10],
+            a[11] + x * w[11], a[12] + x * w[12], a[13] + x * w[13], a[14] + x * w[14], a[15] + x * w[15])
+
+
+@wide_tile_kernel
+def store16(a, row):
+    """row[0:16] = a (a slice indexed 0..15: see recurrent.py store8)."""
+    (row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], row[10], row[11], row[12],
+     row[13], row[14], row[15]) = a
+
+
+@wide_tile_kernel
+def product_tile(u, o, last, v, t, m):
+    """m[o + i, t:t + 32] = sum over c of u[o + i, c] * v[c, t:t + 32] for i < 6 and o + i <= last (rows past
+    last are computed as row last and not stored): 12 sums of 16 in registers for the whole loop over c,
+    each step 6 broadcasts of u and 2 loads of v."""
+    z = np.float32(0)
+    zero = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = zero
+    r0, r1, r2 = u[o], u[min(o + 1, last)], u[min(o + 2, last)]
+    r3, r4, r5 = u[min(o + 3, last)], u[min(o + 4, last)], u[min(o + 5, last)]
+    for c in range(u.shape[1]):
+        w0, w1 = v[c, t:t + 16], v[c, t + 16:t + 32]
+        x = r0[c]
+        a0, a1 = fma16(a0, x, w0), fma16(a1, x, w1)
+        x = r1[c]
+        b0, b1 = fma16(b0, x, w0), fma16(b1, x, w1)
+        x = r2[c]
+        c0, c1 = fma16(c0, x, w0), fma16(c1, x, w1)
+        x = r3[c]
+        d0, d1 = fma16(d0, x, w0), fma16(d1, x, w1)
+        x = r4[c]
+        e0, e1 = fma16(e0, x, w0), fma16(e1, x, w1)
+        x = r5[c]
+        f0, f1 = fma16(f0, x, w0), fma16(f1, x, w1)
+    for i, (left, right) in enumerate(((a0, a1), (b0, b1), (c0, c1), (d0, d1), (e0, e1), (f0, f1))):
+        if o + i <= last:
+            store16(left, m[o + i, t:t + 16])
+            store16(right, m[o + i, t + 16:t + 32])
+
+
+@wide_tile_kernel
+def product_column_tile(u, o, last, v, t, m):
+    """product_tile for 16 columns t..t + 15: 6 sums of 16."""
+    z = np.float32(0)
+    zero = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+    a = b = c_ = d = e = f = zero
+    r0, r1, r2 = u[o], u[min(o + 1, last)], u[min(o + 2, last)]
+    r3, r4, r5 = u[min(o + 3, last)], u[min(o + 4, last)], u[min(o + 5, last)]
+    for c in range(u.shape[1]):
+        w = v[c, t:t + 16]
+        a, b, c_ = fma16(a, r0[c], w), fma16(b, r1[c], w), fma16(c_, r2[c], w)
+        d, e, f = fma16(d, r3[c], w), fma16(e, r4[c], w), fma16(f, r5[c], w)
+    for i, row in enumerate((a, b, c_, d, e, f)):
+        if o + i <= last:
+            store16(row, m[o + i, t:t + 16])
+
+
+@wide_tile_kernel
+def small_products(u, o_first, o_end, v, channels, count, m):
+    """M[k, o - o_first, t] = sum over c < channels of U[k, o, c] * V[k, c, t] for o_first <= o < o_end and
+    t < count rounded up to 16 (V's columns up to there must exist: its T' is; those past count are
+    never read after): u [36, O, C], v [36, >= C, T'], m [36, >= o_end - o_first, T']. The 36 products
+    of few tiles on an AVX-512 host, in register tiles of 6 output channels x 32 tiles: BLAS's
+    call and packing per product weigh there (measured in conv2d.py SMALL_PRODUCT_MACS)."""
+    columns = -(-count // 16) * 16
+    last = o_end - o_first - 1
+    for k in range(36):
+        uk, vk, mk = u[k, o_first:o_end, :channels], v[k, :channels], m[k]
+        for t in range(0, columns - 16, 32):
+            for o in range(0, last + 1, 6):
+                product_tile(uk, o, last, vk, t, mk)
+        if columns % 32:
+            for o in range(0, last + 1, 6):
+                product_column_tile(uk, o, last, vk, columns - 16, mk)
 
 
 @kernel

@@ -87,8 +87,14 @@ def test_kernels_compute_the_matrices(width):
         np.testing.assert_allclose(acc[o].reshape(4, 7), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("small", [False, True], ids=["blas_products", "small_products"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}c{}h{}w{}o{}p{}".format(*c))
-def test_winograd_matches_float64_convolution(case):
+def test_winograd_matches_float64_convolution(case, small, monkeypatch):
+    """Both ways of a band's 36 products: BLAS, and small_products (on any host here; the backend takes it
+    only with AVX-512, jit.WIDE_VECTORS)."""
+    from lnn.runtime.cpu import conv2d
+
+    monkeypatch.setattr(conv2d, "SMALL_PRODUCTS", small)
     batch, channels, height, width, out_channels, padding = case
     rng = np.random.default_rng(sum(case))
     x = rng.standard_normal((batch, channels, height, width)).astype(np.float32)
@@ -102,6 +108,28 @@ def test_winograd_matches_float64_convolution(case):
 
         steps = all_steps(backend._plan(batch, backend.threads).steps)
         assert skinny_products in [getattr(step, "func", None) for step in steps]
+
+
+@pytest.mark.parametrize("shape", [(48, 24, 256, 0, 48), (50, 7, 37, 3, 47), (13, 5, 16, 0, 13), (6, 3, 40, 1, 2),
+                                   (64, 32, 95, 32, 64)], ids=lambda s: "o{}c{}t{}_{}to{}".format(*s))
+def test_small_products_are_the_36_products(shape):
+    """small_products against np.matmul: output channels o_first..o_end-1 of U (not a multiple of its 6-row tiles),
+    tiles not a multiple of 16 or 32; nothing written past its rows or past the tiles rounded up to 16."""
+    from lnn.runtime.cpu.conv2d import Conv2dLayer
+    from lnn.runtime.cpu.winograd import small_products
+
+    out_channels, channels, tiles, o_first, o_end = shape
+    stride = Conv2dLayer._tile_stride(tiles)
+    rng = np.random.default_rng(sum(shape))
+    u = rng.standard_normal((36, out_channels, channels)).astype(np.float32)
+    v = np.zeros((36, channels + 1, stride), np.float32)
+    v[:, :channels, :tiles] = rng.standard_normal((36, channels, tiles))
+    m = np.full((36, o_end - o_first + 1, stride), 7.0, np.float32)
+    small_products(u, o_first, o_end, v, channels, tiles, m)
+    expected = np.matmul(u[:, o_first:o_end].astype(np.float64), v[:, :channels, :tiles].astype(np.float64))
+    np.testing.assert_allclose(m[:, :o_end - o_first, :tiles], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    columns = -(-tiles // 16) * 16
+    assert (m[:, o_end - o_first:] == 7).all() and (m[:, :, columns:] == 7).all()
 
 
 def test_winograd_in_row_bands_matches_float64(monkeypatch):
