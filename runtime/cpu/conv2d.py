@@ -52,6 +52,7 @@ Batch norm after a conv is folded into weight and bias at load (backend.py).
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import numpy as np
@@ -106,14 +107,31 @@ WINOGRAD_MIN_CHANNELS = 16
 # 0.095 / 0.090 / 0.091, C=128 O=256 0.89 / 1.09 / 1.33, C=192 O=384 2.12 / 3.20 / 3.43.
 WINOGRAD_MIN_TILES = 9
 # A band's 36 Winograd products of at most this many multiply-adds each (O x C x tiles) run as small_products
-# (winograd.py: register tiles in AVX-512, no BLAS call or packing) on a host with AVX-512 (jit.WIDE_VECTORS);
-# larger ones, and every product elsewhere, through BLAS. small_products / np.matmul time, paired medians of 15
-# interleaved rounds on the Zen 5 VM (OpenBLAS at its AVX2 kernels), O, C, tiles: 48, 24, 256 (tomato's
-# conv2): 0.61; 96, 48, 64: 0.55; 192, 96, 16: 0.65; 32, 16, 256 (leaf_cnn's conv2): 0.70; 64, 32, 64: 0.59;
-# 128, 64, 16: 0.66; 64, 32, 196 (leaf_cnn224's conv2): 0.77. Larger ones were faster in one run (128, 64, 196:
-# 0.66; 64, 32, 784: 0.89) and slower in an earlier one (1.20 and 1.49): left to BLAS.
-SMALL_PRODUCTS = WIDE_VECTORS
-SMALL_PRODUCT_MACS = 5e5
+# (winograd.py: register tiles in AVX-512, no BLAS call or packing per product) where small_products_pay();
+# larger ones, and every product elsewhere, through BLAS. Measured on the Zen 5 VM, whose environment holds
+# OpenBLAS at its AVX2 kernels (OPENBLAS_CORETYPE=Haswell), paired medians of 15 interleaved rounds,
+# small_products / np.matmul time for O, C, tiles: 48, 24, 256 (tomato's conv2): 0.61; 96, 48, 64: 0.55;
+# 192, 96, 16: 0.65; 32, 16, 256 (leaf_cnn's conv2): 0.70; 64, 32, 196 (leaf_cnn224's conv2): 0.77;
+# 128, 64, 98: 0.74; 256, 128, 49: 0.58; whole calls: tomato 0.76x at 1 thread, leaf_cnn224 0.78x with this
+# bound against 5e5. With OpenBLAS's own AVX-512 kernels (OPENBLAS_CORETYPE=SkylakeX) np.matmul was the
+# faster on the same shapes (small_products / np.matmul 1.12-1.41 on all but 256, 128, 49 and 128, 64, 196).
+SMALL_PRODUCT_MACS = 2e6
+AVX512_BLAS_KERNELS = {"SkylakeX", "Cooperlake", "SapphireRapids"}      # OpenBLAS's cores with AVX-512 kernels
+
+
+@functools.cache
+def small_products_pay() -> bool:
+    """Whether small Winograd products run as small_products in this process: a host with AVX-512 for the
+    JIT (jit.WIDE_VECTORS) whose BLAS is OpenBLAS running kernels without it (another BLAS, or OpenBLAS with
+    its AVX-512 kernels, is left to do them)."""
+    if not WIDE_VECTORS:
+        return False
+    from threadpoolctl import ThreadpoolController
+
+    libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+    return bool(libraries) and all(library.internal_api == "openblas" and
+                                   getattr(library, "architecture", None) not in AVX512_BLAS_KERNELS
+                                   for library in libraries)
 # ... or at least this many, all whole (output height and width multiples of 4), with skinny_products.
 # 1 thread, conv + ReLU, ms, Winograd vs columns + GEMM, interleaved (2-core EPYC, shared): 8^2 C=16
 # O=32 0.067 vs 0.073, C=64 O=128 0.25 vs 0.28, C=128 O=256 0.67 vs 0.81, C=192 O=384 (the bundled
@@ -655,7 +673,7 @@ class Conv2dLayer:
                 transposed = v_buffer[:, :in_channels, :count].transpose(0, 2, 1)
                 steps.append(partial(np.copyto, vt_buffer[:, :count], transposed))
                 steps.append(partial(skinny_products, self.winograd_weight, o_first, o_end, vt_buffer, count, m_buffer))
-            elif SMALL_PRODUCTS and out_channels * in_channels * count <= SMALL_PRODUCT_MACS:
+            elif out_channels * in_channels * count <= SMALL_PRODUCT_MACS and small_products_pay():
                 steps.append(partial(small_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
                                      count, m_buffer))
             else:

@@ -46,7 +46,7 @@ AOT_SIGNATURES = {
     "store16": None,
     "product_tile": None,
     "product_column_tile": None,
-    "small_products": None,       # the JIT on an AVX-512 host only (conv2d.py SMALL_PRODUCTS)
+    "small_products": None,       # the JIT on an AVX-512 host only (conv2d.py small_products_pay)
     "tile_outputs": None,
     "winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
     "winograd_output_pool2": (A3, I, I, I, I, I, I, I, I, A2, A2),
