@@ -213,18 +213,12 @@ def product_tile(u, o, last, v, t, m):
     r3, r4, r5 = u[min(o + 3, last)], u[min(o + 4, last)], u[min(o + 5, last)]
     for c in range(u.shape[1]):
         w0, w1 = v[c, t:t + 16], v[c, t + 16:t + 32]
-        x = r0[c]
-        a0, a1 = fma16(a0, x, w0), fma16(a1, x, w1)
-        x = r1[c]
-        b0, b1 = fma16(b0, x, w0), fma16(b1, x, w1)
-        x = r2[c]
-        c0, c1 = fma16(c0, x, w0), fma16(c1, x, w1)
-        x = r3[c]
-        d0, d1 = fma16(d0, x, w0), fma16(d1, x, w1)
-        x = r4[c]
-        e0, e1 = fma16(e0, x, w0), fma16(e1, x, w1)
-        x = r5[c]
-        f0, f1 = fma16(f0, x, w0), fma16(f1, x, w1)
+        a0, a1 = fma16(a0, r0[c], w0), fma16(a1, r0[c], w1)
+        b0, b1 = fma16(b0, r1[c], w0), fma16(b1, r1[c], w1)
+        c0, c1 = fma16(c0, r2[c], w0), fma16(c1, r2[c], w1)
+        d0, d1 = fma16(d0, r3[c], w0), fma16(d1, r3[c], w1)
+        e0, e1 = fma16(e0, r4[c], w0), fma16(e1, r4[c], w1)
+        f0, f1 = fma16(f0, r5[c], w0), fma16(f1, r5[c], w1)
     for i, (left, right) in enumerate(((a0, a1), (b0, b1), (c0, c1), (d0, d1), (e0, e1), (f0, f1))):
         if o + i <= last:
             store16(left, m[o + i, t:t + 16])
