@@ -65,8 +65,7 @@ from lnn.runtime.cpu.jit import WIDE_VECTORS, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
 from lnn.runtime.cpu.winograd import (TILE, input_work_shape, skinny_products, small_products, tile_count,
-                                      transformed_weight,
-                                      winograd_input, winograd_output, winograd_output_pool2)
+                                      transformed_weight, winograd_input, winograd_output, winograd_output_pool2)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -106,6 +105,11 @@ WINOGRAD_MIN_CHANNELS = 16
 # 0.26, C=192 O=384 1.52 / 2.87 / 1.74; 8x16 (8 tiles) C=16 O=32 0.064 / 0.076 / 0.054, C=32 O=64
 # 0.095 / 0.090 / 0.091, C=128 O=256 0.89 / 1.09 / 1.33, C=192 O=384 2.12 / 3.20 / 3.43.
 WINOGRAD_MIN_TILES = 9
+# ... or at least this many, all whole (output height and width multiples of 4), with skinny_products.
+# 1 thread, conv + ReLU, ms, Winograd vs columns + GEMM, interleaved (2-core EPYC, shared): 8^2 C=16
+# O=32 0.067 vs 0.073, C=64 O=128 0.25 vs 0.28, C=128 O=256 0.67 vs 0.81, C=192 O=384 (the bundled
+# model's conv5) 1.10 vs 1.63, C=256 O=512 2.54 vs 3.07; but 6^2 (4 tiles, 56% used) C=64 O=128 0.24 vs 0.18.
+WINOGRAD_MIN_WHOLE_TILES = 4
 # A band's 36 Winograd products of at most this many multiply-adds each (O x C x tiles) run as small_products
 # (winograd.py: register tiles in AVX-512, no BLAS call or packing per product) where small_products_pay();
 # larger ones, and every product elsewhere, through BLAS. Measured on the Zen 5 VM, whose environment holds
@@ -132,11 +136,8 @@ def small_products_pay() -> bool:
     return bool(libraries) and all(library.internal_api == "openblas" and
                                    getattr(library, "architecture", None) not in AVX512_BLAS_KERNELS
                                    for library in libraries)
-# ... or at least this many, all whole (output height and width multiples of 4), with skinny_products.
-# 1 thread, conv + ReLU, ms, Winograd vs columns + GEMM, interleaved (2-core EPYC, shared): 8^2 C=16
-# O=32 0.067 vs 0.073, C=64 O=128 0.25 vs 0.28, C=128 O=256 0.67 vs 0.81, C=192 O=384 (the bundled
-# model's conv5) 1.10 vs 1.63, C=256 O=512 2.54 vs 3.07; but 6^2 (4 tiles, 56% used) C=64 O=128 0.24 vs 0.18.
-WINOGRAD_MIN_WHOLE_TILES = 4
+
+
 # "auto" runs 3x3 convs with at most this many inputs and outputs direct (conv_direct.py): the
 # columns matrix has too few rows (9C) and the product too few (O) for BLAS. Measured on 1 thread
 # (2-core EPYC, shared), one conv + ReLU + 2x2 max-pool, ms, direct vs columns + GEMM (banded):

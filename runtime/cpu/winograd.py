@@ -5,7 +5,8 @@ multiplies per 4x4 output tile instead of 144 (4x fewer; F(2x2, 3x3), used befor
     U[k, o, c] = (G g[o, c] G^T)[k]                 weight [O, C, 3, 3] -> U [36, O, C], once per layer
     V[k, c, t] = (B^T d[c, t] B)[k]                 d = the tile's 6x6 input patch            (`winograd_input`)
     M[k]       = U[k] @ V[k]                        36 BLAS products [O, C] x [C, T] (np.matmul), or
-                                                    for a few tiles, dot products (`skinny_products`)
+                                                    for a few tiles, dot products (`skinny_products`), or
+                                                    small ones in AVX-512 register tiles (`small_products`)
     y[o, tile] = A^T M[:, o, t] A                   the tile's 4x4 outputs                    (`winograd_output`)
                                                     or their 2x2 maxima (a 2x2/2 max-pool, `winograd_output_pool2`)
 with k = 6 * row + column of the 6x6 transform domain, tile t covering conv output rows 4ty..4ty+3
