@@ -110,16 +110,17 @@ WINOGRAD_MIN_TILES = 9
 # O=32 0.067 vs 0.073, C=64 O=128 0.25 vs 0.28, C=128 O=256 0.67 vs 0.81, C=192 O=384 (the bundled
 # model's conv5) 1.10 vs 1.63, C=256 O=512 2.54 vs 3.07; but 6^2 (4 tiles, 56% used) C=64 O=128 0.24 vs 0.18.
 WINOGRAD_MIN_WHOLE_TILES = 4
-# A band's 36 Winograd products of at most this many multiply-adds each (O x C x tiles) run as small_products
-# (winograd.py: register tiles in AVX-512, no BLAS call or packing per product) where small_products_pay();
-# larger ones, and every product elsewhere, through BLAS. Measured on the Zen 5 VM, whose environment holds
-# OpenBLAS at its AVX2 kernels (OPENBLAS_CORETYPE=Haswell), paired medians of 15 interleaved rounds,
-# small_products / np.matmul time for O, C, tiles: 48, 24, 256 (tomato's conv2): 0.61; 96, 48, 64: 0.55;
-# 192, 96, 16: 0.65; 32, 16, 256 (leaf_cnn's conv2): 0.70; 64, 32, 196 (leaf_cnn224's conv2): 0.77;
-# 128, 64, 98: 0.74; 256, 128, 49: 0.58; whole calls: tomato 0.76x at 1 thread, leaf_cnn224 0.78x with this
-# bound against 5e5. With OpenBLAS's own AVX-512 kernels (OPENBLAS_CORETYPE=SkylakeX) np.matmul was the
-# faster on the same shapes (small_products / np.matmul 1.12-1.41 on all but 256, 128, 49 and 128, 64, 196).
-SMALL_PRODUCT_MACS = 2e6
+# A band's 36 Winograd products (of 9 tiles or more) run as small_products (winograd.py: register tiles in
+# AVX-512, no BLAS call or packing per product) where small_products_pay(), else through BLAS. Measured on the
+# Zen 5 VM, whose environment holds OpenBLAS at its AVX2 kernels (OPENBLAS_CORETYPE=Haswell), paired medians
+# of 15 interleaved rounds, small_products / np.matmul time for O, C, tiles: 48, 24, 256 (tomato's conv2):
+# 0.61; 96, 48, 64: 0.55; 192, 96, 16: 0.65; 32, 16, 256 (leaf_cnn's conv2): 0.70; 64, 32, 196 (leaf_cnn224's
+# conv2): 0.77; 128, 64, 98: 0.74; 256, 128, 49: 0.58 (in an earlier run of a first version, larger ones lost:
+# 128, 64, 196: 1.20; 64, 32, 784: 1.49). Whole calls, all products small_products against only those up to
+# 5e5 or 2e6 multiply-adds each: leaf_cnn224 batch 1 0.78x (2e6 against 5e5); batch 8 / 16 on 1 thread,
+# tomato 0.87x / 0.85x; batch 32 on 2 threads, tomato 0.93x and 0.88x, leaf_cnn 0.96x and 0.98x, leaf_cnn224
+# 0.94x and 1.01x (two runs). With OpenBLAS's own AVX-512 kernels (OPENBLAS_CORETYPE=SkylakeX) np.matmul was
+# the faster on 7 of 9 such shapes (small_products / np.matmul 1.12-1.41).
 AVX512_BLAS_KERNELS = {"SkylakeX", "Cooperlake", "SapphireRapids"}      # OpenBLAS's cores with AVX-512 kernels
 
 
@@ -674,7 +675,7 @@ class Conv2dLayer:
                 transposed = v_buffer[:, :in_channels, :count].transpose(0, 2, 1)
                 steps.append(partial(np.copyto, vt_buffer[:, :count], transposed))
                 steps.append(partial(skinny_products, self.winograd_weight, o_first, o_end, vt_buffer, count, m_buffer))
-            elif out_channels * in_channels * count <= SMALL_PRODUCT_MACS and small_products_pay():
+            elif small_products_pay():
                 steps.append(partial(small_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
                                      count, m_buffer))
             else:

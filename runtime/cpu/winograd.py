@@ -248,8 +248,8 @@ def small_products(u, o_first, o_end, v, channels, count, m):
     """M[k, o - o_first, t] = sum over c < channels of U[k, o, c] * V[k, c, t] for o_first <= o < o_end and
     t < count rounded up to 16 (V's columns up to there must exist: its T' is; those past count are
     never read after): u [36, O, C], v [36, >= C, T'], m [36, >= o_end - o_first, T']. The 36 products
-    of few tiles on an AVX-512 host, in register tiles of 6 output channels x 32 tiles: BLAS's
-    call and packing per product weigh there (measured in conv2d.py SMALL_PRODUCT_MACS)."""
+    in register tiles of 6 output channels x 32 tiles, for an AVX-512 host whose BLAS runs without it
+    (conv2d.py small_products_pay has the measures): no BLAS call or packing per product."""
     columns = -(-count // 16) * 16
     last = o_end - o_first - 1
     for k in range(36):
