@@ -429,10 +429,10 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
     by = {(row["server"], row["clients"]): row for row in rows}
     batched, unbatched = (by[(name, 16)]["throughput"] for name in list(servers)[:2])
     pairs = [(b["throughput"], u["throughput"]) for b, u in zip(target_rows[::2], target_rows[1::2])]
-    target_line = (f"Then {len(pairs)} rounds alternating the two at 16 clients: batching "
+    target_line = (f" Then {len(pairs)} rounds alternating the two at 16 clients: batching "
                    f"{np.median([b for b, _ in pairs]):.1f} against {np.median([u for _, u in pairs]):.1f} answers/s "
                    f"(medians), the rounds' ratios {', '.join(f'{b / u:.2f}' for b, u in pairs)}: median "
-                   f"**{np.median([b / u for b, u in pairs]):.2f}×**. " if pairs else "")
+                   f"**{np.median([b / u for b, u in pairs]):.2f}×**." if pairs else "")
     heavy_part = []
     if heavy is not None:
         common = ("--model", heavy, "--port", "0", "--device", "cpu")
@@ -465,7 +465,7 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
         f"its --queue 64 on purpose: the refused get 503 and wait their Retry-After.",
         f"At 16 clients (target: batching ≥ 2× the unbatched server's throughput, p99 ≤ 200 ms): in the table, "
         f"batching {batched:.1f} answers/s against {unbatched:.1f} without ({batched / unbatched:.2f}×), p99 "
-        f"{by[(list(servers)[0], 16)]['p99']:.0f} ms. {target_line}",
+        f"{by[(list(servers)[0], 16)]['p99']:.0f} ms.{target_line}",
         rows_table(rows),
         "![throughput and p99 latency](images/serve_load.png)",
         breakdown_part(stages, by, list(servers)),

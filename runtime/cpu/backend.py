@@ -110,19 +110,20 @@ class Plan:
         x = self.input
         index = 0
         while index < len(layers):
+            layer = layers[index]
             chained = chain_length(layers, index, batch, kept_after) if chains and x.flags.c_contiguous else 0
             if chained:
                 x, steps = plan_chain(layers[index:index + chained], x, self._new_buffer, parts, task_flops)
-            elif hasattr(layers[index], "flops"):
-                layer = layers[index]
+            elif hasattr(layer, "flops"):
                 layer_parts = int(min(parts, max(1, layer.flops * batch // task_flops) if task_flops else parts))
                 x, steps = layer.plan(x, self._new_buffer, layer_parts)
             else:
-                x, steps = layers[index].plan(x, self._new_buffer)
+                x, steps = layer.plan(x, self._new_buffer)
+            planned = max(chained, 1)                    # layers these steps compute
             end = len(self.steps) + len(steps)
-            self.layer_steps += [(len(self.steps), end)] + [(end, end)] * (max(chained, 1) - 1)  # a chain: its first
+            self.layer_steps += [(len(self.steps), end)] + [(end, end)] * (planned - 1)   # a chain's: all on its first
             self.steps += steps
-            index += max(chained, 1)
+            index += planned
             for name in kept_after.get(index - 1, ()):
                 copy = self.kept[name] = self._new_buffer(x.shape)
                 self.steps.append(partial(np.copyto, copy, x))

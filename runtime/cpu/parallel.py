@@ -53,9 +53,9 @@ class Claimed:
     joins each new call of this step and claims blocks too, until it has waited LINGER_SECONDS for one or
     the crew has given that helper other work (crew_flags[given] is no longer `taken`, its count of
     tasks). `flags[SERVED]` is 1 while a helper is in that loop. Called as a plain step it runs alone;
-    Crew.run_steps lends it a helper first. The
-    hand-off costs no GIL: a Parallel step's helper takes the GIL to start its task, and on the 2-core VM
-    that cost ~12 us a layer (mnist_mlp split over 2 threads by Parallel steps: 53 against 17 us)."""
+    Crew.run_steps lends it a helper first. The hand-off costs no GIL: a Parallel step's helper takes the
+    GIL to start its task, and on the 2-core VM that cost ~12 us a layer (mnist_mlp split over 2 threads by
+    Parallel steps: 53 against 17 us)."""
 
     def __init__(self, run, serve, flags: np.ndarray):
         self.run, self.serve, self.flags = run, serve, flags
