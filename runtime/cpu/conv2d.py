@@ -60,8 +60,8 @@ import numpy as np
 from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.aot import A1, A2, A3, A4, F, I, WINDOW
-from lnn.runtime.cpu.conv_direct import conv3x3_direct
-from lnn.runtime.cpu.jit import WIDE_VECTORS, kernel
+from lnn.runtime.cpu.conv_direct import conv3x3_direct, conv3x3_direct_quads
+from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
 from lnn.runtime.cpu.winograd import (TILE, input_work_shape, skinny_products, small_products, tile_count,
@@ -124,6 +124,13 @@ WINOGRAD_MIN_WHOLE_TILES = 4
 AVX512_BLAS_KERNELS = {"SkylakeX", "Cooperlake", "SapphireRapids"}      # OpenBLAS's cores with AVX-512 kernels
 
 
+def direct_quads_pay(conv_w: int) -> bool:
+    """Whether a small direct conv with rows conv_w wide runs as conv_direct.py's conv3x3_direct_quads: the
+    JIT on an x86-64 host with FMA (where it was measured faster; conv_direct.py), rows of at least
+    DIRECT_QUADS_MIN_WIDTH."""
+    return VECTOR_FMA and conv_w >= DIRECT_QUADS_MIN_WIDTH
+
+
 @functools.cache
 def small_products_pay() -> bool:
     """Whether small Winograd products run as small_products in this process: a host with AVX-512 for the
@@ -146,6 +153,14 @@ def small_products_pay() -> bool:
 # C=1 O=16 28^2 0.025 vs 0.024; more outputs lose: C=3 O=24 128^2 0.49 vs 0.47, O=32 224^2 2.0 vs 1.9.
 DIRECT_MAX_CHANNELS = 3
 DIRECT_MAX_OUT_CHANNELS = 16
+# Where conv3x3_direct_quads runs (direct_quads_pay), convs of up to this many outputs run direct. The first
+# conv (+ pool + epilogue) of the reference models and the bundled one, 1 thread (Zen 5 VM), ms, quads against
+# conv3x3_direct and columns + GEMM: 3 -> 16 at 128^2 0.165 vs 0.196-0.201 (direct before); 3 -> 24 at 128^2
+# 0.279 vs 0.362 and 0.341 (GEMM before); 3 -> 32 at 224^2 1.007 vs 1.321 and 1.383 (GEMM before).
+DIRECT_QUADS_MAX_OUT_CHANNELS = 32
+# conv3x3_direct_quads on rows at least this wide (narrower: conv3x3_direct, 1 thread, us: C=1 O=16 28^2 6 vs 9,
+# C=3 O=16 56^2 44 vs 41, C=1 O=8 64^2 10 vs 11; 128^2 and 224^2 above)
+DIRECT_QUADS_MIN_WIDTH = 96
 # Stride-1 columns are "shifted rows" (pitch WP) while at most this share of each row is junk (WP - OW
 # columns); on narrower images im2col gathers them at pitch OW and the product computes no junk. 1 thread,
 # ms, a conv like the bundled model's conv5 (192 -> 384, 8x8, pad 1: 20% junk; it runs Winograd) as columns +
@@ -351,7 +366,8 @@ class Conv2dLayer:
         a = self.attrs
         return (a["algorithm"] == "auto" and a["kernel_size"] == (3, 3) and a["stride"] == (1, 1)
                 and a["dilation"] == (1, 1) and a["groups"] == 1 and a["in_channels"] <= DIRECT_MAX_CHANNELS
-                and self.conv_shape[0] <= DIRECT_MAX_OUT_CHANNELS)
+                and self.conv_shape[0] <= (DIRECT_QUADS_MAX_OUT_CHANNELS if direct_quads_pay(self.conv_shape[2])
+                                           else DIRECT_MAX_OUT_CHANNELS))
 
     @property
     def winograd(self) -> bool:
@@ -589,11 +605,12 @@ class Conv2dLayer:
         out_channels = weight.shape[0]
         _, conv_h, conv_w = self.conv_shape
         acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
+        direct = conv3x3_direct_quads if direct_quads_pay(conv_w) else conv3x3_direct
 
         def product(band, steps):
             n_first, n_end, _, _, y_first, y_end = band
             for n in range(n_first, n_end):
-                steps.append(partial(conv3x3_direct, image[n], weight, 0, out_channels, y_first, y_end,
+                steps.append(partial(direct, image[n], weight, 0, out_channels, y_first, y_end,
                                      (n - n_first) * conv_h * conv_w, acc))
             return acc, conv_w
         return product

@@ -34,7 +34,9 @@ if KERNELS == "aot":
     from lnn.runtime.cpu.aot import compiled_kernel as ieee_kernel  # noqa: F401
     from lnn.runtime.cpu.aot import compiled_kernel as tile_kernel  # noqa: F401
     from lnn.runtime.cpu.aot import compiled_kernel as wide_tile_kernel  # noqa: F401
+    from lnn.runtime.cpu.aot import compiled_kernel as fused_kernel  # noqa: F401
     WIDE_VECTORS = False        # (wide tiles are for the JIT on an AVX-512 host)
+    VECTOR_FMA = False          # (kernels written for fused multiply-adds: the JIT on a host that has them)
 
     CACHE_ENABLED = False
     spin_while_equal = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
@@ -64,6 +66,12 @@ else:
         Keep kernels under 20 arguments: with 20, Numba 0.68's dispatcher leaked ~200 bytes per call here."""
         return numba.njit(cache=CACHE_ENABLED, nogil=True)(function)
 
+    def fused_kernel(function):
+        """@fused_kernel: a @kernel whose float multiply-adds may be fused into one instruction (fastmath
+        "contract" only: no reassociation, NaN and infinity keep their meaning). Without it LLVM keeps every
+        a * b + c as a multiply and an add. The ahead-of-time module compiles it as a @kernel."""
+        return numba.njit(cache=CACHE_ENABLED, nogil=True, fastmath={"contract"})(function)
+
     def ieee_kernel(function):
         """@ieee_kernel: a @kernel whose float division follows IEEE 754 (x / 0 is inf or nan) instead of
         raising ZeroDivisionError, and whose float sums may be reassociated and multiply-adds fused
@@ -80,6 +88,8 @@ else:
     _slp_lanes = [8]            # the -slp-max-vf in force (compiles nest: a kernel compiles the ones it calls)
     llvmlite.binding.set_option("lnn", "-slp-max-vf=8")
     WIDE_VECTORS = "+avx512f" in llvmlite.binding.get_host_cpu_features().flatten()
+    # x86-64 with FMA (AVX2 or AVX-512): where conv_direct.py's blocked kernel was measured faster
+    VECTOR_FMA = "+fma" in llvmlite.binding.get_host_cpu_features().flatten()
 
     def _slp_kernel(function, lanes: int):
         dispatcher = numba.njit(cache=CACHE_ENABLED, nogil=True, error_model="numpy", fastmath={"contract"})(function)

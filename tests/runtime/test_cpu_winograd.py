@@ -200,6 +200,49 @@ def test_direct_kernel_splits_by_channels_and_rows():
     np.testing.assert_array_equal(split, whole)
 
 
+@pytest.mark.parametrize("channels,out_channels,width", [(3, 32, 130), (1, 7, 100), (2, 6, 33)],
+                         ids=lambda v: str(v))
+def test_direct_quads_kernel_matches_one_channel_kernel(channels, out_channels, width):
+    """conv3x3_direct_quads against conv3x3_direct (4 channels a pass, the rest one by one; FMA rounding
+    only), split by channels and rows as threads split it, writing nothing outside the rows and
+    channels asked for."""
+    from lnn.runtime.cpu.conv_direct import conv3x3_direct, conv3x3_direct_quads
+
+    rng = np.random.default_rng(out_channels)
+    image = rng.standard_normal((channels, 12, width)).astype(np.float32)
+    weight = rng.standard_normal((out_channels, channels, 3, 3)).astype(np.float32)
+    conv_w = width - 2
+    expected, got = np.zeros((out_channels, 10 * conv_w), np.float32), np.full((out_channels, 10 * conv_w), np.nan, np.float32)
+    conv3x3_direct(image, weight, 0, out_channels, 0, 10, 0, expected)
+    for o_first, o_end, y_first, y_end in ((0, 5, 0, 10), (5, out_channels, 0, 3), (5, out_channels, 3, 10)):
+        if o_end > o_first:
+            before = got.copy()
+            conv3x3_direct_quads(image, weight, o_first, o_end, y_first, y_end, y_first * conv_w, got)
+            outside = np.ones_like(got, bool)
+            outside[o_first:o_end, y_first * conv_w:y_end * conv_w] = False
+            np.testing.assert_array_equal(got[outside], before[outside])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_wide_small_convs_run_direct_quads_where_they_pay(monkeypatch):
+    """With jit.VECTOR_FMA, a 3-channel conv of up to DIRECT_QUADS_MAX_OUT_CHANNELS outputs on wide rows runs
+    direct, through conv3x3_direct_quads, and matches float64 convolution; without it, columns + GEMM."""
+    from lnn.runtime.cpu import conv2d
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((1, 3, 9, conv2d.DIRECT_QUADS_MIN_WIDTH)).astype(np.float32)
+    weight = rng.standard_normal((conv2d.DIRECT_QUADS_MAX_OUT_CHANNELS, 3, 3, 3)).astype(np.float32)
+    for fma in (True, False):
+        monkeypatch.setattr(conv2d, "VECTOR_FMA", fma)
+        backend, got = one_conv(x, weight, 1, "auto")
+        layer = backend.layers[0]
+        assert layer.small_direct == fma
+        if fma:
+            steps = backend._plan(1).steps
+            assert any(getattr(step, "func", None) is conv2d.conv3x3_direct_quads for step in steps)
+        check_bound(got, x, weight, 1)
+
+
 def test_algorithm_rule_for_small_convs():
     from lnn.runtime.cpu import BACKEND
     from lnn.runtime.cpu.conv2d import DIRECT_MAX_CHANNELS, DIRECT_MAX_OUT_CHANNELS
