@@ -87,9 +87,10 @@ else:
     # @wide_tile_kernel: 16 lanes, one AVX-512 register (WIDE_VECTORS: this host has them).
     _slp_lanes = [8]            # the -slp-max-vf in force (compiles nest: a kernel compiles the ones it calls)
     llvmlite.binding.set_option("lnn", "-slp-max-vf=8")
-    WIDE_VECTORS = "+avx512f" in llvmlite.binding.get_host_cpu_features().flatten()
+    _host_features = llvmlite.binding.get_host_cpu_features().flatten()
+    WIDE_VECTORS = "+avx512f" in _host_features
     # x86-64 with FMA (AVX2 or AVX-512): where conv_direct.py's blocked kernel was measured faster
-    VECTOR_FMA = "+fma" in llvmlite.binding.get_host_cpu_features().flatten()
+    VECTOR_FMA = "+fma" in _host_features
 
     def _slp_kernel(function, lanes: int):
         dispatcher = numba.njit(cache=CACHE_ENABLED, nogil=True, error_model="numpy", fastmath={"contract"})(function)
