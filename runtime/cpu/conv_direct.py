@@ -13,8 +13,9 @@ row range let a caller split the work over threads.
 conv3x3_direct_quads computes the same, four output channels at a time: each vector of an input row's 9
 taps is loaded once for four sums, where conv3x3_direct loads it once per output channel (its loop is
 bound by loads, not multiply-adds), and its multiply-adds are fused (jit.fused_kernel). One thread, 128x128
-and 224x224 outputs from 3 channels, 16 to 32 outputs: 1.4-1.7x faster than conv3x3_direct with AVX-512,
-1.1-1.3x with AVX2 only, slower on SSE2 without FMA and on rows under ~64 wide; so conv2d.py uses it only
+and 224x224 outputs from 3 channels, 16 to 32 outputs, the kernel alone: 1.2-1.3x faster than conv3x3_direct
+with AVX-512 (whole layers, conv2d.py: 0.73-0.82x the time), 1.1-1.3x compiled for AVX2 only, slower compiled
+for SSE2 without FMA and on rows under ~64 wide; so conv2d.py uses it only
 with the JIT on an FMA host (jit.VECTOR_FMA), on wide rows. Results differ from conv3x3_direct only by
 the rounding a fused multiply-add saves.
 """
