@@ -5,8 +5,10 @@ Starlette + uvicorn stack without batching (the server a user would otherwise wr
     python benchmarks/serve_load.py --soak 300         # also the 5-minute soak at 16 clients (RSS growth)
 
 Each server is its own process on 127.0.0.1 (a free port); this script is the clients: closed-loop, each
-sends a 256x256 JPEG of a real tomato leaf (from ../shared/data/tomato, else examples/leaves) as the body,
-waits for the answer, sends the next; a 503 waits its Retry-After. Every run is bounded in time and in
+on its own keep-alive connection (KeepAliveClient: asyncio streams and httptools, on uvloop, about 0.1-0.3 ms
+of CPU per request against httpx's 1.1-2.3), sends a 256x256 JPEG of a real tomato leaf (from
+../shared/data/tomato, else examples/leaves) as the body, waits for the answer, sends the next; a 503 waits
+its Retry-After. Every run is bounded in time and in
 requests, and the servers are stopped at the end. Reported per server and client count: throughput (answers
 per second), p50/p95/p99 latency of the answers, the batch-size distribution (lnn's /metrics), refusals
 (503), requests without an answer (none expected) and answers that differ from lnn's own for that photo.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import os
 import sys
 import time
@@ -119,40 +122,112 @@ class Tally:
         self.latencies, self.statuses, self.no_answer, self.mismatched = [], collections.Counter(), 0, 0
 
 
+class Response:
+    """httptools' callbacks for one HTTP response: its headers and body, and whether it is complete."""
+
+    def __init__(self):
+        self.headers, self.body, self.complete = {}, [], False
+
+    def on_header(self, name: bytes, value: bytes):
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_body(self, body: bytes):
+        self.body.append(body)
+
+    def on_message_complete(self):
+        self.complete = True
+
+
+class KeepAliveClient:
+    """One HTTP/1.1 keep-alive connection on asyncio streams, its responses parsed by httptools (the parser
+    uvicorn uses). A lean client: this script shares the 2 cores with the server it measures, where httpx's
+    AsyncClient took 1.2-2.3 ms of CPU per request (the serve_load runs of 2026-12-02), as much as the
+    server's decoding, photo checks and HTTP together; phones at a station take none of the box's CPU."""
+
+    def __init__(self, url: str):
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname, parts.port
+        self.reader = self.writer = None
+
+    async def post(self, path: str, body: bytes, content_type: str) -> tuple[int, dict, bytes]:
+        """(status, headers, body); an OSError or httptools.HttpParserError closes the connection."""
+        import httptools
+
+        try:
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: "
+                              f"{content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            response = Response()
+            parser = httptools.HttpResponseParser(response)
+            while not response.complete:
+                data = await self.reader.read(1 << 16)
+                if not data:
+                    raise ConnectionResetError("the server closed the connection before answering")
+                parser.feed_data(data)
+            return parser.get_status_code(), response.headers, b"".join(response.body)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
 async def closed_loop(url: str, photos: list, labels: list, clients: int, seconds: float, max_requests: int,
                       tally: Tally | None) -> None:
-    """`clients` clients, each sending a photo and waiting for its answer, for `seconds` or `max_requests`."""
-    import httpx
+    """`clients` clients, each on its own connection sending a photo and waiting for its answer, for `seconds`
+    or `max_requests`; a request that fails (connection lost, unparsable answer, none within 60 s) counts as
+    unanswered."""
+    import httptools
 
     end = time.perf_counter() + seconds
     sent = 0
 
-    async def one_client(number: int):        # a client of its own each (httpx's shared pool costs O(clients))
+    async def one_client(number: int):
         nonlocal sent
         index = number
-        async with httpx.AsyncClient(timeout=60, verify=False) as client:      # http only: no certificates to load
+        client = KeepAliveClient(url)
+        try:
             while time.perf_counter() < end and sent < max_requests:
                 sent += 1
                 photo = index % len(photos)
                 index += clients
                 started = time.perf_counter()
                 try:
-                    response = await client.post(url + "v1/classify", content=photos[photo],
-                                                 headers={"content-type": "image/jpeg"})
-                except httpx.HTTPError:
+                    async with asyncio.timeout(60):
+                        status, headers, body = await client.post("/v1/classify", photos[photo], "image/jpeg")
+                except (OSError, TimeoutError, httptools.HttpParserError):
                     if tally is not None:
                         tally.no_answer += 1
                     continue
                 elapsed = time.perf_counter() - started
                 if tally is not None:
-                    tally.statuses[response.status_code] += 1
-                    if response.status_code == 200:
+                    tally.statuses[status] += 1
+                    if status == 200:
                         tally.latencies.append(elapsed)
-                        tally.mismatched += response.json()["label"] != labels[photo]
-                if response.status_code == 503:
-                    await asyncio.sleep(float(response.headers.get("Retry-After", 1)))
+                        tally.mismatched += json.loads(body)["label"] != labels[photo]
+                if status == 503:
+                    await asyncio.sleep(float(headers.get("retry-after", 1)))
+        finally:
+            client.close()
 
     await asyncio.gather(*(one_client(number) for number in range(clients)))
+
+
+def run_clients(coroutine) -> None:
+    """Run the clients' coroutine on uvloop where it is installed (lnn's serve extra has it; less CPU per
+    request than asyncio's own loop), else on asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coroutine)
+    else:
+        uvloop.run(coroutine)
 
 
 def batch_buckets(url: str) -> dict | None:
@@ -207,11 +282,11 @@ def wait_ready(url: str, timeout_s: float = 300) -> None:
 
 
 def measure(url, pid, photos, labels, clients, seconds, max_requests) -> dict:
-    asyncio.run(closed_loop(url, photos, labels, clients, WARMUP_S, max_requests, None))
+    run_clients(closed_loop(url, photos, labels, clients, WARMUP_S, max_requests, None))
     before = batch_buckets(url)
     tally = Tally()
     server_cpu, client_cpu, started = cpu_seconds(pid), time.process_time(), time.perf_counter()
-    asyncio.run(closed_loop(url, photos, labels, clients, seconds, max_requests, tally))
+    run_clients(closed_loop(url, photos, labels, clients, seconds, max_requests, tally))
     elapsed = time.perf_counter() - started
     server_cpu, client_cpu = cpu_seconds(pid) - server_cpu, time.process_time() - client_cpu
     requests = sum(tally.statuses.values()) or 1
@@ -457,7 +532,9 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
         f"`--threads auto` is lnn-infer's choice, the usable cores ({os.cpu_count()} here): a batch is split "
         f"over them, one image's layers too; `--max-delay-ms 0` never waits for photos "
         f"still being decoded), the clients in this "
-        f"script's process on the same cores. Closed loop: each client sends a 256×256 JPEG of a real leaf "
+        f"script's process on the same cores, each on its own keep-alive connection (a lean client: asyncio "
+        f"streams and httptools on uvloop; until 2026-12-02 httpx, which took 1.1-2.3 ms of CPU per request "
+        f"from the same 2 cores). Closed loop: each client sends a 256×256 JPEG of a real leaf "
         f"({len(photos)} photos) and waits for the answer; {WARMUP_S:g} s of warm-up, then {args.seconds:g} s "
         f"measured. Latency is the client's, send to answer. CPU ms per request: the server process's user + "
         f"system time (all its threads) and this client's, over the requests sent, a figure less sensitive to "
@@ -491,7 +568,7 @@ def run_soak(args, photos, labels) -> None:
         with tqdm(total=int(args.soak), desc="soak", unit="s") as bar:
             while (done := time.perf_counter() - started) < args.soak:
                 seconds = min(chunk, args.soak - done)
-                asyncio.run(closed_loop(url, photos, labels, 16, seconds, 10**9,
+                run_clients(closed_loop(url, photos, labels, 16, seconds, 10**9,
                                         tally if done >= warmup else None))
                 samples.append((time.perf_counter() - started, rss_mib(process.pid)))
                 bar.update(int(samples[-1][0]) - bar.n)
