@@ -81,12 +81,16 @@ IDENTITY_AT_INFERENCE = {"dropout"}
 PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
 MIN_SPLIT_FLOPS = 250e6  # a batch is split across threads from this much work on (measured on 2 cores)
 MIN_TASK_FLOPS = 4e6     # a layer is split into parts of at least this much work each (mnist_cnn's 7 MFLOP conv: not)
-TRIAL_CALLS = 5          # timed calls of the split plan and of the one-thread plan before a batch size's choice
+# A batch size's choice: the split plan and the one-thread plan run in turns of TRIAL_BLOCK calls in a row,
+# TRIAL_BLOCKS turns each, the first call of each turn untimed (`_choose` says why)
+TRIAL_BLOCK = 3
+TRIAL_BLOCKS = 3
+TRIAL_LENGTH = 2 * TRIAL_BLOCK * TRIAL_BLOCKS     # calls before the choice
 SPLIT_GAIN = 0.95        # ... the split plan is kept when its fastest is below this share of the other's
 # A choice is timed again (the same turns) after this many calls of its batch size, then REVIEW_GROWTH times
 # later each time, up to every REVIEW_MOST calls: decided once on a process's first calls, it flipped between
 # processes on the quiet 2-core VM (the bundled model, 2 threads, 8 processes: 2 kept one thread, 5.5-5.7 ms a
-# call; the split ran at 4.1 ms where kept). A review runs TRIAL_CALLS + 1 calls of the plan not chosen.
+# call; the split ran at 4.1 ms where kept). A review runs TRIAL_BLOCKS turns of the plan not chosen too.
 REVIEW_FIRST = 50
 REVIEW_GROWTH = 4
 REVIEW_MOST = 3200
@@ -218,7 +222,7 @@ class CpuBackend:
             PLANS_KEPT)
         self._flops_per_row = sum(node.flops for node in model.nodes)
         self._crew = Crew(self.threads - 1) if self.threads > 1 else None
-        self._trials: dict = {}            # batch -> ([split plan's s], [one-thread plan's s]) while unchosen
+        self._trials: dict = {}            # batch -> [(parts, seconds) of each call so far] while unchosen
         self._chosen: dict = {}            # batch -> parts of its plan (threads, or 1 where splitting lost)
         self._reviews: dict = {}           # batch -> [calls until its choice is timed again, the next interval]
         self._nothing_to_split: set = set()   # batch sizes whose plan has no layer worth splitting (one thread runs it)
@@ -248,7 +252,7 @@ class CpuBackend:
         else:
             self._run_plan(plan, x)
         if trial is not None:
-            trial[parts == 1].append(time.perf_counter() - start)
+            trial.append((parts, time.perf_counter() - start))
         return plan.output, plan.kept
 
     def _parts(self, batch: int) -> int:
@@ -260,24 +264,27 @@ class CpuBackend:
         if review is not None:
             review[0] -= 1
             if review[0] <= 0:
-                self._trials[batch] = ([], [])
+                self._trials[batch] = []
                 return self._choose(batch)
         return chosen
 
     def _choose(self, batch: int) -> int:
         """parts of the plan for this call of a one-image (unsplit-batch) size: `threads` when its plan
         splits no layer or the split is forced (task_flops 0); else the split plan and the one-thread plan
-        take turns, the first call of each untimed (compile, planning), until each has TRIAL_CALLS timed
-        calls, and the faster by its fastest call is kept (the split one only SPLIT_GAIN faster: its tasks
-        cost more CPU in all). The fastest, not the median: what slows a plan's calls here comes from
-        outside it and only adds time. The bundled model at 2 threads in 6 fresh processes on the 2-core
-        VM: the split's timed trial calls ran near one thread's speed in 4 (8.0, 7.9, 8.1, 7.9, then 4.6
-        ms; the one-thread plan's 7.0-7.7); by median 2 processes kept one thread, by the fastest 1. In
-        both of those the split then ran at about 7 ms for 100 calls, so that time neither choice was
-        slower; the reviews decide again later. In 10 later processes the split ran at 4.6-5.9 ms from
-        its first call. So threads > 1 is never kept slower than one thread where hand-offs cost more
-        than the split saves (measured: leaf_cnn's layers on the 2-core VM, docs/BENCHMARKS.md). The
-        choice is reviewed the same way after REVIEW_FIRST calls, then REVIEW_GROWTH times later each time."""
+        take turns of TRIAL_BLOCK calls in a row, TRIAL_BLOCKS turns each (the split plan first), and the
+        faster by its fastest call, a turn's first call untimed, is kept (the split one only SPLIT_GAIN
+        faster: its tasks cost more CPU in all). A turn's first call finds the caches holding the other
+        plan's buffers and, after the one-thread plan, the crew's helpers asleep (they linger 0.5 ms), as
+        back-to-back calls of one plan do not. Turns of one call each, as before, judged the split by such
+        calls only: the bundled model on 2 threads, fresh processes on the 2-core VM, alternating call by
+        call, in 2 of 3 the split's calls ran about as slowly as the one-thread plan's (2.3-2.5 ms) for most
+        of the trial, and the earlier trial kept one thread in 1 of 6 (2.0-2.2 ms a call after), while the
+        split ran at 1.2-1.5 ms back to back; in turns of 3, a turn's later split calls were faster than
+        the one-thread turns' in all 3 processes (1.2-1.9 against 1.9-2.5 ms). The fastest, not the
+        median: what slows a plan's calls here comes from outside it and only adds time. So threads > 1 is
+        never kept slower than one thread where hand-offs cost more than the split saves (measured:
+        leaf_cnn's layers on the 2-core VM, docs/BENCHMARKS.md). The choice is reviewed the same way after
+        REVIEW_FIRST calls, then REVIEW_GROWTH times later each time."""
         if self._crew is None:
             self._chosen[batch] = self.threads
             return self.threads
@@ -287,19 +294,23 @@ class CpuBackend:
         if not self.task_flops or batch in self._nothing_to_split:
             self._chosen[batch] = self.threads
             return self.threads
-        split, whole = self._trials.setdefault(batch, ([], []))
-        if min(len(split), len(whole)) > TRIAL_CALLS:
-            chosen = self.threads if min(split[1:]) < SPLIT_GAIN * min(whole[1:]) else 1
+        trial = self._trials.setdefault(batch, [])
+        if len(trial) >= TRIAL_LENGTH:
+            fastest = {}
+            for call, (parts, seconds) in enumerate(trial):
+                if call % TRIAL_BLOCK:                       # not a turn's first call
+                    fastest[parts] = min(seconds, fastest.get(parts, seconds))
+            chosen = self.threads if fastest[self.threads] < SPLIT_GAIN * fastest[1] else 1
             self._chosen[batch] = chosen
             self._trials.pop(batch, None)
             interval = self._reviews[batch][1] if batch in self._reviews else REVIEW_FIRST
             self._reviews[batch] = [interval, min(interval * REVIEW_GROWTH, REVIEW_MOST)]
             return chosen
-        return self.threads if len(split) <= len(whole) else 1
+        return self.threads if len(trial) // TRIAL_BLOCK % 2 == 0 else 1
 
     def choosing(self, batch: int) -> bool:
         """Whether calls of this batch size are still timing the split plan against the one-thread plan
-        (_choose's turns, up to 2 (TRIAL_CALLS + 1) + 1 calls; again at each review): a warm-up before timed
+        (_choose's turns, TRIAL_LENGTH + 1 calls; again at each review): a warm-up before timed
         calls runs until this is False, so those calls measure the chosen plan."""
         return batch in self._trials
 
@@ -310,7 +321,7 @@ class CpuBackend:
         decided = sorted(self._chosen.items())
         if not decided:
             return (f"one image's layers: split over {self.threads} threads where timed at least "
-                    f"{1 - SPLIT_GAIN:.0%} faster than one (decided after {TRIAL_CALLS + 1} calls of each)")
+                    f"{1 - SPLIT_GAIN:.0%} faster than one (decided after {TRIAL_LENGTH // 2} calls of each)")
         return "; ".join(f"batch {batch}: " + ("one thread (no layer large enough to split)"
                                                if batch in self._nothing_to_split else
                                                f"layers split over {parts} threads" if parts > 1 else

@@ -232,6 +232,30 @@ def test_the_switch_interval_is_short_only_during_crew_calls():
     second.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pins threads (Linux) on at least 2 CPUs")
+def test_helpers_are_kept_off_the_callers_cpu():
+    """A crew call lets its helpers run on every CPU of the process but the caller's, and again after the
+    caller has moved; the caller itself stays free."""
+    from lnn.runtime.cpu import parallel
+
+    if parallel.CURRENT_CPU is None:
+        pytest.skip("no sched_getcpu in this C library")
+    model, weights, x = chain_case()
+    backend = split_backend(model, weights, 2)
+    expected = backend.run(x).copy()
+    cpus = os.sched_getaffinity(0)
+    try:
+        for cpu in sorted(cpus)[:2]:
+            os.sched_setaffinity(0, {cpu})           # this thread only (Linux): the caller on `cpu`
+            np.testing.assert_array_equal(backend.run(x), expected)
+            for thread in backend._crew.threads:
+                assert os.sched_getaffinity(thread.native_id) == cpus - {cpu}
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert os.sched_getaffinity(0) == cpus
+
+
 def chain_case() -> tuple:
     """(model, weights, one input) of the conv + linear chain the split-choice tests time."""
     input_shape, layers = CASES["conv_chain_then_linear"]
@@ -254,7 +278,7 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     slow.task_flops = 1                      # the default rule, but every layer worth splitting
     run = slow._crew.run
     monkeypatch.setattr(slow._crew, "run", lambda tasks: (time.sleep(0.003), run(tasks)))
-    for _ in range(2 * (cpu_backend.TRIAL_CALLS + 1) + 2):
+    for _ in range(cpu_backend.TRIAL_LENGTH + 1):
         np.testing.assert_allclose(slow.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
     assert slow._chosen == {1: 1} and slow.split_choice() == "batch 1: one thread (the split was not faster)"
     paying = cpu_backend.CpuBackend(model, weights, threads=2)
@@ -262,7 +286,7 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     whole = paying._plan(1, 1)
     whole_run = whole.run
     monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.003), whole_run(x))[1])
-    for _ in range(2 * (cpu_backend.TRIAL_CALLS + 1) + 2):
+    for _ in range(cpu_backend.TRIAL_LENGTH + 1):
         np.testing.assert_allclose(paying.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
     assert paying._chosen == {1: 2} and paying.split_choice() == "batch 1: layers split over 2 threads"
     forced = split_backend(model, weights, 2)          # task_flops 0: always split, no trial
@@ -290,7 +314,7 @@ def test_a_split_slow_only_at_first_is_kept(monkeypatch):
     split, whole = backend._plan(1, 2), backend._plan(1, 1)
     split_run, whole_run = split.run, whole.run
     split_calls = []
-    slow_first = cpu_backend.TRIAL_CALLS // 2 + 2          # the untimed first call, then most of the timed ones
+    slow_first = cpu_backend.TRIAL_BLOCK * (cpu_backend.TRIAL_BLOCKS - 1)      # all its turns but the last
 
     def slow_at_first(x, crew=None, held=True):
         split_calls.append(1)
@@ -299,9 +323,43 @@ def test_a_split_slow_only_at_first_is_kept(monkeypatch):
 
     monkeypatch.setattr(split, "run", slow_at_first)
     monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.01), whole_run(x))[1])
-    for _ in range(2 * (cpu_backend.TRIAL_CALLS + 1) + 1):
+    for _ in range(cpu_backend.TRIAL_LENGTH + 1):
         backend.run(x)
     assert backend._chosen == {1: 2}
+
+
+def test_the_trial_runs_each_plan_in_turns_and_times_not_a_turns_first_call(monkeypatch):
+    """The trial runs the split and the one-thread plan in turns of TRIAL_BLOCK calls (the split first),
+    and a turn's first call is not timed: a split slow on each turn's first call only (its helpers asleep
+    after the one-thread turn), faster on the others than the one-thread plan, is kept."""
+    import time
+
+    from lnn.runtime.cpu import backend as cpu_backend
+
+    model, weights, x = chain_case()
+    backend = cpu_backend.CpuBackend(model, weights, threads=2)
+    backend.task_flops = 1
+    split, whole = backend._plan(1, 2), backend._plan(1, 1)
+    split_run, whole_run = split.run, whole.run
+    order = []
+
+    def split_slow_first_in_turn(x, crew=None, held=True):
+        time.sleep(0.03 if not order or order[-1] == "whole" else 0)
+        order.append("split")
+        return split_run(x, crew, held)
+
+    def whole_slower(x, crew=None, held=True):
+        time.sleep(0.01)
+        order.append("whole")
+        return whole_run(x)
+
+    monkeypatch.setattr(split, "run", split_slow_first_in_turn)
+    monkeypatch.setattr(whole, "run", whole_slower)
+    for _ in range(cpu_backend.TRIAL_LENGTH + 1):
+        backend.run(x)
+    turn = cpu_backend.TRIAL_BLOCK
+    assert order[:cpu_backend.TRIAL_LENGTH] == (["split"] * turn + ["whole"] * turn) * cpu_backend.TRIAL_BLOCKS
+    assert backend._chosen == {1: 2} and order[-1] == "split"
 
 
 def test_a_choice_is_timed_again_later(monkeypatch):
@@ -321,7 +379,7 @@ def test_a_choice_is_timed_again_later(monkeypatch):
     whole = backend._plan(1, 1)
     whole_run = whole.run
     monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.003 * (not slow["split"])), whole_run(x))[1])
-    trial = 2 * (cpu_backend.TRIAL_CALLS + 1) + 1               # both plans' turns and the deciding call
+    trial = cpu_backend.TRIAL_LENGTH + 1                       # both plans' turns and the deciding call
     for call in range(trial):
         assert backend.choosing(1) == (0 < call)                 # from its first call until it decides
         backend.run(x)
@@ -350,7 +408,7 @@ def test_threads_auto_is_the_usable_cores():
                                               f"(auto: {usable_cores()} usable cores)")
     three = Session(source, "cpu", threads=3)
     assert three.describe_threads() == ("cpu backend, 3 threads (as asked); one image's layers: split over 3 threads "
-                                        "where timed at least 5% faster than one (decided after 6 calls of each)")
+                                        "where timed at least 5% faster than one (decided after 9 calls of each)")
     assert Session(source, "cpu", threads=1).describe_threads() == "cpu backend, 1 thread (as asked)"
     numpy_session = Session(source, "numpy")
     assert numpy_session.threads is None and "no thread count of its own" in numpy_session.describe_threads()
