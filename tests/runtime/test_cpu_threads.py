@@ -300,6 +300,17 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     assert small.split_choice() == "batch 1: one thread (no layer large enough to split)"
 
 
+def choice_case() -> tuple:
+    """(a 2-thread backend of chain_case that splits every layer worth it, one input, its split plan, its
+    one-thread plan) for the split-choice tests."""
+    from lnn.runtime.cpu import backend as cpu_backend
+
+    model, weights, x = chain_case()
+    backend = cpu_backend.CpuBackend(model, weights, threads=2)
+    backend.task_flops = 1
+    return backend, x, backend._plan(1, 2), backend._plan(1, 1)
+
+
 def test_a_split_slow_only_at_first_is_kept(monkeypatch):
     """The split plan is judged by its fastest trial call: slowed on its first timed calls (as a second
     core was seen to be, in some fresh processes), then faster than the one-thread plan, it is kept;
@@ -308,10 +319,7 @@ def test_a_split_slow_only_at_first_is_kept(monkeypatch):
 
     from lnn.runtime.cpu import backend as cpu_backend
 
-    model, weights, x = chain_case()
-    backend = cpu_backend.CpuBackend(model, weights, threads=2)
-    backend.task_flops = 1
-    split, whole = backend._plan(1, 2), backend._plan(1, 1)
+    backend, x, split, whole = choice_case()
     split_run, whole_run = split.run, whole.run
     split_calls = []
     slow_first = cpu_backend.TRIAL_BLOCK * (cpu_backend.TRIAL_BLOCKS - 1)      # all its turns but the last
@@ -336,10 +344,7 @@ def test_the_trial_runs_each_plan_in_turns_and_times_not_a_turns_first_call(monk
 
     from lnn.runtime.cpu import backend as cpu_backend
 
-    model, weights, x = chain_case()
-    backend = cpu_backend.CpuBackend(model, weights, threads=2)
-    backend.task_flops = 1
-    split, whole = backend._plan(1, 2), backend._plan(1, 1)
+    backend, x, split, whole = choice_case()
     split_run, whole_run = split.run, whole.run
     order = []
 
