@@ -82,7 +82,8 @@ PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
 MIN_SPLIT_FLOPS = 250e6  # a batch is split across threads from this much work on (measured on 2 cores)
 MIN_TASK_FLOPS = 4e6     # a layer is split into parts of at least this much work each (mnist_cnn's 7 MFLOP conv: not)
 # A batch size's choice: the split plan and the one-thread plan run in turns of TRIAL_BLOCK calls in a row,
-# TRIAL_BLOCKS turns each, the first call of each turn untimed (`_choose` says why)
+# TRIAL_BLOCKS turns each, the first call of each turn untimed (`_choose` says why). Five turns each instead of
+# three kept one thread in 3 of 12 fresh processes of the bundled model on 2 threads, three in 0 of 12 (by hand)
 TRIAL_BLOCK = 3
 TRIAL_BLOCKS = 3
 TRIAL_LENGTH = 2 * TRIAL_BLOCK * TRIAL_BLOCKS     # calls before the choice
