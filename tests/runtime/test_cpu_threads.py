@@ -236,24 +236,25 @@ def test_the_switch_interval_is_short_only_during_crew_calls():
                     reason="pins threads (Linux) on at least 2 CPUs")
 def test_helpers_are_kept_off_the_callers_cpu():
     """A crew call lets its helpers run on every CPU of the process but the caller's, and again after the
-    caller has moved; the caller itself stays free."""
+    caller has moved; the caller's own CPUs are left as they were."""
     from lnn.runtime.cpu import parallel
 
     if parallel.CURRENT_CPU is None:
         pytest.skip("no sched_getcpu in this C library")
     model, weights, x = chain_case()
     backend = split_backend(model, weights, 2)
-    expected = backend.run(x).copy()
     cpus = os.sched_getaffinity(0)
+    expected = backend.run(x).copy()
+    assert os.sched_getaffinity(0) == cpus                 # the caller is never pinned
     try:
         for cpu in sorted(cpus)[:2]:
             os.sched_setaffinity(0, {cpu})           # this thread only (Linux): the caller on `cpu`
             np.testing.assert_array_equal(backend.run(x), expected)
+            assert os.sched_getaffinity(0) == {cpu}
             for thread in backend._crew.threads:
                 assert os.sched_getaffinity(thread.native_id) == cpus - {cpu}
     finally:
         os.sched_setaffinity(0, cpus)
-    assert os.sched_getaffinity(0) == cpus
 
 
 def chain_case() -> tuple:
