@@ -167,6 +167,8 @@ class KeepAliveClient:
                 if not data:
                     raise ConnectionResetError("the server closed the connection before answering")
                 parser.feed_data(data)
+            if not parser.should_keep_alive():           # the server closes it: the next request reconnects
+                self.close()
             return parser.get_status_code(), response.headers, b"".join(response.body)
         except BaseException:
             self.close()
