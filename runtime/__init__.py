@@ -179,7 +179,8 @@ class Session:
 
         if self.judge_rules.photo_checks is None:
             return None
-        return check_photo(photo_array(image, color), self.judge_rules.photo_checks)
+        return check_photo(photo_array(image, color), self.judge_rules.photo_checks,
+                           getattr(self.backend, "photo_statistics", None))     # the cpu backend's: compiled
 
     def prepare_image(self, image, color: str = "bgr", notes: list | None = None) -> np.ndarray:
         """A path, encoded bytes or an HxW[x3|x4] array -> [C, H, W] float32 with the model's preprocessing.

@@ -17,6 +17,9 @@ The thresholds come from the model's metadata (gate.photo_checks, formats/gate.p
 other photos can change them; DEFAULTS were measured on the 3,839 PlantVillage tomato photos
 (benchmarks/photo_checks.py: they flag under 1% of them) and on darkened, blurred, tiny and
 leaf-small copies of them, which they catch.
+
+`copy_statistics` here is the reference; the CPU backend computes the same measures of the grey copy in
+one compiled pass (runtime/cpu/photo_measures.py), which Session.check_photo passes in as `statistics`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ GRAY_WEIGHTS_BGR = np.array((0.114, 0.587, 0.299), np.float32)
 BLOWN_OUT = 250
 LEAF_SATURATION = 0.2
 LEAF_VALUE = 0.12
+PERCENTILE_SHARES = (0.01, 0.99)     # grey_p1, grey_p99
 
 
 @dataclass
@@ -76,23 +80,22 @@ def leaf_fill(bgr: np.ndarray) -> float:
     return float(np.mean((spread >= LEAF_SATURATION * top_value) & (top_value >= LEAF_VALUE * 255)))
 
 
-def grey_percentiles(grey: np.ndarray, shares=(0.01, 0.99)) -> list:
+def grey_percentiles(grey: np.ndarray, shares=PERCENTILE_SHARES) -> list:
     """The grey levels (whole numbers, 0-255) under which these shares of the pixels lie: a histogram, not a sort."""
     counts = np.bincount(np.clip(np.rint(grey), 0, 255).astype(np.uint8).ravel(), minlength=256)
-    cumulative = np.cumsum(counts) / grey.size
+    return levels_under(counts, shares)
+
+
+def levels_under(counts: np.ndarray, shares=PERCENTILE_SHARES) -> list:
+    """From a histogram of the 256 grey levels: the levels under which these shares of the pixels lie."""
+    cumulative = np.cumsum(counts) / counts.sum()
     return [float(np.searchsorted(cumulative, share)) for share in shares]
 
 
-def measure(image: np.ndarray, check_size: int = DEFAULTS["check_size"]) -> dict:
-    """The measures the checks compare (for a uint8 HxWx3 BGR, HxWx4 or HxW photo)."""
-    image = np.asarray(image)
-    if image.ndim == 2:
-        image = np.repeat(image[:, :, None], 3, axis=2)
-    image = image[:, :, :3]
-    grey, small = _grey_copy(image, int(check_size))
+def copy_statistics(grey: np.ndarray, small: np.ndarray) -> dict:
+    """The measures of the check-size copy (grey float32 0-255, and its uint8 BGR) that the checks compare."""
     low, high = grey_percentiles(grey)
     return {
-        "width": int(image.shape[1]), "height": int(image.shape[0]),
         "grey_p1": low,
         "grey_p99": high,
         "blown_out_share": float(np.mean(grey >= BLOWN_OUT)),
@@ -101,10 +104,22 @@ def measure(image: np.ndarray, check_size: int = DEFAULTS["check_size"]) -> dict
     }
 
 
-def check_photo(image: np.ndarray, thresholds: dict | None = None) -> PhotoCheck:
-    """Run every check (thresholds: DEFAULTS, overridden by the given ones); the first failure wins."""
+def measure(image: np.ndarray, check_size: int = DEFAULTS["check_size"], statistics=copy_statistics) -> dict:
+    """The measures the checks compare (for a uint8 HxWx3 BGR, HxWx4 or HxW photo); `statistics`: what
+    measures the check-size copy (copy_statistics, or the CPU backend's compiled one)."""
+    image = np.asarray(image)
+    if image.ndim == 2:
+        image = np.repeat(image[:, :, None], 3, axis=2)
+    image = image[:, :, :3]
+    grey, small = _grey_copy(image, int(check_size))
+    return {"width": int(image.shape[1]), "height": int(image.shape[0]), **statistics(grey, small)}
+
+
+def check_photo(image: np.ndarray, thresholds: dict | None = None, statistics=None) -> PhotoCheck:
+    """Run every check (thresholds: DEFAULTS, overridden by the given ones); the first failure wins.
+    statistics: as for measure (None: copy_statistics)."""
     t = {**DEFAULTS, **(thresholds or {})}
-    m = measure(image, t["check_size"])
+    m = measure(image, t["check_size"], statistics or copy_statistics)
     side = min(m["width"], m["height"])
     if side < t["min_side"]:
         return PhotoCheck("too_small", f"The photo is too small ({m['width']}x{m['height']} pixels). Take or send "

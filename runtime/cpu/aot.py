@@ -7,8 +7,8 @@ it runs on any CPU of that family). That module imports without Numba or llvmlit
 LNN_CPU_KERNELS=aot, or when Numba is not installed (the packaged lnn-field, packaging/build.sh).
 
 Each kernel file declares its kernels' signatures beside them (AOT_SIGNATURES, above its kernels): the
-argument types the backend passes, from the names below (float32 C-contiguous arrays of a fixed rank, int64
-and float64 scalars, a 6-tuple of ints), or None for a kernel only called by other kernels, which is
+argument types the backend passes, from the names below (C-contiguous arrays of a fixed dtype and rank,
+mostly float32, int64 and float64 scalars, a 6-tuple of ints), or None for a kernel only called by other kernels, which is
 compiled into them. A kernel missing there is an ImportError in the app and refused by compile_kernels.
 Compiled code trusts its arguments (a wrong dtype or rank would read out of bounds), so `compiled_kernel`
 checks every array and tuple against the signature before each call and raises TypeError otherwise.
@@ -31,7 +31,10 @@ import numpy as np
 MODULE = "lnn_cpu_kernels"
 
 A1, A2, A3, A4 = "f4[::1]", "f4[:, ::1]", "f4[:, :, ::1]", "f4[:, :, :, ::1]"
+I1, D1, U3 = "i8[::1]", "f8[::1]", "u1[:, :, ::1]"          # int64, float64 and uint8 arrays
 I, F, WINDOW = "i8", "f8", "UniTuple(i8, 6)"
+ARRAY_DTYPES = {"f4": np.dtype(np.float32), "f8": np.dtype(np.float64), "i8": np.dtype(np.int64),
+                "u1": np.dtype(np.uint8)}
 
 
 def kernel_files() -> list:
@@ -67,20 +70,22 @@ def compiled_kernel(function):
         return function                  # compiled into the kernels that call it
     compiled = getattr(importlib.import_module(MODULE), symbol(key))
     checks = [(position, kind) for position, kind in enumerate(signature) if kind not in (I, F)]
-    ranks = [kind.count(",") + 1 if kind.startswith("f4[") else None for _, kind in checks]
+    arrays = [(ARRAY_DTYPES[kind[:2]], kind.count(",") + 1) if kind[2:3] == "[" else None for _, kind in checks]
     arity = len(signature)
 
     def checked(*args):
         if len(args) != arity:
             raise TypeError(f"{key} takes {arity} arguments, got {len(args)}")
-        for (position, kind), rank in zip(checks, ranks):
+        for (position, kind), array in zip(checks, arrays):
             value = args[position]
-            if rank is None:
+            if array is None:
                 if not (isinstance(value, tuple) and len(value) == 6):
                     raise TypeError(f"{key}: argument {position} must be a tuple of 6 ints")
-            elif not (type(value) is np.ndarray and value.dtype == np.float32 and value.ndim == rank
-                      and value.flags.c_contiguous and value.flags.aligned):
-                raise TypeError(f"{key}: argument {position} must be a C-contiguous float32 array of rank {rank}")
+                continue
+            dtype, rank = array
+            if not (type(value) is np.ndarray and value.dtype == dtype and value.ndim == rank
+                    and value.flags.c_contiguous and value.flags.aligned):
+                raise TypeError(f"{key}: argument {position} must be a C-contiguous {dtype} array of rank {rank}")
         return compiled(*args)
 
     checked.__name__ = checked.__qualname__ = function.__name__

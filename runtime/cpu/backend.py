@@ -64,7 +64,8 @@ from lnn.formats.fold import folds_into_previous
 from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS, layer_table
 from lnn.runtime import resolve_threads
-from lnn.runtime.cpu import activations, batchnorm, cache, conv1d, conv2d, flatten, layernorm, linear, pool, recurrent
+from lnn.runtime.cpu import (activations, batchnorm, cache, conv1d, conv2d, flatten, layernorm, linear, photo_measures,
+                              pool, recurrent)
 from lnn.runtime.cpu.activations import NONE, ActivationLayer, is_monotone
 from lnn.runtime.cpu.batchnorm import BatchNormLayer, scale_and_shift
 from lnn.runtime.cpu.conv2d import Conv2dLayer
@@ -203,6 +204,7 @@ def build_layers(model: Model, weights: dict, outputs: LayerOutputs | None = Non
 
 class CpuBackend:
     name = "cpu"
+    photo_statistics = staticmethod(photo_measures.copy_statistics)    # Session.check_photo's measures, compiled
 
     def __init__(self, model: Model, weights: dict, threads: int | str | None = "auto", keep: tuple = ()):
         """threads: a positive count or "auto" (None is "auto")."""

@@ -79,11 +79,21 @@ CHECKS = """
 import sys, numpy as np
 import lnn
 from lnn.tools.infer import DEFAULT_MODEL
+from lnn.runtime.cpu.photo_measures import grey_copy_statistics
 from lnn.runtime.cpu.pool import global_avg_pool
 session = lnn.load(DEFAULT_MODEL, device="cpu")
 x = np.random.default_rng(0).standard_normal((2, *session.input_shape)).astype(np.float32)
-reference = lnn.load(DEFAULT_MODEL, device="numpy").run(x)
-print("max error", float(np.abs(session.run(x) - reference).max()))
+numpy_session = lnn.load(DEFAULT_MODEL, device="numpy")
+print("max error", float(np.abs(session.run(x) - numpy_session.run(x)).max()))
+photo = np.random.default_rng(1).integers(0, 256, (200, 220, 3), dtype=np.uint8)
+mine, theirs = session.check_photo(photo).measures, numpy_session.check_photo(photo).measures
+print("photo measures agree", all(abs(mine[k] - theirs[k]) <= 1e-5 * max(1.0, abs(theirs[k])) for k in theirs))
+try:
+    grey_copy_statistics(np.zeros((4, 4), np.float32), np.zeros((4, 4, 3), np.float32), np.zeros(256, np.int64),
+                         np.zeros(3))
+    print("accepted float32 photo")
+except TypeError as err:
+    print("refused float32 photo -", err)
 print("numba imported", "numba" in sys.modules or "llvmlite" in sys.modules)
 good = np.ones((2, 3, 5), np.float32)
 for name, bad in [("float64", good.astype(np.float64)), ("rank 2", good[0]), ("strided", good[:, :, ::2]),
@@ -103,8 +113,10 @@ def test_compiled_kernels_match_numpy_without_numba_and_refuse_wrong_arrays(comp
     assert result.returncode == 0, result.stderr
     assert float(result.stdout.split("max error")[1].split()[0]) <= 1e-4
     assert "numba imported False" in result.stdout
-    assert result.stdout.count("refused") == 4 and "accepted" not in result.stdout, result.stdout
+    assert result.stdout.count("refused") == 5 and "accepted" not in result.stdout, result.stdout
     assert "C-contiguous float32 array of rank 3" in result.stdout
+    assert "C-contiguous uint8 array of rank 3" in result.stdout            # the compiled photo measures' BGR
+    assert "photo measures agree True" in result.stdout
 
 
 def test_a_missing_compiled_module_makes_the_cpu_device_one_clear_error(tmp_path):
