@@ -7,15 +7,15 @@
     out[2]              leaf pixels: (max - min of B, G, R) >= LEAF_SATURATION * max and max >= LEAF_VALUE * 255
                         (in float32, as the reference; computed in whole numbers, the same for every uint8)
 
-Reference: runtime/photo_checks.py copy_statistics (NumPy). The counts and the blown-out and leaf pixels are
-the same integers; the Laplacian's variance differs by rounding (at most 1.7e-7 relative on 64 tomato photos
-and the 725 decodable outlier photos of ../shared/data/outliers, all with the same verdicts, by hand): each
-Laplacian value is a float32 sum as there, its multiply-add maybe fused, and the variance's sums run in
-float64 (NumPy's in float32, pairwise). The NumPy version makes about 20 passes over the copy, each dropping
-and taking back the GIL, which lnn-serve's decode threads and its inference thread share. The check of a
-256x256 photo: 0.39-0.42 -> 0.16 ms (by hand, one thread, 64 tomato photos); lnn-serve at 16 clients, 4 interleaved rounds by
-hand: 495-505 against 444-465 answers/s with batching, 449-504 against 409-424 without, server CPU per request
-2.1 against 2.6 and 2.7 against 3.1 ms.
+Reference: runtime/photo_checks.py copy_statistics (NumPy). The counts and the blown-out and leaf pixels are the
+same integers; the Laplacian's variance differs by rounding (at most 1.7e-7 relative on 64 tomato photos and the
+725 decodable outlier photos of ../shared/data/outliers, all with the same verdicts, by hand): each Laplacian
+value is a float32 sum as there, its multiply-add maybe fused, and the variance's sums run in float64 (NumPy's
+in float32, pairwise). The NumPy version makes about 20 passes over the copy, each dropping and taking back the
+GIL, which lnn-serve's decode threads and its inference thread share. The check of a 256x256 photo: 0.39-0.42 ->
+0.16 ms (by hand, one thread, 64 tomato photos); lnn-serve at 16 clients, 4 interleaved rounds by hand: 495-505
+against 444-465 answers/s with batching, 449-504 against 409-424 without, server CPU per request 2.1 against 2.6
+and 2.7 against 3.1 ms.
 """
 
 from __future__ import annotations
