@@ -174,13 +174,13 @@ class Session:
     def check_photo(self, image, color: str = "bgr"):
         """The model's photo checks (gate.photo_checks) on a decoded photo: a PhotoCheck, or None when
         the model has none."""
-        from lnn.runtime.photo_checks import check_photo
+        from lnn.runtime.photo_checks import check_photo, copy_statistics
         from lnn.runtime.preprocess import photo_array
 
         if self.judge_rules.photo_checks is None:
             return None
         return check_photo(photo_array(image, color), self.judge_rules.photo_checks,
-                           getattr(self.backend, "photo_statistics", None))     # the cpu backend's: compiled
+                           getattr(self.backend, "photo_statistics", copy_statistics))   # the cpu backend's: compiled
 
     def prepare_image(self, image, color: str = "bgr", notes: list | None = None) -> np.ndarray:
         """A path, encoded bytes or an HxW[x3|x4] array -> [C, H, W] float32 with the model's preprocessing.

@@ -115,11 +115,11 @@ def measure(image: np.ndarray, check_size: int = DEFAULTS["check_size"], statist
     return {"width": int(image.shape[1]), "height": int(image.shape[0]), **statistics(grey, small)}
 
 
-def check_photo(image: np.ndarray, thresholds: dict | None = None, statistics=None) -> PhotoCheck:
+def check_photo(image: np.ndarray, thresholds: dict | None = None, statistics=copy_statistics) -> PhotoCheck:
     """Run every check (thresholds: DEFAULTS, overridden by the given ones); the first failure wins.
-    statistics: as for measure (None: copy_statistics)."""
+    statistics: as for measure."""
     t = {**DEFAULTS, **(thresholds or {})}
-    m = measure(image, t["check_size"], statistics or copy_statistics)
+    m = measure(image, t["check_size"], statistics)
     side = min(m["width"], m["height"])
     if side < t["min_side"]:
         return PhotoCheck("too_small", f"The photo is too small ({m['width']}x{m['height']} pixels). Take or send "

@@ -7,13 +7,13 @@ it runs on any CPU of that family). That module imports without Numba or llvmlit
 LNN_CPU_KERNELS=aot, or when Numba is not installed (the packaged lnn-field, packaging/build.sh).
 
 Each kernel file declares its kernels' signatures beside them (AOT_SIGNATURES, above its kernels): the
-argument types the backend passes, from the names below (C-contiguous arrays of a fixed dtype and rank,
-mostly float32, int64 and float64 scalars, a 6-tuple of ints), or None for a kernel only called by other kernels, which is
-compiled into them. A kernel missing there is an ImportError in the app and refused by compile_kernels.
-Compiled code trusts its arguments (a wrong dtype or rank would read out of bounds), so `compiled_kernel`
-checks every array and tuple against the signature before each call and raises TypeError otherwise.
-tests/runtime/test_cpu_aot.py checks that the JIT compiles exactly these signatures for the test models,
-and runs the CPU backend's tests on the compiled module.
+argument types the backend passes, from the names below (C-contiguous arrays of a fixed dtype, mostly
+float32, and rank; int64 and float64 scalars; a 6-tuple of ints), or None for a kernel only called by other
+kernels, which is compiled into them. A kernel missing there is an ImportError in the app and refused by
+compile_kernels. Compiled code trusts its arguments (a wrong dtype or rank would read out of bounds), so
+`compiled_kernel` checks every array and tuple against the signature before each call and raises TypeError
+otherwise. tests/runtime/test_cpu_aot.py checks that the JIT compiles exactly these signatures for the test
+models, and runs the CPU backend's tests on the compiled module.
 """
 
 from __future__ import annotations
