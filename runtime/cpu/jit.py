@@ -18,6 +18,7 @@ kernels from the ahead-of-time compiled module instead (aot.py): no Numba import
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -35,6 +36,7 @@ if KERNELS == "aot":
     from lnn.runtime.cpu.aot import compiled_kernel as tile_kernel  # noqa: F401
     from lnn.runtime.cpu.aot import compiled_kernel as wide_tile_kernel  # noqa: F401
     from lnn.runtime.cpu.aot import compiled_kernel as fused_kernel  # noqa: F401
+    from lnn.runtime.cpu.aot import compiled_kernel as short_loops_kernel  # noqa: F401
     WIDE_VECTORS = False        # (wide tiles are for the JIT on an AVX-512 host)
     VECTOR_FMA = False          # (kernels written for fused multiply-adds: the JIT on a host that has them)
 
@@ -92,24 +94,33 @@ else:
     # x86-64 with FMA (AVX2 or AVX-512): where conv_direct.py's blocked kernel was measured faster
     VECTOR_FMA = "+fma" in _host_features
 
-    def _slp_kernel(function, lanes: int):
-        dispatcher = numba.njit(cache=CACHE_ENABLED, nogil=True, error_model="numpy", fastmath={"contract"})(function)
+    def _compiled_under(dispatcher, settings):
+        """The dispatcher, each of whose compiles runs inside the context manager `settings()`, under Numba's
+        compiler lock (no other compile sees what it switches)."""
         compile_signature = dispatcher.compile
 
-        def compile_with_slp(signature):
-            with global_compiler_lock:                   # no other compile sees the switch
-                numba.config.SLP_VECTORIZE, saved = 1, numba.config.SLP_VECTORIZE
-                _slp_lanes.append(lanes)
-                llvmlite.binding.set_option("lnn", f"-slp-max-vf={lanes}")
-                try:
-                    return compile_signature(signature)
-                finally:
-                    numba.config.SLP_VECTORIZE = saved
-                    _slp_lanes.pop()
-                    llvmlite.binding.set_option("lnn", f"-slp-max-vf={_slp_lanes[-1]}")
+        def compile_under(signature):
+            with global_compiler_lock, settings():
+                return compile_signature(signature)
 
-        dispatcher.compile = compile_with_slp
+        dispatcher.compile = compile_under
         return dispatcher
+
+    def _slp_kernel(function, lanes: int):
+        @contextlib.contextmanager
+        def slp_vectorized():
+            numba.config.SLP_VECTORIZE, saved = 1, numba.config.SLP_VECTORIZE
+            _slp_lanes.append(lanes)
+            llvmlite.binding.set_option("lnn", f"-slp-max-vf={lanes}")
+            try:
+                yield
+            finally:
+                numba.config.SLP_VECTORIZE = saved
+                _slp_lanes.pop()
+                llvmlite.binding.set_option("lnn", f"-slp-max-vf={_slp_lanes[-1]}")
+
+        return _compiled_under(numba.njit(cache=CACHE_ENABLED, nogil=True, error_model="numpy",
+                                          fastmath={"contract"})(function), slp_vectorized)
 
     def tile_kernel(function):
         """@tile_kernel: a @kernel for register-tiled code (recurrent.py's panel_product): its sums are written
@@ -125,6 +136,21 @@ else:
         WIDE_VECTORS (on others its tiles would not fit the registers)."""
         return _slp_kernel(function, 16)
 
+
+    @contextlib.contextmanager
+    def _one_vector_a_step():
+        llvmlite.binding.set_option("lnn", "-force-vector-interleave=1")
+        try:
+            yield
+        finally:
+            llvmlite.binding.set_option("lnn", "-force-vector-interleave=0")      # LLVM's own choice again
+
+    def short_loops_kernel(function):
+        """@short_loops_kernel: a @kernel whose vectorized loops take one vector a step. By default LLVM's loop
+        vectorizer interleaves up to 4 vectors a step (64 floats with AVX-512), and a loop shorter than that
+        runs as scalars in its remainder: winograd_input's loops over a tile row's 16 tiles did. The same
+        results; the ahead-of-time module compiles it as a @kernel."""
+        return _compiled_under(numba.njit(cache=CACHE_ENABLED, nogil=True)(function), _one_vector_a_step)
 
     from numba import types  # noqa: E402
     from numba.core import cgutils  # noqa: E402

@@ -36,7 +36,7 @@ from fractions import Fraction
 import numpy as np
 
 from lnn.runtime.cpu.aot import A2, A3, I
-from lnn.runtime.cpu.jit import ieee_kernel, kernel, wide_tile_kernel
+from lnn.runtime.cpu.jit import ieee_kernel, kernel, short_loops_kernel, wide_tile_kernel
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -105,7 +105,7 @@ def input_work_shape(tiles_w: int) -> tuple:
     return 10, 4 * tiles_w + 2
 
 
-@kernel
+@short_loops_kernel
 def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v):
     """image [C, HP, WP] (padded) -> v[:, c, column + (ty - tile_first) * TW + tx] for channels
     c_first..c_end-1, tile rows tile_first..tile_first+tile_rows-1 and all TW = tile_count(WP - 2)

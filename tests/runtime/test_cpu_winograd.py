@@ -87,6 +87,27 @@ def test_kernels_compute_the_matrices(width):
         np.testing.assert_allclose(acc[o].reshape(4, 7), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
+def test_input_transform_compiled_one_vector_a_step_gives_the_same_bytes():
+    """winograd_input is a @short_loops_kernel (jit.py): the loops over a tile row of 16 tiles vectorized
+    instead of left to their scalar remainder, the same sums in the same order as compiled by default."""
+    numba = pytest.importorskip("numba")
+    from lnn.runtime.cpu import jit
+    from lnn.runtime.cpu.winograd import input_work_shape, tile_count, winograd_input
+
+    if jit.KERNELS != "jit":
+        pytest.skip("the ahead-of-time kernels are compiled as plain @kernel")
+    default_compile = numba.njit(nogil=True)(winograd_input.py_func)
+    image = np.random.default_rng(4).standard_normal((5, 66, 66)).astype(np.float32)
+    tiles_w = tile_count(64)
+    outputs = []
+    for function in (winograd_input, default_compile):
+        v = np.full((36, 5, tiles_w * tiles_w), np.nan, np.float32)
+        function(image, 0, 5, 0, tiles_w, 0, np.zeros(input_work_shape(tiles_w), np.float32), v)
+        outputs.append(v)
+    assert not np.isnan(outputs[0]).any()
+    assert outputs[0].tobytes() == outputs[1].tobytes()
+
+
 @pytest.mark.parametrize("small", [False, True], ids=["blas_products", "small_products"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}c{}h{}w{}o{}p{}".format(*c))
 def test_winograd_matches_float64_convolution(case, small, monkeypatch):
