@@ -60,7 +60,7 @@ import numpy as np
 from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.aot import A1, A2, A3, A4, F, I, WINDOW
-from lnn.runtime.cpu.conv_direct import conv3x3_direct, conv3x3_direct_quads
+from lnn.runtime.cpu.conv_direct import conv3x3_direct, conv3x3_direct_quads, conv3x3_direct_tiles
 from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
@@ -129,6 +129,13 @@ def direct_quads_pay(conv_w: int) -> bool:
     JIT on an x86-64 host with FMA (where it was measured faster; conv_direct.py), rows of at least
     DIRECT_QUADS_MIN_WIDTH."""
     return VECTOR_FMA and conv_w >= DIRECT_QUADS_MIN_WIDTH
+
+
+def direct_tiles_pay(conv_w: int) -> bool:
+    """Whether a small direct conv with rows conv_w wide runs as conv_direct.py's conv3x3_direct_tiles (its
+    header has the measures): the JIT on an AVX-512 host (jit.WIDE_VECTORS: its register tiles), rows a
+    multiple of 16 wide (its tiles read whole vectors of 16)."""
+    return WIDE_VECTORS and conv_w % 16 == 0
 
 
 @functools.cache
@@ -605,7 +612,8 @@ class Conv2dLayer:
         out_channels = weight.shape[0]
         _, conv_h, conv_w = self.conv_shape
         acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
-        direct = conv3x3_direct_quads if direct_quads_pay(conv_w) else conv3x3_direct
+        direct = (conv3x3_direct_tiles if direct_tiles_pay(conv_w) else
+                  conv3x3_direct_quads if direct_quads_pay(conv_w) else conv3x3_direct)
 
         def product(band, steps):
             n_first, n_end, _, _, y_first, y_end = band

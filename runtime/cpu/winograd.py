@@ -45,6 +45,8 @@ AOT_SIGNATURES = {
     "skinny_products": (A3, I, I, A3, I, A3),
     "fma16": None,
     "store16": None,
+    "zeros16": None,
+    "six_rows": None,
     "product_tile": None,
     "product_column_tile": None,
     "small_products": None,       # the JIT on an AVX-512 host only (conv2d.py small_products_pay)
@@ -203,15 +205,25 @@ def store16(a, row):
 
 
 @wide_tile_kernel
+def zeros16():
+    """16 float32 zeros: an empty sum of one register."""
+    z = np.float32(0)
+    return (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+
+
+@wide_tile_kernel
+def six_rows(u, o, last):
+    """Rows o..o + 5 of u, those past `last` as row last (a tile's rows past the end are computed, not stored)."""
+    return u[o], u[min(o + 1, last)], u[min(o + 2, last)], u[min(o + 3, last)], u[min(o + 4, last)], u[min(o + 5, last)]
+
+
+@wide_tile_kernel
 def product_tile(u, o, last, v, t, m):
     """m[o + i, t:t + 32] = sum over c of u[o + i, c] * v[c, t:t + 32] for i < 6 and o + i <= last (rows past
     last are computed as row last and not stored): 12 sums of 16 in registers for the whole loop over c,
     each step 6 broadcasts of u and 2 loads of v."""
-    z = np.float32(0)
-    zero = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
-    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = zero
-    r0, r1, r2 = u[o], u[min(o + 1, last)], u[min(o + 2, last)]
-    r3, r4, r5 = u[min(o + 3, last)], u[min(o + 4, last)], u[min(o + 5, last)]
+    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = zeros16()
+    r0, r1, r2, r3, r4, r5 = six_rows(u, o, last)
     for c in range(u.shape[1]):
         w0, w1 = v[c, t:t + 16], v[c, t + 16:t + 32]
         a0, a1 = fma16(a0, r0[c], w0), fma16(a1, r0[c], w1)
@@ -229,11 +241,8 @@ def product_tile(u, o, last, v, t, m):
 @wide_tile_kernel
 def product_column_tile(u, o, last, v, t, m):
     """product_tile for 16 columns t..t + 15: 6 sums of 16."""
-    z = np.float32(0)
-    zero = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
-    a = b = c_ = d = e = f = zero
-    r0, r1, r2 = u[o], u[min(o + 1, last)], u[min(o + 2, last)]
-    r3, r4, r5 = u[min(o + 3, last)], u[min(o + 4, last)], u[min(o + 5, last)]
+    a = b = c_ = d = e = f = zeros16()
+    r0, r1, r2, r3, r4, r5 = six_rows(u, o, last)
     for c in range(u.shape[1]):
         w = v[c, t:t + 16]
         a, b, c_ = fma16(a, r0[c], w), fma16(b, r1[c], w), fma16(c_, r2[c], w)

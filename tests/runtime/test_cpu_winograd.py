@@ -221,24 +221,28 @@ def test_direct_kernel_splits_by_channels_and_rows():
     np.testing.assert_array_equal(split, whole)
 
 
-@pytest.mark.parametrize("channels,out_channels,width", [(3, 32, 130), (1, 7, 100), (2, 6, 33)],
+@pytest.mark.parametrize("kernel,channels,out_channels,width",
+                         [("quads", 3, 32, 130), ("quads", 1, 7, 100), ("quads", 2, 6, 33),
+                          ("tiles", 3, 32, 130), ("tiles", 1, 7, 50), ("tiles", 2, 13, 18)],
                          ids=lambda v: str(v))
-def test_direct_quads_kernel_matches_one_channel_kernel(channels, out_channels, width):
-    """conv3x3_direct_quads against conv3x3_direct (4 channels a pass, the rest one by one; FMA rounding
-    only), split by channels and rows as threads split it, writing nothing outside the rows and
-    channels asked for."""
-    from lnn.runtime.cpu.conv_direct import conv3x3_direct, conv3x3_direct_quads
+def test_blocked_direct_kernels_match_one_channel_kernel(kernel, channels, out_channels, width):
+    """conv3x3_direct_quads (4 channels a pass, the rest one by one) and conv3x3_direct_tiles (tiles of 6
+    channels x 32 columns, a last 16; rows a multiple of 16) against conv3x3_direct (FMA rounding and the
+    order of the sums only), split by channels and rows as threads split them, writing nothing outside the
+    rows and channels asked for."""
+    from lnn.runtime.cpu import conv_direct
 
+    blocked = {"quads": conv_direct.conv3x3_direct_quads, "tiles": conv_direct.conv3x3_direct_tiles}[kernel]
     rng = np.random.default_rng(out_channels)
     image = rng.standard_normal((channels, 12, width)).astype(np.float32)
     weight = rng.standard_normal((out_channels, channels, 3, 3)).astype(np.float32)
     conv_w = width - 2
     expected, got = np.zeros((out_channels, 10 * conv_w), np.float32), np.full((out_channels, 10 * conv_w), np.nan, np.float32)
-    conv3x3_direct(image, weight, 0, out_channels, 0, 10, 0, expected)
+    conv_direct.conv3x3_direct(image, weight, 0, out_channels, 0, 10, 0, expected)
     for o_first, o_end, y_first, y_end in ((0, 5, 0, 10), (5, out_channels, 0, 3), (5, out_channels, 3, 10)):
         if o_end > o_first:
             before = got.copy()
-            conv3x3_direct_quads(image, weight, o_first, o_end, y_first, y_end, y_first * conv_w, got)
+            blocked(image, weight, o_first, o_end, y_first, y_end, y_first * conv_w, got)
             outside = np.ones_like(got, bool)
             outside[o_first:o_end, y_first * conv_w:y_end * conv_w] = False
             np.testing.assert_array_equal(got[outside], before[outside])
@@ -260,7 +264,26 @@ def test_wide_small_convs_run_direct_quads_where_they_pay(monkeypatch):
         assert layer.small_direct == fma
         if fma:
             steps = backend._plan(1).steps
-            assert any(getattr(step, "func", None) is conv2d.conv3x3_direct_quads for step in steps)
+            kernel = (conv2d.conv3x3_direct_tiles if conv2d.direct_tiles_pay(conv2d.DIRECT_QUADS_MIN_WIDTH)
+                      else conv2d.conv3x3_direct_quads)
+            assert any(getattr(step, "func", None) is kernel for step in steps)
+        check_bound(got, x, weight, 1)
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_direct_tiles_run_on_rows_a_multiple_of_16_where_they_pay(wide, monkeypatch):
+    """With jit.WIDE_VECTORS, a small direct conv whose rows are a multiple of 16 wide runs through
+    conv3x3_direct_tiles; rows of another width, or a host without AVX-512, keep the kernels before."""
+    from lnn.runtime.cpu import conv2d
+
+    monkeypatch.setattr(conv2d, "WIDE_VECTORS", wide)
+    rng = np.random.default_rng(8)
+    weight = rng.standard_normal((16, 3, 3, 3)).astype(np.float32)
+    for width, multiple in ((112, True), (104, False)):
+        x = rng.standard_normal((1, 3, 6, width)).astype(np.float32)
+        backend, got = one_conv(x, weight, 1, "auto")
+        kernels = {getattr(step, "func", None) for step in backend._plan(1).steps}
+        assert (conv2d.conv3x3_direct_tiles in kernels) == (wide and multiple)
         check_bound(got, x, weight, 1)
 
 
