@@ -228,6 +228,7 @@ class CpuBackend:
         self._trials: dict = {}            # batch -> [(parts, seconds) of each call so far] while unchosen
         self._chosen: dict = {}            # batch -> parts of its plan (threads, or 1 where splitting lost)
         self._reviews: dict = {}           # batch -> [calls until its choice is timed again, the next interval]
+        self._doubted: set = set()         # batch sizes whose last trial alone found the split not faster
         self._nothing_to_split: set = set()   # batch sizes whose plan has no layer worth splitting (one thread runs it)
         BLAS_THREADS.find_libraries()
         self.compile_seconds: float | None = None     # set by warmup(): first-call compile or cache load
@@ -286,8 +287,11 @@ class CpuBackend:
         the one-thread turns' in all 3 processes (1.2-1.9 against 1.9-2.5 ms). The fastest, not the
         median: what slows a plan's calls here comes from outside it and only adds time. So threads > 1 is
         never kept slower than one thread where hand-offs cost more than the split saves (measured:
-        leaf_cnn's layers on the 2-core VM, docs/BENCHMARKS.md). The choice is reviewed the same way after
-        REVIEW_FIRST calls, then REVIEW_GROWTH times later each time."""
+        leaf_cnn's layers on the 2-core VM, docs/BENCHMARKS.md). One thread is kept only when two trials in
+        a row find the split not faster: one trial alone did so in about 1 of 10 fresh processes of the
+        bundled model on 2 threads, where it ran 1.7x faster back to back (by hand), and a process of
+        benchmarks/cpu_peers.py ran one thread to its end in 2 of 5 rounds. The choice is reviewed the same
+        way after REVIEW_FIRST calls, then REVIEW_GROWTH times later each time."""
         if self._crew is None:
             self._chosen[batch] = self.threads
             return self.threads
@@ -304,6 +308,11 @@ class CpuBackend:
                 if call % TRIAL_BLOCK:                       # not a turn's first call
                     fastest[parts] = min(seconds, fastest.get(parts, seconds))
             chosen = self.threads if fastest[self.threads] < SPLIT_GAIN * fastest[1] else 1
+            if chosen == 1 and batch not in self._doubted:    # one thread only when a second trial agrees
+                self._doubted.add(batch)
+                self._trials[batch] = []
+                return self.threads
+            self._doubted.discard(batch)
             self._chosen[batch] = chosen
             self._trials.pop(batch, None)
             interval = self._reviews[batch][1] if batch in self._reviews else REVIEW_FIRST

@@ -279,7 +279,7 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     slow.task_flops = 1                      # the default rule, but every layer worth splitting
     run = slow._crew.run
     monkeypatch.setattr(slow._crew, "run", lambda tasks: (time.sleep(0.003), run(tasks)))
-    for _ in range(cpu_backend.TRIAL_LENGTH + 1):
+    for _ in range(2 * cpu_backend.TRIAL_LENGTH + 1):           # one thread: two trials in a row say so
         np.testing.assert_allclose(slow.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
     assert slow._chosen == {1: 1} and slow.split_choice() == "batch 1: one thread (the split was not faster)"
     paying = cpu_backend.CpuBackend(model, weights, threads=2)
@@ -368,6 +368,33 @@ def test_the_trial_runs_each_plan_in_turns_and_times_not_a_turns_first_call(monk
     assert backend._chosen == {1: 2} and order[-1] == "split"
 
 
+def test_one_thread_is_kept_only_when_two_trials_in_a_row_say_so(monkeypatch):
+    """A trial that finds the split not faster is followed at once by another: one noisy trial keeps the split
+    (the plan asked for); two in a row keep one thread."""
+    import time
+
+    from lnn.runtime.cpu import backend as cpu_backend
+
+    backend, x, split, whole = choice_case()
+    split_run = split.run
+    split_delays = [0.02] * (cpu_backend.TRIAL_LENGTH // 2)        # its calls in the first trial only
+    monkeypatch.setattr(split, "run", lambda x, crew=None, held=True: (time.sleep(split_delays.pop(0) if split_delays
+                                                                                   else 0), split_run(x, crew, held))[1])
+    whole_run = whole.run
+    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.01), whole_run(x))[1])
+    for _ in range(2 * cpu_backend.TRIAL_LENGTH + 1):
+        backend.run(x)
+    assert backend._chosen == {1: 2} and not backend.choosing(1)
+
+    backend, x, split, whole = choice_case()
+    split_run = split.run
+    monkeypatch.setattr(split, "run", lambda x, crew=None, held=True: (time.sleep(0.02), split_run(x, crew, held))[1])
+    for call in range(2 * cpu_backend.TRIAL_LENGTH + 1):
+        assert backend._chosen == {}                            # undecided until the second trial ends
+        backend.run(x)
+    assert backend._chosen == {1: 1}
+
+
 def test_a_choice_is_timed_again_later(monkeypatch):
     """A choice made on a process's first calls is timed again after REVIEW_FIRST calls: hand-offs slow at
     first keep one thread; once the one-thread plan is the slow one, the review keeps the split, and the
@@ -386,7 +413,7 @@ def test_a_choice_is_timed_again_later(monkeypatch):
     whole_run = whole.run
     monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.003 * (not slow["split"])), whole_run(x))[1])
     trial = cpu_backend.TRIAL_LENGTH + 1                       # both plans' turns and the deciding call
-    for call in range(trial):
+    for call in range(2 * trial - 1):                          # one thread: two trials in a row say so
         assert backend.choosing(1) == (0 < call)                 # from its first call until it decides
         backend.run(x)
     assert backend._chosen == {1: 1} and not backend.choosing(1)
