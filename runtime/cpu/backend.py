@@ -322,8 +322,9 @@ class CpuBackend:
 
     def choosing(self, batch: int) -> bool:
         """Whether calls of this batch size are still timing the split plan against the one-thread plan
-        (_choose's turns, TRIAL_LENGTH + 1 calls; again at each review): a warm-up before timed
-        calls runs until this is False, so those calls measure the chosen plan."""
+        (_choose's turns, TRIAL_LENGTH + 1 calls, twice as many when the first trial finds the split not
+        faster; again at each review): a warm-up before timed calls runs until this is False, so those calls
+        measure the chosen plan."""
         return batch in self._trials
 
     def split_choice(self) -> str | None:
@@ -333,7 +334,8 @@ class CpuBackend:
         decided = sorted(self._chosen.items())
         if not decided:
             return (f"one image's layers: split over {self.threads} threads where timed at least "
-                    f"{1 - SPLIT_GAIN:.0%} faster than one (decided after {TRIAL_LENGTH // 2} calls of each)")
+                    f"{1 - SPLIT_GAIN:.0%} faster than one (decided after {TRIAL_LENGTH // 2} calls of each, "
+                    f"{TRIAL_LENGTH} before keeping one thread)")
         return "; ".join(f"batch {batch}: " + ("one thread (no layer large enough to split)"
                                                if batch in self._nothing_to_split else
                                                f"layers split over {parts} threads" if parts > 1 else
