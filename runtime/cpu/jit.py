@@ -136,7 +136,6 @@ else:
         WIDE_VECTORS (on others its tiles would not fit the registers)."""
         return _slp_kernel(function, 16)
 
-
     @contextlib.contextmanager
     def _one_vector_a_step():
         llvmlite.binding.set_option("lnn", "-force-vector-interleave=1")
@@ -151,6 +150,7 @@ else:
         runs as scalars in its remainder: winograd_input's loops over a tile row's 16 tiles did. The same
         results; the ahead-of-time module compiles it as a @kernel."""
         return _compiled_under(numba.njit(cache=CACHE_ENABLED, nogil=True)(function), _one_vector_a_step)
+
 
     from numba import types  # noqa: E402
     from numba.core import cgutils  # noqa: E402

@@ -378,8 +378,12 @@ def test_one_thread_is_kept_only_when_two_trials_in_a_row_say_so(monkeypatch):
     backend, x, split, whole = choice_case()
     split_run = split.run
     split_delays = [0.02] * (cpu_backend.TRIAL_LENGTH // 2)        # its calls in the first trial only
-    monkeypatch.setattr(split, "run", lambda x, crew=None, held=True: (time.sleep(split_delays.pop(0) if split_delays
-                                                                                   else 0), split_run(x, crew, held))[1])
+
+    def split_slow_in_the_first_trial(x, crew=None, held=True):
+        time.sleep(split_delays.pop(0) if split_delays else 0)
+        return split_run(x, crew, held)
+
+    monkeypatch.setattr(split, "run", split_slow_in_the_first_trial)
     whole_run = whole.run
     monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.01), whole_run(x))[1])
     for _ in range(2 * cpu_backend.TRIAL_LENGTH + 1):
