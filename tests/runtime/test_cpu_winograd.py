@@ -197,7 +197,8 @@ def test_winograd_kernels_split_by_channels_and_rows(width):
     np.testing.assert_array_equal(acc_split, acc_whole)
 
 
-@pytest.mark.parametrize("case", [(1, 3, 30, 17, 16, 1), (2, 1, 9, 8, 5, 0), (1, 2, 6, 40, 16, 2)],
+@pytest.mark.parametrize("case", [(1, 3, 30, 17, 16, 1), (2, 1, 9, 8, 5, 0), (1, 2, 6, 40, 16, 2),
+                                  (2, 3, 7, 32, 16, 1), (2, 3, 9, 50, 11, 0)],      # rows of 32 and 48: tiles
                          ids=lambda c: "n{}c{}h{}w{}o{}p{}".format(*c))
 def test_direct_matches_float64_convolution(case):
     batch, channels, height, width, out_channels, padding = case
