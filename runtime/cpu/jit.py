@@ -136,13 +136,18 @@ else:
         WIDE_VECTORS (on others its tiles would not fit the registers)."""
         return _slp_kernel(function, 16)
 
+    _one_vector_compiles = [0]  # @short_loops_kernel compiles under way (they nest: a kernel compiles those it calls)
+
     @contextlib.contextmanager
     def _one_vector_a_step():
+        _one_vector_compiles[0] += 1
         llvmlite.binding.set_option("lnn", "-force-vector-interleave=1")
         try:
             yield
         finally:
-            llvmlite.binding.set_option("lnn", "-force-vector-interleave=0")      # LLVM's own choice again
+            _one_vector_compiles[0] -= 1
+            if not _one_vector_compiles[0]:            # the outermost: LLVM's own choice again
+                llvmlite.binding.set_option("lnn", "-force-vector-interleave=0")
 
     def short_loops_kernel(function):
         """@short_loops_kernel: a @kernel whose vectorized loops take one vector a step. By default LLVM's loop

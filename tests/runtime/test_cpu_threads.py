@@ -393,7 +393,7 @@ def test_one_thread_is_kept_only_when_two_trials_in_a_row_say_so(monkeypatch):
     backend, x, split, whole = choice_case()
     split_run = split.run
     monkeypatch.setattr(split, "run", lambda x, crew=None, held=True: (time.sleep(0.02), split_run(x, crew, held))[1])
-    for call in range(2 * cpu_backend.TRIAL_LENGTH + 1):
+    for _ in range(2 * cpu_backend.TRIAL_LENGTH + 1):
         assert backend._chosen == {}                            # undecided until the second trial ends
         backend.run(x)
     assert backend._chosen == {1: 1}
