@@ -644,7 +644,8 @@ class Conv2dLayer:
         most = max(tile_rows * tiles_w * images for _, tile_rows, images in map(self._band_tiles, bands))
         v_buffer = new_buffer((36, in_channels + 1, self._tile_stride(most)))
         v_buffer.fill(0.0)              # the columns past a band's tiles: small_products reads up to 16 of them
-        blocks = [(block, new_buffer(input_work_shape(tiles_w))) for block in split_range(0, in_channels, parts)]
+        work_shape = input_work_shape(tiles_w, max(tile_rows for _, tile_rows, _ in map(self._band_tiles, bands)))
+        blocks = [(block, new_buffer(work_shape)) for block in split_range(0, in_channels, parts)]
         tasks = []
         for band in bands:
             tile_first, tile_rows, _ = self._band_tiles(band)
@@ -674,7 +675,8 @@ class Conv2dLayer:
         if shared is None:
             v_buffer = new_buffer((36, in_channels + 1, stride))
             v_buffer.fill(0.0)          # the columns past a band's tiles: small_products reads up to 16 of them
-            input_work = new_buffer(input_work_shape(tiles_w))      # the kernel's scratch (winograd.py)
+            most_rows = max(tile_rows for _, tile_rows, _ in map(self._band_tiles, bands))
+            input_work = new_buffer(input_work_shape(tiles_w, most_rows))     # the kernel's scratch (winograd.py)
         else:
             v_buffer = shared
         skinny = [rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)

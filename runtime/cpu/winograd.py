@@ -92,19 +92,21 @@ def tile_count(size: int) -> int:
     return -(-size // TILE)
 
 
-# From this many tiles a row (TW), winograd_input's second step runs over all tiles of a tile row at once
-# (vectorized, from the 4 column phases of E's row); on narrower rows tile by tile, where the phases' short
-# rows lost (64x28^2, TW 7: 1.6x slower). 1 thread, a C x H^2 input transform, us, this kernel / the one before
-# (which gathered 6 columns of E per tile into rows and ran a channel's tiles at once; medians of 7
-# interleaved rounds of 200 calls, 2-core EPYC with AVX-512; the same bytes): 16x64^2 184 / 254, 32x32^2
-# (TW 8) 145 / 208, 16x112^2 350 / 422, 32x56^2 245 / 293, 24x64^2 193 / 260, 48x32^2 138 / 191; tile by tile
-# as before: 64x16^2 79 / 85, 64x28^2 134 / 134, 192x8^2 49 / 48.
-PHASED_MIN_TILES_W = 8
+# From this many tiles a row (TW), winograd_input's second step gathers each tile's 6 columns of E into 36
+# rows of the band's tiles and runs over all of them at once (vectorized: a 32x32 image's band has 64 tiles,
+# where a tile row had 8); on narrower rows tile by tile, where the gather lost (128x8^2, TW 2: 1.7x slower,
+# 96x12^2 1.6x, 64x16^2 1.1x). 1 thread, a C x H^2 input transform, this kernel / the one before (which ran
+# the second step over each tile row's 4 column phases of E from TW 8, tile by tile below), medians of 7
+# interleaved rounds, the same bytes, 2-core EPYC with AVX-512, both compiled one vector a step: 48x24^2
+# (TW 6) 0.94, 128x28^2 0.91, 48x32^2 0.74, 32x40^2 0.64, 32x48^2 0.77, 64x56^2 0.64, 24x64^2 1.02,
+# 32x112^2 0.75, 16x128^2 0.97. (Before rows were compiled one vector a step, the phases had won: a tile
+# row's loop of 16 ran in its scalar remainder either way.)
+GATHERED_MIN_TILES_W = 6
 
 
-def input_work_shape(tiles_w: int) -> tuple:
-    """The shape of winograd_input's scratch `work` for rows of tiles_w tiles."""
-    return 10, 4 * tiles_w + 2
+def input_work_shape(tiles_w: int, tile_rows: int) -> tuple:
+    """The shape of winograd_input's scratch `work` for bands of at most tile_rows rows of tiles_w tiles."""
+    return 42, max(4 * tiles_w + 2, tile_rows * tiles_w)
 
 
 @short_loops_kernel
@@ -114,16 +116,14 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
     tile columns; v [36, >= C, >= T], work of input_work_shape (scratch, one per concurrent caller).
     Per channel and tile row: E[k] = sum_i B^T[k, i] image row (4ty + i) (whole rows at once, into
     work rows 0-5), then v[6k + l, c, t] = sum_j B^T[l, j] E[k, 4tx + j]: tile by tile, or, from
-    PHASED_MIN_TILES_W tiles a row, for all of the row's tiles at once from E[k]'s column phases
-    P[p, tx] = E[k, 4tx + p] (work rows 6-9; E[k, 4tx + 4 + p] = P[p, tx + 1]), the same sums in the same
-    order (the same bytes). Every inner loop reads at most 6 arrays rows and writes one, so LLVM
-    vectorizes it (its runtime alias checks stay under its limit of 8); the phases are one interleaved
-    read of E."""
+    GATHERED_MIN_TILES_W tiles a row, for all of the band's tiles at once after each tile row's E is
+    gathered into work rows 6 + 6k + j, column t (the same sums in the same order: the same bytes). Every
+    inner loop reads at most 6 arrays rows and writes one, so LLVM vectorizes it (its runtime alias
+    checks stay under its limit of 8)."""
     _, padded_h, padded_w = image.shape
     tiles_w = (padded_w + 1) // 4                  # tile_count(WP - 2)
     span = 4 * tiles_w + 2                         # E's columns: past WP they stay 0
-    phased = tiles_w >= PHASED_MIN_TILES_W
-    p0, p1, p2, p3 = work[6], work[7], work[8], work[9]
+    gathered = tiles_w >= GATHERED_MIN_TILES_W
     work[:6, padded_w:span] = 0
     for c in range(c_first, c_end):
         plane = image[c]
@@ -143,27 +143,33 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
                         b, row = BT32[k, i], plane[y + i]
                         for x in range(padded_w):
                             e[x] += b * row[x]
-            t0 = column + (ty - tile_first) * tiles_w
+            t0 = (ty - tile_first) * tiles_w
             for k in range(6):
                 e = work[k]
-                if phased:
+                if gathered:
+                    g = 6 + 6 * k
                     for tx in range(tiles_w):
-                        x = 4 * tx
-                        p0[tx], p1[tx], p2[tx], p3[tx] = e[x], e[x + 1], e[x + 2], e[x + 3]
-                    p0[tiles_w], p1[tiles_w] = e[4 * tiles_w], e[4 * tiles_w + 1]
-                    for l in range(6):
-                        a0, a1, a2, a3, a4, a5 = BT32[l, 0], BT32[l, 1], BT32[l, 2], BT32[l, 3], BT32[l, 4], BT32[l, 5]
-                        out = v[6 * k + l, c, t0:t0 + tiles_w]
-                        for tx in range(tiles_w):
-                            out[tx] = (a0 * p0[tx] + a1 * p1[tx] + a2 * p2[tx] + a3 * p3[tx]
-                                       + a4 * p0[tx + 1] + a5 * p1[tx + 1])
+                        x, t = 4 * tx, t0 + tx
+                        work[g, t], work[g + 1, t], work[g + 2, t] = e[x], e[x + 1], e[x + 2]
+                        work[g + 3, t], work[g + 4, t], work[g + 5, t] = e[x + 3], e[x + 4], e[x + 5]
                     continue
                 for tx in range(tiles_w):
                     x = 4 * tx
                     e0, e1, e2, e3, e4, e5 = e[x], e[x + 1], e[x + 2], e[x + 3], e[x + 4], e[x + 5]
                     for l in range(6):
-                        v[6 * k + l, c, t0 + tx] = (BT32[l, 0] * e0 + BT32[l, 1] * e1 + BT32[l, 2] * e2 + BT32[l, 3] * e3
-                                                    + BT32[l, 4] * e4 + BT32[l, 5] * e5)
+                        v[6 * k + l, c, column + t0 + tx] = (BT32[l, 0] * e0 + BT32[l, 1] * e1 + BT32[l, 2] * e2
+                                                             + BT32[l, 3] * e3 + BT32[l, 4] * e4 + BT32[l, 5] * e5)
+        if not gathered:
+            continue
+        count = tile_rows * tiles_w
+        for k in range(6):
+            g = 6 + 6 * k
+            q0, q1, q2, q3, q4, q5 = work[g], work[g + 1], work[g + 2], work[g + 3], work[g + 4], work[g + 5]
+            for l in range(6):
+                a0, a1, a2, a3, a4, a5 = BT32[l, 0], BT32[l, 1], BT32[l, 2], BT32[l, 3], BT32[l, 4], BT32[l, 5]
+                out = v[6 * k + l, c, column:column + count]
+                for t in range(count):
+                    out[t] = a0 * q0[t] + a1 * q1[t] + a2 * q2[t] + a3 * q3[t] + a4 * q4[t] + a5 * q5[t]
 
 
 @ieee_kernel

@@ -59,19 +59,19 @@ def test_transforms_are_exact_in_float64():
             np.testing.assert_allclose(winograd, direct, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("width", [9, 37])       # 2 tiles a row: tile by tile; 9: a tile row's tiles at once
+@pytest.mark.parametrize("width", [9, 37])       # 2 tiles a row: tile by tile; 9: gathered, the band's tiles at once
 def test_kernels_compute_the_matrices(width):
     """Full tiles and tiles past the image's bottom and right edges through winograd_input; random M
     through winograd_output."""
-    from lnn.runtime.cpu.winograd import (AT, BT, PHASED_MIN_TILES_W, input_work_shape, winograd_input,
+    from lnn.runtime.cpu.winograd import (AT, BT, GATHERED_MIN_TILES_W, input_work_shape, winograd_input,
                                           winograd_output)
 
     rng = np.random.default_rng(1)
     tiles_w = (width + 1) // 4
-    assert (tiles_w >= PHASED_MIN_TILES_W) == (width > 9)
+    assert (tiles_w >= GATHERED_MIN_TILES_W) == (width > 9)
     image = rng.standard_normal((2, 9, width)).astype(np.float32)        # tile rows 0-5 and 4-9 (9 is past)
     v = np.zeros((36, 2, 2 * tiles_w), np.float32)
-    winograd_input(image, 0, 2, 0, 2, 0, np.zeros(input_work_shape(tiles_w), np.float32), v)
+    winograd_input(image, 0, 2, 0, 2, 0, np.zeros(input_work_shape(tiles_w, 2), np.float32), v)
     padded = np.pad(image.astype(np.float64), ((0, 0), (0, 1), (0, 4 * tiles_w + 2 - width)))
     for c in range(2):
         for t in range(2 * tiles_w):
@@ -102,7 +102,7 @@ def test_input_transform_compiled_one_vector_a_step_gives_the_same_bytes():
     outputs = []
     for function in (winograd_input, default_compile):
         v = np.full((36, 5, tiles_w * tiles_w), np.nan, np.float32)
-        function(image, 0, 5, 0, tiles_w, 0, np.zeros(input_work_shape(tiles_w), np.float32), v)
+        function(image, 0, 5, 0, tiles_w, 0, np.zeros(input_work_shape(tiles_w, tiles_w), np.float32), v)
         outputs.append(v)
     assert not np.isnan(outputs[0]).any()
     assert outputs[0].tobytes() == outputs[1].tobytes()
@@ -173,7 +173,31 @@ def test_winograd_in_row_bands_matches_float64(monkeypatch):
     check_bound(got, x, weight, 1)
 
 
-@pytest.mark.parametrize("width", [14, 38])      # conv 12 or 36 wide: 3 tiles a row (tile by tile) or 9 (at once)
+@pytest.mark.parametrize("tiles_w", [6, 9, 16])
+def test_gathered_input_transform_gives_the_tile_by_tile_bytes(tiles_w, monkeypatch):
+    """From GATHERED_MIN_TILES_W tiles a row, winograd_input's second step runs over the band's tiles at once
+    after a gather: the same sums in the same order as tile by tile (compiled here with the threshold out of
+    reach), on a band of 3 tile rows that starts at row 1 and a last tile row past the image."""
+    numba = pytest.importorskip("numba")
+    from lnn.runtime.cpu import jit, winograd
+    from lnn.runtime.cpu.winograd import input_work_shape, winograd_input
+
+    if jit.KERNELS != "jit":
+        pytest.skip("the ahead-of-time kernels are compiled once")
+    monkeypatch.setattr(winograd, "GATHERED_MIN_TILES_W", 10**6)
+    tile_by_tile = numba.njit(nogil=True)(winograd_input.py_func)      # Numba freezes the global now
+    image = np.random.default_rng(6).standard_normal((3, 4 * 4 + 1, 4 * tiles_w + 2)).astype(np.float32)
+    outputs = []
+    for function in (winograd_input, tile_by_tile):
+        v = np.full((36, 4, 5 + 3 * tiles_w), np.nan, np.float32)
+        function(image, 1, 3, 1, 3, 5, np.zeros(input_work_shape(tiles_w, 3), np.float32), v)
+        outputs.append(v)
+    assert not np.isnan(outputs[0][:, 1:3, 5:]).any() and np.isnan(outputs[0][:, 0]).all()
+    assert np.isnan(outputs[0][:, :, :5]).all() and np.isnan(outputs[0][:, 3]).all()
+    assert outputs[0].tobytes() == outputs[1].tobytes()
+
+
+@pytest.mark.parametrize("width", [14, 38])      # conv 12 or 36 wide: 3 tiles a row (tile by tile) or 9 (gathered)
 def test_winograd_kernels_split_by_channels_and_rows(width):
     """What a caller splitting one conv over threads does: channel ranges and tile-row ranges give the same V and acc."""
     from lnn.runtime.cpu.winograd import input_work_shape, tile_count, winograd_input, winograd_output
@@ -183,9 +207,9 @@ def test_winograd_kernels_split_by_channels_and_rows(width):
     tiles_w, tile_rows = tile_count(width - 2), tile_count(13)
     count = tiles_w * tile_rows
     whole, split = np.zeros((36, 10, count), np.float32), np.zeros((36, 10, count), np.float32)
-    winograd_input(image, 0, 10, 0, tile_rows, 0, np.zeros(input_work_shape(tiles_w), np.float32), whole)
+    winograd_input(image, 0, 10, 0, tile_rows, 0, np.zeros(input_work_shape(tiles_w, tile_rows), np.float32), whole)
     for c_first, c_end, first, rows in ((0, 4, 0, 2), (0, 4, 2, 2), (4, 10, 0, 4)):
-        work = np.zeros(input_work_shape(tiles_w), np.float32)
+        work = np.zeros(input_work_shape(tiles_w, rows), np.float32)
         winograd_input(image, c_first, c_end, first, rows, first * tiles_w, work, split)
     np.testing.assert_array_equal(split, whole)
     m = rng.standard_normal((36, 5, count)).astype(np.float32)
