@@ -41,7 +41,7 @@ if KERNELS == "aot":
     VECTOR_FMA = False          # (kernels written for fused multiply-adds: the JIT on a host that has them)
 
     CACHE_ENABLED = False
-    spin_while_equal = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
+    spin_while_equal = hand_off = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
     load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = None   # (the JIT's intrinsics)
 else:
     CACHE_DIR = numba_cache_dir()
@@ -225,8 +225,24 @@ else:
             _sched_yield()
         return True
 
+    def hand_off(flags, helpers, stride, wait, margin):
+        """Without the GIL: give each of the first `helpers` helpers its next task (flags[stride * i] += 1: its
+        count of tasks given), then wait until each has taken it (flags[stride * i + 2], its count of tasks
+        started, caught up), at most `wait` yields in all, then `margin` yields more (the helper, which took
+        the GIL to start its task, drops it again when its first kernel starts). parallel.py's Crew.run: the
+        caller holds no GIL while the helpers take it, so neither sleeps waiting for it (30-80 us here)."""
+        for i in range(helpers):
+            _store_release(flags, stride * i, flags[stride * i] + 1)
+        for i in range(helpers):
+            while _load_acquire(flags, stride * i + 2) != flags[stride * i] and wait > 0:
+                wait -= 1
+                _sched_yield()
+        for _ in range(margin):
+            _sched_yield()
+
     spin_while_equal = (None if sys.platform == "win32"                 # no sched_yield
                         else numba.njit(cache=CACHE_ENABLED, nogil=True)(spin_while_equal))
+    hand_off = None if spin_while_equal is None else numba.njit(cache=CACHE_ENABLED, nogil=True)(hand_off)
     # for kernels that hand work between threads themselves (linear.py's chain); None where there is no spin
     load_acquire, store_release, compare_and_swap, fetch_add, sched_yield = (
         (None,) * 5 if spin_while_equal is None else

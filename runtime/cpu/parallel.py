@@ -30,11 +30,16 @@ import weakref
 
 import numpy as np
 
-from lnn.runtime.cpu.jit import spin_while_equal
+from lnn.runtime.cpu.jit import hand_off, spin_while_equal
 
 LINGER_SECONDS = 5e-4    # how long a helper keeps spinning after a call (the next one, back to back, finds it awake)
 # CPython's GIL switch interval while a crew call runs (the default is 5 ms; see `short_switch_interval`)
 SWITCH_INTERVAL_SECONDS = 5e-5
+# Crew.run's hand-off: the caller waits without the GIL at most this long for the helpers to start their tasks,
+# then this much more while each drops the GIL again in its first kernel
+HAND_OFF_WAIT_SECONDS = 5e-5
+HAND_OFF_MARGIN_SECONDS = 4e-6
+FLAGS_PER_HELPER = 3     # Crew._flags per helper: tasks given, tasks done, tasks started (then HOT, the last)
 
 
 class Parallel:
@@ -104,7 +109,7 @@ class Crew:
     the crew (that caller then runs its tasks itself: same results, its own core). The helpers end
     when the crew is garbage collected or closed.
 
-    Hand-offs: counters in `_flags` say how many tasks each helper was given and has done. With the JIT
+    Hand-offs: counters in `_flags` say how many tasks each helper was given, has started and has done. With the JIT
     kernels, while `try_run` holds the crew (HOT set), a helper waits for its next task, and the caller
     for a helper's "done", by spinning on them without the GIL (jit.spin_while_equal, which yields the
     CPU between reads), so that no thread sleeps between two layers of a call: on the 2-core VM a
@@ -113,13 +118,14 @@ class Crew:
     wakes the helpers when it starts; after its end they spin LINGER_SECONDS more (a call right after
     finds them awake: 1.18 -> 1.28x on leaf_cnn, 1.30 -> 1.32 on tomato, 1.66 -> 1.69 on leaf_cnn224,
     2 threads / 1, interleaved), then block on their `go` lock again (an idle crew uses no CPU).
-    During the call the GIL's switch interval is SWITCH_INTERVAL_SECONDS (`short_switch_interval`).
+    A task is handed over without the GIL (`run`). During the call the GIL's switch interval is
+    SWITCH_INTERVAL_SECONDS (`short_switch_interval`).
     Without the JIT (the app's compiled kernels keep the GIL) the locks alone hand off."""
 
     def __init__(self, helpers: int, name: str = "lnn-cpu"):
         self._busy = threading.Lock()
         # flags: [go count, done count] per helper, then HOT (1 while a call holds the crew)
-        self._flags = np.zeros(2 * helpers + 1, np.int64)
+        self._flags = np.zeros(FLAGS_PER_HELPER * helpers + 1, np.int64)
         self._jobs = [_Slot(self._flags, index) for index in range(helpers)]
         self.threads = [threading.Thread(target=_serve, args=(slot,), name=f"{name}-{index}", daemon=True)
                         for index, slot in enumerate(self._jobs)]
@@ -182,9 +188,28 @@ class Crew:
 
     def run(self, tasks: list) -> None:
         """Run each task (a list of steps), at most helpers + 1 of them, and wait for all; only while
-        holding the crew (try_run)."""
-        for slot, task in zip(self._jobs, tasks[1:]):
-            slot.give(task)
+        holding the crew (try_run).
+
+        With the JIT the helpers' tasks are handed off without the GIL (jit.hand_off), and the caller starts
+        its own task once they have started theirs: a helper that found the caller holding the GIL as it
+        took its task slept until the caller's first kernel dropped it, and woke 15-30 us later on the
+        2-core VM, each Parallel step (two tasks of 27 us on 2 threads: 53-64 us a step, 34-38 with the
+        hand-off; by hand)."""
+        given = list(zip(self._jobs, tasks[1:]))
+        if hand_off is None:
+            for slot, task in given:
+                slot.give(task)
+        else:
+            for slot, _ in given:
+                slot.giving.acquire()
+            try:
+                for slot, task in given:
+                    slot.tasks.append((task, False))
+                    slot.wake()                  # a helper blocked on its lock takes it when it wakes
+                hand_off(self._flags, len(given), FLAGS_PER_HELPER, *hand_off_yields())
+            finally:
+                for slot, _ in given:
+                    slot.giving.release()
         try:
             run_steps(tasks[0])
         finally:
@@ -275,8 +300,9 @@ CURRENT_CPU = _current_cpu_function()
 
 
 class _Slot:
-    """One helper's hand-off. The state is in counters: flags[2i] counts the tasks given, flags[2i + 1]
-    those done (read by the spinning waits); `go` is only a wake-up call for a blocked helper (released
+    """One helper's hand-off. The state is in counters: flags[3i] counts the tasks given, flags[3i + 1]
+    those done, flags[3i + 2] those started (read by the spinning waits and jit.hand_off); `go` is only a
+    wake-up call for a blocked helper (released
     for a task, a wake-up or the stop, at most once pending), `done` is released after each task."""
 
     def __init__(self, flags: np.ndarray, index: int):
@@ -289,7 +315,8 @@ class _Slot:
         self.lent = False                   # a lent task (Crew.lend) is given and not over: nobody waits for it
         self.error = None
         self.stopped = False
-        self.flags, self.given, self.done_at = flags, 2 * index, 2 * index + 1
+        self.flags = flags
+        self.given, self.done_at, self.started_at = (FLAGS_PER_HELPER * index + offset for offset in range(3))
 
     def give(self, task, lent: bool = False) -> None:
         with self.giving:
@@ -328,6 +355,7 @@ def _serve(slot: _Slot) -> None:
                 continue
         seen += 1
         task, lent = slot.tasks.popleft()
+        flags[slot.started_at] = seen                 # Crew.run's caller waits for this (jit.hand_off)
         try:
             if lent:
                 task(flags, slot.given, seen)       # it leaves when flags[given] is no longer `seen`
@@ -349,6 +377,13 @@ def _stop(slots: list) -> None:
     for slot in slots:
         slot.stopped = True
         slot.wake()
+
+
+@functools.cache
+def hand_off_yields() -> tuple:
+    """(wait, margin): jit.hand_off's yields in about HAND_OFF_WAIT_SECONDS and HAND_OFF_MARGIN_SECONDS here."""
+    per_second = linger_yields() / LINGER_SECONDS
+    return max(1, round(HAND_OFF_WAIT_SECONDS * per_second)), max(1, round(HAND_OFF_MARGIN_SECONDS * per_second))
 
 
 @functools.cache

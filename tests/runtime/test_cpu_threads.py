@@ -177,6 +177,32 @@ def test_an_error_in_a_helper_reaches_the_caller_and_the_crew_still_works():
     crew.close()
 
 
+def test_a_task_is_handed_off_without_the_gil_and_counted_as_started():
+    """jit.hand_off gives each helper its next task (its count of tasks given + 1) and waits, without the GIL, until
+    each has started it, a bounded number of yields at most (a helper that never starts costs the caller a
+    wait, not a hang); a crew's helpers count the tasks they start."""
+    from lnn.runtime.cpu.jit import hand_off
+    from lnn.runtime.cpu.parallel import FLAGS_PER_HELPER, Crew
+
+    if hand_off is None:
+        pytest.skip("no hand-off without the JIT")
+    flags = np.zeros(2 * FLAGS_PER_HELPER + 1, np.int64)
+    flags[[0, 3]] = 4, 7                                  # tasks given so far to helpers 0 and 1
+    flags[[2, 5]] = 5, 8                                  # ... already started: nothing to wait for
+    hand_off(flags, 2, FLAGS_PER_HELPER, 10**9, 1)
+    assert flags.tolist() == [5, 0, 5, 8, 0, 8, 0]
+    hand_off(flags, 1, FLAGS_PER_HELPER, 1000, 1)         # helper 0 never starts task 6: 1000 yields, then on
+    assert flags.tolist() == [6, 0, 5, 8, 0, 8, 0]
+    crew = Crew(2)
+    ran = []
+    assert crew.try_run(lambda c: [c.run([[lambda: ran.append(0)], [lambda: ran.append(1)], [lambda: ran.append(2)]])
+                                   for _ in range(20)])
+    assert sorted(ran) == [0] * 20 + [1] * 20 + [2] * 20
+    for slot in crew._jobs:
+        assert crew._flags[slot.started_at] == crew._flags[slot.given] == 20
+    crew.close()
+
+
 def test_helpers_spin_only_during_a_call():
     """Within a call the helpers wait for tasks by spinning (no sleep between layers); after it they block:
     an idle crew uses no CPU."""
