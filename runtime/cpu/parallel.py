@@ -124,7 +124,7 @@ class Crew:
 
     def __init__(self, helpers: int, name: str = "lnn-cpu"):
         self._busy = threading.Lock()
-        # flags: [go count, done count] per helper, then HOT (1 while a call holds the crew)
+        # flags: [given, done, started counts] per helper (FLAGS_PER_HELPER), then HOT (1 while a call holds the crew)
         self._flags = np.zeros(FLAGS_PER_HELPER * helpers + 1, np.int64)
         self._jobs = [_Slot(self._flags, index) for index in range(helpers)]
         self.threads = [threading.Thread(target=_serve, args=(slot,), name=f"{name}-{index}", daemon=True)
@@ -302,8 +302,8 @@ CURRENT_CPU = _current_cpu_function()
 class _Slot:
     """One helper's hand-off. The state is in counters: flags[3i] counts the tasks given, flags[3i + 1]
     those done, flags[3i + 2] those started (read by the spinning waits and jit.hand_off); `go` is only a
-    wake-up call for a blocked helper (released
-    for a task, a wake-up or the stop, at most once pending), `done` is released after each task."""
+    wake-up call for a blocked helper (released for a task, a wake-up or the stop, at most once pending),
+    `done` is released after each task."""
 
     def __init__(self, flags: np.ndarray, index: int):
         self.go = threading.Lock()
