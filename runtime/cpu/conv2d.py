@@ -635,16 +635,22 @@ class Conv2dLayer:
         stride = -(-columns // 16) * 16
         return stride + 16 * (stride // 16 % 2 == 0)
 
+    def _winograd_input_scratch(self, in_channels: int, bands: list, new_buffer) -> tuple:
+        """(V [36, C + 1, T'] for the largest of the bands, zeroed, and the shape of winograd_input's `work`)."""
+        tiles_w = tile_count(self.conv_shape[2])
+        band_tiles = [self._band_tiles(band) for band in bands]
+        v_buffer = new_buffer((36, in_channels + 1,
+                               self._tile_stride(max(rows * tiles_w * images for _, rows, images in band_tiles))))
+        v_buffer.fill(0.0)              # the columns past a band's tiles: small_products reads up to 16 of them
+        return v_buffer, input_work_shape(tiles_w, max(rows for _, rows, _ in band_tiles))
+
     def _shared_winograd_input(self, image, bands: list, parts: int, new_buffer) -> tuple:
         """(V, [[task, ...] per band]): V [36, C + 1, T'], for one band at a time, made by `parts` tasks
         of input channels each, which run before the band's tasks of output channels that read it (a
         conv cut by output channels makes each V once, not once per part)."""
         in_channels = image.shape[1]
         tiles_w = tile_count(self.conv_shape[2])
-        most = max(tile_rows * tiles_w * images for _, tile_rows, images in map(self._band_tiles, bands))
-        v_buffer = new_buffer((36, in_channels + 1, self._tile_stride(most)))
-        v_buffer.fill(0.0)              # the columns past a band's tiles: small_products reads up to 16 of them
-        work_shape = input_work_shape(tiles_w, max(tile_rows for _, tile_rows, _ in map(self._band_tiles, bands)))
+        v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_buffer)
         blocks = [(block, new_buffer(work_shape)) for block in split_range(0, in_channels, parts)]
         tasks = []
         for band in bands:
@@ -673,10 +679,8 @@ class Conv2dLayer:
         tiles_w = tile_count(conv_w)
         stride = self._tile_stride(max(rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)))
         if shared is None:
-            v_buffer = new_buffer((36, in_channels + 1, stride))
-            v_buffer.fill(0.0)          # the columns past a band's tiles: small_products reads up to 16 of them
-            most_rows = max(tile_rows for _, tile_rows, _ in map(self._band_tiles, bands))
-            input_work = new_buffer(input_work_shape(tiles_w, most_rows))     # the kernel's scratch (winograd.py)
+            v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_buffer)
+            input_work = new_buffer(work_shape)      # the kernel's scratch (winograd.py)
         else:
             v_buffer = shared
         skinny = [rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)
