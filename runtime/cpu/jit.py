@@ -225,16 +225,16 @@ else:
             _sched_yield()
         return True
 
-    def hand_off(flags, helpers, stride, wait, margin):
-        """Without the GIL: give each of the first `helpers` helpers its next task (flags[stride * i] += 1: its
-        count of tasks given), then wait until each has taken it (flags[stride * i + 2], its count of tasks
-        started, caught up), at most `wait` yields in all, then `margin` yields more (the helper, which took
-        the GIL to start its task, drops it again when its first kernel starts). parallel.py's Crew.run: the
-        caller holds no GIL while the helpers take it, so neither sleeps waiting for it (30-80 us here)."""
+    def hand_off(flags, helpers, stride, given, started, wait, margin):
+        """Without the GIL: give each of the first `helpers` helpers its next task (flags[stride * i + given] += 1:
+        its count of tasks given), then wait until each has taken it (flags[stride * i + started], its count of
+        tasks started, caught up), at most `wait` yields in all, then `margin` yields more (the helper, which
+        took the GIL to start its task, drops it again when its first kernel starts). parallel.py's Crew.run:
+        the caller holds no GIL while the helpers take it, so neither sleeps waiting for it (30-80 us here)."""
         for i in range(helpers):
-            _store_release(flags, stride * i, flags[stride * i] + 1)
+            _store_release(flags, stride * i + given, flags[stride * i + given] + 1)
         for i in range(helpers):
-            while _load_acquire(flags, stride * i + 2) != flags[stride * i] and wait > 0:
+            while _load_acquire(flags, stride * i + started) != flags[stride * i + given] and wait > 0:
                 wait -= 1
                 _sched_yield()
         for _ in range(margin):

@@ -39,7 +39,9 @@ SWITCH_INTERVAL_SECONDS = 5e-5
 # then this much more while each drops the GIL again in its first kernel
 HAND_OFF_WAIT_SECONDS = 5e-5
 HAND_OFF_MARGIN_SECONDS = 4e-6
-FLAGS_PER_HELPER = 3     # Crew._flags per helper: tasks given, tasks done, tasks started (then HOT, the last)
+# Crew._flags: per helper its counts of tasks given, done and started (at these offsets), then HOT (the last)
+GIVEN, DONE, STARTED = range(3)
+FLAGS_PER_HELPER = 3
 
 
 class Parallel:
@@ -124,7 +126,7 @@ class Crew:
 
     def __init__(self, helpers: int, name: str = "lnn-cpu"):
         self._busy = threading.Lock()
-        # flags: [given, done, started counts] per helper (FLAGS_PER_HELPER), then HOT (1 while a call holds the crew)
+        # flags: GIVEN, DONE, STARTED counts per helper, then HOT (1 while a call holds the crew)
         self._flags = np.zeros(FLAGS_PER_HELPER * helpers + 1, np.int64)
         self._jobs = [_Slot(self._flags, index) for index in range(helpers)]
         self.threads = [threading.Thread(target=_serve, args=(slot,), name=f"{name}-{index}", daemon=True)
@@ -206,7 +208,7 @@ class Crew:
                 for slot, task in given:
                     slot.tasks.append((task, False))
                     slot.wake()                  # a helper blocked on its lock takes it when it wakes
-                hand_off(self._flags, len(given), FLAGS_PER_HELPER, *hand_off_yields())
+                hand_off(self._flags, len(given), FLAGS_PER_HELPER, GIVEN, STARTED, *hand_off_yields())
             finally:
                 for slot, _ in given:
                     slot.giving.release()
@@ -316,7 +318,7 @@ class _Slot:
         self.error = None
         self.stopped = False
         self.flags = flags
-        self.given, self.done_at, self.started_at = (FLAGS_PER_HELPER * index + offset for offset in range(3))
+        self.given, self.done_at, self.started_at = (FLAGS_PER_HELPER * index + offset for offset in (GIVEN, DONE, STARTED))
 
     def give(self, task, lent: bool = False) -> None:
         with self.giving:

@@ -182,16 +182,16 @@ def test_a_task_is_handed_off_without_the_gil_and_counted_as_started():
     each has started it, a bounded number of yields at most (a helper that never starts costs the caller a
     wait, not a hang); a crew's helpers count the tasks they start."""
     from lnn.runtime.cpu.jit import hand_off
-    from lnn.runtime.cpu.parallel import FLAGS_PER_HELPER, Crew
+    from lnn.runtime.cpu.parallel import FLAGS_PER_HELPER, GIVEN, STARTED, Crew
 
     if hand_off is None:
         pytest.skip("no hand-off without the JIT")
     flags = np.zeros(2 * FLAGS_PER_HELPER + 1, np.int64)
     flags[[0, 3]] = 4, 7                                  # tasks given so far to helpers 0 and 1
     flags[[2, 5]] = 5, 8                                  # ... already started: nothing to wait for
-    hand_off(flags, 2, FLAGS_PER_HELPER, 10**9, 1)
+    hand_off(flags, 2, FLAGS_PER_HELPER, GIVEN, STARTED, 10**9, 1)
     assert flags.tolist() == [5, 0, 5, 8, 0, 8, 0]
-    hand_off(flags, 1, FLAGS_PER_HELPER, 1000, 1)         # helper 0 never starts task 6: 1000 yields, then on
+    hand_off(flags, 1, FLAGS_PER_HELPER, GIVEN, STARTED, 1000, 1)     # helper 0 never starts task 6: 1000 yields
     assert flags.tolist() == [6, 0, 5, 8, 0, 8, 0]
     crew = Crew(2)
     ran = []
