@@ -28,6 +28,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
+from cpu_peers import load_bin, random_input  # noqa: E402
 from report import machine_line, markdown_table, update_section  # noqa: E402
 
 
@@ -60,15 +61,13 @@ def arithmetic_workloads() -> dict:
 
 def lnn_tasks() -> dict:
     """{label: (task 0, task 1)} of the bundled model's 2-thread plan at batch 1 (each a function running its steps)."""
-    from lnn.formats.binfile import read_bin
     from lnn.runtime.cpu import BACKEND
     from lnn.runtime.cpu.parallel import Parallel, run_steps
 
-    bundled = read_bin(REPO / "models" / "tomato_leaf.bin")
+    bundled = load_bin("tomato")
     backend = BACKEND(bundled.model, bundled.weights_fp32(), threads=2)
     backend._chosen[1] = 2                      # the split plan, whatever the timed choice would be
-    x = np.random.default_rng(1).standard_normal((1, *bundled.model.input_shape)).astype(np.float32)
-    backend.run(x)
+    backend.run(random_input((1, *bundled.model.input_shape)))
     plan = backend._plan(1, 2)
     tasks = {}
     for index, step in enumerate(plan.steps):
