@@ -93,13 +93,14 @@ def worker_layers(name, _extra) -> list:
     backend = CpuBackend(model, weights, threads=1)
     convs = [node for node in model.nodes if node.op == "conv2d"]
     x = random_input(model.input_shape)
-    plan = Plan(backend.layers, model.input_shape, 1)
-    rows, source = [], plan.input
-    np.copyto(source, x)
+    plan = Plan(backend.layers, model.input_shape, 1, chains=False)
+    rows = []
+    np.copyto(plan.input, x)
     with threadpool_limits(1, user_api="blas"):
-        for layer in backend.layers:
-            source, steps = layer.plan(source, Plan._new_buffer)
-            run = lambda steps=steps: [step() for step in steps]  # noqa: E731
+        for step in plan.steps:          # every layer's input holds real values
+            step()
+        for layer, (first, end) in zip(backend.layers, plan.layer_steps):
+            run = lambda steps=plan.steps[first:end]: [step() for step in steps]  # noqa: E731
             ms = times_ms(run)
             if isinstance(layer, Conv2dLayer):
                 node = convs[len(rows)]

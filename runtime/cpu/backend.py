@@ -13,7 +13,11 @@ Load time (once):
     negative scale does not commute with the max).
 First call per batch size: every buffer is allocated and every kernel call is bound to its buffers
 (`steps`, argument-free callables). Later calls with that batch size copy the input into the plan's
-input buffer and run the steps: no allocation. keep=(node names): fusion stops at those nodes and
+input buffer and run the steps: no allocation. A layer's scratch (a conv's V, M, acc, columns: written
+before it is read on each call, read by no other layer) is a piece of one block that all the plan's layers
+reuse, as they run one after another (Plan._new_buffer): the bundled model's buffers at batch 1 take 4.3
+MB instead of 10.3, leaf_cnn224's 11.1 instead of 23.7, and the layers find their scratch still in cache
+(whole calls 0.78-0.89x the time of separate buffers, by hand: docs/BENCHMARKS.md). keep=(node names): fusion stops at those nodes and
 the plan copies their values into buffers of their own, which run_with_features() returns (the
 out-of-distribution gate's features; runtime/features.py). run() returns the plan's output buffer
 itself, which the next call of the same thread overwrites (Session.run copies it).
@@ -107,9 +111,20 @@ class Plan:
                  task_flops: float = MIN_TASK_FLOPS, chains: bool = True):
         """chains: consecutive small linear layers as one kernel call (linear.plan_chain); off for --profile,
         which times each layer."""
+        self.scratch = None              # the block the layers' scratch shares (_new_buffer)
+        self._scratch_used = self.scratch_most = 0
+        planned = (layers, input_shape, batch, kept_after or {}, parts, task_flops, chains)
+        self._plan_layers(*planned)      # every buffer its own; measures the largest layer's scratch
+        if self.scratch_most:
+            self.scratch = _aligned(self.scratch_most, np.zeros)   # zeros: what a kernel reads past its data is finite
+            self._plan_layers(*planned)
+        self.uses_blas = any(getattr(step, "func", None) is np.matmul for step in all_steps(self.steps))
+        self.splits = any(type(step) is Parallel for step in self.steps)      # else no crew needed
+        self.claims = any(type(step) is Claimed for step in self.steps)       # a crew helper may serve these
+
+    def _plan_layers(self, layers, input_shape, batch, kept_after, parts, task_flops, chains) -> None:
         first_padding = getattr(layers[0], "input_padding", (0, 0)) if layers else (0, 0)
         _, self.input = padded_buffer((batch, *input_shape), *first_padding, self._new_buffer)
-        kept_after = kept_after or {}
         self.steps = []
         self.layer_steps = []            # per layer: (first, end) indices of its steps (lnn-bench --profile)
         self.kept = {}                   # kept node name -> its own buffer, filled right after its layer
@@ -117,6 +132,7 @@ class Plan:
         index = 0
         while index < len(layers):
             layer = layers[index]
+            self._scratch_used = 0       # each layer's scratch starts at the shared block's start
             chained = chain_length(layers, index, batch, kept_after) if chains and x.flags.c_contiguous else 0
             if chained:
                 x, steps = plan_chain(layers[index:index + chained], x, self._new_buffer, parts, task_flops)
@@ -134,18 +150,22 @@ class Plan:
                 copy = self.kept[name] = self._new_buffer(x.shape)
                 self.steps.append(partial(np.copyto, copy, x))
         self.output = x
-        self.uses_blas = any(getattr(step, "func", None) is np.matmul for step in all_steps(self.steps))
-        self.splits = any(type(step) is Parallel for step in self.steps)      # else no crew needed
-        self.claims = any(type(step) is Claimed for step in self.steps)       # a crew helper may serve these
 
-    @staticmethod
-    def _new_buffer(shape) -> np.ndarray:
+    def _new_buffer(self, shape, scratch: bool = False) -> np.ndarray:
         """An uninitialized float32 buffer starting on a 64-byte boundary (a cache line; aligned vector
-        stores in the kernels, and BLAS ran the first conv of leaf_cnn ~15% faster on it)."""
+        stores in the kernels, and BLAS ran the first conv of leaf_cnn ~15% faster on it). scratch: a
+        layer's own working buffer, written before it is read on every call and read by no other layer
+        (conv2d.py's V, M, acc, ...): a piece of the block the plan's layers share, after the layer's
+        other scratch (the first pass gives it a buffer of its own and measures)."""
         size = int(np.prod(shape))
-        raw = np.empty(size + ALIGNMENT // 4, np.float32)
-        start = (-raw.ctypes.data % ALIGNMENT) // 4
-        return raw[start:start + size].reshape(shape)
+        if not scratch:
+            return _aligned(size).reshape(shape)
+        start = self._scratch_used
+        self._scratch_used += -(-size // (ALIGNMENT // 4)) * (ALIGNMENT // 4)
+        self.scratch_most = max(self.scratch_most, self._scratch_used)
+        if self.scratch is None:
+            return _aligned(size).reshape(shape)
+        return self.scratch[start:start + size].reshape(shape)
 
     def run(self, x: np.ndarray, crew: Crew | None = None, held: bool = True) -> np.ndarray:
         """The output buffer for input x; with `crew`, its first helper serves the Claimed steps and, when
@@ -156,6 +176,13 @@ class Plan:
         else:
             crew.run_steps(self.steps, held)
         return self.output
+
+
+def _aligned(size: int, make=np.empty) -> np.ndarray:
+    """A float32 vector of `size` (made by np.empty or np.zeros) starting on an ALIGNMENT-byte boundary."""
+    raw = make(size + ALIGNMENT // 4, np.float32)
+    start = (-raw.ctypes.data % ALIGNMENT) // 4
+    return raw[start:start + size]
 
 
 def chain_length(layers: list, start: int, batch: int, kept_after: dict) -> int:

@@ -410,15 +410,16 @@ class Conv2dLayer:
         with scratch buffers of its own, writing disjoint rows or channels of the output (`_parts`)."""
         whole_dst, dst = padded_buffer((src.shape[0], *self.out_shape), *self.output_padding, new_buffer)
         image, steps = padded(src, *self.attrs["padding"], 0.0, new_buffer)
+        new_scratch = partial(new_buffer, scratch=True)   # what only this layer's steps use (backend.Plan shares it)
         cuts = self._parts(image.shape[0], image.shape[3], parts)
         if not (self.winograd and cuts[0][1] != (0, self.conv_shape[0])):
-            tasks = [[step for band in self._band_steps(image, bands, channels, whole_dst, new_buffer) for step in band]
+            tasks = [[step for band in self._band_steps(image, bands, channels, whole_dst, new_scratch) for step in band]
                      for bands, channels in cuts]
             return dst, steps + parallel_steps(tasks)
         # Winograd by output channels: per band, V by blocks of input channels, then the rest by output channels
         bands = cuts[0][0]
-        shared, inputs = self._shared_winograd_input(image, bands, len(cuts), new_buffer)
-        per_task = [self._band_steps(image, bands, channels, whole_dst, new_buffer, shared) for _, channels in cuts]
+        shared, inputs = self._shared_winograd_input(image, bands, len(cuts), new_scratch)
+        per_task = [self._band_steps(image, bands, channels, whole_dst, new_scratch, shared) for _, channels in cuts]
         for index in range(len(bands)):
             steps += parallel_steps(inputs[index]) + parallel_steps([task[index] for task in per_task])
         return dst, steps
@@ -454,7 +455,7 @@ class Conv2dLayer:
         bands = [(n, n + 1, *rows) for first, end, *rows in self._bands(batch, padded_w)[0] for n in range(first, end)]
         return [(bands, block) for block in blocks]
 
-    def _band_steps(self, image, bands: list, channels: tuple, whole_dst, new_buffer, shared=None) -> list:
+    def _band_steps(self, image, bands: list, channels: tuple, whole_dst, new_scratch, shared=None) -> list:
         """[[step, ...] per band]: steps 1-3 of each band for output channels channels[0]..channels[1]-1,
         with scratch buffers of their own (acc and pooled hold only those channels). A block of the
         channels writes dst[n:n + 1, o_first:o_end], one image per band: a C-contiguous view (its batch
@@ -465,9 +466,9 @@ class Conv2dLayer:
         per_band = []
         e = self.epilogue
         out_w = self.out_shape[2]
-        rows_max = new_buffer((conv_w,))
-        pooled = new_buffer((o_end - o_first, max((band[1] - band[0]) * (band[3] - band[2]) for band in bands) * out_w))
-        product = self._product(image, bands, channels, new_buffer, shared, pooled)
+        rows_max = new_scratch((conv_w,))
+        pooled = new_scratch((o_end - o_first, max((band[1] - band[0]) * (band[3] - band[2]) for band in bands) * out_w))
+        product = self._product(image, bands, channels, new_scratch, shared, pooled)
         pool = (*self.pool[0], *self.pool[1], *self.pool[2])
         code = NONE if e.code == SOFTMAX else e.code
         scale, shift = e.scale[o_first:o_end], e.shift[o_first:o_end]
@@ -538,7 +539,7 @@ class Conv2dLayer:
         (kh, _), (sh, _), (ph, _) = self.pool
         return TILE // sh if kh == sh and ph == 0 and TILE % sh == 0 else 1
 
-    def _product(self, image, bands: list, channels: tuple, new_buffer, shared=None, pooled=None):
+    def _product(self, image, bands: list, channels: tuple, new_scratch, shared=None, pooled=None):
         """f(band, steps) -> (acc, pitch): appends the steps that fill acc [o_end - o_first, positions]
         with conv rows y_first..y_end-1 of the band's images, output channels o_first..o_end-1
         (`channels`; a block of whole groups): (image n_first + j, y, x) at position
@@ -554,7 +555,7 @@ class Conv2dLayer:
         groups = (o_end - o_first) // group_out if a["groups"] > 1 else 1      # groups > 1: whole groups
         weight = self.weight[o_first:o_end]
         if self.direct:
-            raw = new_buffer((o_end - o_first, conv_h, conv_w))
+            raw = new_scratch((o_end - o_first, conv_h, conv_w))
             acc = raw.reshape(o_end - o_first, -1)
             group_in = weight.shape[1]
             inputs = slice(o_first // group_out * group_in, o_end // group_out * group_in)
@@ -565,9 +566,9 @@ class Conv2dLayer:
             return direct
 
         if self.small_direct:
-            return self._small_direct_product(image, bands, weight, new_buffer)
+            return self._small_direct_product(image, bands, weight, new_scratch)
         if self.winograd:
-            return self._winograd_product(image, bands, channels, new_buffer, shared, pooled)
+            return self._winograd_product(image, bands, channels, new_scratch, shared, pooled)
         weight2d = weight.reshape(groups, (o_end - o_first) // groups, -1)
         rows = weight2d.shape[2] * groups
         shifted = (a["stride"] == (1, 1) and not self.pointwise
@@ -579,10 +580,9 @@ class Conv2dLayer:
             return ((n_end - n_first - 1) * conv_h + y_end - y_first - 1) * pitch + conv_w
 
         most = -(-max(positions(band) for band in bands) // 16) * 16     # rows start 64-byte aligned
-        acc_buffer = new_buffer((o_end - o_first, most))
+        acc_buffer = new_scratch((o_end - o_first, most))
         if not self.pointwise:
-            cols_buffer = new_buffer((rows, most))
-            cols_buffer.fill(0.0)       # the columns between two images stay 0 (junk, never read)
+            cols_buffer = new_scratch((rows, most))     # the columns between two images: junk, never read
 
         def gemm(band, steps):
             n_first, n_end, _, _, y_first, y_end = band
@@ -606,12 +606,12 @@ class Conv2dLayer:
             return acc_buffer, pitch
         return gemm
 
-    def _small_direct_product(self, image, bands: list, weight, new_buffer):
+    def _small_direct_product(self, image, bands: list, weight, new_scratch):
         """The product step of _product as `conv3x3_direct`: conv rows y_first..y_end-1 of the band's
         images into acc, pitch OW, for the output channels of `weight` (a block of self.weight)."""
         out_channels = weight.shape[0]
         _, conv_h, conv_w = self.conv_shape
-        acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
+        acc = new_scratch((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
         direct = (conv3x3_direct_tiles if direct_tiles_pay(conv_w) else
                   conv3x3_direct_quads if direct_quads_pay(conv_w) else conv3x3_direct)
 
@@ -635,23 +635,23 @@ class Conv2dLayer:
         stride = -(-columns // 16) * 16
         return stride + 16 * (stride // 16 % 2 == 0)
 
-    def _winograd_input_scratch(self, in_channels: int, bands: list, new_buffer) -> tuple:
-        """(V [36, C + 1, T'] for the largest of the bands, zeroed, and the shape of winograd_input's `work`)."""
+    def _winograd_input_scratch(self, in_channels: int, bands: list, new_scratch) -> tuple:
+        """(V [36, C + 1, T'] for the largest of the bands, and the shape of winograd_input's `work`). V's columns
+        past a band's tiles hold junk (small_products reads up to 16 of them into columns of M never read)."""
         tiles_w = tile_count(self.conv_shape[2])
         band_tiles = [self._band_tiles(band) for band in bands]
-        v_buffer = new_buffer((36, in_channels + 1,
-                               self._tile_stride(max(rows * tiles_w * images for _, rows, images in band_tiles))))
-        v_buffer.fill(0.0)              # the columns past a band's tiles: small_products reads up to 16 of them
+        v_buffer = new_scratch((36, in_channels + 1,
+                                self._tile_stride(max(rows * tiles_w * images for _, rows, images in band_tiles))))
         return v_buffer, input_work_shape(tiles_w, max(rows for _, rows, _ in band_tiles))
 
-    def _shared_winograd_input(self, image, bands: list, parts: int, new_buffer) -> tuple:
+    def _shared_winograd_input(self, image, bands: list, parts: int, new_scratch) -> tuple:
         """(V, [[task, ...] per band]): V [36, C + 1, T'], for one band at a time, made by `parts` tasks
         of input channels each, which run before the band's tasks of output channels that read it (a
         conv cut by output channels makes each V once, not once per part)."""
         in_channels = image.shape[1]
         tiles_w = tile_count(self.conv_shape[2])
-        v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_buffer)
-        blocks = [(block, new_buffer(work_shape)) for block in split_range(0, in_channels, parts)]
+        v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_scratch)
+        blocks = [(block, new_scratch(work_shape)) for block in split_range(0, in_channels, parts)]
         tasks = []
         for band in bands:
             tile_first, tile_rows, _ = self._band_tiles(band)
@@ -660,7 +660,7 @@ class Conv2dLayer:
                            for n in range(band[0], band[1])] for (c_first, c_end), work in blocks])
         return v_buffer, tasks
 
-    def _winograd_product(self, image, bands: list, channels: tuple, new_buffer, shared=None, pooled=None):
+    def _winograd_product(self, image, bands: list, channels: tuple, new_scratch, shared=None, pooled=None):
         """The product step of _product as Winograd F(4x4, 3x3): conv rows y_first..y_end-1 of the
         band's images into acc, pitch OW, from the tile rows that cover them (winograd.py), for output
         channels o_first..o_end-1 (U[:, o_first:o_end]: each of the 36 products reads its block).
@@ -679,19 +679,18 @@ class Conv2dLayer:
         tiles_w = tile_count(conv_w)
         stride = self._tile_stride(max(rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)))
         if shared is None:
-            v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_buffer)
-            input_work = new_buffer(work_shape)      # the kernel's scratch (winograd.py)
+            v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_scratch)
+            input_work = new_scratch(work_shape)      # the kernel's scratch (winograd.py)
         else:
             v_buffer = shared
         skinny = [rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)
                   if rows * tiles_w * images < WINOGRAD_MIN_TILES]
         if skinny:
-            vt_buffer = new_buffer((36, -(-max(skinny) // 4) * 4, in_channels))
-            vt_buffer.fill(0.0)          # the rows past a band's tiles stay 0
-        m_buffer = new_buffer((36, out_channels + 1, stride))
-        output_work = new_buffer((40, stride))
+            vt_buffer = new_scratch((36, -(-max(skinny) // 4) * 4, in_channels))   # rows past the tiles: junk, as V's
+        m_buffer = new_scratch((36, out_channels + 1, stride))
+        output_work = new_scratch((40, stride))
         if not self.winograd_pools:
-            acc = new_buffer((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
+            acc = new_scratch((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
 
         def product(band, steps):
             n_first, n_end, out_first, out_end, y_first, y_end = band

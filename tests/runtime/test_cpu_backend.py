@@ -343,6 +343,52 @@ def test_no_allocation_after_first_call_per_batch_size():
     assert after < limit                 # and nothing accumulates
 
 
+def test_layers_share_one_scratch_block(monkeypatch):
+    """A conv's working buffers (V, M, acc, columns, ...) are pieces of one block that every layer of the plan
+    reuses from its start (the layers run one after another): the block is the largest layer's need, not the
+    sum. The outputs are byte for byte those of plans in which every buffer is its own, at 1 and 2 threads
+    (every layer split), over calls that alternate inputs and batch sizes."""
+    from lnn.runtime.cpu.backend import Plan
+    from lnn.runtime.cpu.parallel import all_steps
+
+    input_shape = [3, 40, 40]
+    model = parse_model({"input_shape": input_shape, "layers": [
+        conv(16, padding=1, activation="relu"), {"type": "maxpool2d", "kernel_size": 2},          # direct, pooled
+        {"type": "batchnorm"},                   # a layer: the next conv pads a copy, its border set once
+        conv(24, padding=1, algorithm="winograd", activation="relu"), {"type": "maxpool2d", "kernel_size": 2},
+        conv(32, padding=1, stride=2, activation="relu"),                                         # columns + GEMM
+        conv(48, padding=1, algorithm="winograd"), {"type": "batchnorm"},                         # few tiles
+        {"type": "global_avg_pool"}, {"type": "linear", "out_features": 5}]})
+    weights = random_weights(model, np.random.default_rng(8))
+    backend = cpu_backend(model, weights, threads=1)
+    plan = Plan(backend.layers, model.input_shape, 2)
+    block = plan.scratch
+    start = block.ctypes.data
+    ends = []                  # per layer: where its scratch ends in the block (bytes), 0 when it has none
+    for first, end in plan.layer_steps:
+        used = [a.ctypes.data + a.nbytes - start for step in all_steps(plan.steps[first:end])
+                for a in getattr(step, "args", ()) if isinstance(a, np.ndarray) and np.shares_memory(a, block)]
+        ends.append(max(used, default=0))
+    assert sum(end > 0 for end in ends) == 4                         # each conv
+    assert max(ends) <= block.nbytes < sum(ends)
+
+    own = Plan._new_buffer
+    monkeypatch.setattr(Plan, "_new_buffer", lambda self, shape, scratch=False: own(self, shape))
+    separate = {threads: cpu_backend(model, weights, threads=threads) for threads in (1, 2)}
+    for each in separate.values():
+        each.task_flops = 0
+        each.run(np.zeros((1, *input_shape), np.float32))            # its plans made with buffers of their own
+        each.run(np.zeros((3, *input_shape), np.float32))
+    monkeypatch.undo()
+    rng = np.random.default_rng(9)
+    for threads, reference in separate.items():
+        shared = cpu_backend(model, weights, threads=threads)
+        shared.task_flops = 0
+        for batch in (1, 3, 1, 3):
+            x = rng.standard_normal((batch, *input_shape)).astype(np.float32)
+            np.testing.assert_array_equal(shared.run(x), reference.run(x), err_msg=f"{threads} threads, batch {batch}")
+
+
 def test_threads_option_limits_blas_during_run():
     from threadpoolctl import threadpool_info
 
