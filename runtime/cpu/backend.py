@@ -105,18 +105,19 @@ ALIGNMENT = 64          # bytes
 
 class Plan:
     """The steps of one batch size. parts > 1: layers with `flops` (conv2d, linear) are cut into up to
-    that many tasks of at least `task_flops` each (Parallel steps)."""
+    that many tasks of at least `task_flops` each (Parallel steps). `scratch`: the block every layer's
+    scratch is a piece of (None when no layer has any)."""
 
     def __init__(self, layers: list, input_shape: tuple, batch: int, kept_after: dict | None = None, parts: int = 1,
                  task_flops: float = MIN_TASK_FLOPS, chains: bool = True):
         """chains: consecutive small linear layers as one kernel call (linear.plan_chain); off for --profile,
         which times each layer."""
         self.scratch = None              # the block the layers' scratch shares (_new_buffer)
-        self._scratch_used = self.scratch_most = 0
+        self._scratch_used = self._scratch_most = 0
         planned = (layers, input_shape, batch, kept_after or {}, parts, task_flops, chains)
         self._plan_layers(*planned)      # every buffer its own; measures the largest layer's scratch
-        if self.scratch_most:
-            self.scratch = _aligned(self.scratch_most, np.zeros)   # zeros: what a kernel reads past its data is finite
+        if self._scratch_most:
+            self.scratch = _aligned(self._scratch_most, np.zeros)   # zeros: what a kernel reads past its data is finite
             self._plan_layers(*planned)
         self.uses_blas = any(getattr(step, "func", None) is np.matmul for step in all_steps(self.steps))
         self.splits = any(type(step) is Parallel for step in self.steps)      # else no crew needed
@@ -162,7 +163,7 @@ class Plan:
             return _aligned(size).reshape(shape)
         start = self._scratch_used
         self._scratch_used += -(-size // (ALIGNMENT // 4)) * (ALIGNMENT // 4)
-        self.scratch_most = max(self.scratch_most, self._scratch_used)
+        self._scratch_most = max(self._scratch_most, self._scratch_used)
         if self.scratch is None:
             return _aligned(size).reshape(shape)
         return self.scratch[start:start + size].reshape(shape)
