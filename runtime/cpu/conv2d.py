@@ -60,7 +60,8 @@ import numpy as np
 from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.aot import A1, A2, A3, A4, F, I, WINDOW
-from lnn.runtime.cpu.conv_direct import conv3x3_direct, conv3x3_direct_quads, conv3x3_direct_tiles
+from lnn.runtime.cpu.conv_direct import (conv3x3_direct, conv3x3_direct_quads, conv3x3_direct_tiles,
+                                         conv3x3_direct_tiles_pool2)
 from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
@@ -396,6 +397,12 @@ class Conv2dLayer:
         return self.winograd and self.pool == ((2, 2), (2, 2), (0, 0))
 
     @property
+    def direct_tiles_pool(self) -> bool:
+        """A small direct conv in register tiles whose fused max-pool is 2x2/2 unpadded: the tiles pool
+        (conv_direct.py conv3x3_direct_tiles_pool2; a band's conv rows are those of its pooled rows, an even count)."""
+        return self.small_direct and direct_tiles_pay(self.conv_shape[2]) and self.pool == ((2, 2), (2, 2), (0, 0))
+
+    @property
     def pointwise(self) -> bool:
         a = self.attrs
         return (a["kernel_size"] == (1, 1) and a["stride"] == (1, 1) and a["padding"] == (0, 0))
@@ -482,7 +489,7 @@ class Conv2dLayer:
                 source = (acc, pitch, y_first, conv_h)
             else:
                 source = (pooled, out_w, out_first, out_end - out_first)
-                if self.winograd_pools:
+                if self.winograd_pools or self.direct_tiles_pool:
                     pass                        # the product wrote pooled
                 elif pool == (2, 2, 2, 2, 0, 0):
                     steps.append(partial(max_pool_2x2_rows, acc, pitch, y_first, conv_h, images, pooled, *rows))
@@ -543,10 +550,9 @@ class Conv2dLayer:
         """f(band, steps) -> (acc, pitch): appends the steps that fill acc [o_end - o_first, positions]
         with conv rows y_first..y_end-1 of the band's images, output channels o_first..o_end-1
         (`channels`; a block of whole groups): (image n_first + j, y, x) at position
-        (j * conv_h + y - y_first) * pitch + x; when winograd_pools, they fill `pooled` instead, as the
-        2x2 max-pool step would. Kernels get whole buffers, or blocks of their first
-        axis, not column views: a view is a non-contiguous array type, which Numba would compile a
-        second time."""
+        (j * conv_h + y - y_first) * pitch + x; when winograd_pools or direct_tiles_pool, they fill `pooled`
+        instead, as the 2x2 max-pool step would. Kernels get whole buffers, or blocks of their first axis, not
+        column views: a view is a non-contiguous array type, which Numba would compile a second time."""
         a = self.attrs
         out_channels, conv_h, conv_w = self.conv_shape
         o_first, o_end = channels
@@ -566,7 +572,7 @@ class Conv2dLayer:
             return direct
 
         if self.small_direct:
-            return self._small_direct_product(image, bands, weight, new_scratch)
+            return self._small_direct_product(image, bands, weight, new_scratch, pooled)
         if self.winograd:
             return self._winograd_product(image, bands, channels, new_scratch, shared, pooled)
         weight2d = weight.reshape(groups, (o_end - o_first) // groups, -1)
@@ -606,11 +612,21 @@ class Conv2dLayer:
             return acc_buffer, pitch
         return gemm
 
-    def _small_direct_product(self, image, bands: list, weight, new_scratch):
+    def _small_direct_product(self, image, bands: list, weight, new_scratch, pooled):
         """The product step of _product as `conv3x3_direct`: conv rows y_first..y_end-1 of the band's
-        images into acc, pitch OW, for the output channels of `weight` (a block of self.weight)."""
+        images into acc, pitch OW, for the output channels of `weight` (a block of self.weight); when
+        direct_tiles_pool, their 2x2 maxima into `pooled` instead (pitch OW / 2), as the max-pool step would."""
         out_channels = weight.shape[0]
         _, conv_h, conv_w = self.conv_shape
+        if self.direct_tiles_pool:
+            def pooling(band, steps):
+                n_first, n_end, out_first, out_end, y_first, _ = band
+                for n in range(n_first, n_end):         # 2 conv rows a pooled row (an odd last row is dropped)
+                    steps.append(partial(conv3x3_direct_tiles_pool2, image[n], weight, 0, out_channels, y_first,
+                                         y_first + 2 * (out_end - out_first),
+                                         (n - n_first) * (out_end - out_first) * self.out_shape[2], pooled))
+                return pooled, self.out_shape[2]
+            return pooling
         acc = new_scratch((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
         direct = (conv3x3_direct_tiles if direct_tiles_pay(conv_w) else
                   conv3x3_direct_quads if direct_quads_pay(conv_w) else conv3x3_direct)

@@ -26,6 +26,15 @@ matrix read in place from the image rows), for the JIT on an AVX-512 host and ro
 alone against conv3x3_direct_quads: 0.65-0.89x the time for 6 to 36 outputs at 128 and 224 wide (0.34-0.40
 ns an output against 0.44-0.55); whole models at one thread, interleaved, leaf_cnn 0.92x, the bundled
 model 0.89-0.92x, leaf_cnn224 0.95x (by hand). Its sums run in another order than conv3x3_direct's.
+
+conv3x3_direct_tiles_pool2 is conv3x3_direct_tiles followed by a 2x2/2 unpadded max-pool (conv2d.py's
+max_pool_2x2_rows; the same sums, the same maxima in its order: the same bytes), without acc: its register
+tiles hold 6 output channels x 2 conv rows x 16 columns, and each tile stores its 6 x 8 maxima into pooled
+[O, positions], row py of the band at column + (py - the band's first) * OW / 2. A network's first conv is
+followed by a pool (leaf_cnn, leaf_cnn224, the bundled model), and its acc was the largest buffer a call
+wrote (the bundled model: 0.8 MB a band). One thread, a band of 3-channel rows as the plan runs it, against
+conv3x3_direct_tiles then max_pool_2x2_rows, by hand: 3 -> 24 at 128 wide 0.75x the time (0.62x after 16 MB
+were touched), 3 -> 16 at 128 0.83x (0.92x), 3 -> 32 at 224 0.75x (0.77x).
 """
 
 from __future__ import annotations
@@ -39,8 +48,10 @@ from lnn.runtime.cpu.winograd import fma16, six_rows, store16, zeros16
 AOT_SIGNATURES = {"conv3x3_direct": (A3, A4, I, I, I, I, I, A2),
                   "conv3x3_direct_quads": None,      # the JIT on an FMA host only (conv2d.py direct_quads_pay)
                   "conv3x3_direct_tiles": None,      # the JIT on an AVX-512 host only (conv2d.py direct_tiles_pay)
+                  "conv3x3_direct_tiles_pool2": None,    # the same
                   "direct_tile": None,
-                  "direct_column_tile": None}
+                  "direct_column_tile": None,
+                  "store_pooled8": None}
 
 
 @kernel
@@ -116,18 +127,20 @@ def conv3x3_direct_quads(image, weight, o_first, o_end, y_first, y_end, column, 
 
 
 @wide_tile_kernel
-def direct_tile(image, weight, o, last, y, x, acc, at):
-    """acc[o + i, at + x:at + x + 32] = conv output row y, columns x..x + 31, of output channel o + i for i < 6
-    and o + i <= last (rows past last are computed as row last and not stored): 12 sums of 16 in registers over
-    all C x 9 taps, each tap 6 broadcasts of the weights and 2 loads of a shifted input row (winograd.py's
-    product_tile, with the columns matrix read in place)."""
+def direct_tile(image, weight, o, last, y0, x0, y1, x1, out, at, pool):
+    """For output channels o + i, i < 6 and o + i <= last (rows past last are computed as row last and not
+    stored), the conv outputs of row y0, columns x0..x0 + 15 and of row y1, columns x1..x1 + 15 in 12 sums of
+    16 kept in registers over all C x 9 taps, each tap 6 broadcasts of the weights and 2 loads of shifted
+    input rows (winograd.py's product_tile, with the columns matrix read in place). Stored once: pool false,
+    one row side by side (y1 = y0, x1 = x0 + 16) into out[o + i, at + x0:at + x0 + 32]; pool true, two rows
+    (y1 = y0 + 1, x1 = x0) as their 2x2 maxima into out[o + i, at + x0 / 2:at + x0 / 2 + 8]."""
     a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = zeros16()
     r0, r1, r2, r3, r4, r5 = six_rows(weight, o, last)
     for c in range(image.shape[0]):
         for ky in range(3):
-            row = image[c, y + ky]
+            first, second = image[c, y0 + ky], image[c, y1 + ky]
             for kx in range(3):
-                w0, w1 = row[x + kx:x + kx + 16], row[x + kx + 16:x + kx + 32]
+                w0, w1 = first[x0 + kx:x0 + kx + 16], second[x1 + kx:x1 + kx + 16]
                 a0, a1 = fma16(a0, r0[c, ky, kx], w0), fma16(a1, r0[c, ky, kx], w1)
                 b0, b1 = fma16(b0, r1[c, ky, kx], w0), fma16(b1, r1[c, ky, kx], w1)
                 c0, c1 = fma16(c0, r2[c, ky, kx], w0), fma16(c1, r2[c, ky, kx], w1)
@@ -136,8 +149,11 @@ def direct_tile(image, weight, o, last, y, x, acc, at):
                 f0, f1 = fma16(f0, r5[c, ky, kx], w0), fma16(f1, r5[c, ky, kx], w1)
     for i, (left, right) in enumerate(((a0, a1), (b0, b1), (c0, c1), (d0, d1), (e0, e1), (f0, f1))):
         if o + i <= last:
-            store16(left, acc[o + i, at + x:at + x + 16])
-            store16(right, acc[o + i, at + x + 16:at + x + 32])
+            if pool:
+                store_pooled8(left, right, out[o + i, at + x0 // 2:at + x0 // 2 + 8])
+            else:
+                store16(left, out[o + i, at + x0:at + x0 + 16])
+                store16(right, out[o + i, at + x1:at + x1 + 16])
 
 
 @wide_tile_kernel
@@ -169,7 +185,36 @@ def conv3x3_direct_tiles(image, weight, o_first, o_end, y_first, y_end, column, 
         at = column + (y - y_first) * conv_w
         for x in range(0, conv_w - 16, 32):
             for o in range(o_first, o_end, 6):
-                direct_tile(image, weight, o, last, y, x, acc, at)
+                direct_tile(image, weight, o, last, y, x, y, x + 16, acc, at, False)
         if conv_w % 32:
             for o in range(o_first, o_end, 6):
                 direct_column_tile(image, weight, o, last, y, conv_w - 16, acc, at)
+
+
+@wide_tile_kernel
+def store_pooled8(top, bottom, row):
+    """row[j] = max(max(top[2j], top[2j + 1]), max(bottom[2j], bottom[2j + 1])) for j < 8: the 2x2 maxima of
+    two rows of 16 (max_pool_2x2_rows' order; constant indices: a tuple indexed by a loop variable is not
+    kept in registers)."""
+    row[0] = max(max(top[0], top[1]), max(bottom[0], bottom[1]))
+    row[1] = max(max(top[2], top[3]), max(bottom[2], bottom[3]))
+    row[2] = max(max(top[4], top[5]), max(bottom[4], bottom[5]))
+    row[3] = max(max(top[6], top[7]), max(bottom[6], bottom[7]))
+    row[4] = max(max(top[8], top[9]), max(bottom[8], bottom[9]))
+    row[5] = max(max(top[10], top[11]), max(bottom[10], bottom[11]))
+    row[6] = max(max(top[12], top[13]), max(bottom[12], bottom[13]))
+    row[7] = max(max(top[14], top[15]), max(bottom[14], bottom[15]))
+
+
+@wide_tile_kernel
+def conv3x3_direct_tiles_pool2(image, weight, o_first, o_end, y_first, y_end, column, pooled):
+    """conv3x3_direct_tiles then the 2x2/2 unpadded max-pool (the header), for conv rows y_first..y_end-1 (an
+    even count) of output channels o_first..o_end-1 and rows a multiple of 16 wide: pooled row
+    (y - y_first) / 2 of the band at column + that * OW / 2."""
+    conv_w = image.shape[2] - 2
+    last = o_end - 1
+    for y in range(y_first, y_end, 2):
+        at = column + (y - y_first) // 2 * (conv_w // 2)
+        for x in range(0, conv_w, 16):
+            for o in range(o_first, o_end, 6):
+                direct_tile(image, weight, o, last, y, x, y + 1, x, pooled, at, True)

@@ -274,6 +274,58 @@ def test_blocked_direct_kernels_match_one_channel_kernel(kernel, channels, out_c
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_direct_tiles_pool2_is_direct_tiles_then_pool():
+    """conv3x3_direct_tiles_pool2 gives the bytes of conv3x3_direct_tiles then max_pool_2x2_rows, for a split of
+    the output channels (7: a last tile of one channel) and a band of rows starting below the first, written
+    at a column offset, and writes nothing else."""
+    from lnn.runtime.cpu.conv2d import max_pool_2x2_rows
+    from lnn.runtime.cpu.conv_direct import conv3x3_direct_tiles, conv3x3_direct_tiles_pool2
+
+    rng = np.random.default_rng(11)
+    channels, out_channels, conv_h, conv_w = 3, 13, 10, 48
+    image = rng.standard_normal((channels, conv_h + 2, conv_w + 2)).astype(np.float32)
+    weight = rng.standard_normal((out_channels, channels, 3, 3)).astype(np.float32)
+    acc = np.zeros((out_channels, conv_h * conv_w), np.float32)
+    conv3x3_direct_tiles(image, weight, 0, out_channels, 0, conv_h, 0, acc)
+    out_w, column = conv_w // 2, 5 * conv_w // 2
+    for o_first, o_end, out_first, out_end in ((0, 7, 0, 5), (7, out_channels, 1, 4)):
+        expected = np.zeros((out_channels, conv_h * out_w), np.float32)
+        max_pool_2x2_rows(acc, conv_w, 0, conv_h, 1, expected[:, column:], out_first, out_end, out_w)
+        got = np.full_like(expected, np.nan)
+        conv3x3_direct_tiles_pool2(image, weight[o_first:o_end], 0, o_end - o_first, 2 * out_first, 2 * out_end,
+                                   column, got[o_first:o_end])
+        written = np.zeros_like(got, bool)
+        written[o_first:o_end, column:column + (out_end - out_first) * out_w] = True
+        np.testing.assert_array_equal(got[written], expected[written])
+        assert np.isnan(got[~written]).all()
+
+
+@pytest.mark.parametrize("height", [16, 15])
+def test_direct_tiles_pool_where_they_pay(height, monkeypatch):
+    """With jit.WIDE_VECTORS, a small direct conv rows a multiple of 16 wide followed by a 2x2/2 max-pool runs
+    through conv3x3_direct_tiles_pool2 (no max-pool step; an odd last conv row is dropped, as the pool drops
+    it) and matches the NumPy reference, also split over 2 threads."""
+    from lnn.runtime.cpu import BACKEND, conv2d
+    from lnn.runtime.cpu.parallel import all_steps
+    from lnn.runtime.reference import NumpyBackend
+
+    monkeypatch.setattr(conv2d, "WIDE_VECTORS", True)
+    model = parse_model({"input_shape": [3, height, 32], "layers": [
+        {"type": "conv2d", "out_channels": 8, "kernel_size": 3, "padding": 1, "activation": "relu"},
+        {"type": "maxpool2d", "kernel_size": 2}]})
+    rng = np.random.default_rng(height)
+    weights = {key: rng.standard_normal(shape).astype(np.float32) for key, shape in model.param_shapes().items()}
+    x = rng.standard_normal((2, 3, height, 32)).astype(np.float32)
+    expected = NumpyBackend(model, weights).run(x)
+    for threads in (1, 2):
+        backend = BACKEND(model, weights, threads=threads)
+        backend.task_flops = 0
+        got = backend.run(x)
+        kernels = {getattr(step, "func", None) for step in all_steps(backend._plan(2, threads).steps)}
+        assert conv2d.conv3x3_direct_tiles_pool2 in kernels and conv2d.max_pool_2x2_rows not in kernels
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
+
+
 def test_wide_small_convs_run_direct_quads_where_they_pay(monkeypatch):
     """With jit.VECTOR_FMA, a 3-channel conv of up to DIRECT_QUADS_MAX_OUT_CHANNELS outputs on wide rows runs
     direct, through conv3x3_direct_quads, and matches float64 convolution; without it, columns + GEMM."""
