@@ -16,11 +16,12 @@ First call per batch size: every buffer is allocated and every kernel call is bo
 input buffer and run the steps: no allocation. A layer's scratch (a conv's V, M, acc, columns: written
 before it is read on each call, read by no other layer) is a piece of one block that all the plan's layers
 reuse, as they run one after another (Plan._new_buffer): the bundled model's buffers at batch 1 take 4.3
-MB instead of 10.3, leaf_cnn224's 11.1 instead of 23.7, and the layers find their scratch still in cache
-(whole calls 0.78-0.89x the time of separate buffers, by hand: docs/BENCHMARKS.md). keep=(node names): fusion stops at those nodes and
-the plan copies their values into buffers of their own, which run_with_features() returns (the
-out-of-distribution gate's features; runtime/features.py). run() returns the plan's output buffer
-itself, which the next call of the same thread overwrites (Session.run copies it).
+MB where separate scratch buffers took 8.7, leaf_cnn224's 10.5 where they took 17.3, and the layers find
+their scratch still in cache (whole calls 0.78-0.89x the time of separate buffers, by hand:
+docs/BENCHMARKS.md). keep=(node names): fusion stops at those nodes and the plan copies their values
+into buffers of their own, which run_with_features() returns (the out-of-distribution gate's features;
+runtime/features.py). run() returns the plan's output buffer itself, which the next call of the same
+thread overwrites (Session.run copies it).
 
 Threads: `threads` is a count or "auto" (the default: the cores this process may run on,
 os.sched_getaffinity; lnn.runtime.resolve_threads). With threads = N > 1 the backend owns a Crew of

@@ -399,7 +399,8 @@ class Conv2dLayer:
     @property
     def direct_tiles_pool(self) -> bool:
         """A small direct conv in register tiles whose fused max-pool is 2x2/2 unpadded: the tiles pool
-        (conv_direct.py conv3x3_direct_tiles_pool2; a band's conv rows are those of its pooled rows, an even count)."""
+        (conv_direct.py conv3x3_direct_tiles_pool2; a band's conv rows are those of its pooled rows, an even
+        count)."""
         return self.small_direct and direct_tiles_pay(self.conv_shape[2]) and self.pool == ((2, 2), (2, 2), (0, 0))
 
     @property
@@ -420,8 +421,8 @@ class Conv2dLayer:
         new_scratch = partial(new_buffer, scratch=True)   # what only this layer's steps use (backend.Plan shares it)
         cuts = self._parts(image.shape[0], image.shape[3], parts)
         if not (self.winograd and cuts[0][1] != (0, self.conv_shape[0])):
-            tasks = [[step for band in self._band_steps(image, bands, channels, whole_dst, new_scratch) for step in band]
-                     for bands, channels in cuts]
+            tasks = [[step for band in self._band_steps(image, bands, channels, whole_dst, new_scratch)
+                      for step in band] for bands, channels in cuts]
             return dst, steps + parallel_steps(tasks)
         # Winograd by output channels: per band, V by blocks of input channels, then the rest by output channels
         bands = cuts[0][0]
