@@ -391,17 +391,28 @@ class Conv2dLayer:
         return eligible and a["algorithm"] == "winograd"
 
     @property
+    def pool_2x2(self) -> bool:
+        """Whether the fused max-pool is the common 2x2/2 unpadded one."""
+        return self.pool == ((2, 2), (2, 2), (0, 0))
+
+    @property
     def winograd_pools(self) -> bool:
         """A Winograd conv whose fused max-pool is 2x2/2 unpadded: its output transform pools (winograd.py
         winograd_output_pool2; its bands and parts hold whole tile rows, _tile_rows_align)."""
-        return self.winograd and self.pool == ((2, 2), (2, 2), (0, 0))
+        return self.winograd and self.pool_2x2
 
     @property
     def direct_tiles_pool(self) -> bool:
         """A small direct conv in register tiles whose fused max-pool is 2x2/2 unpadded: the tiles pool
         (conv_direct.py conv3x3_direct_tiles_pool2; a band's conv rows are those of its pooled rows, an even
         count)."""
-        return self.small_direct and direct_tiles_pay(self.conv_shape[2]) and self.pool == ((2, 2), (2, 2), (0, 0))
+        return self.small_direct and direct_tiles_pay(self.conv_shape[2]) and self.pool_2x2
+
+    @property
+    def product_pools(self) -> bool:
+        """Whether the product step writes the max-pooled rows itself (winograd_pools or direct_tiles_pool): no
+        max-pool step, no acc."""
+        return self.winograd_pools or self.direct_tiles_pool
 
     @property
     def pointwise(self) -> bool:
@@ -490,9 +501,9 @@ class Conv2dLayer:
                 source = (acc, pitch, y_first, conv_h)
             else:
                 source = (pooled, out_w, out_first, out_end - out_first)
-                if self.winograd_pools or self.direct_tiles_pool:
+                if self.product_pools:
                     pass                        # the product wrote pooled
-                elif pool == (2, 2, 2, 2, 0, 0):
+                elif self.pool_2x2:
                     steps.append(partial(max_pool_2x2_rows, acc, pitch, y_first, conv_h, images, pooled, *rows))
                 else:
                     steps.append(partial(max_pool_rows, acc, pitch, y_first, conv_h, conv_w, images, pool, rows_max,
@@ -551,9 +562,9 @@ class Conv2dLayer:
         """f(band, steps) -> (acc, pitch): appends the steps that fill acc [o_end - o_first, positions]
         with conv rows y_first..y_end-1 of the band's images, output channels o_first..o_end-1
         (`channels`; a block of whole groups): (image n_first + j, y, x) at position
-        (j * conv_h + y - y_first) * pitch + x; when winograd_pools or direct_tiles_pool, they fill `pooled`
-        instead, as the 2x2 max-pool step would. Kernels get whole buffers, or blocks of their first axis, not
-        column views: a view is a non-contiguous array type, which Numba would compile a second time."""
+        (j * conv_h + y - y_first) * pitch + x; when product_pools, they fill `pooled` instead, as the 2x2
+        max-pool step would. Kernels get whole buffers, or blocks of their first axis, not column views: a view
+        is a non-contiguous array type, which Numba would compile a second time."""
         a = self.attrs
         out_channels, conv_h, conv_w = self.conv_shape
         o_first, o_end = channels
@@ -620,13 +631,15 @@ class Conv2dLayer:
         out_channels = weight.shape[0]
         _, conv_h, conv_w = self.conv_shape
         if self.direct_tiles_pool:
+            out_w = self.out_shape[2]
+
             def pooling(band, steps):
                 n_first, n_end, out_first, out_end, y_first, _ = band
                 for n in range(n_first, n_end):         # 2 conv rows a pooled row (an odd last row is dropped)
                     steps.append(partial(conv3x3_direct_tiles_pool2, image[n], weight, 0, out_channels, y_first,
-                                         y_first + 2 * (out_end - out_first),
-                                         (n - n_first) * (out_end - out_first) * self.out_shape[2], pooled))
-                return pooled, self.out_shape[2]
+                                         y_first + 2 * (out_end - out_first), (n - n_first) * (out_end - out_first) * out_w,
+                                         pooled))
+                return pooled, out_w
             return pooling
         acc = new_scratch((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
         direct = (conv3x3_direct_tiles if direct_tiles_pay(conv_w) else
@@ -694,12 +707,12 @@ class Conv2dLayer:
         in_channels = image.shape[1]
         weight = self.winograd_weight[:, o_first:o_end]
         tiles_w = tile_count(conv_w)
-        stride = self._tile_stride(max(rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)))
         if shared is None:
             v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_scratch)
             input_work = new_scratch(work_shape)      # the kernel's scratch (winograd.py)
         else:
             v_buffer = shared
+        stride = v_buffer.shape[2]                    # M's rows as long as V's
         skinny = [rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)
                   if rows * tiles_w * images < WINOGRAD_MIN_TILES]
         if skinny:
