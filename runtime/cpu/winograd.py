@@ -51,6 +51,7 @@ AOT_SIGNATURES = {
     "product_column_tile": None,
     "small_products": None,       # the JIT on an AVX-512 host only (conv2d.py small_products_pay)
     "tile_outputs": None,
+    "channels_a_pass": None,
     "winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
     "winograd_output_pool2": (A3, I, I, I, I, I, I, I, I, A2, A2),
 }
@@ -278,18 +279,20 @@ def small_products(u, o_first, o_end, v, channels, count, m):
 
 
 @kernel
-def tile_outputs(m, o, count, work):
-    """m [36, >= O, >= T] -> work rows 24-39: Y[4a + b, t] = (A^T M[:, o, t] A)[a, b] for tiles t < count
-    of output channel o, over all tiles at once: S[4i + b] = sum_l A^T[b, l] m[6i + l] (M A, into
-    work rows 0-23), then Y[4a + b] = sum_i A^T[a, i] S[4i + b]."""
+def tile_outputs(m, first, count, work):
+    """m [36, L] (M's planes as rows: column o * T' + t is M[k, o, t]) -> work rows 24-39: Y[4a + b, c] =
+    (A^T M[:, first + c] A)[a, b] for the columns c < count from `first`, all at once: S[4i + b] = sum_l
+    A^T[b, l] m[6i + l] (M A, into work rows 0-23), then Y[4a + b] = sum_i A^T[a, i] S[4i + b]. The columns
+    may span several output channels' tiles (and the junk columns between them: computed, never read)."""
     for i in range(6):
         k = 6 * i
+        m0, m1, m2 = m[k, first:first + count], m[k + 1, first:first + count], m[k + 2, first:first + count]
+        m3, m4, m5 = m[k + 3, first:first + count], m[k + 4, first:first + count], m[k + 5, first:first + count]
         for b in range(4):
             a0, a1, a2, a3, a4, a5 = AT32[b, 0], AT32[b, 1], AT32[b, 2], AT32[b, 3], AT32[b, 4], AT32[b, 5]
             out = work[4 * i + b]
             for t in range(count):
-                out[t] = (a0 * m[k, o, t] + a1 * m[k + 1, o, t] + a2 * m[k + 2, o, t] + a3 * m[k + 3, o, t]
-                          + a4 * m[k + 4, o, t] + a5 * m[k + 5, o, t])
+                out[t] = a0 * m0[t] + a1 * m1[t] + a2 * m2[t] + a3 * m3[t] + a4 * m4[t] + a5 * m5[t]
     for a in range(4):
         a0, a1, a2, a3, a4, a5 = AT32[a, 0], AT32[a, 1], AT32[a, 2], AT32[a, 3], AT32[a, 4], AT32[a, 5]
         for b in range(4):
@@ -299,31 +302,59 @@ def tile_outputs(m, o, count, work):
                           + a4 * work[16 + b, t] + a5 * work[20 + b, t])
 
 
+# The output transforms' work rows hold this many columns (or one channel's tiles where they are more):
+# tile_outputs then transforms several channels' tiles in one pass where a channel has few. By hand, in
+# whole calls, 1 thread: leaf_cnn's conv4 (16 tiles a channel) 0.043 ms against 0.073 one channel a pass,
+# tomato's conv4 (16) 0.025 against 0.054 and conv5 (4) 0.034 against 0.086, mnist_cnn's conv2 (49) 0.008
+# against 0.017; 1024 columns (work rows past L1) gave back part of it, 0.040, 0.029, 0.064.
+OUTPUT_PASS_COLUMNS = 256
+
+
+def output_work_shape(stride: int) -> tuple:
+    """The shape of winograd_output's scratch `work` for M's rows of `stride` columns."""
+    return 40, max(stride, OUTPUT_PASS_COLUMNS)
+
+
+@kernel
+def channels_a_pass(stride, count, work_w):
+    """How many output channels' tiles tile_outputs transforms in one call: as many as work's rows hold
+    (channel o's tiles at columns (o - first channel) * stride + t). Few tiles a channel (small images)
+    make short loops; transformed together they run as long ones."""
+    return 1 + (work_w - count) // stride
+
+
 @kernel
 def winograd_output(m, o_first, o_end, images, tiles_per_image, tile_first, conv_h, conv_w, y_first, y_end,
                     work, acc):
-    """m [36, >= O, >= T] -> acc [O, positions] for output channels o_first..o_end-1: conv output
+    """m [36, >= O, T'] -> acc [O, positions] for output channels o_first..o_end-1: conv output
     (image j, y, x) of the band's images j, rows y_first..y_end-1, at position (j * conv_h + y -
     y_first) * conv_w + x; tile t = j * tiles_per_image + (ty - tile_first) * TW + tx holds rows
-    4ty..4ty+3 and columns 4tx..4tx+3. work [40, >= T] scratch (one per concurrent caller).
-    Per output channel: tile_outputs, then Y into acc tile row by tile row."""
+    4ty..4ty+3 and columns 4tx..4tx+3. work [40, >= T] scratch (one per concurrent caller); the wider,
+    the more channels a tile_outputs pass (channels_a_pass). Per pass: tile_outputs, then each channel's Y
+    into acc tile row by tile row."""
     tiles_w = (conv_w + 3) // 4                    # tile_count(conv_w)
     tile_rows = tiles_per_image // tiles_w
     full_w = conv_w // 4                           # tiles with all 4 columns inside
-    for o in range(o_first, o_end):
-        tile_outputs(m, o, images * tiles_per_image, work)
-        target = acc[o]
-        for j in range(images):
-            for row in range(tile_rows):
-                y = 4 * (tile_first + row)
-                t0 = j * tiles_per_image + row * tiles_w
-                for a in range(max(0, y_first - y), min(4, y_end - y)):
-                    line = target[(j * conv_h + y + a - y_first) * conv_w:]
-                    y0, y1, y2, y3 = work[24 + 4 * a, t0:], work[25 + 4 * a, t0:], work[26 + 4 * a, t0:], work[27 + 4 * a, t0:]
-                    for tx in range(full_w):
-                        line[4 * tx], line[4 * tx + 1], line[4 * tx + 2], line[4 * tx + 3] = y0[tx], y1[tx], y2[tx], y3[tx]
-                    for x in range(4 * full_w, conv_w):
-                        line[x] = work[24 + 4 * a + x % 4, t0 + x // 4]
+    stride = m.shape[2]
+    count = images * tiles_per_image
+    planes = m.reshape((36, m.shape[1] * stride))
+    per_pass = channels_a_pass(stride, count, work.shape[1])
+    for o_pass in range(o_first, o_end, per_pass):
+        o_pass_end = min(o_pass + per_pass, o_end)
+        tile_outputs(planes, o_pass * stride, (o_pass_end - 1 - o_pass) * stride + count, work)
+        for o in range(o_pass, o_pass_end):
+            target = acc[o]
+            for j in range(images):
+                for row in range(tile_rows):
+                    y = 4 * (tile_first + row)
+                    t0 = (o - o_pass) * stride + j * tiles_per_image + row * tiles_w
+                    for a in range(max(0, y_first - y), min(4, y_end - y)):
+                        line = target[(j * conv_h + y + a - y_first) * conv_w:]
+                        y0, y1, y2, y3 = work[24 + 4 * a, t0:], work[25 + 4 * a, t0:], work[26 + 4 * a, t0:], work[27 + 4 * a, t0:]
+                        for tx in range(full_w):
+                            line[4 * tx], line[4 * tx + 1], line[4 * tx + 2], line[4 * tx + 3] = y0[tx], y1[tx], y2[tx], y3[tx]
+                        for x in range(4 * full_w, conv_w):
+                            line[x] = work[24 + 4 * a + x % 4, t0 + x // 4]
 
 
 @kernel
@@ -333,32 +364,39 @@ def winograd_output_pool2(m, o_first, o_end, images, tiles_per_image, tile_first
     output row py, column px of the band's image j (rows out_first..out_end-1, out_w = conv_w // 2
     columns) at (j * (out_end - out_first) + py - out_first) * out_w + px, the max of conv outputs
     (2py + dy, 2px + dx) in max_pool_2x2_rows' order (the same bytes). Tile ty holds pooled rows 2ty,
-    2ty + 1: per output channel, tile_outputs, then each tile's 4 maxima over all tiles at once (work
-    rows 0-3: P[2pa + pb] for pooled (2ty + pa, 2tx + pb)), then P into pooled tile row by tile row."""
+    2ty + 1: per pass of channels, tile_outputs, then each tile's 4 maxima over all its columns at once
+    (work rows 0-3: P[2pa + pb] for pooled (2ty + pa, 2tx + pb)), then each channel's P into pooled tile
+    row by tile row."""
     tiles_w = (conv_w + 3) // 4
     tile_rows = tiles_per_image // tiles_w
     count = images * tiles_per_image
     out_w = conv_w // 2
     full_w = out_w // 2                            # tiles with both pooled columns inside
     band_rows = out_end - out_first
-    for o in range(o_first, o_end):
-        tile_outputs(m, o, count, work)
+    stride = m.shape[2]
+    planes = m.reshape((36, m.shape[1] * stride))
+    per_pass = channels_a_pass(stride, count, work.shape[1])
+    for o_pass in range(o_first, o_end, per_pass):
+        o_pass_end = min(o_pass + per_pass, o_end)
+        columns = (o_pass_end - 1 - o_pass) * stride + count
+        tile_outputs(planes, o_pass * stride, columns, work)
         for pa in range(2):
             for pb in range(2):
                 top, bottom = work[24 + 8 * pa + 2 * pb], work[28 + 8 * pa + 2 * pb]
                 top_right, bottom_right = work[25 + 8 * pa + 2 * pb], work[29 + 8 * pa + 2 * pb]
                 out = work[2 * pa + pb]
-                for t in range(count):
+                for t in range(columns):
                     out[t] = max(max(top[t], top_right[t]), max(bottom[t], bottom_right[t]))
-        target = pooled[o]
-        for j in range(images):
-            for row in range(tile_rows):
-                py0 = 2 * (tile_first + row)
-                t0 = j * tiles_per_image + row * tiles_w
-                for pa in range(max(0, out_first - py0), min(2, out_end - py0)):
-                    line = target[(j * band_rows + py0 + pa - out_first) * out_w:]
-                    left, right = work[2 * pa, t0:], work[2 * pa + 1, t0:]
-                    for tx in range(full_w):
-                        line[2 * tx], line[2 * tx + 1] = left[tx], right[tx]
-                    for x in range(2 * full_w, out_w):
-                        line[x] = work[2 * pa + x % 2, t0 + x // 2]
+        for o in range(o_pass, o_pass_end):
+            target = pooled[o]
+            for j in range(images):
+                for row in range(tile_rows):
+                    py0 = 2 * (tile_first + row)
+                    t0 = (o - o_pass) * stride + j * tiles_per_image + row * tiles_w
+                    for pa in range(max(0, out_first - py0), min(2, out_end - py0)):
+                        line = target[(j * band_rows + py0 + pa - out_first) * out_w:]
+                        left, right = work[2 * pa, t0:], work[2 * pa + 1, t0:]
+                        for tx in range(full_w):
+                            line[2 * tx], line[2 * tx + 1] = left[tx], right[tx]
+                        for x in range(2 * full_w, out_w):
+                            line[x] = work[2 * pa + x % 2, t0 + x // 2]

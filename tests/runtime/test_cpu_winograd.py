@@ -424,3 +424,28 @@ def test_output_with_pool_is_output_then_pool(conv_h, conv_w):
         got = np.full_like(expected, np.nan)
         winograd_output_pool2(m, 0, 3, images, per_image, tile_first, conv_w, out_first, out_end, work, got)
         np.testing.assert_array_equal(got, expected)
+
+
+def test_output_transforms_in_passes_of_channels():
+    """Several output channels' tiles in one tile_outputs pass (a work wider than M's rows) give the bytes of
+    one channel a pass, with or without the pool; M's junk columns between channels (NaN here) are never
+    stored."""
+    from lnn.runtime.cpu.winograd import channels_a_pass, winograd_output, winograd_output_pool2
+
+    rng = np.random.default_rng(6)
+    conv_h = conv_w = 8                                  # 2 x 2 tiles
+    count, stride, channels = 4, 7, 9
+    m = np.full((36, channels + 1, stride), np.nan, np.float32)
+    m[:, :channels, :count] = rng.standard_normal((36, channels, count))
+    results = []
+    for work_w in (count, 2 * stride + count, 256):
+        per_pass = channels_a_pass(stride, count, work_w)
+        assert per_pass == {count: 1, 2 * stride + count: 3, 256: 37}[work_w]
+        work = np.zeros((40, work_w), np.float32)
+        acc = np.full((channels, conv_h * conv_w), np.nan, np.float32)
+        pooled = np.full((channels, conv_h * conv_w // 4), np.nan, np.float32)
+        winograd_output(m, 1, channels, 1, count, 0, conv_h, conv_w, 0, conv_h, work, acc)
+        winograd_output_pool2(m, 1, channels, 1, count, 0, conv_w, 0, conv_h // 2, work, pooled)
+        assert np.isnan(acc[0]).all() and not np.isnan(acc[1:]).any() and not np.isnan(pooled[1:]).any()
+        results.append(acc.tobytes() + pooled.tobytes())
+    assert results[1] == results[0] and results[2] == results[0]
