@@ -42,6 +42,7 @@ from lnn.runtime.cpu.jit import ieee_kernel, kernel, short_loops_kernel, wide_ti
 # only by other kernels, compiled into them.
 AOT_SIGNATURES = {
     "winograd_input": (A3, I, I, I, I, I, A2, A3),
+    "bt_row": None,
     "skinny_products": (A3, I, I, A3, I, A3),
     "fma16": None,
     "store16": None,
@@ -95,19 +96,24 @@ def tile_count(size: int) -> int:
 
 # From this many tiles a row (TW), winograd_input's second step gathers each tile's 6 columns of E into 36
 # rows of the band's tiles and runs over all of them at once (vectorized: a 32x32 image's band has 64 tiles,
-# where a tile row had 8); on narrower rows tile by tile, where the gather lost (128x8^2, TW 2: 1.7x slower,
-# 96x12^2 1.6x, 64x16^2 1.1x). 1 thread, a C x H^2 input transform, this kernel / the one before (which ran
-# the second step over each tile row's 4 column phases of E from TW 8, tile by tile below), medians of 7
-# interleaved rounds, the same bytes, 2-core EPYC with AVX-512, both compiled one vector a step: 48x24^2
-# (TW 6) 0.94, 128x28^2 0.91, 48x32^2 0.74, 32x40^2 0.64, 32x48^2 0.77, 64x56^2 0.64, 24x64^2 1.02,
-# 32x112^2 0.75, 16x128^2 0.97. (Before rows were compiled one vector a step, the phases had won: a tile
-# row's loop of 16 ran in its scalar remainder either way.)
-GATHERED_MIN_TILES_W = 6
+# where a tile row had 8); on narrower rows tile by tile, where the gather lost (by hand, 1 thread, against
+# tile by tile: 64x12^2, TW 3, 1.5x the time, 128x10^2 1.4x; 64x16^2, TW 4, 0.68x, 64x20^2 0.65x). Before
+# the steps below took 6 rows in for 6 out in one loop, the gather lost up to TW 6 (96x12^2 1.6x, 64x16^2
+# 1.1x); from TW 6 it won against a second step over each tile row's 4 column phases of E (48x32^2 0.74,
+# 64x56^2 0.64, 32x112^2 0.75: rows compiled one vector a step, a tile row's loop of 16 ran in its scalar
+# remainder otherwise).
+GATHERED_MIN_TILES_W = 4
 
 
 def input_work_shape(tiles_w: int, tile_rows: int) -> tuple:
     """The shape of winograd_input's scratch `work` for bands of at most tile_rows rows of tiles_w tiles."""
-    return 42, max(4 * tiles_w + 2, tile_rows * tiles_w)
+    return 48, max(4 * tiles_w + 2, tile_rows * tiles_w)
+
+
+@kernel
+def bt_row(k, x0, x1, x2, x3, x4, x5):
+    """sum_i B^T[k, i] x_i (k a constant where it is inlined: the zeros and ones fold)."""
+    return BT32[k, 0] * x0 + BT32[k, 1] * x1 + BT32[k, 2] * x2 + BT32[k, 3] * x3 + BT32[k, 4] * x4 + BT32[k, 5] * x5
 
 
 @short_loops_kernel
@@ -118,9 +124,13 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
     Per channel and tile row: E[k] = sum_i B^T[k, i] image row (4ty + i) (whole rows at once, into
     work rows 0-5), then v[6k + l, c, t] = sum_j B^T[l, j] E[k, 4tx + j]: tile by tile, or, from
     GATHERED_MIN_TILES_W tiles a row, for all of the band's tiles at once after each tile row's E is
-    gathered into work rows 6 + 6k + j, column t (the same sums in the same order: the same bytes). Every
-    inner loop reads at most 6 arrays rows and writes one, so LLVM vectorizes it (its runtime alias
-    checks stay under its limit of 8)."""
+    gathered into work rows 6 + 6k + j, column t (the same sums in the same order: the same bytes).
+    Both steps read their 6 rows once for the 6 rows they make (`bt_row`), one loop over the row, whose
+    every access is to one of two arrays, so LLVM vectorizes it with one runtime alias check: the gathered
+    step writes its 6 rows into work rows 42-47, then copies them into v's 6 planes (written there from
+    the loop, the kernel took 1.2-2.0x the time of the six loops). Against six loops of 6 rows in and one
+    out (by hand, 1 thread, the same bytes): 0.73-0.85x the time on 24x24 to 128x128 images, 0.62-0.71x
+    on 14x14 and 16x16 (gathered now), 1.0-1.06x on 8x8 (2 tiles a row)."""
     _, padded_h, padded_w = image.shape
     tiles_w = (padded_w + 1) // 4                  # tile_count(WP - 2)
     span = 4 * tiles_w + 2                         # E's columns: past WP they stay 0
@@ -131,14 +141,16 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
         for ty in range(tile_first, tile_first + tile_rows):
             y = 4 * ty
             inside = min(6, padded_h - y)          # patch rows inside the image; the others read 0
-            for k in range(6):
-                e = work[k]
-                b0, b1, b2, b3, b4, b5 = BT32[k, 0], BT32[k, 1], BT32[k, 2], BT32[k, 3], BT32[k, 4], BT32[k, 5]
-                if inside == 6:
-                    r0, r1, r2, r3, r4, r5 = plane[y], plane[y + 1], plane[y + 2], plane[y + 3], plane[y + 4], plane[y + 5]
-                    for x in range(padded_w):
-                        e[x] = b0 * r0[x] + b1 * r1[x] + b2 * r2[x] + b3 * r3[x] + b4 * r4[x] + b5 * r5[x]
-                else:
+            if inside == 6:
+                for x in range(padded_w):
+                    x0, x1, x2 = plane[y, x], plane[y + 1, x], plane[y + 2, x]
+                    x3, x4, x5 = plane[y + 3, x], plane[y + 4, x], plane[y + 5, x]
+                    work[0, x], work[1, x] = bt_row(0, x0, x1, x2, x3, x4, x5), bt_row(1, x0, x1, x2, x3, x4, x5)
+                    work[2, x], work[3, x] = bt_row(2, x0, x1, x2, x3, x4, x5), bt_row(3, x0, x1, x2, x3, x4, x5)
+                    work[4, x], work[5, x] = bt_row(4, x0, x1, x2, x3, x4, x5), bt_row(5, x0, x1, x2, x3, x4, x5)
+            else:
+                for k in range(6):
+                    e = work[k]
                     e[:padded_w] = 0
                     for i in range(inside):
                         b, row = BT32[k, i], plane[y + i]
@@ -158,19 +170,22 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
                     x = 4 * tx
                     e0, e1, e2, e3, e4, e5 = e[x], e[x + 1], e[x + 2], e[x + 3], e[x + 4], e[x + 5]
                     for l in range(6):
-                        v[6 * k + l, c, column + t0 + tx] = (BT32[l, 0] * e0 + BT32[l, 1] * e1 + BT32[l, 2] * e2
-                                                             + BT32[l, 3] * e3 + BT32[l, 4] * e4 + BT32[l, 5] * e5)
+                        v[6 * k + l, c, column + t0 + tx] = bt_row(l, e0, e1, e2, e3, e4, e5)
         if not gathered:
             continue
         count = tile_rows * tiles_w
         for k in range(6):
             g = 6 + 6 * k
-            q0, q1, q2, q3, q4, q5 = work[g], work[g + 1], work[g + 2], work[g + 3], work[g + 4], work[g + 5]
+            for t in range(count):
+                x0, x1, x2 = work[g, t], work[g + 1, t], work[g + 2, t]
+                x3, x4, x5 = work[g + 3, t], work[g + 4, t], work[g + 5, t]
+                work[42, t], work[43, t] = bt_row(0, x0, x1, x2, x3, x4, x5), bt_row(1, x0, x1, x2, x3, x4, x5)
+                work[44, t], work[45, t] = bt_row(2, x0, x1, x2, x3, x4, x5), bt_row(3, x0, x1, x2, x3, x4, x5)
+                work[46, t], work[47, t] = bt_row(4, x0, x1, x2, x3, x4, x5), bt_row(5, x0, x1, x2, x3, x4, x5)
             for l in range(6):
-                a0, a1, a2, a3, a4, a5 = BT32[l, 0], BT32[l, 1], BT32[l, 2], BT32[l, 3], BT32[l, 4], BT32[l, 5]
-                out = v[6 * k + l, c, column:column + count]
+                out, row = v[6 * k + l, c, column:column + count], work[42 + l]
                 for t in range(count):
-                    out[t] = a0 * q0[t] + a1 * q1[t] + a2 * q2[t] + a3 * q3[t] + a4 * q4[t] + a5 * q5[t]
+                    out[t] = row[t]
 
 
 @ieee_kernel
