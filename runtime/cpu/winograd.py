@@ -51,6 +51,7 @@ AOT_SIGNATURES = {
     "product_tile": None,
     "product_column_tile": None,
     "small_products": None,       # the JIT on an AVX-512 host only (conv2d.py small_products_pay)
+    "at_row": None,
     "tile_outputs": None,
     "channels_a_pass": None,
     "winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
@@ -294,27 +295,34 @@ def small_products(u, o_first, o_end, v, channels, count, m):
 
 
 @kernel
+def at_row(a, x0, x1, x2, x3, x4, x5):
+    """sum_i A^T[a, i] x_i (a a constant where it is inlined: the zeros and ones fold)."""
+    return AT32[a, 0] * x0 + AT32[a, 1] * x1 + AT32[a, 2] * x2 + AT32[a, 3] * x3 + AT32[a, 4] * x4 + AT32[a, 5] * x5
+
+
+@short_loops_kernel
 def tile_outputs(m, first, count, work):
     """m [36, L] (M's planes as rows: column o * T' + t is M[k, o, t]) -> work rows 24-39: Y[4a + b, c] =
     (A^T M[:, first + c] A)[a, b] for the columns c < count from `first`, all at once: S[4i + b] = sum_l
     A^T[b, l] m[6i + l] (M A, into work rows 0-23), then Y[4a + b] = sum_i A^T[a, i] S[4i + b]. The columns
-    may span several output channels' tiles (and the junk columns between them: computed, never read)."""
+    may span several output channels' tiles (and the junk columns between them: computed, never read).
+    As in winograd_input, each loop reads its 6 rows once for the 4 it makes and indexes from 0 (M's rows
+    as views from `first`: indexed first + c, LLVM gathered them), so it is vectorized: 0.5-0.6x the time
+    of one loop per row made (by hand, the same bytes)."""
     for i in range(6):
         k = 6 * i
         m0, m1, m2 = m[k, first:first + count], m[k + 1, first:first + count], m[k + 2, first:first + count]
         m3, m4, m5 = m[k + 3, first:first + count], m[k + 4, first:first + count], m[k + 5, first:first + count]
-        for b in range(4):
-            a0, a1, a2, a3, a4, a5 = AT32[b, 0], AT32[b, 1], AT32[b, 2], AT32[b, 3], AT32[b, 4], AT32[b, 5]
-            out = work[4 * i + b]
-            for t in range(count):
-                out[t] = a0 * m0[t] + a1 * m1[t] + a2 * m2[t] + a3 * m3[t] + a4 * m4[t] + a5 * m5[t]
-    for a in range(4):
-        a0, a1, a2, a3, a4, a5 = AT32[a, 0], AT32[a, 1], AT32[a, 2], AT32[a, 3], AT32[a, 4], AT32[a, 5]
-        for b in range(4):
-            out = work[24 + 4 * a + b]
-            for t in range(count):
-                out[t] = (a0 * work[b, t] + a1 * work[4 + b, t] + a2 * work[8 + b, t] + a3 * work[12 + b, t]
-                          + a4 * work[16 + b, t] + a5 * work[20 + b, t])
+        for t in range(count):
+            x0, x1, x2, x3, x4, x5 = m0[t], m1[t], m2[t], m3[t], m4[t], m5[t]
+            work[4 * i, t], work[4 * i + 1, t] = at_row(0, x0, x1, x2, x3, x4, x5), at_row(1, x0, x1, x2, x3, x4, x5)
+            work[4 * i + 2, t], work[4 * i + 3, t] = at_row(2, x0, x1, x2, x3, x4, x5), at_row(3, x0, x1, x2, x3, x4, x5)
+    for b in range(4):
+        for t in range(count):
+            x0, x1, x2 = work[b, t], work[4 + b, t], work[8 + b, t]
+            x3, x4, x5 = work[12 + b, t], work[16 + b, t], work[20 + b, t]
+            work[24 + b, t], work[28 + b, t] = at_row(0, x0, x1, x2, x3, x4, x5), at_row(1, x0, x1, x2, x3, x4, x5)
+            work[32 + b, t], work[36 + b, t] = at_row(2, x0, x1, x2, x3, x4, x5), at_row(3, x0, x1, x2, x3, x4, x5)
 
 
 # The output transforms' work rows hold this many columns (or one channel's tiles where they are more):
