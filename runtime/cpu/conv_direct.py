@@ -29,12 +29,15 @@ model 0.89-0.92x, leaf_cnn224 0.95x (by hand). Its sums run in another order tha
 
 conv3x3_direct_tiles_pool2 is conv3x3_direct_tiles followed by a 2x2/2 unpadded max-pool (conv2d.py's
 max_pool_2x2_rows; the same sums, the same maxima in its order: the same bytes), without acc: its register
-tiles hold 6 output channels x 2 conv rows x 16 columns, and each tile stores its 6 x 8 maxima into pooled
-[O, positions], row py of the band at column + (py - the band's first) * OW / 2. A network's first conv is
-followed by a pool (leaf_cnn, leaf_cnn224, the bundled model), and its acc was the largest buffer a call
-wrote (the bundled model: 0.8 MB a band). One thread, a band of 3-channel rows as the plan runs it, against
-conv3x3_direct_tiles then max_pool_2x2_rows, by hand: 3 -> 24 at 128 wide 0.75x the time (0.62x after 16 MB
-were touched), 3 -> 16 at 128 0.83x (0.92x), 3 -> 32 at 224 0.75x (0.77x).
+tiles hold 4 output channels x 2 conv rows x 32 columns (a last 16 columns: 6 x 2 x 16), and each tile stores
+its 4 x 16 maxima into pooled [O, positions], row py of the band at column + (py - the band's first) * OW / 2.
+A network's first conv is followed by a pool (leaf_cnn, leaf_cnn224, the bundled model), and its acc was the
+largest buffer a call wrote (the bundled model: 0.8 MB a band). One thread, a band of 3-channel rows as the
+plan runs it, against conv3x3_direct_tiles then max_pool_2x2_rows, by hand, with tiles of 6 x 2 x 16: 3 -> 24
+at 128 wide 0.75x the time (0.62x after 16 MB were touched), 3 -> 16 at 128 0.83x (0.92x), 3 -> 32 at 224
+0.75x (0.77x). The 4 x 2 x 32 tiles then, against those: 3 -> 16 at 128 0.85-0.87x, 3 -> 32 at 224 0.82-0.86x,
+3 -> 24 at 128 0.93-1.00x (a load of the image for 4 multiply-adds instead of 8 loads for 12, and no rows
+computed past the last channel where 4 divides the count); whole models at one thread 0.96-0.98x (by hand).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ AOT_SIGNATURES = {"conv3x3_direct": (A3, A4, I, I, I, I, I, A2),
                   "conv3x3_direct_tiles_pool2": None,    # the same
                   "direct_tile": None,
                   "direct_column_tile": None,
+                  "four_rows": None,
+                  "direct_pool_tile": None,
                   "store_pooled8": None}
 
 
@@ -207,14 +212,55 @@ def store_pooled8(top, bottom, row):
 
 
 @wide_tile_kernel
+def four_rows(u, o, last):
+    """Rows o..o + 3 of u, those past `last` as row last (six_rows for 4)."""
+    return u[o], u[min(o + 1, last)], u[min(o + 2, last)], u[min(o + 3, last)]
+
+
+@wide_tile_kernel
+def direct_pool_tile(image, weight, o, last, y, x, out, at):
+    """For output channels o + i, i < 4 and o + i <= last (rows past last computed as row last, not stored),
+    the conv outputs of rows y and y + 1, columns x..x + 31, in 16 sums of 16 kept in registers over all
+    C x 9 taps (each tap 4 broadcasts of the weights and 4 loads of shifted input rows: one load for 4
+    multiply-adds, where direct_tile's 6 x 2 tile needs 8 loads for 12), stored as their 2x2 maxima into
+    out[o + i, at + x / 2:at + x / 2 + 16]."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = zeros16()
+    r0, r1, r2, r3 = four_rows(weight, o, last)
+    for c in range(image.shape[0]):
+        for ky in range(3):
+            top, bottom = image[c, y + ky], image[c, y + 1 + ky]
+            for kx in range(3):
+                p, q = top[x + kx:x + kx + 16], top[x + kx + 16:x + kx + 32]
+                s, t = bottom[x + kx:x + kx + 16], bottom[x + kx + 16:x + kx + 32]
+                w = r0[c, ky, kx]
+                a0, a1, a2, a3 = fma16(a0, w, p), fma16(a1, w, q), fma16(a2, w, s), fma16(a3, w, t)
+                w = r1[c, ky, kx]
+                b0, b1, b2, b3 = fma16(b0, w, p), fma16(b1, w, q), fma16(b2, w, s), fma16(b3, w, t)
+                w = r2[c, ky, kx]
+                c0, c1, c2, c3 = fma16(c0, w, p), fma16(c1, w, q), fma16(c2, w, s), fma16(c3, w, t)
+                w = r3[c, ky, kx]
+                d0, d1, d2, d3 = fma16(d0, w, p), fma16(d1, w, q), fma16(d2, w, s), fma16(d3, w, t)
+    at += x // 2
+    for i, (left, right, left_below, right_below) in enumerate(((a0, a1, a2, a3), (b0, b1, b2, b3),
+                                                                (c0, c1, c2, c3), (d0, d1, d2, d3))):
+        if o + i <= last:
+            store_pooled8(left, left_below, out[o + i, at:at + 8])
+            store_pooled8(right, right_below, out[o + i, at + 8:at + 16])
+
+
+@wide_tile_kernel
 def conv3x3_direct_tiles_pool2(image, weight, o_first, o_end, y_first, y_end, column, pooled):
     """conv3x3_direct_tiles then the 2x2/2 unpadded max-pool (the header), for conv rows y_first..y_end-1 (an
     even count) of output channels o_first..o_end-1 and rows a multiple of 16 wide: pooled row
-    (y - y_first) / 2 of the band at column + that * OW / 2."""
+    (y - y_first) / 2 of the band at column + that * OW / 2. In tiles of 4 channels x 2 rows x 32 columns
+    (direct_pool_tile), a last 16 columns as direct_tile's 6 x 2 x 16."""
     conv_w = image.shape[2] - 2
     last = o_end - 1
     for y in range(y_first, y_end, 2):
         at = column + (y - y_first) // 2 * (conv_w // 2)
-        for x in range(0, conv_w, 16):
+        for x in range(0, conv_w - 16, 32):
+            for o in range(o_first, o_end, 4):
+                direct_pool_tile(image, weight, o, last, y, x, pooled, at)
+        if conv_w % 32:
             for o in range(o_first, o_end, 6):
-                direct_tile(image, weight, o, last, y, x, y + 1, x, pooled, at, True)
+                direct_tile(image, weight, o, last, y, conv_w - 16, y + 1, conv_w - 16, pooled, at, True)

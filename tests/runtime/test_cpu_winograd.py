@@ -276,8 +276,8 @@ def test_blocked_direct_kernels_match_one_channel_kernel(kernel, channels, out_c
 
 def test_direct_tiles_pool2_is_direct_tiles_then_pool():
     """conv3x3_direct_tiles_pool2 gives the bytes of conv3x3_direct_tiles then max_pool_2x2_rows, for a split of
-    the output channels (7: a last tile of one channel) and a band of rows starting below the first, written
-    at a column offset, and writes nothing else."""
+    the output channels (7: a last tile of 3 channels, and in the last 16 of the 48 columns, of one) and a band
+    of rows starting below the first, written at a column offset, and writes nothing else."""
     from lnn.runtime.cpu.conv2d import max_pool_2x2_rows
     from lnn.runtime.cpu.conv_direct import conv3x3_direct_tiles, conv3x3_direct_tiles_pool2
 
