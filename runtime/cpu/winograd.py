@@ -54,6 +54,7 @@ AOT_SIGNATURES = {
     "at_row": None,
     "tile_outputs": None,
     "channels_a_pass": None,
+    "output_passes": None,
     "winograd_output": (A3, I, I, I, I, I, I, I, I, I, A2, A2),
     "winograd_output_pool2": (A3, I, I, I, I, I, I, I, I, A2, A2),
 }
@@ -347,6 +348,14 @@ def channels_a_pass(stride, count, work_w):
 
 
 @kernel
+def output_passes(m, count, work):
+    """(M's planes as rows [36, L], M's row length T', the channels a pass) for the output transforms: a pass
+    of channels o_pass.. has channel o's `count` tiles at work columns (o - o_pass) * T' + t."""
+    stride = m.shape[2]
+    return m.reshape((36, m.shape[1] * stride)), stride, channels_a_pass(stride, count, work.shape[1])
+
+
+@kernel
 def winograd_output(m, o_first, o_end, images, tiles_per_image, tile_first, conv_h, conv_w, y_first, y_end,
                     work, acc):
     """m [36, >= O, T'] -> acc [O, positions] for output channels o_first..o_end-1: conv output
@@ -358,10 +367,8 @@ def winograd_output(m, o_first, o_end, images, tiles_per_image, tile_first, conv
     tiles_w = (conv_w + 3) // 4                    # tile_count(conv_w)
     tile_rows = tiles_per_image // tiles_w
     full_w = conv_w // 4                           # tiles with all 4 columns inside
-    stride = m.shape[2]
     count = images * tiles_per_image
-    planes = m.reshape((36, m.shape[1] * stride))
-    per_pass = channels_a_pass(stride, count, work.shape[1])
+    planes, stride, per_pass = output_passes(m, count, work)
     for o_pass in range(o_first, o_end, per_pass):
         o_pass_end = min(o_pass + per_pass, o_end)
         tile_outputs(planes, o_pass * stride, (o_pass_end - 1 - o_pass) * stride + count, work)
@@ -396,9 +403,7 @@ def winograd_output_pool2(m, o_first, o_end, images, tiles_per_image, tile_first
     out_w = conv_w // 2
     full_w = out_w // 2                            # tiles with both pooled columns inside
     band_rows = out_end - out_first
-    stride = m.shape[2]
-    planes = m.reshape((36, m.shape[1] * stride))
-    per_pass = channels_a_pass(stride, count, work.shape[1])
+    planes, stride, per_pass = output_passes(m, count, work)
     for o_pass in range(o_first, o_end, per_pass):
         o_pass_end = min(o_pass + per_pass, o_end)
         columns = (o_pass_end - 1 - o_pass) * stride + count
