@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from lnn.runtime.cpu.aot import A2, A3, A4, I
 from lnn.runtime.cpu.jit import fused_kernel, kernel, wide_tile_kernel
-from lnn.runtime.cpu.winograd import fma16, six_rows, store16, zeros16
+from lnn.runtime.cpu.winograd import fma16, four_rows, six_rows, store16, zeros16
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -54,7 +54,6 @@ AOT_SIGNATURES = {"conv3x3_direct": (A3, A4, I, I, I, I, I, A2),
                   "conv3x3_direct_tiles_pool2": None,    # the same
                   "direct_tile": None,
                   "direct_column_tile": None,
-                  "four_rows": None,
                   "direct_pool_tile": None,
                   "store_pooled8": None}
 
@@ -209,12 +208,6 @@ def store_pooled8(top, bottom, row):
     row[5] = max(max(top[10], top[11]), max(bottom[10], bottom[11]))
     row[6] = max(max(top[12], top[13]), max(bottom[12], bottom[13]))
     row[7] = max(max(top[14], top[15]), max(bottom[14], bottom[15]))
-
-
-@wide_tile_kernel
-def four_rows(u, o, last):
-    """Rows o..o + 3 of u, those past `last` as row last (six_rows for 4)."""
-    return u[o], u[min(o + 1, last)], u[min(o + 2, last)], u[min(o + 3, last)]
 
 
 @wide_tile_kernel

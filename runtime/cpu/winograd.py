@@ -48,6 +48,7 @@ AOT_SIGNATURES = {
     "store16": None,
     "zeros16": None,
     "six_rows": None,
+    "four_rows": None,
     "product_tile": None,
     "product_column_tile": None,
     "small_products": None,       # the JIT on an AVX-512 host only (conv2d.py small_products_pay)
@@ -239,6 +240,12 @@ def zeros16():
 def six_rows(u, o, last):
     """Rows o..o + 5 of u, those past `last` as row last (a tile's rows past the end are computed, not stored)."""
     return u[o], u[min(o + 1, last)], u[min(o + 2, last)], u[min(o + 3, last)], u[min(o + 4, last)], u[min(o + 5, last)]
+
+
+@wide_tile_kernel
+def four_rows(u, o, last):
+    """six_rows for 4 rows (conv_direct.py's direct_pool_tile)."""
+    return u[o], u[min(o + 1, last)], u[min(o + 2, last)], u[min(o + 3, last)]
 
 
 @wide_tile_kernel
