@@ -65,9 +65,9 @@ from lnn.runtime.cpu.conv_direct import (conv3x3_direct, conv3x3_direct_quads, c
 from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
-from lnn.runtime.cpu.winograd import (TILE, input_work_shape, output_work_shape, skinny_products, small_products,
-                                      tile_count, transformed_weight, winograd_input, winograd_output,
-                                      winograd_output_pool2)
+from lnn.runtime.cpu.winograd import (TILE, column_products, input_work_shape, output_work_shape, skinny_products,
+                                      small_products, tile_count, transformed_weight, weight_blocks, winograd_input,
+                                      winograd_output, winograd_output_pool2)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -123,6 +123,13 @@ WINOGRAD_MIN_WHOLE_TILES = 4
 # tomato 0.87x / 0.85x; batch 32 on 2 threads, tomato 0.93x and 0.88x, leaf_cnn 0.96x and 0.98x, leaf_cnn224
 # 0.94x and 1.01x (two runs). With OpenBLAS's own AVX-512 kernels (OPENBLAS_CORETYPE=SkylakeX) np.matmul was
 # the faster on 7 of 9 such shapes (small_products / np.matmul 1.12-1.41).
+# Convs of WINOGRAD_MIN_TILES to this many tiles an image (where small_products would run only its 6 x 16 column
+# tiles) run their products as column_products, U in blocks of 8 rows, 8 x 16 tiles. By hand, paired medians of
+# 15 interleaved rounds, the products alone (U in cache), column_products / small_products time for O, C at 16
+# tiles, three runs: 128, 64 (leaf_cnn's conv4) 0.69-0.80; 64, 32 0.71-0.75; 192, 96 (tomato's conv4) 0.88;
+# 256, 128 0.80-0.84; 384, 192 0.73-0.88. 12 rows a block did no better (0.72-0.84); 8 rows of U [36, O, C]
+# through 8 row pointers, 0.88-1.03.
+WINOGRAD_BLOCKS_MAX_TILES = 16
 AVX512_BLAS_KERNELS = {"SkylakeX", "Cooperlake", "SapphireRapids"}      # OpenBLAS's cores with AVX-512 kernels
 
 
@@ -176,7 +183,7 @@ DIRECT_QUADS_MIN_WIDTH = 96
 # GEMM, im2col vs shifted: 1.56 vs 1.73.
 SHIFTED_MAX_JUNK = 0.125
 # A conv cut by output channels over threads (conv2d.plan) is cut on multiples of this many channels.
-CHANNEL_ALIGN = 16
+CHANNEL_ALIGN = 16      # (a multiple of winograd.BLOCK_ROWS: column_products takes whole blocks of U)
 
 
 @kernel
@@ -352,8 +359,16 @@ class Conv2dLayer:
         self._pack_weight()
 
     def _pack_weight(self) -> None:
-        """The weight in the layout the product reads: U [36, O, C] for Winograd (winograd.py), at load."""
+        """The weight in the layout the product reads, at load: for Winograd U [36, O, C] (winograd.py), or where
+        the products run as column_products (winograd_blocks), U in blocks [36, O / 8, C, 8]. winograd_blocks:
+        every band's products run so (a band of several images too): convs of WINOGRAD_MIN_TILES to
+        WINOGRAD_BLOCKS_MAX_TILES tiles an image, where small_products pays."""
         self.winograd_weight = transformed_weight(self.weight) if self.winograd else None
+        tiles = tile_count(self.conv_shape[1]) * tile_count(self.conv_shape[2])
+        self.winograd_blocks = (self.winograd and WINOGRAD_MIN_TILES <= tiles <= WINOGRAD_BLOCKS_MAX_TILES
+                                and small_products_pay())
+        if self.winograd_blocks:
+            self.winograd_weight = weight_blocks(self.winograd_weight)
 
     def fuse_max_pool(self, pool) -> None:
         """Run the max-pool layer `pool` inside this conv's output step (see the header)."""
@@ -706,7 +721,6 @@ class Conv2dLayer:
         o_first, o_end = channels
         out_channels = o_end - o_first
         in_channels = image.shape[1]
-        weight = self.winograd_weight[:, o_first:o_end]
         tiles_w = tile_count(conv_w)
         if shared is None:
             v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_scratch)
@@ -714,7 +728,7 @@ class Conv2dLayer:
         else:
             v_buffer = shared
         counts = [rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)]
-        skinny = [count for count in counts if count < WINOGRAD_MIN_TILES]
+        skinny = [] if self.winograd_blocks else [count for count in counts if count < WINOGRAD_MIN_TILES]
         if skinny:
             skinny_columns = -(-max(skinny) // 4) * 4
             vt_buffer = new_scratch((36, skinny_columns, in_channels))   # rows past the tiles: junk, as V's
@@ -735,7 +749,10 @@ class Conv2dLayer:
                 for n in range(n_first, n_end):
                     steps.append(partial(winograd_input, image[n], 0, in_channels, tile_first, tile_rows,
                                          (n - n_first) * per_image, input_work, v_buffer))
-            if count < WINOGRAD_MIN_TILES:
+            if self.winograd_blocks:
+                steps.append(partial(column_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
+                                     count, m_buffer))
+            elif count < WINOGRAD_MIN_TILES:
                 transposed = v_buffer[:, :in_channels, :count].transpose(0, 2, 1)
                 steps.append(partial(np.copyto, vt_buffer[:, :count], transposed))
                 steps.append(partial(skinny_products, self.winograd_weight, o_first, o_end, vt_buffer, count, m_buffer))
@@ -743,7 +760,7 @@ class Conv2dLayer:
                 steps.append(partial(small_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
                                      count, m_buffer))
             else:
-                steps.append(partial(np.matmul, weight, v_buffer[:, :in_channels, :count],
+                steps.append(partial(np.matmul, self.winograd_weight[:, o_first:o_end], v_buffer[:, :in_channels, :count],
                                      out=m_buffer[:, :out_channels, :count]))
             if self.winograd_pools:
                 steps.append(partial(winograd_output_pool2, m_buffer, 0, out_channels, images, per_image, tile_first,

@@ -6,7 +6,9 @@ multiplies per 4x4 output tile instead of 144 (4x fewer; F(2x2, 3x3), used befor
     V[k, c, t] = (B^T d[c, t] B)[k]                 d = the tile's 6x6 input patch            (`winograd_input`)
     M[k]       = U[k] @ V[k]                        36 BLAS products [O, C] x [C, T] (np.matmul), or
                                                     for a few tiles, dot products (`skinny_products`), or
-                                                    small ones in AVX-512 register tiles (`small_products`)
+                                                    small ones in AVX-512 register tiles (`small_products`;
+                                                    `column_products` with U in blocks of 8 rows, for convs of
+                                                    at most 16 tiles an image)
     y[o, tile] = A^T M[:, o, t] A                   the tile's 4x4 outputs                    (`winograd_output`)
                                                     or their 2x2 maxima (a 2x2/2 max-pool, `winograd_output_pool2`)
 with k = 6 * row + column of the 6x6 transform domain, tile t covering conv output rows 4ty..4ty+3
@@ -52,6 +54,8 @@ AOT_SIGNATURES = {
     "product_tile": None,
     "product_column_tile": None,
     "small_products": None,       # the JIT on an AVX-512 host only (conv2d.py small_products_pay)
+    "block_column_tile": None,
+    "column_products": None,      # (the same)
     "at_row": None,
     "tile_outputs": None,
     "channels_a_pass": None,
@@ -90,6 +94,18 @@ def transformed_weight(weight: np.ndarray) -> np.ndarray:
     """weight [O, C, 3, 3] -> U [36, O, C] float32 (computed in float64)."""
     u = np.einsum("ij,ocjk,lk->iloc", G, weight.astype(np.float64), G)       # [6, 6, O, C]
     return np.ascontiguousarray(u.reshape(36, *weight.shape[:2]), dtype=np.float32)
+
+
+BLOCK_ROWS = 8                  # U's rows a block of weight_blocks
+
+
+def weight_blocks(u: np.ndarray) -> np.ndarray:
+    """U [36, O, C] -> [36, ceil(O / 8), C, 8]: U[k, 8b + i, c] at [k, b, c, i], rows past O zero. A column
+    tile's 8 broadcasts a channel then come from one pointer (block_column_tile)."""
+    blocks = -(-u.shape[1] // BLOCK_ROWS)
+    padded = np.zeros((36, blocks * BLOCK_ROWS, u.shape[2]), np.float32)
+    padded[:, :u.shape[1]] = u
+    return np.ascontiguousarray(padded.reshape(36, blocks, BLOCK_ROWS, -1).transpose(0, 1, 3, 2))
 
 
 def tile_count(size: int) -> int:
@@ -281,6 +297,35 @@ def product_column_tile(u, o, last, v, t, m):
     for i, row in enumerate((a, b, c_, d, e, f)):
         if o + i <= last:
             store16(row, m[o + i, t:t + 16])
+
+
+@wide_tile_kernel
+def block_column_tile(block, v, t, m, o, last):
+    """m[o + i, t:t + 16] = sum over c of block[c, i] * v[c, t:t + 16] for i < 8 and o + i <= last: 8 sums of 16
+    in registers for the whole loop over c, each step 8 broadcasts from one row of the block and 1 load of v."""
+    a = b = c_ = d = e = f = g = h = zeros16()
+    for c in range(block.shape[0]):
+        w, r = v[c, t:t + 16], block[c]
+        a, b, c_, d = fma16(a, r[0], w), fma16(b, r[1], w), fma16(c_, r[2], w), fma16(d, r[3], w)
+        e, f, g, h = fma16(e, r[4], w), fma16(f, r[5], w), fma16(g, r[6], w), fma16(h, r[7], w)
+    for i, row in enumerate((a, b, c_, d, e, f, g, h)):
+        if o + i <= last:
+            store16(row, m[o + i, t:t + 16])
+
+
+@wide_tile_kernel
+def column_products(blocks, o_first, o_end, v, channels, count, m):
+    """small_products for U in blocks (weight_blocks; o_first a multiple of 8), every 16 columns a tile of 8
+    output channels x 16 tiles: for convs of at most 16 tiles an image, where small_products has only its
+    6 x 16 tiles, 6 sums in flight and 7 loads for 6 multiply-adds (conv2d.py WINOGRAD_BLOCKS_MAX_TILES)."""
+    columns = -(-count // 16) * 16
+    last = o_end - o_first - 1
+    first_block = o_first // BLOCK_ROWS
+    for k in range(36):
+        vk, mk = v[k, :channels], m[k]
+        for t in range(0, columns, 16):
+            for o in range(0, last + 1, BLOCK_ROWS):
+                block_column_tile(blocks[k, first_block + o // BLOCK_ROWS, :channels], vk, t, mk, o, last)
 
 
 @wide_tile_kernel

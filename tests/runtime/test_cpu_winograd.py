@@ -153,6 +153,55 @@ def test_small_products_are_the_36_products(shape):
     assert (m[:, o_end - o_first:] == 7).all() and (m[:, :, columns:] == 7).all()
 
 
+@pytest.mark.parametrize("shape", [(128, 64, 16, 0, 128), (50, 7, 13, 16, 47), (13, 5, 9, 0, 13), (24, 3, 48, 8, 17)],
+                         ids=lambda s: "o{}c{}t{}_{}to{}".format(*s))
+def test_column_products_are_the_36_products(shape):
+    """column_products, U in blocks of 8 rows, against np.matmul: output channels o_first..o_end-1 (o_first a
+    multiple of 8, o_end not), tiles not a multiple of 16, bands of several 16-column pieces; nothing written
+    past its rows or past the tiles rounded up to 16."""
+    from lnn.runtime.cpu.conv2d import Conv2dLayer
+    from lnn.runtime.cpu.winograd import column_products, weight_blocks
+
+    out_channels, channels, tiles, o_first, o_end = shape
+    stride = Conv2dLayer._tile_stride(tiles)
+    rng = np.random.default_rng(sum(shape))
+    u = rng.standard_normal((36, out_channels, channels)).astype(np.float32)
+    blocks = weight_blocks(u)
+    assert blocks.shape == (36, -(-out_channels // 8), channels, 8) and blocks[0, 1, 2, 3] == u[0, 11, 2]
+    v = np.zeros((36, channels + 1, stride), np.float32)
+    v[:, :channels, :tiles] = rng.standard_normal((36, channels, tiles))
+    m = np.full((36, o_end - o_first + 1, stride), 7.0, np.float32)
+    column_products(blocks, o_first, o_end, v, channels, tiles, m)
+    expected = np.matmul(u[:, o_first:o_end].astype(np.float64), v[:, :channels, :tiles].astype(np.float64))
+    np.testing.assert_allclose(m[:, :o_end - o_first, :tiles], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    columns = -(-tiles // 16) * 16
+    assert (m[:, o_end - o_first:] == 7).all() and (m[:, :, columns:] == 7).all()
+
+
+@pytest.mark.parametrize("size", [(16, 16), (12, 13), (9, 20)])
+def test_convs_of_at_most_16_tiles_run_column_products(monkeypatch, size):
+    """Where small_products pays, a conv of 9 to 16 tiles an image holds U in blocks and runs column_products:
+    one image, a batch whose band holds several images, and one image split over 2 threads by output channels."""
+    from lnn.runtime.cpu import BACKEND, conv2d
+    from lnn.runtime.cpu.parallel import all_steps
+    from lnn.runtime.cpu.winograd import column_products
+
+    monkeypatch.setattr(conv2d, "small_products_pay", lambda: True)
+    rng = np.random.default_rng(sum(size))
+    x = rng.standard_normal((5, 24, *size)).astype(np.float32)
+    weight = (rng.standard_normal((40, 24, 3, 3)) * np.sqrt(2 / (9 * 24))).astype(np.float32)
+    model = parse_model({"input_shape": [24, *size], "layers": [
+        {"type": "conv2d", "out_channels": 40, "kernel_size": 3, "padding": 1, "bias": False}]})
+    backend = BACKEND(model, {model.nodes[0].param_key("weight"): weight}, threads=2)
+    backend.task_flops = 0                                   # one image's conv split by output channels
+    layer = backend.layers[0]
+    assert layer.winograd_blocks and layer.winograd_weight.shape == (36, 5, 24, 8)
+    for batch in (1, 5):
+        steps = all_steps(backend._plan(batch, backend.threads).steps)
+        assert column_products in [getattr(step, "func", None) for step in steps]
+        check_bound(backend.run(x[:batch]), x[:batch], weight, 1)
+
+
 def test_winograd_in_row_bands_matches_float64(monkeypatch):
     """Bands cut between tile rows, and (as after a pool whose window is not its stride) bands whose
     first and last conv rows fall inside a tile (partial tile rows at both ends)."""
@@ -385,7 +434,7 @@ def test_algorithm_rule_for_small_convs():
 
 def test_winograd_weight_is_packed_at_load_after_batch_norm_folding():
     from lnn.runtime.cpu import BACKEND
-    from lnn.runtime.cpu.winograd import transformed_weight
+    from lnn.runtime.cpu.winograd import transformed_weight, weight_blocks
     from lnn.runtime.reference import NumpyBackend
 
     model = parse_model({"input_shape": [16, 10, 9], "layers": [
@@ -396,8 +445,11 @@ def test_winograd_weight_is_packed_at_load_after_batch_norm_folding():
                .astype(np.float32) for key, shape in model.param_shapes().items()}
     backend = BACKEND(model, weights)
     layer = backend.layers[0]
-    assert len(backend.layers) == 1 and layer.winograd_weight.shape == (36, 8, 16)
-    np.testing.assert_array_equal(layer.winograd_weight, transformed_weight(layer.weight))     # the folded weight
+    expected = transformed_weight(layer.weight)                                             # the folded weight
+    if layer.winograd_blocks:                                   # 9 tiles, on a host where small_products pays
+        expected = weight_blocks(expected)
+    assert len(backend.layers) == 1 and layer.winograd_weight.shape == expected.shape
+    np.testing.assert_array_equal(layer.winograd_weight, expected)
     x = rng.standard_normal((2, 16, 10, 9)).astype(np.float32)
     np.testing.assert_allclose(backend.run(x), NumpyBackend(model, weights).run(x), rtol=0, atol=1e-4)
 
