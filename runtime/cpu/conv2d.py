@@ -65,7 +65,7 @@ from lnn.runtime.cpu.conv_direct import (conv3x3_direct, conv3x3_direct_quads, c
 from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
-from lnn.runtime.cpu.winograd import (TILE, column_products, input_work_shape, output_work_shape, skinny_products,
+from lnn.runtime.cpu.winograd import (TILE, block_products, input_work_shape, output_work_shape, skinny_products,
                                       small_products, tile_count, transformed_weight, weight_blocks, winograd_input,
                                       winograd_output, winograd_output_pool2)
 
@@ -123,13 +123,17 @@ WINOGRAD_MIN_WHOLE_TILES = 4
 # tomato 0.87x / 0.85x; batch 32 on 2 threads, tomato 0.93x and 0.88x, leaf_cnn 0.96x and 0.98x, leaf_cnn224
 # 0.94x and 1.01x (two runs). With OpenBLAS's own AVX-512 kernels (OPENBLAS_CORETYPE=SkylakeX) np.matmul was
 # the faster on 7 of 9 such shapes (small_products / np.matmul 1.12-1.41).
-# Convs of WINOGRAD_MIN_TILES to this many tiles an image (where small_products would run only its 6 x 16 column
-# tiles) run their products as column_products, U in blocks of 8 rows, 8 x 16 tiles. By hand, paired medians of
-# 15 interleaved rounds, the products alone (U in cache), column_products / small_products time for O, C at 16
-# tiles, three runs: 128, 64 (leaf_cnn's conv4) 0.69-0.80; 64, 32 0.71-0.75; 192, 96 (tomato's conv4) 0.88;
-# 256, 128 0.80-0.84; 384, 192 0.73-0.88. 12 rows a block did no better (0.72-0.84); 8 rows of U [36, O, C]
-# through 8 row pointers, 0.88-1.03.
-WINOGRAD_BLOCKS_MAX_TILES = 16
+# Where small_products pays, a Winograd conv of at least WINOGRAD_MIN_TILES tiles an image holds U in blocks of 8
+# rows (winograd.weight_blocks) and runs its products as block_products: register tiles of 8 output channels x
+# 32 tiles, and x 16 for a last 16 (where small_products had 6 x 16: 6 sums in flight, 7 loads for 6
+# multiply-adds; 8 or 12 rows read through row pointers ran no faster, 0.88-1.03x and 2.4x). By hand, paired
+# medians of 15 interleaved rounds, the products alone (U in cache), block_products / small_products time for
+# O, C, tiles: at 16 tiles 128, 64 (leaf_cnn's conv4) 0.69-0.80, 64, 32 0.71-0.75, 192, 96 (tomato's conv4)
+# 0.83-0.88, 256, 128 0.80-0.84, 384, 192 0.73-0.88; at more 32, 16, 256 (leaf_cnn's conv2) 0.83-1.11, 64, 32,
+# 64 0.88-1.09, 96, 48, 64 0.84-0.96, 32, 32, 784 0.84. Whole calls, blocks for every such conv against blocks
+# for those of at most 16 tiles (by hand, 15-21 interleaved rounds of 40 calls): leaf_cnn 0.95x at 1 and 2
+# threads, leaf_cnn224 0.95x and 0.99x, tomato 0.97-1.04x; batch 32 on 2 threads, leaf_cnn 0.99x, tomato 0.94x.
+# Convs of fewer tiles keep U [36, O, C] for skinny_products (and small_products for a batch's bands).
 AVX512_BLAS_KERNELS = {"SkylakeX", "Cooperlake", "SapphireRapids"}      # OpenBLAS's cores with AVX-512 kernels
 
 
@@ -183,7 +187,7 @@ DIRECT_QUADS_MIN_WIDTH = 96
 # GEMM, im2col vs shifted: 1.56 vs 1.73.
 SHIFTED_MAX_JUNK = 0.125
 # A conv cut by output channels over threads (conv2d.plan) is cut on multiples of this many channels.
-CHANNEL_ALIGN = 16      # (a multiple of winograd.BLOCK_ROWS: column_products takes whole blocks of U)
+CHANNEL_ALIGN = 16      # (a multiple of winograd.BLOCK_ROWS: block_products takes whole blocks of U)
 
 
 @kernel
@@ -360,13 +364,12 @@ class Conv2dLayer:
 
     def _pack_weight(self) -> None:
         """The weight in the layout the product reads, at load: for Winograd U [36, O, C] (winograd.py), or where
-        the products run as column_products (winograd_blocks), U in blocks [36, O / 8, C, 8]. winograd_blocks:
-        every band's products run so (a band of several images too): convs of WINOGRAD_MIN_TILES to
-        WINOGRAD_BLOCKS_MAX_TILES tiles an image, where small_products pays."""
+        the products run as block_products (winograd_blocks), U in blocks [36, O / 8, C, 8]. winograd_blocks:
+        every band's products run so (a band of several images too): convs of at least WINOGRAD_MIN_TILES tiles
+        an image, where small_products pays (measured: the comment above AVX512_BLAS_KERNELS)."""
         self.winograd_weight = transformed_weight(self.weight) if self.winograd else None
         tiles = tile_count(self.conv_shape[1]) * tile_count(self.conv_shape[2])
-        self.winograd_blocks = (self.winograd and WINOGRAD_MIN_TILES <= tiles <= WINOGRAD_BLOCKS_MAX_TILES
-                                and small_products_pay())
+        self.winograd_blocks = self.winograd and tiles >= WINOGRAD_MIN_TILES and small_products_pay()
         if self.winograd_blocks:
             self.winograd_weight = weight_blocks(self.winograd_weight)
 
@@ -750,7 +753,7 @@ class Conv2dLayer:
                     steps.append(partial(winograd_input, image[n], 0, in_channels, tile_first, tile_rows,
                                          (n - n_first) * per_image, input_work, v_buffer))
             if self.winograd_blocks:
-                steps.append(partial(column_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
+                steps.append(partial(block_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
                                      count, m_buffer))
             elif count < WINOGRAD_MIN_TILES:
                 transposed = v_buffer[:, :in_channels, :count].transpose(0, 2, 1)

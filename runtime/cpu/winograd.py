@@ -6,9 +6,8 @@ multiplies per 4x4 output tile instead of 144 (4x fewer; F(2x2, 3x3), used befor
     V[k, c, t] = (B^T d[c, t] B)[k]                 d = the tile's 6x6 input patch            (`winograd_input`)
     M[k]       = U[k] @ V[k]                        36 BLAS products [O, C] x [C, T] (np.matmul), or
                                                     for a few tiles, dot products (`skinny_products`), or
-                                                    small ones in AVX-512 register tiles (`small_products`;
-                                                    `column_products` with U in blocks of 8 rows, for convs of
-                                                    at most 16 tiles an image)
+                                                    small ones in AVX-512 register tiles (`small_products`, or
+                                                    `block_products` on U in blocks of 8 rows: weight_blocks)
     y[o, tile] = A^T M[:, o, t] A                   the tile's 4x4 outputs                    (`winograd_output`)
                                                     or their 2x2 maxima (a 2x2/2 max-pool, `winograd_output_pool2`)
 with k = 6 * row + column of the 6x6 transform domain, tile t covering conv output rows 4ty..4ty+3
@@ -54,8 +53,9 @@ AOT_SIGNATURES = {
     "product_tile": None,
     "product_column_tile": None,
     "small_products": None,       # the JIT on an AVX-512 host only (conv2d.py small_products_pay)
+    "block_tile": None,
     "block_column_tile": None,
-    "column_products": None,      # (the same)
+    "block_products": None,       # (the same)
     "at_row": None,
     "tile_outputs": None,
     "channels_a_pass": None,
@@ -300,9 +300,26 @@ def product_column_tile(u, o, last, v, t, m):
 
 
 @wide_tile_kernel
+def block_tile(block, v, t, m, o, last):
+    """m[o + i, t:t + 32] = sum over c of block[c, i] * v[c, t:t + 32] for i < 8 and o + i <= last: 16 sums of 16
+    in registers for the whole loop over c, each step 8 broadcasts from one row of the block and 2 loads of v."""
+    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = g0 = g1 = h0 = h1 = zeros16()
+    for c in range(block.shape[0]):
+        w0, w1, r = v[c, t:t + 16], v[c, t + 16:t + 32], block[c]
+        a0, a1, b0, b1 = fma16(a0, r[0], w0), fma16(a1, r[0], w1), fma16(b0, r[1], w0), fma16(b1, r[1], w1)
+        c0, c1, d0, d1 = fma16(c0, r[2], w0), fma16(c1, r[2], w1), fma16(d0, r[3], w0), fma16(d1, r[3], w1)
+        e0, e1, f0, f1 = fma16(e0, r[4], w0), fma16(e1, r[4], w1), fma16(f0, r[5], w0), fma16(f1, r[5], w1)
+        g0, g1, h0, h1 = fma16(g0, r[6], w0), fma16(g1, r[6], w1), fma16(h0, r[7], w0), fma16(h1, r[7], w1)
+    for i, (left, right) in enumerate(((a0, a1), (b0, b1), (c0, c1), (d0, d1), (e0, e1), (f0, f1), (g0, g1),
+                                       (h0, h1))):
+        if o + i <= last:
+            store16(left, m[o + i, t:t + 16])
+            store16(right, m[o + i, t + 16:t + 32])
+
+
+@wide_tile_kernel
 def block_column_tile(block, v, t, m, o, last):
-    """m[o + i, t:t + 16] = sum over c of block[c, i] * v[c, t:t + 16] for i < 8 and o + i <= last: 8 sums of 16
-    in registers for the whole loop over c, each step 8 broadcasts from one row of the block and 1 load of v."""
+    """block_tile for 16 columns t..t + 15: 8 sums of 16."""
     a = b = c_ = d = e = f = g = h = zeros16()
     for c in range(block.shape[0]):
         w, r = v[c, t:t + 16], block[c]
@@ -314,18 +331,21 @@ def block_column_tile(block, v, t, m, o, last):
 
 
 @wide_tile_kernel
-def column_products(blocks, o_first, o_end, v, channels, count, m):
-    """small_products for U in blocks (weight_blocks; o_first a multiple of 8), every 16 columns a tile of 8
-    output channels x 16 tiles: for convs of at most 16 tiles an image, where small_products has only its
-    6 x 16 tiles, 6 sums in flight and 7 loads for 6 multiply-adds (conv2d.py WINOGRAD_BLOCKS_MAX_TILES)."""
+def block_products(blocks, o_first, o_end, v, channels, count, m):
+    """small_products for U in blocks (weight_blocks; o_first a multiple of 8), in register tiles of 8 output
+    channels x 32 tiles (block_tile) and, for a last 16 columns, x 16 (block_column_tile): where a block's
+    8 broadcasts a channel come from one pointer, small_products' 6 from 6 rows (conv2d.py winograd_blocks)."""
     columns = -(-count // 16) * 16
     last = o_end - o_first - 1
     first_block = o_first // BLOCK_ROWS
     for k in range(36):
         vk, mk = v[k, :channels], m[k]
-        for t in range(0, columns, 16):
+        for t in range(0, columns - 16, 32):
             for o in range(0, last + 1, BLOCK_ROWS):
-                block_column_tile(blocks[k, first_block + o // BLOCK_ROWS, :channels], vk, t, mk, o, last)
+                block_tile(blocks[k, first_block + o // BLOCK_ROWS, :channels], vk, t, mk, o, last)
+        if columns % 32:
+            for o in range(0, last + 1, BLOCK_ROWS):
+                block_column_tile(blocks[k, first_block + o // BLOCK_ROWS, :channels], vk, columns - 16, mk, o, last)
 
 
 @wide_tile_kernel

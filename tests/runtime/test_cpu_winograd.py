@@ -153,14 +153,15 @@ def test_small_products_are_the_36_products(shape):
     assert (m[:, o_end - o_first:] == 7).all() and (m[:, :, columns:] == 7).all()
 
 
-@pytest.mark.parametrize("shape", [(128, 64, 16, 0, 128), (50, 7, 13, 16, 47), (13, 5, 9, 0, 13), (24, 3, 48, 8, 17)],
+@pytest.mark.parametrize("shape", [(128, 64, 16, 0, 128), (50, 7, 13, 16, 47), (13, 5, 9, 0, 13), (24, 3, 48, 8, 17),
+                                   (32, 16, 256, 0, 32), (64, 32, 95, 32, 64)],
                          ids=lambda s: "o{}c{}t{}_{}to{}".format(*s))
-def test_column_products_are_the_36_products(shape):
-    """column_products, U in blocks of 8 rows, against np.matmul: output channels o_first..o_end-1 (o_first a
-    multiple of 8, o_end not), tiles not a multiple of 16, bands of several 16-column pieces; nothing written
-    past its rows or past the tiles rounded up to 16."""
+def test_block_products_are_the_36_products(shape):
+    """block_products, U in blocks of 8 rows, against np.matmul: output channels o_first..o_end-1 (o_first a
+    multiple of 8, o_end not always), tiles not a multiple of 16 or 32; nothing written past its rows or past
+    the tiles rounded up to 16."""
     from lnn.runtime.cpu.conv2d import Conv2dLayer
-    from lnn.runtime.cpu.winograd import column_products, weight_blocks
+    from lnn.runtime.cpu.winograd import block_products, weight_blocks
 
     out_channels, channels, tiles, o_first, o_end = shape
     stride = Conv2dLayer._tile_stride(tiles)
@@ -171,20 +172,21 @@ def test_column_products_are_the_36_products(shape):
     v = np.zeros((36, channels + 1, stride), np.float32)
     v[:, :channels, :tiles] = rng.standard_normal((36, channels, tiles))
     m = np.full((36, o_end - o_first + 1, stride), 7.0, np.float32)
-    column_products(blocks, o_first, o_end, v, channels, tiles, m)
+    block_products(blocks, o_first, o_end, v, channels, tiles, m)
     expected = np.matmul(u[:, o_first:o_end].astype(np.float64), v[:, :channels, :tiles].astype(np.float64))
     np.testing.assert_allclose(m[:, :o_end - o_first, :tiles], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     columns = -(-tiles // 16) * 16
     assert (m[:, o_end - o_first:] == 7).all() and (m[:, :, columns:] == 7).all()
 
 
-@pytest.mark.parametrize("size", [(16, 16), (12, 13), (9, 20)])
-def test_convs_of_at_most_16_tiles_run_column_products(monkeypatch, size):
-    """Where small_products pays, a conv of 9 to 16 tiles an image holds U in blocks and runs column_products:
-    one image, a batch whose band holds several images, and one image split over 2 threads by output channels."""
+@pytest.mark.parametrize("size", [(16, 16), (12, 13), (9, 20), (30, 37)])
+def test_winograd_convs_run_block_products(monkeypatch, size):
+    """Where small_products pays, a Winograd conv of at least WINOGRAD_MIN_TILES tiles an image holds U in blocks
+    and runs block_products: one image, a batch whose band holds several images, and one image split over 2
+    threads by output channels."""
     from lnn.runtime.cpu import BACKEND, conv2d
     from lnn.runtime.cpu.parallel import all_steps
-    from lnn.runtime.cpu.winograd import column_products
+    from lnn.runtime.cpu.winograd import block_products
 
     monkeypatch.setattr(conv2d, "small_products_pay", lambda: True)
     rng = np.random.default_rng(sum(size))
@@ -198,7 +200,7 @@ def test_convs_of_at_most_16_tiles_run_column_products(monkeypatch, size):
     assert layer.winograd_blocks and layer.winograd_weight.shape == (36, 5, 24, 8)
     for batch in (1, 5):
         steps = all_steps(backend._plan(batch, backend.threads).steps)
-        assert column_products in [getattr(step, "func", None) for step in steps]
+        assert block_products in [getattr(step, "func", None) for step in steps]
         check_bound(backend.run(x[:batch]), x[:batch], weight, 1)
 
 
