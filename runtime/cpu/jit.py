@@ -41,6 +41,7 @@ if KERNELS == "aot":
     VECTOR_FMA = False          # (kernels written for fused multiply-adds: the JIT on a host that has them)
 
     CACHE_ENABLED = False
+    tile_columns16 = tile_columns8 = tile_columns4 = None    # (the JIT's intrinsics: winograd.py copies instead)
     spin_while_equal = hand_off = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
     load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = None   # (the JIT's intrinsics)
 else:
@@ -198,6 +199,50 @@ else:
             builder.call(function, [])
             return context.get_dummy_value()
         return types.none(), codegen
+
+    def _tile_columns(lanes: int):
+        """An intrinsic tile_columns(src, start, dst, row, column): dst[row + j, column + i] = src[start + 4i + j]
+        for i < lanes, j < 6 (float32; dst C-contiguous): the 6 columns of `lanes` Winograd tiles of a row,
+        which start 4 apart (winograd.py gather_tile_columns), as 8 vector loads of src[start:start + 4 *
+        lanes + 4] and LLVM shuffles, where a loop copies them one by one (it does not vectorize the
+        stride-4 reads)."""
+        vector = llvmlite.ir.VectorType(llvmlite.ir.FloatType(), lanes)
+        i64 = llvmlite.ir.IntType(64)
+
+        def mask(indices):
+            return llvmlite.ir.Constant(llvmlite.ir.VectorType(llvmlite.ir.IntType(32), len(indices)), indices)
+
+        @intrinsic
+        def tile_columns(typingctx, src, start, dst, row, column):
+            def codegen(context, builder, signature, args):
+                source = context.make_array(signature.args[0])(context, builder, args[0])
+                target = context.make_array(signature.args[2])(context, builder, args[2])
+                first = builder.gep(source.data, [args[1]])
+
+                def load(offset):      # src[start + offset:][:lanes], unaligned
+                    pointer = builder.gep(first, [llvmlite.ir.Constant(i64, offset)])
+                    return builder.load(builder.bitcast(pointer, vector.as_pointer()), align=4)
+
+                def phase(vectors, j):  # element j of each tile: elements j, j + 4, ... of the 4 vectors end to end
+                    half = mask([j + 4 * i for i in range(lanes // 2)])
+                    low = builder.shuffle_vector(vectors[0], vectors[1], half)
+                    high = builder.shuffle_vector(vectors[2], vectors[3], half)
+                    return builder.shuffle_vector(low, high, mask(list(range(lanes))))
+
+                tiles = [load(lanes * q) for q in range(4)]             # columns 0-3 of the tiles
+                next_tiles = [load(4 + lanes * q) for q in range(4)]    # 4-5: columns 0-1 of the next tiles
+                row_length = builder.extract_value(target.shape, 1)
+                for j in range(6):
+                    value = phase(tiles, j) if j < 4 else phase(next_tiles, j - 4)
+                    index = builder.add(builder.mul(builder.add(args[3], llvmlite.ir.Constant(i64, j)), row_length),
+                                        args[4])
+                    pointer = builder.gep(target.data, [index])   # from dst's own pointer: LLVM keeps its aliasing
+                    builder.store(value, builder.bitcast(pointer, vector.as_pointer()), align=4)
+                return context.get_dummy_value()
+            return types.none(src, types.intp, dst, types.intp, types.intp), codegen
+        return tile_columns
+
+    tile_columns16, tile_columns8, tile_columns4 = (_tile_columns(lanes) for lanes in (16, 8, 4))
 
     @intrinsic
     def _store_release(typingctx, array, index, value):

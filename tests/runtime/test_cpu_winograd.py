@@ -224,11 +224,12 @@ def test_winograd_in_row_bands_matches_float64(monkeypatch):
     check_bound(got, x, weight, 1)
 
 
-@pytest.mark.parametrize("tiles_w", [6, 9, 16])
+@pytest.mark.parametrize("tiles_w", [4, 6, 9, 16, 29, 31])
 def test_gathered_input_transform_gives_the_tile_by_tile_bytes(tiles_w, monkeypatch):
     """From GATHERED_MIN_TILES_W tiles a row, winograd_input's second step runs over the band's tiles at once
     after a gather: the same sums in the same order as tile by tile (compiled here with the threshold out of
-    reach), on a band of 3 tile rows that starts at row 1 and a last tile row past the image."""
+    reach), on a band of 3 tile rows that starts at row 1 and a last tile row past the image. Widths that take
+    each of the shuffled gather's 16, 8 and 4 tiles at a time and 1-3 last ones (where SHUFFLED_GATHER)."""
     numba = pytest.importorskip("numba")
     from lnn.runtime.cpu import jit, winograd
     from lnn.runtime.cpu.winograd import input_work_shape, winograd_input
@@ -246,6 +247,25 @@ def test_gathered_input_transform_gives_the_tile_by_tile_bytes(tiles_w, monkeypa
     assert not np.isnan(outputs[0][:, 1:3, 5:]).any() and np.isnan(outputs[0][:, 0]).all()
     assert np.isnan(outputs[0][:, :, :5]).all() and np.isnan(outputs[0][:, 3]).all()
     assert outputs[0].tobytes() == outputs[1].tobytes()
+
+
+@pytest.mark.parametrize("lanes", [16, 8, 4])
+def test_tile_columns_gathers_the_6_columns_of_each_tile(lanes):
+    """jit.tile_columns16/8/4 (on any host the JIT runs on): dst[row + j, column + i] = src[start + 4i + j], and
+    nothing else of dst written."""
+    numba = pytest.importorskip("numba")
+    from lnn.runtime.cpu import jit
+
+    if jit.KERNELS != "jit":
+        pytest.skip("the intrinsics are the JIT's")
+    intrinsic = {16: jit.tile_columns16, 8: jit.tile_columns8, 4: jit.tile_columns4}[lanes]
+    gather = numba.njit(lambda src, start, dst, row, column: intrinsic(src, start, dst, row, column))
+    src = np.random.default_rng(lanes).standard_normal(3 + 4 * lanes + 4).astype(np.float32)
+    dst = np.full((9, lanes + 5), np.nan, np.float32)
+    gather(src, 3, dst, 2, 5)
+    i, j = np.meshgrid(np.arange(lanes), np.arange(6))
+    np.testing.assert_array_equal(dst[2:8, 5:], src[3 + 4 * i + j])
+    assert np.isnan(dst[:2]).all() and np.isnan(dst[8:]).all() and np.isnan(dst[:, :5]).all()
 
 
 @pytest.mark.parametrize("width", [14, 38])      # conv 12 or 36 wide: 3 tiles a row (tile by tile) or 9 (gathered)
