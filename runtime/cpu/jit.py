@@ -41,7 +41,7 @@ if KERNELS == "aot":
     VECTOR_FMA = False          # (kernels written for fused multiply-adds: the JIT on a host that has them)
 
     CACHE_ENABLED = False
-    tile_columns16 = tile_columns8 = tile_columns4 = None    # (the JIT's intrinsics: winograd.py copies instead)
+    gather_tile_columns = interleave_rows4 = None   # (the JIT's intrinsics: winograd.py copies instead)
     spin_while_equal = hand_off = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
     load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = None   # (the JIT's intrinsics)
 else:
@@ -200,49 +200,89 @@ else:
             return context.get_dummy_value()
         return types.none(), codegen
 
-    def _tile_columns(lanes: int):
-        """An intrinsic tile_columns(src, start, dst, row, column): dst[row + j, column + i] = src[start + 4i + j]
-        for i < lanes, j < 6 (float32; dst C-contiguous): the 6 columns of `lanes` Winograd tiles of a row,
-        which start 4 apart (winograd.py gather_tile_columns), as 8 vector loads of src[start:start + 4 *
-        lanes + 4] and LLVM shuffles, where a loop copies them one by one (it does not vectorize the
-        stride-4 reads)."""
-        vector = llvmlite.ir.VectorType(llvmlite.ir.FloatType(), lanes)
-        i64 = llvmlite.ir.IntType(64)
+    _I64 = llvmlite.ir.IntType(64)
 
-        def mask(indices):
-            return llvmlite.ir.Constant(llvmlite.ir.VectorType(llvmlite.ir.IntType(32), len(indices)), indices)
+    def _in_groups(builder, count, emit):
+        """Emits emit(lanes, first) for tiles first..first + lanes - 1 of `count` (an i64): groups of 16 while
+        16 remain, then one of 8 and one of 4 where that many remain; the tiles done (an i64)."""
+        sixteens = builder.sdiv(count, llvmlite.ir.Constant(_I64, 16))
+        with cgutils.for_range(builder, sixteens) as loop:
+            emit(16, builder.mul(loop.index, llvmlite.ir.Constant(_I64, 16)))
+        done = builder.mul(sixteens, llvmlite.ir.Constant(_I64, 16))
+        for lanes in (8, 4):
+            fits = builder.icmp_signed(">=", builder.sub(count, done), llvmlite.ir.Constant(_I64, lanes))
+            with builder.if_then(fits):
+                emit(lanes, done)
+            done = builder.select(fits, builder.add(done, llvmlite.ir.Constant(_I64, lanes)), done)
+        return done
 
+    def _vector_at(builder, array, index, lanes):
+        """A <lanes x float> pointer to array's element `index` (flat, from its own data pointer: LLVM keeps
+        what it knows of the array's aliasing, which an address made from an integer loses)."""
+        pointer = builder.gep(array.data, [index])
+        return builder.bitcast(pointer, llvmlite.ir.VectorType(llvmlite.ir.FloatType(), lanes).as_pointer())
+
+    def _shuffled(builder, vector, indices):
+        mask = llvmlite.ir.Constant(llvmlite.ir.VectorType(llvmlite.ir.IntType(32), len(indices)), indices)
+        return builder.shuffle_vector(vector, vector, mask)
+
+    @intrinsic
+    def gather_tile_columns(typingctx, src, start, dst, row, column, count):
+        """dst[row + j, column + i] = src[start + 4i + j] for j < 6 and i < the tiles done (returned: count
+        rounded down to 4, the last 1-3 are the caller's), float32, dst C-contiguous: the 6 columns of each
+        Winograd tile of a row, the tiles 4 apart (winograd.py winograd_input), as vector loads and shuffles
+        16, 8 or 4 tiles at a time, where a loop copies them one by one (LLVM does not vectorize its stride-4
+        reads). Reads src up to 2 past the last tile's columns."""
+        def codegen(context, builder, signature, args):
+            source = context.make_array(signature.args[0])(context, builder, args[0])
+            target = context.make_array(signature.args[2])(context, builder, args[2])
+            row_length = builder.extract_value(target.shape, 1)
+
+            def emit(lanes, first):
+                at = builder.add(args[1], builder.mul(first, llvmlite.ir.Constant(_I64, 4)))
+                tiles = builder.load(_vector_at(builder, source, at, 4 * lanes), align=4)          # columns 0-3
+                next_at = builder.add(at, llvmlite.ir.Constant(_I64, 4))
+                next_tiles = builder.load(_vector_at(builder, source, next_at, 4 * lanes), align=4)  # 4-5
+                for j in range(6):
+                    value = _shuffled(builder, tiles if j < 4 else next_tiles, [4 * i + j % 4 for i in range(lanes)])
+                    index = builder.add(builder.mul(builder.add(args[3], llvmlite.ir.Constant(_I64, j)), row_length),
+                                        builder.add(args[4], first))
+                    builder.store(value, _vector_at(builder, target, index, lanes), align=4)
+            return _in_groups(builder, args[5], emit)
+        return types.intp(src, types.intp, dst, types.intp, types.intp, types.intp), codegen
+
+    def _interleave_rows(rows: int):
+        """interleave_rows for R = rows outputs of a tile a row (a power of 2; winograd.py uses 4: pooled
+        rows of 2 a tile ran no faster so, 0.98-1.00x the pooling output transform's time, by hand)."""
         @intrinsic
-        def tile_columns(typingctx, src, start, dst, row, column):
+        def interleave_rows(typingctx, src, row, column, dst, start, count):
+            """dst[start + R * i + r] = src[row + r, column + i] for r < R (`rows`) and i < the tiles done
+            (returned: count rounded down to 4, the last 1-3 are the caller's), float32, src C-contiguous: R
+            outputs of each tile into a row, from R rows of tiles (winograd.py's output transforms), as vector
+            loads and shuffles 16, 8 or 4 tiles at a time (LLVM does not vectorize a loop's stride-R stores)."""
             def codegen(context, builder, signature, args):
                 source = context.make_array(signature.args[0])(context, builder, args[0])
-                target = context.make_array(signature.args[2])(context, builder, args[2])
-                first = builder.gep(source.data, [args[1]])
+                target = context.make_array(signature.args[3])(context, builder, args[3])
+                row_length = builder.extract_value(source.shape, 1)
 
-                def load(offset):      # src[start + offset:][:lanes], unaligned
-                    pointer = builder.gep(first, [llvmlite.ir.Constant(i64, offset)])
-                    return builder.load(builder.bitcast(pointer, vector.as_pointer()), align=4)
+                def emit(lanes, first):
+                    parts = []
+                    for r in range(rows):
+                        index = builder.add(builder.mul(builder.add(args[1], llvmlite.ir.Constant(_I64, r)), row_length),
+                                            builder.add(args[2], first))
+                        parts.append(builder.load(_vector_at(builder, source, index, lanes), align=4))
+                    while len(parts) > 1:        # end to end: row r's lanes at r * lanes
+                        width = 2 * parts[0].type.count
+                        parts = [builder.shuffle_vector(a, b, llvmlite.ir.Constant(llvmlite.ir.VectorType(
+                            llvmlite.ir.IntType(32), width), list(range(width)))) for a, b in zip(parts[::2], parts[1::2])]
+                    value = _shuffled(builder, parts[0], [(e % rows) * lanes + e // rows for e in range(rows * lanes)])
+                    at = builder.add(args[4], builder.mul(first, llvmlite.ir.Constant(_I64, rows)))
+                    builder.store(value, _vector_at(builder, target, at, rows * lanes), align=4)
+                return _in_groups(builder, args[5], emit)
+            return types.intp(src, types.intp, types.intp, dst, types.intp, types.intp), codegen
+        return interleave_rows
 
-                def phase(vectors, j):  # element j of each tile: elements j, j + 4, ... of the 4 vectors end to end
-                    half = mask([j + 4 * i for i in range(lanes // 2)])
-                    low = builder.shuffle_vector(vectors[0], vectors[1], half)
-                    high = builder.shuffle_vector(vectors[2], vectors[3], half)
-                    return builder.shuffle_vector(low, high, mask(list(range(lanes))))
-
-                tiles = [load(lanes * q) for q in range(4)]             # columns 0-3 of the tiles
-                next_tiles = [load(4 + lanes * q) for q in range(4)]    # 4-5: columns 0-1 of the next tiles
-                row_length = builder.extract_value(target.shape, 1)
-                for j in range(6):
-                    value = phase(tiles, j) if j < 4 else phase(next_tiles, j - 4)
-                    index = builder.add(builder.mul(builder.add(args[3], llvmlite.ir.Constant(i64, j)), row_length),
-                                        args[4])
-                    pointer = builder.gep(target.data, [index])   # from dst's own pointer: LLVM keeps its aliasing
-                    builder.store(value, builder.bitcast(pointer, vector.as_pointer()), align=4)
-                return context.get_dummy_value()
-            return types.none(src, types.intp, dst, types.intp, types.intp), codegen
-        return tile_columns
-
-    tile_columns16, tile_columns8, tile_columns4 = (_tile_columns(lanes) for lanes in (16, 8, 4))
+    interleave_rows4 = _interleave_rows(4)
 
     @intrinsic
     def _store_release(typingctx, array, index, value):

@@ -37,8 +37,8 @@ from fractions import Fraction
 import numpy as np
 
 from lnn.runtime.cpu.aot import A2, A3, I
-from lnn.runtime.cpu.jit import (WIDE_VECTORS, ieee_kernel, kernel, short_loops_kernel, tile_columns4, tile_columns8,
-                                 tile_columns16, wide_tile_kernel)
+from lnn.runtime.cpu.jit import (WIDE_VECTORS, gather_tile_columns, ieee_kernel, interleave_rows4, kernel,
+                                 short_loops_kernel, wide_tile_kernel)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -125,14 +125,17 @@ def tile_count(size: int) -> int:
 GATHERED_MIN_TILES_W = 4
 
 
-# winograd_input gathers E's tile columns 16, 8 or 4 tiles at a time by vector loads and shuffles
-# (jit.tile_columns16...) where the JIT has AVX-512, one by one elsewhere (where it was not measured). By hand,
-# 1 thread, the kernel against the copies one by one, the same bytes: 0.55x on 16x64^2, 0.69x on 32x32^2,
-# 0.76x on 64x16^2, 0.64x on 24x64^2, 0.63x on 32x112^2, 0.83x on 64x56^2; whole calls (15 interleaved
-# rounds of 40): leaf_cnn 0.92x, tomato 0.96x, leaf_cnn224 0.95x, mnist_cnn 1.00x. In a kernel of its own
-# called from winograd_input, the same copies ran 1.05-1.39x slower (the call, not inlined), and with the
-# shuffles 1.03-2.6x slower than inline copies.
-SHUFFLED_GATHER = WIDE_VECTORS
+# winograd_input gathers each tile's 6 columns of E (stride 4) and winograd_output scatters each tile's 4
+# outputs a row into the image row (stride 4) by vector loads and shuffles, 16, 8 or 4 tiles at a time
+# (jit.gather_tile_columns, jit.interleave_rows4), where the JIT has AVX-512; one by one elsewhere (where it
+# was not measured): LLVM vectorizes neither the strided reads nor the strided stores of a loop. By hand, 1
+# thread, against the copies one by one, the same bytes: winograd_input 0.55x the time on 16x64^2, 0.69x on
+# 32x32^2, 0.76x on 64x16^2, 0.64x on 24x64^2, 0.63x on 32x112^2, 0.83x on 64x56^2, whole calls (15
+# interleaved rounds of 40) leaf_cnn 0.92x, tomato 0.96x, leaf_cnn224 0.95x, mnist_cnn 1.00x; winograd_output
+# 0.73x on 128x16^2, 0.95x on 256x28^2 (7 tiles a row: 3 copied), whole calls leaf_cnn 0.98x, leaf_cnn224
+# 0.97x. Inline only: the same copies in a kernel of their own, called from winograd_input per row, ran
+# 1.05-1.39x slower, and the shuffles so 1.03-2.6x.
+SHUFFLES = WIDE_VECTORS
 
 
 def input_work_shape(tiles_w: int, tile_rows: int) -> tuple:
@@ -156,7 +159,7 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
     work rows 0-5), then v[6k + l, c, t] = sum_j B^T[l, j] E[k, 4tx + j]: tile by tile, or, from
     GATHERED_MIN_TILES_W tiles a row, for all of the band's tiles at once after each tile row's E is
     gathered into work rows 6 + 6k + j, column t (the same sums in the same order: the same bytes; by
-    vector shuffles where SHUFFLED_GATHER, inline: a kernel call per row cost more than the copies).
+    vector shuffles where SHUFFLES).
     Both steps read their 6 rows once for the 6 rows they make (`bt_row`), one loop over the row, whose
     every access is to one of two arrays, so LLVM vectorizes it with one runtime alias check: the gathered
     step writes its 6 rows into work rows 42-47, then copies them into v's 6 planes (written there from
@@ -192,18 +195,9 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
             for k in range(6):
                 e = work[k]
                 if gathered:
-                    g, tx = 6 + 6 * k, 0
-                    if SHUFFLED_GATHER:              # 16, 8, 4 tiles at a time (they read e 2 past the last tile)
-                        while tiles_w - tx >= 16:
-                            tile_columns16(e, 4 * tx, work, g, t0 + tx)
-                            tx += 16
-                        if tiles_w - tx >= 8:
-                            tile_columns8(e, 4 * tx, work, g, t0 + tx)
-                            tx += 8
-                        if tiles_w - tx >= 4:
-                            tile_columns4(e, 4 * tx, work, g, t0 + tx)
-                            tx += 4
-                    for tx in range(tx, tiles_w):
+                    g = 6 + 6 * k
+                    done = gather_tile_columns(e, 0, work, g, t0, tiles_w) if SHUFFLES else 0
+                    for tx in range(done, tiles_w):
                         x, t = 4 * tx, t0 + tx
                         work[g, t], work[g + 1, t], work[g + 2, t] = e[x], e[x + 1], e[x + 2]
                         work[g + 3, t], work[g + 4, t], work[g + 5, t] = e[x + 3], e[x + 4], e[x + 5]
@@ -476,7 +470,8 @@ def winograd_output(m, o_first, o_end, images, tiles_per_image, tile_first, conv
                     for a in range(max(0, y_first - y), min(4, y_end - y)):
                         line = target[(j * conv_h + y + a - y_first) * conv_w:]
                         y0, y1, y2, y3 = work[24 + 4 * a, t0:], work[25 + 4 * a, t0:], work[26 + 4 * a, t0:], work[27 + 4 * a, t0:]
-                        for tx in range(full_w):
+                        done = interleave_rows4(work, 24 + 4 * a, t0, line, 0, full_w) if SHUFFLES else 0
+                        for tx in range(done, full_w):
                             line[4 * tx], line[4 * tx + 1], line[4 * tx + 2], line[4 * tx + 3] = y0[tx], y1[tx], y2[tx], y3[tx]
                         for x in range(4 * full_w, conv_w):
                             line[x] = work[24 + 4 * a + x % 4, t0 + x // 4]

@@ -229,7 +229,7 @@ def test_gathered_input_transform_gives_the_tile_by_tile_bytes(tiles_w, monkeypa
     """From GATHERED_MIN_TILES_W tiles a row, winograd_input's second step runs over the band's tiles at once
     after a gather: the same sums in the same order as tile by tile (compiled here with the threshold out of
     reach), on a band of 3 tile rows that starts at row 1 and a last tile row past the image. Widths that take
-    each of the shuffled gather's 16, 8 and 4 tiles at a time and 1-3 last ones (where SHUFFLED_GATHER)."""
+    each of the shuffled gather's 16, 8 and 4 tiles at a time and 1-3 last ones (where winograd.SHUFFLES)."""
     numba = pytest.importorskip("numba")
     from lnn.runtime.cpu import jit, winograd
     from lnn.runtime.cpu.winograd import input_work_shape, winograd_input
@@ -249,23 +249,35 @@ def test_gathered_input_transform_gives_the_tile_by_tile_bytes(tiles_w, monkeypa
     assert outputs[0].tobytes() == outputs[1].tobytes()
 
 
-@pytest.mark.parametrize("lanes", [16, 8, 4])
-def test_tile_columns_gathers_the_6_columns_of_each_tile(lanes):
-    """jit.tile_columns16/8/4 (on any host the JIT runs on): dst[row + j, column + i] = src[start + 4i + j], and
-    nothing else of dst written."""
+@pytest.mark.parametrize("count", [3, 4, 13, 16, 29, 40])
+def test_shuffle_intrinsics_move_the_columns_of_each_tile(count):
+    """jit.gather_tile_columns and interleave_rows4 (on any host the JIT runs on) against numpy: the tiles
+    done are count rounded down to 4 (16, 8 and 4 at a time), and nothing else of dst is written."""
     numba = pytest.importorskip("numba")
     from lnn.runtime.cpu import jit
 
     if jit.KERNELS != "jit":
         pytest.skip("the intrinsics are the JIT's")
-    intrinsic = {16: jit.tile_columns16, 8: jit.tile_columns8, 4: jit.tile_columns4}[lanes]
-    gather = numba.njit(lambda src, start, dst, row, column: intrinsic(src, start, dst, row, column))
-    src = np.random.default_rng(lanes).standard_normal(3 + 4 * lanes + 4).astype(np.float32)
-    dst = np.full((9, lanes + 5), np.nan, np.float32)
-    gather(src, 3, dst, 2, 5)
-    i, j = np.meshgrid(np.arange(lanes), np.arange(6))
-    np.testing.assert_array_equal(dst[2:8, 5:], src[3 + 4 * i + j])
-    assert np.isnan(dst[:2]).all() and np.isnan(dst[8:]).all() and np.isnan(dst[:, :5]).all()
+    done = count - count % 4
+    rng = np.random.default_rng(count)
+    def compiled(intrinsic):
+        return numba.njit(lambda *args: intrinsic(*args))
+
+    gather = compiled(jit.gather_tile_columns)
+    src = rng.standard_normal(3 + 4 * count + 4).astype(np.float32)
+    dst = np.full((9, count + 5), np.nan, np.float32)
+    assert gather(src, 3, dst, 2, 5, count) == done
+    i, j = np.meshgrid(np.arange(done), np.arange(6))
+    np.testing.assert_array_equal(dst[2:8, 5:5 + done], src[3 + 4 * i + j])
+    dst[2:8, 5:5 + done] = np.nan
+    assert np.isnan(dst).all()
+    interleave = compiled(jit.interleave_rows4)
+    src = rng.standard_normal((7, count + 5)).astype(np.float32)
+    dst = np.full(3 + 4 * count + 4, np.nan, np.float32)
+    assert interleave(src, 1, 2, dst, 3, count) == done
+    np.testing.assert_array_equal(dst[3:3 + 4 * done], src[1:5, 2:2 + done].T.ravel())
+    dst[3:3 + 4 * done] = np.nan
+    assert np.isnan(dst).all()
 
 
 @pytest.mark.parametrize("width", [14, 38])      # conv 12 or 36 wide: 3 tiles a row (tile by tile) or 9 (gathered)
