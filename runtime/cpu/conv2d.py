@@ -27,7 +27,8 @@ Each image goes through three steps, chosen per layer at load:
                any such conv whose layer asks for "algorithm": "winograd") run Winograd
                F(4x4, 3x3) (winograd.py) into acc [O, positions], pitch OW; "im2col" forces steps 1-2.
                A band of fewer than WINOGRAD_MIN_TILES tiles runs its products as skinny_products.
-               Its transformed weight U [36, O, C] is made once, at load (after batch-norm folding).
+               Its transformed weight U [36, O, C] is made once, at load (after batch-norm folding), in
+               blocks of 8 output channels where its products run as block_products (winograd_blocks).
   3. output    the fused max-pool, if any (`max_pool_2x2_rows`, or `max_pool_rows` for any other window),
                reads acc by position pitch into `pooled` (a Winograd conv's 2x2/2 pool is done by its
                output transform instead, winograd_output_pool2: no acc); `epilogue_rows` applies
