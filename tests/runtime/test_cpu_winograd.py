@@ -136,43 +136,38 @@ def test_winograd_matches_float64_convolution(case, small, monkeypatch):
 def test_small_products_are_the_36_products(shape):
     """small_products against np.matmul: output channels o_first..o_end-1 of U (not a multiple of its 6-row tiles),
     tiles not a multiple of 16 or 32; nothing written past its rows or past the tiles rounded up to 16."""
-    from lnn.runtime.cpu.conv2d import Conv2dLayer
     from lnn.runtime.cpu.winograd import small_products
 
-    out_channels, channels, tiles, o_first, o_end = shape
-    stride = Conv2dLayer._tile_stride(tiles)
-    rng = np.random.default_rng(sum(shape))
-    u = rng.standard_normal((36, out_channels, channels)).astype(np.float32)
-    v = np.zeros((36, channels + 1, stride), np.float32)
-    v[:, :channels, :tiles] = rng.standard_normal((36, channels, tiles))
-    m = np.full((36, o_end - o_first + 1, stride), 7.0, np.float32)
-    small_products(u, o_first, o_end, v, channels, tiles, m)
-    expected = np.matmul(u[:, o_first:o_end].astype(np.float64), v[:, :channels, :tiles].astype(np.float64))
-    np.testing.assert_allclose(m[:, :o_end - o_first, :tiles], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
-    columns = -(-tiles // 16) * 16
-    assert (m[:, o_end - o_first:] == 7).all() and (m[:, :, columns:] == 7).all()
+    check_36_products(small_products, lambda u: u, shape)
 
 
 @pytest.mark.parametrize("shape", [(128, 64, 16, 0, 128), (50, 7, 13, 16, 47), (13, 5, 9, 0, 13), (24, 3, 48, 8, 17),
                                    (32, 16, 256, 0, 32), (64, 32, 95, 32, 64)],
                          ids=lambda s: "o{}c{}t{}_{}to{}".format(*s))
 def test_block_products_are_the_36_products(shape):
-    """block_products, U in blocks of 8 rows, against np.matmul: output channels o_first..o_end-1 (o_first a
-    multiple of 8, o_end not always), tiles not a multiple of 16 or 32; nothing written past its rows or past
-    the tiles rounded up to 16."""
-    from lnn.runtime.cpu.conv2d import Conv2dLayer
+    """block_products, U in blocks of 8 rows (weight_blocks), as small_products: o_first a multiple of 8, o_end
+    not always."""
     from lnn.runtime.cpu.winograd import block_products, weight_blocks
+
+    u = np.arange(36 * 13 * 3, dtype=np.float32).reshape(36, 13, 3)
+    blocks = weight_blocks(u)
+    assert blocks.shape == (36, 2, 3, 8) and blocks[5, 1, 2, 3] == u[5, 11, 2] and (blocks[:, 1, :, 5:] == 0).all()
+    check_36_products(block_products, weight_blocks, shape)
+
+
+def check_36_products(products, layout, shape):
+    """products(layout(U), o_first, o_end, V, channels, tiles, M) against np.matmul in float64, and nothing of M
+    written past its rows or past the tiles rounded up to 16."""
+    from lnn.runtime.cpu.conv2d import Conv2dLayer
 
     out_channels, channels, tiles, o_first, o_end = shape
     stride = Conv2dLayer._tile_stride(tiles)
     rng = np.random.default_rng(sum(shape))
     u = rng.standard_normal((36, out_channels, channels)).astype(np.float32)
-    blocks = weight_blocks(u)
-    assert blocks.shape == (36, -(-out_channels // 8), channels, 8) and blocks[0, 1, 2, 3] == u[0, 11, 2]
     v = np.zeros((36, channels + 1, stride), np.float32)
     v[:, :channels, :tiles] = rng.standard_normal((36, channels, tiles))
     m = np.full((36, o_end - o_first + 1, stride), 7.0, np.float32)
-    block_products(blocks, o_first, o_end, v, channels, tiles, m)
+    products(layout(u), o_first, o_end, v, channels, tiles, m)
     expected = np.matmul(u[:, o_first:o_end].astype(np.float64), v[:, :channels, :tiles].astype(np.float64))
     np.testing.assert_allclose(m[:, :o_end - o_first, :tiles], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     columns = -(-tiles // 16) * 16
