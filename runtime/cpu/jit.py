@@ -222,9 +222,14 @@ else:
         pointer = builder.gep(array.data, [index])
         return builder.bitcast(pointer, llvmlite.ir.VectorType(llvmlite.ir.FloatType(), lanes).as_pointer())
 
-    def _shuffled(builder, vector, indices):
+    def _shuffled(builder, vector, indices, other=None):
+        """The elements of `vector` (and after them `other`'s) at `indices`, as one vector."""
         mask = llvmlite.ir.Constant(llvmlite.ir.VectorType(llvmlite.ir.IntType(32), len(indices)), indices)
-        return builder.shuffle_vector(vector, vector, mask)
+        return builder.shuffle_vector(vector, vector if other is None else other, mask)
+
+    def _joined(builder, first, second):
+        """first's elements then second's (two vectors of one length)."""
+        return _shuffled(builder, first, list(range(2 * first.type.count)), second)
 
     @intrinsic
     def gather_tile_columns(typingctx, src, start, dst, row, column, count):
@@ -251,38 +256,29 @@ else:
             return _in_groups(builder, args[5], emit)
         return types.intp(src, types.intp, dst, types.intp, types.intp, types.intp), codegen
 
-    def _interleave_rows(rows: int):
-        """interleave_rows for R = rows outputs of a tile a row (a power of 2; winograd.py uses 4: pooled
-        rows of 2 a tile ran no faster so, 0.98-1.00x the pooling output transform's time, by hand)."""
-        @intrinsic
-        def interleave_rows(typingctx, src, row, column, dst, start, count):
-            """dst[start + R * i + r] = src[row + r, column + i] for r < R (`rows`) and i < the tiles done
-            (returned: count rounded down to 4, the last 1-3 are the caller's), float32, src C-contiguous: R
-            outputs of each tile into a row, from R rows of tiles (winograd.py's output transforms), as vector
-            loads and shuffles 16, 8 or 4 tiles at a time (LLVM does not vectorize a loop's stride-R stores)."""
-            def codegen(context, builder, signature, args):
-                source = context.make_array(signature.args[0])(context, builder, args[0])
-                target = context.make_array(signature.args[3])(context, builder, args[3])
-                row_length = builder.extract_value(source.shape, 1)
+    @intrinsic
+    def interleave_rows4(typingctx, src, row, column, dst, start, count):
+        """dst[start + 4i + r] = src[row + r, column + i] for r < 4 and i < the tiles done (returned: count rounded
+        down to 4, the last 1-3 are the caller's), float32, src C-contiguous: each tile's 4 outputs into a row,
+        from 4 rows of tiles (winograd.py winograd_output), as vector loads and shuffles 16, 8 or 4 tiles at a
+        time (LLVM does not vectorize a loop's stride-4 stores)."""
+        def codegen(context, builder, signature, args):
+            source = context.make_array(signature.args[0])(context, builder, args[0])
+            target = context.make_array(signature.args[3])(context, builder, args[3])
+            row_length = builder.extract_value(source.shape, 1)
 
-                def emit(lanes, first):
-                    parts = []
-                    for r in range(rows):
-                        index = builder.add(builder.mul(builder.add(args[1], llvmlite.ir.Constant(_I64, r)), row_length),
-                                            builder.add(args[2], first))
-                        parts.append(builder.load(_vector_at(builder, source, index, lanes), align=4))
-                    while len(parts) > 1:        # end to end: row r's lanes at r * lanes
-                        width = 2 * parts[0].type.count
-                        parts = [builder.shuffle_vector(a, b, llvmlite.ir.Constant(llvmlite.ir.VectorType(
-                            llvmlite.ir.IntType(32), width), list(range(width)))) for a, b in zip(parts[::2], parts[1::2])]
-                    value = _shuffled(builder, parts[0], [(e % rows) * lanes + e // rows for e in range(rows * lanes)])
-                    at = builder.add(args[4], builder.mul(first, llvmlite.ir.Constant(_I64, rows)))
-                    builder.store(value, _vector_at(builder, target, at, rows * lanes), align=4)
-                return _in_groups(builder, args[5], emit)
-            return types.intp(src, types.intp, types.intp, dst, types.intp, types.intp), codegen
-        return interleave_rows
-
-    interleave_rows4 = _interleave_rows(4)
+            def emit(lanes, first):
+                rows = []
+                for r in range(4):
+                    index = builder.add(builder.mul(builder.add(args[1], llvmlite.ir.Constant(_I64, r)), row_length),
+                                        builder.add(args[2], first))
+                    rows.append(builder.load(_vector_at(builder, source, index, lanes), align=4))
+                halves = [_joined(builder, rows[0], rows[1]), _joined(builder, rows[2], rows[3])]
+                value = _shuffled(builder, _joined(builder, *halves), [(e % 4) * lanes + e // 4 for e in range(4 * lanes)])
+                at = builder.add(args[4], builder.mul(first, llvmlite.ir.Constant(_I64, 4)))
+                builder.store(value, _vector_at(builder, target, at, 4 * lanes), align=4)
+            return _in_groups(builder, args[5], emit)
+        return types.intp(src, types.intp, types.intp, dst, types.intp, types.intp), codegen
 
     @intrinsic
     def _store_release(typingctx, array, index, value):
