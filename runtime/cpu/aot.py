@@ -145,5 +145,11 @@ def compile_kernels(output_dir: Path, target_cpu: str = "") -> Path:
     for key, arguments in declared.items():
         if arguments is not None:
             compiler.export(symbol(key), f"void({', '.join(arguments)})")(kernels[key].py_func)
-    compiler.compile()
+    from lnn.runtime.cpu import winograd
+
+    shuffles, winograd.SHUFFLES = winograd.SHUFFLES, False    # (measured with the JIT on AVX-512 only; the module
+    try:                                                       # is built for any CPU of the family: the copies)
+        compiler.compile()
+    finally:
+        winograd.SHUFFLES = shuffles
     return Path(output_dir) / compiler.output_file
