@@ -14,6 +14,10 @@ the kernels it uses.
 
 LNN_CPU_KERNELS=aot (the default when Numba is not installed, as in the packaged lnn-field) takes the
 kernels from the ahead-of-time compiled module instead (aot.py): no Numba import, no compile, no cache.
+
+It also defines the JIT's intrinsics (LLVM IR that Numba inlines where a kernel calls them; None under the
+ahead-of-time kernels): the atomic loads, stores and counters and sched_yield that the crew's spins and
+linear.py's chains use, and the Winograd transforms' vector shuffles (gather_tile_columns, interleave_rows4).
 """
 
 from __future__ import annotations
