@@ -43,7 +43,7 @@ computed past the last channel where 4 divides the count); whole models at one t
 from __future__ import annotations
 
 from lnn.runtime.cpu.aot import A2, A3, A4, I
-from lnn.runtime.cpu.jit import fused_kernel, kernel, wide_tile_kernel
+from lnn.runtime.cpu.jit import fused_kernel, kernel, load16, wide_tile_kernel
 from lnn.runtime.cpu.winograd import fma16, four_rows, six_rows, store16, zeros16
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
@@ -144,7 +144,7 @@ def direct_tile(image, weight, o, last, y0, x0, y1, x1, out, at, pool):
         for ky in range(3):
             first, second = image[c, y0 + ky], image[c, y1 + ky]
             for kx in range(3):
-                w0, w1 = first[x0 + kx:x0 + kx + 16], second[x1 + kx:x1 + kx + 16]
+                w0, w1 = load16(first, x0 + kx), load16(second, x1 + kx)
                 a0, a1 = fma16(a0, r0[c, ky, kx], w0), fma16(a1, r0[c, ky, kx], w1)
                 b0, b1 = fma16(b0, r1[c, ky, kx], w0), fma16(b1, r1[c, ky, kx], w1)
                 c0, c1 = fma16(c0, r2[c, ky, kx], w0), fma16(c1, r2[c, ky, kx], w1)
@@ -169,7 +169,7 @@ def direct_column_tile(image, weight, o, last, y, x, acc, at):
         for ky in range(3):
             row = image[c, y + ky]
             for kx in range(3):
-                w = row[x + kx:x + kx + 16]
+                w = load16(row, x + kx)
                 a, b, c_ = fma16(a, r0[c, ky, kx], w), fma16(b, r1[c, ky, kx], w), fma16(c_, r2[c, ky, kx], w)
                 d, e, f = fma16(d, r3[c, ky, kx], w), fma16(e, r4[c, ky, kx], w), fma16(f, r5[c, ky, kx], w)
     for i, out in enumerate((a, b, c_, d, e, f)):
@@ -223,8 +223,8 @@ def direct_pool_tile(image, weight, o, last, y, x, out, at):
         for ky in range(3):
             top, bottom = image[c, y + ky], image[c, y + 1 + ky]
             for kx in range(3):
-                p, q = top[x + kx:x + kx + 16], top[x + kx + 16:x + kx + 32]
-                s, t = bottom[x + kx:x + kx + 16], bottom[x + kx + 16:x + kx + 32]
+                p, q = load16(top, x + kx), load16(top, x + kx + 16)
+                s, t = load16(bottom, x + kx), load16(bottom, x + kx + 16)
                 w = r0[c, ky, kx]
                 a0, a1, a2, a3 = fma16(a0, w, p), fma16(a1, w, q), fma16(a2, w, s), fma16(a3, w, t)
                 w = r1[c, ky, kx]

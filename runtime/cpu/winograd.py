@@ -37,7 +37,7 @@ from fractions import Fraction
 import numpy as np
 
 from lnn.runtime.cpu.aot import A2, A3, I
-from lnn.runtime.cpu.jit import (WIDE_VECTORS, gather_tile_columns, ieee_kernel, interleave_rows4, kernel,
+from lnn.runtime.cpu.jit import (WIDE_VECTORS, gather_tile_columns, ieee_kernel, interleave_rows4, kernel, load16,
                                  short_loops_kernel, wide_tile_kernel)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
@@ -290,7 +290,8 @@ def product_tile(u, o, last, v, t, m):
     a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = zeros16()
     r0, r1, r2, r3, r4, r5 = six_rows(u, o, last)
     for c in range(u.shape[1]):
-        w0, w1 = v[c, t:t + 16], v[c, t + 16:t + 32]
+        row = v[c]
+        w0, w1 = load16(row, t), load16(row, t + 16)
         a0, a1 = fma16(a0, r0[c], w0), fma16(a1, r0[c], w1)
         b0, b1 = fma16(b0, r1[c], w0), fma16(b1, r1[c], w1)
         c0, c1 = fma16(c0, r2[c], w0), fma16(c1, r2[c], w1)
@@ -309,7 +310,7 @@ def product_column_tile(u, o, last, v, t, m):
     a = b = c_ = d = e = f = zeros16()
     r0, r1, r2, r3, r4, r5 = six_rows(u, o, last)
     for c in range(u.shape[1]):
-        w = v[c, t:t + 16]
+        w = load16(v[c], t)
         a, b, c_ = fma16(a, r0[c], w), fma16(b, r1[c], w), fma16(c_, r2[c], w)
         d, e, f = fma16(d, r3[c], w), fma16(e, r4[c], w), fma16(f, r5[c], w)
     for i, row in enumerate((a, b, c_, d, e, f)):
@@ -323,7 +324,8 @@ def block_tile(block, v, t, m, o, last):
     in registers for the whole loop over c, each step 8 broadcasts from one row of the block and 2 loads of v."""
     a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = g0 = g1 = h0 = h1 = zeros16()
     for c in range(block.shape[0]):
-        w0, w1, r = v[c, t:t + 16], v[c, t + 16:t + 32], block[c]
+        row, r = v[c], block[c]
+        w0, w1 = load16(row, t), load16(row, t + 16)
         a0, a1, b0, b1 = fma16(a0, r[0], w0), fma16(a1, r[0], w1), fma16(b0, r[1], w0), fma16(b1, r[1], w1)
         c0, c1, d0, d1 = fma16(c0, r[2], w0), fma16(c1, r[2], w1), fma16(d0, r[3], w0), fma16(d1, r[3], w1)
         e0, e1, f0, f1 = fma16(e0, r[4], w0), fma16(e1, r[4], w1), fma16(f0, r[5], w0), fma16(f1, r[5], w1)
@@ -340,7 +342,7 @@ def block_column_tile(block, v, t, m, o, last):
     """block_tile for 16 columns t..t + 15: 8 sums of 16."""
     a = b = c_ = d = e = f = g = h = zeros16()
     for c in range(block.shape[0]):
-        w, r = v[c, t:t + 16], block[c]
+        w, r = load16(v[c], t), block[c]
         a, b, c_, d = fma16(a, r[0], w), fma16(b, r[1], w), fma16(c_, r[2], w), fma16(d, r[3], w)
         e, f, g, h = fma16(e, r[4], w), fma16(f, r[5], w), fma16(g, r[6], w), fma16(h, r[7], w)
     for i, row in enumerate((a, b, c_, d, e, f, g, h)):

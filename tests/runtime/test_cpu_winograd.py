@@ -275,6 +275,27 @@ def test_shuffle_intrinsics_move_the_columns_of_each_tile(count):
     assert np.isnan(dst).all()
 
 
+def test_load16_is_the_16_values_from_an_offset():
+    """jit.load16 (the register tiles' vector load, on any host the JIT runs on) against numpy."""
+    numba = pytest.importorskip("numba")
+    from lnn.runtime.cpu import jit
+
+    if jit.KERNELS != "jit":
+        pytest.skip("the intrinsics are the JIT's")
+
+    @numba.njit
+    def loaded(row, offset):
+        values = jit.load16(row, offset)
+        out = np.empty(16, np.float32)
+        for i in range(16):
+            out[i] = values[i]
+        return out
+
+    row = np.random.default_rng(16).standard_normal(53).astype(np.float32)
+    for offset in (0, 1, 5, 37):
+        np.testing.assert_array_equal(loaded(row, offset), row[offset:offset + 16])
+
+
 @pytest.mark.parametrize("width", [14, 38])      # conv 12 or 36 wide: 3 tiles a row (tile by tile) or 9 (gathered)
 def test_winograd_kernels_split_by_channels_and_rows(width):
     """What a caller splitting one conv over threads does: channel ranges and tile-row ranges give the same V and acc."""
