@@ -101,8 +101,8 @@ BLOCK_ROWS = 8                  # U's rows a block of weight_blocks
 
 
 def weight_blocks(u: np.ndarray) -> np.ndarray:
-    """U [36, O, C] -> [36, ceil(O / 8), C, 8]: U[k, 8b + i, c] at [k, b, c, i], rows past O zero. A column
-    tile's 8 broadcasts a channel then come from one pointer (block_column_tile)."""
+    """U [36, O, C] -> [36, ceil(O / 8), C, 8]: U[k, 8b + i, c] at [k, b, c, i], rows past O zero. A register
+    tile's 8 broadcasts a channel then come from one pointer (block_tile, block_column_tile)."""
     blocks = -(-u.shape[1] // BLOCK_ROWS)
     padded = np.zeros((36, blocks * BLOCK_ROWS, u.shape[2]), np.float32)
     padded[:, :u.shape[1]] = u
