@@ -1,7 +1,10 @@
 """Consecutive linear layers of a small batch as one kernel call (runtime/cpu/linear.py run_chain), and that
 call shared with a crew helper by claimed blocks (parallel.Claimed, serve_chain).
 
-The chain must give exactly the bytes of the same layers planned one by one (linear_dots each), on one
+Where the JIT has AVX-512 the layers' kernel is packed_dots, on weights packed in blocks (pack_weight): its
+sums against float64 products, the same bytes on any cut of the outputs, nothing written outside the cut.
+
+The chain must give exactly the bytes of the same layers planned one by one (DOTS each), on one
 thread and with a helper serving it, call after call, with plans of several threads and other crew work
 (Parallel steps) in between; the claim protocol must hand each block to one thread only and nothing to a
 thread that comes after its call.
@@ -66,6 +69,36 @@ def layer_by_layer(be, x: np.ndarray) -> np.ndarray:
 
     plan = Plan(be.layers, be.model.input_shape, x.shape[0], be._kept_after, chains=False)
     return plan.run(x).copy()
+
+
+@pytest.mark.parametrize("outputs, inputs", [(256, 784), (70, 33), (5, 128), (64, 1), (130, 16)])
+def test_packed_dots_are_the_products_on_any_cut(outputs, inputs):
+    """packed_dots for 1-4 rows against float64, whole blocks of 64 and cuts within them (16-aligned, as
+    split_range cuts them), a last block narrower than 64 and padded to 16, and an activation after."""
+    from lnn.runtime.cpu.activations import RELU
+    from lnn.runtime.cpu.linear import PACK, pack_weight, packed_dots
+    from lnn.runtime.cpu.parallel import split_range
+
+    rng = np.random.default_rng(outputs + inputs)
+    weight = rng.standard_normal((outputs, inputs)).astype(np.float32)
+    packed = pack_weight(weight)
+    assert packed.size == -(-outputs // 16) * 16 * inputs
+    width = min(PACK, -(-outputs // 16) * 16)                  # the first block: [inputs, width], zero-padded
+    first_block, real = packed[:width * inputs].reshape(inputs, width), min(outputs, width)
+    assert (first_block[:, :real] == weight[:real].T).all() and (first_block[:, real:] == 0).all()
+    scale, shift = rng.uniform(0.5, 2, outputs).astype(np.float32), rng.standard_normal(outputs).astype(np.float32)
+    for rows in (1, 2, 4):
+        x = rng.standard_normal((rows, inputs)).astype(np.float32)
+        expected = np.maximum((x.astype(np.float64) @ weight.T.astype(np.float64)) * scale + shift, 0)
+        whole = None
+        for parts in (1, 2, 3, 5):
+            dst = np.full((rows, outputs + 3), 7.0, np.float32)
+            for first, end in split_range(0, outputs, parts, align=16):
+                packed_dots(x, packed, scale, shift, RELU, 0.0, first, end, dst[:, :outputs])
+            np.testing.assert_allclose(dst[:, :outputs], expected, rtol=0, atol=1e-5 * max(1, np.abs(expected).max()))
+            assert (dst[:, outputs:] == 7).all(), "written past the layer's outputs"
+            whole = dst if whole is None else whole
+            np.testing.assert_array_equal(dst, whole)          # the same bytes on every cut
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4])
