@@ -33,6 +33,10 @@ class PerThreadCache:
         return list(self._values())
 
     def get(self, key: Hashable):
+        local = self._local
+        recent = getattr(local, "recent", None)       # (key, value) of this thread's last get: most calls repeat it
+        if recent is not None and recent[0] == key:
+            return recent[1]
         values = self._values()
         value = values.get(key)
         if value is None:
@@ -41,4 +45,5 @@ class PerThreadCache:
                 values.popitem(last=False)
         else:
             values.move_to_end(key)
+        local.recent = (key, value)
         return value
