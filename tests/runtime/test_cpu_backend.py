@@ -392,14 +392,17 @@ def test_layers_share_one_scratch_block(monkeypatch):
 def test_threads_option_limits_blas_during_run():
     from threadpoolctl import threadpool_info
 
+    from lnn.runtime.cpu.linear import FUSED_MAX_BATCH
+
     model = parse_model({"input_shape": [13], "layers": [{"type": "linear", "out_features": 5}]})
     backend = cpu_backend(model, random_weights(model, np.random.default_rng(0)), threads=1)
     seen = []
     backend.layers[0].plan = _spy_plan(backend.layers[0].plan, lambda: seen.append(
         [info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"]))
-    backend.run(np.ones((8, 13), np.float32))                 # batch 8: a BLAS product (not linear_dots)
+    over = FUSED_MAX_BATCH + 1
+    backend.run(np.ones((over, 13), np.float32))              # a BLAS product (not the fused kernel)
     assert seen and all(n == 1 for n in seen[0])
-    assert backend._plan(8).uses_blas
+    assert backend._plan(over).uses_blas
     backend.run(np.ones((2, 13), np.float32))                 # batch 2: one fused kernel, BLAS left alone
     assert not backend._plan(2).uses_blas
     with pytest.raises(LnnInputError, match="threads must be a positive whole number or 'auto', not 0"):

@@ -73,7 +73,7 @@ def layer_by_layer(be, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("outputs, inputs", [(256, 784), (70, 33), (5, 128), (64, 1), (130, 16)])
 def test_packed_dots_are_the_products_on_any_cut(outputs, inputs):
-    """packed_dots for 1-4 rows against float64, whole blocks of 64 and cuts within them (16-aligned, as
+    """packed_dots for 1-9 rows against float64, whole blocks of 64 and cuts within them (16-aligned, as
     split_range cuts them), a last block narrower than 64 and padded to 16, and an activation after."""
     from lnn.runtime.cpu.activations import RELU
     from lnn.runtime.cpu.linear import PACK, pack_weight, packed_dots
@@ -87,7 +87,7 @@ def test_packed_dots_are_the_products_on_any_cut(outputs, inputs):
     first_block, real = packed[:width * inputs].reshape(inputs, width), min(outputs, width)
     assert (first_block[:, :real] == weight[:real].T).all() and (first_block[:, real:] == 0).all()
     scale, shift = rng.uniform(0.5, 2, outputs).astype(np.float32), rng.standard_normal(outputs).astype(np.float32)
-    for rows in (1, 2, 4):
+    for rows in (1, 2, 4, 9):                                  # 9: two tiles of 4 rows (sums64x4) and one alone
         x = rng.standard_normal((rows, inputs)).astype(np.float32)
         expected = np.maximum((x.astype(np.float64) @ weight.T.astype(np.float64)) * scale + shift, 0)
         whole = None
@@ -99,6 +99,10 @@ def test_packed_dots_are_the_products_on_any_cut(outputs, inputs):
             assert (dst[:, outputs:] == 7).all(), "written past the layer's outputs"
             whole = dst if whole is None else whole
             np.testing.assert_array_equal(dst, whole)          # the same bytes on every cut
+        alone = np.zeros((1, outputs), np.float32)
+        for n in range(rows):                                  # and for a row alone as in any batch
+            packed_dots(x[n:n + 1], packed, scale, shift, RELU, 0.0, 0, outputs, alone)
+            np.testing.assert_array_equal(alone[0], whole[n, :outputs])
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4])
