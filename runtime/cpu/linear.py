@@ -45,12 +45,12 @@ AOT_SIGNATURES = {"linear_dots": (A2, A2, A1, A1, I, F, I, I, A2), "claim_block"
                   "packed_dots": None, "sums64": None, "sums64x4": None, "sums16": None, "finish16": None,
                   "finish64": None}
 
-# DOTS on batches this small (linear_dots: 4; packed_dots: 2.0-3.2x faster than one-thread BLAS (OpenBLAS's
-# Haswell kernels here) on mnist_mlp's layers at batches 8 to 256, by hand) ...
-FUSED_MAX_BATCH = 256 if WIDE_VECTORS else 4
-FUSED_MAX_WEIGHTS = 1 << 20   # ... for layers of at most this many weights (4 MiB; mnist_mlp's largest: 0.2 M)
 PACKED = WIDE_VECTORS         # the fused batches' weights packed in blocks (packed_dots): the JIT on an AVX-512 host
 PACK = 64                     # outputs a block (4 AVX-512 registers of sums)
+# DOTS on batches this small (linear_dots: 4; packed_dots: 2.0-3.2x faster than one-thread BLAS (OpenBLAS's
+# Haswell kernels here) on mnist_mlp's layers at batches 8 to 256, by hand) ...
+FUSED_MAX_BATCH = 256 if PACKED else 4
+FUSED_MAX_WEIGHTS = 1 << 20   # ... for layers of at most this many weights (4 MiB; mnist_mlp's largest: 0.2 M)
 
 
 @ieee_kernel
@@ -144,8 +144,8 @@ def finish64(sums, o, end, scale, shift, code, slope, target):
 
 @wide_tile_kernel
 def packed_dots(x, packed, scale, shift, code, slope, first, end, dst):
-    """linear_dots on the weights in blocks (pack_weight): a whole block's 64 outputs at once (sums64), a block's
-    outputs first..end cuts 16 at a time (sums16). Each output's sum runs over k in order, the same on any
+    """linear_dots on the weights in blocks (pack_weight): a whole block's 64 outputs at once (sums64; four rows
+    at a time where there are four, sums64x4), a block's outputs first..end cuts 16 at a time (sums16). Each output's sum runs over k in order, the same on any
     split. mnist_mlp's 784 -> 256 layer (the 2-core AVX-512 VM, by hand): batch 1 6.7-7.3 us against
     linear_dots's 10.5-10.9; batch 2 and 4 (each row reads the blocks again) 14.2-14.7 against 15.8-16.8 and
     27.6-30.2 against 28.0-29.3."""
@@ -168,7 +168,7 @@ def packed_dots(x, packed, scale, shift, code, slope, first, end, dst):
                     finish16(sums16(x[n], block, column), o + column, end, scale, shift, code, slope, dst[n])
 
 
-DOTS = packed_dots if PACKED else linear_dots      # the small batches' kernel (its weights: LinearLayer.dots_weight)
+DOTS = packed_dots if PACKED else linear_dots      # the fused batches' kernel (its weights: LinearLayer.dots_weight)
 
 
 class LinearLayer:
@@ -192,7 +192,8 @@ class LinearLayer:
     @property
     def dots_weight(self) -> np.ndarray:
         """The weights as DOTS reads them: packed in blocks (pack_weight) where PACKED, else weight [O, K]; made
-        once, shared by every plan."""
+        once, shared by every plan (a second copy of the weights beside `weight`, which BLAS reads for larger
+        batches)."""
         if self._dots_weight is None:
             self._dots_weight = pack_weight(self.weight) if PACKED else self.weight
         return self._dots_weight
