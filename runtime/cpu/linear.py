@@ -150,7 +150,7 @@ def packed_dots(x, packed, scale, shift, code, slope, first, end, dst):
     linear_dots's 10.5-10.9; batch 2 and 4 (each row reads the blocks again) 14.2-14.7 against 15.8-16.8 and
     27.6-30.2 against 28.0-29.3."""
     rows, inputs = x.shape
-    padded = -(-dst.shape[1] // 16) * 16
+    padded = packed.shape[0] // inputs                     # the outputs padded to 16 (pack_weight)
     for o in range(first // PACK * PACK, end, PACK):
         width = min(PACK, padded - o)
         block = packed[o * inputs:(o + width) * inputs].reshape((inputs, width))
@@ -266,21 +266,22 @@ def chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, 
     """This thread's share of call `call`: x [N, K] -> each layer's blocks it claims (linear_dots, into the
     layer's [N, outputs] rows of acts), then waiting for the layer's other blocks. False when the call ended
     without it (a helper that came late)."""
-    rows = x.shape[0]
-    for layer in range(layout.shape[0]):
+    rows, layers = x.shape[0], layout.shape[0]
+    for layer in range(layers):
         weight_at, inputs, outputs, vector_at, source_at, target_at, code, blocks = layout[layer]
         source = x if layer == 0 else acts[source_at:source_at + rows * inputs].reshape((rows, inputs))
         target = acts[target_at:target_at + rows * outputs].reshape((rows, outputs))
+        weight = weights[weight_at:layout[layer + 1, 0] if layer + 1 < layers else weights.shape[0]]   # dots_weight
         scale, shift = scales[vector_at:vector_at + outputs], shifts[vector_at:vector_at + outputs]
         claims, done = 2 + 2 * layer, 3 + 2 * layer
         block = claim_block(flags, claims, call, blocks, from_end)
         while block >= 0:
             if PACKED:
-                packed_dots(source, weights[weight_at:weight_at + -(-outputs // 16) * 16 * inputs], scale, shift,
-                            code, slopes[layer], bounds[layer, block], bounds[layer, block + 1], target)
+                packed_dots(source, weight, scale, shift, code, slopes[layer], bounds[layer, block],
+                            bounds[layer, block + 1], target)
             else:
-                linear_dots(source, weights[weight_at:weight_at + outputs * inputs].reshape((outputs, inputs)),
-                            scale, shift, code, slopes[layer], bounds[layer, block], bounds[layer, block + 1], target)
+                linear_dots(source, weight.reshape((outputs, inputs)), scale, shift, code, slopes[layer],
+                            bounds[layer, block], bounds[layer, block + 1], target)
             fetch_add(flags, done, 1)
             block = claim_block(flags, claims, call, blocks, from_end)
         while True:

@@ -134,8 +134,8 @@ GATHERED_MIN_TILES_W = 4
 # interleaved rounds of 40) leaf_cnn 0.92x, tomato 0.96x, leaf_cnn224 0.95x, mnist_cnn 1.00x; winograd_output
 # 0.73x on 128x16^2, 0.95x on 256x28^2 (7 tiles a row: 3 copied), whole calls leaf_cnn 0.98x, leaf_cnn224
 # 0.97x (the pooling output transform's 2 columns a tile so: 0.98-1.00x, not used); the app's ahead-of-time
-# kernels copy one by one (aot.compile_kernels). Inline only: the same copies in a kernel of their own, called from winograd_input per row, ran
-# 1.05-1.39x slower, and the shuffles so 1.03-2.6x.
+# kernels copy one by one (aot.compile_kernels). Inline only: the same copies in a kernel of their own,
+# called from winograd_input per row, ran 1.05-1.39x slower, and the shuffles so 1.03-2.6x.
 SHUFFLES = WIDE_VECTORS
 
 
