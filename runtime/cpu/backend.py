@@ -33,7 +33,9 @@ share of the work:
     own scratch buffers writing a disjoint block of the output, when the layer has at least
     MIN_TASK_FLOPS of work per part (a hand-off to a helper costs tens of microseconds); the tasks of
     a layer run at the same time and the next layer waits for all of them (a Winograd conv cut by
-    output channels: two such steps per band, V by input channels, then the rest). Whether a batch
+    output channels: two such steps per band, V by input channels, then the rest). From such a plan's
+    PROGRAM_AT_RUN'th call on the crew, its helpers run their tasks inside one compiled program
+    (programs.py), without the GIL. Whether a batch
     size runs that split plan or the one-thread plan is timed on its first calls (`_choose`): a
     split is kept only where it was faster; the choice is timed again after REVIEW_FIRST calls, then
     REVIEW_GROWTH times later each time, so one noisy start does not decide for good. A part computes its
@@ -70,7 +72,7 @@ from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS, layer_table
 from lnn.runtime import resolve_threads
 from lnn.runtime.cpu import (activations, batchnorm, cache, conv1d, conv2d, flatten, layernorm, linear, photo_measures,
-                              pool, recurrent)
+                              pool, programs, recurrent)
 from lnn.runtime.cpu.activations import NONE, ActivationLayer, is_monotone
 from lnn.runtime.cpu.batchnorm import BatchNormLayer, scale_and_shift
 from lnn.runtime.cpu.conv2d import Conv2dLayer
@@ -102,6 +104,9 @@ REVIEW_FIRST = 50
 REVIEW_GROWTH = 4
 REVIEW_MOST = 3200
 ALIGNMENT = 64          # bytes
+# A split plan's helper program (programs.py) is built on its second run on the crew: loading it from the cache
+# took 40-70 ms (the bundled model, by hand), which a process answering one photo (lnn-infer) need not pay
+PROGRAM_AT_RUN = 2
 
 
 class Plan:
@@ -123,6 +128,9 @@ class Plan:
         self.uses_blas = any(getattr(step, "func", None) is np.matmul for step in all_steps(self.steps))
         self.splits = any(type(step) is Parallel for step in self.steps)      # else no crew needed
         self.claims = any(type(step) is Claimed for step in self.steps)       # a crew helper may serve these
+        self.program = None              # the helpers' tasks compiled (programs.py), from the PROGRAM_AT_RUN'th split run
+        self._helpers = parts - 1
+        self._split_runs = 0
 
     def _plan_layers(self, layers, input_shape, batch, kept_after, parts, task_flops, chains) -> None:
         first_padding = getattr(layers[0], "input_padding", (0, 0)) if layers else (0, 0)
@@ -171,12 +179,17 @@ class Plan:
 
     def run(self, x: np.ndarray, crew: Crew | None = None, held: bool = True) -> np.ndarray:
         """The output buffer for input x; with `crew`, its first helper serves the Claimed steps and, when
-        this call holds it (held), the Parallel steps' tasks spread over it."""
+        this call holds it (held), the Parallel steps' tasks spread over it (through the plan's program once
+        it has one)."""
         np.copyto(self.input, x)
         if crew is None:
             run_steps(self.steps)
-        else:
-            crew.run_steps(self.steps, held)
+            return self.output
+        if held and self._split_runs < PROGRAM_AT_RUN and self.splits:
+            self._split_runs += 1
+            if self._split_runs == PROGRAM_AT_RUN:
+                self.program = programs.build(self.steps, self._helpers)
+        crew.run_steps(self.steps, held, self.program)
         return self.output
 
 

@@ -17,8 +17,9 @@ kernels from the ahead-of-time compiled module instead (aot.py): no Numba import
 
 It also defines the JIT's intrinsics (LLVM IR that Numba inlines where a kernel calls them; None under the
 ahead-of-time kernels): the atomic loads, stores and counters and sched_yield that the crew's spins and
-linear.py's chains use, the Winograd transforms' vector shuffles (gather_tile_columns, interleave_rows4), and
-the register tiles' vector loads (load16).
+linear.py's chains use, the Winograd transforms' vector shuffles (gather_tile_columns, interleave_rows4),
+the register tiles' vector loads (load16), and a call of a compiled kernel by its address (call_at, for
+programs.py's helper programs).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ if KERNELS == "aot":
                                                              # load16's register tiles are the JIT's only)
     spin_while_equal = hand_off = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
     load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = None   # (the JIT's intrinsics)
+    call_at = compiled_address = None    # (programs.py's calls of compiled kernels: the JIT's only)
 else:
     CACHE_DIR = numba_cache_dir()
     _problem = ensure_writable(CACHE_DIR)
@@ -166,6 +168,7 @@ else:
 
     from numba import types  # noqa: E402
     from numba.core import cgutils  # noqa: E402
+    from numba.core.callconv import excinfo_t  # noqa: E402
     from numba.extending import intrinsic  # noqa: E402
 
     @intrinsic
@@ -345,10 +348,49 @@ else:
         for _ in range(margin):
             _sched_yield()
 
+    @intrinsic
+    def _call_at(typingctx, address, arguments):
+        """Calls the compiled kernel at `address` (compiled_address: Numba's own calling convention, for exactly
+        the types of the tuple `arguments`, returning None) with the tuple's values; an exception it raises
+        goes on up from here. programs.py's helper programs call each step's kernel so, the same machine
+        code a call from Python runs, without compiling it again into the program (the bundled model's
+        program: 2.5 s to compile so, 12 s with its kernels compiled in) and without its address in the
+        cached program (the address is an argument: each process passes its own)."""
+        argument_types = tuple(arguments.types)
+
+        def codegen(context, builder, signature, args):
+            call_conv = context.call_conv
+            values = [builder.extract_value(args[1], i) for i in range(len(argument_types))]
+            function = builder.inttoptr(args[0], call_conv.get_function_type(types.none, argument_types).as_pointer())
+            result_type = call_conv.get_return_type(types.none).pointee
+            result = cgutils.alloca_once(builder, result_type)
+            builder.store(cgutils.get_null_value(result_type), result)
+            exception = cgutils.alloca_once(builder, llvmlite.ir.PointerType(excinfo_t))
+            packed = list(call_conv._get_arg_packer(argument_types).as_arguments(builder, values))
+            code = builder.call(function, [result, exception] + packed)
+            status = call_conv._get_return_status(builder, code, builder.load(exception))
+            with cgutils.if_unlikely(builder, status.is_error):
+                call_conv.return_status_propagate(builder, status)
+            return context.get_dummy_value()
+        return types.none(address, arguments), codegen
+
+    def compiled_address(dispatcher, args: tuple) -> int | None:
+        """The address of `dispatcher`'s compiled code for exactly the types of `args` (compiled, or loaded from
+        the cache, here if it was not yet) for call_at; None where it returns a value or is no Numba kernel."""
+        if not isinstance(dispatcher, numba.core.registry.CPUDispatcher):
+            return None
+        signature = tuple(numba.typeof(value) for value in args)
+        if signature not in dispatcher.overloads:
+            dispatcher.compile(signature)
+        compiled = dispatcher.overloads[signature]
+        if compiled.signature.return_type != types.none:
+            return None
+        return compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
+
     spin_while_equal = (None if sys.platform == "win32"                 # no sched_yield
                         else numba.njit(cache=CACHE_ENABLED, nogil=True)(spin_while_equal))
     hand_off = None if spin_while_equal is None else numba.njit(cache=CACHE_ENABLED, nogil=True)(hand_off)
     # for kernels that hand work between threads themselves (linear.py's chain); None where there is no spin
-    load_acquire, store_release, compare_and_swap, fetch_add, sched_yield = (
-        (None,) * 5 if spin_while_equal is None else
-        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield))
+    load_acquire, store_release, compare_and_swap, fetch_add, sched_yield, call_at = (
+        (None,) * 6 if spin_while_equal is None else
+        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield, _call_at))

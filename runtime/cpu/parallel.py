@@ -14,6 +14,10 @@ it timed faster than one thread.
 A `Claimed` step (linear.py's chain of small linear layers) hands work out without the GIL: its kernel
 claims blocks with atomic counters, and the crew's first helper, lent to it (`Crew.lend`), waits for its
 calls inside a kernel of its own and claims blocks too; whoever is there computes them.
+
+A plan whose helpers' tasks are all Numba kernels gets, from its second crew call on, a program
+(programs.py): each helper, lent it (`Crew.lend_to`), runs its tasks of every Parallel step inside one
+compiled kernel, posted to it by the caller (`Crew.run_steps`), and takes no GIL during the call.
 """
 
 from __future__ import annotations
@@ -220,12 +224,18 @@ class Crew:
             if error is not None:
                 raise error
 
-    def run_steps(self, steps: list, held: bool = True) -> None:
+    def run_steps(self, steps: list, held: bool = True, program=None) -> None:
         """A plan's steps, each Parallel one spread over the crew when this call holds it (try_run; else the
-        calling thread runs its tasks), each Claimed one with a helper lent to it (holding or not)."""
+        calling thread runs its tasks): its helpers' tasks posted to the plan's `program` (programs.py) where
+        it has them, else handed over here; each Claimed one with a helper lent to it (holding or not)."""
+        if program is not None and held:
+            program.lend(self)
         for step in steps:
             if type(step) is Parallel and held:
-                self.run(step.tasks)
+                if program is not None and id(step) in program.index:
+                    program.run_step(step)
+                else:
+                    self.run(step.tasks)
             elif type(step) is Claimed:
                 self.lend(step)
                 step.run()
@@ -241,6 +251,13 @@ class Crew:
             return
         self._keep_helpers_off_my_cpu()
         slot.give(step.serve, lent=True)
+
+    def lend_to(self, helper: int, task) -> None:
+        """Gives helper `helper` the lent task task(crew_flags, given, taken), which runs until crew_flags[given] is
+        no longer `taken` (this gives it to the helper, which leaves a lent task it runs: the crew's next task
+        for it) or it ends by itself (programs.HelperProgram.lend)."""
+        self._keep_helpers_off_my_cpu()
+        self._jobs[helper].give(task, lent=True)
 
     def close(self) -> None:
         self._finalizer()

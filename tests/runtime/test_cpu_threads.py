@@ -503,3 +503,117 @@ def test_the_bundled_model_split_matches_one_thread():
     two = Session(source, "cpu", threads=2)
     np.testing.assert_allclose(two.run(x), one, rtol=0, atol=SPLIT_TOLERANCE)
     assert sum(type(step) is Parallel for step in two.backend._plan(1, 2).steps) >= 5    # its five convs at least
+
+
+def programs_or_skip():
+    from lnn.runtime.cpu import programs
+
+    if not programs.AVAILABLE:
+        pytest.skip("helper programs need the JIT's spins and call_at")
+    return programs
+
+
+@pytest.mark.parametrize("case", ["conv_winograd_odd_rows", "conv_winograd_channels_pool", "conv_depthwise_channels"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_helper_program_gives_the_same_bytes_as_the_python_hand_off(case, threads):
+    """From a split plan's PROGRAM_AT_RUN'th run its helpers run their tasks in the compiled program (programs.py):
+    the same kernels on the same buffers, so the same bytes, and the helpers really ran some of them."""
+    programs = programs_or_skip()
+    from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
+
+    input_shape, layers = CASES[case]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(5))
+    split = split_backend(model, weights, threads)
+    x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+    handed_off = split.run(x).copy()
+    plan = split._plan(1, threads)
+    assert plan.program is None
+    for _ in range(PROGRAM_AT_RUN + 200):
+        np.testing.assert_array_equal(split.run(x), handed_off)
+    program = plan.program
+    assert program is not None
+    ran = program.control[programs.RAN::programs.CONTROL_WORDS]
+    assert ran.sum() > 0, "no helper ran a task of its program"
+    assert (program.control[programs.DONE::programs.CONTROL_WORDS]
+            == program.control[programs.POSTED::programs.CONTROL_WORDS]).all()
+
+
+def test_a_plan_whose_helper_tasks_call_blas_gets_no_program():
+    """np.matmul (the im2col conv's product) is no kernel a program can call: that plan keeps the Python hand-off."""
+    programs = programs_or_skip()
+    from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
+
+    input_shape, layers = CASES["conv_im2col_channels"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    split = split_backend(model, random_weights(model, np.random.default_rng(5)), 2)
+    x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+    for _ in range(PROGRAM_AT_RUN + 1):
+        split.run(x)
+    plan = split._plan(1, 2)
+    assert plan.splits and plan.uses_blas and plan.program is None
+    assert programs.build(plan.steps, 1) is None
+
+
+def parallel_step_of(kernel, caller_task, helper_args):
+    from functools import partial
+
+    from lnn.runtime.cpu.parallel import Parallel
+
+    return Parallel([caller_task, [partial(kernel, *helper_args)]])
+
+
+def test_a_program_left_alone_has_its_tasks_run_by_the_caller():
+    """A post no helper claims (the program never lent, as when the helper is away or busy) is claimed and run by
+    the caller itself: the same answer, no wait."""
+    programs = programs_or_skip()
+    import numba
+
+    @numba.njit(nogil=True)
+    def add_one(values, first, end):
+        for i in range(first, end):
+            values[i] += 1.0
+
+    values = np.zeros(8, np.float32)
+    steps = [parallel_step_of(add_one, [lambda: add_one(values, 0, 4)], (values, 4, 8)) for _ in range(3)]
+    program = programs.build(steps, 1)
+    assert program is not None
+    for step in steps:
+        program.run_step(step)             # nobody serves the program
+    assert values.tolist() == [3.0] * 8
+    assert program.control[programs.RAN] == 0 and program.control[programs.DONE] == 3
+
+
+def test_an_error_in_a_helper_program_reaches_the_caller_and_the_next_call_works():
+    """A kernel that raises inside a helper's program: the call raises that error (RuntimeError from it), nothing
+    hangs, and later calls of the same program give their answers."""
+    programs = programs_or_skip()
+    import time
+
+    import numba
+
+    from lnn.runtime.cpu.parallel import Crew
+
+    @numba.njit(nogil=True)
+    def add_or_refuse(values, index):
+        if values[index] < 0:
+            raise ValueError("a negative value")
+        values[index] += 1.0
+
+    values = np.zeros(2, np.float32)
+    slow_caller = [lambda: time.sleep(0.05)]          # the helper claims its task first
+    step = parallel_step_of(add_or_refuse, slow_caller, (values, 1))
+    program = programs.build([step], 1)
+    crew = Crew(1)
+    try:
+        assert crew.try_run(lambda c: c.run_steps([step], True, program))
+        assert values[1] == 1.0 and program.control[programs.RAN] == 1
+        values[1] = -5.0
+        with pytest.raises(RuntimeError, match="a negative value"):
+            crew.try_run(lambda c: c.run_steps([step], True, program))
+        values[1] = 0.0
+        for _ in range(3):
+            assert crew.try_run(lambda c: c.run_steps([step], True, program))
+        assert values[1] == 3.0
+    finally:
+        crew.close()

@@ -1,0 +1,273 @@
+"""A plan's helper tasks as one compiled program: a crew helper runs its share of a whole call without the GIL.
+
+Why: a Parallel step handed to a helper through Python (parallel.Crew.run) makes the helper take the GIL
+to start its task and again between its steps, while the caller takes it between its own steps; whichever
+thread then wants the GIL while the other holds it sleeps, and on the 2-core VM woke 30-80 us later. The
+bundled model's 2-thread plan has 7 split steps. With its helper's tasks run by a program instead (by hand,
+9 interleaved rounds of 200 calls, one process, the same bytes): tomato 1.04 against 1.70 ms a call (the VM
+in a noisy minute; one thread 1.87), leaf_cnn 0.349 against 0.492 (0.588), leaf_cnn224 2.64 against 2.76.
+
+What: `build(steps, helpers)` writes the source of one function, `serve`, that holds, for each split step
+and helper, a call of each of that helper's steps' kernels in order: through the address of the code Numba
+compiled for exactly those argument types (jit.call_at; the machine code a call from Python runs, so the
+same bytes), the step's integer and float arguments written into the source, its arrays passed once in one
+tuple. A helper lent the program (`HelperProgram.lend`, at the start of each crew call that finds it away)
+loops in it: it waits for the caller to post a step (spinning, yielding the CPU between reads), claims it,
+runs it, says it is done; it leaves after LINGER_SECONDS without a post (parallel.linger_yields), or when
+the crew gives that helper other work (like linear.py's serve_chain). The caller (`run_step`) posts a step
+to each helper with a task in it, runs its own task, then claims each posted task itself if its helper has
+not (a helper that is away, late or busy elsewhere costs time, never an answer: the caller runs the same
+steps through Python), else waits until it is done; an error raised in a helper's task is raised in the
+caller (the call fails; nothing waits for good).
+
+Control words, CONTROL_WORDS per helper: STEP (the split step posted), POSTED (steps posted), CLAIMED
+(steps claimed, by the helper or by the caller), DONE (steps finished), SERVING (1 from the lending until
+the helper's program has returned), RAN (steps the helper ran).
+
+A step is in a program only when it is a partial of a Numba kernel that returns nothing, with ints, floats,
+bools and arrays as arguments (or np.copyto, as `copy_into`); a plan with any other split step gets no
+program (the Python hand-off runs it), and so does a plan with a Claimed step (the helper serves that). The
+source is content-addressed, written once into the kernel cache folder (jit.CACHE_DIR/lnn-programs), so
+Numba caches the compiled program as it does a kernel file; the addresses are an argument, not constants,
+so a new process passes its own. By hand, the bundled model's program compiled in 2.5 s the first time.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import math
+import os
+import tempfile
+import types
+from pathlib import Path
+
+import numpy as np
+
+from lnn.runtime.cpu import cache, jit
+from lnn.runtime.cpu.jit import (CACHE_ENABLED, call_at, compare_and_swap, compiled_address, kernel, load_acquire,
+                                 sched_yield, store_release)
+from lnn.runtime.cpu.parallel import Claimed, Parallel, linger_yields, run_steps
+
+AOT_SIGNATURES = {"copy_into": None, "post": None, "claim_or_wait": None}   # the JIT's only (needs call_at)
+
+AVAILABLE = call_at is not None            # the JIT, where the crew spins (not the compiled app; not Windows)
+STEP, POSTED, CLAIMED, DONE, SERVING, RAN = range(6)
+CONTROL_WORDS = 6
+PROGRAM_DIR = "lnn-programs"               # in the kernel cache folder
+# claim_or_wait's answers
+HELPER_DID_IT, CALLER_RUNS_IT, HELPER_FAILED = range(3)
+
+
+@kernel
+def copy_into(dst, src):
+    """np.copyto(dst, src) of arrays of one shape, as a program's step."""
+    dst[...] = src
+
+
+@kernel
+def post(control, base, step):
+    """Posts split step `step` to the helper whose words start at control[base]; its number (POSTED after)."""
+    control[base + STEP] = step
+    posted = control[base + POSTED] + 1
+    store_release(control, base + POSTED, posted)
+    return posted
+
+
+@kernel
+def claim_or_wait(control, base, posted):
+    """The caller's end of post `posted` to a helper: CALLER_RUNS_IT when the caller claimed it (the helper
+    had not: its DONE is set here, as the helper would), else, once the helper has finished it,
+    HELPER_DID_IT, or HELPER_FAILED when the helper left its program without finishing it (an error)."""
+    if compare_and_swap(control, base + CLAIMED, posted - 1, posted):
+        store_release(control, base + DONE, posted)
+        return CALLER_RUNS_IT
+    while load_acquire(control, base + DONE) != posted:
+        if load_acquire(control, base + SERVING) == 0:
+            if load_acquire(control, base + DONE) == posted:
+                break
+            store_release(control, base + DONE, posted)      # the next post starts from a consistent count
+            return HELPER_FAILED
+        sched_yield()
+    return HELPER_DID_IT
+
+
+class HelperProgram:
+    """The compiled `serve` of one plan, the arrays and kernel addresses it is called with, and its control
+    words; `index[id(step)]` is a Parallel step's number in it."""
+
+    def __init__(self, serve, arrays: tuple, addresses: np.ndarray, index: dict, helpers: int):
+        self.serve, self.arrays, self.addresses, self.index = serve, arrays, addresses, index
+        self.control = np.zeros(CONTROL_WORDS * helpers, np.int64)
+        self.linger = linger_yields()
+        self.errors = [None] * helpers         # what a helper's program raised, for the caller to raise
+        serve(np.zeros(1, np.int64), 0, -1, self.control, 0, 0, addresses, arrays)  # compiled (or loaded) here
+
+    def lend(self, crew) -> None:
+        """Gives the program to each helper that is not serving it (Crew.lend_to)."""
+        for helper in range(len(self.control) // CONTROL_WORDS):
+            base = CONTROL_WORDS * helper
+            if not self.control[base + SERVING]:
+                self.control[base + SERVING] = 1
+                crew.lend_to(helper, functools.partial(self._serve, helper=helper))
+
+    def _serve(self, crew_flags, given: int, taken: int, *, helper: int) -> None:
+        """A helper's lent task: the program until it returns; what it raised is kept for the caller."""
+        try:
+            self.serve(crew_flags, given, taken, self.control, helper, self.linger, self.addresses, self.arrays)
+        except BaseException as error:        # noqa: BLE001 - raised by the caller waiting for this task
+            self.errors[helper] = error
+        finally:
+            self.control[CONTROL_WORDS * helper + SERVING] = 0
+
+    def run_step(self, step: Parallel) -> None:
+        """The Parallel step `step` with its helpers' tasks posted to the program."""
+        number = self.index[id(step)]
+        posts = [(helper, CONTROL_WORDS * helper, task) for helper, task in enumerate(step.tasks[1:]) if task]
+        posts = [(helper, base, task, post(self.control, base, number)) for helper, base, task in posts]
+        try:
+            run_steps(step.tasks[0])
+        finally:
+            failed = []
+            for helper, base, task, posted in posts:
+                answer = claim_or_wait(self.control, base, posted)
+                if answer == CALLER_RUNS_IT:
+                    run_steps(task)
+                elif answer == HELPER_FAILED:
+                    failed.append(self.errors[helper])
+                    self.errors[helper] = None
+        for error in failed:
+            raise RuntimeError(f"a helper thread's part of a layer failed: {error!r}") from error
+
+
+def native_call(step):
+    """(kernel, arguments) of a step a program can call, or None."""
+    function, args = getattr(step, "func", None), getattr(step, "args", None)
+    if args is None or step.keywords:
+        return None
+    if function is np.copyto and len(args) == 2:
+        function = copy_into
+    if not all(isinstance(value, (np.ndarray, bool, int, float, np.bool_, np.integer, np.floating)) for value in args):
+        return None
+    if any(isinstance(value, (float, np.floating)) and not math.isfinite(value) for value in args):
+        return None
+    return function, args
+
+
+def _literal(value) -> str:
+    """Source text of a scalar argument, typed as numba.typeof types it (a Python int is int64, a float
+    float64)."""
+    if isinstance(value, (bool, np.bool_)):
+        return f"np.bool_({bool(value)})"
+    if isinstance(value, int):
+        return f"np.int64({value})"
+    if isinstance(value, float):
+        return f"np.float64({value!r})"
+    return f"np.{value.dtype.name}({value.item()!r})"
+
+
+def build(steps: list, helpers: int):
+    """The HelperProgram of a plan's steps with `helpers` helpers, or None where there is nothing to post or a
+    split step's task cannot be called from one (see the module's header)."""
+    split = [step for step in steps if type(step) is Parallel]
+    if not AVAILABLE or not split or any(type(step) is Claimed for step in steps):
+        return None
+    arrays, array_names, addresses, branches = [], {}, [], []
+    for number, step in enumerate(split):
+        for helper, task in enumerate(step.tasks[1:helpers + 1]):
+            lines = []
+            for part in task:
+                call = native_call(part)
+                address = None if call is None else compiled_address(*call)
+                if address is None:
+                    return None
+                names = []
+                for value in call[1]:
+                    if isinstance(value, np.ndarray):
+                        if id(value) not in array_names:
+                            array_names[id(value)] = f"a{len(arrays)}"
+                            arrays.append(value)
+                        names.append(array_names[id(value)])
+                    else:
+                        names.append(_literal(value))
+                lines.append(f"call_at(addresses[{len(addresses)}], ({', '.join(names)},))")
+                addresses.append(address)
+            if lines:
+                branches.append((helper, number, lines))
+    index = {id(step): number for number, step in enumerate(split)}
+    return HelperProgram(_compiled(_source(branches, len(arrays))), tuple(arrays), np.array(addresses, np.int64),
+                         index, helpers)
+
+
+SERVE = """\
+# lnn helper program (runtime/cpu/programs.py; kernel sources {kernels})
+import numpy as np
+from lnn.runtime.cpu.jit import call_at, compare_and_swap, load_acquire, sched_yield, store_release
+
+
+def serve(crew_flags, given, taken, control, helper, linger, addresses, arrays):
+    ({arrays}) = arrays
+    base = {words} * helper
+    idle = 0
+    while idle < linger and load_acquire(crew_flags, given) == taken:
+        posted = load_acquire(control, base + {posted})
+        claimed = load_acquire(control, base + {claimed})
+        if posted == claimed or not compare_and_swap(control, base + {claimed}, posted - 1, posted):
+            idle += 1
+            sched_yield()
+            continue
+        step = control[base + {step}]
+{calls}
+        control[base + {ran}] += 1
+        store_release(control, base + {done}, posted)
+        idle = 0
+"""
+
+
+def _source(branches: list, array_count: int) -> str:
+    """SERVE with each helper's calls of each split step: branches [(helper, step number, [call, ...])]."""
+    calls = []
+    for helper in sorted({helper for helper, _, _ in branches}):
+        calls.append(f"        if helper == {helper}:")
+        steps = [(number, lines) for owner, number, lines in branches if owner == helper]
+        for index, (number, lines) in enumerate(steps):
+            calls.append(f"            {'elif' if index else 'if'} step == {number}:")
+            calls += [f"                {line}" for line in lines]
+    return SERVE.format(kernels=cache.kernel_sources_digest(), arrays="".join(f"a{i}, " for i in range(array_count)),
+                        words=CONTROL_WORDS, posted=POSTED, claimed=CLAIMED, step=STEP, ran=RAN, done=DONE,
+                        calls="\n".join(calls))
+
+
+@functools.cache
+def _compiled(source: str):
+    """The @kernel `serve` of `source` (one per source in a process): from a file named by its digest in the kernel
+    cache folder (Numba caches it there), or, without a writable cache, compiled from memory."""
+    name = f"lnn_program_{hashlib.sha256(source.encode()).hexdigest()[:24]}"
+    module = None
+    if CACHE_ENABLED:
+        try:
+            module = _imported(name, _written(Path(jit.CACHE_DIR) / PROGRAM_DIR / f"{name}.py", source))
+        except OSError:
+            module = None                    # (the cache folder turned unwritable: compiled from memory below)
+    if module is None:
+        module = types.ModuleType(name)
+        exec(compile(source, name, "exec"), vars(module))        # noqa: S102 - our own generated source
+    return kernel(module.serve)
+
+
+def _written(path: Path, source: str) -> Path:
+    """path, holding `source` (written once, whole: another process may read it at any time)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, suffix=".tmp", delete=False) as file:
+            file.write(source)
+        os.replace(file.name, path)
+    return path
+
+
+def _imported(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
