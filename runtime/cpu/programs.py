@@ -39,8 +39,10 @@ import hashlib
 import importlib.util
 import math
 import os
+import sys
 import tempfile
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -169,10 +171,20 @@ def _literal(value) -> str:
 
 def build(steps: list, helpers: int):
     """The HelperProgram of a plan's steps with `helpers` helpers, or None where there is nothing to post or a
-    split step's task cannot be called from one (see the module's header)."""
+    split step's task cannot be called from one (see the module's header), or where it could not be built (a
+    warning says why: the plan's Python hand-off still gives every answer)."""
     split = [step for step in steps if type(step) is Parallel]
     if not AVAILABLE or not split or any(type(step) is Claimed for step in steps):
         return None
+    try:
+        return _built(split, helpers)
+    except Exception as error:            # noqa: BLE001 - a program only saves time; the plan runs without it
+        warnings.warn(f"lnn: the CPU backend's helper program could not be built ({error!r}); its split layers are "
+                      f"handed to the helper threads through Python instead", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def _built(split: list, helpers: int):
     arrays, array_names, addresses, branches = [], {}, [], []
     for number, step in enumerate(split):
         for helper, task in enumerate(step.tasks[1:helpers + 1]):
@@ -253,6 +265,7 @@ def _compiled(source: str):
     if module is None:
         module = types.ModuleType(name)
         exec(compile(source, name, "exec"), vars(module))        # noqa: S102 - our own generated source
+    sys.modules[name] = module        # Numba's cached program names its module, imported again when loaded
     return kernel(module.serve)
 
 

@@ -617,3 +617,62 @@ def test_an_error_in_a_helper_program_reaches_the_caller_and_the_next_call_works
         assert values[1] == 3.0
     finally:
         crew.close()
+
+
+PROGRAM_IN_A_FRESH_PROCESS = """
+import json, warnings
+import numpy as np
+warnings.simplefilter("error")
+from lnn.formats.model import parse_model
+from lnn.runtime.cpu import BACKEND
+model = parse_model({"input_shape": [16, 8, 8], "layers": [
+    {"type": "conv2d", "out_channels": 64, "kernel_size": 3, "padding": 1, "algorithm": "winograd", "activation": "relu"}]})
+weights = {key: np.full(shape, 0.01, np.float32) for key, shape in model.param_shapes().items()}
+backend = BACKEND(model, weights, threads=2)
+backend.task_flops = 0
+x = np.ones((1, 16, 8, 8), np.float32)
+answers = [backend.run(x).copy() for _ in range(3)]
+program = backend._plan(1, 2).program
+print(json.dumps({"program": program is not None, "loaded": len(program.serve.stats.cache_hits),
+                  "same": all((answer == answers[0]).all() for answer in answers)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_helper_program_is_cached_and_loaded_by_a_later_process(tmp_path):
+    """The second process finds the program the first compiled (Numba's cache, the source file in the kernel cache
+    folder) and loads it without error or warning (a cached program once named a module no later process could
+    import). An empty cache folder: the first process compiles the conv's kernels too (about 14 s)."""
+    programs_or_skip()
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LNN_CACHE_DIR": str(tmp_path)}
+    env.pop("NUMBA_CACHE_DIR", None)
+    runs = [subprocess.run([sys.executable, "-c", PROGRAM_IN_A_FRESH_PROCESS], env=env, capture_output=True,
+                           text=True, timeout=300) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    first, second = (json.loads(run.stdout.splitlines()[-1]) for run in runs)
+    assert first["program"] and second["program"] and first["same"] and second["same"]
+    assert first["loaded"] == 0 and second["loaded"] == 1
+    assert len(list((tmp_path / "numba" / "lnn-programs").glob("lnn_program_*.py"))) == 1
+
+
+def test_a_program_that_cannot_be_built_leaves_the_python_hand_off(monkeypatch):
+    programs = programs_or_skip()
+    from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
+
+    def broken(source):
+        raise OSError("no room left")
+
+    monkeypatch.setattr(programs, "_compiled", broken)
+    input_shape, layers = CASES["conv_winograd_channels_pool"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(5))
+    split, one = split_backend(model, weights, 2), split_backend(model, weights, 1)
+    x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+    with pytest.warns(RuntimeWarning, match="helper program could not be built .*no room left"):
+        for _ in range(PROGRAM_AT_RUN + 1):
+            np.testing.assert_allclose(split.run(x), one.run(x), rtol=0, atol=SPLIT_TOLERANCE)
+    assert split._plan(1, 2).program is None
