@@ -168,13 +168,27 @@ def peer_files(name: str, folder: Path) -> dict:
     return files
 
 
-def measure(rounds: int, models: list, runtimes: list, others_seen: list, retries: int) -> dict:
+def fma_pair_scaling() -> float:
+    """2 x (time alone) / (time of the pair) of cpu_pair_scaling.py's FMA-bound workload, the median of 3: how
+    far this machine's two CPUs run two threads of arithmetic side by side right now (2.0: two free cores)."""
+    from cpu_pair_scaling import alone_and_paired, arithmetic_workloads
+
+    fma = next(function for label, function in arithmetic_workloads().items() if label.startswith("FMA"))
+    alone_and_paired(fma, fma, 1)                  # compiled, caches warm
+    return float(np.median([2 * alone / pair for alone, pair in (alone_and_paired(fma, fma, 1) for _ in range(3))]))
+
+
+def measure(rounds: int, models: list, runtimes: list, others_seen: list, retries: int, pair_scalings: list) -> dict:
     """{(model, runtime): [{"threads,batch": ms, ..., "others": cores}, ...] per round}, "others" the cores
-    other processes used meanwhile; appends those to others_seen."""
+    other processes used meanwhile; appends those to others_seen, and fma_pair_scaling() at each round's start
+    and after the last to pair_scalings."""
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         files = {name: peer_files(name, Path(folder)) for name in models}
         for round_ in range(rounds):
+            pair_scalings.append(fma_pair_scaling())
+            print(f"round {round_ + 1}: two threads of FMA arithmetic at {pair_scalings[-1]:.2f}x one thread's rate",
+                  flush=True)
             for name in models:
                 for runtime in runtimes:
                     if runtime not in files[name]:
@@ -190,6 +204,7 @@ def measure(rounds: int, models: list, runtimes: list, others_seen: list, retrie
                     results.setdefault((name, runtime), []).append(result)
                     print(f"round {round_ + 1} {name:12} {runtime:12} {results[(name, runtime)][-1]} "
                           f"(others: {others:.2f} cores)", flush=True)
+        pair_scalings.append(fma_pair_scaling())
     return results
 
 
@@ -236,11 +251,12 @@ def table(results: dict, models: list) -> list:
 
 def scaling(results: dict, models: list) -> list:
     """lnn's 1-thread / 2-thread time at batch 1, per model (per quiet round, then the median; every round
-    with the cores others took)."""
+    with the cores others took), and onnxruntime's beside it (the median of its quiet rounds)."""
     rows = []
     for name in models:
         speedups = [r["1,1"] / r["2,1"] for r in quiet(results[(name, "lnn")])]
-        rows.append([name, f"{np.median(speedups):.2f}",
+        peer = [r["1,1"] / r["2,1"] for r in quiet(results.get((name, "onnxruntime"), []))]
+        rows.append([name, f"{np.median(speedups):.2f}", f"{np.median(peer):.2f}" if peer else "-",
                      " ".join(f"{r['1,1'] / r['2,1']:.2f} ({r['others']:.2f}{one_thread_mark(r)})"
                               for r in results[(name, "lnn")])])
     return rows
@@ -269,13 +285,19 @@ def main() -> None:
         raise SystemExit(f"{PEER_FORMATS} is absent; this benchmark needs the reference models and their peer files")
     models = args.models.split(",")
     runtimes = ["lnn", *[r for r in args.runtimes.split(",") if r != "lnn"]]
-    others_seen = []
-    results = measure(args.rounds, models, runtimes, others_seen, args.retries)
+    others_seen, pair_scalings = [], []
+    results = measure(args.rounds, models, runtimes, others_seen, args.retries, pair_scalings)
     headers = ["model", "threads", "batch", "onnxruntime ms", "LiteRT ms", "ncnn ms", "lnn ms", "lnn / best peer"]
     rows = table(results, models)
     speed = scaling(results, models)
+    speed_headers = ["model", "lnn speed-up (median of the quiet rounds)", "onnxruntime's", PER_ROUND]
+    pairs = ("Two threads of FMA-bound arithmetic (benchmarks/cpu_pair_scaling.py's workload) ran at "
+             f"{' / '.join(f'{p:.2f}' for p in pair_scalings)}x one thread's rate at the rounds' starts and after the last "
+             "(2.0: two free cores; on this VM from about 1.2, as if one core's two hardware threads, to 1.96, "
+             "changing within seconds).")
     print(markdown_table(headers, rows))
-    print(markdown_table(["model", "lnn 1 thread / 2 threads, batch 1 (median)", PER_ROUND], speed))
+    print(markdown_table(speed_headers, speed))
+    print(pairs)
     if set(models) != set(MODELS) or set(runtimes) != set(RUNTIMES):
         print("a run of fewer models or runtimes: docs/BENCHMARKS.md left as it was", file=sys.stderr)
         return
@@ -292,8 +314,10 @@ def main() -> None:
         f"while they took over {QUIET_CORES} of a core; during those kept, a median of "
         f"{np.median(others_seen):.2f} and at most {max(others_seen):.2f} cores.",
         markdown_table(headers, rows),
-        "lnn at batch 1, 1 thread / 2 threads (the issue's target: >= 1.7 on leaf_cnn224 and tomato):",
-        markdown_table(["model", "speed-up (median of the quiet rounds)", PER_ROUND], speed),
+        "lnn at batch 1, 1 thread / 2 threads (the issue's target: >= 1.7 on leaf_cnn224 and tomato), onnxruntime's "
+        "beside it:",
+        markdown_table(speed_headers, speed),
+        pairs,
     ])
     update_section("cpu_peers", body)
     print("wrote the cpu_peers section of docs/BENCHMARKS.md")
