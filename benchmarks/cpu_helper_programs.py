@@ -5,7 +5,8 @@
 In one process per model: the one-thread plan, the split plan with its helpers' tasks handed over through
 Python (the plan's program set aside) and the split plan with its program, in interleaved rounds of `--calls`
 back-to-back calls each (random-normal input), median ms per call of each round, then the median of the
-rounds. Also checks that the three give the same bytes. Then the same with calls 20 ms apart (a photo now and
+rounds. Also checks that the three give the same bytes, and measures how far the machine's two CPUs run
+two threads of arithmetic side by side before the first model and after each (cpu_peers.fma_pair_scaling). Then the same with calls 20 ms apart (a photo now and
 then: the helpers have left the program and are lent it again at each call), fewer of them. Writes the
 "cpu_helper_programs" section of docs/BENCHMARKS.md.
 """
@@ -21,7 +22,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from cpu_peers import load_bin, random_input  # noqa: E402
+from cpu_peers import fma_pair_scaling, load_bin, random_input  # noqa: E402
 from report import machine_line, markdown_table, update_section  # noqa: E402
 
 GAP_SECONDS = 0.02
@@ -87,7 +88,11 @@ def main() -> None:
     parser.add_argument("--models", default="tomato,leaf_cnn224,leaf_cnn")
     parser.add_argument("--note", default="")
     args = parser.parse_args()
-    rows = [row for name in args.models.split(",") for row in measure(name, args.rounds, args.calls)]
+    pairs = [fma_pair_scaling()]
+    rows = []
+    for name in args.models.split(","):
+        rows += measure(name, args.rounds, args.calls)
+        pairs.append(fma_pair_scaling())
     update_section("cpu_helper_programs", "\n\n".join([
         "## One image over 2 threads: the helpers' tasks in a compiled program against the Python hand-off",
         f"Command: `python benchmarks/cpu_helper_programs.py --rounds {args.rounds} --calls {args.calls} "
@@ -97,7 +102,9 @@ def main() -> None:
         "rounds; ms per call, medians of the rounds' medians. Back to back, then calls 20 ms apart (the helpers "
         "asleep or away between calls). Speed-up = one thread / split.",
         markdown_table(["model", "calls", "one thread ms", "hand-off ms", "program ms", "program / hand-off",
-                        "speed-up, hand-off", "speed-up, program", "same bytes"], rows)]))
+                        "speed-up, hand-off", "speed-up, program", "same bytes"], rows),
+        "Two threads of FMA-bound arithmetic (benchmarks/cpu_pair_scaling.py's workload) ran at "
+        f"{' / '.join(f'{p:.2f}' for p in pairs)}x one thread's rate before the first model and after each."]))
 
 
 if __name__ == "__main__":
