@@ -355,7 +355,10 @@ else:
         goes on up from here. programs.py's helper programs call each step's kernel so, the same machine
         code a call from Python runs, without compiling it again into the program (the bundled model's
         program: 2.5 s to compile so, 12 s with its kernels compiled in) and without its address in the
-        cached program (the address is an argument: each process passes its own)."""
+        cached program (the address is an argument: each process passes its own). It uses Numba's call
+        convention helpers (numba.core.callconv, not a public API: a Numba that changed them would fail the
+        program's compile, and programs.build keeps the Python hand-off then, with a warning;
+        tests/runtime/test_cpu_threads.py checks the calls, their bytes and a raised exception)."""
         argument_types = tuple(arguments.types)
 
         def codegen(context, builder, signature, args):
