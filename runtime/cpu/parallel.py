@@ -228,12 +228,10 @@ class Crew:
         """A plan's steps, each Parallel one spread over the crew when this call holds it (try_run; else the
         calling thread runs its tasks): its helpers' tasks posted to the plan's `program` (programs.py) where
         it has them, else handed over here; each Claimed one with a helper lent to it (holding or not)."""
-        if program is not None and held:
-            program.lend(self)
         for step in steps:
             if type(step) is Parallel and held:
                 if program is not None and id(step) in program.index:
-                    program.run_step(step)
+                    program.run_step(step, self)
                 else:
                     self.run(step.tasks)
             elif type(step) is Claimed:

@@ -11,14 +11,14 @@ What: `build(steps, helpers)` writes the source of one function, `serve`, that h
 and helper, a call of each of that helper's steps' kernels in order: through the address of the code Numba
 compiled for exactly those argument types (jit.call_at; the machine code a call from Python runs, so the
 same bytes), the step's integer and float arguments written into the source, its arrays passed once in one
-tuple. A helper lent the program (`HelperProgram.lend`, at the start of each crew call that finds it away)
-loops in it: it waits for the caller to post a step (spinning, yielding the CPU between reads), claims it,
-runs it, says it is done; it leaves after LINGER_SECONDS without a post (parallel.linger_yields), or when
-the crew gives that helper other work (like linear.py's serve_chain). The caller (`run_step`) posts a step
-to each helper with a task in it, runs its own task, then claims each posted task itself if its helper has
-not (a helper that is away, late or busy elsewhere costs time, never an answer: the caller runs the same
-steps through Python), else waits until it is done; an error raised in a helper's task is raised in the
-caller (the call fails; nothing waits for good).
+tuple. A helper lent the program (`HelperProgram.lend`, at each split step that finds it away) loops in
+it: it waits for the caller to post a step (spinning, yielding the CPU between reads), claims it, runs it,
+says it is done; it leaves after LINGER_SECONDS without a post (parallel.linger_yields), or when the crew
+gives that helper other work (like linear.py's serve_chain). The caller (`run_step`) posts a step to each
+helper with a task in it, runs its own task, then claims each posted task itself if its helper has not (a
+helper that is away, late or busy elsewhere costs time, never an answer: the caller runs the same steps
+through Python), else waits until it is done; an error raised in a helper's task is raised in the caller
+(the call fails; nothing waits for good).
 
 Control words, CONTROL_WORDS per helper: STEP (the split step posted), POSTED (steps posted), CLAIMED
 (steps claimed, by the helper or by the caller), DONE (steps finished), SERVING (1 from the lending until
@@ -104,7 +104,11 @@ class HelperProgram:
         self.control = np.zeros(CONTROL_WORDS * helpers, np.int64)
         self.linger = linger_yields()
         self.errors = [None] * helpers         # what a helper's program raised, for the caller to raise
-        serve(np.zeros(1, np.int64), 0, -1, self.control, 0, 0, addresses, arrays)  # compiled (or loaded) here
+        # compiled (or loaded) here, and the caller's kernels too: compiled at the first post, they kept the
+        # caller longer than a helper waits for a post (LINGER_SECONDS), and the helper had left
+        serve(np.zeros(1, np.int64), 0, -1, self.control, 0, 0, addresses, arrays)
+        scratch = np.zeros(CONTROL_WORDS, np.int64)
+        claim_or_wait(scratch, 0, post(scratch, 0, 0))
 
     def lend(self, crew) -> None:
         """Gives the program to each helper that is not serving it (Crew.lend_to)."""
@@ -123,8 +127,10 @@ class HelperProgram:
         finally:
             self.control[CONTROL_WORDS * helper + SERVING] = 0
 
-    def run_step(self, step: Parallel) -> None:
-        """The Parallel step `step` with its helpers' tasks posted to the program."""
+    def run_step(self, step: Parallel, crew) -> None:
+        """The Parallel step `step` with its helpers' tasks posted to the program, lent first to each helper that
+        is away (also one that left during this call: its wait for a post ran out as the caller was held up)."""
+        self.lend(crew)
         number = self.index[id(step)]
         posts = [(helper, CONTROL_WORDS * helper, task) for helper, task in enumerate(step.tasks[1:]) if task]
         posts = [(helper, base, task, post(self.control, base, number)) for helper, base, task in posts]
