@@ -64,3 +64,35 @@ def runtime_devices() -> list:
     except (ImportError, AttributeError):
         return ["numpy"]
     return ["numpy", "cpu"]
+
+
+def answers_in_threads(run, per_thread: list, expected: list, after=None) -> tuple:
+    """Each list of inputs in per_thread run through `run` by a thread of its own, all started at once: (the
+    (thread, call) pairs whose answer differed from expected[thread][call] (np.array_equal), the errors raised,
+    and what after() returned in each thread once its calls were done). Fails a test whose threads do not finish
+    within 120 s."""
+    import threading
+
+    import numpy as np
+
+    wrong, errors, afterwards = [], [], []
+    start = threading.Barrier(len(per_thread))
+
+    def worker(t):
+        try:
+            start.wait()
+            for c, x in enumerate(per_thread[t]):
+                if not np.array_equal(run(x), expected[t][c]):
+                    wrong.append((t, c))
+            if after is not None:
+                afterwards.append(after())
+        except Exception as err:             # noqa: BLE001 - reported to the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(len(per_thread))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a thread's calls did not finish"
+    return wrong, errors, afterwards

@@ -12,13 +12,12 @@ thread that comes after its call.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
 
-from conftest import runtime_devices
+from conftest import answers_in_threads, runtime_devices
 from lnn.formats.model import parse_model
 from lnn.runtime.reference import NumpyBackend
 
@@ -172,24 +171,7 @@ def test_a_backend_shared_by_threads_gives_each_its_own_answers(spec):
     shared = backend(model, weights, 2)
     per_thread = [[inputs(model, 1 + (t + c) % 2, 100 * t + c) for c in range(60)] for t in range(4)]
     expected = [[layer_by_layer(shared, x) for x in xs] for xs in per_thread]
-    wrong, errors = [], []
-    start = threading.Barrier(4)
-
-    def worker(t):
-        try:
-            start.wait()
-            for c, x in enumerate(per_thread[t]):
-                if not np.array_equal(shared.run(x), expected[t][c]):
-                    wrong.append((t, c))
-        except Exception as err:             # noqa: BLE001 - reported below
-            errors.append(err)
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads), "a thread's calls did not finish"
+    wrong, errors, _ = answers_in_threads(shared.run, per_thread, expected)
     assert not errors and not wrong, (errors, wrong[:5])
 
 

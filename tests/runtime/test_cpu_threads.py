@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import REPO, runtime_devices
+from conftest import REPO, answers_in_threads, runtime_devices
 from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes, read_bin
 from lnn.formats.model import parse_model
 from lnn.runtime import Session, resolve_threads, usable_cores
@@ -703,8 +703,6 @@ def test_helper_programs_of_threads_sharing_a_backend_give_each_its_own_answers(
     helper is lent to whichever thread's call holds the crew (leaving another thread's program), and a call that
     finds the crew busy runs its tasks itself. Every answer is that thread's own."""
     programs_or_skip()
-    import threading
-
     input_shape, layers = CASES["conv_winograd_channels_pool"]
     model = parse_model({"input_shape": input_shape, "layers": layers + [{"type": "flatten"},
                                                                        {"type": "linear", "out_features": 10}]})
@@ -714,25 +712,7 @@ def test_helper_programs_of_threads_sharing_a_backend_give_each_its_own_answers(
     per_thread = [[np.random.default_rng(100 * t + c).standard_normal((1, *input_shape)).astype(np.float32)
                    for c in range(60)] for t in range(4)]
     expected = [[alone.run(x).copy() for x in xs] for xs in per_thread]
-    wrong, errors = [], []
-    start = threading.Barrier(4)
-
-    def worker(t):
-        try:
-            start.wait()
-            for c, x in enumerate(per_thread[t]):
-                if not np.array_equal(shared.run(x), expected[t][c]):
-                    wrong.append((t, c))
-            split_plans.append(shared._plan(1, 2))       # this thread's own
-        except Exception as err:             # noqa: BLE001 - reported below
-            errors.append(err)
-
-    split_plans = []
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads), "a thread's calls did not finish"
+    wrong, errors, split_plans = answers_in_threads(shared.run, per_thread, expected,
+                                                    after=lambda: shared._plan(1, 2))     # each thread's own
     assert not errors and not wrong, (errors, wrong[:5])
     assert any(plan.program is not None for plan in split_plans), "no thread's plan got a program"
