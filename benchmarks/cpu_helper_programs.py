@@ -1,4 +1,5 @@
-"""One image over 2 threads: the helpers' tasks in a compiled program (programs.py) against the Python hand-off
+"""One image over 2 threads: the helpers' tasks in a compiled program (programs.py) against the Python
+hand-off
 
     python benchmarks/cpu_helper_programs.py [--rounds 9] [--calls 200] [--models tomato,leaf_cnn224,leaf_cnn]
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,20 +23,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from cpu_peers import fma_pair_scaling, load_bin, random_input  # noqa: E402
-from report import machine_line, markdown_table, update_section  # noqa: E402
+from report import call_times, machine_line, markdown_table, update_section  # noqa: E402
 
 GAP_SECONDS = 0.02
 
 
 def median_ms(function, calls: int, gap: float = 0.0) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-        if gap:
-            time.sleep(gap)
-    return float(np.median(times)) * 1e3
+    """Median ms of `calls` timed calls, `gap` seconds apart."""
+    return float(np.median(call_times(function, 0, calls, 0.0, calls, gap))) * 1e3
 
 
 def measure(name: str, rounds: int, calls: int) -> list:

@@ -19,9 +19,10 @@ SHARED = Path(os.environ.get("LNN_SHARED") or REPO.parent / "shared")   # ../sha
 HEADER = "# Benchmarks\n\nEvery figure below was written by the script named in its section; rerun it to refresh.\n"
 
 
-def call_times(function, warmup: int, at_least: int, seconds: float, at_most: int) -> list:
+def call_times(function, warmup: int, at_least: int, seconds: float, at_most: int, gap: float = 0.0) -> list:
     """Wall times (s) of function(): `warmup` untimed calls, then timed ones until at least `at_least` were
-    made and, while fewer than `at_most`, until they add up to `seconds`. Never on zeros: the callers pass
+    made and, while fewer than `at_most`, until they add up to `seconds`; `gap` seconds of sleep after each
+    timed call (untimed: calls now and then rather than back to back). Never on zeros: the callers pass
     real inputs."""
     import time
 
@@ -33,6 +34,8 @@ def call_times(function, warmup: int, at_least: int, seconds: float, at_most: in
         function()
         times.append(time.perf_counter() - start)
         spent += times[-1]
+        if gap:
+            time.sleep(gap)
     return times
 
 

@@ -145,8 +145,8 @@ def finish64(sums, o, end, scale, shift, code, slope, target):
 @wide_tile_kernel
 def packed_dots(x, packed, scale, shift, code, slope, first, end, dst):
     """linear_dots on the weights in blocks (pack_weight): a whole block's 64 outputs at once (sums64; four rows
-    at a time where there are four, sums64x4), a block's outputs first..end cuts 16 at a time (sums16). Each output's sum runs over k in order, the same on any
-    split. mnist_mlp's 784 -> 256 layer (the 2-core AVX-512 VM, by hand): batch 1 6.7-7.3 us against
+    at a time where there are four, sums64x4), a block's outputs first..end cuts 16 at a time (sums16). Each
+    output's sum runs over k in order, the same on any split. mnist_mlp's 784 -> 256 layer (the 2-core AVX-512 VM, by hand): batch 1 6.7-7.3 us against
     linear_dots's 10.5-10.9; batch 2 and 4 (each row reads the blocks again) 14.2-14.7 against 15.8-16.8 and
     27.6-30.2 against 28.0-29.3."""
     rows, inputs = x.shape

@@ -244,16 +244,14 @@ class Crew:
         """The first helper to serve a Claimed step (its loop runs on after this call, so that the next call
         finds it there), unless it serves one already; with the JIT only (the app's compiled kernels keep
         the GIL). Needs no hold on the crew: whoever is there claims the blocks."""
-        slot = self._jobs[0]
-        if spin_while_equal is None or step.flags[SERVED] or slot.lent:
+        if spin_while_equal is None or step.flags[SERVED] or self._jobs[0].lent:
             return
-        self._keep_helpers_off_my_cpu()
-        slot.give(step.serve, lent=True)
+        self.lend_to(0, step.serve)
 
     def lend_to(self, helper: int, task) -> None:
         """Gives helper `helper` the lent task task(crew_flags, given, taken), which runs until crew_flags[given] is
         no longer `taken` (this gives it to the helper, which leaves a lent task it runs: the crew's next task
-        for it) or it ends by itself (programs.HelperProgram.lend)."""
+        for it) or it ends by itself (Crew.lend, programs.HelperProgram.lend)."""
         self._keep_helpers_off_my_cpu()
         self._jobs[helper].give(task, lent=True)
 
