@@ -147,8 +147,8 @@ def compile_kernels(output_dir: Path, target_cpu: str = "") -> Path:
             compiler.export(symbol(key), f"void({', '.join(arguments)})")(kernels[key].py_func)
     from lnn.runtime.cpu import winograd
 
-    shuffles, winograd.SHUFFLES = winograd.SHUFFLES, False    # (measured with the JIT on AVX-512 only; the module
-    try:                                                       # is built for any CPU of the family: the copies)
+    shuffles, winograd.SHUFFLES = winograd.SHUFFLES, False    # (measured with the JIT on AVX-512 and AVX2; the
+    try:                                                       # module is built for any CPU of the family: copies)
         compiler.compile()
     finally:
         winograd.SHUFFLES = shuffles

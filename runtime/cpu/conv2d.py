@@ -66,9 +66,9 @@ from lnn.runtime.cpu.conv_direct import (conv3x3_direct, conv3x3_direct_quads, c
 from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
-from lnn.runtime.cpu.winograd import (TILE, block_products, input_work_shape, output_work_shape, skinny_products,
-                                      small_products, tile_count, transformed_weight, weight_blocks, winograd_input,
-                                      winograd_output, winograd_output_pool2)
+from lnn.runtime.cpu.winograd import (TILE, block_products, input_work_shape, narrow_products, output_work_shape,
+                                      skinny_products, small_products, tile_count, transformed_weight, weight_blocks,
+                                      winograd_input, winograd_output, winograd_output_pool2)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -135,6 +135,14 @@ WINOGRAD_MIN_WHOLE_TILES = 4
 # for those of at most 16 tiles (by hand, 15-21 interleaved rounds of 40 calls): leaf_cnn 0.95x at 1 and 2
 # threads, leaf_cnn224 0.95x and 0.99x, tomato 0.97-1.04x; batch 32 on 2 threads, leaf_cnn 0.99x, tomato 0.94x.
 # Convs of fewer tiles keep U [36, O, C] for skinny_products (and small_products for a batch's bands).
+# On an x86-64 host with FMA but without AVX-512 (16 vector registers of 8 lanes) those products run as
+# narrow_products (narrow_products_pay): register tiles of 6 output channels x 16 tiles. Measured on a Zen 3 VM
+# (AVX2; OpenBLAS at its Haswell kernels), the products alone, by hand, medians of 15 interleaved rounds,
+# narrow_products / np.matmul time for O, C, tiles: 32, 16, 256 (leaf_cnn's conv2) 1.00-1.02; 64, 32, 64 0.83;
+# 128, 64, 16 0.73-0.74; 48, 24, 256 (tomato's conv2) 0.95-0.98; 96, 48, 64 0.85-0.87; 192, 96, 16 0.75-0.77;
+# 64, 32, 196 (leaf_cnn224's conv2) 0.98-1.00; 128, 64, 49 1.01-1.08; 24, 16, 100 0.88 (the tile's six rows of U
+# hoisted out of its loop over tiles: 0.83-0.88 where C is 16 or 24 and 256 tiles, 1.0-1.17 where C is 64
+# or more: their pointers spilled in the loop over c).
 AVX512_BLAS_KERNELS = {"SkylakeX", "Cooperlake", "SapphireRapids"}      # OpenBLAS's cores with AVX-512 kernels
 
 
@@ -150,6 +158,13 @@ def direct_tiles_pay(conv_w: int) -> bool:
     header has the measures): the JIT on an AVX-512 host (jit.WIDE_VECTORS: its register tiles), rows a
     multiple of 16 wide (its tiles read whole vectors of 16)."""
     return WIDE_VECTORS and conv_w % 16 == 0
+
+
+def narrow_products_pay() -> bool:
+    """Whether Winograd products of at least WINOGRAD_MIN_TILES tiles run as narrow_products: the JIT on an
+    x86-64 host with FMA (jit.VECTOR_FMA) but no AVX-512 (jit.WIDE_VECTORS). Not measured on arm64 (emulated
+    only), whose products stay BLAS's."""
+    return VECTOR_FMA and not WIDE_VECTORS
 
 
 @functools.cache
@@ -762,6 +777,9 @@ class Conv2dLayer:
                 steps.append(partial(skinny_products, self.winograd_weight, o_first, o_end, vt_buffer, count, m_buffer))
             elif small_products_pay():
                 steps.append(partial(small_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
+                                     count, m_buffer))
+            elif narrow_products_pay():
+                steps.append(partial(narrow_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
                                      count, m_buffer))
             else:
                 steps.append(partial(np.matmul, self.winograd_weight[:, o_first:o_end], v_buffer[:, :in_channels, :count],

@@ -18,8 +18,8 @@ kernels from the ahead-of-time compiled module instead (aot.py): no Numba import
 It also defines the JIT's intrinsics (LLVM IR that Numba inlines where a kernel calls them; None under the
 ahead-of-time kernels): the atomic loads, stores and counters and sched_yield that the crew's spins and
 linear.py's chains use, the Winograd transforms' vector shuffles (gather_tile_columns, interleave_rows4),
-the register tiles' vector loads (load16), and a call of a compiled kernel by its address (call_at, for
-programs.py's helper programs).
+the register tiles' vector loads and stores (load16, load8, store8), and a call of a compiled kernel by its
+address (call_at, for programs.py's helper programs).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ if KERNELS == "aot":
     VECTOR_FMA = False          # (kernels written for fused multiply-adds: the JIT on a host that has them)
 
     CACHE_ENABLED = False
-    gather_tile_columns = interleave_rows4 = load16 = None   # (the JIT's intrinsics: winograd.py copies instead;
-                                                             # load16's register tiles are the JIT's only)
+    gather_tile_columns = interleave_rows4 = None   # (the JIT's intrinsics: winograd.py copies instead)
+    load16 = load8 = store8 = None                  # (the register tiles' vector loads and stores: the JIT's only)
     spin_while_equal = hand_off = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
     load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = None   # (the JIT's intrinsics)
     call_at = compiled_address = None    # (programs.py's calls of compiled kernels: the JIT's only)
@@ -289,23 +289,43 @@ else:
             return _in_groups(builder, args[5], emit)
         return types.intp(src, types.intp, types.intp, dst, types.intp, types.intp), codegen
 
-    @intrinsic
-    def load16(typingctx, row, offset):
-        """(row[offset], ..., row[offset + 15]) of a float32 row as a 16-tuple (one AVX-512 register to the SLP
-        vectorizer): one vector load, no index checks. The register tiles' slices row[a:a + 16] cost LLVM a
-        clamp of both bounds on every use (some 10 scalar instructions a slice, 4 slices for 16 multiply-adds
-        in conv_direct.py's first-conv tiles). By hand, the same bytes: conv_direct.py's tiles 0.82-0.86x the
-        time (178-182 GFLOP/s on 3 -> 16 to 3 -> 32), winograd.py's block_products 0.91-1.00x and
-        small_products 0.84-0.98x; whole calls at 1 thread leaf_cnn 0.95x, tomato 0.94x, leaf_cnn224 0.96x,
-        at 2 threads 0.98x, 0.95x, 0.99x, batch 32 leaf_cnn 0.95x (15 interleaved rounds)."""
-        tuple_type = types.UniTuple(types.float32, 16)
+    def _vector_load(lanes: int):
+        """An intrinsic load(row, offset) -> (row[offset], ..., row[offset + lanes - 1]) of a float32 row as a
+        tuple (one vector register to the SLP vectorizer): one vector load, no index checks. The register
+        tiles' slices row[a:a + 16] cost LLVM a clamp of both bounds on every use (some 10 scalar instructions
+        a slice, 4 slices for 16 multiply-adds in conv_direct.py's first-conv tiles). By hand, load16 against
+        slices, the same bytes: conv_direct.py's tiles 0.82-0.86x the time (178-182 GFLOP/s on 3 -> 16 to
+        3 -> 32), winograd.py's block_products 0.91-1.00x and small_products 0.84-0.98x; whole calls at 1
+        thread leaf_cnn 0.95x, tomato 0.94x, leaf_cnn224 0.96x, at 2 threads 0.98x, 0.95x, 0.99x, batch 32
+        leaf_cnn 0.95x (15 interleaved rounds)."""
+        tuple_type = types.UniTuple(types.float32, lanes)
 
+        @intrinsic
+        def load(typingctx, row, offset):
+            def codegen(context, builder, signature, args):
+                array = context.make_array(signature.args[0])(context, builder, args[0])
+                vector = builder.load(_vector_at(builder, array, args[1], lanes), align=4)
+                return context.make_tuple(builder, tuple_type, [
+                    builder.extract_element(vector, llvmlite.ir.Constant(llvmlite.ir.IntType(32), i))
+                    for i in range(lanes)])
+            return tuple_type(row, types.intp), codegen
+        return load
+
+    load16 = _vector_load(16)   # one AVX-512 register (the wide tiles)
+    load8 = _vector_load(8)     # one AVX2 register (the narrow tiles: winograd.py's narrow_products)
+
+    @intrinsic
+    def store8(typingctx, row, offset, value):
+        """row[offset:offset + 8] = value (an 8-tuple) of a float32 row: one vector store, no index checks."""
         def codegen(context, builder, signature, args):
             array = context.make_array(signature.args[0])(context, builder, args[0])
-            vector = builder.load(_vector_at(builder, array, args[1], 16), align=4)
-            return context.make_tuple(builder, tuple_type, [
-                builder.extract_element(vector, llvmlite.ir.Constant(llvmlite.ir.IntType(32), i)) for i in range(16)])
-        return tuple_type(row, types.intp), codegen
+            vector = llvmlite.ir.Constant(llvmlite.ir.VectorType(llvmlite.ir.FloatType(), 8), None)
+            for i in range(8):
+                vector = builder.insert_element(vector, builder.extract_value(args[2], i),
+                                                llvmlite.ir.Constant(llvmlite.ir.IntType(32), i))
+            builder.store(vector, _vector_at(builder, array, args[1], 8), align=4)
+            return context.get_dummy_value()
+        return types.none(row, types.intp, types.UniTuple(types.float32, 8)), codegen
 
     @intrinsic
     def _store_release(typingctx, array, index, value):

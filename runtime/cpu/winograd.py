@@ -37,8 +37,8 @@ from fractions import Fraction
 import numpy as np
 
 from lnn.runtime.cpu.aot import A2, A3, I
-from lnn.runtime.cpu.jit import (WIDE_VECTORS, gather_tile_columns, ieee_kernel, interleave_rows4, kernel, load16,
-                                 short_loops_kernel, wide_tile_kernel)
+from lnn.runtime.cpu.jit import (VECTOR_FMA, gather_tile_columns, ieee_kernel, interleave_rows4, kernel, load16,
+                                 load8, short_loops_kernel, store8, tile_kernel, wide_tile_kernel)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -57,6 +57,11 @@ AOT_SIGNATURES = {
     "block_tile": None,
     "block_column_tile": None,
     "block_products": None,       # (the same)
+    "fma8": None,
+    "zeros8": None,
+    "narrow_product_tile": None,
+    "narrow_product_column_tile": None,
+    "narrow_products": None,      # the JIT on x86-64 with FMA, no AVX-512 only (conv2d.py narrow_products_pay)
     "at_row": None,
     "tile_outputs": None,
     "channels_a_pass": None,
@@ -125,18 +130,20 @@ def tile_count(size: int) -> int:
 GATHERED_MIN_TILES_W = 4
 
 
-# winograd_input gathers each tile's 6 columns of E (stride 4) and winograd_output scatters each tile's 4
-# outputs a row into the image row (stride 4) by vector loads and shuffles, 16, 8 or 4 tiles at a time
-# (jit.gather_tile_columns, jit.interleave_rows4), where the JIT has AVX-512; one by one elsewhere (where it
-# was not measured): LLVM vectorizes neither the strided reads nor the strided stores of a loop. By hand, 1
-# thread, against the copies one by one, the same bytes: winograd_input 0.55x the time on 16x64^2, 0.69x on
-# 32x32^2, 0.76x on 64x16^2, 0.64x on 24x64^2, 0.63x on 32x112^2, 0.83x on 64x56^2, whole calls (15
-# interleaved rounds of 40) leaf_cnn 0.92x, tomato 0.96x, leaf_cnn224 0.95x, mnist_cnn 1.00x; winograd_output
-# 0.73x on 128x16^2, 0.95x on 256x28^2 (7 tiles a row: 3 copied), whole calls leaf_cnn 0.98x, leaf_cnn224
-# 0.97x (the pooling output transform's 2 columns a tile so: 0.98-1.00x, not used); the app's ahead-of-time
-# kernels copy one by one (aot.compile_kernels). Inline only: the same copies in a kernel of their own,
-# called from winograd_input per row, ran 1.05-1.39x slower, and the shuffles so 1.03-2.6x.
-SHUFFLES = WIDE_VECTORS
+# winograd_input gathers each tile's 6 columns of E (stride 4) and winograd_output scatters each tile's 4 outputs a
+# row into the image row (stride 4) by vector loads and shuffles, 16, 8 or 4 tiles at a time
+# (jit.gather_tile_columns, jit.interleave_rows4), where the JIT runs on an x86-64 host with FMA (AVX-512 or AVX2);
+# one by one elsewhere (arm64: not measured): LLVM vectorizes neither the strided reads nor the strided stores of a
+# loop. By hand, 1 thread, against the copies one by one, the same bytes: winograd_input 0.55x the time on 16x64^2,
+# 0.69x on 32x32^2, 0.76x on 64x16^2, 0.64x on 24x64^2, 0.63x on 32x112^2, 0.83x on 64x56^2, whole calls (15
+# interleaved rounds of 40) leaf_cnn 0.92x, tomato 0.96x, leaf_cnn224 0.95x, mnist_cnn 1.00x; winograd_output 0.73x
+# on 128x16^2, 0.95x on 256x28^2 (7 tiles a row: 3 copied), whole calls leaf_cnn 0.98x, leaf_cnn224 0.97x (the
+# pooling output transform's 2 columns a tile so: 0.98-1.00x, not used); the app's ahead-of-time kernels copy one
+# by one (aot.compile_kernels). On a Zen 3 VM (AVX2), by hand, the steps of leaf_cnn at 1 thread: winograd_input
+# 0.78x, 0.78x and 0.92x the time on its three Winograd convs, winograd_output 0.94x, the whole call 0.96x. Inline
+# only: the same copies in a kernel of their own, called from winograd_input per row, ran 1.05-1.39x slower, and
+# the shuffles so 1.03-2.6x.
+SHUFFLES = VECTOR_FMA
 
 
 def input_work_shape(tiles_w: int, tile_rows: int) -> tuple:
@@ -385,6 +392,74 @@ def small_products(u, o_first, o_end, v, channels, count, m):
         if columns % 32:
             for o in range(0, last + 1, 6):
                 product_column_tile(uk, o, last, vk, columns - 16, mk)
+
+
+@tile_kernel
+def fma8(a, x, w):
+    """a + x * w[0:8], a and the result 8-tuples (one AVX2 register)."""
+    return (a[0] + x * w[0], a[1] + x * w[1], a[2] + x * w[2], a[3] + x * w[3], a[4] + x * w[4], a[5] + x * w[5],
+            a[6] + x * w[6], a[7] + x * w[7])
+
+
+@tile_kernel
+def zeros8():
+    """8 float32 zeros: an empty sum of one register."""
+    z = np.float32(0)
+    return (z, z, z, z, z, z, z, z)
+
+
+@tile_kernel
+def narrow_product_tile(u, o, last, v, t, m):
+    """product_tile in 8-lane vectors for a host with 16 of them (AVX2): m[o + i, t:t + 16] for i < 6, rows past
+    last computed as row last and stored there again (the same values); m C-contiguous. 12 sums of 8 in
+    registers for the whole loop over c, each step 6 broadcasts of u and 2 loads of v."""
+    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = zeros8()
+    i1, i2, i3, i4, i5 = min(o + 1, last), min(o + 2, last), min(o + 3, last), min(o + 4, last), min(o + 5, last)
+    for c in range(u.shape[1]):
+        row = v[c]
+        w0, w1 = load8(row, t), load8(row, t + 8)
+        x0, x1, x2, x3, x4, x5 = u[o, c], u[i1, c], u[i2, c], u[i3, c], u[i4, c], u[i5, c]
+        a0, a1 = fma8(a0, x0, w0), fma8(a1, x0, w1)
+        b0, b1 = fma8(b0, x1, w0), fma8(b1, x1, w1)
+        c0, c1 = fma8(c0, x2, w0), fma8(c1, x2, w1)
+        d0, d1 = fma8(d0, x3, w0), fma8(d1, x3, w1)
+        e0, e1 = fma8(e0, x4, w0), fma8(e1, x4, w1)
+        f0, f1 = fma8(f0, x5, w0), fma8(f1, x5, w1)
+    pitch = m.shape[1]
+    for i, (left, right) in enumerate(((a0, a1), (b0, b1), (c0, c1), (d0, d1), (e0, e1), (f0, f1))):
+        at = min(o + i, last) * pitch + t
+        store8(m, at, left)
+        store8(m, at + 8, right)
+
+
+@tile_kernel
+def narrow_product_column_tile(u, o, last, v, t, m):
+    """narrow_product_tile for 8 columns t..t + 7: 6 sums of 8."""
+    a = b = c_ = d = e = f = zeros8()
+    i1, i2, i3, i4, i5 = min(o + 1, last), min(o + 2, last), min(o + 3, last), min(o + 4, last), min(o + 5, last)
+    for c in range(u.shape[1]):
+        w = load8(v[c], t)
+        a, b, c_ = fma8(a, u[o, c], w), fma8(b, u[i1, c], w), fma8(c_, u[i2, c], w)
+        d, e, f = fma8(d, u[i3, c], w), fma8(e, u[i4, c], w), fma8(f, u[i5, c], w)
+    pitch = m.shape[1]
+    for i, row in enumerate((a, b, c_, d, e, f)):
+        store8(m, min(o + i, last) * pitch + t, row)
+
+
+@tile_kernel
+def narrow_products(u, o_first, o_end, v, channels, count, m):
+    """small_products in register tiles of 6 output channels x 16 tiles (narrow_product_tile) and, for a last 8
+    columns, x 8: for an x86-64 host with FMA but no AVX-512 (conv2d.py narrow_products_pay). Columns up to
+    count rounded up to 8 are computed; m C-contiguous."""
+    columns = -(-count // 8) * 8
+    last = o_end - o_first - 1
+    for k in range(36):
+        uk, vk, mk = u[k, o_first:o_end, :channels], v[k, :channels], m[k]
+        for o in range(0, last + 1, 6):
+            for t in range(0, columns - 8, 16):
+                narrow_product_tile(uk, o, last, vk, t, mk)
+            if columns % 16:
+                narrow_product_column_tile(uk, o, last, vk, columns - 8, mk)
 
 
 @kernel

@@ -108,14 +108,15 @@ def test_input_transform_compiled_one_vector_a_step_gives_the_same_bytes():
     assert outputs[0].tobytes() == outputs[1].tobytes()
 
 
-@pytest.mark.parametrize("small", [False, True], ids=["blas_products", "small_products"])
+@pytest.mark.parametrize("products", ["blas", "small", "narrow"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}c{}h{}w{}o{}p{}".format(*c))
-def test_winograd_matches_float64_convolution(case, small, monkeypatch):
-    """Both ways of a band's 36 products: BLAS, and small_products (on any host here; the backend takes it
-    where conv2d.small_products_pay())."""
+def test_winograd_matches_float64_convolution(case, products, monkeypatch):
+    """Each way of a band's 36 products: BLAS, small_products and narrow_products (on any host here; the backend
+    takes them where conv2d.small_products_pay() or narrow_products_pay())."""
     from lnn.runtime.cpu import conv2d
 
-    monkeypatch.setattr(conv2d, "small_products_pay", lambda: small)
+    monkeypatch.setattr(conv2d, "small_products_pay", lambda: products == "small")
+    monkeypatch.setattr(conv2d, "narrow_products_pay", lambda: products == "narrow")
     batch, channels, height, width, out_channels, padding = case
     rng = np.random.default_rng(sum(case))
     x = rng.standard_normal((batch, channels, height, width)).astype(np.float32)
@@ -123,12 +124,14 @@ def test_winograd_matches_float64_convolution(case, small, monkeypatch):
     backend, got = one_conv(x, weight, padding, "winograd")
     assert backend.layers[0].winograd
     check_bound(got, x, weight, padding)
-    if case == SKINNY_CASE:
-        from lnn.runtime.cpu.parallel import all_steps
-        from lnn.runtime.cpu.winograd import skinny_products
+    from lnn.runtime.cpu import winograd
+    from lnn.runtime.cpu.parallel import all_steps
 
-        steps = all_steps(backend._plan(batch, backend.threads).steps)
-        assert skinny_products in [getattr(step, "func", None) for step in steps]
+    kernels = [getattr(step, "func", None) for step in all_steps(backend._plan(batch, backend.threads).steps)]
+    if case == SKINNY_CASE:
+        assert winograd.skinny_products in kernels
+    elif products != "blas" and backend.layers[0].winograd_blocks is False:
+        assert getattr(winograd, f"{products}_products") in kernels or winograd.skinny_products in kernels
 
 
 @pytest.mark.parametrize("shape", [(48, 24, 256, 0, 48), (50, 7, 37, 3, 47), (13, 5, 16, 0, 13), (6, 3, 40, 1, 2),
@@ -153,6 +156,17 @@ def test_block_products_are_the_36_products(shape):
     blocks = weight_blocks(u)
     assert blocks.shape == (36, 2, 3, 8) and blocks[5, 1, 2, 3] == u[5, 11, 2] and (blocks[:, 1, :, 5:] == 0).all()
     check_36_products(block_products, weight_blocks, shape)
+
+
+@pytest.mark.parametrize("shape", [(48, 24, 256, 0, 48), (50, 7, 37, 3, 47), (13, 5, 16, 0, 13), (6, 3, 40, 1, 2),
+                                   (64, 32, 95, 32, 64), (32, 16, 9, 0, 32), (7, 4, 24, 0, 7)],
+                         ids=lambda s: "o{}c{}t{}_{}to{}".format(*s))
+def test_narrow_products_are_the_36_products(shape):
+    """narrow_products (6 x 16 tiles of 8-lane vectors) as small_products: tiles a multiple of 16, of 8 and of
+    neither, rows not a multiple of 6."""
+    from lnn.runtime.cpu.winograd import narrow_products
+
+    check_36_products(narrow_products, lambda u: u, shape)
 
 
 def check_36_products(products, layout, shape):
