@@ -409,27 +409,29 @@ def zeros8():
 
 
 @tile_kernel
-def narrow_product_tile(u, o, last, v, t, m):
-    """product_tile in 8-lane vectors for a host with 16 of them (AVX2): m[o + i, t:t + 16] for i < 6, rows past
-    last computed as row last and stored there again (the same values); m C-contiguous. 12 sums of 8 in
-    registers for the whole loop over c, each step 6 broadcasts of u and 2 loads of v."""
-    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = zeros8()
+def narrow_product_tile(u, o, last, v, columns, m):
+    """product_tile in 8-lane vectors for a host with 16 of them (AVX2), along a strip: m[o + i, t:t + 16] for
+    i < 6 and each t < columns - 8 a multiple of 16, rows past last computed as row last and stored there again
+    (the same values); m C-contiguous. 12 sums of 8 in registers for each loop over c, each step 6 broadcasts
+    of u and 2 loads of v."""
     i1, i2, i3, i4, i5 = min(o + 1, last), min(o + 2, last), min(o + 3, last), min(o + 4, last), min(o + 5, last)
-    for c in range(u.shape[1]):
-        row = v[c]
-        w0, w1 = load8(row, t), load8(row, t + 8)
-        x0, x1, x2, x3, x4, x5 = u[o, c], u[i1, c], u[i2, c], u[i3, c], u[i4, c], u[i5, c]
-        a0, a1 = fma8(a0, x0, w0), fma8(a1, x0, w1)
-        b0, b1 = fma8(b0, x1, w0), fma8(b1, x1, w1)
-        c0, c1 = fma8(c0, x2, w0), fma8(c1, x2, w1)
-        d0, d1 = fma8(d0, x3, w0), fma8(d1, x3, w1)
-        e0, e1 = fma8(e0, x4, w0), fma8(e1, x4, w1)
-        f0, f1 = fma8(f0, x5, w0), fma8(f1, x5, w1)
     pitch = m.shape[1]
-    for i, (left, right) in enumerate(((a0, a1), (b0, b1), (c0, c1), (d0, d1), (e0, e1), (f0, f1))):
-        at = min(o + i, last) * pitch + t
-        store8(m, at, left)
-        store8(m, at + 8, right)
+    for t in range(0, columns - 8, 16):
+        a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = zeros8()
+        for c in range(u.shape[1]):
+            row = v[c]
+            w0, w1 = load8(row, t), load8(row, t + 8)
+            x0, x1, x2, x3, x4, x5 = u[o, c], u[i1, c], u[i2, c], u[i3, c], u[i4, c], u[i5, c]
+            a0, a1 = fma8(a0, x0, w0), fma8(a1, x0, w1)
+            b0, b1 = fma8(b0, x1, w0), fma8(b1, x1, w1)
+            c0, c1 = fma8(c0, x2, w0), fma8(c1, x2, w1)
+            d0, d1 = fma8(d0, x3, w0), fma8(d1, x3, w1)
+            e0, e1 = fma8(e0, x4, w0), fma8(e1, x4, w1)
+            f0, f1 = fma8(f0, x5, w0), fma8(f1, x5, w1)
+        for i, (left, right) in enumerate(((a0, a1), (b0, b1), (c0, c1), (d0, d1), (e0, e1), (f0, f1))):
+            at = min(o + i, last) * pitch + t
+            store8(m, at, left)
+            store8(m, at + 8, right)
 
 
 @tile_kernel
@@ -456,8 +458,7 @@ def narrow_products(u, o_first, o_end, v, channels, count, m):
     for k in range(36):
         uk, vk, mk = u[k, o_first:o_end, :channels], v[k, :channels], m[k]
         for o in range(0, last + 1, 6):
-            for t in range(0, columns - 8, 16):
-                narrow_product_tile(uk, o, last, vk, t, mk)
+            narrow_product_tile(uk, o, last, vk, columns, mk)
             if columns % 16:
                 narrow_product_column_tile(uk, o, last, vk, columns - 8, mk)
 
