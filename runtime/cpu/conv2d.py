@@ -136,13 +136,14 @@ WINOGRAD_MIN_WHOLE_TILES = 4
 # threads, leaf_cnn224 0.95x and 0.99x, tomato 0.97-1.04x; batch 32 on 2 threads, leaf_cnn 0.99x, tomato 0.94x.
 # Convs of fewer tiles keep U [36, O, C] for skinny_products (and small_products for a batch's bands).
 # On an x86-64 host with FMA but without AVX-512 (16 vector registers of 8 lanes) those products run as
-# narrow_products (narrow_products_pay): register tiles of 6 output channels x 16 tiles. Measured on a Zen 3 VM
-# (AVX2; OpenBLAS at its Haswell kernels), the products alone, by hand, medians of 15 interleaved rounds,
-# narrow_products / np.matmul time for O, C, tiles: 32, 16, 256 (leaf_cnn's conv2) 1.00-1.02; 64, 32, 64 0.83;
-# 128, 64, 16 0.73-0.74; 48, 24, 256 (tomato's conv2) 0.95-0.98; 96, 48, 64 0.85-0.87; 192, 96, 16 0.75-0.77;
-# 64, 32, 196 (leaf_cnn224's conv2) 0.98-1.00; 128, 64, 49 1.01-1.08; 24, 16, 100 0.88 (the tile's six rows of U
-# hoisted out of its loop over tiles: 0.83-0.88 where C is 16 or 24 and 256 tiles, 1.0-1.17 where C is 64
-# or more: their pointers spilled in the loop over c).
+# narrow_products (narrow_products_pay): register tiles of 6 output channels x 16 tiles, one call a strip of 6
+# channels along all the tiles. Measured on a Zen 3 VM (AVX2; OpenBLAS at its Haswell kernels), the products
+# alone, by hand, medians of 15 interleaved rounds, narrow_products / np.matmul time for O, C, tiles: 32, 16, 256
+# (leaf_cnn's conv2) 0.79-0.81; 64, 32, 64 0.73-0.75; 128, 64, 16 0.75-0.77; 48, 24, 256 (tomato's conv2)
+# 0.80-0.81; 96, 48, 64 0.79-0.81; 192, 96, 16 0.75-0.76; 64, 32, 196 (leaf_cnn224's conv2) 0.87-0.89; 128, 64,
+# 49 0.95-0.97; 24, 16, 100 0.70-0.73. One call a tile (not inlined by LLVM; forced inline by Numba spilled)
+# gave 0.73-1.08; the six rows of U hoisted out of a loop over tiles as arrays, 0.83-1.17 (their pointers
+# spilled in the loop over c where C was 64 or more).
 AVX512_BLAS_KERNELS = {"SkylakeX", "Cooperlake", "SapphireRapids"}      # OpenBLAS's cores with AVX-512 kernels
 
 
