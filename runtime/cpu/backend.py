@@ -104,6 +104,7 @@ REVIEW_FIRST = 50
 REVIEW_GROWTH = 4
 REVIEW_MOST = 3200
 ALIGNMENT = 64          # bytes
+READ_PAST = 16          # floats a kernel may read past a buffer's end (_aligned)
 # A split plan's helper program (programs.py) is built on its second run on the crew: loading it from the cache
 # took 40-70 ms (the bundled model, by hand), which a process answering one photo (lnn-infer) need not pay
 PROGRAM_AT_RUN = 2
@@ -194,8 +195,10 @@ class Plan:
 
 
 def _aligned(size: int, make=np.empty) -> np.ndarray:
-    """A float32 vector of `size` (made by np.empty or np.zeros) starting on an ALIGNMENT-byte boundary."""
-    raw = make(size + ALIGNMENT // 4, np.float32)
+    """A float32 vector of `size` (made by np.empty or np.zeros) starting on an ALIGNMENT-byte boundary, with at
+    least READ_PAST floats of its allocation after it (conv_direct.py's shifted rows read up to 15 past an image
+    into junk outputs)."""
+    raw = make(size + ALIGNMENT // 4 + READ_PAST, np.float32)
     start = (-raw.ctypes.data % ALIGNMENT) // 4
     return raw[start:start + size]
 

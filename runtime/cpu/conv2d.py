@@ -61,8 +61,8 @@ import numpy as np
 from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.aot import A1, A2, A3, A4, F, I, WINDOW
-from lnn.runtime.cpu.conv_direct import (conv3x3_direct, conv3x3_direct_quads, conv3x3_direct_tiles,
-                                         conv3x3_direct_tiles_pool2)
+from lnn.runtime.cpu.conv_direct import (conv3x3_direct, conv3x3_direct_quads, conv3x3_direct_shifted,
+                                         conv3x3_direct_tiles, conv3x3_direct_tiles_pool2, shifted_tap_offsets)
 from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
@@ -154,6 +154,12 @@ def direct_quads_pay(conv_w: int) -> bool:
     return VECTOR_FMA and conv_w >= DIRECT_QUADS_MIN_WIDTH
 
 
+def shifted_direct_pays() -> bool:
+    """Whether small direct convs run as conv_direct.py's conv3x3_direct_shifted (its header has the measures): the
+    JIT on an x86-64 host with FMA but no AVX-512 (its tiles of 8-lane vectors). Not measured on arm64."""
+    return VECTOR_FMA and not WIDE_VECTORS
+
+
 def direct_tiles_pay(conv_w: int) -> bool:
     """Whether a small direct conv with rows conv_w wide runs as conv_direct.py's conv3x3_direct_tiles (its
     header has the measures): the JIT on an AVX-512 host (jit.WIDE_VECTORS: its register tiles), rows a
@@ -190,7 +196,8 @@ def small_products_pay() -> bool:
 # C=1 O=16 28^2 0.025 vs 0.024; more outputs lose: C=3 O=24 128^2 0.49 vs 0.47, O=32 224^2 2.0 vs 1.9.
 DIRECT_MAX_CHANNELS = 3
 DIRECT_MAX_OUT_CHANNELS = 16
-# Where conv3x3_direct_quads runs (direct_quads_pay), convs of up to this many outputs run direct. The first
+# Where conv3x3_direct_quads (direct_quads_pay) or conv3x3_direct_shifted (shifted_direct_pays, on rows of any
+# width) runs, convs of up to this many outputs run direct. The first
 # conv (+ pool + epilogue) of the reference models and the bundled one, 1 thread (Zen 5 VM), ms, quads against
 # conv3x3_direct and columns + GEMM: 3 -> 16 at 128^2 0.165 vs 0.196-0.201 (direct before); 3 -> 24 at 128^2
 # 0.279 vs 0.362 and 0.341 (GEMM before); 3 -> 32 at 224^2 1.007 vs 1.321 and 1.383 (GEMM before).
@@ -410,7 +417,8 @@ class Conv2dLayer:
         a = self.attrs
         return (a["algorithm"] == "auto" and a["kernel_size"] == (3, 3) and a["stride"] == (1, 1)
                 and a["dilation"] == (1, 1) and a["groups"] == 1 and a["in_channels"] <= DIRECT_MAX_CHANNELS
-                and self.conv_shape[0] <= (DIRECT_QUADS_MAX_OUT_CHANNELS if direct_quads_pay(self.conv_shape[2])
+                and self.conv_shape[0] <= (DIRECT_QUADS_MAX_OUT_CHANNELS
+                                           if shifted_direct_pays() or direct_quads_pay(self.conv_shape[2])
                                            else DIRECT_MAX_OUT_CHANNELS))
 
     @property
@@ -662,8 +670,9 @@ class Conv2dLayer:
 
     def _small_direct_product(self, image, bands: list, weight, new_scratch, pooled):
         """The product step of _product as `conv3x3_direct`: conv rows y_first..y_end-1 of the band's
-        images into acc, pitch OW, for the output channels of `weight` (a block of self.weight); when
-        direct_tiles_pool, their 2x2 maxima into `pooled` instead (pitch OW / 2), as the max-pool step would."""
+        images into acc, pitch OW (WP where shifted_direct_pays: conv3x3_direct_shifted), for the output
+        channels of `weight` (a block of self.weight); when direct_tiles_pool, their 2x2 maxima into `pooled`
+        instead (pitch OW / 2), as the max-pool step would."""
         out_channels = weight.shape[0]
         _, conv_h, conv_w = self.conv_shape
         if self.direct_tiles_pool:
@@ -677,6 +686,19 @@ class Conv2dLayer:
                                          pooled))
                 return pooled, out_w
             return pooling
+        if shifted_direct_pays():
+            padded_w = image.shape[3]
+            acc = new_scratch((out_channels, max((band[1] - band[0]) * conv_h * padded_w for band in bands) + 16))
+            flat_weight = np.ascontiguousarray(weight.reshape(out_channels, -1))
+            offsets = shifted_tap_offsets(*image.shape[1:])
+
+            def shifted(band, steps):
+                n_first, n_end, _, _, y_first, y_end = band
+                for n in range(n_first, n_end):
+                    steps.append(partial(conv3x3_direct_shifted, image[n].reshape(-1), flat_weight, offsets, padded_w,
+                                         y_first, y_end, (n - n_first) * conv_h * padded_w, acc))
+                return acc, padded_w
+            return shifted
         acc = new_scratch((out_channels, max((band[1] - band[0]) * conv_h * conv_w for band in bands)))
         direct = (conv3x3_direct_tiles if direct_tiles_pay(conv_w) else
                   conv3x3_direct_quads if direct_quads_pay(conv_w) else conv3x3_direct)

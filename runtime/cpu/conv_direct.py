@@ -27,6 +27,16 @@ alone against conv3x3_direct_quads: 0.65-0.89x the time for 6 to 36 outputs at 1
 ns an output against 0.44-0.55); whole models at one thread, interleaved, leaf_cnn 0.92x, the bundled
 model 0.89-0.92x, leaf_cnn224 0.95x (by hand). Its sums run in another order than conv3x3_direct's.
 
+conv3x3_direct_shifted computes the same in 8-lane register tiles of 6 output channels x 16 positions (12 sums
+of 8 in AVX2 registers over all 9C taps), for an x86-64 host with FMA but no AVX-512 (conv2d.py
+shifted_direct_pays): winograd.py's narrow_strip with the columns matrix read in place as shifted rows (the
+row of tap (c, ky, kx) is the flat image from c * HP * WP + ky * WP + kx), so its positions run at pitch WP:
+acc[o, column + (y - y_first) * WP + x], the columns x >= OW junk, and the last tile's up to 15 past the band's
+last output. One thread, a band as the plan runs it, the kernel alone against conv3x3_direct_quads (by hand,
+Zen 3 VM): 3 -> 16 at 128 wide 0.64-0.67x the time, 3 -> 24 at 128 0.58x, 3 -> 32 at 224 0.75x (75-89 GFLOP/s
+against 51-56); against conv3x3_direct on narrower rows, 1 -> 32 and 1 -> 16 at 28 wide 0.37-0.41x, 3 -> 16 at
+32 and 56 wide 0.49-0.58x. Its sums run in another order than conv3x3_direct's.
+
 conv3x3_direct_tiles_pool2 is conv3x3_direct_tiles followed by a 2x2/2 unpadded max-pool (conv2d.py's
 max_pool_2x2_rows; the same sums, the same maxima in its order: the same bytes), without acc: its register
 tiles hold 4 output channels x 2 conv rows x 32 columns (a last 16 columns: 6 x 2 x 16), and each tile stores
@@ -42,9 +52,11 @@ computed past the last channel where 4 divides the count); whole models at one t
 
 from __future__ import annotations
 
+import numpy as np
+
 from lnn.runtime.cpu.aot import A2, A3, A4, I
-from lnn.runtime.cpu.jit import fused_kernel, kernel, load16, wide_tile_kernel
-from lnn.runtime.cpu.winograd import fma16, four_rows, six_rows, store16, zeros16
+from lnn.runtime.cpu.jit import fused_kernel, kernel, load16, tile_kernel, wide_tile_kernel
+from lnn.runtime.cpu.winograd import fma16, four_rows, narrow_strip, six_rows, store16, zeros16
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -55,7 +67,8 @@ AOT_SIGNATURES = {"conv3x3_direct": (A3, A4, I, I, I, I, I, A2),
                   "direct_tile": None,
                   "direct_column_tile": None,
                   "direct_pool_tile": None,
-                  "store_pooled8": None}
+                  "store_pooled8": None,
+                  "conv3x3_direct_shifted": None}    # the JIT on x86-64 with FMA, no AVX-512 (conv2d.py shifted_direct_pays)
 
 
 @kernel
@@ -128,6 +141,24 @@ def conv3x3_direct_quads(image, weight, o_first, o_end, y_first, y_end, column, 
             o += 4
         if o < o_end:
             conv3x3_direct(image, weight, o, o_end, y, y + 1, at, acc)
+
+
+def shifted_tap_offsets(channels: int, padded_h: int, padded_w: int) -> np.ndarray:
+    """[9C] int64: where the shifted row of each tap (c, ky, kx) starts in the flat padded image (c-major, as
+    the weight's [O, C, 3, 3] flattens)."""
+    c, ky, kx = np.meshgrid(np.arange(channels), np.arange(3), np.arange(3), indexing="ij")
+    return (c * padded_h * padded_w + ky * padded_w + kx).reshape(-1).astype(np.int64)
+
+
+@tile_kernel
+def conv3x3_direct_shifted(image, weight, offsets, padded_w, y_first, y_end, column, acc):
+    """The header's conv3x3_direct_shifted: image the flat padded image [C * HP * WP] (15 floats past its end
+    are read, into junk), weight [O, 9C] (the conv's, flattened), offsets shifted_tap_offsets(C, HP, WP); conv
+    rows y_first..y_end-1 into acc[o, column + (y - y_first) * WP + x], acc [O, >= column + that + 16]."""
+    count = (y_end - y_first - 1) * padded_w + padded_w - 2
+    last = weight.shape[0] - 1
+    for o in range(0, last + 1, 6):
+        narrow_strip(weight, o, last, image, offsets, y_first * padded_w, count, acc, column)
 
 
 @wide_tile_kernel

@@ -59,8 +59,7 @@ AOT_SIGNATURES = {
     "block_products": None,       # (the same)
     "fma8": None,
     "zeros8": None,
-    "narrow_product_tile": None,
-    "narrow_product_column_tile": None,
+    "narrow_strip": None,
     "narrow_products": None,      # the JIT on x86-64 with FMA, no AVX-512 only (conv2d.py narrow_products_pay)
     "at_row": None,
     "tile_outputs": None,
@@ -409,19 +408,21 @@ def zeros8():
 
 
 @tile_kernel
-def narrow_product_tile(u, o, last, v, columns, m):
-    """product_tile in 8-lane vectors for a host with 16 of them (AVX2), along a strip: m[o + i, t:t + 16] for
-    i < 6 and each t < columns - 8 a multiple of 16, rows past last computed as row last and stored there again
-    (the same values); m C-contiguous. 12 sums of 8 in registers for each loop over c, each step 6 broadcasts
-    of u and 2 loads of v."""
+def narrow_strip(weight, o, last, rows, offsets, first, count, out, column):
+    """out[o + i, column + p] = sum over r of weight[o + i, r] * rows[offsets[r] + first + p] for i < 6 and
+    positions p < count rounded up to 16: rows flat, row r from offsets[r] + first (V's rows in narrow_products,
+    the shifted rows of an image in conv_direct.py's conv3x3_direct_shifted), out C-contiguous. In 8-lane
+    vectors for a host with 16 of them (AVX2): 12 sums of 8 in registers over all the rows r for 16 positions,
+    each step 6 broadcasts of the weight and 2 loads of row r; the weight's rows past last are computed as row
+    last and stored there again (the same values)."""
     i1, i2, i3, i4, i5 = min(o + 1, last), min(o + 2, last), min(o + 3, last), min(o + 4, last), min(o + 5, last)
-    pitch = m.shape[1]
-    for t in range(0, columns - 8, 16):
+    pitch = out.shape[1]
+    for p in range(0, count, 16):
         a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = zeros8()
-        for c in range(u.shape[1]):
-            row = v[c]
-            w0, w1 = load8(row, t), load8(row, t + 8)
-            x0, x1, x2, x3, x4, x5 = u[o, c], u[i1, c], u[i2, c], u[i3, c], u[i4, c], u[i5, c]
+        for r in range(offsets.shape[0]):
+            at = offsets[r] + first + p
+            w0, w1 = load8(rows, at), load8(rows, at + 8)
+            x0, x1, x2, x3, x4, x5 = weight[o, r], weight[i1, r], weight[i2, r], weight[i3, r], weight[i4, r], weight[i5, r]
             a0, a1 = fma8(a0, x0, w0), fma8(a1, x0, w1)
             b0, b1 = fma8(b0, x1, w0), fma8(b1, x1, w1)
             c0, c1 = fma8(c0, x2, w0), fma8(c1, x2, w1)
@@ -429,38 +430,23 @@ def narrow_product_tile(u, o, last, v, columns, m):
             e0, e1 = fma8(e0, x4, w0), fma8(e1, x4, w1)
             f0, f1 = fma8(f0, x5, w0), fma8(f1, x5, w1)
         for i, (left, right) in enumerate(((a0, a1), (b0, b1), (c0, c1), (d0, d1), (e0, e1), (f0, f1))):
-            at = min(o + i, last) * pitch + t
-            store8(m, at, left)
-            store8(m, at + 8, right)
-
-
-@tile_kernel
-def narrow_product_column_tile(u, o, last, v, t, m):
-    """narrow_product_tile for 8 columns t..t + 7: 6 sums of 8."""
-    a = b = c_ = d = e = f = zeros8()
-    i1, i2, i3, i4, i5 = min(o + 1, last), min(o + 2, last), min(o + 3, last), min(o + 4, last), min(o + 5, last)
-    for c in range(u.shape[1]):
-        w = load8(v[c], t)
-        a, b, c_ = fma8(a, u[o, c], w), fma8(b, u[i1, c], w), fma8(c_, u[i2, c], w)
-        d, e, f = fma8(d, u[i3, c], w), fma8(e, u[i4, c], w), fma8(f, u[i5, c], w)
-    pitch = m.shape[1]
-    for i, row in enumerate((a, b, c_, d, e, f)):
-        store8(m, min(o + i, last) * pitch + t, row)
+            at = min(o + i, last) * pitch + column + p
+            store8(out, at, left)
+            store8(out, at + 8, right)
 
 
 @tile_kernel
 def narrow_products(u, o_first, o_end, v, channels, count, m):
-    """small_products in register tiles of 6 output channels x 16 tiles (narrow_product_tile) and, for a last 8
-    columns, x 8: for an x86-64 host with FMA but no AVX-512 (conv2d.py narrow_products_pay). Columns up to
-    count rounded up to 8 are computed; m C-contiguous."""
-    columns = -(-count // 8) * 8
+    """small_products in register tiles of 6 output channels x 16 tiles, one narrow_strip a strip of 6 channels
+    along all the tiles: for an x86-64 host with FMA but no AVX-512 (conv2d.py narrow_products_pay). Columns up
+    to count rounded up to 16 are computed (V's and M's rows are that long: conv2d.py _tile_stride); m
+    C-contiguous."""
+    offsets = np.arange(channels) * v.shape[2]
     last = o_end - o_first - 1
     for k in range(36):
-        uk, vk, mk = u[k, o_first:o_end, :channels], v[k, :channels], m[k]
+        uk, vk, mk = u[k, o_first:o_end], v[k].reshape(-1), m[k]
         for o in range(0, last + 1, 6):
-            narrow_product_tile(uk, o, last, vk, columns, mk)
-            if columns % 16:
-                narrow_product_column_tile(uk, o, last, vk, columns - 8, mk)
+            narrow_strip(uk, o, last, vk, offsets, 0, count, mk, 0)
 
 
 @kernel

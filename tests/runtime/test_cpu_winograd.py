@@ -441,7 +441,8 @@ def test_direct_tiles_pool_where_they_pay(height, monkeypatch):
 
 def test_wide_small_convs_run_direct_quads_where_they_pay(monkeypatch):
     """With jit.VECTOR_FMA, a 3-channel conv of up to DIRECT_QUADS_MAX_OUT_CHANNELS outputs on wide rows runs
-    direct, through conv3x3_direct_quads, and matches float64 convolution; without it, columns + GEMM."""
+    direct, through conv3x3_direct_quads (or the tiles of this host's vectors), and matches float64
+    convolution; without it, columns + GEMM."""
     from lnn.runtime.cpu import conv2d
 
     rng = np.random.default_rng(7)
@@ -455,9 +456,67 @@ def test_wide_small_convs_run_direct_quads_where_they_pay(monkeypatch):
         if fma:
             steps = backend._plan(1).steps
             kernel = (conv2d.conv3x3_direct_tiles if conv2d.direct_tiles_pay(conv2d.DIRECT_QUADS_MIN_WIDTH)
-                      else conv2d.conv3x3_direct_quads)
+                      else conv2d.conv3x3_direct_shifted if conv2d.shifted_direct_pays() else conv2d.conv3x3_direct_quads)
             assert any(getattr(step, "func", None) is kernel for step in steps)
         check_bound(got, x, weight, 1)
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 9, 128, 2, 9), (3, 13, 7, 33, 0, 7), (1, 32, 28, 28, 5, 28),
+                                   (2, 5, 6, 8, 1, 4), (3, 1, 4, 5, 0, 4)],
+                         ids=lambda s: "c{}o{}h{}w{}_rows{}to{}".format(*s))
+def test_shifted_direct_is_the_direct_conv(shape):
+    """conv3x3_direct_shifted against conv3x3_direct: output channels not a multiple of its 6-row tiles, rows not a
+    multiple of its 16 positions, a band in the middle and one at the image's end, the image at the end of its
+    buffer (the 16 floats after it NaN: only junk outputs read them); nothing written outside the band's
+    positions and the 16 after them."""
+    from lnn.runtime.cpu.conv_direct import conv3x3_direct, conv3x3_direct_shifted, shifted_tap_offsets
+
+    channels, out_channels, conv_h, conv_w, y_first, y_end = shape
+    padded_h, padded_w = conv_h + 2, conv_w + 2
+    rng = np.random.default_rng(sum(shape))
+    buffer = np.full(channels * padded_h * padded_w + 16, np.nan, np.float32)
+    image = buffer[:-16].reshape(channels, padded_h, padded_w)
+    image[...] = rng.standard_normal(image.shape)
+    weight = rng.standard_normal((out_channels, channels, 3, 3)).astype(np.float32)
+    expected = np.zeros((out_channels, conv_h * conv_w), np.float32)
+    conv3x3_direct(image, weight, 0, out_channels, y_first, y_end, 0, expected)
+    column, rows = 7, y_end - y_first
+    acc = np.full((out_channels, column + rows * padded_w + 16 + 5), 7.0, np.float32)
+    conv3x3_direct_shifted(image.reshape(-1), np.ascontiguousarray(weight.reshape(out_channels, -1)),
+                           shifted_tap_offsets(channels, padded_h, padded_w), padded_w, y_first, y_end, column, acc)
+    got = acc[:, column:column + rows * padded_w].reshape(out_channels, rows, padded_w)[:, :, :conv_w]
+    np.testing.assert_allclose(got.reshape(out_channels, -1), expected[:, :rows * conv_w], rtol=0, atol=2e-5)
+    assert (acc[:, :column] == 7).all() and (acc[:, column + rows * padded_w + 16:] == 7).all()
+
+
+@pytest.mark.parametrize("size", [(16, 128), (9, 28), (5, 7)])
+def test_small_convs_run_shifted_where_it_pays(size, monkeypatch):
+    """Where conv2d.shifted_direct_pays (an x86-64 host with FMA, no AVX-512: forced here), a small direct conv runs
+    through conv3x3_direct_shifted, with and without a 2x2 max-pool after it, on 1 and 2 threads, for one image
+    and for bands of several images (the small sizes), and matches the NumPy reference."""
+    from lnn.runtime.cpu import BACKEND, conv2d
+    from lnn.runtime.cpu.parallel import all_steps
+    from lnn.runtime.reference import NumpyBackend
+
+    monkeypatch.setattr(conv2d, "VECTOR_FMA", True)
+    monkeypatch.setattr(conv2d, "WIDE_VECTORS", False)
+    height, width = size
+    rng = np.random.default_rng(height * width)
+    for pool in (False, True):
+        layers = [{"type": "conv2d", "out_channels": 20, "kernel_size": 3, "padding": 1, "activation": "relu"}]
+        layers += [{"type": "maxpool2d", "kernel_size": 2}] if pool else []
+        model = parse_model({"input_shape": [3, height, width], "layers": layers})
+        weights = {key: rng.standard_normal(shape).astype(np.float32) for key, shape in model.param_shapes().items()}
+        x = rng.standard_normal((3, 3, height, width)).astype(np.float32)
+        expected = NumpyBackend(model, weights).run(x)
+        for threads, batch in ((1, 1), (1, 3), (2, 1), (2, 3)):
+            backend = BACKEND(model, weights, threads=threads)
+            backend.task_flops = 0
+            got = backend.run(x[:batch])
+            if threads == 1 or batch == 1:                 # (2 threads, 3 images: a plan of each thread's images)
+                plan = backend._plan(batch, threads)
+                assert conv2d.conv3x3_direct_shifted in {getattr(step, "func", None) for step in all_steps(plan.steps)}
+            np.testing.assert_allclose(got, expected[:batch], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("wide", [True, False])
@@ -478,8 +537,11 @@ def test_direct_tiles_run_on_rows_a_multiple_of_16_where_they_pay(wide, monkeypa
 
 
 def test_algorithm_rule_for_small_convs():
-    from lnn.runtime.cpu import BACKEND
-    from lnn.runtime.cpu.conv2d import DIRECT_MAX_CHANNELS, DIRECT_MAX_OUT_CHANNELS
+    from lnn.runtime.cpu import BACKEND, conv2d
+    from lnn.runtime.cpu.conv2d import DIRECT_MAX_CHANNELS
+
+    # on 12-wide rows: up to DIRECT_MAX_OUT_CHANNELS outputs, or where the shifted tiles run, as many as on wide rows
+    most = conv2d.DIRECT_QUADS_MAX_OUT_CHANNELS if conv2d.shifted_direct_pays() else conv2d.DIRECT_MAX_OUT_CHANNELS
 
     def layer(channels, out_channels, **attrs):
         model = parse_model({"input_shape": [channels, 12, 12], "layers": [
@@ -487,9 +549,9 @@ def test_algorithm_rule_for_small_convs():
         weights = {key: np.ones(shape, np.float32) for key, shape in model.param_shapes().items()}
         return BACKEND(model, weights).layers[0]
 
-    assert layer(DIRECT_MAX_CHANNELS, DIRECT_MAX_OUT_CHANNELS).small_direct
-    assert not layer(DIRECT_MAX_CHANNELS + 1, DIRECT_MAX_OUT_CHANNELS).small_direct
-    assert not layer(DIRECT_MAX_CHANNELS, DIRECT_MAX_OUT_CHANNELS + 1).small_direct
+    assert layer(DIRECT_MAX_CHANNELS, most).small_direct
+    assert not layer(DIRECT_MAX_CHANNELS + 1, most).small_direct
+    assert not layer(DIRECT_MAX_CHANNELS, most + 1).small_direct
     assert not layer(3, 16, stride=2).small_direct
     assert not layer(3, 16, algorithm="im2col").small_direct
     forced = layer(3, 16, algorithm="winograd")
