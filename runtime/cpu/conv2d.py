@@ -136,7 +136,7 @@ WINOGRAD_MIN_WHOLE_TILES = 4
 # threads, leaf_cnn224 0.95x and 0.99x, tomato 0.97-1.04x; batch 32 on 2 threads, leaf_cnn 0.99x, tomato 0.94x.
 # Convs of fewer tiles keep U [36, O, C] for skinny_products (and small_products for a batch's bands).
 # On an x86-64 host with FMA but without AVX-512 (16 vector registers of 8 lanes) those products run as
-# narrow_products (narrow_products_pay): register tiles of 6 output channels x 16 tiles, one call a strip of 6
+# narrow_products (narrow_tiles_pay): register tiles of 6 output channels x 16 tiles, one call a strip of 6
 # channels along all the tiles. Measured on a Zen 3 VM (AVX2; OpenBLAS at its Haswell kernels), the products
 # alone, by hand, medians of 15 interleaved rounds, narrow_products / np.matmul time for O, C, tiles: 32, 16, 256
 # (leaf_cnn's conv2) 0.79-0.81; 64, 32, 64 0.73-0.75; 128, 64, 16 0.75-0.77; 48, 24, 256 (tomato's conv2)
@@ -154,12 +154,6 @@ def direct_quads_pay(conv_w: int) -> bool:
     return VECTOR_FMA and conv_w >= DIRECT_QUADS_MIN_WIDTH
 
 
-def shifted_direct_pays() -> bool:
-    """Whether small direct convs run as conv_direct.py's conv3x3_direct_shifted (its header has the measures): the
-    JIT on an x86-64 host with FMA but no AVX-512 (its tiles of 8-lane vectors). Not measured on arm64."""
-    return VECTOR_FMA and not WIDE_VECTORS
-
-
 def direct_tiles_pay(conv_w: int) -> bool:
     """Whether a small direct conv with rows conv_w wide runs as conv_direct.py's conv3x3_direct_tiles (its
     header has the measures): the JIT on an AVX-512 host (jit.WIDE_VECTORS: its register tiles), rows a
@@ -167,10 +161,12 @@ def direct_tiles_pay(conv_w: int) -> bool:
     return WIDE_VECTORS and conv_w % 16 == 0
 
 
-def narrow_products_pay() -> bool:
-    """Whether Winograd products of at least WINOGRAD_MIN_TILES tiles run as narrow_products: the JIT on an
-    x86-64 host with FMA (jit.VECTOR_FMA) but no AVX-512 (jit.WIDE_VECTORS). Not measured on arm64 (emulated
-    only), whose products stay BLAS's."""
+def narrow_tiles_pay() -> bool:
+    """Whether the register tiles of 8-lane vectors run (winograd.py's narrow_strip): the Winograd products of at
+    least WINOGRAD_MIN_TILES tiles as narrow_products, the small direct convs as conv_direct.py's
+    conv3x3_direct_shifted (their measures: the comment above AVX512_BLAS_KERNELS, conv_direct.py's header).
+    The JIT on an x86-64 host with FMA (jit.VECTOR_FMA) but no AVX-512 (jit.WIDE_VECTORS, whose own tiles run
+    there). Not measured on arm64 (emulated only), where BLAS and the direct kernels before stay."""
     return VECTOR_FMA and not WIDE_VECTORS
 
 
@@ -196,7 +192,7 @@ def small_products_pay() -> bool:
 # C=1 O=16 28^2 0.025 vs 0.024; more outputs lose: C=3 O=24 128^2 0.49 vs 0.47, O=32 224^2 2.0 vs 1.9.
 DIRECT_MAX_CHANNELS = 3
 DIRECT_MAX_OUT_CHANNELS = 16
-# Where conv3x3_direct_quads (direct_quads_pay) or conv3x3_direct_shifted (shifted_direct_pays, on rows of any
+# Where conv3x3_direct_quads (direct_quads_pay) or conv3x3_direct_shifted (narrow_tiles_pay, on rows of any
 # width) runs, convs of up to this many outputs run direct. The first
 # conv (+ pool + epilogue) of the reference models and the bundled one, 1 thread (Zen 5 VM), ms, quads against
 # conv3x3_direct and columns + GEMM: 3 -> 16 at 128^2 0.165 vs 0.196-0.201 (direct before); 3 -> 24 at 128^2
@@ -418,7 +414,7 @@ class Conv2dLayer:
         return (a["algorithm"] == "auto" and a["kernel_size"] == (3, 3) and a["stride"] == (1, 1)
                 and a["dilation"] == (1, 1) and a["groups"] == 1 and a["in_channels"] <= DIRECT_MAX_CHANNELS
                 and self.conv_shape[0] <= (DIRECT_QUADS_MAX_OUT_CHANNELS
-                                           if shifted_direct_pays() or direct_quads_pay(self.conv_shape[2])
+                                           if narrow_tiles_pay() or direct_quads_pay(self.conv_shape[2])
                                            else DIRECT_MAX_OUT_CHANNELS))
 
     @property
@@ -670,7 +666,7 @@ class Conv2dLayer:
 
     def _small_direct_product(self, image, bands: list, weight, new_scratch, pooled):
         """The product step of _product as `conv3x3_direct`: conv rows y_first..y_end-1 of the band's
-        images into acc, pitch OW (WP where shifted_direct_pays: conv3x3_direct_shifted), for the output
+        images into acc, pitch OW (WP where narrow_tiles_pay: conv3x3_direct_shifted), for the output
         channels of `weight` (a block of self.weight); when direct_tiles_pool, their 2x2 maxima into `pooled`
         instead (pitch OW / 2), as the max-pool step would."""
         out_channels = weight.shape[0]
@@ -686,7 +682,7 @@ class Conv2dLayer:
                                          pooled))
                 return pooled, out_w
             return pooling
-        if shifted_direct_pays():
+        if narrow_tiles_pay():
             padded_w = image.shape[3]
             acc = new_scratch((out_channels, max((band[1] - band[0]) * conv_h * padded_w for band in bands) + 16))
             flat_weight = np.ascontiguousarray(weight.reshape(out_channels, -1))
@@ -801,7 +797,7 @@ class Conv2dLayer:
             elif small_products_pay():
                 steps.append(partial(small_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
                                      count, m_buffer))
-            elif narrow_products_pay():
+            elif narrow_tiles_pay():
                 steps.append(partial(narrow_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
                                      count, m_buffer))
             else:

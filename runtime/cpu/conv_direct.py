@@ -29,7 +29,7 @@ model 0.89-0.92x, leaf_cnn224 0.95x (by hand). Its sums run in another order tha
 
 conv3x3_direct_shifted computes the same in 8-lane register tiles of 6 output channels x 16 positions (12 sums
 of 8 in AVX2 registers over all 9C taps), for an x86-64 host with FMA but no AVX-512 (conv2d.py
-shifted_direct_pays): winograd.py's narrow_strip with the columns matrix read in place as shifted rows (the
+narrow_tiles_pay): winograd.py's narrow_strip with the columns matrix read in place as shifted rows (the
 row of tap (c, ky, kx) is the flat image from c * HP * WP + ky * WP + kx), so its positions run at pitch WP:
 acc[o, column + (y - y_first) * WP + x], the columns x >= OW junk, and the last tile's up to 15 past the band's
 last output. One thread, a band as the plan runs it, the kernel alone against conv3x3_direct_quads (by hand,
@@ -68,7 +68,7 @@ AOT_SIGNATURES = {"conv3x3_direct": (A3, A4, I, I, I, I, I, A2),
                   "direct_column_tile": None,
                   "direct_pool_tile": None,
                   "store_pooled8": None,
-                  "conv3x3_direct_shifted": None}    # the JIT on x86-64 with FMA, no AVX-512 (conv2d.py shifted_direct_pays)
+                  "conv3x3_direct_shifted": None}    # conv2d.py narrow_tiles_pay: x86-64, FMA, no AVX-512
 
 
 @kernel

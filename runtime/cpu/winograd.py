@@ -60,7 +60,7 @@ AOT_SIGNATURES = {
     "fma8": None,
     "zeros8": None,
     "narrow_strip": None,
-    "narrow_products": None,      # the JIT on x86-64 with FMA, no AVX-512 only (conv2d.py narrow_products_pay)
+    "narrow_products": None,      # the JIT on x86-64 with FMA, no AVX-512 only (conv2d.py narrow_tiles_pay)
     "at_row": None,
     "tile_outputs": None,
     "channels_a_pass": None,
@@ -438,7 +438,7 @@ def narrow_strip(weight, o, last, rows, offsets, first, count, out, column):
 @tile_kernel
 def narrow_products(u, o_first, o_end, v, channels, count, m):
     """small_products in register tiles of 6 output channels x 16 tiles, one narrow_strip a strip of 6 channels
-    along all the tiles: for an x86-64 host with FMA but no AVX-512 (conv2d.py narrow_products_pay). Columns up
+    along all the tiles: for an x86-64 host with FMA but no AVX-512 (conv2d.py narrow_tiles_pay). Columns up
     to count rounded up to 16 are computed (V's and M's rows are that long: conv2d.py _tile_stride); m
     C-contiguous."""
     offsets = np.arange(channels) * v.shape[2]

@@ -112,11 +112,11 @@ def test_input_transform_compiled_one_vector_a_step_gives_the_same_bytes():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}c{}h{}w{}o{}p{}".format(*c))
 def test_winograd_matches_float64_convolution(case, products, monkeypatch):
     """Each way of a band's 36 products: BLAS, small_products and narrow_products (on any host here; the backend
-    takes them where conv2d.small_products_pay() or narrow_products_pay())."""
+    takes them where conv2d.small_products_pay() or narrow_tiles_pay())."""
     from lnn.runtime.cpu import conv2d
 
     monkeypatch.setattr(conv2d, "small_products_pay", lambda: products == "small")
-    monkeypatch.setattr(conv2d, "narrow_products_pay", lambda: products == "narrow")
+    monkeypatch.setattr(conv2d, "narrow_tiles_pay", lambda: products == "narrow")
     batch, channels, height, width, out_channels, padding = case
     rng = np.random.default_rng(sum(case))
     x = rng.standard_normal((batch, channels, height, width)).astype(np.float32)
@@ -456,7 +456,7 @@ def test_wide_small_convs_run_direct_quads_where_they_pay(monkeypatch):
         if fma:
             steps = backend._plan(1).steps
             kernel = (conv2d.conv3x3_direct_tiles if conv2d.direct_tiles_pay(conv2d.DIRECT_QUADS_MIN_WIDTH)
-                      else conv2d.conv3x3_direct_shifted if conv2d.shifted_direct_pays() else conv2d.conv3x3_direct_quads)
+                      else conv2d.conv3x3_direct_shifted if conv2d.narrow_tiles_pay() else conv2d.conv3x3_direct_quads)
             assert any(getattr(step, "func", None) is kernel for step in steps)
         check_bound(got, x, weight, 1)
 
@@ -491,7 +491,7 @@ def test_shifted_direct_is_the_direct_conv(shape):
 
 @pytest.mark.parametrize("size", [(16, 128), (9, 28), (5, 7)])
 def test_small_convs_run_shifted_where_it_pays(size, monkeypatch):
-    """Where conv2d.shifted_direct_pays (an x86-64 host with FMA, no AVX-512: forced here), a small direct conv runs
+    """Where conv2d.narrow_tiles_pay (an x86-64 host with FMA, no AVX-512: forced here), a small direct conv runs
     through conv3x3_direct_shifted, with and without a 2x2 max-pool after it, on 1 and 2 threads, for one image
     and for bands of several images (the small sizes), and matches the NumPy reference."""
     from lnn.runtime.cpu import BACKEND, conv2d
@@ -541,7 +541,7 @@ def test_algorithm_rule_for_small_convs():
     from lnn.runtime.cpu.conv2d import DIRECT_MAX_CHANNELS
 
     # on 12-wide rows: up to DIRECT_MAX_OUT_CHANNELS outputs, or where the shifted tiles run, as many as on wide rows
-    most = conv2d.DIRECT_QUADS_MAX_OUT_CHANNELS if conv2d.shifted_direct_pays() else conv2d.DIRECT_MAX_OUT_CHANNELS
+    most = conv2d.DIRECT_QUADS_MAX_OUT_CHANNELS if conv2d.narrow_tiles_pay() else conv2d.DIRECT_MAX_OUT_CHANNELS
 
     def layer(channels, out_channels, **attrs):
         model = parse_model({"input_shape": [channels, 12, 12], "layers": [
