@@ -192,12 +192,18 @@ def small_products_pay() -> bool:
 # C=1 O=16 28^2 0.025 vs 0.024; more outputs lose: C=3 O=24 128^2 0.49 vs 0.47, O=32 224^2 2.0 vs 1.9.
 DIRECT_MAX_CHANNELS = 3
 DIRECT_MAX_OUT_CHANNELS = 16
-# Where conv3x3_direct_quads (direct_quads_pay) or conv3x3_direct_shifted (narrow_tiles_pay, on rows of any
-# width) runs, convs of up to this many outputs run direct. The first
+# Where conv3x3_direct_quads runs (direct_quads_pay), convs of up to this many outputs run direct. The first
 # conv (+ pool + epilogue) of the reference models and the bundled one, 1 thread (Zen 5 VM), ms, quads against
 # conv3x3_direct and columns + GEMM: 3 -> 16 at 128^2 0.165 vs 0.196-0.201 (direct before); 3 -> 24 at 128^2
 # 0.279 vs 0.362 and 0.341 (GEMM before); 3 -> 32 at 224^2 1.007 vs 1.321 and 1.383 (GEMM before).
 DIRECT_QUADS_MAX_OUT_CHANNELS = 32
+# Where the narrow tiles run (narrow_tiles_pay), every 3x3 conv too thin for Winograd (fewer than
+# WINOGRAD_MIN_CHANNELS inputs) with up to this many outputs runs direct, as conv3x3_direct_shifted, on rows of
+# any width. One conv + ReLU, 1 thread, us, shifted against columns + GEMM (Zen 3 VM, by hand, medians of 15):
+# C=4 O=16 64^2 76 vs 124; C=8 O=16 64^2 139 vs 206, 128^2 530 vs 790; C=8 O=32 64^2 262 vs 326; C=12 O=24 32^2
+# 70 vs 109; C=15 O=32 32^2 123 vs 157; C=3 O=48 96^2 367 vs 534; C=3 O=64 128^2 900 vs 1111; C=8 O=64 64^2 498
+# vs 581; C=15 O=64 32^2 226 vs 265; C=15 O=128 16^2 121 vs 153 (more outputs not measured).
+SHIFTED_MAX_OUT_CHANNELS = 128
 # conv3x3_direct_quads on rows at least this wide (narrower: conv3x3_direct, 1 thread, us: C=1 O=16 28^2 6 vs 9,
 # C=3 O=16 56^2 44 vs 41, C=1 O=8 64^2 10 vs 11; 128^2 and 224^2 above)
 DIRECT_QUADS_MIN_WIDTH = 96
@@ -411,11 +417,13 @@ class Conv2dLayer:
     @property
     def small_direct(self) -> bool:
         a = self.attrs
-        return (a["algorithm"] == "auto" and a["kernel_size"] == (3, 3) and a["stride"] == (1, 1)
-                and a["dilation"] == (1, 1) and a["groups"] == 1 and a["in_channels"] <= DIRECT_MAX_CHANNELS
-                and self.conv_shape[0] <= (DIRECT_QUADS_MAX_OUT_CHANNELS
-                                           if narrow_tiles_pay() or direct_quads_pay(self.conv_shape[2])
-                                           else DIRECT_MAX_OUT_CHANNELS))
+        if not (a["algorithm"] == "auto" and a["kernel_size"] == (3, 3) and a["stride"] == (1, 1)
+                and a["dilation"] == (1, 1) and a["groups"] == 1):
+            return False
+        if narrow_tiles_pay():
+            return a["in_channels"] < WINOGRAD_MIN_CHANNELS and self.conv_shape[0] <= SHIFTED_MAX_OUT_CHANNELS
+        return a["in_channels"] <= DIRECT_MAX_CHANNELS and self.conv_shape[0] <= (
+            DIRECT_QUADS_MAX_OUT_CHANNELS if direct_quads_pay(self.conv_shape[2]) else DIRECT_MAX_OUT_CHANNELS)
 
     @property
     def winograd(self) -> bool:

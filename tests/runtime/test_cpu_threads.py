@@ -40,7 +40,9 @@ CASES = {
     # more output channels than positions (Winograd: tiles): cut by output channels
     "conv_winograd_channels_pool": ([16, 8, 8], [conv(64, padding=1, algorithm="winograd", activation="relu"),
                                                  {"type": "maxpool2d", "kernel_size": 2}]),
-    "conv_im2col_channels": ([8, 4, 5], [conv(48, padding=1, activation="relu")]),
+    "conv_im2col_channels": ([8, 4, 5], [conv(48, padding=1, algorithm="im2col", activation="relu")]),
+    # the same by "auto": direct where the narrow tiles run (conv2d.narrow_tiles_pay), cut by output channels
+    "conv_thin_channels": ([8, 4, 5], [conv(48, padding=1, activation="relu")]),
     "conv_depthwise_channels": ([32, 9, 7], [conv(32, groups=32, padding=1, activation="relu")]),
     "conv_chain_then_linear": ([4, 12, 12], [conv(16, padding=1, activation="relu"), conv(16, padding=1),
                                              {"type": "flatten"}, {"type": "linear", "out_features": 97,

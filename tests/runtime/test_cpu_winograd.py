@@ -489,11 +489,13 @@ def test_shifted_direct_is_the_direct_conv(shape):
     assert (acc[:, :column] == 7).all() and (acc[:, column + rows * padded_w + 16:] == 7).all()
 
 
+@pytest.mark.parametrize("channels", [(3, 20), (11, 70)], ids=lambda c: "c{}o{}".format(*c))
 @pytest.mark.parametrize("size", [(16, 128), (9, 28), (5, 7)])
-def test_small_convs_run_shifted_where_it_pays(size, monkeypatch):
-    """Where conv2d.narrow_tiles_pay (an x86-64 host with FMA, no AVX-512: forced here), a small direct conv runs
-    through conv3x3_direct_shifted, with and without a 2x2 max-pool after it, on 1 and 2 threads, for one image
-    and for bands of several images (the small sizes), and matches the NumPy reference."""
+def test_small_convs_run_shifted_where_it_pays(size, channels, monkeypatch):
+    """Where conv2d.narrow_tiles_pay (an x86-64 host with FMA, no AVX-512: forced here), a conv too thin for
+    Winograd runs through conv3x3_direct_shifted, with and without a 2x2 max-pool after it, on 1 and 2 threads
+    (by rows, or by output channels where they outnumber the positions: 70 on 5x7), for one image and for bands
+    of several images (the small sizes), and matches the NumPy reference."""
     from lnn.runtime.cpu import BACKEND, conv2d
     from lnn.runtime.cpu.parallel import all_steps
     from lnn.runtime.reference import NumpyBackend
@@ -501,13 +503,15 @@ def test_small_convs_run_shifted_where_it_pays(size, monkeypatch):
     monkeypatch.setattr(conv2d, "VECTOR_FMA", True)
     monkeypatch.setattr(conv2d, "WIDE_VECTORS", False)
     height, width = size
+    in_channels, out_channels = channels
     rng = np.random.default_rng(height * width)
     for pool in (False, True):
-        layers = [{"type": "conv2d", "out_channels": 20, "kernel_size": 3, "padding": 1, "activation": "relu"}]
+        layers = [{"type": "conv2d", "out_channels": out_channels, "kernel_size": 3, "padding": 1, "activation": "relu"}]
         layers += [{"type": "maxpool2d", "kernel_size": 2}] if pool else []
-        model = parse_model({"input_shape": [3, height, width], "layers": layers})
-        weights = {key: rng.standard_normal(shape).astype(np.float32) for key, shape in model.param_shapes().items()}
-        x = rng.standard_normal((3, 3, height, width)).astype(np.float32)
+        model = parse_model({"input_shape": [in_channels, height, width], "layers": layers})
+        weights = {key: (rng.standard_normal(shape) / np.sqrt(3 * in_channels)).astype(np.float32)
+                   for key, shape in model.param_shapes().items()}
+        x = rng.standard_normal((3, in_channels, height, width)).astype(np.float32)
         expected = NumpyBackend(model, weights).run(x)
         for threads, batch in ((1, 1), (1, 3), (2, 1), (2, 3)):
             backend = BACKEND(model, weights, threads=threads)
@@ -538,10 +542,12 @@ def test_direct_tiles_run_on_rows_a_multiple_of_16_where_they_pay(wide, monkeypa
 
 def test_algorithm_rule_for_small_convs():
     from lnn.runtime.cpu import BACKEND, conv2d
-    from lnn.runtime.cpu.conv2d import DIRECT_MAX_CHANNELS
 
-    # on 12-wide rows: up to DIRECT_MAX_OUT_CHANNELS outputs, or where the shifted tiles run, as many as on wide rows
-    most = conv2d.DIRECT_QUADS_MAX_OUT_CHANNELS if conv2d.narrow_tiles_pay() else conv2d.DIRECT_MAX_OUT_CHANNELS
+    # on 12-wide rows: up to DIRECT_MAX_CHANNELS inputs and DIRECT_MAX_OUT_CHANNELS outputs, or where the narrow
+    # tiles run (conv3x3_direct_shifted), every conv too thin for Winograd with up to SHIFTED_MAX_OUT_CHANNELS
+    narrow = conv2d.narrow_tiles_pay()
+    inputs = conv2d.WINOGRAD_MIN_CHANNELS - 1 if narrow else conv2d.DIRECT_MAX_CHANNELS
+    most = conv2d.SHIFTED_MAX_OUT_CHANNELS if narrow else conv2d.DIRECT_MAX_OUT_CHANNELS
 
     def layer(channels, out_channels, **attrs):
         model = parse_model({"input_shape": [channels, 12, 12], "layers": [
@@ -549,9 +555,9 @@ def test_algorithm_rule_for_small_convs():
         weights = {key: np.ones(shape, np.float32) for key, shape in model.param_shapes().items()}
         return BACKEND(model, weights).layers[0]
 
-    assert layer(DIRECT_MAX_CHANNELS, most).small_direct
-    assert not layer(DIRECT_MAX_CHANNELS + 1, most).small_direct
-    assert not layer(DIRECT_MAX_CHANNELS, most + 1).small_direct
+    assert layer(inputs, most).small_direct
+    assert not layer(inputs + 1, most).small_direct
+    assert not layer(inputs, most + 1).small_direct
     assert not layer(3, 16, stride=2).small_direct
     assert not layer(3, 16, algorithm="im2col").small_direct
     forced = layer(3, 16, algorithm="winograd")
