@@ -141,13 +141,9 @@ WINOGRAD_MIN_WHOLE_TILES = 4
 # alone, by hand, medians of 15 interleaved rounds, narrow_products / np.matmul time for O, C, tiles: 32, 16, 256
 # (leaf_cnn's conv2) 0.79-0.81; 64, 32, 64 0.73-0.75; 128, 64, 16 0.75-0.77; 48, 24, 256 (tomato's conv2)
 # 0.80-0.81; 96, 48, 64 0.79-0.81; 192, 96, 16 0.75-0.76; 64, 32, 196 (leaf_cnn224's conv2) 0.87-0.89; 128, 64,
-# 49 0.95-1.01; 24, 16, 100 0.70-0.73; 64, 64, 98 0.95; 128, 32, 98 0.95; 96, 48, 98 0.91; 96, 96, 49 0.95. One
-# call a tile (not inlined by LLVM; forced inline by Numba spilled) gave 0.73-1.08; the six rows of U hoisted out
-# of a loop over tiles as arrays, 0.83-1.17 (their pointers spilled in the loop over c where C was 64 or more).
-# Larger products stay BLAS's (NARROW_PRODUCTS_MOST), which packs its blocks for the caches: 128, 64, 64 1.14;
-# 256, 128, 16 1.33; 128, 64, 98 (leaf_cnn224's conv3 bands) 1.69; 64, 32, 784 1.35; 128, 64, 196 1.39; 256,
-# 128, 49 (leaf_cnn224's conv4) 2.07 (and one outlier: 64, 32, 256 0.43).
-NARROW_PRODUCTS_MOST = 500_000        # multiply-adds of one of a band's 36 products
+# 49 0.95-0.97; 24, 16, 100 0.70-0.73. One call a tile (not inlined by LLVM; forced inline by Numba spilled)
+# gave 0.73-1.08; the six rows of U hoisted out of a loop over tiles as arrays, 0.83-1.17 (their pointers
+# spilled in the loop over c where C was 64 or more).
 AVX512_BLAS_KERNELS = {"SkylakeX", "Cooperlake", "SapphireRapids"}      # OpenBLAS's cores with AVX-512 kernels
 
 
@@ -167,11 +163,10 @@ def direct_tiles_pay(conv_w: int) -> bool:
 
 def narrow_tiles_pay() -> bool:
     """Whether the register tiles of 8-lane vectors run (winograd.py's narrow_strip): the Winograd products of at
-    least WINOGRAD_MIN_TILES tiles and at most NARROW_PRODUCTS_MOST multiply-adds as narrow_products, the small
-    direct convs as conv_direct.py's conv3x3_direct_shifted (their measures: the comment above
-    AVX512_BLAS_KERNELS, SHIFTED_MAX_OUT_CHANNELS, conv_direct.py's header). The JIT on an x86-64 host with FMA
-    (jit.VECTOR_FMA) but no AVX-512 (jit.WIDE_VECTORS, whose own tiles run there). Not measured on arm64
-    (emulated only), where BLAS and the direct kernels before stay."""
+    least WINOGRAD_MIN_TILES tiles as narrow_products, the small direct convs as conv_direct.py's
+    conv3x3_direct_shifted (their measures: the comment above AVX512_BLAS_KERNELS, conv_direct.py's header).
+    The JIT on an x86-64 host with FMA (jit.VECTOR_FMA) but no AVX-512 (jit.WIDE_VECTORS, whose own tiles run
+    there). Not measured on arm64 (emulated only), where BLAS and the direct kernels before stay."""
     return VECTOR_FMA and not WIDE_VECTORS
 
 
@@ -810,7 +805,7 @@ class Conv2dLayer:
             elif small_products_pay():
                 steps.append(partial(small_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
                                      count, m_buffer))
-            elif narrow_tiles_pay() and out_channels * in_channels * count <= NARROW_PRODUCTS_MOST:
+            elif narrow_tiles_pay():
                 steps.append(partial(narrow_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
                                      count, m_buffer))
             else:

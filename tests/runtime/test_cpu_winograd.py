@@ -169,25 +169,6 @@ def test_narrow_products_are_the_36_products(shape):
     check_36_products(narrow_products, lambda u: u, shape)
 
 
-@pytest.mark.parametrize("most", [10 ** 9, 0])
-def test_narrow_products_only_up_to_their_size(most, monkeypatch):
-    """Where the narrow tiles run, a band's products of more than NARROW_PRODUCTS_MOST multiply-adds each go to BLAS
-    (np.matmul) instead; either way the conv matches float64 convolution."""
-    from lnn.runtime.cpu import conv2d, winograd
-    from lnn.runtime.cpu.parallel import all_steps
-
-    monkeypatch.setattr(conv2d, "narrow_tiles_pay", lambda: True)
-    monkeypatch.setattr(conv2d, "small_products_pay", lambda: False)
-    monkeypatch.setattr(conv2d, "NARROW_PRODUCTS_MOST", most)
-    rng = np.random.default_rng(12)
-    x = rng.standard_normal((1, 24, 16, 16)).astype(np.float32)
-    weight = (rng.standard_normal((40, 24, 3, 3)) * np.sqrt(2 / (9 * 24))).astype(np.float32)
-    backend, got = one_conv(x, weight, 1, "winograd")
-    kernels = [getattr(step, "func", None) for step in all_steps(backend._plan(1, backend.threads).steps)]
-    assert (winograd.narrow_products in kernels) == (most > 0) and (np.matmul in kernels) == (most == 0)
-    check_bound(got, x, weight, 1)
-
-
 def check_36_products(products, layout, shape):
     """products(layout(U), o_first, o_end, V, channels, tiles, M) against np.matmul in float64, and nothing of M
     written past its rows or past the tiles rounded up to 16."""
