@@ -137,13 +137,15 @@ WINOGRAD_MIN_WHOLE_TILES = 4
 # Convs of fewer tiles keep U [36, O, C] for skinny_products (and small_products for a batch's bands).
 # On an x86-64 host with FMA but without AVX-512 (16 vector registers of 8 lanes) those products run as
 # narrow_products (narrow_tiles_pay): register tiles of 6 output channels x 16 tiles, one call a strip of 6
-# channels along all the tiles. Measured on a Zen 3 VM (AVX2; OpenBLAS at its Haswell kernels), the products
-# alone, by hand, medians of 15 interleaved rounds, narrow_products / np.matmul time for O, C, tiles: 32, 16, 256
-# (leaf_cnn's conv2) 0.79-0.81; 64, 32, 64 0.73-0.75; 128, 64, 16 0.75-0.77; 48, 24, 256 (tomato's conv2)
-# 0.80-0.81; 96, 48, 64 0.79-0.81; 192, 96, 16 0.75-0.76; 64, 32, 196 (leaf_cnn224's conv2) 0.87-0.89; 128, 64,
-# 49 0.95-0.97; 24, 16, 100 0.70-0.73. One call a tile (not inlined by LLVM; forced inline by Numba spilled)
-# gave 0.73-1.08; the six rows of U hoisted out of a loop over tiles as arrays, 0.83-1.17 (their pointers
-# spilled in the loop over c where C was 64 or more).
+# channels along all the tiles. Measured on a Zen 3 VM (AVX2; OpenBLAS at its Haswell kernels), the products alone,
+# by hand, medians of 15 interleaved rounds, narrow_products / np.matmul (BLAS on one thread) time for O, C, tiles:
+# 32, 16, 256 (leaf_cnn's conv2) 0.79-0.81; 64, 32, 64 0.73-0.75; 128, 64, 16 0.75-0.77; 48, 24, 256 (tomato's
+# conv2) 0.80-0.81; 96, 48, 64 0.79-0.81; 192, 96, 16 0.75-0.76; 64, 32, 196 (leaf_cnn224's conv2) 0.87-0.89; 128,
+# 64, 49 0.95-1.01; 24, 16, 100 0.70-0.75; larger, 128, 64, 98 (leaf_cnn224's conv3 bands) 1.08, 256, 128, 49 (its
+# conv4) 1.08, kept (the whole model as fast either way, and a plan with no BLAS step gets its helper program:
+# leaf_cnn224 at 2 threads 5.53 ms a call against 5.89 with those products BLAS's, by hand). One call a tile (not
+# inlined by LLVM; forced inline by Numba spilled) gave 0.73-1.08; the six rows of U hoisted out of a loop over
+# tiles as arrays, 0.83-1.17 (their pointers spilled in the loop over c where C was 64 or more).
 AVX512_BLAS_KERNELS = {"SkylakeX", "Cooperlake", "SapphireRapids"}      # OpenBLAS's cores with AVX-512 kernels
 
 
