@@ -1,4 +1,5 @@
-"""Direct 3x3 convolution for convs with few input channels (a network's first conv on RGB or gray input).
+"""Direct 3x3 convolution for convs with few input channels (a network's first conv on RGB or gray input; where
+the 8-lane register tiles run, every conv too thin for Winograd: conv3x3_direct_shifted below).
 
     image [C, HP, WP] (padded), weight [O, C, 3, 3] -> acc[o, column + (y - y_first) * OW + x]
     = sum over c, ky, kx of weight[o, c, ky, kx] * image[c, y + ky, x + kx]       (no bias; OW = WP - 2)
@@ -35,7 +36,8 @@ acc[o, column + (y - y_first) * WP + x], the columns x >= OW junk, and the last 
 last output. One thread, a band as the plan runs it, the kernel alone against conv3x3_direct_quads (by hand,
 Zen 3 VM): 3 -> 16 at 128 wide 0.64-0.67x the time, 3 -> 24 at 128 0.58x, 3 -> 32 at 224 0.75x (75-89 GFLOP/s
 against 51-56); against conv3x3_direct on narrower rows, 1 -> 32 and 1 -> 16 at 28 wide 0.37-0.41x, 3 -> 16 at
-32 and 56 wide 0.49-0.58x. Its sums run in another order than conv3x3_direct's.
+32 and 56 wide 0.49-0.58x; against the columns GEMM from 4 to 15 inputs, conv2d.py SHIFTED_MAX_OUT_CHANNELS. Its
+sums run in another order than conv3x3_direct's.
 
 conv3x3_direct_tiles_pool2 is conv3x3_direct_tiles followed by a 2x2/2 unpadded max-pool (conv2d.py's
 max_pool_2x2_rows; the same sums, the same maxima in its order: the same bytes), without acc: its register
