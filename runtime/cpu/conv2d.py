@@ -204,7 +204,8 @@ DIRECT_QUADS_MAX_OUT_CHANNELS = 32
 # any width. One conv + ReLU, 1 thread, us, shifted against columns + GEMM (Zen 3 VM, by hand, medians of 15):
 # C=4 O=16 64^2 76 vs 124; C=8 O=16 64^2 139 vs 206, 128^2 530 vs 790; C=8 O=32 64^2 262 vs 326; C=12 O=24 32^2
 # 70 vs 109; C=15 O=32 32^2 123 vs 157; C=3 O=48 96^2 367 vs 534; C=3 O=64 128^2 900 vs 1111; C=8 O=64 64^2 498
-# vs 581; C=15 O=64 32^2 226 vs 265; C=15 O=128 16^2 121 vs 153 (more outputs not measured).
+# vs 581; C=15 O=64 32^2 226 vs 265; C=15 O=128 16^2 121 vs 153 (more outputs not measured);
+# benchmarks/cpu_thin_convs.py runs these beside onnxruntime (BENCHMARKS "cpu_thin_convs").
 SHIFTED_MAX_OUT_CHANNELS = 128
 # conv3x3_direct_quads on rows at least this wide (narrower: conv3x3_direct, 1 thread, us: C=1 O=16 28^2 6 vs 9,
 # C=3 O=16 56^2 44 vs 41, C=1 O=8 64^2 10 vs 11; 128^2 and 224^2 above)
