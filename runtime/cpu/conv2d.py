@@ -693,7 +693,7 @@ class Conv2dLayer:
                                          pooled))
                 return pooled, out_w
             return pooling
-        if narrow_tiles_pay():
+        if narrow_tiles_pay() and image.flags.c_contiguous:     # (its rows read as one flat image)
             padded_w = image.shape[3]
             acc = new_scratch((out_channels, max((band[1] - band[0]) * conv_h * padded_w for band in bands) + 16))
             flat_weight = np.ascontiguousarray(weight.reshape(out_channels, -1))

@@ -523,6 +523,36 @@ def test_small_convs_run_shifted_where_it_pays(size, channels, monkeypatch):
             np.testing.assert_allclose(got, expected[:batch], rtol=0, atol=1e-4)
 
 
+def test_shifted_direct_needs_a_contiguous_image(monkeypatch):
+    """An unpadded thin conv whose input is a view into a larger buffer (another consumer's padded copy) is no flat
+    image (its reshape would be a copy made at plan time): it runs the kernels before instead, and reads the input as
+    it is when the steps run."""
+    from lnn.runtime.cpu import BACKEND, conv2d
+    from lnn.runtime.cpu.parallel import all_steps
+    from lnn.runtime.reference import NumpyBackend
+
+    monkeypatch.setattr(conv2d, "VECTOR_FMA", True)
+    monkeypatch.setattr(conv2d, "WIDE_VECTORS", False)
+    model = parse_model({"input_shape": [5, 9, 20], "layers": [
+        {"type": "conv2d", "out_channels": 12, "kernel_size": 3, "padding": 0, "activation": "relu"}]})
+    rng = np.random.default_rng(13)
+    weights = {key: rng.standard_normal(shape).astype(np.float32) for key, shape in model.param_shapes().items()}
+    framed = rng.standard_normal((1, 5, 11, 22)).astype(np.float32)
+    x = framed[:, :, 1:10, 1:21]                                  # not C-contiguous
+    layer = BACKEND(model, weights).layers[0]
+    assert layer.small_direct
+    new_buffer = (lambda shape, scratch=False: np.zeros(shape, np.float32))
+    out, steps = layer.plan(x, new_buffer)
+    kernels = {getattr(step, "func", None) for step in all_steps(steps)}
+    assert conv2d.conv3x3_direct_shifted not in kernels
+    framed[...] = rng.standard_normal(framed.shape)                # new input after planning, as every call has
+    for step in all_steps(steps):
+        step()
+    np.testing.assert_allclose(out, NumpyBackend(model, weights).run(np.ascontiguousarray(x)), rtol=0, atol=1e-4)
+    contiguous_out, contiguous_steps = layer.plan(np.ascontiguousarray(x), new_buffer)
+    assert conv2d.conv3x3_direct_shifted in {getattr(step, "func", None) for step in all_steps(contiguous_steps)}
+
+
 @pytest.mark.parametrize("wide", [True, False])
 def test_direct_tiles_run_on_rows_a_multiple_of_16_where_they_pay(wide, monkeypatch):
     """With jit.WIDE_VECTORS, a small direct conv whose rows are a multiple of 16 wide runs through
