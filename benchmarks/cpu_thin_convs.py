@@ -5,7 +5,8 @@ forced ("algorithm": "im2col"), and onnxruntime, side by side.
     python benchmarks/cpu_thin_convs.py [--rounds 7]        (about a minute)
 
 Each shape is one conv + ReLU (padding 1, random-normal weights and input), batch 1. The three run interleaved in
-one process, round by round (lnn's BLAS held at one thread, onnxruntime's intra_op_num_threads = 1); each figure is
+one process, round by round (lnn with threads=1, whose backend holds BLAS at one thread, onnxruntime with
+intra_op_num_threads = 1); each figure is
 the median over the rounds of each round's median us per call. Writes the "cpu_thin_convs" section of
 docs/BENCHMARKS.md (not with --no-write). The rule's constants: conv2d.py SHIFTED_MAX_OUT_CHANNELS.
 """
@@ -31,6 +32,7 @@ SECONDS = 0.2
 def lnn_runner(channels: int, out_channels: int, size: int, algorithm: str, weight, bias, x):
     from lnn.formats.model import parse_model
     from lnn.runtime.cpu import BACKEND
+    from lnn.runtime.cpu.conv2d import conv3x3_direct_shifted
 
     model = parse_model({"input_shape": [channels, size, size], "layers": [
         {"type": "conv2d", "out_channels": out_channels, "kernel_size": 3, "padding": 1, "activation": "relu",
@@ -38,13 +40,12 @@ def lnn_runner(channels: int, out_channels: int, size: int, algorithm: str, weig
     node = model.nodes[0]
     backend = BACKEND(model, {node.param_key("weight"): weight, node.param_key("bias"): bias}, threads=1)
     kernels = {getattr(step, "func", None) for step in backend._plan(1).steps}
-    kind = "direct (shifted rows)" if any(getattr(k, "__name__", "") == "conv3x3_direct_shifted" for k in kernels) \
-        else "direct" if backend.layers[0].small_direct else "columns GEMM"
+    kind = ("direct (shifted rows)" if conv3x3_direct_shifted in kernels
+            else "direct" if backend.layers[0].small_direct else "columns GEMM")
     return (lambda: backend.run(x)), kind
 
 
 def onnxruntime_runner(weight, bias, x):
-    import onnx
     import onnxruntime
     from onnx import TensorProto, helper, numpy_helper
 
@@ -67,11 +68,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    from threadpoolctl import threadpool_limits
-
     from lnn.runtime.cpu.conv2d import narrow_tiles_pay
 
-    threadpool_limits(1)
     rng = np.random.default_rng(0)
     rows = []
     for channels, out_channels, size in SHAPES:

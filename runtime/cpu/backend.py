@@ -80,6 +80,7 @@ from lnn.runtime.cpu.jit import CACHE_ENABLED
 from lnn.runtime.cpu.linear import LinearLayer, chain_eligible, plan_chain
 from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.parallel import Claimed, Crew, Parallel, all_steps, run_steps
+from lnn.runtime.cpu.winograd import STRIP_POSITIONS
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
 
@@ -104,7 +105,7 @@ REVIEW_FIRST = 50
 REVIEW_GROWTH = 4
 REVIEW_MOST = 3200
 ALIGNMENT = 64          # bytes
-READ_PAST = 16          # floats a kernel may read past a buffer's end (_aligned)
+READ_PAST = STRIP_POSITIONS   # floats a kernel may read past a buffer's end (_aligned)
 # A split plan's helper program (programs.py) is built on its second run on the crew: loading it from the cache
 # took 40-70 ms (the bundled model, by hand), which a process answering one photo (lnn-infer) need not pay
 PROGRAM_AT_RUN = 2
@@ -196,8 +197,8 @@ class Plan:
 
 def _aligned(size: int, make=np.empty) -> np.ndarray:
     """A float32 vector of `size` (made by np.empty or np.zeros) starting on an ALIGNMENT-byte boundary, with at
-    least READ_PAST floats of its allocation after it (conv_direct.py's shifted rows read up to 15 past an image
-    into junk outputs)."""
+    least READ_PAST floats of its allocation after it (conv_direct.py's shifted rows read up to STRIP_POSITIONS - 1
+    past an image into junk outputs)."""
     raw = make(size + ALIGNMENT // 4 + READ_PAST, np.float32)
     start = (-raw.ctypes.data % ALIGNMENT) // 4
     return raw[start:start + size]

@@ -66,9 +66,9 @@ from lnn.runtime.cpu.conv_direct import (conv3x3_direct, conv3x3_direct_quads, c
 from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
-from lnn.runtime.cpu.winograd import (TILE, block_products, input_work_shape, narrow_products, output_work_shape,
-                                      skinny_products, small_products, tile_count, transformed_weight, weight_blocks,
-                                      winograd_input, winograd_output, winograd_output_pool2)
+from lnn.runtime.cpu.winograd import (STRIP_POSITIONS, TILE, block_products, input_work_shape, narrow_products,
+                                      output_work_shape, skinny_products, small_products, tile_count, transformed_weight,
+                                      weight_blocks, winograd_input, winograd_output, winograd_output_pool2)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -695,7 +695,8 @@ class Conv2dLayer:
             return pooling
         if narrow_tiles_pay() and image.flags.c_contiguous:     # (its rows read as one flat image)
             padded_w = image.shape[3]
-            acc = new_scratch((out_channels, max((band[1] - band[0]) * conv_h * padded_w for band in bands) + 16))
+            acc = new_scratch((out_channels, max((band[1] - band[0]) * conv_h * padded_w for band in bands)
+                                              + STRIP_POSITIONS))
             flat_weight = np.ascontiguousarray(weight.reshape(out_channels, -1))
             offsets = shifted_tap_offsets(*image.shape[1:])
 

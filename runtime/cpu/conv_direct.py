@@ -154,9 +154,10 @@ def shifted_tap_offsets(channels: int, padded_h: int, padded_w: int) -> np.ndarr
 
 @tile_kernel
 def conv3x3_direct_shifted(image, weight, offsets, padded_w, y_first, y_end, column, acc):
-    """The header's conv3x3_direct_shifted: image the flat padded image [C * HP * WP] (15 floats past its end
-    are read, into junk), weight [O, 9C] (the conv's, flattened), offsets shifted_tap_offsets(C, HP, WP); conv
-    rows y_first..y_end-1 into acc[o, column + (y - y_first) * WP + x], acc [O, >= column + that + 16]."""
+    """The header's conv3x3_direct_shifted: image the flat padded image [C * HP * WP] (up to STRIP_POSITIONS - 1
+    floats past its end are read, into junk), weight [O, 9C] (the conv's, flattened), offsets
+    shifted_tap_offsets(C, HP, WP); conv rows y_first..y_end-1 into acc[o, column + (y - y_first) * WP + x], acc
+    [O, >= column + that + STRIP_POSITIONS] (winograd.py's narrow_strip)."""
     count = (y_end - y_first - 1) * padded_w + padded_w - 2
     last = weight.shape[0] - 1
     for o in range(0, last + 1, 6):

@@ -407,17 +407,20 @@ def zeros8():
     return (z, z, z, z, z, z, z, z)
 
 
+STRIP_POSITIONS = 16            # positions a narrow_strip tile computes at once (2 vectors of 8)
+
+
 @tile_kernel
 def narrow_strip(weight, o, last, rows, offsets, first, count, out, column):
     """out[o + i, column + p] = sum over r of weight[o + i, r] * rows[offsets[r] + first + p] for i < 6 and
-    positions p < count rounded up to 16: rows flat, row r from offsets[r] + first (V's rows in narrow_products,
+    positions p < count rounded up to STRIP_POSITIONS: rows flat, row r from offsets[r] + first (V's rows in narrow_products,
     the shifted rows of an image in conv_direct.py's conv3x3_direct_shifted), out C-contiguous. In 8-lane
     vectors for a host with 16 of them (AVX2): 12 sums of 8 in registers over all the rows r for 16 positions,
     each step 6 broadcasts of the weight and 2 loads of row r; the weight's rows past last are computed as row
     last and stored there again (the same values)."""
     i1, i2, i3, i4, i5 = min(o + 1, last), min(o + 2, last), min(o + 3, last), min(o + 4, last), min(o + 5, last)
     pitch = out.shape[1]
-    for p in range(0, count, 16):
+    for p in range(0, count, STRIP_POSITIONS):
         a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = zeros8()
         for r in range(offsets.shape[0]):
             at = offsets[r] + first + p
