@@ -100,6 +100,14 @@ else:
     llvmlite.binding.set_option("lnn", "-slp-max-vf=8")
     _host_features = llvmlite.binding.get_host_cpu_features().flatten()
     WIDE_VECTORS = "+avx512f" in _host_features
+    # LLVM tunes Intel's AVX-512 cores (Skylake-X to Emerald Rapids, not AMD's Zen 4 and 5) to prefer 256-bit
+    # vectors: there every vectorized loop and register tile ran at half width. On 2 cores of an Emerald Rapids
+    # host, one thread (benchmarks/cpu_vector_width.sh, docs/BENCHMARKS.md): the bundled model 4.012 -> 2.054 ms,
+    # leaf_cnn 1.253 -> 0.760, leaf_cnn224 9.479 -> 6.563 (onnxruntime 3.05-3.13, 0.88-0.90, 9.68-13.30). Numba
+    # takes its target's features from here at its first compile (a user's own NUMBA_CPU_FEATURES is kept).
+    if WIDE_VECTORS and numba.config.CPU_FEATURES is None:
+        from numba.core.codegen import get_host_cpu_features as _numba_host_features  # noqa: E402
+        numba.config.CPU_FEATURES = _numba_host_features() + ",-prefer-256-bit"
     # x86-64 with FMA (AVX2 or AVX-512): where conv_direct.py's blocked kernel was measured faster
     VECTOR_FMA = "+fma" in _host_features
 

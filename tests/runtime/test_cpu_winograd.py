@@ -158,6 +158,26 @@ def test_block_products_are_the_36_products(shape):
     check_36_products(block_products, weight_blocks, shape)
 
 
+def test_avx512_hosts_compile_512_bit_vectors():
+    """Where the wide tiles run (jit.WIDE_VECTORS), the kernels are compiled for 512-bit vectors: LLVM's tuning of
+    Intel's AVX-512 cores prefers 256 bits, which halved every vector and made the models 1.5-2.5x slower."""
+    import numba
+
+    from lnn.runtime.cpu import jit
+
+    if not jit.WIDE_VECTORS:
+        pytest.skip("this host has no AVX-512")
+
+    @numba.njit(fastmath=True)
+    def add_twice(x, y):
+        for i in range(x.shape[0]):
+            y[i] += 2.0 * x[i]
+
+    add_twice(np.ones(256, np.float32), np.zeros(256, np.float32))
+    assembly = "".join(add_twice.inspect_asm().values())
+    assert "zmm" in assembly, "the loop was vectorized without 512-bit registers"
+
+
 @pytest.mark.parametrize("shape", [(48, 24, 256, 0, 48), (50, 7, 37, 3, 47), (13, 5, 16, 0, 13), (6, 3, 40, 1, 2),
                                    (64, 32, 95, 32, 64), (32, 16, 9, 0, 32), (7, 4, 24, 0, 7)],
                          ids=lambda s: "o{}c{}t{}_{}to{}".format(*s))
