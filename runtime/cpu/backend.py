@@ -80,7 +80,7 @@ from lnn.runtime.cpu.jit import CACHE_ENABLED
 from lnn.runtime.cpu.linear import LinearLayer, chain_eligible, plan_chain
 from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.parallel import Claimed, Crew, Parallel, all_steps, run_steps
-from lnn.runtime.cpu.winograd import STRIP_POSITIONS
+from lnn.runtime.cpu.winograd import STRIP_POSITIONS, blas_products
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
 
@@ -106,6 +106,7 @@ REVIEW_GROWTH = 4
 REVIEW_MOST = 3200
 ALIGNMENT = 64          # bytes
 READ_PAST = STRIP_POSITIONS   # floats a kernel may read past a buffer's end (_aligned)
+BLAS_STEPS = (np.matmul, blas_products)     # steps that call BLAS: a plan with one holds BLAS at one thread
 # A split plan's helper program (programs.py) is built on its second run on the crew: loading it from the cache
 # took 40-70 ms (the bundled model, by hand), which a process answering one photo (lnn-infer) need not pay
 PROGRAM_AT_RUN = 2
@@ -127,7 +128,7 @@ class Plan:
         if self._scratch_most:
             self.scratch = _aligned(self._scratch_most, np.zeros)   # zeros: what a kernel reads past its data is finite
             self._plan_layers(*planned)
-        self.uses_blas = any(getattr(step, "func", None) is np.matmul for step in all_steps(self.steps))
+        self.uses_blas = any(getattr(step, "func", None) in BLAS_STEPS for step in all_steps(self.steps))
         self.splits = any(type(step) is Parallel for step in self.steps)      # else no crew needed
         self.claims = any(type(step) is Claimed for step in self.steps)       # a crew helper may serve these
         self.program = None              # the helpers' tasks compiled (programs.py), from the PROGRAM_AT_RUN'th split run

@@ -25,6 +25,7 @@ address (call_at, for programs.py's helper programs).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -52,6 +53,7 @@ if KERNELS == "aot":
     spin_while_equal = hand_off = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
     load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = None   # (the JIT's intrinsics)
     call_at = compiled_address = None    # (programs.py's calls of compiled kernels: the JIT's only)
+    call_sgemm = None                    # (BLAS from compiled code: the JIT's only)
 else:
     CACHE_DIR = numba_cache_dir()
     _problem = ensure_writable(CACHE_DIR)
@@ -405,6 +407,28 @@ else:
             return context.get_dummy_value()
         return types.none(address, arguments), codegen
 
+    @intrinsic
+    def call_sgemm(typingctx, address, rows, columns, inner, a, lda, b, ldb, c, ldc):
+        """C[rows, columns] = A[rows, inner] @ B[inner, columns], float32 row-major, through the C function at
+        `address`: ILP64 CBLAS's cblas_sgemm (sgemm_address), with the matrices' first elements' addresses and
+        their row pitches in elements (all int64). winograd.py's blas_products calls BLAS so, from compiled code
+        that a helper program can run, where np.matmul is a Python call."""
+        int32, int64 = llvmlite.ir.IntType(32), llvmlite.ir.IntType(64)
+        single, pointer = llvmlite.ir.FloatType(), llvmlite.ir.FloatType().as_pointer()
+        function_type = llvmlite.ir.FunctionType(llvmlite.ir.VoidType(), [int32, int32, int32, int64, int64, int64,
+                                                                          single, pointer, int64, pointer, int64,
+                                                                          single, pointer, int64])
+
+        def codegen(context, builder, signature, args):
+            function = builder.inttoptr(args[0], function_type.as_pointer())
+            row_major, no_transpose = (llvmlite.ir.Constant(int32, value) for value in (101, 111))
+            one, zero = llvmlite.ir.Constant(single, 1.0), llvmlite.ir.Constant(single, 0.0)
+            a, b, c = (builder.inttoptr(args[index], pointer) for index in (4, 6, 8))
+            builder.call(function, [row_major, no_transpose, no_transpose, args[1], args[2], args[3], one, a, args[5],
+                                    b, args[7], zero, c, args[9]])
+            return context.get_dummy_value()
+        return types.none(*(types.int64,) * 10), codegen
+
     def compiled_address(dispatcher, args: tuple) -> int | None:
         """The address of `dispatcher`'s compiled code for exactly the types of `args` (compiled, or loaded from
         the cache, here if it was not yet) for call_at; None where it returns a value or is no Numba kernel."""
@@ -425,3 +449,29 @@ else:
     load_acquire, store_release, compare_and_swap, fetch_add, sched_yield, call_at = (
         (None,) * 6 if spin_while_equal is None else
         (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield, _call_at))
+
+
+@functools.cache
+def sgemm_address() -> int | None:
+    """The address of cblas_sgemm in the ILP64 OpenBLAS that NumPy loaded (its wheels' scipy-openblas64:
+    scipy_cblas_sgemm64_), for call_sgemm; None without the JIT, or where NumPy's BLAS is another (np.matmul
+    stays in the plans there)."""
+    if call_sgemm is None:
+        return None
+    import ctypes
+
+    import numpy  # noqa: F401  (its BLAS loaded: threadpoolctl lists only loaded libraries)
+    from threadpoolctl import ThreadpoolController
+
+    for library in ThreadpoolController().select(user_api="blas").lib_controllers:
+        if library.internal_api != "openblas":
+            continue
+        try:
+            handle = ctypes.CDLL(library.filepath)
+        except OSError:
+            continue
+        for name in ("scipy_cblas_sgemm64_", "cblas_sgemm64_"):
+            function = getattr(handle, name, None)
+            if function is not None:
+                return ctypes.cast(function, ctypes.c_void_p).value
+    return None

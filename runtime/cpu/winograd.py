@@ -4,7 +4,8 @@ Same result as conv2d.py's columns + product (reference: formats/ops.py Conv2d.f
 multiplies per 4x4 output tile instead of 144 (4x fewer; F(2x2, 3x3), used before, saved 2.25x):
     U[k, o, c] = (G g[o, c] G^T)[k]                 weight [O, C, 3, 3] -> U [36, O, C], once per layer
     V[k, c, t] = (B^T d[c, t] B)[k]                 d = the tile's 6x6 input patch            (`winograd_input`)
-    M[k]       = U[k] @ V[k]                        36 BLAS products [O, C] x [C, T] (np.matmul), or
+    M[k]       = U[k] @ V[k]                        36 BLAS products [O, C] x [C, T] (`blas_products`: sgemm
+                                                    from compiled code, else np.matmul), or
                                                     for a few tiles, dot products (`skinny_products`), or
                                                     small ones in AVX-512 register tiles (`small_products`, or
                                                     `block_products` on U in blocks of 8 rows: weight_blocks)
@@ -37,14 +38,15 @@ from fractions import Fraction
 import numpy as np
 
 from lnn.runtime.cpu.aot import A2, A3, I
-from lnn.runtime.cpu.jit import (VECTOR_FMA, gather_tile_columns, ieee_kernel, interleave_rows4, kernel, load16,
-                                 load8, short_loops_kernel, store8, tile_kernel, wide_tile_kernel)
+from lnn.runtime.cpu.jit import (VECTOR_FMA, call_sgemm, gather_tile_columns, ieee_kernel, interleave_rows4, kernel,
+                                 load16, load8, short_loops_kernel, store8, tile_kernel, wide_tile_kernel)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
 AOT_SIGNATURES = {
     "winograd_input": (A3, I, I, I, I, I, A2, A3),
     "bt_row": None,
+    "blas_products": None,        # the JIT's only (jit.call_sgemm)
     "skinny_products": (A3, I, I, A3, I, A3),
     "fma16": None,
     "store16": None,
@@ -229,6 +231,17 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
                 out, row = v[6 * k + l, c, column:column + count], work[42 + l]
                 for t in range(count):
                     out[t] = row[t]
+
+
+@kernel
+def blas_products(u, o_first, o_end, v, channels, tiles, m, sgemm):
+    """M[k, :o_end - o_first, :tiles] = U[k, o_first:o_end] @ V[k, :channels, :tiles] for the 36 k: BLAS's sgemm
+    (its address sgemm[0]: jit.sgemm_address), as np.matmul computes them, but from compiled code, which a helper
+    program can run (programs.py: a plan with a Python call of np.matmul gets none)."""
+    rows = o_end - o_first
+    for k in range(36):
+        call_sgemm(sgemm[0], rows, tiles, channels, u[k, o_first:o_end].ctypes.data, u.strides[1] // 4,
+                   v[k].ctypes.data, v.strides[1] // 4, m[k].ctypes.data, m.strides[1] // 4)
 
 
 @ieee_kernel

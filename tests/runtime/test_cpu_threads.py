@@ -562,6 +562,35 @@ def test_a_plan_whose_helper_tasks_call_blas_gets_no_program():
     assert programs.build(plan.steps, 1) is None
 
 
+def test_winograd_products_through_blas_run_in_the_helper_program(monkeypatch):
+    """Where the Winograd products go to BLAS (an AVX-512 host whose OpenBLAS has AVX-512 kernels), they are
+    blas_products, a kernel calling sgemm: the plan holds BLAS at one thread, gets its helper program, and gives the
+    bytes of the Python hand-off."""
+    programs = programs_or_skip()
+    from lnn.runtime.cpu import conv2d, winograd
+    from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
+    from lnn.runtime.cpu.jit import sgemm_address
+    from lnn.runtime.cpu.parallel import all_steps
+
+    if sgemm_address() is None:
+        pytest.skip("NumPy's BLAS here has no ILP64 cblas_sgemm")
+    monkeypatch.setattr(conv2d, "small_products_pay", lambda: False)
+    monkeypatch.setattr(conv2d, "narrow_tiles_pay", lambda: False)
+    input_shape, layers = CASES["conv_winograd_rows_pool"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(5))
+    split = split_backend(model, weights, 2)
+    x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+    handed_off = split.run(x).copy()
+    for _ in range(PROGRAM_AT_RUN + 20):
+        np.testing.assert_array_equal(split.run(x), handed_off)
+    plan = split._plan(1, 2)
+    assert winograd.blas_products in [getattr(step, "func", None) for step in all_steps(plan.steps)]
+    assert plan.uses_blas and plan.program is not None
+    np.testing.assert_allclose(handed_off, split_backend(model, weights, 1).run(x), rtol=0, atol=SPLIT_TOLERANCE)
+    assert programs.build(plan.steps, 1) is not None
+
+
 def parallel_step_of(kernel, caller_task, helper_args):
     from functools import partial
 

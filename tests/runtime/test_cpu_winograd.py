@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from lnn.formats.model import parse_model
+from lnn.runtime.cpu.jit import sgemm_address
 
 ERROR_BOUND = 1e-5
 
@@ -130,8 +131,10 @@ def test_winograd_matches_float64_convolution(case, products, monkeypatch):
     kernels = [getattr(step, "func", None) for step in all_steps(backend._plan(batch, backend.threads).steps)]
     if case == SKINNY_CASE:
         assert winograd.skinny_products in kernels
-    elif products != "blas" and backend.layers[0].winograd_blocks is False:
-        assert getattr(winograd, f"{products}_products") in kernels or winograd.skinny_products in kernels
+    elif backend.layers[0].winograd_blocks is False:
+        blas = winograd.blas_products if sgemm_address() is not None else np.matmul
+        chosen = {"blas": blas, "small": winograd.small_products, "narrow": winograd.narrow_products}[products]
+        assert chosen in kernels or winograd.skinny_products in kernels
 
 
 @pytest.mark.parametrize("shape", [(48, 24, 256, 0, 48), (50, 7, 37, 3, 47), (13, 5, 16, 0, 13), (6, 3, 40, 1, 2),
@@ -187,6 +190,27 @@ def test_narrow_products_are_the_36_products(shape):
     from lnn.runtime.cpu.winograd import narrow_products
 
     check_36_products(narrow_products, lambda u: u, shape)
+
+
+@pytest.mark.parametrize("shape", [(48, 24, 256, 0, 48), (50, 7, 37, 3, 47), (13, 5, 9, 0, 13), (64, 32, 95, 32, 64)],
+                         ids=lambda s: "o{}c{}t{}_{}to{}".format(*s))
+def test_blas_products_are_np_matmuls_bytes(shape):
+    """blas_products (NumPy's BLAS called from compiled code, where it has an ILP64 cblas_sgemm) as the 36 products,
+    and the same bytes as np.matmul of the same blocks (one sgemm each)."""
+    from lnn.runtime.cpu.winograd import blas_products
+
+    if sgemm_address() is None:
+        pytest.skip("NumPy's BLAS here has no ILP64 cblas_sgemm (or no JIT)")
+    sgemm = np.array([sgemm_address()], np.int64)
+    made = []
+
+    def products(u, o_first, o_end, v, channels, tiles, m):
+        blas_products(u, o_first, o_end, v, channels, tiles, m, sgemm)
+        made.append((u, o_first, o_end, v, channels, tiles, m))
+
+    check_36_products(products, lambda u: u, shape)
+    u, o_first, o_end, v, channels, tiles, m = made[0]
+    assert np.array_equal(m[:, :o_end - o_first, :tiles], np.matmul(u[:, o_first:o_end], v[:, :channels, :tiles]))
 
 
 def check_36_products(products, layout, shape):
