@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # lnn on arm64 (the Raspberry Pi's architecture) under emulation, on a Debian/Ubuntu x86-64 host, as root:
 #
-#     sudo benchmarks/arm64_emulation.sh        # not in CI; about 2 h the first time on 2 busy cores (BENCHMARKS.md)
+#     sudo benchmarks/arm64_emulation.sh        # not in CI; 28-38 minutes from nothing on 2 cores, most of it
+#                                               # tests/runtime under emulation (BENCHMARKS.md)
 #
 # 1. a Debian bookworm arm64 root, made once with `debootstrap --foreign` and its second stage run under
 #    qemu-user-static (binfmt_misc), in $LNN_ARM64_DIR/root (default /tmp/lnn-arm64/root; reused when there,
