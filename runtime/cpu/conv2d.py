@@ -63,13 +63,13 @@ from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.aot import A1, A2, A3, A4, F, I, WINDOW
 from lnn.runtime.cpu.conv_direct import (conv3x3_direct, conv3x3_direct_quads, conv3x3_direct_shifted,
                                          conv3x3_direct_tiles, conv3x3_direct_tiles_pool2, shifted_tap_offsets)
-from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, kernel, sgemm_address
+from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
-from lnn.runtime.cpu.winograd import (STRIP_POSITIONS, TILE, blas_products, block_products, input_work_shape,
-                                      narrow_products, output_work_shape, skinny_products, small_products, tile_count,
-                                      transformed_weight, weight_blocks, winograd_input, winograd_output,
-                                      winograd_output_pool2)
+from lnn.runtime.cpu.winograd import (STRIP_POSITIONS, TILE, blas_products, blas_products_sgemm, block_products,
+                                      input_work_shape, narrow_products, output_work_shape, skinny_products,
+                                      small_products, tile_count, transformed_weight, weight_blocks, winograd_input,
+                                      winograd_output, winograd_output_pool2)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -813,9 +813,9 @@ class Conv2dLayer:
             elif narrow_tiles_pay():
                 steps.append(partial(narrow_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
                                      count, m_buffer))
-            elif sgemm_address() is not None:
+            elif (sgemm := blas_products_sgemm()) is not None:
                 steps.append(partial(blas_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels, count,
-                                     m_buffer, np.array([sgemm_address()], np.int64)))
+                                     m_buffer, sgemm))
             else:
                 steps.append(partial(np.matmul, self.winograd_weight[:, o_first:o_end], v_buffer[:, :in_channels, :count],
                                      out=m_buffer[:, :out_channels, :count]))

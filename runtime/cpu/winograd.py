@@ -33,13 +33,15 @@ product splits by output rows of U (U[:, o_first:o_end]).
 
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 
 import numpy as np
 
 from lnn.runtime.cpu.aot import A2, A3, I
 from lnn.runtime.cpu.jit import (VECTOR_FMA, call_sgemm, gather_tile_columns, ieee_kernel, interleave_rows4, kernel,
-                                 load16, load8, short_loops_kernel, store8, tile_kernel, wide_tile_kernel)
+                                 load16, load8, sgemm_address, short_loops_kernel, store8, tile_kernel,
+                                 wide_tile_kernel)
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
 # only by other kernels, compiled into them.
@@ -233,10 +235,19 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
                     out[t] = row[t]
 
 
+@functools.cache
+def blas_products_sgemm() -> np.ndarray | None:
+    """blas_products' last argument, one array shared by every step: jit.sgemm_address() in an int64 array of one
+    (an array, not an int: a helper program writes a step's ints into its source, and each process has its own
+    address, so an int would make every process compile its program again), or None where there is no address."""
+    address = sgemm_address()
+    return None if address is None else np.array([address], np.int64)
+
+
 @kernel
 def blas_products(u, o_first, o_end, v, channels, tiles, m, sgemm):
     """M[k, :o_end - o_first, :tiles] = U[k, o_first:o_end] @ V[k, :channels, :tiles] for the 36 k: BLAS's sgemm
-    (its address sgemm[0]: jit.sgemm_address), as np.matmul computes them, but from compiled code, which a helper
+    (its address sgemm[0]: blas_products_sgemm), as np.matmul computes them, but from compiled code, which a helper
     program can run (programs.py: a plan with a Python call of np.matmul gets none)."""
     rows = o_end - o_first
     for k in range(36):
@@ -426,8 +437,8 @@ STRIP_POSITIONS = 16            # positions a narrow_strip tile computes at once
 @tile_kernel
 def narrow_strip(weight, o, last, rows, offsets, first, count, out, column):
     """out[o + i, column + p] = sum over r of weight[o + i, r] * rows[offsets[r] + first + p] for i < 6 and
-    positions p < count rounded up to STRIP_POSITIONS: rows flat, row r from offsets[r] + first (V's rows in narrow_products,
-    the shifted rows of an image in conv_direct.py's conv3x3_direct_shifted), out C-contiguous. In 8-lane
+    positions p < count rounded up to STRIP_POSITIONS: rows flat, row r from offsets[r] + first (V's rows in
+    narrow_products, the shifted rows of an image in conv_direct.py's conv3x3_direct_shifted), out C-contiguous. In 8-lane
     vectors for a host with 16 of them (AVX2): 12 sums of 8 in registers over all the rows r for 16 positions,
     each step 6 broadcasts of the weight and 2 loads of row r; the weight's rows past last are computed as row
     last and stored there again (the same values)."""

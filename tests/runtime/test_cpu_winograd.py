@@ -197,11 +197,11 @@ def test_narrow_products_are_the_36_products(shape):
 def test_blas_products_are_np_matmuls_bytes(shape):
     """blas_products (NumPy's BLAS called from compiled code, where it has an ILP64 cblas_sgemm) as the 36 products,
     and the same bytes as np.matmul of the same blocks (one sgemm each)."""
-    from lnn.runtime.cpu.winograd import blas_products
+    from lnn.runtime.cpu.winograd import blas_products, blas_products_sgemm
 
     if sgemm_address() is None:
         pytest.skip("NumPy's BLAS here has no ILP64 cblas_sgemm (or no JIT)")
-    sgemm = np.array([sgemm_address()], np.int64)
+    sgemm = blas_products_sgemm()
     made = []
 
     def products(u, o_first, o_end, v, channels, tiles, m):
