@@ -28,7 +28,7 @@ LEAF_LABELS = ["healthy", "early_blight", "late_blight", "leaf_mold"]
 @pytest.mark.parametrize("name", REFERENCE_NAMES)
 def test_reference_onnx_reproduces_pytorch_outputs(name, tmp_path, capsys):
     source = need(REFERENCE_MODELS / f"{name}.onnx")
-    samples = np.load(REFERENCE_MODELS / f"{name}.samples.npz")
+    samples = np.load(need(REFERENCE_MODELS / f"{name}.samples.npz"))
     assert main([str(source), "-o", str(tmp_path / "m.bin")]) == 0
     assert "wrote" in capsys.readouterr().out
 
@@ -57,7 +57,7 @@ def test_command_line_labels_and_preprocessing(tmp_path, capsys):
     assert meta["input"]["shape"] == [3, 128, 128]
     assert read_bin(tmp_path / "leaf.bin").model.name == "tomato"
 
-    assert main([str(REFERENCE_MODELS / "mnist_mlp.onnx"), "-o", str(tmp_path / "d.bin"), "--labels",
+    assert main([str(need(REFERENCE_MODELS / "mnist_mlp.onnx")), "-o", str(tmp_path / "d.bin"), "--labels",
                  ",".join("0123456789"), "--color", "gray", "--scale", "1", "--mean", "0.5", "--std", "0.25"]) == 0
     meta = read_bin(tmp_path / "d.bin").metadata
     assert meta["preprocess"]["scale"] == 1.0 and meta["preprocess"]["color"] == "gray"

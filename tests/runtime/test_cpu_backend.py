@@ -299,10 +299,9 @@ def test_does_not_modify_weights_or_input():
 
 def check_reference_model_through_bin(name, device):
     """The PyTorch-made reference model `name`, encoded as .bin, gives its golden outputs on `device`."""
-    folder = need(REFERENCE_MODELS)
     model = load_model(EXAMPLES / "reference" / f"{name}.json")
-    weights = dict(np.load(folder / f"{name}.weights.npz"))
-    samples = np.load(folder / f"{name}.samples.npz")
+    weights = dict(np.load(need(REFERENCE_MODELS / f"{name}.weights.npz")))
+    samples = np.load(need(REFERENCE_MODELS / f"{name}.samples.npz"))
     session = Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), device)
     assert session.backend.name == device
     np.testing.assert_allclose(session.run(samples["input"]), samples["expected"], rtol=0, atol=TOLERANCE)
