@@ -277,29 +277,36 @@ def test_winograd_in_row_bands_matches_float64(monkeypatch):
     check_bound(got, x, weight, 1)
 
 
+@pytest.mark.parametrize("shuffles", [True, False])
 @pytest.mark.parametrize("tiles_w", [4, 6, 9, 16, 29, 31])
-def test_gathered_input_transform_gives_the_tile_by_tile_bytes(tiles_w, monkeypatch):
+def test_gathered_input_transform_gives_the_tile_by_tile_bytes(tiles_w, shuffles, monkeypatch):
     """From GATHERED_MIN_TILES_W tiles a row, winograd_input's second step runs over the band's tiles at once
     after a gather: the same sums in the same order as tile by tile (compiled here with the threshold out of
     reach), on a band of 3 tile rows that starts at row 1 and a last tile row past the image. Widths that take
-    each of the shuffled gather's 16, 8 and 4 tiles at a time and 1-3 last ones (where winograd.SHUFFLES)."""
+    each of the shuffled gather's 16, 8 and 4 tiles at a time and 1-3 last ones, and the last step's 8 columns
+    at a time straight into v and 1-7 last ones (where winograd.SHUFFLES); without SHUFFLES (arm64, the app's
+    ahead-of-time kernels) the gather and the last step go through work rows, column by column."""
     numba = pytest.importorskip("numba")
     from lnn.runtime.cpu import jit, winograd
     from lnn.runtime.cpu.winograd import input_work_shape, winograd_input
 
     if jit.KERNELS != "jit":
         pytest.skip("the ahead-of-time kernels are compiled once")
-    monkeypatch.setattr(winograd, "GATHERED_MIN_TILES_W", 10**6)
-    tile_by_tile = numba.njit(nogil=True)(winograd_input.py_func)      # Numba freezes the global now
     image = np.random.default_rng(6).standard_normal((3, 4 * 4 + 1, 4 * tiles_w + 2)).astype(np.float32)
-    outputs = []
-    for function in (winograd_input, tile_by_tile):
+
+    def transformed(function):
         v = np.full((36, 4, 5 + 3 * tiles_w), np.nan, np.float32)
         function(image, 1, 3, 1, 3, 5, np.zeros(input_work_shape(tiles_w, 3), np.float32), v)
-        outputs.append(v)
-    assert not np.isnan(outputs[0][:, 1:3, 5:]).any() and np.isnan(outputs[0][:, 0]).all()
-    assert np.isnan(outputs[0][:, :, :5]).all() and np.isnan(outputs[0][:, 3]).all()
-    assert outputs[0].tobytes() == outputs[1].tobytes()
+        return v
+
+    if not shuffles:
+        monkeypatch.setattr(winograd, "SHUFFLES", False)
+    gathered = transformed(winograd_input if shuffles else numba.njit(nogil=True)(winograd_input.py_func))
+    monkeypatch.setattr(winograd, "GATHERED_MIN_TILES_W", 10**6)
+    tile_by_tile = transformed(numba.njit(nogil=True)(winograd_input.py_func))    # Numba freezes the globals now
+    assert not np.isnan(gathered[:, 1:3, 5:]).any() and np.isnan(gathered[:, 0]).all()
+    assert np.isnan(gathered[:, :, :5]).all() and np.isnan(gathered[:, 3]).all()
+    assert gathered.tobytes() == tile_by_tile.tobytes()
 
 
 @pytest.mark.parametrize("count", [3, 4, 13, 16, 29, 40])
