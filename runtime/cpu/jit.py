@@ -329,6 +329,12 @@ else:
             return _in_groups(builder, args[5], emit)
         return types.intp(src, types.intp, types.intp, dst, types.intp, types.intp), codegen
 
+    def _require_contiguous(array) -> None:
+        """The vector loads and stores address an array's elements by flat offsets from its data pointer: a
+        C-contiguous array only (a typing error, at compile time, for any other)."""
+        if not (isinstance(array, types.Array) and array.layout == "C" and array.dtype == types.float32):
+            raise numba.core.errors.TypingError(f"a C-contiguous float32 array, not {array}")
+
     def _vector_load(lanes: int):
         """An intrinsic load(row, offset) -> (row[offset], ..., row[offset + lanes - 1]) of a float32 row as a
         tuple (one vector register to the SLP vectorizer): one vector load, no index checks. The register
@@ -342,6 +348,8 @@ else:
 
         @intrinsic
         def load(typingctx, row, offset):
+            _require_contiguous(row)
+
             def codegen(context, builder, signature, args):
                 array = context.make_array(signature.args[0])(context, builder, args[0])
                 vector = builder.load(_vector_at(builder, array, args[1], lanes), align=4)
@@ -357,6 +365,8 @@ else:
     @intrinsic
     def store8(typingctx, row, offset, value):
         """row[offset:offset + 8] = value (an 8-tuple) of a float32 row: one vector store, no index checks."""
+        _require_contiguous(row)
+
         def codegen(context, builder, signature, args):
             array = context.make_array(signature.args[0])(context, builder, args[0])
             vector = llvmlite.ir.Constant(llvmlite.ir.VectorType(llvmlite.ir.FloatType(), 8), None)

@@ -187,24 +187,26 @@ def bt_rows8(k, x0, x1, x2, x3, x4, x5):
 
 
 @tile_kernel
-def transformed_rows(work, g, v, plane, c, column, count):
-    """v[plane + l, c, column + t] = bt_row(l, work[g:g + 6, t]) for l < 6 and t < count rounded down to 8 (returned:
-    the rest is the caller's): winograd_input's last step, 8 columns a step as vector loads and stores straight into
-    v's 6 planes (a loop so written is not vectorized: LLVM's checks that its 12 rows do not overlap are too many).
+def transformed_rows(work, v, c, column, count):
+    """v[6k + l, c, column + t] = bt_row(l, work[6 + 6k:12 + 6k, t]) for k, l < 6 and t < count rounded down to 8
+    (returned: the rest is the caller's): winograd_input's last step, 8 columns a step as vector loads and stores
+    straight into v's 36 planes (a loop so written is not vectorized: LLVM's checks that its 12 rows do not overlap
+    are too many), at flat offsets into both C-contiguous arrays (no row views: a call a channel, not a view a row).
     Its bt_row sums are not contracted (their own kernel's IEEE arithmetic): the same bytes as the loop."""
-    r0, r1, r2, r3, r4, r5 = work[g], work[g + 1], work[g + 2], work[g + 3], work[g + 4], work[g + 5]
-    o0, o1, o2 = v[plane, c], v[plane + 1, c], v[plane + 2, c]
-    o3, o4, o5 = v[plane + 3, c], v[plane + 4, c], v[plane + 5, c]
+    width, plane = work.shape[1], v.shape[1] * v.shape[2]
     done = count - count % 8
-    for t in range(0, done, 8):
-        x0, x1, x2, x3, x4, x5 = load8(r0, t), load8(r1, t), load8(r2, t), load8(r3, t), load8(r4, t), load8(r5, t)
-        at = column + t
-        store8(o0, at, bt_rows8(0, x0, x1, x2, x3, x4, x5))
-        store8(o1, at, bt_rows8(1, x0, x1, x2, x3, x4, x5))
-        store8(o2, at, bt_rows8(2, x0, x1, x2, x3, x4, x5))
-        store8(o3, at, bt_rows8(3, x0, x1, x2, x3, x4, x5))
-        store8(o4, at, bt_rows8(4, x0, x1, x2, x3, x4, x5))
-        store8(o5, at, bt_rows8(5, x0, x1, x2, x3, x4, x5))
+    for k in range(6):
+        r = (6 + 6 * k) * width
+        o = 6 * k * plane + c * v.shape[2] + column
+        for t in range(0, done, 8):
+            x0, x1, x2 = load8(work, r + t), load8(work, r + width + t), load8(work, r + 2 * width + t)
+            x3, x4, x5 = load8(work, r + 3 * width + t), load8(work, r + 4 * width + t), load8(work, r + 5 * width + t)
+            store8(v, o + t, bt_rows8(0, x0, x1, x2, x3, x4, x5))
+            store8(v, o + plane + t, bt_rows8(1, x0, x1, x2, x3, x4, x5))
+            store8(v, o + 2 * plane + t, bt_rows8(2, x0, x1, x2, x3, x4, x5))
+            store8(v, o + 3 * plane + t, bt_rows8(3, x0, x1, x2, x3, x4, x5))
+            store8(v, o + 4 * plane + t, bt_rows8(4, x0, x1, x2, x3, x4, x5))
+            store8(v, o + 5 * plane + t, bt_rows8(5, x0, x1, x2, x3, x4, x5))
     return done
 
 
@@ -224,9 +226,10 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
     the loop, the kernel took 1.2-2.0x the time of the six loops). Against six loops of 6 rows in and one
     out (by hand, 1 thread, the same bytes): 0.73-0.85x the time on 24x24 to 128x128 images, 0.62-0.71x
     on 14x14 and 16x16 (gathered now), 1.0-1.06x on 8x8 (2 tiles a row). Where SHUFFLES, the gathered step
-    stores 8 columns at a time straight into v (transformed_rows) and only the last 1-7 go through work rows
-    42-47: with bt_row's zero terms gone too, by hand on a Zen 3 VM (AVX2), 1 thread, the same bytes, 0.80-0.85x
-    the time on 16x64^2 to 192x8^2 (the reference and bundled models' shapes), 0.92-0.96x on 64x16^2 and 96x16^2."""
+    stores 8 columns at a time straight into v (transformed_rows, one call a channel) and only the last 1-7 go
+    through work rows 42-47: with bt_row's zero terms gone too, by hand on a Zen 3 VM (AVX2), 1 thread, the same
+    bytes, 0.78-0.85x the time on 16x64^2 to 192x8^2 (the reference and bundled models' shapes), 0.75-0.8x on
+    64x16^2 and 96x16^2 (a call a channel and plane, 0.92-0.96x there)."""
     _, padded_h, padded_w = image.shape
     tiles_w = (padded_w + 1) // 4                  # tile_count(WP - 2)
     span = 4 * tiles_w + 2                         # E's columns: past WP they stay 0
@@ -271,12 +274,12 @@ def winograd_input(image, c_first, c_end, tile_first, tile_rows, column, work, v
         if not gathered:
             continue
         count = tile_rows * tiles_w
+        done = transformed_rows(work, v, c, column, count) if SHUFFLES else 0
+        rest = count - done
+        if rest == 0:
+            continue
         for k in range(6):
             g = 6 + 6 * k
-            done = transformed_rows(work, g, v, 6 * k, c, column, count) if SHUFFLES else 0
-            rest = count - done
-            if rest == 0:
-                continue
             for t in range(rest):
                 x0, x1, x2 = work[g, done + t], work[g + 1, done + t], work[g + 2, done + t]
                 x3, x4, x5 = work[g + 3, done + t], work[g + 4, done + t], work[g + 5, done + t]
