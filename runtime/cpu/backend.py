@@ -76,7 +76,7 @@ from lnn.runtime.cpu import (activations, batchnorm, cache, conv1d, conv2d, flat
 from lnn.runtime.cpu.activations import NONE, ActivationLayer, is_monotone
 from lnn.runtime.cpu.batchnorm import BatchNormLayer, scale_and_shift
 from lnn.runtime.cpu.conv2d import Conv2dLayer
-from lnn.runtime.cpu.jit import CACHE_ENABLED
+from lnn.runtime.cpu.jit import CACHE_ENABLED, blas_libraries
 from lnn.runtime.cpu.linear import LinearLayer, chain_eligible, plan_chain
 from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.parallel import Claimed, Crew, Parallel, all_steps, run_steps
@@ -464,11 +464,9 @@ class BlasThreads:
         self._saved: list = []
 
     def find_libraries(self) -> None:
-        from threadpoolctl import ThreadpoolController
-
         with self._lock:
             if self._active == 0:                  # else the next backend made finds them
-                self._libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+                self._libraries = blas_libraries()
 
     def __enter__(self):
         if self._libraries is None:

@@ -63,7 +63,7 @@ from lnn.runtime.cpu.activations import NONE, RELU, SOFTMAX, Epilogue, activate
 from lnn.runtime.cpu.aot import A1, A2, A3, A4, F, I, WINDOW
 from lnn.runtime.cpu.conv_direct import (conv3x3_direct, conv3x3_direct_quads, conv3x3_direct_shifted,
                                          conv3x3_direct_tiles, conv3x3_direct_tiles_pool2, shifted_tap_offsets)
-from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, kernel
+from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, blas_libraries, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import parallel_steps, split_range
 from lnn.runtime.cpu.winograd import (STRIP_POSITIONS, TILE, blas_products, blas_products_sgemm, block_products,
@@ -180,9 +180,7 @@ def small_products_pay() -> bool:
     its AVX-512 kernels, is left to do them)."""
     if not WIDE_VECTORS:
         return False
-    from threadpoolctl import ThreadpoolController
-
-    libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+    libraries = blas_libraries()
     return bool(libraries) and all(library.internal_api == "openblas" and
                                    getattr(library, "architecture", None) not in AVX512_BLAS_KERNELS
                                    for library in libraries)

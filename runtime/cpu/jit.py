@@ -491,6 +491,15 @@ else:
         (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield, _call_at))
 
 
+def blas_libraries() -> list:
+    """threadpoolctl's controllers of the BLAS libraries loaded in this process, NumPy's among them (inspected
+    anew on each call: a BLAS loaded later, by SciPy say, is found too)."""
+    import numpy  # noqa: F401  (its BLAS loaded: threadpoolctl lists only loaded libraries)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController().select(user_api="blas").lib_controllers
+
+
 @functools.cache
 def sgemm_address() -> int | None:
     """The address of cblas_sgemm in the ILP64 OpenBLAS that NumPy loaded (its wheels' scipy-openblas64:
@@ -500,10 +509,7 @@ def sgemm_address() -> int | None:
         return None
     import ctypes
 
-    import numpy  # noqa: F401  (its BLAS loaded: threadpoolctl lists only loaded libraries)
-    from threadpoolctl import ThreadpoolController
-
-    for library in ThreadpoolController().select(user_api="blas").lib_controllers:
+    for library in blas_libraries():
         if library.internal_api != "openblas":
             continue
         try:
