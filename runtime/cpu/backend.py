@@ -18,7 +18,8 @@ before it is read on each call, read by no other layer) is a piece of one block 
 reuse, as they run one after another (Plan._new_buffer): the bundled model's buffers at batch 1 take 4.3
 MB where separate scratch buffers took 8.7, leaf_cnn224's 10.5 where they took 17.3, and the layers find
 their scratch still in cache (whole calls 0.78-0.89x the time of separate buffers, by hand:
-docs/BENCHMARKS.md). keep=(node names): fusion stops at those nodes and the plan copies their values
+docs/BENCHMARKS.md). A split plan has one such block per thread (and one for what the tasks of several
+threads share): a thread never writes the other's scratch lines. keep=(node names): fusion stops at those nodes and the plan copies their values
 into buffers of their own, which run_with_features() returns (the out-of-distribution gate's features;
 runtime/features.py). run() returns the plan's output buffer itself, which the next call of the same
 thread overwrites (Session.run copies it).
@@ -79,7 +80,7 @@ from lnn.runtime.cpu.conv2d import Conv2dLayer
 from lnn.runtime.cpu.jit import CACHE_ENABLED, blas_libraries
 from lnn.runtime.cpu.linear import LinearLayer, chain_eligible, plan_chain
 from lnn.runtime.cpu.padding import padded_buffer
-from lnn.runtime.cpu.parallel import Claimed, Crew, Parallel, all_steps, run_steps
+from lnn.runtime.cpu.parallel import SHARED, Claimed, Crew, Parallel, all_steps, run_steps
 from lnn.runtime.cpu.winograd import STRIP_POSITIONS, blas_products
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
@@ -121,12 +122,12 @@ class Plan:
                  task_flops: float = MIN_TASK_FLOPS, chains: bool = True):
         """chains: consecutive small linear layers as one kernel call (linear.plan_chain); off for --profile,
         which times each layer."""
-        self.scratch = None              # the block the layers' scratch shares (_new_buffer)
-        self._scratch_used = self._scratch_most = 0
+        self.scratch = None              # worker -> the block its scratch shares across the layers (_new_buffer)
+        self._scratch_used, self._scratch_most = {}, {}
         planned = (layers, input_shape, batch, kept_after or {}, parts, task_flops, chains)
-        self._plan_layers(*planned)      # every buffer its own; measures the largest layer's scratch
-        if self._scratch_most:
-            self.scratch = _aligned(self._scratch_most, np.zeros)   # zeros: what a kernel reads past its data is finite
+        self._plan_layers(*planned)      # every buffer its own; measures each worker's largest layer scratch
+        if self._scratch_most:           # zeros: what a kernel reads past its data is finite
+            self.scratch = {worker: _aligned(most, np.zeros) for worker, most in self._scratch_most.items()}
             self._plan_layers(*planned)
         self.uses_blas = any(getattr(step, "func", None) in BLAS_STEPS for step in all_steps(self.steps))
         self.splits = any(type(step) is Parallel for step in self.steps)      # else no crew needed
@@ -145,7 +146,7 @@ class Plan:
         index = 0
         while index < len(layers):
             layer = layers[index]
-            self._scratch_used = 0       # each layer's scratch starts at the shared block's start
+            self._scratch_used = {}      # each layer's scratch starts at its worker's block's start
             chained = chain_length(layers, index, batch, kept_after) if chains and x.flags.c_contiguous else 0
             if chained:
                 x, steps = plan_chain(layers[index:index + chained], x, self._new_buffer, parts, task_flops)
@@ -164,21 +165,26 @@ class Plan:
                 self.steps.append(partial(np.copyto, copy, x))
         self.output = x
 
-    def _new_buffer(self, shape, scratch: bool = False) -> np.ndarray:
+    def _new_buffer(self, shape, scratch: bool = False, worker=0) -> np.ndarray:
         """An uninitialized float32 buffer starting on a 64-byte boundary (a cache line; aligned vector
         stores in the kernels, and BLAS ran the first conv of leaf_cnn ~15% faster on it). scratch: a
         layer's own working buffer, written before it is read on every call and read by no other layer
-        (conv2d.py's V, M, acc, ...): a piece of the block the plan's layers share, after the layer's
-        other scratch (the first pass gives it a buffer of its own and measures)."""
+        (conv2d.py's V, M, acc, ...): a piece of the block `worker`'s scratch shares across the plan's
+        layers, after the layer's other scratch of that worker (the first pass gives it a buffer of its
+        own and measures). worker: the index of the task (in its Parallel step) that uses it, 0 outside
+        split steps, SHARED for what the tasks of several threads write and read (Winograd's V made by
+        input channels): each thread's scratch in a block of its own, as no line of it moves between the
+        cores' caches (tomato's split calls 1.40 ms against 1.70 with one block for all, whose pieces
+        the layers' tasks on the other thread had written, when the two vCPUs shared no L3, by hand)."""
         size = int(np.prod(shape))
         if not scratch:
             return _aligned(size).reshape(shape)
-        start = self._scratch_used
-        self._scratch_used += -(-size // (ALIGNMENT // 4)) * (ALIGNMENT // 4)
-        self._scratch_most = max(self._scratch_most, self._scratch_used)
+        start = self._scratch_used.get(worker, 0)
+        self._scratch_used[worker] = start + -(-size // (ALIGNMENT // 4)) * (ALIGNMENT // 4)
+        self._scratch_most[worker] = max(self._scratch_most.get(worker, 0), self._scratch_used[worker])
         if self.scratch is None:
             return _aligned(size).reshape(shape)
-        return self.scratch[start:start + size].reshape(shape)
+        return self.scratch[worker][start:start + size].reshape(shape)
 
     def run(self, x: np.ndarray, crew: Crew | None = None, held: bool = True) -> np.ndarray:
         """The output buffer for input x; with `crew`, its first helper serves the Claimed steps and, when

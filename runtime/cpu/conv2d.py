@@ -65,7 +65,7 @@ from lnn.runtime.cpu.conv_direct import (conv3x3_direct, conv3x3_direct_quads, c
                                          conv3x3_direct_tiles, conv3x3_direct_tiles_pool2, shifted_tap_offsets)
 from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, blas_libraries, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
-from lnn.runtime.cpu.parallel import parallel_steps, split_range
+from lnn.runtime.cpu.parallel import SHARED, parallel_steps, split_range
 from lnn.runtime.cpu.winograd import (STRIP_POSITIONS, TILE, blas_products, blas_products_sgemm, block_products,
                                       input_work_shape, narrow_products, output_work_shape, skinny_products,
                                       small_products, tile_count, transformed_weight, weight_blocks, winograd_input,
@@ -479,16 +479,19 @@ class Conv2dLayer:
         with scratch buffers of its own, writing disjoint rows or channels of the output (`_parts`)."""
         whole_dst, dst = padded_buffer((src.shape[0], *self.out_shape), *self.output_padding, new_buffer)
         image, steps = padded(src, *self.attrs["padding"], 0.0, new_buffer)
-        new_scratch = partial(new_buffer, scratch=True)   # what only this layer's steps use (backend.Plan shares it)
+        def new_scratch(worker):          # what only this layer's steps use, in that task's block (backend.Plan)
+            return partial(new_buffer, scratch=True, worker=worker)
+
         cuts = self._parts(image.shape[0], image.shape[3], parts)
         if not (self.winograd and cuts[0][1] != (0, self.conv_shape[0])):
-            tasks = [[step for band in self._band_steps(image, bands, channels, whole_dst, new_scratch)
-                      for step in band] for bands, channels in cuts]
+            tasks = [[step for band in self._band_steps(image, bands, channels, whole_dst, new_scratch(task))
+                      for step in band] for task, (bands, channels) in enumerate(cuts)]
             return dst, steps + parallel_steps(tasks)
         # Winograd by output channels: per band, V by blocks of input channels, then the rest by output channels
         bands = cuts[0][0]
         shared, inputs = self._shared_winograd_input(image, bands, len(cuts), new_scratch)
-        per_task = [self._band_steps(image, bands, channels, whole_dst, new_scratch, shared) for _, channels in cuts]
+        per_task = [self._band_steps(image, bands, channels, whole_dst, new_scratch(task), shared)
+                    for task, (_, channels) in enumerate(cuts)]
         for index in range(len(bands)):
             steps += parallel_steps(inputs[index]) + parallel_steps([task[index] for task in per_task])
         return dst, steps
@@ -742,11 +745,12 @@ class Conv2dLayer:
     def _shared_winograd_input(self, image, bands: list, parts: int, new_scratch) -> tuple:
         """(V, [[task, ...] per band]): V [36, C + 1, T'], for one band at a time, made by `parts` tasks
         of input channels each, which run before the band's tasks of output channels that read it (a
-        conv cut by output channels makes each V once, not once per part)."""
+        conv cut by output channels makes each V once, not once per part). new_scratch(worker): the
+        new_buffer of that worker's scratch."""
         in_channels = image.shape[1]
         tiles_w = tile_count(self.conv_shape[2])
-        v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_scratch)
-        blocks = [(block, new_scratch(work_shape)) for block in split_range(0, in_channels, parts)]
+        v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_scratch(SHARED))
+        blocks = [(block, new_scratch(task)(work_shape)) for task, block in enumerate(split_range(0, in_channels, parts))]
         tasks = []
         for band in bands:
             tile_first, tile_rows, _ = self._band_tiles(band)

@@ -43,6 +43,9 @@ SWITCH_INTERVAL_SECONDS = 5e-5
 # then this much more while each drops the GIL again in its first kernel
 HAND_OFF_WAIT_SECONDS = 5e-5
 HAND_OFF_MARGIN_SECONDS = 4e-6
+# A scratch buffer's worker (backend.Plan._new_buffer) when the tasks of several threads write and read it; else the
+# index of the task that uses it (the thread that runs that task)
+SHARED = "shared"
 # Crew._flags: per helper its counts of tasks given, done and started (at these offsets), then HOT (the last)
 GIVEN, DONE, STARTED = range(3)
 FLAGS_PER_HELPER = 3

@@ -592,7 +592,7 @@ def test_shifted_direct_needs_a_contiguous_image(monkeypatch):
     x = framed[:, :, 1:10, 1:21]                                  # not C-contiguous
     layer = BACKEND(model, weights).layers[0]
     assert layer.small_direct
-    new_buffer = (lambda shape, scratch=False: np.zeros(shape, np.float32))
+    new_buffer = (lambda shape, scratch=False, worker=0: np.zeros(shape, np.float32))
     out, steps = layer.plan(x, new_buffer)
     kernels = {getattr(step, "func", None) for step in all_steps(steps)}
     assert conv2d.conv3x3_direct_shifted not in kernels
