@@ -12,6 +12,7 @@ threads of one core, as a VM's vCPUs can be without saying so). Workloads:
   - add-latency: dependent adds (each waits for the one before: latency, not throughput),
   - lnn's conv tasks: each of the bundled model's split steps (its 2-thread plan at batch 1), its two tasks
     on plain threads without lnn's crew or hand-offs: one task alone, then both at once.
+Before them, a cache line's round trip between the two CPUs (whether they share a last-level cache).
 Writes the "cpu_pair_scaling" section of docs/BENCHMARKS.md.
 """
 
@@ -77,6 +78,43 @@ def lnn_tasks() -> dict:
     return tasks
 
 
+def cache_line_round_trip(turns: int = 20_000) -> float:
+    """Microseconds a cache line takes from one CPU to the other and back, the median of 3: two threads pinned to
+    CPUs 0 and 1 take turns raising one counter. About 0.1 us where the two share their last-level cache, 0.4-0.5
+    on the 2-core Zen 3 VM in the minutes when its vCPUs sat on different L3s; a one-image split moves each
+    layer's data between the cores, so its speed-up follows this (docs/ARCHITECTURE.md, the scratch per thread)."""
+    import numba
+
+    from lnn.runtime.cpu.jit import load_acquire, store_release
+
+    @numba.njit(nogil=True)
+    def take_turns(counter, turns, second):
+        for turn in range(turns):
+            mine = 2 * turn + second
+            while load_acquire(counter, 0) != mine:
+                pass
+            store_release(counter, 0, mine + 1)
+
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+
+    def pinned(cpu, counter, second):
+        os.sched_setaffinity(threading.get_native_id(), {cpu})
+        take_turns(counter, turns, second)
+
+    take_turns(np.zeros(1, np.int64), 0, 0)         # compiled
+    trips = []
+    for _ in range(3):
+        counter = np.zeros(1, np.int64)
+        threads = [threading.Thread(target=pinned, args=(cpu, counter, second)) for second, cpu in enumerate(cpus)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        trips.append((time.perf_counter() - start) / turns * 1e6)
+    return float(np.median(trips))
+
+
 def timed_loop(function, repeats: int, cpu: int | None, out: list) -> None:
     if cpu is not None:
         os.sched_setaffinity(threading.get_native_id(), {cpu})
@@ -110,6 +148,8 @@ def main() -> None:
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("cpu_pair_scaling: needs 2 CPUs")
+    round_trips = [cache_line_round_trip() for _ in range(args.rounds)]
+    print(f"a cache line's round trip between the two CPUs: {' '.join(f'{t:.2f}' for t in round_trips)} us", flush=True)
     workloads = {name: (function, function, 1) for name, function in arithmetic_workloads().items()}
     workloads.update({name: (first, second, 100) for name, (first, second) in lnn_tasks().items()})
     rows = []
@@ -131,7 +171,10 @@ def main() -> None:
         "alternating; ms per repetition (medians of the rounds), pair scaling = 2 × alone / pair (2.0: independent "
         "cores). The lnn rows are the bundled model's split steps at batch 1: one step's two tasks (disjoint parts "
         "of one layer's output) repeated on plain threads, without lnn's crew or hand-offs.",
-        markdown_table(["workload", "alone ms", "pair ms", "pair scaling", "per round"], rows)]))
+        markdown_table(["workload", "alone ms", "pair ms", "pair scaling", "per round"], rows),
+        "A cache line's round trip between the two CPUs (`cache_line_round_trip`, before the workloads, "
+        f"{args.rounds} times): {' / '.join(f'{t:.2f}' for t in round_trips)} µs (about 0.1 where they share a "
+        "last-level cache)."]))
 
 
 if __name__ == "__main__":

@@ -178,17 +178,24 @@ def fma_pair_scaling() -> float:
     return float(np.median([2 * alone / pair for alone, pair in (alone_and_paired(fma, fma, 1) for _ in range(3))]))
 
 
-def measure(rounds: int, models: list, runtimes: list, others_seen: list, retries: int, pair_scalings: list) -> dict:
+def pair_state() -> tuple[float, float]:
+    """(fma_pair_scaling(), cpu_pair_scaling.cache_line_round_trip()): the two CPUs right now."""
+    from cpu_pair_scaling import cache_line_round_trip
+
+    return fma_pair_scaling(), cache_line_round_trip()
+
+
+def measure(rounds: int, models: list, runtimes: list, others_seen: list, retries: int, pair_states: list) -> dict:
     """{(model, runtime): [{"threads,batch": ms, ..., "others": cores}, ...] per round}, "others" the cores
-    other processes used meanwhile; appends those to others_seen, and fma_pair_scaling() at each round's start
-    and after the last to pair_scalings."""
+    other processes used meanwhile; appends those to others_seen, and pair_state() at each round's start
+    and after the last to pair_states."""
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         files = {name: peer_files(name, Path(folder)) for name in models}
         for round_ in range(rounds):
-            pair_scalings.append(fma_pair_scaling())
-            print(f"round {round_ + 1}: two threads of FMA arithmetic at {pair_scalings[-1]:.2f}x one thread's rate",
-                  flush=True)
+            pair_states.append(pair_state())
+            print(f"round {round_ + 1}: two threads of FMA arithmetic at {pair_states[-1][0]:.2f}x one thread's rate, "
+                  f"a cache line's round trip between the CPUs {pair_states[-1][1]:.2f} us", flush=True)
             for name in models:
                 for runtime in runtimes:
                     if runtime not in files[name]:
@@ -204,7 +211,7 @@ def measure(rounds: int, models: list, runtimes: list, others_seen: list, retrie
                     results.setdefault((name, runtime), []).append(result)
                     print(f"round {round_ + 1} {name:12} {runtime:12} {results[(name, runtime)][-1]} "
                           f"(others: {others:.2f} cores)", flush=True)
-        pair_scalings.append(fma_pair_scaling())
+        pair_states.append(pair_state())
     return results
 
 
@@ -285,16 +292,19 @@ def main() -> None:
         raise SystemExit(f"{PEER_FORMATS} is absent; this benchmark needs the reference models and their peer files")
     models = args.models.split(",")
     runtimes = ["lnn", *[r for r in args.runtimes.split(",") if r != "lnn"]]
-    others_seen, pair_scalings = [], []
-    results = measure(args.rounds, models, runtimes, others_seen, args.retries, pair_scalings)
+    others_seen, pair_states = [], []
+    results = measure(args.rounds, models, runtimes, others_seen, args.retries, pair_states)
     headers = ["model", "threads", "batch", "onnxruntime ms", "LiteRT ms", "ncnn ms", "lnn ms", "lnn / best peer"]
     rows = table(results, models)
     speed = scaling(results, models)
     speed_headers = ["model", "lnn speed-up (median of the quiet rounds)", "onnxruntime's", PER_ROUND]
-    pairs = ("Two threads of FMA-bound arithmetic (benchmarks/cpu_pair_scaling.py's workload) ran at "
-             f"{' / '.join(f'{p:.2f}' for p in pair_scalings)}x one thread's rate at the rounds' starts and after the last "
-             "(2.0: two free cores; on this VM from about 1.2, as if one core's two hardware threads, to 1.96, "
-             "changing within seconds).")
+    pairs = ("At the rounds' starts and after the last, two threads of FMA-bound arithmetic "
+             "(benchmarks/cpu_pair_scaling.py's workload) ran at "
+             f"{' / '.join(f'{scaling:.2f}' for scaling, _ in pair_states)}x one thread's rate (2.0: two free cores; "
+             "on this VM from about 1.2, as if one core's two hardware threads, to 1.96, changing within seconds), "
+             "and a cache line's round trip between the two CPUs took "
+             f"{' / '.join(f'{trip:.2f}' for _, trip in pair_states)} µs (about 0.1 where they share a last-level "
+             "cache; 0.4-0.5 on this VM in the minutes when they did not, and one-image splits ran slower then).")
     print(markdown_table(headers, rows))
     print(markdown_table(speed_headers, speed))
     print(pairs)
