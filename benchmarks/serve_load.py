@@ -491,6 +491,7 @@ def heavy_model(folder: Path) -> Path | None:
 
 
 def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
+    from lnn.runtime import usable_cores
     from lnn.tools.serve import launch_process
 
     load_before = os.getloadavg()[0]
@@ -531,7 +532,7 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
         f"Loopback only; each server its own process (`lnn-serve --device cpu`: one inference thread with one "
         f"Numba/BLAS thread, photos decoded on a pool of one thread per core; onnxruntime with one intra-op "
         f"thread per call, one call per request on Starlette's thread pool, so calls run side by side; "
-        f"`--threads auto` is lnn-infer's choice, the usable cores ({os.cpu_count()} here): a batch is split "
+        f"`--threads auto` is lnn-infer's choice, the usable cores ({usable_cores()} here): a batch is split "
         f"over them, one image's layers too; `--max-delay-ms 0` never waits for photos "
         f"still being decoded), the clients in this "
         f"script's process on the same cores, each on its own keep-alive connection (a lean client: asyncio "

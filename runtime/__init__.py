@@ -6,7 +6,7 @@ Backends are found by name and imported only when asked for:
     "cuda"  -> lnn.runtime.cuda       (CuPy)
     "auto"  -> "cpu" when Numba is installed, else "numpy"
 Backend options: `threads=N` or "auto" (the cpu backend's threads, by default "auto": the cores this
-process may run on, `resolve_threads`; accepted and ignored by numpy and cuda, so that code written
+process may run on, one per physical core, big cores only: runtime/cores.py, `resolve_threads`; accepted and ignored by numpy and cuda, so that code written
 for device="auto" runs on every install). `Session.threads` says what was chosen (None where the
 backend ignores it). Unknown devices and options are one LnnInputError line. A Session is safe to share between threads (see Session).
 Importing this module imports neither CuPy, Numba, OpenCV nor the training side.
@@ -17,13 +17,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import os
 from pathlib import Path
 
 import numpy as np
 
 from lnn.formats.binfile import BinModel, read_bin
 from lnn.formats.errors import LnnError, LnnInputError
+from lnn.runtime.cores import cores_in_words, usable_cores
 
 BACKENDS = {"numpy": "lnn.runtime.reference", "cpu": "lnn.runtime.cpu", "cuda": "lnn.runtime.cuda"}
 
@@ -53,14 +53,6 @@ def backend_class(device: str):
     if backend is None:
         raise LnnError(f"the {device} backend is not part of this lnn version")
     return backend
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, which a container or `taskset` narrows)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:                       # macOS, Windows: no affinity call
-        return os.cpu_count() or 1
 
 
 def resolve_threads(threads) -> int:
@@ -122,7 +114,7 @@ class Session:
         """The threads choice in words: 'cpu backend, 2 threads (auto: 2 usable cores)'."""
         if self.threads is None:
             return f"{self.device} backend (no thread count of its own: {THREADS_OF[self.device]})"
-        how = f"auto: {usable_cores()} usable cores" if self.threads_asked in (None, "auto") else "as asked"
+        how = f"auto: {cores_in_words()}" if self.threads_asked in (None, "auto") else "as asked"
         choice = getattr(self.backend, "split_choice", lambda: None)()
         return (f"{self.device} backend, {self.threads} thread{'s' if self.threads > 1 else ''} ({how})"
                 + (f"; {choice}" if choice else ""))

@@ -6,7 +6,7 @@
   numpy  the reference runtime runs a small CNN; the trainer's NumPy forward and one training
          step agree with it
   numba  the Numba CPU backend (lnn.runtime.cpu) runs the same CNN and matches the reference; says
-         how many threads threads="auto" gives (the cores this process may use) and that the CNN
+         how many threads threads="auto" gives (the cores this process may use: runtime/cores.py) and that the CNN
          split over them gives the one-thread answer
   cuda   CuPy sees a GPU (name, compute capability, memory, fast fp16 or not); the trainer's
          CuPy forward matches the reference, and a float16 matrix product matches float32
@@ -88,7 +88,7 @@ def check_numba() -> tuple[str, str]:
         if chosen:                               # asked for by name: not working is a fault, not an absence
             return "FAIL", f"LNN_CPU_KERNELS={chosen}: the CPU backend does not load ({err})"
         return "SKIP", f"the Numba backend is not available ({err})"
-    from lnn.runtime import usable_cores
+    from lnn.runtime import cores_in_words, usable_cores
 
     model, weights, x = _model_and_weights()
     got = BACKEND(model, weights).run(x)
@@ -104,7 +104,7 @@ def check_numba() -> tuple[str, str]:
     import numba
 
     return "PASS", (f"numba {numba.__version__}: the CPU backend matches the reference, split over {split} threads "
-                    f"too; threads auto = {cores} (the cores this process may use)")
+                    f"too; threads auto = {cores} ({cores_in_words()})")
 
 
 def check_cuda() -> tuple[str, str]:

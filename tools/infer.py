@@ -74,7 +74,7 @@ def build_parser(prog: str = PROG):
                         help="backend: auto (NumPy for up to 8 images, else Numba), cpu (Numba), numpy, cuda")
     parser.add_argument("--threads", default="auto", metavar="N|auto",
                         help="threads for the Numba backend (device cpu), one image's layers split over them; "
-                             "default auto: the cores this process may use. The NumPy backend keeps BLAS's default")
+                             "default auto: the cores this process may use, one per physical core, big cores only. The NumPy backend keeps BLAS's default")
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="say on stderr which backend and how many threads answer")
     parser.set_defaults(prog=prog)

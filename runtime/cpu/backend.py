@@ -24,8 +24,8 @@ into buffers of their own, which run_with_features() returns (the out-of-distrib
 runtime/features.py). run() returns the plan's output buffer itself, which the next call of the same
 thread overwrites (Session.run copies it).
 
-Threads: `threads` is a count or "auto" (the default: the cores this process may run on,
-os.sched_getaffinity; lnn.runtime.resolve_threads). With threads = N > 1 the backend owns a Crew of
+Threads: `threads` is a count or "auto" (the default: the cores this process may run on, one per
+physical core, big cores only: runtime/cores.py; lnn.runtime.resolve_threads). With threads = N > 1 the backend owns a Crew of
 N - 1 helper threads (parallel.py) and BLAS runs one thread per call, so every core runs its own
 share of the work:
   - one image (any call not split by batch): the plan is made with parts = N. Each conv2d's output

@@ -460,8 +460,42 @@ def test_a_choice_is_timed_again_later(monkeypatch):
                                    cpu_backend.REVIEW_FIRST * cpu_backend.REVIEW_GROWTH ** 2]
 
 
+def fake_cpus(root, cores: list, capacities: list | None = None) -> None:
+    """A sysfs cpu folder: cores[i] the logical CPUs of physical core i ("0,4"), capacities[i] its cpu_capacity."""
+    for core, cpus in enumerate(cores):
+        for cpu in cpus.split(","):
+            topology = root / f"cpu{cpu}" / "topology"
+            topology.mkdir(parents=True)
+            (topology / "thread_siblings_list").write_text(cpus + "\n")
+            if capacities:
+                (root / f"cpu{cpu}" / "cpu_capacity").write_text(f"{capacities[core]}\n")
+
+
+def test_auto_counts_physical_big_cores(tmp_path):
+    """threads="auto" counts one thread per physical core (a hardware thread's sibling shares its arithmetic units)
+    and, where cores differ in cpu_capacity (big.LITTLE), only the biggest among those the process may use; where
+    the topology cannot be read, every allowed CPU (usable_cores' fallback)."""
+    from lnn.runtime.cores import big_physical_cores
+
+    smt = tmp_path / "smt"
+    fake_cpus(smt, ["0,4", "1,5", "2,6", "3,7"])
+    assert big_physical_cores(range(8), smt) == 4
+    assert big_physical_cores({0, 4}, smt) == 1                  # taskset to one core's two hardware threads
+    assert big_physical_cores({0, 1, 5}, smt) == 2
+    hybrid = tmp_path / "hybrid"                                  # an RK3588: 4 little (A55), 4 big (A76)
+    fake_cpus(hybrid, ["0", "1", "2", "3", "4", "5", "6", "7"], [414, 414, 414, 414, 1024, 1024, 1024, 1024])
+    assert big_physical_cores(range(8), hybrid) == 4
+    assert big_physical_cores({0, 1}, hybrid) == 2                # only little cores allowed: those
+    assert big_physical_cores({0, 1, 7}, hybrid) == 1
+    assert big_physical_cores(range(2), tmp_path / "absent") == 0
+
+
 def test_threads_auto_is_the_usable_cores():
-    assert usable_cores() == len(os.sched_getaffinity(0))
+    from lnn.runtime.cores import big_physical_cores, cores_in_words
+
+    allowed = os.sched_getaffinity(0)
+    assert usable_cores() == (big_physical_cores(allowed) or len(allowed))
+    assert 1 <= usable_cores() <= len(allowed)
     assert resolve_threads("auto") == resolve_threads(None) == usable_cores()
     assert resolve_threads(3) == 3
     tiny = parse_model({"input_shape": [2, 5, 5], "layers": [conv(3, padding=1), {"type": "flatten"},
@@ -470,7 +504,7 @@ def test_threads_auto_is_the_usable_cores():
     auto = Session(source, "cpu")
     assert auto.threads == auto.backend.threads == usable_cores()
     assert auto.describe_threads().startswith(f"cpu backend, {usable_cores()} thread{'s' if usable_cores() > 1 else ''} "
-                                              f"(auto: {usable_cores()} usable cores)")
+                                              f"(auto: {cores_in_words()})")
     three = Session(source, "cpu", threads=3)
     assert three.describe_threads() == ("cpu backend, 3 threads (as asked); one image's layers: split over 3 threads "
                                         "where timed at least 5% faster than one (decided after 9 calls of each, 18 before keeping "

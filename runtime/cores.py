@@ -1,0 +1,96 @@
+"""How many threads `threads="auto"` runs one call on: the cores this process may use, one per physical core, the
+big cores only.
+
+Of the CPUs the process's affinity allows (which a container or `taskset` narrows), a core's second hardware thread
+does not count (it shares the core's arithmetic units, which lnn's conv kernels keep busy: a split layer gains
+little from it and pays a hand-off per layer), nor, on a machine of big and little cores, the little ones (a split
+layer waits for its slowest part: on an Apple M1 an efficiency core's part would take about three times a
+performance core's). onnxruntime's default thread count is the physical cores too, ncnn's the big cores.
+
+Linux: /sys/devices/system/cpu/cpuN/topology (core_cpus_list, or thread_siblings_list on older kernels) and
+cpuN/cpu_capacity (arm64 big.LITTLE; absent where all cores are alike). macOS: sysctl hw.perflevel0.physicalcpu
+(the performance cores; hw.physicalcpu on Intel Macs). Elsewhere, or where that cannot be read, every allowed CPU
+counts. Nothing here imports more than the standard library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from pathlib import Path
+
+SYSFS_CPUS = Path("/sys/devices/system/cpu")
+SIBLINGS_FILES = ("core_cpus_list", "thread_siblings_list")      # the newer name first
+MACOS_CORE_COUNTS = (b"hw.perflevel0.physicalcpu", b"hw.physicalcpu")
+
+
+def usable_cores() -> int:
+    """The thread count of threads="auto" (see the module's header); at least 1."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except AttributeError:                       # macOS, Windows: no affinity call
+        return macos_performance_cores() or os.cpu_count() or 1
+    return big_physical_cores(allowed) or len(allowed) or 1
+
+
+def allowed_cpus() -> int:
+    """The logical CPUs this process may run on (all of them where there is no affinity call)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def big_physical_cores(cpus, root: Path = SYSFS_CPUS) -> int:
+    """How many physical cores the logical CPUs `cpus` belong to, counting only those of the highest cpu_capacity
+    among them; 0 when the topology cannot be read."""
+    capacity_of_core = {}
+    for cpu in cpus:
+        folder = root / f"cpu{cpu}"
+        siblings = next((text for text in (_read(folder / "topology" / name) for name in SIBLINGS_FILES) if text),
+                        None)
+        if siblings is None:
+            return 0
+        try:
+            capacity = int(_read(folder / "cpu_capacity") or 0)
+        except ValueError:
+            capacity = 0
+        capacity_of_core[siblings] = max(capacity, capacity_of_core.get(siblings, 0))
+    if not capacity_of_core:
+        return 0
+    biggest = max(capacity_of_core.values())
+    return sum(capacity == biggest for capacity in capacity_of_core.values())
+
+
+def macos_performance_cores() -> int:
+    """macOS's count of performance cores (all physical cores on an Intel Mac); 0 elsewhere or when unreadable."""
+    if sys.platform != "darwin":
+        return 0
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        for name in MACOS_CORE_COUNTS:
+            value, size = ctypes.c_int(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_int))
+            if libc.sysctlbyname(name, ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) == 0 \
+                    and value.value > 0:
+                return value.value
+    except (OSError, AttributeError):
+        pass
+    return 0
+
+
+def cores_in_words() -> str:
+    """usable_cores() in words: '2 usable cores', or '4 usable cores of 8 CPUs (...)' where it counts fewer."""
+    cores, cpus = usable_cores(), allowed_cpus()
+    word = "core" if cores == 1 else "cores"
+    if cores == cpus:
+        return f"{cores} usable {word}"
+    return f"{cores} usable {word} of {cpus} CPUs (one thread per physical core, big cores only)"
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
