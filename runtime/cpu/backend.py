@@ -62,6 +62,7 @@ tests/runtime/test_cpu_backend.py fails for an op of the registry without a laye
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from functools import partial
@@ -461,37 +462,55 @@ class BlasThreads:
     (tests/runtime/test_threads.py checks that the results do not change). Each library's count is
     set directly (about 2 us a call): threadpoolctl's `limit()` context re-inspects the libraries
     each time (about 14 us), which is done here when a backend is made (`find_libraries`: a BLAS
-    loaded later, by SciPy say, is then held too)."""
+    loaded later, by SciPy say, is then held too), with a setter that works from any thread
+    (`any_thread_setter`)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._libraries = None
+        self._libraries = None           # [(threadpoolctl's controller, any_thread_setter of it), ...]
         self._active = 0
         self._saved: list = []
 
     def find_libraries(self) -> None:
         with self._lock:
             if self._active == 0:                  # else the next backend made finds them
-                self._libraries = blas_libraries()
+                self._libraries = [(library, any_thread_setter(library)) for library in blas_libraries()]
 
     def __enter__(self):
         if self._libraries is None:
             self.find_libraries()
         with self._lock:
             if self._active == 0:
-                self._saved = [library.get_num_threads() for library in self._libraries]
-                for library, count in zip(self._libraries, self._saved):
+                self._saved = [library.get_num_threads() for library, _ in self._libraries]
+                for (_, set_threads), count in zip(self._libraries, self._saved):
                     if count != 1:
-                        library.set_num_threads(1)
+                        set_threads(1)
             self._active += 1
 
     def __exit__(self, *exception) -> None:
         with self._lock:
             self._active -= 1
             if self._active == 0:
-                for library, count in zip(self._libraries, self._saved):
+                for (_, set_threads), count in zip(self._libraries, self._saved):
                     if count != 1:
-                        library.set_num_threads(count)
+                        set_threads(count)
+
+
+def any_thread_setter(library):
+    """A function setting a BLAS library's thread count that works from any thread: OpenBLAS's
+    openblas_set_num_threads_local where it has one (0.3.27 on), as OpenBLAS 0.3.31 ignores its plain setter
+    (threadpoolctl's) from a thread other than the main one once the main thread has set a count (a call on
+    a worker thread after one on the main thread then ran its BLAS products on every thread; two such calls
+    at once took 2.4x as long as one alone, the app's compiled kernels on the 2-core VM, by hand); in
+    pthreads builds it sets the process's count, as the plain one does. Else threadpoolctl's setter."""
+    if library.internal_api == "openblas":
+        try:
+            local = ctypes.CDLL(library.filepath).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            return library.set_num_threads
+        local.argtypes, local.restype = [ctypes.c_int], ctypes.c_int
+        return local
+    return library.set_num_threads
 
 
 BLAS_THREADS = BlasThreads()

@@ -53,7 +53,7 @@ if KERNELS == "aot":
     CACHE_ENABLED = False
     gather_tile_columns = interleave_rows4 = None   # (the JIT's intrinsics: winograd.py copies instead)
     load16 = load8 = store8 = None                  # (the register tiles' vector loads and stores: the JIT's only)
-    spin_while_equal = hand_off = None     # compiled wrappers keep the GIL: a spin there would stall the other threads
+    spin_while_equal = hand_off = None     # (the crew's spins use the JIT's intrinsics: the locks hand off instead)
     load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = None   # (the JIT's intrinsics)
     call_at = compiled_address = None    # (programs.py's calls of compiled kernels: the JIT's only)
     call_sgemm = None                    # (BLAS from compiled code: the JIT's only)

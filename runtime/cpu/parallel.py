@@ -129,7 +129,7 @@ class Crew:
     2 threads / 1, interleaved), then block on their `go` lock again (an idle crew uses no CPU).
     A task is handed over without the GIL (`run`). During the call the GIL's switch interval is
     SWITCH_INTERVAL_SECONDS (`short_switch_interval`).
-    Without the JIT (the app's compiled kernels keep the GIL) the locks alone hand off."""
+    Without the JIT (the app's compiled kernels have no spin intrinsics) the locks alone hand off."""
 
     def __init__(self, helpers: int, name: str = "lnn-cpu"):
         self._busy = threading.Lock()

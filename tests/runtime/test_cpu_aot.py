@@ -95,6 +95,19 @@ try:
 except TypeError as err:
     print("refused float32 photo -", err)
 print("numba imported", "numba" in sys.modules or "llvmlite" in sys.modules)
+import threading
+sys.setswitchinterval(30)               # no forced switch: the main thread runs only where the worker drops the GIL
+big, sums, done = np.ones((2, 64, 1 << 18), np.float32), np.empty((2, 64), np.float32), threading.Event()
+def pools():
+    for _ in range(10):
+        global_avg_pool(big, sums)
+    done.set()
+worker, turns = threading.Thread(target=pools), 0
+worker.start()
+while not done.wait(0.001):
+    turns += 1
+worker.join()
+print("main thread turns during the kernels", turns)
 good = np.ones((2, 3, 5), np.float32)
 for name, bad in [("float64", good.astype(np.float64)), ("rank 2", good[0]), ("strided", good[:, :, ::2]),
                   ("list", good.tolist())]:
@@ -107,7 +120,7 @@ for name, bad in [("float64", good.astype(np.float64)), ("rank 2", good[0]), ("s
 
 
 @pytest.mark.slow
-def test_compiled_kernels_match_numpy_without_numba_and_refuse_wrong_arrays(compiled):
+def test_compiled_kernels_match_numpy_without_numba_refuse_wrong_arrays_and_drop_the_gil(compiled):
     result = subprocess.run([sys.executable, "-c", CHECKS], env=aot_env(compiled), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
@@ -117,6 +130,7 @@ def test_compiled_kernels_match_numpy_without_numba_and_refuse_wrong_arrays(comp
     assert "C-contiguous float32 array of rank 3" in result.stdout
     assert "C-contiguous uint8 array of rank 3" in result.stdout            # the compiled photo measures' BGR
     assert "photo measures agree True" in result.stdout
+    assert int(result.stdout.split("main thread turns during the kernels")[1].split()[0]) >= 20   # they drop the GIL
 
 
 def test_a_missing_compiled_module_makes_the_cpu_device_one_clear_error(tmp_path):
