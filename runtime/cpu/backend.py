@@ -501,9 +501,12 @@ def any_thread_setter(library):
     openblas_set_num_threads_local where it has one (0.3.27 on), as OpenBLAS 0.3.31 ignores its plain setter
     (threadpoolctl's) from a thread other than the main one once the main thread has set a count (a call on
     a worker thread after one on the main thread then ran its BLAS products on every thread; two such calls
-    at once took 2.4x as long as one alone, the app's compiled kernels on the 2-core VM, by hand); in
-    pthreads builds it sets the process's count, as the plain one does. Else threadpoolctl's setter."""
-    if library.internal_api == "openblas":
+    at once took 2.4x as long as one alone, the app's compiled kernels on the 2-core VM, by hand). Only in
+    pthreads builds, where it sets the process's count as the plain one does (an OpenMP build's is the
+    calling thread's own, which the shared hold above does not fit). Else threadpoolctl's setter (an older
+    OpenBLAS, such as the 0.3.15 that OpenCV's wheels bundle, then keeps its count in a worker thread's call;
+    lnn's products call NumPy's BLAS only)."""
+    if library.internal_api == "openblas" and getattr(library, "threading_layer", None) == "pthreads":
         try:
             local = ctypes.CDLL(library.filepath).openblas_set_num_threads_local
         except (OSError, AttributeError):
