@@ -1,27 +1,34 @@
 """How many threads `threads="auto"` runs one call on: the cores this process may use, one per physical core, the
-big cores only.
+big cores only, no more than its CPU quota.
 
-Of the CPUs the process's affinity allows (which a container or `taskset` narrows), a core's second hardware thread
-does not count (it shares the core's arithmetic units, which lnn's conv kernels keep busy: a split layer gains
-little from it and pays a hand-off per layer), nor, on a machine of big and little cores, the little ones (a split
-layer waits for its slowest part: on an Apple M1 an efficiency core's part would take about three times a
-performance core's). onnxruntime's default thread count is the physical cores too, ncnn's the big cores.
+Of the CPUs the process's affinity allows (which a container's cpuset or `taskset` narrows), a core's second
+hardware thread does not count (it shares the core's arithmetic units, which lnn's conv kernels keep busy: a split
+layer gains little from it and pays a hand-off per layer), nor, on a machine of big and little cores, the little
+ones (a split layer waits for its slowest part: on an Apple M1 an efficiency core's part would take about three
+times a performance core's). onnxruntime's default thread count is the physical cores too, ncnn's the big cores.
+A CPU quota (`docker run --cpus 2`, a Kubernetes limit, a systemd CPUQuota) caps the count at the CPUs' worth of
+time it grants, rounded up: the affinity still lists every CPU of the host there, and a split over all of them
+would wait on threads the quota has parked.
 
 Linux: /sys/devices/system/cpu/cpuN/topology (core_cpus_list, or thread_siblings_list on older kernels) and
-cpuN/cpu_capacity (arm64 big.LITTLE; absent where all cores are alike). macOS: sysctl hw.perflevel0.physicalcpu
-(the performance cores; hw.physicalcpu on Intel Macs). Elsewhere, or where that cannot be read, every allowed CPU
-counts. Nothing here imports more than the standard library.
+cpuN/cpu_capacity (arm64 big.LITTLE; absent where all cores are alike); the quota from the process's cgroup
+(/proc/self/cgroup) and each cgroup above it: cpu.max (v2) or cpu.cfs_quota_us / cpu.cfs_period_us (v1). macOS:
+sysctl hw.perflevel0.physicalcpu (the performance cores; hw.physicalcpu on Intel Macs). Elsewhere, or where that
+cannot be read, every allowed CPU counts. Nothing here imports more than the standard library.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import sys
 from pathlib import Path
 
 SYSFS_CPUS = Path("/sys/devices/system/cpu")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
 SIBLINGS_FILES = ("core_cpus_list", "thread_siblings_list")      # the newer name first
 MACOS_CORE_COUNTS = (b"hw.perflevel0.physicalcpu", b"hw.physicalcpu")
 
@@ -32,7 +39,9 @@ def usable_cores() -> int:
         allowed = os.sched_getaffinity(0)
     except AttributeError:                       # macOS, Windows: no affinity call
         return macos_performance_cores() or os.cpu_count() or 1
-    return big_physical_cores(allowed) or len(allowed) or 1
+    cores = big_physical_cores(allowed) or len(allowed) or 1
+    quota = cgroup_cpu_quota()
+    return min(cores, quota) if quota else cores
 
 
 def allowed_cpus() -> int:
@@ -64,6 +73,57 @@ def big_physical_cores(cpus, root: Path = SYSFS_CPUS) -> int:
     return sum(capacity == biggest for capacity in capacity_of_core.values())
 
 
+def cgroup_cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> int | None:
+    """The CPUs' worth of time the process's cgroups grant it, rounded up (the smallest along each one's path to
+    the root; a container sees its own cgroup as the root, so missing folders are skipped); None without a quota
+    or where it cannot be read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":                           # v2: one hierarchy
+            top, read = root, _cpu_max
+        elif "cpu" in controllers.split(","):           # v1: the cpu controller's own hierarchy
+            top, read = root / controllers, _cfs_quota
+        else:
+            continue
+        folder = top / path.strip("/")
+        while True:
+            quota = read(folder)
+            if quota:
+                quotas.append(quota)
+            if folder == top or top not in folder.parents:
+                break
+            folder = folder.parent
+    return math.ceil(min(quotas) - 1e-9) if quotas else None
+
+
+def _cpu_max(folder: Path) -> float | None:
+    """cgroup v2's cpu.max, "<quota> <period>" or "max <period>", as CPUs."""
+    fields = (_read(folder / "cpu.max") or "").split()
+    if len(fields) != 2 or fields[0] == "max":
+        return None
+    try:
+        return int(fields[0]) / int(fields[1])
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _cfs_quota(folder: Path) -> float | None:
+    """cgroup v1's cpu.cfs_quota_us / cpu.cfs_period_us as CPUs (a quota of -1: none)."""
+    try:
+        quota, period = int(_read(folder / "cpu.cfs_quota_us") or -1), int(_read(folder / "cpu.cfs_period_us") or 0)
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
 def macos_performance_cores() -> int:
     """macOS's count of performance cores (all physical cores on an Intel Mac); 0 elsewhere or when unreadable."""
     if sys.platform != "darwin":
@@ -86,7 +146,9 @@ def cores_in_words() -> str:
     word = "core" if cores == 1 else "cores"
     if cores == cpus:
         return f"{cores} usable {word}"
-    return f"{cores} usable {word} of {cpus} CPUs (one thread per physical core, big cores only)"
+    quota = cgroup_cpu_quota()
+    why = "one thread per physical core, big cores only" + (f"; a CPU quota of {quota}" if quota == cores else "")
+    return f"{cores} usable {word} of {cpus} CPUs ({why})"
 
 
 def _read(path: Path) -> str | None:

@@ -490,11 +490,43 @@ def test_auto_counts_physical_big_cores(tmp_path):
     assert big_physical_cores(range(2), tmp_path / "absent") == 0
 
 
+def test_auto_keeps_within_the_cgroup_cpu_quota(tmp_path, monkeypatch):
+    """A CPU quota (docker --cpus, a Kubernetes limit) caps threads="auto" at the CPUs' worth of time it grants,
+    rounded up, the smallest along the cgroup's path; a container sees its own cgroup as the root."""
+    from lnn.runtime import cores
+
+    def cgroup(lines: str, files: dict):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        for name, text in files.items():
+            (folder / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / "fs" / name).write_text(text)
+        (folder / "cgroup").write_text(lines)
+        return cores.cgroup_cpu_quota(folder / "cgroup", folder / "fs")
+
+    assert cgroup("0::/kubepods/pod1/c1\n", {"kubepods/pod1/c1/cpu.max": "max 100000\n",
+                                              "kubepods/pod1/cpu.max": "150000 100000\n",
+                                              "kubepods/cpu.max": "400000 100000\n"}) == 2
+    assert cgroup("0::/\n", {"cpu.max": "200000 100000\n"}) == 2               # v2, inside the container
+    assert cgroup("0::/user.slice\n", {"cpu.max": "max 100000\n"}) is None
+    assert cgroup("4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n",        # v1: the container's own root
+                  {"cpu,cpuacct/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}) == 3
+    assert cgroup("4:cpu,cpuacct:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+                                         "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}) is None
+    assert cgroup("0::/\n", {"cpu.max": "50000 100000\n"}) == 1                 # half a CPU: one thread
+    assert cores.cgroup_cpu_quota(tmp_path / "absent", tmp_path) is None
+    monkeypatch.setattr(cores, "cgroup_cpu_quota", lambda: 1)
+    assert cores.usable_cores() == 1
+    if cores.allowed_cpus() > 1:
+        assert cores.cores_in_words().endswith("; a CPU quota of 1)")
+
+
 def test_threads_auto_is_the_usable_cores():
     from lnn.runtime.cores import big_physical_cores, cores_in_words
 
+    from lnn.runtime.cores import cgroup_cpu_quota
+
     allowed = os.sched_getaffinity(0)
-    assert usable_cores() == (big_physical_cores(allowed) or len(allowed))
+    assert usable_cores() == min(big_physical_cores(allowed) or len(allowed), cgroup_cpu_quota() or len(allowed))
     assert 1 <= usable_cores() <= len(allowed)
     assert resolve_threads("auto") == resolve_threads(None) == usable_cores()
     assert resolve_threads(3) == 3
