@@ -174,9 +174,9 @@ class Plan:
         layers, after the layer's other scratch of that worker (the first pass gives it a buffer of its
         own and measures). worker: the index of the task (in its Parallel step) that uses it, 0 outside
         split steps, SHARED for what the tasks of several threads write and read (Winograd's V made by
-        input channels): each thread's scratch in a block of its own, as no line of it moves between the
-        cores' caches (tomato's split calls 1.40 ms against 1.70 with one block for all, whose pieces
-        the layers' tasks on the other thread had written, when the two vCPUs shared no L3, by hand)."""
+        input channels): each thread's scratch in a block of its own, so that no line of it moves between
+        the cores' caches (docs/ARCHITECTURE.md: where the two cores shared no L3, tomato's split calls took
+        1.31-1.61 ms so, 1.80-2.05 with one block for all)."""
         size = int(np.prod(shape))
         if not scratch:
             return _aligned(size).reshape(shape)

@@ -393,7 +393,7 @@ def test_each_thread_has_a_scratch_block_of_its_own():
     """In a split plan the scratch of a Parallel step's task i is a piece of worker i's block (the thread that runs
     task i), and only the Winograd V that the tasks of both threads write and read is in the shared block: no
     scratch line is written by one core and then by the other (when the cores share no cache, tomato's split calls
-    took 1.3-1.5 ms so, 1.8-2.0 with one block for all, by hand). The blocks do not overlap."""
+    took 1.31-1.61 ms so, 1.80-2.05 with one block for all, by hand). The blocks do not overlap."""
     from lnn.runtime.cpu.backend import Plan
     from lnn.runtime.cpu.parallel import SHARED, Parallel
 
