@@ -14,13 +14,11 @@ Linux: /sys/devices/system/cpu/cpuN/topology (core_cpus_list, or thread_siblings
 cpuN/cpu_capacity (arm64 big.LITTLE; absent where all cores are alike); the quota from the process's cgroup
 (/proc/self/cgroup) and each cgroup above it: cpu.max (v2) or cpu.cfs_quota_us / cpu.cfs_period_us (v1). macOS:
 sysctl hw.perflevel0.physicalcpu (the performance cores; hw.physicalcpu on Intel Macs). Elsewhere, or where that
-cannot be read, every allowed CPU counts. Nothing here imports more than the standard library.
+cannot be read, every allowed CPU counts. Nothing here imports more than the standard library (ctypes only on macOS).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 import os
 import sys
@@ -128,6 +126,9 @@ def macos_performance_cores() -> int:
     """macOS's count of performance cores (all physical cores on an Intel Mac); 0 elsewhere or when unreadable."""
     if sys.platform != "darwin":
         return 0
+    import ctypes            # here: importing ctypes.util took 4 ms, on every command's start
+    import ctypes.util
+
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         for name in MACOS_CORE_COUNTS:
