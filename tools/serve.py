@@ -16,7 +16,6 @@ Needs the serve extra: pip install 'lnn[serve]'.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import sys
@@ -24,6 +23,7 @@ import threading
 from dataclasses import dataclass
 
 from lnn.formats.errors import LnnError, LnnInputError
+from lnn.runtime.cores import usable_cpus
 from lnn.tools.cli import command_parser, error_line, run_command
 
 PROG = "lnn-serve"
@@ -43,7 +43,7 @@ class ServeConfig:
     max_body: int = 10_000_000          # bytes
     max_pixels: int = 50_000_000        # a 48-megapixel phone photo passes
     top_k: int = 3
-    decode_threads: int = os.cpu_count() or 1
+    decode_threads: int = usable_cpus()     # the photo decoding pool (OpenCV drops the GIL)
 
 
 DEFAULTS = ServeConfig()
@@ -144,7 +144,7 @@ def server_for(model, host: str, port: int, device: str = "auto", threads: int |
 
     device = resolve_device(device)
     session = load_session(model, device, threads if device == "cpu" else None)
-    config = ServeConfig(decode_threads=os.cpu_count() or 1, **settings)
+    config = ServeConfig(**settings)
     sock = listening_socket(host, port)
     app = create_app(session, config)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
