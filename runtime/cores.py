@@ -29,6 +29,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 SIBLINGS_FILES = ("core_cpus_list", "thread_siblings_list")      # the newer name first
 MACOS_CORE_COUNTS = (b"hw.perflevel0.physicalcpu", b"hw.physicalcpu")
+BIG_CORE_SHARE = 0.75     # of the highest cpu_capacity: a big core (Cortex-A55 little cores: 0.4 of an A76)
 
 
 def usable_cores() -> int:
@@ -58,8 +59,10 @@ def usable_cpus() -> int:
 
 
 def big_physical_cores(cpus, root: Path = SYSFS_CPUS) -> int:
-    """How many physical cores the logical CPUs `cpus` belong to, counting only those of the highest cpu_capacity
-    among them; 0 when the topology cannot be read."""
+    """How many physical cores the logical CPUs `cpus` belong to, counting only the big ones: a cpu_capacity of at
+    least BIG_CORE_SHARE of the highest among them (a phone-class SoC's one prime core and its big cores count
+    together, as do an Intel hybrid's favoured and other performance cores; little cores, at about 0.4 of a big
+    one, do not); 0 when the topology cannot be read."""
     capacity_of_core = {}
     for cpu in cpus:
         folder = root / f"cpu{cpu}"
@@ -75,7 +78,7 @@ def big_physical_cores(cpus, root: Path = SYSFS_CPUS) -> int:
     if not capacity_of_core:
         return 0
     biggest = max(capacity_of_core.values())
-    return sum(capacity == biggest for capacity in capacity_of_core.values())
+    return sum(capacity >= BIG_CORE_SHARE * biggest for capacity in capacity_of_core.values())
 
 
 def cgroup_cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> int | None:

@@ -487,6 +487,12 @@ def test_auto_counts_physical_big_cores(tmp_path):
     assert big_physical_cores(range(8), hybrid) == 4
     assert big_physical_cores({0, 1}, hybrid) == 2                # only little cores allowed: those
     assert big_physical_cores({0, 1, 7}, hybrid) == 1
+    phone = tmp_path / "phone"                                    # one prime core, three big, four little
+    fake_cpus(phone, ["0", "1", "2", "3", "4", "5", "6", "7"], [400, 400, 400, 400, 870, 870, 870, 1024])
+    assert big_physical_cores(range(8), phone) == 4
+    favoured = tmp_path / "favoured"                              # performance cores a little apart, SMT pairs
+    fake_cpus(favoured, ["0,1", "2,3", "4,5", "6,7", "8", "9"], [1024, 1024, 1000, 1000, 600, 600])
+    assert big_physical_cores(range(10), favoured) == 4
     assert big_physical_cores(range(2), tmp_path / "absent") == 0
 
 
