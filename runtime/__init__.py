@@ -6,9 +6,10 @@ Backends are found by name and imported only when asked for:
     "cuda"  -> lnn.runtime.cuda       (CuPy)
     "auto"  -> "cpu" when Numba is installed, else "numpy"
 Backend options: `threads=N` or "auto" (the cpu backend's threads, by default "auto": the cores this
-process may run on, one per physical core, big cores only: runtime/cores.py, `resolve_threads`; accepted and ignored by numpy and cuda, so that code written
-for device="auto" runs on every install). `Session.threads` says what was chosen (None where the
-backend ignores it). Unknown devices and options are one LnnInputError line. A Session is safe to share between threads (see Session).
+process may run on, one per physical core, big cores only: runtime/cores.py, `resolve_threads`; accepted
+and ignored by numpy and cuda, so that code written for device="auto" runs on every install).
+`Session.threads` says what was chosen (None where the backend ignores it). Unknown devices and options are
+one LnnInputError line. A Session is safe to share between threads (see Session).
 Importing this module imports neither CuPy, Numba, OpenCV nor the training side.
 """
 

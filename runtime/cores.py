@@ -38,9 +38,7 @@ def usable_cores() -> int:
         allowed = os.sched_getaffinity(0)
     except AttributeError:                       # macOS, Windows: no affinity call
         return macos_performance_cores() or os.cpu_count() or 1
-    cores = big_physical_cores(allowed) or len(allowed) or 1
-    quota = cgroup_cpu_quota()
-    return min(cores, quota) if quota else cores
+    return within_quota(big_physical_cores(allowed) or len(allowed) or 1)
 
 
 def allowed_cpus() -> int:
@@ -54,8 +52,13 @@ def allowed_cpus() -> int:
 def usable_cpus() -> int:
     """The logical CPUs this process may keep busy: allowed_cpus() within the CPU quota. For work that a core's
     second hardware thread does speed up, such as lnn-serve's photo decoding."""
+    return within_quota(allowed_cpus())
+
+
+def within_quota(count: int) -> int:
+    """count, or the CPU quota where that is smaller (cgroup_cpu_quota)."""
     quota = cgroup_cpu_quota()
-    return min(allowed_cpus(), quota) if quota else allowed_cpus()
+    return min(count, quota) if quota else count
 
 
 def big_physical_cores(cpus, root: Path = SYSFS_CPUS) -> int:

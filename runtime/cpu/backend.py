@@ -19,15 +19,15 @@ reuse, as they run one after another (Plan._new_buffer): the bundled model's buf
 MB where separate scratch buffers took 8.7, leaf_cnn224's 10.5 where they took 17.3, and the layers find
 their scratch still in cache (whole calls 0.78-0.89x the time of separate buffers, by hand:
 docs/BENCHMARKS.md). A split plan has one such block per thread (and one for what the tasks of several
-threads share): a thread never writes the other's scratch lines. keep=(node names): fusion stops at those nodes and the plan copies their values
-into buffers of their own, which run_with_features() returns (the out-of-distribution gate's features;
-runtime/features.py). run() returns the plan's output buffer itself, which the next call of the same
-thread overwrites (Session.run copies it).
+threads share): a thread never writes the other's scratch lines. keep=(node names): fusion stops at those
+nodes and the plan copies their values into buffers of their own, which run_with_features() returns (the
+out-of-distribution gate's features; runtime/features.py). run() returns the plan's output buffer itself,
+which the next call of the same thread overwrites (Session.run copies it).
 
 Threads: `threads` is a count or "auto" (the default: the cores this process may run on, one per
-physical core, big cores only: runtime/cores.py; lnn.runtime.resolve_threads). With threads = N > 1 the backend owns a Crew of
-N - 1 helper threads (parallel.py) and BLAS runs one thread per call, so every core runs its own
-share of the work:
+physical core, big cores only: runtime/cores.py; lnn.runtime.resolve_threads). With threads = N > 1 the
+backend owns a Crew of N - 1 helper threads (parallel.py) and BLAS runs one thread per call, so every core
+runs its own share of the work:
   - one image (any call not split by batch): the plan is made with parts = N. Each conv2d's output
     channels or output rows (or, for a batch of small images, the images; conv2d.py `_parts` says
     which) and each linear layer's output features are cut into parts, each part a task with its
