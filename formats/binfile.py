@@ -25,7 +25,6 @@ import math
 import mmap
 import os
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,6 @@ from lnn.formats.errors import LnnFormatError, ModelSpecError
 from lnn.formats.files import regular_file
 from lnn.formats.gate import TENSOR_PREFIX, check_gate_metadata, check_gate_tensor_shapes, gate_tensor_shapes
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
-from lnn.formats.npz import NPZ_MAGIC, is_checkpoint_bytes
 from lnn.formats.model import (Model, finite_json_float, json_nesting_depth, parse_model, reject_json_constant,
                                size_refusals)
 from lnn.formats.ops import get_op
@@ -354,6 +352,8 @@ def atomic_output(path: str | Path, mode: str = "wb", **open_args):
 
     The file gets the permissions an ordinary new file would (0666 less the umask), not
     mkstemp's private 0600."""
+    import tempfile       # here, not at the top: its imports (shutil, random, ...) cost lnn-infer's start ~4 ms
+
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -426,6 +426,7 @@ def parse_bin_bytes(data: bytes, name: str = "<bytes>") -> BinModel:
 
 def _sniff(head: bytes) -> str:
     """A hint about what a non-model file is, from its first bytes."""
+    from lnn.formats.npz import NPZ_MAGIC        # (zipfile: only for files that are not models)
     if head[:3] == b"\xff\xd8\xff":
         return " (it is a JPEG image)"
     if head[:8] == b"\x89PNG\r\n\x1a\n":
@@ -446,6 +447,7 @@ def _parse(path: Path, buf: memoryview, keep_alive) -> BinModel:
      graph_offset, graph_size, meta_offset, meta_size, table_offset, string_offset, string_size,
      data_offset, data_size, file_size, body_crc, header_crc) = HEADER.unpack(head)
     if magic != MAGIC:                                                               # rule 3
+        from lnn.formats.npz import is_checkpoint_bytes
         hint = (" (this is a training checkpoint: export it with lnn-export CHECKPOINT -o model.bin)"
                 if is_checkpoint_bytes(buf) else _sniff(head))
         raise LnnFormatError(f"not an lnn model file: wrong magic bytes{hint}")

@@ -17,7 +17,6 @@ description; parsing that again gives the same model (the `.bin` stores it as it
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import re
@@ -274,6 +273,7 @@ def size_refusals(input_shape: tuple, nodes: list) -> list:
 
 
 def _did_you_mean(word: str, known) -> str:
+    import difflib        # only for a misspelt field: not on every start
     close = difflib.get_close_matches(word, list(known), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

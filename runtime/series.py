@@ -23,7 +23,6 @@ Session call the same function.
 
 from __future__ import annotations
 
-import csv
 import io
 import math
 from dataclasses import dataclass
@@ -259,6 +258,8 @@ def read_table(path, target: str | None = None, columns: list | None = None) -> 
     """A CSV table with a header row (see the module doc). `target`: the class column, kept as text;
     `columns`: read only these feature columns, in this order (lnn-infer: a model's columns; any other column,
     such as the class, is left unread), else every column but the target."""
+    import csv            # only for a table: not on every start
+
     path = Path(path)
     rows = csv.reader(io.StringIO(read_text(path, "CSV table"), newline=""))
     header = next(rows, None)

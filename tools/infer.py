@@ -31,7 +31,6 @@ over a batch of images, 32 at a time.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import sys
@@ -316,6 +315,7 @@ class Output:
         self.prog = prog
         self.runtime = {}            # --json: the device and threads that answered (RUNTIME_KEYS), in every answer's record
         if style == "csv":
+            import csv        # only for --csv: not on every start
             self.csv = csv.writer(sys.stdout, lineterminator="\n")
             self.csv.writerow(CSV_COLUMNS)
 
