@@ -43,7 +43,8 @@ bands, the product of its rows of the weight or of U, its channels' output trans
 epilogue) for Winograd where U outweighs V and M (O*C > (C + O) * tiles), for columns + GEMM with more
 output channels than positions and for grouped direct convs on one image; else by the images or each
 image's output rows (whole Winograd tile rows after a 2x2 pool). Winograd's V is made once per band, by
-tasks of input channels, before the tasks of output channels read it; the columns, made per task, are
+tasks of input channels, before the tasks of output channels read it (for skinny products, as one V^T that
+each task writes its channels' columns of); the columns, made per task, are
 the redundant work a cut by channels costs, the weights read by every task that of a cut by rows.
 Max-pool fusion (backend.py): a max-pool right after the conv, when the epilogue is monotone, is
 applied to acc before the epilogue: a per-channel bias and a non-decreasing activation commute with
@@ -742,28 +743,55 @@ class Conv2dLayer:
                                 self._tile_stride(max(rows * tiles_w * images for _, rows, images in band_tiles))))
         return v_buffer, input_work_shape(tiles_w, max(rows for _, rows, _ in band_tiles))
 
+    def _skinny(self, bands: list) -> tuple:
+        """(V^T's rows, or None, and whether every band's products are skinny_products): the bands of fewer than
+        WINOGRAD_MIN_TILES tiles, where U is not in blocks, run them; V^T holds the most tiles of those, rounded
+        up to 4."""
+        tiles_w = tile_count(self.conv_shape[2])
+        counts = [rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)]
+        skinny = [] if self.winograd_blocks else [count for count in counts if count < WINOGRAD_MIN_TILES]
+        return (-(-max(skinny) // 4) * 4 if skinny else None), len(skinny) == len(counts)
+
     def _shared_winograd_input(self, image, bands: list, parts: int, new_scratch) -> tuple:
-        """(V, [[task, ...] per band]): V [36, C + 1, T'], for one band at a time, made by `parts` tasks
-        of input channels each, which run before the band's tasks of output channels that read it (a
-        conv cut by output channels makes each V once, not once per part). new_scratch(worker): the
-        new_buffer of that worker's scratch."""
+        """(shared, [[task, ...] per band]): V of one band at a time, made by `parts` tasks of input channels
+        each, which run before the band's tasks of output channels that read it (a conv cut by output channels
+        makes each V once, not once per part). shared: V [36, C + 1, T'], or, where every band's products are
+        skinny, V^T [36, T, C] as skinny_products reads it: each task makes V of its channels in a buffer of
+        its own and writes their columns of V^T (the bundled model's 8x8 conv5 on 2 threads, by hand: where the
+        two cores shared no L3, split calls 1.28-1.31 ms against 1.32-1.36 with V shared and each product task
+        copying all of it into a V^T of its own, as a row of V holds 4 tiles in a 64-byte line; the same
+        otherwise). new_scratch(worker): the new_buffer of that worker's scratch."""
         in_channels = image.shape[1]
         tiles_w = tile_count(self.conv_shape[2])
-        v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_scratch(SHARED))
-        blocks = [(block, new_scratch(task)(work_shape)) for task, block in enumerate(split_range(0, in_channels, parts))]
-        tasks = []
-        for band in bands:
-            tile_first, tile_rows, _ = self._band_tiles(band)
-            tasks.append([[partial(winograd_input, image[n], c_first, c_end, tile_first, tile_rows,
-                                   (n - band[0]) * tile_rows * tiles_w, work, v_buffer)
-                           for n in range(band[0], band[1])] for (c_first, c_end), work in blocks])
-        return v_buffer, tasks
+        skinny_columns, transposed = self._skinny(bands)
+        if not transposed:
+            shared, work_shape = self._winograd_input_scratch(in_channels, bands, new_scratch(SHARED))
+        else:
+            shared = new_scratch(SHARED)((36, skinny_columns, in_channels))   # rows past the tiles: junk, as V's
+        tasks = [[] for _ in bands]
+        for task, (c_first, c_end) in enumerate(split_range(0, in_channels, parts)):
+            if not transposed:
+                v_buffer, source, first, end = shared, image, c_first, c_end
+            else:                       # V of this task's channels only, as channels 0..
+                v_buffer, work_shape = self._winograd_input_scratch(c_end - c_first, bands, new_scratch(task))
+                source, first, end = image[:, c_first:c_end], 0, c_end - c_first
+            work = new_scratch(task)(work_shape)
+            for steps, band in zip(tasks, bands):
+                tile_first, tile_rows, images = self._band_tiles(band)
+                steps.append([partial(winograd_input, source[n], first, end, tile_first, tile_rows,
+                                      (n - band[0]) * tile_rows * tiles_w, work, v_buffer)
+                              for n in range(band[0], band[1])])
+                if transposed:
+                    count = tile_rows * tiles_w * images
+                    steps[-1].append(partial(np.copyto, shared[:, :count, c_first:c_end],
+                                             v_buffer[:, :end, :count].transpose(0, 2, 1)))
+        return shared, tasks
 
     def _winograd_product(self, image, bands: list, channels: tuple, new_scratch, shared=None, pooled=None):
         """The product step of _product as Winograd F(4x4, 3x3): conv rows y_first..y_end-1 of the
         band's images into acc, pitch OW, from the tile rows that cover them (winograd.py), for output
         channels o_first..o_end-1 (U[:, o_first:o_end]: each of the 36 products reads its block).
-        shared: V of _shared_winograd_input, which earlier steps fill: no input transform here.
+        shared: V (or V^T) of _shared_winograd_input, which earlier steps fill: no input transform here.
         winograd_pools: the output transform also max-pools each tile's 2x2 blocks, into `pooled`
         (pitch OW / 2; no acc: 30-40% less time than the output transform and the pool step apart).
 
@@ -775,19 +803,18 @@ class Conv2dLayer:
         out_channels = o_end - o_first
         in_channels = image.shape[1]
         tiles_w = tile_count(conv_w)
+        skinny_columns, every_band_skinny = self._skinny(bands)
+        shared_transposed = shared is not None and every_band_skinny
         if shared is None:
             v_buffer, work_shape = self._winograd_input_scratch(in_channels, bands, new_scratch)
             input_work = new_scratch(work_shape)      # the kernel's scratch (winograd.py)
-        else:
+        elif not shared_transposed:
             v_buffer = shared
-        counts = [rows * tiles_w * images for _, rows, images in map(self._band_tiles, bands)]
-        skinny = [] if self.winograd_blocks else [count for count in counts if count < WINOGRAD_MIN_TILES]
-        if skinny:
-            skinny_columns = -(-max(skinny) // 4) * 4
-            vt_buffer = new_scratch((36, skinny_columns, in_channels))   # rows past the tiles: junk, as V's
+        if skinny_columns is not None:
+            vt_buffer = shared if shared_transposed else new_scratch((36, skinny_columns, in_channels))
         # M's rows as long as V's, or where every band's products are skinny, as their columns: the output
         # transform's passes span more channels (tomato's 8x8 conv5, 4 tiles: 0.034 ms instead of 0.057, by hand)
-        stride = skinny_columns if len(skinny) == len(counts) else v_buffer.shape[2]
+        stride = skinny_columns if every_band_skinny else v_buffer.shape[2]
         m_buffer = new_scratch((36, out_channels + 1, stride))
         output_work = new_scratch(output_work_shape(stride))
         if not self.winograd_pools:
@@ -806,8 +833,9 @@ class Conv2dLayer:
                 steps.append(partial(block_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,
                                      count, m_buffer))
             elif count < WINOGRAD_MIN_TILES:
-                transposed = v_buffer[:, :in_channels, :count].transpose(0, 2, 1)
-                steps.append(partial(np.copyto, vt_buffer[:, :count], transposed))
+                if not shared_transposed:
+                    transposed = v_buffer[:, :in_channels, :count].transpose(0, 2, 1)
+                    steps.append(partial(np.copyto, vt_buffer[:, :count], transposed))
                 steps.append(partial(skinny_products, self.winograd_weight, o_first, o_end, vt_buffer, count, m_buffer))
             elif small_products_pay():
                 steps.append(partial(small_products, self.winograd_weight, o_first, o_end, v_buffer, in_channels,

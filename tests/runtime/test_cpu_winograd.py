@@ -257,6 +257,41 @@ def test_winograd_convs_run_block_products(monkeypatch, size):
         check_bound(backend.run(x[:batch]), x[:batch], weight, 1)
 
 
+def test_skinny_convs_cut_by_channels_share_one_transposed_v():
+    """A conv of 4 tiles an image cut by output channels over 2 and 3 threads: each task of input channels makes
+    V of its channels and writes their columns of one shared V^T, which every product task's skinny_products
+    reads without a copy of its own; the same bytes as one thread, one image and a batch of two."""
+    from lnn.runtime.cpu import BACKEND
+    from lnn.runtime.cpu.parallel import Parallel
+    from lnn.runtime.cpu.winograd import skinny_products, winograd_input
+
+    batch, channels, height, width, out_channels, padding = SKINNY_CASE
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, channels, height, width)).astype(np.float32)
+    weight = (rng.standard_normal((out_channels, channels, 3, 3)) * np.sqrt(2 / (9 * channels))).astype(np.float32)
+    _, alone = one_conv(x[:1], weight, padding, "winograd")
+    _, pair = one_conv(x, weight, padding, "winograd")
+    model = parse_model({"input_shape": [channels, height, width], "layers": [
+        {"type": "conv2d", "out_channels": out_channels, "kernel_size": 3, "padding": padding, "bias": False}]})
+    for threads in (2, 3):
+        backend = BACKEND(model, {model.nodes[0].param_key("weight"): weight}, threads=threads)
+        backend.task_flops = 0                                   # one image's conv split by output channels
+        for images, expected in ((1, alone), (2, pair)):
+            split = [step for step in backend._plan(images, threads).steps if type(step) is Parallel]
+            inputs, products = split[0], split[1]
+            assert len(inputs.tasks) == threads == len(products.tasks)
+            assert all([getattr(step, "func", None) for step in task][-1] is np.copyto for task in inputs.tasks)
+            assert all(winograd_input in [getattr(step, "func", None) for step in task] for task in inputs.tasks)
+            for task in products.tasks:
+                kernels = [getattr(step, "func", None) for step in task]
+                assert skinny_products in kernels and np.copyto not in kernels
+                read = task[kernels.index(skinny_products)].args[3]
+                assert all(np.shares_memory(read, copy[-1].args[0]) for copy in inputs.tasks)
+            got = backend._plan(images, threads).run(x[:images]).copy()      # its steps one after the other
+            assert got.tobytes() == expected.tobytes(), (threads, images)
+            check_bound(got, x[:images], weight, padding)
+
+
 def test_winograd_in_row_bands_matches_float64(monkeypatch):
     """Bands cut between tile rows, and (as after a pool whose window is not its stride) bands whose
     first and last conv rows fall inside a tile (partial tile rows at both ends)."""
