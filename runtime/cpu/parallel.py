@@ -230,7 +230,11 @@ class Crew:
     def run_steps(self, steps: list, held: bool = True, program=None) -> None:
         """A plan's steps, each Parallel one spread over the crew when this call holds it (try_run; else the
         calling thread runs its tasks): its helpers' tasks posted to the plan's `program` (programs.py) where
-        it has them, else handed over here; each Claimed one with a helper lent to it (holding or not)."""
+        it has them, else handed over here; each Claimed one with a helper lent to it (holding or not). A program
+        that runs the whole call runs it (programs.HelperProgram.run_all)."""
+        if held and program is not None and program.runs(steps):
+            program.run_all(self)
+            return
         for step in steps:
             if type(step) is Parallel and held:
                 if program is not None and id(step) in program.index:

@@ -742,6 +742,80 @@ def test_an_error_in_a_helper_program_reaches_the_caller_and_the_next_call_works
         crew.close()
 
 
+def test_a_program_of_kernels_only_runs_the_whole_call_compiled():
+    """A split plan whose every step is a kernel gets run_call: the caller's side of the whole call compiled too
+    (run_all), the same bytes as the Python hand-off and as one thread, and the helpers ran their tasks in it."""
+    import time
+
+    programs = programs_or_skip()
+    from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
+
+    input_shape, layers = CASES["conv_winograd_channels_pool"]
+    model = parse_model({"input_shape": input_shape, "layers": layers + [{"type": "global_avg_pool"}]})
+    weights = random_weights(model, np.random.default_rng(5))
+    split = split_backend(model, weights, 2)
+    x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
+    handed_off = split.run(x).copy()
+    for _ in range(PROGRAM_AT_RUN):
+        split.run(x)
+    plan = split._plan(1, 2)
+    program = plan.program
+    assert program is not None and program.runs(plan.steps)
+    assert not program.runs(plan.steps[1:])
+    ran = program.control[programs.RAN]
+    deadline = time.monotonic() + 20
+    while program.control[programs.RAN] == ran and time.monotonic() < deadline:
+        np.testing.assert_array_equal(split.run(x), handed_off)
+    assert program.control[programs.RAN] > ran, "no helper ran a task of the program"
+    assert program.control[programs.DONE] == program.control[programs.POSTED]
+    np.testing.assert_allclose(handed_off, split_backend(model, weights, 1).run(x), rtol=0, atol=SPLIT_TOLERANCE)
+
+
+def test_an_error_in_a_compiled_call_reaches_the_caller_and_the_next_call_works():
+    """run_all with a kernel that raises, in the caller's own task or in the helper's: the call raises (the
+    kernel's ValueError where the caller ran it, RuntimeError from it where the helper did), every post is
+    settled (nothing hangs, no helper is left working), and later calls give their answers."""
+    programs = programs_or_skip()
+    from functools import partial
+
+    import numba
+
+    from lnn.runtime.cpu.parallel import Crew, Parallel
+
+    @numba.njit(nogil=True)
+    def add_or_refuse(values, index):
+        if values[index] < 0:
+            raise ValueError("a negative value")
+        values[index] += 1.0
+
+    values = np.zeros(2, np.float32)
+    steps = [Parallel([[partial(add_or_refuse, values, 0)], [partial(add_or_refuse, values, 1)]]),
+             partial(add_or_refuse, values, 0)]
+    program = programs.build(steps, 1)
+    assert program is not None and program.runs(steps)
+    crew = Crew(1)
+
+    def call():
+        return crew.try_run(lambda c: c.run_steps(steps, True, program))
+
+    try:
+        for refused in (0, 1):
+            for _ in range(5):
+                values[:] = 0.0
+                values[refused] = -5.0
+                with pytest.raises((ValueError, RuntimeError), match="a negative value"):
+                    call()
+                assert (program.control[programs.DONE::programs.CONTROL_WORDS]
+                        == program.control[programs.POSTED::programs.CONTROL_WORDS]).all()
+                assert program.errors == [None]
+        values[:] = 0.0
+        for _ in range(3):
+            assert call()
+        assert values.tolist() == [6.0, 3.0]
+    finally:
+        crew.close()
+
+
 PROGRAM_IN_A_FRESH_PROCESS = """
 import json, warnings
 import numpy as np
