@@ -20,12 +20,14 @@ helper that is away, late or busy elsewhere costs time, never an answer: the cal
 through Python), else waits until it is done; an error raised in a helper's task is raised in the caller
 (the call fails; nothing waits for good).
 
-Where every step of the plan is a kernel a program can call, the source also holds `run_call`, the caller's
+Where every step of the plan is a kernel a program can call, a second source holds `run_call`, the caller's
 side of a whole call: each split step posted to the helpers with a task in it, the caller's task, then each
 post claimed (and run there) or waited for, and the steps of one thread between them, with no Python in
 between (`HelperProgram.run_all`; Crew.run_steps takes it for exactly the plan's steps). The machinery of
 tomato's 7 split steps, with kernels that do nothing, took 39 us a call through Python (by hand); tomato's
-2-thread call 1.19-1.28 ms against 1.23-1.34 (by hand, alternating in one process).
+2-thread call 1.19-1.28 ms against 1.23-1.34 (by hand, alternating in one process). Compiled the first time
+(an empty program cache, the kernels cached), tomato's serve took 1.7 s and its run_call 2.1 (in serve's source,
+the two took 7.2 s), leaf_cnn's 1.3 and 1.5 (by hand).
 
 Control words, CONTROL_WORDS per helper: STEP (the split step posted), POSTED (steps posted), CLAIMED
 (steps claimed, by the helper or by the caller), DONE (steps finished), SERVING (1 from the lending until
@@ -50,6 +52,7 @@ import sys
 import tempfile
 import types
 import warnings
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +70,7 @@ CONTROL_WORDS = 6
 PROGRAM_DIR = "lnn-programs"               # in the kernel cache folder
 # claim_or_wait's answers
 HELPER_DID_IT, CALLER_RUNS_IT, HELPER_FAILED = range(3)
+CLAIMED_STEP = 1 << 20                     # run_call's answer: a step's position times this, + claimed helpers' mask
 
 
 @kernel
@@ -107,10 +111,10 @@ class HelperProgram:
     words; `index[id(step)]` is a Parallel step's number in it. `run_call`, where every step of the plan is a
     kernel a program can call: the caller's side of a whole call, compiled too (`run_all`), else None."""
 
-    def __init__(self, serve, run_call, arrays: tuple, addresses: np.ndarray, index: dict, helpers: int,
-                 steps: list):
-        self.serve, self.run_call, self.arrays, self.addresses, self.index = serve, run_call, arrays, addresses, index
-        self.step_ids = tuple(map(id, steps))
+    def __init__(self, serve, arrays: tuple, run_call, call_arrays: tuple, addresses: np.ndarray, index: dict,
+                 helpers: int, steps: list):
+        self.serve, self.arrays, self.addresses, self.index = serve, arrays, addresses, index
+        self.run_call, self.call_arrays, self.steps = run_call, call_arrays, steps
         self.control = np.zeros(CONTROL_WORDS * helpers, np.int64)
         self.linger = linger_yields()
         self.errors = [None] * helpers         # what a helper's program raised, for the caller to raise
@@ -121,26 +125,37 @@ class HelperProgram:
         claim_or_wait(scratch, 0, post(scratch, 0, 0))
         if run_call is not None:             # (only with the JIT, so Numba is there)
             from numba import typeof
-            run_call.compile(tuple(typeof(value) for value in (self.control, addresses, arrays)))
+            run_call.compile(tuple(typeof(value) for value in (self.control, addresses, call_arrays, 0)))
 
     def runs(self, steps: list) -> bool:
         """Whether run_all computes exactly these steps."""
-        return self.run_call is not None and tuple(map(id, steps)) == self.step_ids
+        return self.run_call is not None and steps is self.steps
 
     def run_all(self, crew) -> None:
         """The plan's whole call: its steps in order in the compiled run_call, which posts each split step to the
         helpers, runs the caller's task, then claims or waits for theirs (and runs the steps of one thread),
         with no Python between them (the machinery alone, tomato's 7 split steps of kernels that do nothing:
-        39 us a call through run_step, by hand). The program is lent first to each helper that is away."""
+        39 us a call through run_step, by hand). The program is lent first to each helper that is away; a
+        helper's task the caller claimed (that helper away or late) runs here, and run_call goes on after it."""
         self.lend(crew)
-        try:
-            failed = self.run_call(self.control, self.addresses, self.arrays)
-        except BaseException:
-            self._settle()
-            raise
-        if failed >= 0:
-            error, self.errors[failed] = self.errors[failed], None
-            raise RuntimeError(f"a helper thread's part of a layer failed: {error!r}") from error
+        resume = 0
+        while True:
+            try:
+                answer = self.run_call(self.control, self.addresses, self.call_arrays, resume)
+            except BaseException:
+                self._settle()
+                raise
+            if answer == -1:
+                return
+            if answer <= -2:
+                helper = -2 - answer
+                error, self.errors[helper] = self.errors[helper], None
+                raise RuntimeError(f"a helper thread's part of a layer failed: {error!r}") from error
+            position, claimed = divmod(answer, CLAIMED_STEP)
+            for helper, task in enumerate(self.steps[position].tasks[1:]):
+                if claimed >> helper & 1:
+                    run_steps(task)
+            resume = position + 1
 
     def _settle(self) -> None:
         """After a kernel of the caller's raised inside run_call: each post still open is waited for (or claimed
@@ -233,10 +248,11 @@ def build(steps: list, helpers: int):
 
 
 def _built(steps: list, split: list, helpers: int):
-    arrays, array_names, addresses = [], {}, []
+    addresses = []
 
-    def calls(task) -> list | None:
-        """The source lines calling a task's steps, or None where one is no kernel a program can call."""
+    def calls(task, arrays: list, array_names: dict) -> list | None:
+        """The source lines calling a task's steps, or None where one is no kernel a program can call; the arrays
+        they pass are added to `arrays` (a0, a1, ... in the source: array_names, by id)."""
         lines = []
         for part in task:
             call = native_call(part)
@@ -256,46 +272,53 @@ def _built(steps: list, split: list, helpers: int):
             addresses.append(address)
         return lines
 
-    branches = []
+    branches, arrays, array_names = [], [], {}
     for number, step in enumerate(split):
         for helper, task in enumerate(step.tasks[1:helpers + 1]):
-            lines = calls(task)
+            lines = calls(task, arrays, array_names)
             if lines is None:
                 return None
             if lines:
                 branches.append((helper, number, lines))
     index = {id(step): number for number, step in enumerate(split)}
-    whole_call = _caller_source(steps, index, helpers, calls)
-    serve, run_call = _compiled(_source(branches, len(arrays), whole_call))
-    return HelperProgram(serve, run_call, tuple(arrays), np.array(addresses, np.int64), index, helpers, steps)
+    call_arrays, call_array_names = [], {}
+    whole_call = _caller_source(steps, index, helpers, partial(calls, arrays=call_arrays, array_names=call_array_names))
+    serve = _compiled(_source(branches, len(arrays)), "serve")
+    run_call = None if whole_call is None else _compiled(_call_source(whole_call, len(call_arrays)), "run_call")
+    return HelperProgram(serve, tuple(arrays), run_call, tuple(call_arrays), np.array(addresses, np.int64), index,
+                         helpers, steps)
 
 
 def _caller_source(steps: list, index: dict, helpers: int, calls) -> list | None:
-    """The body of run_call for the plan's steps: each split step posted to the helpers with a task in it, the
-    caller's task, then each post claimed (and run here) or waited for; the other steps in between. None where a
-    step (or a task) cannot be called from a program, or a split step has more tasks than the crew's threads."""
+    """The body of run_call for the plan's steps from step `resume` on: each split step posted to the helpers with
+    a task in it, the caller's task, then each post claimed or waited for; the other steps in between. Returns
+    -1 when done; -2 - h when helper h's task failed in its program; or, where the caller claimed helper tasks
+    (their helper away or late), position * CLAIMED_STEP + the mask of those helpers, for run_all to run them
+    and call again from the next step (that case is rare; their calls are not compiled in a second time). None
+    where a step cannot be called from a program, or a split step has more tasks than the crew's threads."""
     body = []
-    for step in steps:
+    for position, step in enumerate(steps):
         if type(step) is not Parallel:
             lines = calls([step])
             if lines is None:
                 return None
-            body += lines
+            body += [f"if answer == -1 and resume <= {position}:", *(f"    {line}" for line in lines)]
             continue
-        if len(step.tasks) > helpers + 1:
-            return None
         own = calls(step.tasks[0])
-        posted = [(helper, CONTROL_WORDS * helper, calls(task)) for helper, task in enumerate(step.tasks[1:]) if task]
-        if own is None or any(lines is None for _, _, lines in posted):
+        if own is None or len(step.tasks) > helpers + 1:
             return None
-        body += [f"posted{helper} = post(control, np.int64({base}), np.int64({index[id(step)]}))"
-                 for helper, base, _ in posted]
-        body += own + ["failed = np.int64(-1)"]
-        for helper, base, lines in posted:
-            body += [f"answer = claim_or_wait(control, np.int64({base}), posted{helper})",
-                     f"if answer == {CALLER_RUNS_IT}:", *(f"    {line}" for line in lines),
-                     f"elif answer == {HELPER_FAILED}:", f"    failed = np.int64({helper})"]
-        body += ["if failed >= 0:", "    return failed"]
+        posted = [(helper, CONTROL_WORDS * helper) for helper, task in enumerate(step.tasks[1:]) if task]
+        block = [f"posted{helper} = post(control, np.int64({base}), np.int64({index[id(step)]}))"
+                 for helper, base in posted]
+        block += own + ["failed = np.int64(-1)", "claimed = np.int64(0)"]
+        for helper, base in posted:
+            block += [f"answer = claim_or_wait(control, np.int64({base}), posted{helper})",
+                      f"if answer == {CALLER_RUNS_IT}:", f"    claimed |= np.int64({1 << helper})",
+                      f"elif answer == {HELPER_FAILED}:", f"    failed = np.int64({helper})"]
+        block += ["if failed >= 0:", "    answer = -2 - failed",
+                  "elif claimed:", f"    answer = np.int64({position * CLAIMED_STEP}) + claimed",
+                  "else:", "    answer = np.int64(-1)"]
+        body += [f"if answer == -1 and resume <= {position}:", *(f"    {line}" for line in block)]
     return body
 
 
@@ -303,7 +326,6 @@ SERVE = """\
 # lnn helper program (runtime/cpu/programs.py; kernel sources {kernels})
 import numpy as np
 from lnn.runtime.cpu.jit import call_at, compare_and_swap, load_acquire, sched_yield, store_release
-from lnn.runtime.cpu.programs import claim_or_wait, post
 
 
 def serve(crew_flags, given, taken, control, helper, linger, addresses, arrays):
@@ -324,18 +346,23 @@ def serve(crew_flags, given, taken, control, helper, linger, addresses, arrays):
         idle = 0
 """
 
-RUN_CALL = """
+RUN_CALL = """\
+# lnn caller program (runtime/cpu/programs.py; kernel sources {kernels})
+import numpy as np
+from lnn.runtime.cpu.jit import call_at
+from lnn.runtime.cpu.programs import claim_or_wait, post
 
-def run_call(control, addresses, arrays):
+
+def run_call(control, addresses, arrays, resume):
     ({arrays}) = arrays
+    answer = np.int64(-1)
 {body}
-    return np.int64(-1)
+    return answer
 """
 
 
-def _source(branches: list, array_count: int, whole_call: list | None) -> str:
-    """SERVE with each helper's calls of each split step: branches [(helper, step number, [call, ...])]; and
-    RUN_CALL with the lines of `whole_call`, where there are."""
+def _source(branches: list, array_count: int) -> str:
+    """SERVE with each helper's calls of each split step: branches [(helper, step number, [call, ...])]."""
     calls = []
     for helper in sorted({helper for helper, _, _ in branches}):
         calls.append(f"        if helper == {helper}:")
@@ -343,19 +370,21 @@ def _source(branches: list, array_count: int, whole_call: list | None) -> str:
         for index, (number, lines) in enumerate(steps):
             calls.append(f"            {'elif' if index else 'if'} step == {number}:")
             calls += [f"                {line}" for line in lines]
-    arrays = "".join(f"a{i}, " for i in range(array_count))
-    source = SERVE.format(kernels=cache.kernel_sources_digest(), arrays=arrays, words=CONTROL_WORDS, posted=POSTED,
-                          claimed=CLAIMED, step=STEP, ran=RAN, done=DONE, calls="\n".join(calls))
-    if whole_call is not None:
-        source += RUN_CALL.format(arrays=arrays, body="\n".join(f"    {line}" for line in whole_call))
-    return source
+    return SERVE.format(kernels=cache.kernel_sources_digest(), arrays="".join(f"a{i}, " for i in range(array_count)),
+                        words=CONTROL_WORDS, posted=POSTED, claimed=CLAIMED, step=STEP, ran=RAN, done=DONE,
+                        calls="\n".join(calls))
+
+
+def _call_source(body: list, array_count: int) -> str:
+    """RUN_CALL with the lines of _caller_source, a module of its own (see the module's header)."""
+    return RUN_CALL.format(kernels=cache.kernel_sources_digest(), arrays="".join(f"a{i}, " for i in range(array_count)),
+                           body="\n".join(f"    {line}" for line in body))
 
 
 @functools.cache
-def _compiled(source: str) -> tuple:
-    """The @kernel `serve` of `source`, and its `run_call` or None (once per source in a process): from a file
-    named by its digest in the kernel cache folder (Numba caches it there), or, without a writable cache,
-    compiled from memory."""
+def _compiled(source: str, function: str):
+    """The @kernel `function` of `source` (once per source in a process): from a file named by its digest in the
+    kernel cache folder (Numba caches it there), or, without a writable cache, compiled from memory."""
     name = f"lnn_program_{hashlib.sha256(source.encode()).hexdigest()[:24]}"
     module = None
     if CACHE_ENABLED:
@@ -367,8 +396,7 @@ def _compiled(source: str) -> tuple:
         module = types.ModuleType(name)
         exec(compile(source, name, "exec"), vars(module))        # noqa: S102 - our own generated source
     sys.modules[name] = module        # Numba's cached program names its module, imported again when loaded
-    run_call = getattr(module, "run_call", None)
-    return kernel(module.serve), (None if run_call is None else kernel(run_call))
+    return kernel(getattr(module, function))
 
 
 def _written(path: Path, source: str) -> Path:

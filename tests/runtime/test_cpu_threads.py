@@ -771,6 +771,34 @@ def test_a_program_of_kernels_only_runs_the_whole_call_compiled():
     np.testing.assert_allclose(handed_off, split_backend(model, weights, 1).run(x), rtol=0, atol=SPLIT_TOLERANCE)
 
 
+def test_a_compiled_call_whose_helper_never_comes_runs_its_tasks_and_goes_on():
+    """run_all where no helper claims a post (as when the helper is away): run_call stops at each such step, the
+    caller runs the helper's task, and run_call goes on from the next step: every step once, in order."""
+    programs = programs_or_skip()
+    from functools import partial
+
+    import numba
+
+    from lnn.runtime.cpu.parallel import Parallel
+
+    @numba.njit(nogil=True)
+    def scale_and_add(values, first, end, factor, term):
+        for i in range(first, end):
+            values[i] = values[i] * factor + term
+
+    values = np.ones(8, np.float32)
+    halves = [(0, 4), (4, 8)]
+    steps = [Parallel([[partial(scale_and_add, values, first, end, 2.0, 0.0)] for first, end in halves]),
+             partial(scale_and_add, values, 0, 8, 1.0, 1.0),
+             Parallel([[partial(scale_and_add, values, first, end, 3.0, 0.0)] for first, end in halves])]
+    program = programs.build(steps, 1)
+    assert program is not None and program.runs(steps)
+    program.control[programs.SERVING] = 1        # as if lent to a helper that never came: nobody claims the posts
+    program.run_all(crew=None)
+    assert values.tolist() == [9.0] * 8          # (1 * 2 + 1) * 3, each step once, in order
+    assert program.control[programs.RAN] == 0 and program.control[programs.DONE] == 2
+
+
 def test_an_error_in_a_compiled_call_reaches_the_caller_and_the_next_call_works():
     """run_all with a kernel that raises, in the caller's own task or in the helper's: the call raises (the
     kernel's ValueError where the caller ran it, RuntimeError from it where the helper did), every post is
@@ -830,7 +858,8 @@ backend.task_flops = 0
 x = np.ones((1, 16, 8, 8), np.float32)
 answers = [backend.run(x).copy() for _ in range(3)]
 program = backend._plan(1, 2).program
-print(json.dumps({"program": program is not None, "loaded": len(program.serve.stats.cache_hits),
+print(json.dumps({"program": program is not None and program.run_call is not None,
+                  "loaded": len(program.serve.stats.cache_hits) + len(program.run_call.stats.cache_hits),
                   "same": all((answer == answers[0]).all() for answer in answers)}))
 """
 
@@ -852,15 +881,15 @@ def test_a_helper_program_is_cached_and_loaded_by_a_later_process(tmp_path):
         assert run.returncode == 0, run.stderr
     first, second = (json.loads(run.stdout.splitlines()[-1]) for run in runs)
     assert first["program"] and second["program"] and first["same"] and second["same"]
-    assert first["loaded"] == 0 and second["loaded"] == 1
-    assert len(list((tmp_path / "numba" / "lnn-programs").glob("lnn_program_*.py"))) == 1
+    assert first["loaded"] == 0 and second["loaded"] == 2
+    assert len(list((tmp_path / "numba" / "lnn-programs").glob("lnn_program_*.py"))) == 2     # serve and run_call
 
 
 def test_a_program_that_cannot_be_built_leaves_the_python_hand_off(monkeypatch):
     programs = programs_or_skip()
     from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
 
-    def broken(source):
+    def broken(source, function):
         raise OSError("no room left")
 
     monkeypatch.setattr(programs, "_compiled", broken)
