@@ -693,21 +693,28 @@ def test_a_program_left_alone_has_its_tasks_run_by_the_caller():
     assert program.control[programs.RAN] == 0 and program.control[programs.DONE] == 3
 
 
-def test_an_error_in_a_helper_program_reaches_the_caller_and_the_next_call_works():
-    """A kernel that raises inside a helper's program: the call raises that error (RuntimeError from it), nothing
-    hangs, and later calls of the same program give their answers."""
-    programs = programs_or_skip()
-    import time
-
+def add_or_refuse_kernel():
+    """A kernel add_or_refuse(values, index): values[index] += 1, or ValueError where it is negative."""
     import numba
-
-    from lnn.runtime.cpu.parallel import Crew
 
     @numba.njit(nogil=True)
     def add_or_refuse(values, index):
         if values[index] < 0:
             raise ValueError("a negative value")
         values[index] += 1.0
+
+    return add_or_refuse
+
+
+def test_an_error_in_a_helper_program_reaches_the_caller_and_the_next_call_works():
+    """A kernel that raises inside a helper's program: the call raises that error (RuntimeError from it), nothing
+    hangs, and later calls of the same program give their answers."""
+    programs = programs_or_skip()
+    import time
+
+    from lnn.runtime.cpu.parallel import Crew
+
+    add_or_refuse = add_or_refuse_kernel()
 
     def until_the_helper_claims():                      # the caller's own task: so the helper, not it, runs the other
         deadline = time.monotonic() + 1
@@ -806,15 +813,9 @@ def test_an_error_in_a_compiled_call_reaches_the_caller_and_the_next_call_works(
     programs = programs_or_skip()
     from functools import partial
 
-    import numba
-
     from lnn.runtime.cpu.parallel import Crew, Parallel
 
-    @numba.njit(nogil=True)
-    def add_or_refuse(values, index):
-        if values[index] < 0:
-            raise ValueError("a negative value")
-        values[index] += 1.0
+    add_or_refuse = add_or_refuse_kernel()
 
     values = np.zeros(2, np.float32)
     steps = [Parallel([[partial(add_or_refuse, values, 0)], [partial(add_or_refuse, values, 1)]]),
