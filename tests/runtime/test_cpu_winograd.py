@@ -257,11 +257,16 @@ def test_winograd_convs_run_block_products(monkeypatch, size):
         check_bound(backend.run(x[:batch]), x[:batch], weight, 1)
 
 
-def test_skinny_convs_cut_by_channels_share_one_transposed_v():
-    """A conv of 4 tiles an image cut by output channels over 2 and 3 threads: each task of input channels makes
-    V of its channels and writes their columns of one shared V^T, which every product task's skinny_products
-    reads without a copy of its own; the same bytes as one thread, one image and a batch of two."""
-    from lnn.runtime.cpu import BACKEND
+@pytest.mark.parametrize("products", ["blas", "small", "narrow"])
+def test_skinny_convs_cut_by_channels_share_one_transposed_v(products, monkeypatch):
+    """A conv of 4 tiles an image cut by output channels over 2 and 3 threads (on each host's way of the other
+    products): each task of input channels makes V of its channels and writes their columns of one shared V^T,
+    which every product task's skinny_products reads without a copy of its own; the same bytes as one thread,
+    one image and a batch of two."""
+    from lnn.runtime.cpu import BACKEND, conv2d
+
+    monkeypatch.setattr(conv2d, "small_products_pay", lambda: products == "small")
+    monkeypatch.setattr(conv2d, "narrow_tiles_pay", lambda: products == "narrow")
     from lnn.runtime.cpu.parallel import Parallel
     from lnn.runtime.cpu.winograd import skinny_products, winograd_input
 
