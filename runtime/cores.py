@@ -34,19 +34,24 @@ BIG_CORE_SHARE = 0.75     # of the highest cpu_capacity: a big core (Cortex-A55 
 
 def usable_cores() -> int:
     """The thread count of threads="auto" (see the module's header); at least 1."""
-    try:
-        allowed = os.sched_getaffinity(0)
-    except AttributeError:                       # macOS, Windows: no affinity call
+    allowed = _affinity()
+    if allowed is None:
         return macos_performance_cores() or os.cpu_count() or 1
     return within_quota(big_physical_cores(allowed) or len(allowed) or 1)
 
 
 def allowed_cpus() -> int:
     """The logical CPUs this process may run on (all of them where there is no affinity call)."""
+    allowed = _affinity()
+    return len(allowed) if allowed is not None else os.cpu_count() or 1
+
+
+def _affinity() -> set | None:
+    """The CPUs this process may run on, or None where there is no affinity call (macOS, Windows)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except AttributeError:
-        return os.cpu_count() or 1
+        return None
 
 
 def usable_cpus() -> int:

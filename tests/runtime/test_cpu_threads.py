@@ -527,9 +527,7 @@ def test_auto_keeps_within_the_cgroup_cpu_quota(tmp_path, monkeypatch):
 
 
 def test_threads_auto_is_the_usable_cores():
-    from lnn.runtime.cores import big_physical_cores, cores_in_words
-
-    from lnn.runtime.cores import cgroup_cpu_quota
+    from lnn.runtime.cores import big_physical_cores, cgroup_cpu_quota, cores_in_words
 
     allowed = os.sched_getaffinity(0)
     assert usable_cores() == min(big_physical_cores(allowed) or len(allowed), cgroup_cpu_quota() or len(allowed))
