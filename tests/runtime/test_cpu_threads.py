@@ -784,18 +784,17 @@ def test_a_compiled_call_whose_helper_never_comes_runs_its_tasks_and_goes_on():
 
     import numba
 
-    from lnn.runtime.cpu.parallel import Parallel
-
     @numba.njit(nogil=True)
     def scale_and_add(values, first, end, factor, term):
         for i in range(first, end):
             values[i] = values[i] * factor + term
 
     values = np.ones(8, np.float32)
-    halves = [(0, 4), (4, 8)]
-    steps = [Parallel([[partial(scale_and_add, values, first, end, 2.0, 0.0)] for first, end in halves]),
-             partial(scale_and_add, values, 0, 8, 1.0, 1.0),
-             Parallel([[partial(scale_and_add, values, first, end, 3.0, 0.0)] for first, end in halves])]
+    def halves_scaled(factor):                   # the caller's half, and the helper's
+        return parallel_step_of(scale_and_add, [partial(scale_and_add, values, 0, 4, factor, 0.0)],
+                                (values, 4, 8, factor, 0.0))
+
+    steps = [halves_scaled(2.0), partial(scale_and_add, values, 0, 8, 1.0, 1.0), halves_scaled(3.0)]
     program = programs.build(steps, 1)
     assert program is not None and program.runs(steps)
     program.control[programs.SERVING] = 1        # as if lent to a helper that never came: nobody claims the posts
@@ -811,12 +810,12 @@ def test_an_error_in_a_compiled_call_reaches_the_caller_and_the_next_call_works(
     programs = programs_or_skip()
     from functools import partial
 
-    from lnn.runtime.cpu.parallel import Crew, Parallel
+    from lnn.runtime.cpu.parallel import Crew
 
     add_or_refuse = add_or_refuse_kernel()
 
     values = np.zeros(2, np.float32)
-    steps = [Parallel([[partial(add_or_refuse, values, 0)], [partial(add_or_refuse, values, 1)]]),
+    steps = [parallel_step_of(add_or_refuse, [partial(add_or_refuse, values, 0)], (values, 1)),
              partial(add_or_refuse, values, 0)]
     program = programs.build(steps, 1)
     assert program is not None and program.runs(steps)
