@@ -120,12 +120,12 @@ class Plan:
     scratch is a piece of (None when no layer has any)."""
 
     def __init__(self, layers: list, input_shape: tuple, batch: int, kept_after: dict | None = None, parts: int = 1,
-                 task_flops: float = MIN_TASK_FLOPS, chains: bool = True, spins: int = 0):
+                 task_flops: float = MIN_TASK_FLOPS, chains: bool = True):
         """chains: consecutive small linear layers as one kernel call (linear.plan_chain); off for --profile,
-        which times each layer. spins: the crew's (Crew.spins), for the waits of its chains and program."""
+        which times each layer."""
         self.scratch = None              # worker -> the block its scratch shares across the layers (_new_buffer)
         self._scratch_used, self._scratch_most = {}, {}
-        planned = (layers, input_shape, batch, kept_after or {}, parts, task_flops, chains, spins)
+        planned = (layers, input_shape, batch, kept_after or {}, parts, task_flops, chains)
         self._plan_layers(*planned)      # every buffer its own; measures each worker's largest layer scratch
         if self._scratch_most:           # zeros: what a kernel reads past its data is finite
             self.scratch = {worker: _aligned(most, np.zeros) for worker, most in self._scratch_most.items()}
@@ -135,10 +135,9 @@ class Plan:
         self.claims = any(type(step) is Claimed for step in self.steps)       # a crew helper may serve these
         self.program = None              # the helpers' tasks compiled (programs.py), from the PROGRAM_AT_RUN'th split run
         self._helpers = parts - 1
-        self._spins = spins
         self._split_runs = 0
 
-    def _plan_layers(self, layers, input_shape, batch, kept_after, parts, task_flops, chains, spins) -> None:
+    def _plan_layers(self, layers, input_shape, batch, kept_after, parts, task_flops, chains) -> None:
         first_padding = getattr(layers[0], "input_padding", (0, 0)) if layers else (0, 0)
         _, self.input = padded_buffer((batch, *input_shape), *first_padding, self._new_buffer)
         self.steps = []
@@ -151,7 +150,7 @@ class Plan:
             self._scratch_used = {}      # each layer's scratch starts at its worker's block's start
             chained = chain_length(layers, index, batch, kept_after) if chains and x.flags.c_contiguous else 0
             if chained:
-                x, steps = plan_chain(layers[index:index + chained], x, self._new_buffer, parts, task_flops, spins)
+                x, steps = plan_chain(layers[index:index + chained], x, self._new_buffer, parts, task_flops)
             elif hasattr(layer, "flops"):
                 layer_parts = int(min(parts, max(1, layer.flops * batch // task_flops) if task_flops else parts))
                 x, steps = layer.plan(x, self._new_buffer, layer_parts)
@@ -199,7 +198,7 @@ class Plan:
         if held and self._split_runs < PROGRAM_AT_RUN and self.splits:
             self._split_runs += 1
             if self._split_runs == PROGRAM_AT_RUN:
-                self.program = programs.build(self.steps, self._helpers, self._spins)
+                self.program = programs.build(self.steps, self._helpers)
         crew.run_steps(self.steps, held, self.program)
         return self.output
 
@@ -271,8 +270,7 @@ class CpuBackend:
         self.layer_nodes = outputs.members          # the nodes each fused layer computes
         kept_shapes = {node.name: node.out_shape for node in model.nodes if node.name in outputs.keep}
         self._plans = PerThreadCache(                            # (batch, parts, part) -> Plan
-            lambda key: Plan(self.layers, model.input_shape, key[0], self._kept_after, key[1], self.task_flops,
-                             spins=self._crew.spins if self._crew is not None else 0),
+            lambda key: Plan(self.layers, model.input_shape, key[0], self._kept_after, key[1], self.task_flops),
             PLANS_KEPT * self.threads)
         self.task_flops = MIN_TASK_FLOPS     # 0 splits every conv and linear layer (tests, lnn-doctor): set before a run
         self._outputs = PerThreadCache(                                    # batch -> (output, kept) of split runs

@@ -55,7 +55,7 @@ if KERNELS == "aot":
     gather_tile_columns = interleave_rows4 = None   # (the JIT's intrinsics: winograd.py copies instead)
     load16 = load8 = store8 = None                  # (the register tiles' vector loads and stores: the JIT's only)
     spin_while_equal = hand_off = None     # (the crew's spins use the JIT's intrinsics: the locks hand off instead)
-    load_acquire = store_release = compare_and_swap = fetch_add = relax = None   # (the JIT's intrinsics)
+    load_acquire = store_release = compare_and_swap = fetch_add = spin_pause = relax = None   # (the JIT's intrinsics)
     call_at = compiled_address = None    # (programs.py's calls of compiled kernels: the JIT's only)
     call_sgemm = None                    # (BLAS from compiled code: the JIT's only)
 else:
@@ -411,8 +411,7 @@ else:
         yielded, a helper beside a busy process (a nice-10 loop on its CPU) lost its CPU at each wait for
         its next step, the caller ran most of the helper's steps itself, and the bundled model's 2-thread
         call took 2.4-2.7 ms against 1.1-1.3 with pauses (by hand, the 2-core VM; the same without that
-        process). The waits pause for about LINGER_SECONDS (parallel.linger_polls) before they yield, unless
-        the call has more threads than the process has CPUs (parallel.wait_spins: then each read yields)."""
+        process). The waits pause for about LINGER_SECONDS (parallel.linger_polls) before they yield."""
         if polls < spins:
             _spin_pause()
         else:
@@ -522,9 +521,9 @@ else:
     spin_while_equal = None if relax is None else numba.njit(cache=CACHE_ENABLED, nogil=True)(spin_while_equal)
     hand_off = None if spin_while_equal is None else numba.njit(cache=CACHE_ENABLED, nogil=True)(hand_off)
     # for kernels that hand work between threads themselves (linear.py's chain); None where there is no spin
-    load_acquire, store_release, compare_and_swap, fetch_add, call_at = (
-        (None,) * 5 if spin_while_equal is None else
-        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _call_at))
+    load_acquire, store_release, compare_and_swap, fetch_add, spin_pause, call_at = (
+        (None,) * 6 if spin_while_equal is None else
+        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _spin_pause, _call_at))
 
 
 def blas_libraries() -> list:

@@ -32,7 +32,7 @@ from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import SOFTMAX, Epilogue, activate, as_channels_positions
 from lnn.runtime.cpu.aot import A1, A2, F, I
 from lnn.runtime.cpu.jit import (WIDE_VECTORS, compare_and_swap, fetch_add, ieee_kernel, kernel, load16, load_acquire,
-                                 relax, spin_while_equal, store_release, wide_tile_kernel)
+                                 relax, spin_pause, spin_while_equal, store_release, wide_tile_kernel)
 from lnn.runtime.cpu.parallel import SERVED, Claimed, linger_polls, parallel_steps, split_range
 from lnn.runtime.cpu.winograd import fma16, zeros16
 
@@ -308,21 +308,20 @@ def run_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, s
 
 
 @kernel
-def serve_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, spins, linger, crew_flags, given,
-                taken):
-    """A helper's side (parallel.Claimed.serve): joins each new call until `linger` reads pass without one or
+def serve_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, spins, crew_flags, given, taken):
+    """A helper's side (parallel.Claimed.serve): joins each new call until `spins` paused reads pass without one or
     crew_flags[given] is no longer `taken` (the crew has other work for it)."""
     store_release(flags, SERVED, 1)
     seen = load_acquire(flags, GO) - 1           # the call going on now, if any, is joined
     idle = 0
-    while idle < linger and load_acquire(crew_flags, given) == taken:
+    while idle < spins and load_acquire(crew_flags, given) == taken:
         call = load_acquire(flags, GO)
         if call != seen:
             seen = call
             chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, True, spins)
             idle = 0
         else:
-            relax(idle, spins)
+            spin_pause()
             idle += 1
     store_release(flags, SERVED, 0)
 
@@ -347,7 +346,7 @@ def chain_parameters(layers: list) -> tuple:
     return made
 
 
-def plan_chain(layers: list, src, new_buffer, parts: int, task_flops: float, spins: int):
+def plan_chain(layers: list, src, new_buffer, parts: int, task_flops: float):
     """(dst, [one step]) for consecutive chain_eligible layers: a Claimed step when some layer is cut into
     blocks (parts > 1 and at least CHAIN_TASK_FLOPS a row, or any size when task_flops is 0), else run_chain
     alone."""
@@ -368,9 +367,10 @@ def plan_chain(layers: list, src, new_buffer, parts: int, task_flops: float, spi
     flags = np.zeros(2 + 2 * len(layers), np.int64)
     arguments = (src.reshape(rows, -1), weights, scales, shifts, slopes, layout, bounds, acts)
     dst = acts[layout[-1, 5]:].reshape(rows, sizes[-1][1])
+    spins = linger_polls() if CHAINS else 0
     run = partial(run_chain, *arguments, flags, spins)
     if (layout[:, 7] == 1).all():                # no layer cut: nothing to share
         return dst, [run]
-    serve = partial(serve_chain, *arguments, flags, spins, linger_polls())
+    serve = partial(serve_chain, *arguments, flags, spins)
     serve(flags, GO, -1)       # compiled (or loaded) here, while planning: no wait on a helper's first lending
     return dst, [Claimed(run, serve, flags)]

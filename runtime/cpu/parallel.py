@@ -34,7 +34,6 @@ import weakref
 
 import numpy as np
 
-from lnn.runtime.cores import allowed_cpus
 from lnn.runtime.cpu.jit import hand_off, spin_while_equal
 
 # how long a helper keeps spinning after a call (the next one, back to back, finds it awake), and a wait for another
@@ -138,15 +137,13 @@ class Crew:
         self._busy = threading.Lock()
         # flags: GIVEN, DONE, STARTED counts per helper, then HOT (1 while a call holds the crew)
         self._flags = np.zeros(FLAGS_PER_HELPER * helpers + 1, np.int64)
-        self._cpus = os.sched_getaffinity(0) if CURRENT_CPU is not None else set()
-        # a wait's paused reads before it yields (jit.relax), for this crew's threads: also its plans' chains and programs
-        self.spins = wait_spins(helpers + 1, len(self._cpus) or allowed_cpus()) if spin_while_equal is not None else 0
-        self._jobs = [_Slot(self._flags, index, self.spins) for index in range(helpers)]
+        self._jobs = [_Slot(self._flags, index) for index in range(helpers)]
         self.threads = [threading.Thread(target=_serve, args=(slot,), name=f"{name}-{index}", daemon=True)
                         for index, slot in enumerate(self._jobs)]
         for thread in self.threads:
             thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._jobs)
+        self._cpus = os.sched_getaffinity(0) if CURRENT_CPU is not None else set()
         self._helpers_off = None             # the CPU the helpers are kept off (the last caller's)
 
     @property
@@ -332,7 +329,7 @@ class _Slot:
     wake-up call for a blocked helper (released for a task, a wake-up or the stop, at most once pending),
     `done` is released after each task."""
 
-    def __init__(self, flags: np.ndarray, index: int, spins: int):
+    def __init__(self, flags: np.ndarray, index: int):
         self.go = threading.Lock()
         self.done = threading.Lock()
         self.go.acquire()
@@ -343,7 +340,6 @@ class _Slot:
         self.error = None
         self.stopped = False
         self.flags = flags
-        self.spins = spins                  # a wait's paused reads before it yields the CPU (wait_spins)
         self.given, self.done_at, self.started_at = (FLAGS_PER_HELPER * index + offset for offset in (GIVEN, DONE, STARTED))
 
     def give(self, task, lent: bool = False) -> None:
@@ -362,7 +358,7 @@ class _Slot:
 
     def wait(self):
         if spin_while_equal is not None:
-            spin_while_equal(self.flags, self.done_at, self.flags[self.given] - 1, -1, -1, 0, 0, self.spins)
+            spin_while_equal(self.flags, self.done_at, self.flags[self.given] - 1, -1, -1, 0, 0, linger_polls())
         self.done.acquire()
         error, self.error = self.error, None
         return error
@@ -376,7 +372,7 @@ def _serve(slot: _Slot) -> None:
     while not slot.stopped:
         if flags[slot.given] == seen:
             if spin_while_equal is not None and (flags[hot] or done >= 0):
-                spin_while_equal(flags, slot.given, seen, hot, done, seen, linger, slot.spins)
+                spin_while_equal(flags, slot.given, seen, hot, done, seen, linger, linger)
                 done = -1
             if flags[slot.given] == seen:
                 slot.go.acquire()
@@ -435,10 +431,3 @@ def pause_seconds() -> float:
 def linger_polls() -> int:
     """Paused reads in about LINGER_SECONDS on this machine: a helper's linger, and a wait's reads before it yields."""
     return max(1, int(LINGER_SECONDS / pause_seconds()))
-
-
-def wait_spins(threads: int, cpus: int) -> int:
-    """The paused reads of a wait (jit.relax) among `threads` threads of one call on `cpus` CPUs: linger_polls()
-    when each can have a CPU of its own, else none (each read yields): a thread waiting on a CPU that another
-    of the call's threads needs would keep that one waiting, by pausing, for the rest of its time slice."""
-    return linger_polls() if threads <= cpus else 0

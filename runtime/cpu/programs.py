@@ -31,8 +31,8 @@ the two took 7.2 s), leaf_cnn's 1.3 and 1.5 (by hand).
 
 Control words, CONTROL_WORDS per helper: STEP (the split step posted), POSTED (steps posted), CLAIMED
 (steps claimed, by the helper or by the caller), DONE (steps finished), SERVING (1 from the lending until
-the helper's program has returned), RAN (steps the helper ran), SPINS (the reads a wait for the other thread
-pauses between before it yields the CPU: parallel.wait_spins, jit.relax).
+the helper's program has returned), RAN (steps the helper ran), SPINS (the reads the caller's wait for the helper
+pauses between before it yields the CPU: parallel.linger_polls, jit.relax).
 
 A step is in a program only when it is a partial of a Numba kernel that returns nothing, with ints, floats,
 bools and arrays as arguments (or np.copyto, as `copy_into`); a plan with any other split step gets no
@@ -115,12 +115,12 @@ class HelperProgram:
     kernel a program can call: the caller's side of a whole call, compiled too (`run_all`), else None."""
 
     def __init__(self, serve, arrays: tuple, run_call, call_arrays: tuple, addresses: np.ndarray, index: dict,
-                 helpers: int, steps: list, spins: int):
+                 helpers: int, steps: list):
         self.serve, self.arrays, self.addresses, self.index = serve, arrays, addresses, index
         self.run_call, self.call_arrays, self.steps = run_call, call_arrays, steps
         self.control = np.zeros(CONTROL_WORDS * helpers, np.int64)
         self.linger = linger_polls()
-        self.control[SPINS::CONTROL_WORDS] = spins
+        self.control[SPINS::CONTROL_WORDS] = self.linger
         self.errors = [None] * helpers         # what a helper's program raised, for the caller to raise
         # compiled (or loaded) here, and the caller's kernels too: compiled at the first post, they kept the
         # caller longer than a helper waits for a post (LINGER_SECONDS), and the helper had left
@@ -236,23 +236,22 @@ def _literal(value) -> str:
     return f"np.{value.dtype.name}({value.item()!r})"
 
 
-def build(steps: list, helpers: int, spins: int):
-    """The HelperProgram of a plan's steps with `helpers` helpers whose waits pause `spins` reads before they yield
-    (the crew's, parallel.wait_spins), or None where there is nothing to post or a
+def build(steps: list, helpers: int):
+    """The HelperProgram of a plan's steps with `helpers` helpers, or None where there is nothing to post or a
     split step's task cannot be called from one (see the module's header), or where it could not be built (a
     warning says why: the plan's Python hand-off still gives every answer)."""
     split = [step for step in steps if type(step) is Parallel]
     if not AVAILABLE or not split or any(type(step) is Claimed for step in steps):
         return None
     try:
-        return _built(steps, split, helpers, spins)
+        return _built(steps, split, helpers)
     except Exception as error:            # noqa: BLE001 - a program only saves time; the plan runs without it
         warnings.warn(f"lnn: the CPU backend's helper program could not be built ({error!r}); its split layers are "
                       f"handed to the helper threads through Python instead", RuntimeWarning, stacklevel=2)
         return None
 
 
-def _built(steps: list, split: list, helpers: int, spins: int):
+def _built(steps: list, split: list, helpers: int):
     addresses = []
 
     def calls(task, arrays: list, array_names: dict) -> list | None:
@@ -291,7 +290,7 @@ def _built(steps: list, split: list, helpers: int, spins: int):
     serve = _compiled(_source(branches, len(arrays)), "serve")
     run_call = None if whole_call is None else _compiled(_call_source(whole_call, len(call_arrays)), "run_call")
     return HelperProgram(serve, tuple(arrays), run_call, tuple(call_arrays), np.array(addresses, np.int64), index,
-                         helpers, steps, spins)
+                         helpers, steps)
 
 
 def _caller_source(steps: list, index: dict, helpers: int, calls) -> list | None:
@@ -330,7 +329,7 @@ def _caller_source(steps: list, index: dict, helpers: int, calls) -> list | None
 SERVE = """\
 # lnn helper program (runtime/cpu/programs.py; kernel sources {kernels})
 import numpy as np
-from lnn.runtime.cpu.jit import call_at, compare_and_swap, load_acquire, relax, store_release
+from lnn.runtime.cpu.jit import call_at, compare_and_swap, load_acquire, spin_pause, store_release
 
 
 def serve(crew_flags, given, taken, control, helper, linger, addresses, arrays):
@@ -341,7 +340,7 @@ def serve(crew_flags, given, taken, control, helper, linger, addresses, arrays):
         posted = load_acquire(control, base + {posted})
         claimed = load_acquire(control, base + {claimed})
         if posted == claimed or not compare_and_swap(control, base + {claimed}, posted - 1, posted):
-            relax(idle, control[base + {spins}])
+            spin_pause()
             idle += 1
             continue
         step = control[base + {step}]
@@ -376,7 +375,7 @@ def _source(branches: list, array_count: int) -> str:
             calls.append(f"            {'elif' if index else 'if'} step == {number}:")
             calls += [f"                {line}" for line in lines]
     return SERVE.format(kernels=cache.kernel_sources_digest(), arrays="".join(f"a{i}, " for i in range(array_count)),
-                        words=CONTROL_WORDS, posted=POSTED, claimed=CLAIMED, step=STEP, ran=RAN, done=DONE, spins=SPINS,
+                        words=CONTROL_WORDS, posted=POSTED, claimed=CLAIMED, step=STEP, ran=RAN, done=DONE,
                         calls="\n".join(calls))
 
 
