@@ -16,10 +16,9 @@ LNN_CPU_KERNELS=aot (the default when Numba is not installed, as in the packaged
 kernels from the ahead-of-time compiled module instead (aot.py): no Numba import, no compile, no cache.
 
 It also defines the JIT's intrinsics (LLVM IR that Numba inlines where a kernel calls them; None under the
-ahead-of-time kernels): the atomic loads, stores and counters and the waits' pause or sched_yield (relax)
-that the crew's spins and linear.py's chains use, the Winograd transforms' vector shuffles
-(gather_tile_columns, interleave_rows4), the register tiles' vector loads and stores (load16, load8, store8),
-a call of a compiled kernel by its
+ahead-of-time kernels): the atomic loads, stores and counters and sched_yield that the crew's spins and
+linear.py's chains use, the Winograd transforms' vector shuffles (gather_tile_columns, interleave_rows4),
+the register tiles' vector loads and stores (load16, load8, store8), a call of a compiled kernel by its
 address (call_at, for programs.py's helper programs), and a call of BLAS's cblas_sgemm by its address
 (call_sgemm, sgemm_address: winograd.py's blas_products).
 
@@ -55,7 +54,7 @@ if KERNELS == "aot":
     gather_tile_columns = interleave_rows4 = None   # (the JIT's intrinsics: winograd.py copies instead)
     load16 = load8 = store8 = None                  # (the register tiles' vector loads and stores: the JIT's only)
     spin_while_equal = hand_off = None     # (the crew's spins use the JIT's intrinsics: the locks hand off instead)
-    load_acquire = store_release = compare_and_swap = fetch_add = spin_pause = relax = None   # (the JIT's intrinsics)
+    load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = None   # (the JIT's intrinsics)
     call_at = compiled_address = None    # (programs.py's calls of compiled kernels: the JIT's only)
     call_sgemm = None                    # (BLAS from compiled code: the JIT's only)
 else:
@@ -223,23 +222,6 @@ else:
             return context.get_dummy_value()
         return types.none(), codegen
 
-    # the CPU's spin-wait hint as an LLVM intrinsic and its arguments: x86's pause, arm64's isb (sy)
-    _PAUSE = {"x86_64": ("llvm.x86.sse2.pause", ()), "aarch64": ("llvm.aarch64.isb", (15,)),
-              "arm64": ("llvm.aarch64.isb", (15,))}.get(llvmlite.binding.get_default_triple().split("-")[0])
-
-    @intrinsic
-    def _spin_pause(typingctx):
-        """The CPU's spin-wait hint (nothing on other CPUs): a short delay that keeps the thread on its CPU."""
-        def codegen(context, builder, signature, args):
-            if _PAUSE is not None:
-                name, constants = _PAUSE
-                int32 = llvmlite.ir.IntType(32)
-                function = cgutils.get_or_insert_function(builder.module, llvmlite.ir.FunctionType(
-                    llvmlite.ir.VoidType(), [int32] * len(constants)), name)
-                builder.call(function, [int32(value) for value in constants])
-            return context.get_dummy_value()
-        return types.none(), codegen
-
     _I64 = llvmlite.ir.IntType(64)
 
     def _in_groups(builder, count, emit, widest: int = 16):
@@ -404,54 +386,37 @@ else:
             return context.get_dummy_value()
         return types.none(array, types.intp, types.int64), codegen
 
-    def relax(polls, spins):
-        """Poll number `polls` (from 0) of a wait for another thread: the first `spins` pause the CPU
-        (_spin_pause), later ones yield it (sched_yield). A yield hands the CPU to any other runnable thread
-        there for up to its time slice (milliseconds under Linux's EEVDF scheduler): when every read
-        yielded, a helper beside a busy process (a nice-10 loop on its CPU) lost its CPU at each wait for
-        its next step, the caller ran most of the helper's steps itself, and the bundled model's 2-thread
-        call took 2.4-2.7 ms against 1.1-1.3 with pauses (by hand, the 2-core VM; the same without that
-        process). The waits pause for about LINGER_SECONDS (parallel.linger_polls) before they yield."""
-        if polls < spins:
-            _spin_pause()
-        else:
-            _sched_yield()
-
-    def spin_while_equal(flags, index, value, hot, mark, marked, linger, spins):
+    def spin_while_equal(flags, index, value, hot, mark, marked, linger):
         """Without the GIL: first flags[mark] = marked (when mark >= 0), then wait while flags[index] == value,
-        relaxing between reads (`relax`: its first `spins` reads pause, later ones yield the CPU, so that a
-        thread woken onto this CPU runs); when hot >= 0, only while flags[hot] != 0, or for `linger` more
-        reads once it is 0. True when flags[index] changed.
+        yielding the CPU between reads (a thread woken onto this CPU runs); when hot >= 0, only while
+        flags[hot] != 0, or for `linger` more yields once it is 0. True when flags[index] changed.
         parallel.py's crew waits with it during a call instead of blocking; a helper says "done" from here
         (mark), so it holds no GIL when the caller, seeing it, wants the GIL (a thread that waits for the GIL
         sleeps, and wakes 30-80 us later on the 2-core VM)."""
         if mark >= 0:
             _store_release(flags, mark, marked)
-        polls = 0
         while _load_acquire(flags, index) == value:
             if hot >= 0 and _load_acquire(flags, hot) == 0:
                 if linger <= 0:
                     return False
                 linger -= 1
-            relax(polls, spins)
-            polls += 1
+            _sched_yield()
         return True
 
     def hand_off(flags, helpers, stride, given, started, wait, margin):
         """Without the GIL: give each of the first `helpers` helpers its next task (flags[stride * i + given] += 1:
         its count of tasks given), then wait until each has taken it (flags[stride * i + started], its count of
-        tasks started, caught up), at most `wait` paused reads in all, then `margin` pauses more (the helper,
-        which took the GIL to start its task, drops it again when its first kernel starts). parallel.py's
-        Crew.run: the caller holds no GIL while the helpers take it, so neither sleeps waiting for it (30-80 us
-        here)."""
+        tasks started, caught up), at most `wait` yields in all, then `margin` yields more (the helper, which
+        took the GIL to start its task, drops it again when its first kernel starts). parallel.py's Crew.run:
+        the caller holds no GIL while the helpers take it, so neither sleeps waiting for it (30-80 us here)."""
         for i in range(helpers):
             _store_release(flags, stride * i + given, flags[stride * i + given] + 1)
         for i in range(helpers):
             while _load_acquire(flags, stride * i + started) != flags[stride * i + given] and wait > 0:
                 wait -= 1
-                _spin_pause()
+                _sched_yield()
         for _ in range(margin):
-            _spin_pause()
+            _sched_yield()
 
     @intrinsic
     def _call_at(typingctx, address, arguments):
@@ -517,13 +482,13 @@ else:
             return None
         return compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
 
-    relax = None if sys.platform == "win32" else numba.njit(cache=CACHE_ENABLED, nogil=True)(relax)    # no sched_yield
-    spin_while_equal = None if relax is None else numba.njit(cache=CACHE_ENABLED, nogil=True)(spin_while_equal)
+    spin_while_equal = (None if sys.platform == "win32"                 # no sched_yield
+                        else numba.njit(cache=CACHE_ENABLED, nogil=True)(spin_while_equal))
     hand_off = None if spin_while_equal is None else numba.njit(cache=CACHE_ENABLED, nogil=True)(hand_off)
     # for kernels that hand work between threads themselves (linear.py's chain); None where there is no spin
-    load_acquire, store_release, compare_and_swap, fetch_add, spin_pause, call_at = (
+    load_acquire, store_release, compare_and_swap, fetch_add, sched_yield, call_at = (
         (None,) * 6 if spin_while_equal is None else
-        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _spin_pause, _call_at))
+        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield, _call_at))
 
 
 def blas_libraries() -> list:

@@ -32,8 +32,8 @@ from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import SOFTMAX, Epilogue, activate, as_channels_positions
 from lnn.runtime.cpu.aot import A1, A2, F, I
 from lnn.runtime.cpu.jit import (WIDE_VECTORS, compare_and_swap, fetch_add, ieee_kernel, kernel, load16, load_acquire,
-                                 relax, spin_pause, spin_while_equal, store_release, wide_tile_kernel)
-from lnn.runtime.cpu.parallel import SERVED, Claimed, linger_polls, parallel_steps, split_range
+                                 sched_yield, spin_while_equal, store_release, wide_tile_kernel)
+from lnn.runtime.cpu.parallel import SERVED, Claimed, linger_yields, parallel_steps, split_range
 from lnn.runtime.cpu.winograd import fma16, zeros16
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
@@ -262,10 +262,10 @@ def claim_block(flags, index, call, blocks, from_end):
 
 
 @ieee_kernel
-def chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, from_end, spins):
+def chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, from_end):
     """This thread's share of call `call`: x [N, K] -> each layer's blocks it claims (linear_dots, into the
-    layer's [N, outputs] rows of acts), then waiting for the layer's other blocks (jit.relax, `spins` reads
-    paused). False when the call ended without it (a helper that came late)."""
+    layer's [N, outputs] rows of acts), then waiting for the layer's other blocks. False when the call ended
+    without it (a helper that came late)."""
     rows, layers = x.shape[0], layout.shape[0]
     for layer in range(layers):
         weight_at, inputs, outputs, vector_at, source_at, target_at, code, blocks = layout[layer]
@@ -284,44 +284,42 @@ def chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, 
                             bounds[layer, block], bounds[layer, block + 1], target)
             fetch_add(flags, done, 1)
             block = claim_block(flags, claims, call, blocks, from_end)
-        polls = 0
         while True:
             word = load_acquire(flags, done)
             if word // TAG != call:
                 return False
             if word % TAG == blocks:
                 break
-            relax(polls, spins)
-            polls += 1
+            sched_yield()
     return True
 
 
 @kernel
-def run_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, spins):
+def run_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags):
     """The calling thread's side: a new call (its counters reset, then its number published), computed with
     whichever helper joins."""
     call = flags[GO] + 1
     for index in range(2, flags.shape[0]):
         store_release(flags, index, call * TAG)
     store_release(flags, GO, call)
-    chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, False, spins)
+    chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, False)
 
 
 @kernel
-def serve_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, spins, crew_flags, given, taken):
-    """A helper's side (parallel.Claimed.serve): joins each new call until `spins` paused reads pass without one or
+def serve_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, linger, crew_flags, given, taken):
+    """A helper's side (parallel.Claimed.serve): joins each new call until `linger` yields pass without one or
     crew_flags[given] is no longer `taken` (the crew has other work for it)."""
     store_release(flags, SERVED, 1)
     seen = load_acquire(flags, GO) - 1           # the call going on now, if any, is joined
     idle = 0
-    while idle < spins and load_acquire(crew_flags, given) == taken:
+    while idle < linger and load_acquire(crew_flags, given) == taken:
         call = load_acquire(flags, GO)
         if call != seen:
             seen = call
-            chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, True, spins)
+            chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, True)
             idle = 0
         else:
-            spin_pause()
+            sched_yield()
             idle += 1
     store_release(flags, SERVED, 0)
 
@@ -367,10 +365,9 @@ def plan_chain(layers: list, src, new_buffer, parts: int, task_flops: float):
     flags = np.zeros(2 + 2 * len(layers), np.int64)
     arguments = (src.reshape(rows, -1), weights, scales, shifts, slopes, layout, bounds, acts)
     dst = acts[layout[-1, 5]:].reshape(rows, sizes[-1][1])
-    spins = linger_polls() if CHAINS else 0
-    run = partial(run_chain, *arguments, flags, spins)
+    run = partial(run_chain, *arguments, flags)
     if (layout[:, 7] == 1).all():                # no layer cut: nothing to share
         return dst, [run]
-    serve = partial(serve_chain, *arguments, flags, spins)
+    serve = partial(serve_chain, *arguments, flags, linger_yields())
     serve(flags, GO, -1)       # compiled (or loaded) here, while planning: no wait on a helper's first lending
     return dst, [Claimed(run, serve, flags)]

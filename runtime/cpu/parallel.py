@@ -36,9 +36,7 @@ import numpy as np
 
 from lnn.runtime.cpu.jit import hand_off, spin_while_equal
 
-# how long a helper keeps spinning after a call (the next one, back to back, finds it awake), and a wait for another
-# thread pauses the CPU between its reads before it yields the CPU between them (jit.relax)
-LINGER_SECONDS = 5e-4
+LINGER_SECONDS = 5e-4    # how long a helper keeps spinning after a call (the next one, back to back, finds it awake)
 # CPython's GIL switch interval while a crew call runs (the default is 5 ms; see `short_switch_interval`)
 SWITCH_INTERVAL_SECONDS = 5e-5
 # Crew.run's hand-off: the caller waits without the GIL at most this long for the helpers to start their tasks,
@@ -122,8 +120,8 @@ class Crew:
 
     Hand-offs: counters in `_flags` say how many tasks each helper was given, has started and has done. With the JIT
     kernels, while `try_run` holds the crew (HOT set), a helper waits for its next task, and the caller
-    for a helper's "done", by spinning on them without the GIL (jit.spin_while_equal, which pauses the
-    CPU between reads, jit.relax), so that no thread sleeps between two layers of a call: on the 2-core VM a
+    for a helper's "done", by spinning on them without the GIL (jit.spin_while_equal, which yields the
+    CPU between reads), so that no thread sleeps between two layers of a call: on the 2-core VM a
     sleeping thread took 30-80 us to wake (an idle vCPU halts), a hand-off of an empty task through
     locks alone 100-120 us in a model's process, and the tomato model had 9 split steps. `try_run`
     wakes the helpers when it starts; after its end they spin LINGER_SECONDS more (a call right after
@@ -217,7 +215,7 @@ class Crew:
                 for slot, task in given:
                     slot.tasks.append((task, False))
                     slot.wake()                  # a helper blocked on its lock takes it when it wakes
-                hand_off(self._flags, len(given), FLAGS_PER_HELPER, GIVEN, STARTED, *hand_off_polls())
+                hand_off(self._flags, len(given), FLAGS_PER_HELPER, GIVEN, STARTED, *hand_off_yields())
             finally:
                 for slot, _ in given:
                     slot.giving.release()
@@ -358,7 +356,7 @@ class _Slot:
 
     def wait(self):
         if spin_while_equal is not None:
-            spin_while_equal(self.flags, self.done_at, self.flags[self.given] - 1, -1, -1, 0, 0, linger_polls())
+            spin_while_equal(self.flags, self.done_at, self.flags[self.given] - 1, -1, -1, 0, 0)
         self.done.acquire()
         error, self.error = self.error, None
         return error
@@ -368,11 +366,11 @@ def _serve(slot: _Slot) -> None:
     flags, hot = slot.flags, len(slot.flags) - 1
     seen = 0                 # tasks taken
     done = -1                # flags index of a "done" not yet stored: the spin stores it
-    linger = linger_polls() if spin_while_equal is not None else 0
+    linger = linger_yields() if spin_while_equal is not None else 0
     while not slot.stopped:
         if flags[slot.given] == seen:
             if spin_while_equal is not None and (flags[hot] or done >= 0):
-                spin_while_equal(flags, slot.given, seen, hot, done, seen, linger, linger)
+                spin_while_equal(flags, slot.given, seen, hot, done, seen, linger)
                 done = -1
             if flags[slot.given] == seen:
                 slot.go.acquire()
@@ -404,30 +402,17 @@ def _stop(slots: list) -> None:
 
 
 @functools.cache
-def hand_off_polls() -> tuple:
-    """(wait, margin): jit.hand_off's paused reads in about HAND_OFF_WAIT_SECONDS and HAND_OFF_MARGIN_SECONDS here."""
-    return (max(1, round(HAND_OFF_WAIT_SECONDS / pause_seconds())),
-            max(1, round(HAND_OFF_MARGIN_SECONDS / pause_seconds())))
+def hand_off_yields() -> tuple:
+    """(wait, margin): jit.hand_off's yields in about HAND_OFF_WAIT_SECONDS and HAND_OFF_MARGIN_SECONDS here."""
+    per_second = linger_yields() / LINGER_SECONDS
+    return max(1, round(HAND_OFF_WAIT_SECONDS * per_second)), max(1, round(HAND_OFF_MARGIN_SECONDS * per_second))
 
 
 @functools.cache
-def pause_seconds() -> float:
-    """spin_while_equal's time a read when it pauses between reads (jit.relax), measured once: the fastest of 5
-    runs of a thousand reads, as an interrupt or another thread on this CPU only adds time (the first run
-    alone was 2-8x too slow in some processes on the 2-core VM, and a helper's linger as many times too
-    short, by hand). Pauses, not yields: a yield's time depends on what else this CPU has to run (a yield
-    beside a busy process took its time slice, milliseconds)."""
+def linger_yields() -> int:
+    """spin_while_equal's yields in about LINGER_SECONDS on this machine (measured once)."""
     flags = np.zeros(2, np.int64)                    # flags[1] = 0: the call is over, only the linger spins
-    spin_while_equal(flags, 0, 0, 1, -1, 0, 1, 1)    # compiled or loaded first
-    runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        spin_while_equal(flags, 0, 0, 1, -1, 0, 1000, 1 << 62)
-        runs.append(time.perf_counter() - start)
-    return max(min(runs) / 1000, 1e-9)
-
-
-@functools.cache
-def linger_polls() -> int:
-    """Paused reads in about LINGER_SECONDS on this machine: a helper's linger, and a wait's reads before it yields."""
-    return max(1, int(LINGER_SECONDS / pause_seconds()))
+    spin_while_equal(flags, 0, 0, 1, -1, 0, 1)       # compiled or loaded first
+    start = time.perf_counter()
+    spin_while_equal(flags, 0, 0, 1, -1, 0, 1000)
+    return max(1, int(LINGER_SECONDS / max((time.perf_counter() - start) / 1000, 1e-8)))

@@ -12,8 +12,8 @@ and helper, a call of each of that helper's steps' kernels in order: through the
 compiled for exactly those argument types (jit.call_at; the machine code a call from Python runs, so the
 same bytes), the step's integer and float arguments written into the source, its arrays passed once in one
 tuple. A helper lent the program (`HelperProgram.lend`, at each split step that finds it away) loops in
-it: it waits for the caller to post a step (spinning, the CPU paused between reads), claims it, runs it,
-says it is done; it leaves after LINGER_SECONDS without a post (parallel.linger_polls), or when the crew
+it: it waits for the caller to post a step (spinning, yielding the CPU between reads), claims it, runs it,
+says it is done; it leaves after LINGER_SECONDS without a post (parallel.linger_yields), or when the crew
 gives that helper other work (like linear.py's serve_chain). The caller (`run_step`) posts a step to each
 helper with a task in it, runs its own task, then claims each posted task itself if its helper has not (a
 helper that is away, late or busy elsewhere costs time, never an answer: the caller runs the same steps
@@ -31,8 +31,7 @@ the two took 7.2 s), leaf_cnn's 1.3 and 1.5 (by hand).
 
 Control words, CONTROL_WORDS per helper: STEP (the split step posted), POSTED (steps posted), CLAIMED
 (steps claimed, by the helper or by the caller), DONE (steps finished), SERVING (1 from the lending until
-the helper's program has returned), RAN (steps the helper ran), SPINS (the reads the caller's wait for the helper
-pauses between before it yields the CPU: parallel.linger_polls, jit.relax).
+the helper's program has returned), RAN (steps the helper ran).
 
 A step is in a program only when it is a partial of a Numba kernel that returns nothing, with ints, floats,
 bools and arrays as arguments (or np.copyto, as `copy_into`); a plan with any other split step gets no
@@ -60,14 +59,14 @@ import numpy as np
 
 from lnn.runtime.cpu import cache, jit
 from lnn.runtime.cpu.jit import (CACHE_ENABLED, call_at, compare_and_swap, compiled_address, kernel, load_acquire,
-                                 relax, store_release)
-from lnn.runtime.cpu.parallel import Claimed, Parallel, linger_polls, run_steps
+                                 sched_yield, store_release)
+from lnn.runtime.cpu.parallel import Claimed, Parallel, linger_yields, run_steps
 
 AOT_SIGNATURES = {"copy_into": None, "post": None, "claim_or_wait": None}   # the JIT's only (needs call_at)
 
 AVAILABLE = call_at is not None            # the JIT, where the crew spins (not the compiled app; not Windows)
-STEP, POSTED, CLAIMED, DONE, SERVING, RAN, SPINS = range(7)
-CONTROL_WORDS = 7
+STEP, POSTED, CLAIMED, DONE, SERVING, RAN = range(6)
+CONTROL_WORDS = 6
 PROGRAM_DIR = "lnn-programs"               # in the kernel cache folder
 # claim_or_wait's answers
 HELPER_DID_IT, CALLER_RUNS_IT, HELPER_FAILED = range(3)
@@ -97,15 +96,13 @@ def claim_or_wait(control, base, posted):
     if compare_and_swap(control, base + CLAIMED, posted - 1, posted):
         store_release(control, base + DONE, posted)
         return CALLER_RUNS_IT
-    polls = 0
     while load_acquire(control, base + DONE) != posted:
         if load_acquire(control, base + SERVING) == 0:
             if load_acquire(control, base + DONE) == posted:
                 break
             store_release(control, base + DONE, posted)      # the next post starts from a consistent count
             return HELPER_FAILED
-        relax(polls, control[base + SPINS])
-        polls += 1
+        sched_yield()
     return HELPER_DID_IT
 
 
@@ -119,8 +116,7 @@ class HelperProgram:
         self.serve, self.arrays, self.addresses, self.index = serve, arrays, addresses, index
         self.run_call, self.call_arrays, self.steps = run_call, call_arrays, steps
         self.control = np.zeros(CONTROL_WORDS * helpers, np.int64)
-        self.linger = linger_polls()
-        self.control[SPINS::CONTROL_WORDS] = self.linger
+        self.linger = linger_yields()
         self.errors = [None] * helpers         # what a helper's program raised, for the caller to raise
         # compiled (or loaded) here, and the caller's kernels too: compiled at the first post, they kept the
         # caller longer than a helper waits for a post (LINGER_SECONDS), and the helper had left
@@ -329,7 +325,7 @@ def _caller_source(steps: list, index: dict, helpers: int, calls) -> list | None
 SERVE = """\
 # lnn helper program (runtime/cpu/programs.py; kernel sources {kernels})
 import numpy as np
-from lnn.runtime.cpu.jit import call_at, compare_and_swap, load_acquire, spin_pause, store_release
+from lnn.runtime.cpu.jit import call_at, compare_and_swap, load_acquire, sched_yield, store_release
 
 
 def serve(crew_flags, given, taken, control, helper, linger, addresses, arrays):
@@ -340,8 +336,8 @@ def serve(crew_flags, given, taken, control, helper, linger, addresses, arrays):
         posted = load_acquire(control, base + {posted})
         claimed = load_acquire(control, base + {claimed})
         if posted == claimed or not compare_and_swap(control, base + {claimed}, posted - 1, posted):
-            spin_pause()
             idle += 1
+            sched_yield()
             continue
         step = control[base + {step}]
 {calls}

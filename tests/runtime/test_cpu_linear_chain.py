@@ -188,11 +188,11 @@ def test_claims_give_each_block_once_and_nothing_after_the_call():
     # a thread that comes after its call: no block computed, nothing written
     model, weights = built(MLP)
     step = backend(model, weights, 2)._plan(1, 2).steps[-1]
-    x, weights_, scales, shifts, slopes, layout, bounds, acts, chain_flags, spins = step.run.args
+    x, weights_, scales, shifts, slopes, layout, bounds, acts, chain_flags = step.run.args
     acts.fill(3.0)
     chain_flags[2:] = 9 * TAG
     chain_flags[0] = 9
-    assert not chain_part(x, weights_, scales, shifts, slopes, layout, bounds, acts, chain_flags, 8, True, spins)
+    assert not chain_part(x, weights_, scales, shifts, slopes, layout, bounds, acts, chain_flags, 8, True)
     assert (acts == 3.0).all()
 
 

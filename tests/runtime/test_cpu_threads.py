@@ -285,63 +285,6 @@ def test_helpers_are_kept_off_the_callers_cpu():
         os.sched_setaffinity(0, cpus)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="pins threads (Linux) on at least 2 CPUs")
-def test_waits_measured_beside_a_busy_process_still_keep_the_helper():
-    """How many reads a helper lingers for after its step (and a wait makes before it yields the CPU) is
-    measured once a process (parallel.linger_polls), by pausing between reads: another process busy on that
-    CPU then does not shorten it. Measured by yielding instead, it came out at a read or two there (each
-    yield handed the CPU to that process for its time slice), the helper left its program after each step,
-    and the caller ran most of the helper's steps itself: the bundled model on 2 threads ran a quarter of
-    them on the helper and took 2.3 ms a call against 1.2 (by hand, on the 2-core VM). Here the waits are
-    measured on a CPU shared with a busy process, and the helper, on that CPU, still runs most of its steps."""
-    import subprocess
-    import sys
-    import time
-
-    programs = programs_or_skip()
-    from lnn.runtime.cpu import parallel
-    from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
-
-    if parallel.CURRENT_CPU is None:
-        pytest.skip("no sched_getcpu in this C library")
-    cpus = os.sched_getaffinity(0)
-    caller_cpu, helper_cpu = sorted(cpus)[:2]
-    source = read_bin(REPO / "models" / "tomato_leaf.bin")
-    x = np.random.default_rng(9).standard_normal((1, *source.model.input_shape)).astype(np.float32)
-    expected = split_backend(source.model, source.weights_fp32(), 1).run(x).copy()
-    quiet = parallel.linger_polls()
-    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{helper_cpu}}})\n"
-                             "while True:\n    pass"])
-    try:
-        time.sleep(0.1)
-        os.sched_setaffinity(0, {helper_cpu})     # this thread (Linux), beside the busy process
-        parallel.pause_seconds.cache_clear()
-        parallel.linger_polls.cache_clear()
-        assert parallel.linger_polls() > quiet / 3, "measured beside a busy process, the linger came out short"
-        os.sched_setaffinity(0, {caller_cpu, helper_cpu})     # the crew's CPUs
-        split = split_backend(source.model, source.weights_fp32(), 2)
-        split.run(x)
-        os.sched_setaffinity(0, {caller_cpu})                 # so its helper runs on helper_cpu
-        for _ in range(PROGRAM_AT_RUN + 20):
-            split.run(x)
-        plan = split._plan(1, 2)
-        assert plan.program is not None and plan.program.runs(plan.steps)
-        control = plan.program.control
-        posted, ran = control[programs.POSTED], control[programs.RAN]
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end:
-            np.testing.assert_allclose(split.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
-        share = (control[programs.RAN] - ran) / (control[programs.POSTED] - posted)
-        assert share > 0.5, f"the helper ran {share:.0%} of its steps beside a busy process"
-    finally:
-        busy.kill()
-        busy.wait()
-        os.sched_setaffinity(0, cpus)
-        parallel.pause_seconds.cache_clear()          # measured again, quietly, by the tests that follow
-        parallel.linger_polls.cache_clear()
-
-
 def chain_case() -> tuple:
     """(model, weights, one input) of the conv + linear chain the split-choice tests time."""
     input_shape, layers = CASES["conv_chain_then_linear"]
