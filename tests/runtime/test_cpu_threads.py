@@ -790,6 +790,7 @@ def test_a_compiled_call_whose_helper_never_comes_runs_its_tasks_and_goes_on():
             values[i] = values[i] * factor + term
 
     values = np.ones(8, np.float32)
+
     def halves_scaled(factor):                   # the caller's half, and the helper's
         return parallel_step_of(scale_and_add, [partial(scale_and_add, values, 0, 4, factor, 0.0)],
                                 (values, 4, 8, factor, 0.0))

@@ -264,11 +264,11 @@ def test_skinny_convs_cut_by_channels_share_one_transposed_v(products, monkeypat
     which every product task's skinny_products reads without a copy of its own; the same bytes as one thread,
     one image and a batch of two."""
     from lnn.runtime.cpu import BACKEND, conv2d
+    from lnn.runtime.cpu.parallel import Parallel
+    from lnn.runtime.cpu.winograd import skinny_products, winograd_input
 
     monkeypatch.setattr(conv2d, "small_products_pay", lambda: products == "small")
     monkeypatch.setattr(conv2d, "narrow_tiles_pay", lambda: products == "narrow")
-    from lnn.runtime.cpu.parallel import Parallel
-    from lnn.runtime.cpu.winograd import skinny_products, winograd_input
 
     batch, channels, height, width, out_channels, padding = SKINNY_CASE
     rng = np.random.default_rng(8)
