@@ -16,8 +16,8 @@ LNN_CPU_KERNELS=aot (the default when Numba is not installed, as in the packaged
 kernels from the ahead-of-time compiled module instead (aot.py): no Numba import, no compile, no cache.
 
 It also defines the JIT's intrinsics (LLVM IR that Numba inlines where a kernel calls them; None under the
-ahead-of-time kernels): the atomic loads, stores and counters and sched_yield that the crew's spins and
-linear.py's chains use, the Winograd transforms' vector shuffles (gather_tile_columns, interleave_rows4),
+ahead-of-time kernels): the atomic loads, stores and counters, sched_yield and the CPU's spin-wait hint
+(spin_pause) that the crew's spins, programs.py's helper programs and linear.py's chains use, the Winograd transforms' vector shuffles (gather_tile_columns, interleave_rows4),
 the register tiles' vector loads and stores (load16, load8, store8), a call of a compiled kernel by its
 address (call_at, for programs.py's helper programs), and a call of BLAS's cblas_sgemm by its address
 (call_sgemm, sgemm_address: winograd.py's blas_products).
@@ -54,7 +54,7 @@ if KERNELS == "aot":
     gather_tile_columns = interleave_rows4 = None   # (the JIT's intrinsics: winograd.py copies instead)
     load16 = load8 = store8 = None                  # (the register tiles' vector loads and stores: the JIT's only)
     spin_while_equal = hand_off = None     # (the crew's spins use the JIT's intrinsics: the locks hand off instead)
-    load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = None   # (the JIT's intrinsics)
+    load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = spin_pause = None   # (the JIT's)
     call_at = compiled_address = None    # (programs.py's calls of compiled kernels: the JIT's only)
     call_sgemm = None                    # (BLAS from compiled code: the JIT's only)
 else:
@@ -219,6 +219,24 @@ else:
             function = cgutils.get_or_insert_function(builder.module, llvmlite.ir.FunctionType(
                 llvmlite.ir.IntType(32), []), "sched_yield")
             builder.call(function, [])
+            return context.get_dummy_value()
+        return types.none(), codegen
+
+    # the CPU's spin-wait hint as an LLVM intrinsic and its arguments: x86's pause, arm64's isb (sy)
+    _PAUSE = {"x86_64": ("llvm.x86.sse2.pause", ()), "aarch64": ("llvm.aarch64.isb", (15,)),
+              "arm64": ("llvm.aarch64.isb", (15,))}.get(llvmlite.binding.get_default_triple().split("-")[0])
+
+    @intrinsic
+    def _spin_pause(typingctx):
+        """The CPU's spin-wait hint (nothing on other CPUs): a short delay that keeps the thread on its CPU, where
+        sched_yield hands it to any other runnable thread there for up to its time slice."""
+        def codegen(context, builder, signature, args):
+            if _PAUSE is not None:
+                name, constants = _PAUSE
+                int32 = llvmlite.ir.IntType(32)
+                function = cgutils.get_or_insert_function(builder.module, llvmlite.ir.FunctionType(
+                    llvmlite.ir.VoidType(), [int32] * len(constants)), name)
+                builder.call(function, [int32(value) for value in constants])
             return context.get_dummy_value()
         return types.none(), codegen
 
@@ -486,9 +504,9 @@ else:
                         else numba.njit(cache=CACHE_ENABLED, nogil=True)(spin_while_equal))
     hand_off = None if spin_while_equal is None else numba.njit(cache=CACHE_ENABLED, nogil=True)(hand_off)
     # for kernels that hand work between threads themselves (linear.py's chain); None where there is no spin
-    load_acquire, store_release, compare_and_swap, fetch_add, sched_yield, call_at = (
-        (None,) * 6 if spin_while_equal is None else
-        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield, _call_at))
+    load_acquire, store_release, compare_and_swap, fetch_add, sched_yield, spin_pause, call_at = (
+        (None,) * 7 if spin_while_equal is None else
+        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield, _spin_pause, _call_at))
 
 
 def blas_libraries() -> list:

@@ -34,6 +34,7 @@ import weakref
 
 import numpy as np
 
+from lnn.runtime.cores import usable_cores
 from lnn.runtime.cpu.jit import hand_off, spin_while_equal
 
 LINGER_SECONDS = 5e-4    # how long a helper keeps spinning after a call (the next one, back to back, finds it awake)
@@ -128,7 +129,8 @@ class Crew:
     finds them awake: 1.18 -> 1.28x on leaf_cnn, 1.30 -> 1.32 on tomato, 1.66 -> 1.69 on leaf_cnn224,
     2 threads / 1, interleaved), then block on their `go` lock again (an idle crew uses no CPU).
     A task is handed over without the GIL (`run`). During the call the GIL's switch interval is
-    SWITCH_INTERVAL_SECONDS (`short_switch_interval`).
+    SWITCH_INTERVAL_SECONDS (`short_switch_interval`). A helper program's waits pause the CPU instead of
+    yielding it where the crew `fits` (programs.py's header says why).
     Without the JIT (the app's compiled kernels have no spin intrinsics) the locks alone hand off."""
 
     def __init__(self, helpers: int, name: str = "lnn-cpu"):
@@ -143,6 +145,8 @@ class Crew:
         self._finalizer = weakref.finalize(self, _stop, self._jobs)
         self._cpus = os.sched_getaffinity(0) if CURRENT_CPU is not None else set()
         self._helpers_off = None             # the CPU the helpers are kept off (the last caller's)
+        # a usable core for each of the call's threads: their waits may keep their CPU (programs.py's pauses)
+        self.fits = helpers + 1 <= usable_cores()
 
     @property
     def helpers(self) -> int:

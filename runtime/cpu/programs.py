@@ -11,14 +11,21 @@ What: `build(steps, helpers)` writes the source of one function, `serve`, that h
 and helper, a call of each of that helper's steps' kernels in order: through the address of the code Numba
 compiled for exactly those argument types (jit.call_at; the machine code a call from Python runs, so the
 same bytes), the step's integer and float arguments written into the source, its arrays passed once in one
-tuple. A helper lent the program (`HelperProgram.lend`, at each split step that finds it away) loops in
-it: it waits for the caller to post a step (spinning, yielding the CPU between reads), claims it, runs it,
-says it is done; it leaves after LINGER_SECONDS without a post (parallel.linger_yields), or when the crew
-gives that helper other work (like linear.py's serve_chain). The caller (`run_step`) posts a step to each
-helper with a task in it, runs its own task, then claims each posted task itself if its helper has not (a
-helper that is away, late or busy elsewhere costs time, never an answer: the caller runs the same steps
-through Python), else waits until it is done; an error raised in a helper's task is raised in the caller
-(the call fails; nothing waits for good).
+tuple. A helper lent the program (`HelperProgram.lend`, at each split step that finds it away) loops in it: it
+waits for the caller to post a step, claims it, runs it, says it is done; it leaves after LINGER_SECONDS
+without a post (parallel.linger_yields), or when the crew gives that helper other work (like linear.py's
+serve_chain). While a call holds the crew, its waits pause the CPU between reads (jit.spin_pause), and after
+the call for PAUSE_SECONDS more (a call right after, back to back, finds it there), then yield it
+(sched_yield), so that a thread woken on that CPU runs. A yield under Linux's EEVDF scheduler hands the CPU to
+any other runnable thread there for its time slice: when every wait yielded, a helper beside a busy process (a
+loop on its CPU) lost that CPU at each wait for its next step, and the caller ran most of its steps itself
+(beside a nice-10 loop, the bundled model's helper ran 16% of its steps, 3.3-4.6 ms a 2-thread call against
+1.2 alone; with the pauses 99.9%, 1.45-1.50 ms; by hand, the 2-core VM). A crew with more threads than its
+usable cores never pauses (a pausing helper would keep a CPU from another of the call's threads for its time
+slice). The caller (`run_step`) posts a step to each helper with a task in it, runs its own task, then claims
+each posted task itself if its helper has not (a helper that is away, late or busy elsewhere costs time, never
+an answer: the caller runs the same steps through Python), else waits until it is done; an error raised in a
+helper's task is raised in the caller (the call fails; nothing waits for good).
 
 Where every step of the plan is a kernel a program can call, a second source holds `run_call`, the caller's
 side of a whole call: each split step posted to the helpers with a task in it, the caller's task, then each
@@ -50,6 +57,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 import types
 import warnings
 from functools import partial
@@ -59,11 +67,12 @@ import numpy as np
 
 from lnn.runtime.cpu import cache, jit
 from lnn.runtime.cpu.jit import (CACHE_ENABLED, call_at, compare_and_swap, compiled_address, kernel, load_acquire,
-                                 sched_yield, store_release)
+                                 sched_yield, spin_pause, store_release)
 from lnn.runtime.cpu.parallel import Claimed, Parallel, linger_yields, run_steps
 
-AOT_SIGNATURES = {"copy_into": None, "post": None, "claim_or_wait": None}   # the JIT's only (needs call_at)
+AOT_SIGNATURES = {"copy_into": None, "post": None, "claim_or_wait": None, "paused_reads": None}   # the JIT's only
 
+PAUSE_SECONDS = 1e-4       # after a call, a helper's waits pause the CPU this long before they yield it
 AVAILABLE = call_at is not None            # the JIT, where the crew spins (not the compiled app; not Windows)
 STEP, POSTED, CLAIMED, DONE, SERVING, RAN = range(6)
 CONTROL_WORDS = 6
@@ -106,6 +115,31 @@ def claim_or_wait(control, base, posted):
     return HELPER_DID_IT
 
 
+@kernel
+def paused_reads(control, count):
+    """Reads control[0] until it is not 0, at most `count` times, pausing the CPU between reads (serve's wait)."""
+    for _ in range(count):
+        if load_acquire(control, 0):
+            return
+        spin_pause()
+
+
+@functools.cache
+def pauses_after_call() -> int:
+    """serve's paused reads in about PAUSE_SECONDS on this machine (the fastest of 5 timings, measured once; a pause
+    keeps the CPU, so another process there slows no timing but the one it preempts)."""
+    control = np.zeros(1, np.int64)
+    paused_reads(control, 1)                # compiled or loaded first
+    fastest = min(_timed(paused_reads, control, 1000) for _ in range(5))
+    return max(1, int(PAUSE_SECONDS / max(fastest / 1000, 1e-9)))
+
+
+def _timed(function, *args) -> float:
+    start = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - start
+
+
 class HelperProgram:
     """The compiled `serve` of one plan, the arrays and kernel addresses it is called with, and its control
     words; `index[id(step)]` is a Parallel step's number in it. `run_call`, where every step of the plan is a
@@ -116,11 +150,11 @@ class HelperProgram:
         self.serve, self.arrays, self.addresses, self.index = serve, arrays, addresses, index
         self.run_call, self.call_arrays, self.steps = run_call, call_arrays, steps
         self.control = np.zeros(CONTROL_WORDS * helpers, np.int64)
-        self.linger = linger_yields()
+        self.linger, self.pauses = linger_yields(), pauses_after_call()
         self.errors = [None] * helpers         # what a helper's program raised, for the caller to raise
         # compiled (or loaded) here, and the caller's kernels too: compiled at the first post, they kept the
         # caller longer than a helper waits for a post (LINGER_SECONDS), and the helper had left
-        serve(np.zeros(1, np.int64), 0, -1, self.control, 0, 0, addresses, arrays)
+        serve(np.zeros(1, np.int64), 0, -1, self.control, 0, 0, 0, addresses, arrays)
         scratch = np.zeros(CONTROL_WORDS, np.int64)
         claim_or_wait(scratch, 0, post(scratch, 0, 0))
         if run_call is not None:             # (only with the JIT, so Numba is there)
@@ -168,17 +202,20 @@ class HelperProgram:
             self.errors[helper] = None
 
     def lend(self, crew) -> None:
-        """Gives the program to each helper that is not serving it (Crew.lend_to)."""
+        """Gives the program to each helper that is not serving it (Crew.lend_to); its waits pause only where the
+        crew's threads have a usable core each (Crew.fits)."""
         for helper in range(len(self.control) // CONTROL_WORDS):
             base = CONTROL_WORDS * helper
             if not self.control[base + SERVING]:
                 self.control[base + SERVING] = 1
-                crew.lend_to(helper, functools.partial(self._serve, helper=helper))
+                crew.lend_to(helper, functools.partial(self._serve, helper=helper,
+                                                       pauses=self.pauses if crew.fits else 0))
 
-    def _serve(self, crew_flags, given: int, taken: int, *, helper: int) -> None:
+    def _serve(self, crew_flags, given: int, taken: int, *, helper: int, pauses: int) -> None:
         """A helper's lent task: the program until it returns; what it raised is kept for the caller."""
         try:
-            self.serve(crew_flags, given, taken, self.control, helper, self.linger, self.addresses, self.arrays)
+            self.serve(crew_flags, given, taken, self.control, helper, self.linger, pauses, self.addresses,
+                       self.arrays)
         except BaseException as error:        # noqa: BLE001 - raised by the caller waiting for this task
             self.errors[helper] = error
         finally:
@@ -325,19 +362,26 @@ def _caller_source(steps: list, index: dict, helpers: int, calls) -> list | None
 SERVE = """\
 # lnn helper program (runtime/cpu/programs.py; kernel sources {kernels})
 import numpy as np
-from lnn.runtime.cpu.jit import call_at, compare_and_swap, load_acquire, sched_yield, store_release
+from lnn.runtime.cpu.jit import call_at, compare_and_swap, load_acquire, sched_yield, spin_pause, store_release
 
 
-def serve(crew_flags, given, taken, control, helper, linger, addresses, arrays):
+def serve(crew_flags, given, taken, control, helper, linger, pauses, addresses, arrays):
     ({arrays}) = arrays
     base = {words} * helper
+    hot = crew_flags.shape[0] - 1
     idle = 0
-    while idle < linger and load_acquire(crew_flags, given) == taken:
+    while idle < pauses + linger and load_acquire(crew_flags, given) == taken:
         posted = load_acquire(control, base + {posted})
         claimed = load_acquire(control, base + {claimed})
         if posted == claimed or not compare_and_swap(control, base + {claimed}, posted - 1, posted):
+            if pauses and load_acquire(crew_flags, hot):
+                spin_pause()
+                continue
             idle += 1
-            sched_yield()
+            if idle <= pauses:
+                spin_pause()
+            else:
+                sched_yield()
             continue
         step = control[base + {step}]
 {calls}
