@@ -124,6 +124,16 @@ class Session:
     def input_shape(self) -> tuple:
         return self.model.input_shape
 
+    def warm_up(self, size: int = 1) -> None:
+        """Ready the calling thread's calls of `size` images (random inputs): the cpu backend compiles or loads its
+        kernels, plans its buffers, builds its helper program and makes its split choice (CpuBackend.warmup);
+        another backend makes its first call."""
+        warmup = getattr(self.backend, "warmup", None)
+        if warmup is not None:
+            warmup(size)
+        else:
+            self.run(np.random.default_rng(0).standard_normal((size, *self.input_shape)).astype(np.float32))
+
     def _check_batch(self, batch) -> np.ndarray:
         batch = np.asarray(batch)
         if batch.shape[1:] != self.model.input_shape or batch.ndim != len(self.model.input_shape) + 1:

@@ -155,12 +155,11 @@ class Batcher:
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
     async def warm_up(self) -> None:
-        """Run every chunk size once (Numba's compile or cache load, and the CPU backend's buffers), then be
-        ready. The NumPy backend has neither: one call does."""
-        rng = np.random.default_rng(0)
+        """Ready every chunk size on the inference thread (Session.warm_up: the CPU backend's compile or cache
+        load, buffers, helper program and split choice, per calling thread), then be ready. The NumPy backend
+        has none of these: one call does."""
         for size in CHUNK_SIZES if self.session.device == "cpu" else [1]:
-            batch = rng.standard_normal((size, *self.session.input_shape)).astype(np.float32)
-            await asyncio.get_running_loop().run_in_executor(self.inference, self.session.predict, batch)
+            await asyncio.get_running_loop().run_in_executor(self.inference, self.session.warm_up, size)
         self.ready.set()
 
     @contextlib.contextmanager

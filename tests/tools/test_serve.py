@@ -185,6 +185,28 @@ def test_a_lone_request_does_not_wait_for_a_batch(session):
         assert time.perf_counter() - started < 2.5
 
 
+def test_a_cpu_server_is_ready_only_once_its_calls_only_compute(monkeypatch):
+    """Before /readyz says ready, the warm-up readies every chunk size on the inference thread (Session.warm_up):
+    the CPU backend's kernels, buffers, split choice and the split plan's helper program, which compiles for
+    seconds the first time. Warmed by one call of each size, lone photos built that program inside a request (a
+    batch held for seconds under load). Here no program is built and no split is still being timed once the
+    server is ready, whatever photos come."""
+    from lnn.runtime.cpu import programs
+
+    if not programs.AVAILABLE:
+        pytest.skip("helper programs need the JIT")
+    built = []
+    build = programs.build
+    monkeypatch.setattr(programs, "build", lambda *args: built.append(1) or build(*args))
+    session = lnn.load(DEFAULT_MODEL, device="cpu", threads=2)
+    with client_for(session, max_batch=4, max_delay_s=0.0) as client:
+        ready = len(built)
+        assert ready >= 1 and not session.backend.choosing(1)
+        for path in LEAVES[:4]:                                    # lone photos: batches of one
+            assert client.post("/v1/classify", content=path.read_bytes()).status_code == 200
+        assert len(built) == ready and not session.backend.choosing(1)
+
+
 def slow_upload(photo: bytes, pause_s: float):
     """A photo sent in two parts with a pause between (a phone on a weak Wi-Fi): the request stays in flight."""
     yield photo[:1000]
