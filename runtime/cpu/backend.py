@@ -82,7 +82,7 @@ from lnn.runtime.cpu.jit import CACHE_ENABLED, blas_libraries
 from lnn.runtime.cpu.linear import LinearLayer, chain_eligible, plan_chain
 from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.parallel import SHARED, Claimed, Crew, Parallel, all_steps, run_steps
-from lnn.runtime.cpu.winograd import STRIP_POSITIONS, blas_products
+from lnn.runtime.cpu.winograd import STRIP_POSITIONS, blas_product, blas_products
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
 
@@ -108,7 +108,7 @@ REVIEW_GROWTH = 4
 REVIEW_MOST = 3200
 ALIGNMENT = 64          # bytes
 READ_PAST = STRIP_POSITIONS   # floats a kernel may read past a buffer's end (_aligned)
-BLAS_STEPS = (np.matmul, blas_products)     # steps that call BLAS: a plan with one holds BLAS at one thread
+BLAS_STEPS = (np.matmul, blas_products, blas_product)     # steps that call BLAS: a plan with one holds BLAS at one thread
 # A split plan's helper program (programs.py) is built on its second run on the crew: loading it from the cache
 # took 40-70 ms (the bundled model, by hand), which a process answering one photo (lnn-infer) need not pay
 PROGRAM_AT_RUN = 2

@@ -67,7 +67,8 @@ from lnn.runtime.cpu.conv_direct import (conv3x3_direct, conv3x3_direct_quads, c
 from lnn.runtime.cpu.jit import VECTOR_FMA, WIDE_VECTORS, blas_libraries, kernel
 from lnn.runtime.cpu.padding import padded, padded_buffer
 from lnn.runtime.cpu.parallel import SHARED, parallel_steps, split_range
-from lnn.runtime.cpu.winograd import (STRIP_POSITIONS, TILE, blas_products, blas_products_sgemm, block_products,
+from lnn.runtime.cpu.winograd import (STRIP_POSITIONS, TILE, blas_product, blas_products, blas_products_sgemm,
+                                      block_products,
                                       input_work_shape, narrow_products, output_work_shape, skinny_products,
                                       small_products, tile_count, transformed_weight, weight_blocks, winograd_input,
                                       winograd_output, winograd_output_pool2)
@@ -217,6 +218,15 @@ DIRECT_QUADS_MIN_WIDTH = 96
 SHIFTED_MAX_JUNK = 0.125
 # A conv cut by output channels over threads (conv2d.plan) is cut on multiples of this many channels.
 CHANNEL_ALIGN = 16      # (a multiple of winograd.BLOCK_ROWS: block_products takes whole blocks of U)
+
+
+def matrix_product(a, b, out):
+    """The step out = a @ b (2-D float32): winograd.blas_product where NumPy's BLAS has an address for it and every
+    row is contiguous (a helper program can call it), else np.matmul."""
+    sgemm = blas_products_sgemm()
+    if sgemm is not None and all(array.strides[1] == array.itemsize for array in (a, b, out)):
+        return partial(blas_product, a, b, out, sgemm)
+    return partial(np.matmul, a, b, out=out)
 
 
 @kernel
@@ -673,8 +683,8 @@ class Conv2dLayer:
                                              conv_w, column, cols_buffer))
             grouped_acc = acc_buffer[:, :count].reshape(groups, -1, count)
             for g in range(groups):
-                steps.append(partial(np.matmul, weight2d[g], cols[g * (rows // groups):(g + 1) * (rows // groups)],
-                                     out=grouped_acc[g]))
+                steps.append(matrix_product(weight2d[g], cols[g * (rows // groups):(g + 1) * (rows // groups)],
+                                            grouped_acc[g]))
             return acc_buffer, pitch
         return gemm
 

@@ -29,6 +29,9 @@ against float64.
 The kernels take a channel range (c_first..c_end of the input, o_first..o_end of the output) and
 tile rows, so a caller may split one conv's transforms over threads by channels or by rows; the
 product splits by output rows of U (U[:, o_first:o_end]).
+
+`blas_product` (c = a @ b, 2-D, sgemm from compiled code) is blas_products' one-product form, for
+conv2d.py's columns + GEMM path (conv2d.matrix_product), beside it because both take blas_products_sgemm.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ AOT_SIGNATURES = {
     "bt_rows8": None,
     "transformed_rows": None,     # the JIT's only (jit.load8, store8; winograd_input calls it where SHUFFLES)
     "blas_products": None,        # the JIT's only (jit.call_sgemm)
+    "blas_product": None,         # the JIT's only (jit.call_sgemm)
     "skinny_products": (A3, I, I, A3, I, A3),
     "fma16": None,
     "store16": None,
@@ -310,6 +314,16 @@ def blas_products(u, o_first, o_end, v, channels, tiles, m, sgemm):
     for k in range(36):
         call_sgemm(sgemm[0], rows, tiles, channels, u[k, o_first:o_end].ctypes.data, u.strides[1] // 4,
                    v[k].ctypes.data, v.strides[1] // 4, m[k].ctypes.data, m.strides[1] // 4)
+
+
+@kernel
+def blas_product(a, b, c, sgemm):
+    """c = a @ b for 2-D float32 arrays whose rows are contiguous (unit column stride; any row pitch): BLAS's
+    sgemm (its address sgemm[0]: blas_products_sgemm), the product np.matmul(a, b, out=c) computes, from compiled
+    code, which a helper program can run. conv2d.py's columns + GEMM path, where np.matmul kept every plan
+    with such a conv from having a program (the bundled model's first conv on arm64 and on x86 without FMA)."""
+    call_sgemm(sgemm[0], a.shape[0], b.shape[1], a.shape[1], a.ctypes.data, a.strides[0] // 4, b.ctypes.data,
+               b.strides[0] // 4, c.ctypes.data, c.strides[0] // 4)
 
 
 @ieee_kernel

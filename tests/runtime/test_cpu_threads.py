@@ -709,20 +709,52 @@ def test_a_helper_program_gives_the_same_bytes_as_the_python_hand_off(case, thre
             == program.control[programs.POSTED::programs.CONTROL_WORDS]).all()
 
 
-def test_a_plan_whose_helper_tasks_call_blas_gets_no_program():
-    """np.matmul (the im2col conv's product) is no kernel a program can call: that plan keeps the Python hand-off."""
-    programs = programs_or_skip()
+def im2col_conv_plan(monkeypatch, sgemm: bool):
+    """(split backend, its 2-thread plan after PROGRAM_AT_RUN + 1 runs, its output) of the im2col conv case, its
+    products through blas_product (sgemm) or np.matmul."""
+    from lnn.runtime.cpu import conv2d
     from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
 
+    if not sgemm:
+        monkeypatch.setattr(conv2d, "blas_products_sgemm", lambda: None)
     input_shape, layers = CASES["conv_im2col_channels"]
     model = parse_model({"input_shape": input_shape, "layers": layers})
     split = split_backend(model, random_weights(model, np.random.default_rng(5)), 2)
     x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
     for _ in range(PROGRAM_AT_RUN + 1):
-        split.run(x)
-    plan = split._plan(1, 2)
+        output = split.run(x).copy()
+    monkeypatch.undo()
+    return split._plan(1, 2), output
+
+
+def test_a_plan_whose_helper_tasks_call_np_matmul_gets_no_program(monkeypatch):
+    """np.matmul (the im2col conv's product where NumPy's BLAS has no sgemm address) is no kernel a program can
+    call: that plan keeps the Python hand-off."""
+    programs = programs_or_skip()
+    from lnn.runtime.cpu.parallel import all_steps
+
+    plan, _ = im2col_conv_plan(monkeypatch, sgemm=False)
+    assert np.matmul in [getattr(step, "func", None) for step in all_steps(plan.steps)]
     assert plan.splits and plan.uses_blas and plan.program is None
     assert programs.build(plan.steps, 1) is None
+
+
+def test_im2col_products_through_blas_run_in_the_helper_program(monkeypatch):
+    """Where NumPy's BLAS has an sgemm address, the im2col conv's products are winograd.blas_product, a kernel
+    calling sgemm: the plan gets its helper program (on arm64 and on x86 without FMA the bundled model's first
+    conv is such a conv), and gives the bytes of np.matmul's plan."""
+    programs_or_skip()
+    from lnn.runtime.cpu import winograd
+    from lnn.runtime.cpu.jit import sgemm_address
+    from lnn.runtime.cpu.parallel import all_steps
+
+    if sgemm_address() is None:
+        pytest.skip("NumPy's BLAS here has no ILP64 cblas_sgemm")
+    plan, output = im2col_conv_plan(monkeypatch, sgemm=True)
+    assert winograd.blas_product in [getattr(step, "func", None) for step in all_steps(plan.steps)]
+    assert plan.splits and plan.uses_blas and plan.program is not None
+    _, through_matmul = im2col_conv_plan(monkeypatch, sgemm=False)
+    np.testing.assert_array_equal(output, through_matmul)
 
 
 def test_winograd_products_through_blas_run_in_the_helper_program(monkeypatch):
