@@ -108,7 +108,7 @@ REVIEW_GROWTH = 4
 REVIEW_MOST = 3200
 ALIGNMENT = 64          # bytes
 READ_PAST = STRIP_POSITIONS   # floats a kernel may read past a buffer's end (_aligned)
-BLAS_STEPS = (np.matmul, blas_products, blas_product)     # steps that call BLAS: a plan with one holds BLAS at one thread
+BLAS_STEPS = (np.matmul, blas_products, blas_product)   # steps that call BLAS: a plan with one holds BLAS at 1 thread
 # A split plan's helper program (programs.py) is built on its second run on the crew: loading it from the cache
 # took 40-70 ms (the bundled model, by hand), which a process answering one photo (lnn-infer) need not pay
 PROGRAM_AT_RUN = 2

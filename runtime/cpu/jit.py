@@ -17,10 +17,11 @@ kernels from the ahead-of-time compiled module instead (aot.py): no Numba import
 
 It also defines the JIT's intrinsics (LLVM IR that Numba inlines where a kernel calls them; None under the
 ahead-of-time kernels): the atomic loads, stores and counters, sched_yield and the CPU's spin-wait hint
-(spin_pause) that the crew's spins, programs.py's helper programs and linear.py's chains use, the Winograd transforms' vector shuffles (gather_tile_columns, interleave_rows4),
-the register tiles' vector loads and stores (load16, load8, store8), a call of a compiled kernel by its
-address (call_at, for programs.py's helper programs), and a call of BLAS's cblas_sgemm by its address
-(call_sgemm, sgemm_address: winograd.py's blas_products).
+(spin_pause) that the crew's spins, programs.py's helper programs and linear.py's chains use, the Winograd
+transforms' vector shuffles (gather_tile_columns, interleave_rows4), the register tiles' vector loads and
+stores (load16, load8, store8), a call of a compiled kernel by its address (call_at, for programs.py's
+helper programs), and a call of BLAS's cblas_sgemm by its address (call_sgemm, sgemm_address: winograd.py's
+blas_products and blas_product).
 
 On a host with AVX-512, Numba's target features turn off LLVM's preference for 256-bit vectors (below).
 """
