@@ -158,7 +158,7 @@ def measure(args) -> dict:
         cache.mark_cached(session.model)  # as the backend's warmup() does, so a later run says "from the cache"
     for _ in range(args.warmup):
         session.run(x)
-    session.warm_up(len(x))               # the cpu backend's helper program and split choice made before the timed calls
+    session.warm_up(len(x))               # the cpu backend's program and split choice made before the timed calls
     seconds = []
     for _ in range(args.runs):
         start = time.perf_counter()

@@ -128,10 +128,10 @@ class Worker(threading.Thread):
         try:
             session = load_session(str(model_path), resolve_device("auto"), None)    # the CPU backend, else NumPy
             # Under Numba's JIT the first run compiles the kernels (or loads them from the per-user cache):
-            # the test vectors' run, the first on this computer, or a warm-up run.
+            # the test vectors' run, the first on this computer, or a warm-up (Session.warm_up, as lnn-serve's).
             check = check_once(session)
             if check is None or check.cached:
-                session.predict(np.random.default_rng(0).standard_normal((1, *session.input_shape), np.float32))
+                session.warm_up(1)
         except Exception as err:               # noqa: BLE001 - e.g. MemoryError from a model with a huge input
             self.results.put(("model_error", model_path, failure_text(err)))
             return

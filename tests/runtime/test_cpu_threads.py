@@ -710,8 +710,8 @@ def test_a_helper_program_gives_the_same_bytes_as_the_python_hand_off(case, thre
 
 
 def im2col_conv_plan(monkeypatch, sgemm: bool):
-    """(split backend, its 2-thread plan after PROGRAM_AT_RUN + 1 runs, its output) of the im2col conv case, its
-    products through blas_product (sgemm) or np.matmul."""
+    """(its 2-thread plan after PROGRAM_AT_RUN + 1 runs, the last run's output) of the im2col conv case split over
+    2 threads, its products through blas_product (sgemm) or np.matmul."""
     from lnn.runtime.cpu import conv2d
     from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
 
