@@ -40,7 +40,8 @@ class NumpyBackend:
         return self.run_with_features(x)[0]
 
     def profile(self, x: np.ndarray, repeats: int) -> list:
-        """[(node name, op, median seconds)] over `repeats` whole runs of x (lnn-bench --profile)."""
+        """[(node name, op, median seconds, None)] over `repeats` whole runs of x (lnn-bench --profile; None: no
+        thread count of its own, as the cpu backend's rows have)."""
         times = np.zeros((repeats, len(self.model.nodes)))
         for repeat in range(repeats):
             y = x
@@ -48,5 +49,5 @@ class NumpyBackend:
                 start = time.perf_counter()
                 y = get_op(node.op).forward(y, params, node.attrs)
                 times[repeat, index] = time.perf_counter() - start
-        return [(node.name, node.op, float(np.median(column))) for node, column in zip(self.model.nodes, times.T)]
+        return [(node.name, node.op, float(np.median(column)), None) for node, column in zip(self.model.nodes, times.T)]
 BACKEND = NumpyBackend

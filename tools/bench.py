@@ -168,7 +168,8 @@ def measure(args) -> dict:
               "peak_rss_bytes": peak_rss_bytes(), "threads": session.describe_threads()}
     if args.profile:
         layers = session.backend.profile(x, min(PROFILE_REPEATS, args.runs))
-        result["profile"] = [{"layer": name, "kind": kind, "ms": seconds * 1e3} for name, kind, seconds in layers]
+        result["profile"] = [{"layer": name, "kind": kind, "ms": seconds * 1e3, "threads": threads}
+                             for name, kind, seconds, threads in layers]
     return result
 
 
@@ -208,9 +209,12 @@ def print_table(report: dict) -> None:
         if "profile" not in row:
             continue
         total = sum(layer["ms"] for layer in row["profile"]) or 1.0
-        print(f"\n{device}: time per layer (median of {min(PROFILE_REPEATS, report['runs'])} runs)")
+        split = any((layer["threads"] or 1) > 1 for layer in row["profile"])
+        print(f"\n{device}: time per layer (median of {min(PROFILE_REPEATS, report['runs'])} runs"
+              + ("; threads: the layer's work split over that many, as in the timed calls)" if split else ")"))
         for layer in row["profile"]:
-            print(f"  {layer['ms']:9.3f} ms {layer['ms'] / total:6.1%}  {layer['kind']:15} {layer['layer']}")
+            threads = f"{layer['threads']:>3}" if split else ""
+            print(f"  {layer['ms']:9.3f} ms {layer['ms'] / total:6.1%} {threads} {layer['kind']:15} {layer['layer']}")
 
 
 def body(args) -> int:

@@ -297,7 +297,7 @@ class CpuBackend:
     def run_with_features(self, x: np.ndarray) -> tuple:
         """(output, {kept node name: its value [N, ...]}), both the plan's buffers (overwritten by the next call)."""
         batch = x.shape[0]
-        if self._crew is not None and batch > 1 and batch * self._flops_per_row >= MIN_SPLIT_FLOPS:
+        if self._splits_batch(batch):
             with BLAS_THREADS:
                 return self._run_split(x)
         parts = self._parts(batch)
@@ -312,6 +312,10 @@ class CpuBackend:
         if trial is not None:
             trial.append((parts, time.perf_counter() - start))
         return plan.output, plan.kept
+
+    def _splits_batch(self, batch: int) -> bool:
+        """Whether calls of this batch size cut the batch into one share of images per thread (_run_split)."""
+        return self._crew is not None and batch > 1 and batch * self._flops_per_row >= MIN_SPLIT_FLOPS
 
     def _parts(self, batch: int) -> int:
         """The chosen parts of a one-image batch size, or _choose's turn while it is (again) being timed."""
@@ -420,22 +424,36 @@ class CpuBackend:
         return output, kept
 
     def profile(self, x: np.ndarray, repeats: int) -> list:
-        """[(the fused layer's nodes joined by "+", its kind, median seconds)] over `repeats` whole runs of x
-        on one thread's plan (a split batch is profiled unsplit)."""
-        plan = Plan(self.layers, self.model.input_shape, x.shape[0], self._kept_after, chains=False)
+        """[(the fused layer's nodes joined by "+", its kind, median seconds, threads)] over `repeats` whole runs
+        of x on the plan this batch size's calls run: where the split of one image's layers was chosen (_choose),
+        the split plan, each split layer's tasks on the crew as in a call (posted to its helper program where it
+        has one); threads: the tasks that layer is cut into, 1 where it is not split. A batch split by images is
+        profiled unsplit, on one thread's plan (each thread runs every layer on its share of the images)."""
+        batch = x.shape[0]
+        parts = 1 if self._splits_batch(batch) else self._chosen.get(batch, 1)
+        plan = Plan(self.layers, self.model.input_shape, batch, self._kept_after, parts, self.task_flops, chains=False)
+        program = programs.build(plan.steps, parts - 1) if parts > 1 else None
         times = np.zeros((repeats, len(self.layers)))
-        with BLAS_THREADS:
+
+        def timed_runs(crew: Crew | None) -> None:
             for repeat in range(repeats):
                 np.copyto(plan.input, x)
                 for index, (first, end) in enumerate(plan.layer_steps):
                     start = time.perf_counter()
-                    for step in plan.steps[first:end]:
-                        step()
+                    if crew is None:
+                        run_steps(plan.steps[first:end])
+                    else:
+                        crew.run_steps(plan.steps[first:end], True, program)
                     times[repeat, index] = time.perf_counter() - start
-                for step in plan.steps[plan.layer_steps[-1][1]:] if plan.layer_steps else ():
-                    step()
-        return [("+".join(nodes), type(layer).__name__.removesuffix("Layer").lower(), float(np.median(column)))
-                for nodes, layer, column in zip(self.layer_nodes, self.layers, times.T)]
+                run_steps(plan.steps[plan.layer_steps[-1][1]:] if plan.layer_steps else ())
+
+        with BLAS_THREADS:
+            if parts == 1 or not self._crew.try_run(timed_runs):
+                timed_runs(None)
+        threads = [max([len(step.tasks) for step in plan.steps[first:end] if type(step) is Parallel], default=1)
+                   for first, end in plan.layer_steps]
+        return [("+".join(nodes), type(layer).__name__.removesuffix("Layer").lower(), float(np.median(column)), count)
+                for nodes, layer, column, count in zip(self.layer_nodes, self.layers, times.T, threads)]
 
     def warmup(self, batch: int = 1) -> float:
         """Ready the calling thread's calls of this batch size: compile (or load from the cache) every kernel this

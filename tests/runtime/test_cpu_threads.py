@@ -670,6 +670,27 @@ def test_the_bundled_model_split_matches_one_thread():
     assert sum(type(step) is Parallel for step in two.backend._plan(1, 2).steps) >= 5    # its five convs at least
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_profile_times_the_layers_as_the_calls_split_them(threads, monkeypatch):
+    """lnn-bench --profile on a split plan: each layer timed with its tasks on the crew, the threads it is cut into
+    reported (1 for a layer left whole); a batch split by images is profiled on one thread's plan."""
+    input_shape, layers = CASES["conv_chain_then_linear"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    split = split_backend(model, random_weights(model, np.random.default_rng(3)), threads)
+    x = np.random.default_rng(4).standard_normal((1, *input_shape)).astype(np.float32)
+    split.run(x)
+    rows = split.profile(x, 3)
+    assert [name for name, *_ in rows] == ["+".join(nodes) for nodes in split.layer_nodes]
+    cut = [layer in splittable(split.layers) for layer in split.layers]
+    assert [count for *_, count in rows] == [threads if each else 1 for each in cut] and any(cut)
+    assert all(seconds > 0 for _, _, seconds, _ in rows)
+    from lnn.runtime.cpu import backend
+
+    monkeypatch.setattr(backend, "MIN_SPLIT_FLOPS", 0)      # any batch of 2 or more split by images
+    assert split._splits_batch(4)
+    assert [count for *_, count in split.profile(np.repeat(x, 4, axis=0), 2)] == [1] * len(rows)
+
+
 def programs_or_skip():
     from lnn.runtime.cpu import programs
 

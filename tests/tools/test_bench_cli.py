@@ -30,6 +30,7 @@ def test_numpy_figures_are_ordered_and_the_inputs_are_the_test_vectors(tiny_bin)
     assert row["threads"].startswith("numpy backend (no thread count of its own")
     nodes = [node.name for node in read_bin(tiny_bin).model.nodes]
     assert [layer["layer"] for layer in row["profile"]] == nodes and all(layer["ms"] >= 0 for layer in row["profile"])
+    assert all(layer["threads"] is None for layer in row["profile"])       # NumPy's BLAS picks its own
 
 
 def test_cpu_profile_names_every_node_once_in_its_fused_layers(tiny_bin):  # noqa: F811
@@ -42,6 +43,7 @@ def test_cpu_profile_names_every_node_once_in_its_fused_layers(tiny_bin):  # noq
     fused = [name for layer in row["profile"] for name in layer["layer"].split("+")]
     assert fused == [node.name for node in read_bin(tiny_bin).model.nodes]
     assert [layer["kind"] for layer in row["profile"]] == ["conv2d", "globalavgpool", "linear"]
+    assert [layer["threads"] for layer in row["profile"]] == [1, 1, 1]
 
 
 def test_photos_as_inputs_and_the_table(tiny_bin):  # noqa: F811
