@@ -1,7 +1,7 @@
 """linear: x [N, in], weight [out, in], bias [out] -> y [N, out] = x @ weight.T + bias, then the activation.
 
-Reference: formats/ops.py Linear.forward. On small batches (FUSED_MAX_BATCH) of a layer with at most
-FUSED_MAX_WEIGHTS weights and no softmax, one kernel does it all, `linear_dots` (product, bias and
+Reference: formats/ops.py Linear.forward. On small batches (FUSED_MAX_BATCH) of a layer without softmax
+(`LinearLayer.fused`), one kernel does it all, `linear_dots` (product, bias and
 activation; no BLAS call, so a plan of such layers does not touch BLAS's thread count either): each
 output is the dot product of x's row with the weight's row [in] (read in place, contiguous), four
 outputs at a time, summed in vector lanes (reassociated, fused multiply-adds). With parts > 1
@@ -50,7 +50,10 @@ PACK = 64                     # outputs a block (4 AVX-512 registers of sums)
 # DOTS on batches this small (linear_dots: 4; packed_dots: 2.0-3.2x faster than one-thread BLAS (OpenBLAS's
 # Haswell kernels here) on mnist_mlp's layers at batches 8 to 256, by hand) ...
 FUSED_MAX_BATCH = 256 if PACKED else 4
-FUSED_MAX_WEIGHTS = 1 << 20   # ... for layers of at most this many weights (4 MiB; mnist_mlp's largest: 0.2 M)
+# ... of any layer where DOTS reads its own weights (linear_dots), and of layers of at most this many weights
+# where it reads a packed copy (PACKED) or where a chain reads a concatenated one (4 MiB; mnist_mlp's largest:
+# 0.2 M): a copy of a larger layer's weights would cost more memory than BLAS's product costs time
+FUSED_MAX_WEIGHTS = 1 << 20
 
 
 @ieee_kernel
@@ -198,6 +201,16 @@ class LinearLayer:
             self._dots_weight = pack_weight(self.weight) if PACKED else self.weight
         return self._dots_weight
 
+    def fused(self, batch: int) -> bool:
+        """Whether DOTS computes this layer at this batch size, else BLAS (FUSED_MAX_BATCH, FUSED_MAX_WEIGHTS): on
+        the layer's own weights linear_dots reads each weight once for up to 4 rows, as one-thread OpenBLAS does
+        at batch 1 and faster at 2 (by hand, the 2-core AVX2 EPYC VM, 1024x1024 / 2048x2048 / 8192->512 weights:
+        batch 1 81 / 381 / 268 us against 78 / 358 / 294; batch 2 139 / 615 / 509 against 342 / 1465 / 1375;
+        batch 4 228 / 1077 / 966 against 233 / 1097 / 1070), and a split plan of such layers gets its helper
+        program (programs.py: an np.matmul step has none)."""
+        return (batch <= FUSED_MAX_BATCH and self.epilogue.code != SOFTMAX
+                and (not PACKED or self.weight.size <= FUSED_MAX_WEIGHTS))
+
     @property
     def flops(self) -> int:
         """Per row, a multiply-add counted 2: what backend.py weighs before splitting the layer."""
@@ -207,7 +220,7 @@ class LinearLayer:
         dst = new_buffer((src.shape[0], *self.out_shape))
         e = self.epilogue
         blocks = split_range(0, self.weight.shape[0], parts, align=16)
-        if src.shape[0] <= FUSED_MAX_BATCH and self.weight.size <= FUSED_MAX_WEIGHTS and e.code != SOFTMAX:
+        if self.fused(src.shape[0]):
             return dst, parallel_steps([[partial(DOTS, src, self.dots_weight, e.scale, e.shift, e.code, e.slope,
                                                  first, end, dst)] for first, end in blocks])
         # [in, out]: for batches BLAS runs x @ a contiguous weight.T ~1.5x faster than x @ the view weight.T
@@ -326,8 +339,7 @@ def serve_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags,
 
 def chain_eligible(layer, batch: int) -> bool:
     """Whether `layer` joins a chain at this batch size: a linear layer that linear_dots computes."""
-    return (CHAINS and isinstance(layer, LinearLayer) and batch <= FUSED_MAX_BATCH
-            and layer.weight.size <= FUSED_MAX_WEIGHTS and layer.epilogue.code != SOFTMAX)
+    return CHAINS and isinstance(layer, LinearLayer) and layer.fused(batch) and layer.weight.size <= FUSED_MAX_WEIGHTS
 
 
 def chain_parameters(layers: list) -> tuple:

@@ -441,6 +441,35 @@ def test_threads_option_limits_blas_during_run():
         cpu_backend(model, random_weights(model, np.random.default_rng(0)), threads=0)
 
 
+def test_a_large_linear_layer_of_a_small_batch_is_one_fused_kernel_and_gets_a_program():
+    """A layer past FUSED_MAX_WEIGHTS (a flatten of conv features into a wide layer, say) at batches 1-4: linear_dots
+    on its own weights, not np.matmul (the same speed at batch 1, faster at 2; a split plan with an np.matmul step
+    got no helper program); the same answers as the NumPy backend, on 1 and 2 threads. A packed copy of its weights
+    (AVX-512) or a chain's concatenated copy is made only up to FUSED_MAX_WEIGHTS."""
+    from lnn.runtime.cpu import linear, programs
+    from lnn.runtime.cpu.parallel import all_steps
+
+    model = parse_model({"input_shape": [1200], "layers": [{"type": "linear", "out_features": 1000, "activation": "relu"},
+                                                           {"type": "linear", "out_features": 10}]})
+    weights = random_weights(model, np.random.default_rng(2))
+    assert model.nodes[0].param_shapes["weight"] == (1000, 1200) and 1000 * 1200 > linear.FUSED_MAX_WEIGHTS
+    reference = NumpyBackend(model, weights)
+    for threads in (1, 2):
+        backend = cpu_backend(model, weights, threads=threads)
+        backend.task_flops = 0
+        for batch in (1, 2, 4):
+            x = np.random.default_rng(batch).standard_normal((batch, 1200)).astype(np.float32)
+            for _ in range(3):
+                np.testing.assert_allclose(backend.run(x), reference.run(x), rtol=1e-4, atol=1e-4)
+            plan = backend._plan(batch, threads)
+            first, end = plan.layer_steps[0]
+            kernels = {getattr(step, "func", None) for step in all_steps(plan.steps[first:end])}
+            assert kernels == ({np.matmul} if linear.PACKED else {linear.DOTS})       # never in a chain
+            assert plan.uses_blas == linear.PACKED
+        if threads == 2 and programs.AVAILABLE and not linear.PACKED:
+            assert backend._plan(1, 2).program is not None
+
+
 def test_blas_is_held_at_one_thread_in_a_call_from_another_thread_too():
     """OpenBLAS 0.3.31 ignores openblas_set_num_threads from a thread other than the main one once the main thread
     has set a count: a call on a worker thread, after one on the main thread, ran its BLAS products on every
