@@ -356,6 +356,7 @@ def breakdown_part(stages: dict, by: dict, servers: list) -> str:
     """The serve_load section's breakdown: the stage costs, what the servers spend beyond them, and the bound
     that the model's own cost at batch 1 and 16 sets on the batched / unbatched throughput."""
     batched, unbatched = by[(servers[0], 16)], by[(servers[1], 16)]
+    unbatched_one = by[("lnn, no batching, --threads 1", 16)]
     common = sum(ms for name, ms in stages.items() if not name.startswith("model"))
     model = {size: stages[f"model + gate, batch {size} (lnn-serve's chunks)"] for size in (1, 8, 16)}
     gain = model[1] / min(model[8], model[16])
@@ -377,13 +378,16 @@ def breakdown_part(stages: dict, by: dict, servers: list) -> str:
         f"The server and this script's clients share the 2 cores, so throughput is at most 2 cores over the CPU "
         f"per request, {total['b']:.1f} ms with batching and {total['u']:.1f} ms without: were both CPU-bound, at "
         f"most {total['u'] / total['b']:.2f}× apart. At 16 clients they used {cores['b']:.2f} and {cores['u']:.2f} "
-        f"of the 2 cores (answers/s × that CPU), so neither is quite CPU-bound. Batching changes only the "
-        f"model's cost per image ({model[1]:.2f} ms at batch 1, {model[8]:.2f} at 8, {model[16]:.2f} at 16 on one "
-        f"thread: {gain:.2f}× at best) and the hand-offs per request; decoding, preprocessing, photo checks, "
-        f"HTTP and the answer ({common:.2f} ms of stages, plus the server's rest and the client) are paid per photo "
-        f"either way. Even were everything but the model free, batching could cut the CPU per request by at most "
-        f"{gain:.2f}×: the 2× target is out of reach for this model on this CPU, whose "
-        f"kernels run one image nearly as efficiently as a batch (lnn-bench models/tomato_leaf.bin --batch 1 / 16 "
+        f"of the 2 cores (answers/s × that CPU), so neither is quite CPU-bound. Batching changes the model's "
+        f"work per image ({model[1]:.2f} ms at batch 1, {model[8]:.2f} at 8, {model[16]:.2f} at 16 on one thread: "
+        f"{gain:.2f}× at best), the hand-offs per request and how a call is shared over the cores: a batch by "
+        f"images, a lone photo by its layers, whose waits between the layers cost CPU (the unbatched server's "
+        f"{unbatched['server_cpu_ms']:.1f} ms of server CPU per request against {unbatched_one['server_cpu_ms']:.1f} "
+        f"with --threads 1), CPU the other threads miss only when the cores are full. Decoding, preprocessing, "
+        f"photo checks, HTTP and the answer ({common:.2f} ms of stages, plus the server's rest and the client) are "
+        f"paid per photo either way. Were everything but the model free, batching could cut the model's work per "
+        f"image by at most {gain:.2f}×: the 2× target is out of reach for this model on this CPU, whose kernels "
+        f"run one image nearly as efficiently as a batch (lnn-bench models/tomato_leaf.bin --batch 1 / 16 "
         f"--threads 1 says the same).",
         "Found with py-spy and each thread's CPU in /proc (2026-12-01, 16 clients): OpenBLAS's helper thread took "
         "1.6-3.8 ms of CPU per request in the batching server, about as much as the model. The gate's products "
@@ -410,8 +414,8 @@ def start_servers(onnx_path: Path) -> dict:
             "lnn, no batching (max 1)": launch_process(*common, "--max-batch", "1"),
             "onnxruntime, no batching": launch_process("--onnx-server", onnx_path, "--port", "0",
                                                        program=(__file__,)),
-            "lnn, batching, --threads auto": launch_process(*common, "--threads", "auto"),
-            "lnn, no batching, --threads auto": launch_process(*common, "--max-batch", "1", "--threads", "auto"),
+            "lnn, batching, --threads 1": launch_process(*common, "--threads", "1"),
+            "lnn, no batching, --threads 1": launch_process(*common, "--max-batch", "1", "--threads", "1"),
             "lnn, batching, --max-delay-ms 0": launch_process(*common, "--max-delay-ms", "0")}
 
 
@@ -514,27 +518,27 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
     heavy_part = []
     if heavy is not None:
         common = ("--model", heavy, "--port", "0", "--device", "cpu")
-        heavy_servers = {"leaf_cnn224, batching, --threads 2": launch_process(*common, "--threads", "2"),
+        heavy_servers = {"leaf_cnn224, batching": launch_process(*common),
                          "leaf_cnn224, no batching": launch_process(*common, "--max-batch", "1")}
         heavy_rows = run_plan(heavy_servers, [(name, 16) for name in heavy_servers], photos,
                               expected_labels(photos, heavy), args)
         heavy_part = ["### A model whose inference dominates: the reference leaf_cnn224, 16 clients",
                       "The same uploads and clients; leaf_cnn224 (224×224 input, random reference weights: "
                       "its answers mean nothing) costs several times the bundled model's server CPU per photo, "
-                      "so inference, not HTTP and decoding, takes most of it. A batch split over 2 Numba threads "
-                      "can use both cores; one photo at a time cannot (2 BLAS threads on one photo's small "
-                      "products made it about 10× slower on the busy machine).",
+                      "so inference, not HTTP and decoding, takes most of it. Both servers at the defaults "
+                      "(`--threads auto`): a batch is split over the cores by images, a lone photo by its "
+                      "layers' output rows or channels.",
                       rows_table(heavy_rows)]
     update_section("serve_load", "\n\n".join([
         "## lnn-serve under load (dynamic batching on and off, onnxruntime behind the same stack)",
         f"Command: `python benchmarks/serve_load.py --seconds {args.seconds:g}`. Machine: {machine_line()}. "
         f"Load average when it started: {load_before:.2f}{'; ' + args.note if args.note else ''}.",
-        f"Loopback only; each server its own process (`lnn-serve --device cpu`: one inference thread with one "
-        f"Numba/BLAS thread, photos decoded on a pool of one thread per core; onnxruntime with one intra-op "
+        f"Loopback only; each server its own process (`lnn-serve --device cpu`: one inference thread whose "
+        f"calls run on `--threads auto`, the usable cores ({usable_cores()} here; a batch is split over them "
+        f"by images, a lone photo by its layers), BLAS at one thread, photos decoded on a pool of one thread "
+        f"per core; `--threads 1`: the model on the inference thread alone; onnxruntime with one intra-op "
         f"thread per call, one call per request on Starlette's thread pool, so calls run side by side; "
-        f"`--threads auto` is lnn-infer's choice, the usable cores ({usable_cores()} here): a batch is split "
-        f"over them, one image's layers too; `--max-delay-ms 0` never waits for photos "
-        f"still being decoded), the clients in this "
+        f"`--max-delay-ms 0` never waits for photos still being decoded), the clients in this "
         f"script's process on the same cores, each on its own keep-alive connection (a lean client: asyncio "
         f"streams and httptools on uvloop; until 2026-12-02 httpx, which took 1.1-2.3 ms of CPU per request "
         f"from the same 2 cores). Closed loop: each client sends a 256×256 JPEG of a real leaf "

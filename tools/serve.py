@@ -62,10 +62,11 @@ def build_parser():
                              f"(default {DEFAULTS.max_delay_s * 1000:g})")
     parser.add_argument("--queue", type=int, default=DEFAULTS.queue, metavar="N",
                         help=f"most requests in the server at once; more are refused with 503 (default {DEFAULTS.queue})")
-    parser.add_argument("--threads", default="1", metavar="N|auto",
-                        help="threads for the Numba backend's batch, or auto (the usable cores, as lnn-infer); "
-                             "default 1: inference takes one core, decoding and HTTP the others (auto cost more "
-                             "CPU per request on 2 cores, batching on or off: BENCHMARKS serve_load)")
+    parser.add_argument("--threads", default="auto", metavar="N|auto",
+                        help="threads for the Numba backend: a batch split over them by images, a lone photo's "
+                             "layers too; default auto, the usable cores, as lnn-infer (1: inference on one core, "
+                             "decoding and HTTP on the others: less CPU per request, fewer answers a second; "
+                             "BENCHMARKS serve_load)")
     parser.add_argument("--timeout", type=float, default=DEFAULTS.timeout_s, metavar="S",
                         help=f"seconds before a request gets 504 (default {DEFAULTS.timeout_s:g})")
     parser.add_argument("--max-body", type=int, default=DEFAULTS.max_body, metavar="BYTES",
@@ -127,7 +128,7 @@ def check_options(args) -> None:
         raise LnnInputError(f"--port must be between 0 (any free port) and 65535, not {args.port}")
 
 
-def server_for(model, host: str, port: int, device: str = "auto", threads: int | str = 1, **settings):
+def server_for(model, host: str, port: int, device: str = "auto", threads: int | str = "auto", **settings):
     """(uvicorn.Server, its bound socket) for a model: the whole server, ready to run on any thread; the
     Session is `server.config.app.state.session`.
 
