@@ -378,7 +378,7 @@ def breakdown_part(stages: dict, by: dict, servers: list) -> str:
         f"The server and this script's clients share the 2 cores, so throughput is at most 2 cores over the CPU "
         f"per request, {total['b']:.1f} ms with batching and {total['u']:.1f} ms without: were both CPU-bound, at "
         f"most {total['u'] / total['b']:.2f}× apart. At 16 clients they used {cores['b']:.2f} and {cores['u']:.2f} "
-        f"of the 2 cores (answers/s × that CPU), so neither is quite CPU-bound. Batching changes the model's "
+        f"of the 2 cores (answers/s × that CPU). Batching changes the model's "
         f"work per image ({model[1]:.2f} ms at batch 1, {model[8]:.2f} at 8, {model[16]:.2f} at 16 on one thread: "
         f"{gain:.2f}× at best), the hand-offs per request and how a call is shared over the cores: a batch by "
         f"images, a lone photo by its layers, whose waits between the layers cost CPU (the unbatched server's "
