@@ -427,10 +427,15 @@ class CpuBackend:
         """[(the fused layer's nodes joined by "+", its kind, median seconds, threads)] over `repeats` whole runs
         of x on the plan this batch size's calls run: where the split of one image's layers was chosen (_choose),
         the split plan, each split layer's tasks on the crew as in a call (posted to its helper program where it
-        has one); threads: the tasks that layer is cut into, 1 where it is not split. A batch split by images is
-        profiled unsplit, on one thread's plan (each thread runs every layer on its share of the images)."""
+        has one); threads: the tasks that layer is cut into, 1 where it is not split. A batch split by images: the
+        plan of the largest share of its images, on one thread (each thread runs every layer on its share at the same
+        time, so the layers' times add up to about a call's)."""
+        if self._splits_batch(x.shape[0]):
+            x = x[:int(np.ceil(x.shape[0] / min(self.threads, x.shape[0])))]
+            parts = 1
+        else:
+            parts = self._chosen.get(x.shape[0], 1)
         batch = x.shape[0]
-        parts = 1 if self._splits_batch(batch) else self._chosen.get(batch, 1)
         plan = Plan(self.layers, self.model.input_shape, batch, self._kept_after, parts, self.task_flops, chains=False)
         program = programs.build(plan.steps, parts - 1) if parts > 1 else None
         times = np.zeros((repeats, len(self.layers)))

@@ -673,7 +673,7 @@ def test_the_bundled_model_split_matches_one_thread():
 @pytest.mark.parametrize("threads", [2, 3])
 def test_the_profile_times_the_layers_as_the_calls_split_them(threads, monkeypatch):
     """lnn-bench --profile on a split plan: each layer timed with its tasks on the crew, the threads it is cut into
-    reported (1 for a layer left whole); a batch split by images is profiled on one thread's plan."""
+    reported (1 for a layer left whole); a batch split by images is profiled on its largest share's plan, one thread."""
     input_shape, layers = CASES["conv_chain_then_linear"]
     model = parse_model({"input_shape": input_shape, "layers": layers})
     split = split_backend(model, random_weights(model, np.random.default_rng(3)), threads)
@@ -688,7 +688,10 @@ def test_the_profile_times_the_layers_as_the_calls_split_them(threads, monkeypat
 
     monkeypatch.setattr(backend, "MIN_SPLIT_FLOPS", 0)      # any batch of 2 or more split by images
     assert split._splits_batch(4)
-    assert [count for *_, count in split.profile(np.repeat(x, 4, axis=0), 2)] == [1] * len(rows)
+    planned, plan_class = [], backend.Plan
+    monkeypatch.setattr(backend, "Plan", lambda *args, **options: planned.append(args[2]) or plan_class(*args, **options))
+    assert [count for *_, count in split.profile(np.repeat(x, 5, axis=0), 2)] == [1] * len(rows)
+    assert planned == [-(-5 // threads)]                   # the largest share: 3 of 5 images on 2 threads, 2 on 3
 
 
 def programs_or_skip():
