@@ -386,19 +386,22 @@ class CpuBackend:
         return batch in self._trials
 
     def split_choice(self) -> str | None:
-        """What _choose decided, in words, for the one-image calls seen so far (None with one thread)."""
+        """What _choose decided, in words, for the one-image calls seen so far, then from which batch size the images
+        are split instead (_splits_batch); None with one thread."""
         if self._crew is None:
             return None
         decided = sorted(self._chosen.items())
+        by_images = max(2, -(-int(MIN_SPLIT_FLOPS) // max(1, self._flops_per_row)))
+        images = f"batches of {by_images} or more: their images split over {self.threads} threads"
         if not decided:
             return (f"one image's layers: split over {self.threads} threads where timed at least "
                     f"{1 - SPLIT_GAIN:.0%} faster than one (decided after {TRIAL_LENGTH // 2} calls of each, "
-                    f"{TRIAL_LENGTH} before keeping one thread)")
-        return "; ".join(f"batch {batch}: " + ("one thread (no layer large enough to split)"
-                                               if batch in self._nothing_to_split else
-                                               f"layers split over {parts} threads" if parts > 1 else
-                                               "one thread (the split was not faster)")
-                         for batch, parts in decided)
+                    f"{TRIAL_LENGTH} before keeping one thread); {images}")
+        return "; ".join([f"batch {batch}: " + ("one thread (no layer large enough to split)"
+                                                if batch in self._nothing_to_split else
+                                                f"layers split over {parts} threads" if parts > 1 else
+                                                "one thread (the split was not faster)")
+                          for batch, parts in decided] + [images])
 
     def _run_plan(self, plan: Plan, x: np.ndarray) -> None:
         if plan.splits and self._crew is not None and self._crew.try_run(lambda crew: plan.run(x, crew)):

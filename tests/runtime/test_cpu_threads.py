@@ -402,7 +402,7 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     monkeypatch.setattr(slow._crew, "run", lambda tasks: (time.sleep(0.003), run(tasks)))
     for _ in range(2 * cpu_backend.TRIAL_LENGTH + 1):           # one thread: two trials in a row say so
         np.testing.assert_allclose(slow.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
-    assert slow._chosen == {1: 1} and slow.split_choice() == "batch 1: one thread (the split was not faster)"
+    assert slow._chosen == {1: 1} and slow.split_choice().startswith("batch 1: one thread (the split was not faster); batches of ")
     paying = cpu_backend.CpuBackend(model, weights, threads=2)
     paying.task_flops = 1
     whole = paying._plan(1, 1)
@@ -410,16 +410,16 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.003), whole_run(x))[1])
     for _ in range(cpu_backend.TRIAL_LENGTH + 1):
         np.testing.assert_allclose(paying.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
-    assert paying._chosen == {1: 2} and paying.split_choice() == "batch 1: layers split over 2 threads"
+    assert paying._chosen == {1: 2} and paying.split_choice().startswith("batch 1: layers split over 2 threads; batches of ")
     forced = split_backend(model, weights, 2)          # task_flops 0: always split, no trial
     forced.run(x)
-    assert forced._chosen == {1: 2} and forced.split_choice() == "batch 1: layers split over 2 threads"
+    assert forced._chosen == {1: 2} and forced.split_choice().startswith("batch 1: layers split over 2 threads; batches of ")
     tiny = parse_model({"input_shape": [2, 4, 4], "layers": [conv(4, padding=1), {"type": "flatten"},
                                                             {"type": "linear", "out_features": 16}]})
     small = cpu_backend.CpuBackend(tiny, random_weights(tiny, np.random.default_rng(5)), threads=2)
     small.run(np.ones((1, 2, 4, 4), np.float32))          # the default rule: no layer here is worth it
     assert not small._plan(1, 2).splits and not small._plan(1, 2).claims
-    assert small.split_choice() == "batch 1: one thread (no layer large enough to split)"
+    assert small.split_choice().startswith("batch 1: one thread (no layer large enough to split); batches of ")
 
 
 def choice_case() -> tuple:
@@ -635,9 +635,13 @@ def test_threads_auto_is_the_usable_cores():
     assert auto.describe_threads().startswith(f"cpu backend, {usable_cores()} thread{'s' if usable_cores() > 1 else ''} "
                                               f"(auto: {cores_in_words()})")
     three = Session(source, "cpu", threads=3)
-    assert three.describe_threads() == ("cpu backend, 3 threads (as asked); one image's layers: split over 3 threads "
-                                        "where timed at least 5% faster than one (decided after 9 calls of each, 18 before keeping "
-                                        "one thread)")
+    words = three.describe_threads()
+    assert words.startswith("cpu backend, 3 threads (as asked); one image's layers: split over 3 threads where timed at "
+                            "least 5% faster than one (decided after 9 calls of each, 18 before keeping one thread); "
+                            "batches of ")
+    by_images = int(words.split("; batches of ")[1].split()[0])           # the smallest batch split by its images
+    assert words.endswith(f"batches of {by_images} or more: their images split over 3 threads")
+    assert three.backend._splits_batch(by_images) and not three.backend._splits_batch(by_images - 1)
     assert Session(source, "cpu", threads=1).describe_threads() == "cpu backend, 1 thread (as asked)"
     numpy_session = Session(source, "numpy")
     assert numpy_session.threads is None and "no thread count of its own" in numpy_session.describe_threads()
