@@ -26,6 +26,7 @@ import collections
 import contextlib
 import ctypes
 import functools
+import math
 import os
 import sys
 import threading
@@ -38,6 +39,11 @@ from lnn.runtime.cores import usable_cores
 from lnn.runtime.cpu.jit import hand_off, spin_while_equal
 
 LINGER_SECONDS = 5e-4    # how long a helper keeps spinning after a call (the next one, back to back, finds it awake)
+# linger_yields's calibration: timings of this many yields (about 25 us each on the 2-core VM), at most this many, within
+# about this long
+YIELDS_A_TIMING = 50
+CALIBRATION_TIMINGS = 20
+CALIBRATION_SECONDS = 2e-3
 # CPython's GIL switch interval while a crew call runs (the default is 5 ms; see `short_switch_interval`)
 SWITCH_INTERVAL_SECONDS = 5e-5
 # Crew.run's hand-off: the caller waits without the GIL at most this long for the helpers to start their tasks,
@@ -414,9 +420,20 @@ def hand_off_yields() -> tuple:
 
 @functools.cache
 def linger_yields() -> int:
-    """spin_while_equal's yields in about LINGER_SECONDS on this machine (measured once)."""
+    """spin_while_equal's yields in about LINGER_SECONDS on this machine, measured once: the fastest yield rate of
+    timings of YIELDS_A_TIMING yields each, up to CALIBRATION_TIMINGS of them within about CALIBRATION_SECONDS.
+    It was one timing of 1000 yields: a yield during which another thread took this CPU for its time slice
+    (milliseconds) made every yield look that slow, and the process kept a linger of a few yields for good (a
+    lnn-serve whose helpers linger one yield answered 298 photos/s against 351, by hand)."""
     flags = np.zeros(2, np.int64)                    # flags[1] = 0: the call is over, only the linger spins
     spin_while_equal(flags, 0, 0, 1, -1, 0, 1)       # compiled or loaded first
-    start = time.perf_counter()
-    spin_while_equal(flags, 0, 0, 1, -1, 0, 1000)
-    return max(1, int(LINGER_SECONDS / max((time.perf_counter() - start) / 1000, 1e-8)))
+    fastest = math.inf
+    deadline = time.perf_counter() + CALIBRATION_SECONDS
+    for _ in range(CALIBRATION_TIMINGS):
+        start = time.perf_counter()
+        spin_while_equal(flags, 0, 0, 1, -1, 0, YIELDS_A_TIMING)
+        end = time.perf_counter()
+        fastest = min(fastest, (end - start) / YIELDS_A_TIMING)
+        if end > deadline:
+            break
+    return max(1, int(LINGER_SECONDS / max(fastest, 1e-8)))

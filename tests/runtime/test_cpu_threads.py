@@ -378,6 +378,31 @@ def test_paused_reads_end_when_the_word_is_set():
     assert programs.pauses_after_call() >= 1
 
 
+def test_the_linger_calibration_outlasts_a_moment_when_another_thread_takes_the_cpu(monkeypatch):
+    """linger_yields times its yields several times and keeps the fastest: one timing during which another thread
+    held this CPU for a few milliseconds (here: a sleep inside the second timing) leaves the linger as it is."""
+    import time
+
+    from lnn.runtime.cpu import parallel
+
+    if parallel.spin_while_equal is None:
+        pytest.skip("the crew spins only with the JIT's sched_yield")
+    monkeypatch.setattr(parallel, "CALIBRATION_SECONDS", 1.0)          # every timing, however slow this machine
+    quiet = max(parallel.linger_yields.__wrapped__() for _ in range(3))
+    spin, calls = parallel.spin_while_equal, []
+
+    def preempted_once(*args):
+        calls.append(1)
+        if len(calls) == 3:                         # the second timing (the first call only compiles or loads)
+            time.sleep(0.003)
+        return spin(*args)
+
+    monkeypatch.setattr(parallel, "spin_while_equal", preempted_once)
+    disturbed = parallel.linger_yields.__wrapped__()
+    assert len(calls) == 1 + parallel.CALIBRATION_TIMINGS
+    assert disturbed > quiet / 3, (disturbed, quiet)   # one 1000-yield timing with 3 ms in it: about 1/6 of quiet
+
+
 def chain_case() -> tuple:
     """(model, weights, one input) of the conv + linear chain the split-choice tests time."""
     input_shape, layers = CASES["conv_chain_then_linear"]
