@@ -84,6 +84,12 @@ def load(path, device: str = "auto", **options) -> "Session":
     return Session(read_bin(path), device, **options)
 
 
+def warm_up_batch(input_shape: tuple, size: int) -> np.ndarray:
+    """The inputs a warm-up runs (Session.warm_up, the cpu backend's warmup): `size` of random normal values, always
+    the same ones."""
+    return np.random.default_rng(0).standard_normal((size, *input_shape)).astype(np.float32)
+
+
 class Session:
     """A loaded model on one backend. run() gives raw outputs, predict() (calibrated) probabilities,
     judge() the probabilities with a reason per photo, predict_image() one photo's Prediction.
@@ -132,7 +138,7 @@ class Session:
         if warmup is not None:
             warmup(size)
         else:
-            self.run(np.random.default_rng(0).standard_normal((size, *self.input_shape)).astype(np.float32))
+            self.run(warm_up_batch(self.input_shape, size))
 
     def _check_batch(self, batch) -> np.ndarray:
         batch = np.asarray(batch)

@@ -72,7 +72,7 @@ import numpy as np
 from lnn.formats.fold import folds_into_previous
 from lnn.formats.model import Model
 from lnn.formats.ops import ACTIVATIONS, layer_table
-from lnn.runtime import resolve_threads
+from lnn.runtime import resolve_threads, warm_up_batch
 from lnn.runtime.cpu import (activations, batchnorm, cache, conv1d, conv2d, flatten, layernorm, linear, photo_measures,
                               pool, programs, recurrent)
 from lnn.runtime.cpu.activations import NONE, ActivationLayer, is_monotone
@@ -315,7 +315,16 @@ class CpuBackend:
 
     def _splits_batch(self, batch: int) -> bool:
         """Whether calls of this batch size cut the batch into one share of images per thread (_run_split)."""
-        return self._crew is not None and batch > 1 and batch * self._flops_per_row >= MIN_SPLIT_FLOPS
+        return self._crew is not None and batch > 1 and batch >= self._first_split_batch()
+
+    def _first_split_batch(self) -> int:
+        """The smallest batch worth MIN_SPLIT_FLOPS, 2 at least: from it on, a batch's images are split (_splits_batch)."""
+        return max(2, -(-int(MIN_SPLIT_FLOPS) // max(1, self._flops_per_row)))
+
+    def _shares(self, batch: int) -> list:
+        """[(start, stop), ...]: the images of each thread's share of a batch split by images."""
+        bounds = np.linspace(0, batch, min(self.threads, batch) + 1).astype(int)
+        return list(zip(bounds[:-1], bounds[1:]))
 
     def _parts(self, batch: int) -> int:
         """The chosen parts of a one-image batch size, or _choose's turn while it is (again) being timed."""
@@ -391,8 +400,7 @@ class CpuBackend:
         if self._crew is None:
             return None
         decided = sorted(self._chosen.items())
-        by_images = max(2, -(-int(MIN_SPLIT_FLOPS) // max(1, self._flops_per_row)))
-        images = f"batches of {by_images} or more: their images split over {self.threads} threads"
+        images = f"batches of {self._first_split_batch()} or more: their images split over {self.threads} threads"
         if not decided:
             return (f"one image's layers: split over {self.threads} threads where timed at least "
                     f"{1 - SPLIT_GAIN:.0%} faster than one (decided after {TRIAL_LENGTH // 2} calls of each, "
@@ -410,9 +418,8 @@ class CpuBackend:
 
     def _run_split(self, x: np.ndarray) -> tuple:
         batch = x.shape[0]
-        bounds = np.linspace(0, batch, min(self.threads, batch) + 1).astype(int)
         parts = [(self._plan(stop - start, 1, part), start, stop)          # planned here, not in the workers
-                 for part, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:]))]
+                 for part, (start, stop) in enumerate(self._shares(batch))]
         output, kept = self._outputs.get(batch)
 
         def run_part(plan: Plan, start: int, stop: int) -> None:
@@ -434,7 +441,7 @@ class CpuBackend:
         plan of the largest share of its images, on one thread (each thread runs every layer on its share at the same
         time, so the layers' times add up to about a call's)."""
         if self._splits_batch(x.shape[0]):
-            x = x[:int(np.ceil(x.shape[0] / min(self.threads, x.shape[0])))]
+            x = x[:max(stop - start for start, stop in self._shares(x.shape[0]))]
             parts = 1
         else:
             parts = self._chosen.get(x.shape[0], 1)
@@ -470,7 +477,7 @@ class CpuBackend:
         calls that needed it: inside lnn-serve, whose warm-up ran each chunk size once, a helper program compiled
         (uncached, seconds) in a batch's call during load. Returns and records the compile seconds: the first
         two runs (the second builds the program) minus twice a warm run's."""
-        x = np.random.default_rng(0).standard_normal((batch, *self.model.input_shape)).astype(np.float32)
+        x = warm_up_batch(self.model.input_shape, batch)
         first_two = 0.0
         for _ in range(2):
             start = time.perf_counter()

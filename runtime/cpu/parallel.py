@@ -427,13 +427,22 @@ def linger_yields() -> int:
     lnn-serve whose helpers linger one yield answered 298 photos/s against 351, by hand)."""
     flags = np.zeros(2, np.int64)                    # flags[1] = 0: the call is over, only the linger spins
     spin_while_equal(flags, 0, 0, 1, -1, 0, 1)       # compiled or loaded first
+    fastest = fastest_seconds_each(functools.partial(spin_while_equal, flags, 0, 0, 1, -1, 0), YIELDS_A_TIMING,
+                                   CALIBRATION_TIMINGS, CALIBRATION_SECONDS)
+    return max(1, int(LINGER_SECONDS / max(fastest, 1e-8)))
+
+
+def fastest_seconds_each(timed, count: int, timings: int, within_seconds: float = math.inf) -> float:
+    """The fastest seconds per unit of `timed(count)` (a calibration loop of `count` units) over `timings` timings,
+    none started after about `within_seconds`: a timing during which another thread took this CPU counts for
+    nothing (linger_yields, programs.pauses_after_call)."""
     fastest = math.inf
-    deadline = time.perf_counter() + CALIBRATION_SECONDS
-    for _ in range(CALIBRATION_TIMINGS):
+    deadline = time.perf_counter() + within_seconds
+    for _ in range(timings):
         start = time.perf_counter()
-        spin_while_equal(flags, 0, 0, 1, -1, 0, YIELDS_A_TIMING)
+        timed(count)
         end = time.perf_counter()
-        fastest = min(fastest, (end - start) / YIELDS_A_TIMING)
+        fastest = min(fastest, (end - start) / count)
         if end > deadline:
             break
-    return max(1, int(LINGER_SECONDS / max(fastest, 1e-8)))
+    return fastest

@@ -57,7 +57,6 @@ import math
 import os
 import sys
 import tempfile
-import time
 import types
 import warnings
 from functools import partial
@@ -68,7 +67,7 @@ import numpy as np
 from lnn.runtime.cpu import cache, jit
 from lnn.runtime.cpu.jit import (CACHE_ENABLED, call_at, compare_and_swap, compiled_address, kernel, load_acquire,
                                  sched_yield, spin_pause, store_release)
-from lnn.runtime.cpu.parallel import Claimed, Parallel, linger_yields, run_steps
+from lnn.runtime.cpu.parallel import Claimed, Parallel, fastest_seconds_each, linger_yields, run_steps
 
 AOT_SIGNATURES = {"copy_into": None, "post": None, "claim_or_wait": None, "paused_reads": None}   # the JIT's only
 
@@ -130,14 +129,8 @@ def pauses_after_call() -> int:
     keeps the CPU, so another process there slows no timing but the one it preempts)."""
     control = np.zeros(1, np.int64)
     paused_reads(control, 1)                # compiled or loaded first
-    fastest = min(_timed(paused_reads, control, 1000) for _ in range(5))
-    return max(1, int(PAUSE_SECONDS / max(fastest / 1000, 1e-9)))
-
-
-def _timed(function, *args) -> float:
-    start = time.perf_counter()
-    function(*args)
-    return time.perf_counter() - start
+    fastest = fastest_seconds_each(partial(paused_reads, control), 1000, 5)
+    return max(1, int(PAUSE_SECONDS / max(fastest, 1e-9)))
 
 
 class HelperProgram:
