@@ -411,20 +411,30 @@ def chain_case() -> tuple:
     return model, weights, np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
 
 
+def trial_clock(monkeypatch, cpu_backend) -> list:
+    """[seconds]: the clock the backend's trials read (time.perf_counter), made to stand still but for what a test
+    adds, so that a plan the test slows down is the slower one whatever else this machine runs (with a 3 ms sleep
+    instead, the split plan's calls beside another test process on the 2-core VM took longer still)."""
+    import types
+
+    clock = [0.0]
+    monkeypatch.setattr(cpu_backend, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    return clock
+
+
 def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     """threads > 1 times its split plan against the one-thread plan on the first calls of a batch size and
-    keeps the faster: with every hand-off made 3 ms slower, the one-thread plan; with the one-thread plan
-    3 ms slower, the split one; same answers throughout."""
-    import time
-
+    keeps the faster: with every hand-off a second slower (trial_clock), the one-thread plan; with the one-thread
+    plan a second slower, the split one; same answers throughout."""
     from lnn.runtime.cpu import backend as cpu_backend
 
     model, weights, x = chain_case()
     expected = cpu_backend.CpuBackend(model, weights, threads=1).run(x).copy()
+    clock = trial_clock(monkeypatch, cpu_backend)
     slow = cpu_backend.CpuBackend(model, weights, threads=2)
     slow.task_flops = 1                      # the default rule, but every layer worth splitting
     run = slow._crew.run
-    monkeypatch.setattr(slow._crew, "run", lambda tasks: (time.sleep(0.003), run(tasks)))
+    monkeypatch.setattr(slow._crew, "run", lambda tasks: (clock.__setitem__(0, clock[0] + 1), run(tasks)))
     for _ in range(2 * cpu_backend.TRIAL_LENGTH + 1):           # one thread: two trials in a row say so
         np.testing.assert_allclose(slow.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
     assert slow._chosen == {1: 1} and slow.split_choice().startswith("batch 1: one thread (the split was not faster); batches of ")
@@ -432,7 +442,7 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     paying.task_flops = 1
     whole = paying._plan(1, 1)
     whole_run = whole.run
-    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.003), whole_run(x))[1])
+    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (clock.__setitem__(0, clock[0] + 1), whole_run(x))[1])
     for _ in range(cpu_backend.TRIAL_LENGTH + 1):
         np.testing.assert_allclose(paying.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
     assert paying._chosen == {1: 2} and paying.split_choice().startswith("batch 1: layers split over 2 threads; batches of ")
@@ -549,19 +559,22 @@ def test_a_choice_is_timed_again_later(monkeypatch):
     """A choice made on a process's first calls is timed again after REVIEW_FIRST calls: hand-offs slow at
     first keep one thread; once the one-thread plan is the slow one, the review keeps the split, and the
     next review comes REVIEW_GROWTH times later."""
-    import time
-
     from lnn.runtime.cpu import backend as cpu_backend
 
     model, weights, x = chain_case()
+    clock = trial_clock(monkeypatch, cpu_backend)
     backend = cpu_backend.CpuBackend(model, weights, threads=2)
     backend.task_flops = 1
     slow = {"split": True}
+
+    def slower(plan: str) -> None:
+        clock[0] += slow["split"] == (plan == "split")
+
     run = backend._crew.run
-    monkeypatch.setattr(backend._crew, "run", lambda tasks: (time.sleep(0.003 * slow["split"]), run(tasks)))
+    monkeypatch.setattr(backend._crew, "run", lambda tasks: (slower("split"), run(tasks)))
     whole = backend._plan(1, 1)
     whole_run = whole.run
-    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.003 * (not slow["split"])), whole_run(x))[1])
+    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (slower("whole"), whole_run(x))[1])
     trial = cpu_backend.TRIAL_LENGTH + 1                       # both plans' turns and the deciding call
     for call in range(2 * trial - 1):                          # one thread: two trials in a row say so
         assert backend.choosing(1) == (0 < call)                 # from its first call until it decides
