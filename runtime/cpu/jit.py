@@ -16,8 +16,9 @@ LNN_CPU_KERNELS=aot (the default when Numba is not installed, as in the packaged
 kernels from the ahead-of-time compiled module instead (aot.py): no Numba import, no compile, no cache.
 
 It also defines the JIT's intrinsics (LLVM IR that Numba inlines where a kernel calls them; None under the
-ahead-of-time kernels): the atomic loads, stores and counters, sched_yield and the CPU's spin-wait hint
-(spin_pause) that the crew's spins, programs.py's helper programs and linear.py's chains use, the Winograd
+ahead-of-time kernels): the atomic loads, stores and counters, sched_yield, the CPU's spin-wait hint
+(spin_pause) and the monotonic clock (monotonic_ns: the spins' time limits) that the crew's spins, programs.py's
+helper programs and linear.py's chains use, the Winograd
 transforms' vector shuffles (gather_tile_columns, interleave_rows4), the register tiles' vector loads and
 stores (load16, load8, store8), a call of a compiled kernel by its address (call_at, for programs.py's
 helper programs), and a call of BLAS's cblas_sgemm by its address (call_sgemm, sgemm_address: winograd.py's
@@ -33,6 +34,7 @@ import functools
 import importlib.util
 import os
 import sys
+import time
 import warnings
 
 from lnn.runtime.cpu.cache import ensure_writable, numba_cache_dir
@@ -55,7 +57,7 @@ if KERNELS == "aot":
     gather_tile_columns = interleave_rows4 = None   # (the JIT's intrinsics: winograd.py copies instead)
     load16 = load8 = store8 = None                  # (the register tiles' vector loads and stores: the JIT's only)
     spin_while_equal = hand_off = None     # (the crew's spins use the JIT's intrinsics: the locks hand off instead)
-    load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = spin_pause = None   # (the JIT's)
+    load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = spin_pause = monotonic_ns = None   # (JIT)
     call_at = compiled_address = None    # (programs.py's calls of compiled kernels: the JIT's only)
     call_sgemm = None                    # (BLAS from compiled code: the JIT's only)
 else:
@@ -223,6 +225,25 @@ else:
             return context.get_dummy_value()
         return types.none(), codegen
 
+    _I64 = llvmlite.ir.IntType(64)
+    _CLOCK = getattr(time, "CLOCK_MONOTONIC", None)      # its number in this C library (1 on Linux, 6 on macOS)
+
+    @intrinsic
+    def _monotonic_ns(typingctx):
+        """The C library's clock_gettime(CLOCK_MONOTONIC) in nanoseconds (a struct timespec of two 64-bit fields:
+        64-bit Linux and macOS); the spins' time limits (spin_while_equal, hand_off, programs.py's and linear.py's
+        helpers' lingers). Linked by name, as sched_yield."""
+        def codegen(context, builder, signature, args):
+            timespec = llvmlite.ir.LiteralStructType([_I64, _I64])
+            function = cgutils.get_or_insert_function(builder.module, llvmlite.ir.FunctionType(
+                llvmlite.ir.IntType(32), [llvmlite.ir.IntType(32), timespec.as_pointer()]), "clock_gettime")
+            now = cgutils.alloca_once(builder, timespec)
+            builder.call(function, [llvmlite.ir.IntType(32)(_CLOCK), now])
+            seconds = builder.load(builder.gep(now, [llvmlite.ir.IntType(32)(0), llvmlite.ir.IntType(32)(0)]))
+            nanoseconds = builder.load(builder.gep(now, [llvmlite.ir.IntType(32)(0), llvmlite.ir.IntType(32)(1)]))
+            return builder.add(builder.mul(seconds, _I64(1_000_000_000)), nanoseconds)
+        return types.int64(), codegen
+
     # the CPU's spin-wait hint as an LLVM intrinsic and its arguments: x86's pause, arm64's isb (sy)
     _PAUSE = {"x86_64": ("llvm.x86.sse2.pause", ()), "aarch64": ("llvm.aarch64.isb", (15,)),
               "arm64": ("llvm.aarch64.isb", (15,))}.get(llvmlite.binding.get_default_triple().split("-")[0])
@@ -240,8 +261,6 @@ else:
                 builder.call(function, [int32(value) for value in constants])
             return context.get_dummy_value()
         return types.none(), codegen
-
-    _I64 = llvmlite.ir.IntType(64)
 
     def _in_groups(builder, count, emit, widest: int = 16):
         """Emits emit(lanes, first) for tiles first..first + lanes - 1 of `count` (an i64): groups of `widest`
@@ -405,36 +424,44 @@ else:
             return context.get_dummy_value()
         return types.none(array, types.intp, types.int64), codegen
 
-    def spin_while_equal(flags, index, value, hot, mark, marked, linger):
+    def spin_while_equal(flags, index, value, hot, mark, marked, linger_ns):
         """Without the GIL: first flags[mark] = marked (when mark >= 0), then wait while flags[index] == value,
         yielding the CPU between reads (a thread woken onto this CPU runs); when hot >= 0, only while
-        flags[hot] != 0, or for `linger` more yields once it is 0. True when flags[index] changed.
-        parallel.py's crew waits with it during a call instead of blocking; a helper says "done" from here
-        (mark), so it holds no GIL when the caller, seeing it, wants the GIL (a thread that waits for the GIL
-        sleeps, and wakes 30-80 us later on the 2-core VM)."""
+        flags[hot] != 0, or for `linger_ns` nanoseconds more (at least one yield) once it is 0. True when
+        flags[index] changed. parallel.py's crew waits with it during a call instead of blocking; a helper says
+        "done" from here (mark), so it holds no GIL when the caller, seeing it, wants the GIL (a thread that
+        waits for the GIL sleeps, and wakes 30-80 us later on the 2-core VM)."""
         if mark >= 0:
             _store_release(flags, mark, marked)
+        linger_end = -1
         while _load_acquire(flags, index) == value:
             if hot >= 0 and _load_acquire(flags, hot) == 0:
-                if linger <= 0:
+                if linger_ns <= 0:
                     return False
-                linger -= 1
+                now = _monotonic_ns()
+                if linger_end < 0:
+                    linger_end = now + linger_ns
+                elif now >= linger_end:
+                    return False
             _sched_yield()
         return True
 
-    def hand_off(flags, helpers, stride, given, started, wait, margin):
+    def hand_off(flags, helpers, stride, given, started, wait_ns, margin_ns):
         """Without the GIL: give each of the first `helpers` helpers its next task (flags[stride * i + given] += 1:
         its count of tasks given), then wait until each has taken it (flags[stride * i + started], its count of
-        tasks started, caught up), at most `wait` yields in all, then `margin` yields more (the helper, which
-        took the GIL to start its task, drops it again when its first kernel starts). parallel.py's Crew.run:
-        the caller holds no GIL while the helpers take it, so neither sleeps waiting for it (30-80 us here)."""
+        tasks started, caught up), at most `wait_ns` nanoseconds in all, then yield `margin_ns` more, at least
+        once (the helper, which took the GIL to start its task, drops it again when its first kernel starts).
+        parallel.py's Crew.run: the caller holds no GIL while the helpers take it, so neither sleeps waiting for
+        it (30-80 us here)."""
         for i in range(helpers):
             _store_release(flags, stride * i + given, flags[stride * i + given] + 1)
+        give_up = _monotonic_ns() + wait_ns
         for i in range(helpers):
-            while _load_acquire(flags, stride * i + started) != flags[stride * i + given] and wait > 0:
-                wait -= 1
+            while _load_acquire(flags, stride * i + started) != flags[stride * i + given] and _monotonic_ns() < give_up:
                 _sched_yield()
-        for _ in range(margin):
+        margin_end = _monotonic_ns() + margin_ns
+        _sched_yield()
+        while _monotonic_ns() < margin_end:
             _sched_yield()
 
     @intrinsic
@@ -501,13 +528,14 @@ else:
             return None
         return compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
 
-    spin_while_equal = (None if sys.platform == "win32"                 # no sched_yield
+    spin_while_equal = (None if sys.platform == "win32" or _CLOCK is None       # no sched_yield, clock_gettime
                         else numba.njit(cache=CACHE_ENABLED, nogil=True)(spin_while_equal))
     hand_off = None if spin_while_equal is None else numba.njit(cache=CACHE_ENABLED, nogil=True)(hand_off)
     # for kernels that hand work between threads themselves (linear.py's chain); None where there is no spin
-    load_acquire, store_release, compare_and_swap, fetch_add, sched_yield, spin_pause, call_at = (
-        (None,) * 7 if spin_while_equal is None else
-        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield, _spin_pause, _call_at))
+    load_acquire, store_release, compare_and_swap, fetch_add, sched_yield, spin_pause, monotonic_ns, call_at = (
+        (None,) * 8 if spin_while_equal is None else
+        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield, _spin_pause, _monotonic_ns,
+         _call_at))
 
 
 def blas_libraries() -> list:

@@ -32,8 +32,8 @@ from lnn.formats.fold import fold_scale_and_shift
 from lnn.runtime.cpu.activations import SOFTMAX, Epilogue, activate, as_channels_positions
 from lnn.runtime.cpu.aot import A1, A2, F, I
 from lnn.runtime.cpu.jit import (WIDE_VECTORS, compare_and_swap, fetch_add, ieee_kernel, kernel, load16, load_acquire,
-                                 sched_yield, spin_while_equal, store_release, wide_tile_kernel)
-from lnn.runtime.cpu.parallel import SERVED, Claimed, linger_yields, parallel_steps, split_range
+                                 monotonic_ns, sched_yield, spin_while_equal, store_release, wide_tile_kernel)
+from lnn.runtime.cpu.parallel import LINGER_NS, SERVED, Claimed, parallel_steps, split_range
 from lnn.runtime.cpu.winograd import fma16, zeros16
 
 # Each kernel's ahead-of-time signature (aot.py): the argument types the backend passes; None: called
@@ -319,21 +319,20 @@ def run_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags):
 
 
 @kernel
-def serve_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, linger, crew_flags, given, taken):
-    """A helper's side (parallel.Claimed.serve): joins each new call until `linger` yields pass without one or
-    crew_flags[given] is no longer `taken` (the crew has other work for it)."""
+def serve_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, linger_ns, crew_flags, given, taken):
+    """A helper's side (parallel.Claimed.serve): joins each new call until `linger_ns` nanoseconds pass without one
+    or crew_flags[given] is no longer `taken` (the crew has other work for it)."""
     store_release(flags, SERVED, 1)
     seen = load_acquire(flags, GO) - 1           # the call going on now, if any, is joined
-    idle = 0
-    while idle < linger and load_acquire(crew_flags, given) == taken:
+    idle_since = monotonic_ns()
+    while monotonic_ns() - idle_since < linger_ns and load_acquire(crew_flags, given) == taken:
         call = load_acquire(flags, GO)
         if call != seen:
             seen = call
             chain_part(x, weights, scales, shifts, slopes, layout, bounds, acts, flags, call, True)
-            idle = 0
+            idle_since = monotonic_ns()
         else:
             sched_yield()
-            idle += 1
     store_release(flags, SERVED, 0)
 
 
@@ -380,6 +379,6 @@ def plan_chain(layers: list, src, new_buffer, parts: int, task_flops: float):
     run = partial(run_chain, *arguments, flags)
     if (layout[:, 7] == 1).all():                # no layer cut: nothing to share
         return dst, [run]
-    serve = partial(serve_chain, *arguments, flags, linger_yields())
+    serve = partial(serve_chain, *arguments, flags, LINGER_NS)
     serve(flags, GO, -1)       # compiled (or loaded) here, while planning: no wait on a helper's first lending
     return dst, [Claimed(run, serve, flags)]

@@ -25,12 +25,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import functools
-import math
 import os
 import sys
 import threading
-import time
 import weakref
 
 import numpy as np
@@ -38,18 +35,16 @@ import numpy as np
 from lnn.runtime.cores import usable_cores
 from lnn.runtime.cpu.jit import hand_off, spin_while_equal
 
-LINGER_SECONDS = 5e-4    # how long a helper keeps spinning after a call (the next one, back to back, finds it awake)
-# linger_yields's calibration: timings of this many yields (about 25 us each on the 2-core VM), at most this many, within
-# about this long
-YIELDS_A_TIMING = 50
-CALIBRATION_TIMINGS = 20
-CALIBRATION_SECONDS = 2e-3
+# How long a helper keeps spinning after a call (the next one, back to back, finds it awake), in nanoseconds of the
+# monotonic clock: a count of yields measured once at start made a process that started beside a busy one (every
+# yield then lasting a time slice) linger one yield for life
+LINGER_NS = 500_000
 # CPython's GIL switch interval while a crew call runs (the default is 5 ms; see `short_switch_interval`)
 SWITCH_INTERVAL_SECONDS = 5e-5
 # Crew.run's hand-off: the caller waits without the GIL at most this long for the helpers to start their tasks,
-# then this much more while each drops the GIL again in its first kernel
-HAND_OFF_WAIT_SECONDS = 5e-5
-HAND_OFF_MARGIN_SECONDS = 4e-6
+# then this much more (at least one yield) while each drops the GIL again in its first kernel
+HAND_OFF_WAIT_NS = 50_000
+HAND_OFF_MARGIN_NS = 4_000
 # A scratch buffer's worker (backend.Plan._new_buffer) when the tasks of several threads write and read it; else the
 # index of the task that uses it (the thread that runs that task)
 SHARED = "shared"
@@ -73,7 +68,7 @@ class Claimed:
     """A plan step whose kernel shares out its own work: `run()` (argument-free) computes the call in the
     calling thread, claiming its blocks one at a time with atomic counters, and every block no other thread
     has claimed; `serve(crew_flags, given, taken)` is a helper's loop (no GIL, no Python between calls) that
-    joins each new call of this step and claims blocks too, until it has waited LINGER_SECONDS for one or
+    joins each new call of this step and claims blocks too, until it has waited LINGER_NS for one or
     the crew has given that helper other work (crew_flags[given] is no longer `taken`, its count of
     tasks). `flags[SERVED]` is 1 while a helper is in that loop. Called as a plain step it runs alone;
     Crew.run_steps lends it a helper first. The hand-off costs no GIL: a Parallel step's helper takes the
@@ -131,7 +126,7 @@ class Crew:
     CPU between reads), so that no thread sleeps between two layers of a call: on the 2-core VM a
     sleeping thread took 30-80 us to wake (an idle vCPU halts), a hand-off of an empty task through
     locks alone 100-120 us in a model's process, and the tomato model had 9 split steps. `try_run`
-    wakes the helpers when it starts; after its end they spin LINGER_SECONDS more (a call right after
+    wakes the helpers when it starts; after its end they spin LINGER_NS more (a call right after
     finds them awake: 1.18 -> 1.28x on leaf_cnn, 1.30 -> 1.32 on tomato, 1.66 -> 1.69 on leaf_cnn224,
     2 threads / 1, interleaved), then block on their `go` lock again (an idle crew uses no CPU).
     A task is handed over without the GIL (`run`). During the call the GIL's switch interval is
@@ -225,7 +220,7 @@ class Crew:
                 for slot, task in given:
                     slot.tasks.append((task, False))
                     slot.wake()                  # a helper blocked on its lock takes it when it wakes
-                hand_off(self._flags, len(given), FLAGS_PER_HELPER, GIVEN, STARTED, *hand_off_yields())
+                hand_off(self._flags, len(given), FLAGS_PER_HELPER, GIVEN, STARTED, HAND_OFF_WAIT_NS, HAND_OFF_MARGIN_NS)
             finally:
                 for slot, _ in given:
                     slot.giving.release()
@@ -376,11 +371,10 @@ def _serve(slot: _Slot) -> None:
     flags, hot = slot.flags, len(slot.flags) - 1
     seen = 0                 # tasks taken
     done = -1                # flags index of a "done" not yet stored: the spin stores it
-    linger = linger_yields() if spin_while_equal is not None else 0
     while not slot.stopped:
         if flags[slot.given] == seen:
             if spin_while_equal is not None and (flags[hot] or done >= 0):
-                spin_while_equal(flags, slot.given, seen, hot, done, seen, linger)
+                spin_while_equal(flags, slot.given, seen, hot, done, seen, LINGER_NS)
                 done = -1
             if flags[slot.given] == seen:
                 slot.go.acquire()
@@ -409,40 +403,3 @@ def _stop(slots: list) -> None:
     for slot in slots:
         slot.stopped = True
         slot.wake()
-
-
-@functools.cache
-def hand_off_yields() -> tuple:
-    """(wait, margin): jit.hand_off's yields in about HAND_OFF_WAIT_SECONDS and HAND_OFF_MARGIN_SECONDS here."""
-    per_second = linger_yields() / LINGER_SECONDS
-    return max(1, round(HAND_OFF_WAIT_SECONDS * per_second)), max(1, round(HAND_OFF_MARGIN_SECONDS * per_second))
-
-
-@functools.cache
-def linger_yields() -> int:
-    """spin_while_equal's yields in about LINGER_SECONDS on this machine, measured once: the fastest yield rate of
-    timings of YIELDS_A_TIMING yields each, up to CALIBRATION_TIMINGS of them within about CALIBRATION_SECONDS.
-    It was one timing of 1000 yields: a yield during which another thread took this CPU for its time slice
-    (milliseconds) made every yield look that slow, and the process kept a linger of a few yields for good (a
-    lnn-serve whose helpers linger one yield answered 298 photos/s against 351, by hand)."""
-    flags = np.zeros(2, np.int64)                    # flags[1] = 0: the call is over, only the linger spins
-    spin_while_equal(flags, 0, 0, 1, -1, 0, 1)       # compiled or loaded first
-    fastest = fastest_seconds_each(functools.partial(spin_while_equal, flags, 0, 0, 1, -1, 0), YIELDS_A_TIMING,
-                                   CALIBRATION_TIMINGS, CALIBRATION_SECONDS)
-    return max(1, int(LINGER_SECONDS / max(fastest, 1e-8)))
-
-
-def fastest_seconds_each(timed, count: int, timings: int, within_seconds: float = math.inf) -> float:
-    """The fastest seconds per unit of `timed(count)` (a calibration loop of `count` units) over `timings` timings,
-    none started after about `within_seconds`: a timing during which another thread took this CPU counts for
-    nothing (linger_yields, programs.pauses_after_call)."""
-    fastest = math.inf
-    deadline = time.perf_counter() + within_seconds
-    for _ in range(timings):
-        start = time.perf_counter()
-        timed(count)
-        end = time.perf_counter()
-        fastest = min(fastest, (end - start) / count)
-        if end > deadline:
-            break
-    return fastest

@@ -13,9 +13,9 @@ compiled for exactly those argument types (jit.call_at; the machine code a call 
 same bytes), the step's integer and float arguments written into the source, its arrays passed once in one
 tuple. A helper lent the program (`HelperProgram.lend`, at each split step that finds it away) loops in it: it
 waits for the caller to post a step, claims it, runs it, says it is done; it leaves after LINGER_SECONDS
-without a post (parallel.linger_yields), or when the crew gives that helper other work (like linear.py's
+without a post (parallel.LINGER_NS), or when the crew gives that helper other work (like linear.py's
 serve_chain). While a call holds the crew, its waits pause the CPU between reads (jit.spin_pause), and after
-the call for PAUSE_SECONDS more (a call right after, back to back, finds it there), then yield it
+the call for PAUSE_NS more (a call right after, back to back, finds it there), then yield it
 (sched_yield), so that a thread woken on that CPU runs. A yield under Linux's EEVDF scheduler hands the CPU to
 any other runnable thread there for its time slice: when every wait yielded, a helper beside a busy process (a
 loop on its CPU) lost that CPU at each wait for its next step, and the caller ran most of its steps itself
@@ -66,12 +66,12 @@ import numpy as np
 
 from lnn.runtime.cpu import cache, jit
 from lnn.runtime.cpu.jit import (CACHE_ENABLED, call_at, compare_and_swap, compiled_address, kernel, load_acquire,
-                                 sched_yield, spin_pause, store_release)
-from lnn.runtime.cpu.parallel import Claimed, Parallel, fastest_seconds_each, linger_yields, run_steps
+                                 sched_yield, store_release)
+from lnn.runtime.cpu.parallel import LINGER_NS, Claimed, Parallel, run_steps
 
-AOT_SIGNATURES = {"copy_into": None, "post": None, "claim_or_wait": None, "paused_reads": None}   # the JIT's only
+AOT_SIGNATURES = {"copy_into": None, "post": None, "claim_or_wait": None}   # the JIT's only
 
-PAUSE_SECONDS = 1e-4       # after a call, a helper's waits pause the CPU this long before they yield it
+PAUSE_NS = 100_000       # after a call, a helper's waits pause the CPU this long (monotonic clock) before they yield it
 AVAILABLE = call_at is not None            # the JIT, where the crew spins (not the compiled app; not Windows)
 STEP, POSTED, CLAIMED, DONE, SERVING, RAN = range(6)
 CONTROL_WORDS = 6
@@ -114,25 +114,6 @@ def claim_or_wait(control, base, posted):
     return HELPER_DID_IT
 
 
-@kernel
-def paused_reads(control, count):
-    """Reads control[0] until it is not 0, at most `count` times, pausing the CPU between reads (serve's wait)."""
-    for _ in range(count):
-        if load_acquire(control, 0):
-            return
-        spin_pause()
-
-
-@functools.cache
-def pauses_after_call() -> int:
-    """serve's paused reads in about PAUSE_SECONDS on this machine (the fastest of 5 timings, measured once; a pause
-    keeps the CPU, so another process there slows no timing but the one it preempts)."""
-    control = np.zeros(1, np.int64)
-    paused_reads(control, 1)                # compiled or loaded first
-    fastest = fastest_seconds_each(partial(paused_reads, control), 1000, 5)
-    return max(1, int(PAUSE_SECONDS / max(fastest, 1e-9)))
-
-
 class HelperProgram:
     """The compiled `serve` of one plan, the arrays and kernel addresses it is called with, and its control
     words; `index[id(step)]` is a Parallel step's number in it. `run_call`, where every step of the plan is a
@@ -143,10 +124,9 @@ class HelperProgram:
         self.serve, self.arrays, self.addresses, self.index = serve, arrays, addresses, index
         self.run_call, self.call_arrays, self.steps = run_call, call_arrays, steps
         self.control = np.zeros(CONTROL_WORDS * helpers, np.int64)
-        self.linger, self.pauses = linger_yields(), pauses_after_call()
         self.errors = [None] * helpers         # what a helper's program raised, for the caller to raise
         # compiled (or loaded) here, and the caller's kernels too: compiled at the first post, they kept the
-        # caller longer than a helper waits for a post (LINGER_SECONDS), and the helper had left
+        # caller longer than a helper waits for a post (LINGER_NS), and the helper had left
         serve(np.zeros(1, np.int64), 0, -1, self.control, 0, 0, 0, addresses, arrays)
         scratch = np.zeros(CONTROL_WORDS, np.int64)
         claim_or_wait(scratch, 0, post(scratch, 0, 0))
@@ -202,12 +182,12 @@ class HelperProgram:
             if not self.control[base + SERVING]:
                 self.control[base + SERVING] = 1
                 crew.lend_to(helper, functools.partial(self._serve, helper=helper,
-                                                       pauses=self.pauses if crew.fits else 0))
+                                                       pause_ns=PAUSE_NS if crew.fits else 0))
 
-    def _serve(self, crew_flags, given: int, taken: int, *, helper: int, pauses: int) -> None:
+    def _serve(self, crew_flags, given: int, taken: int, *, helper: int, pause_ns: int) -> None:
         """A helper's lent task: the program until it returns; what it raised is kept for the caller."""
         try:
-            self.serve(crew_flags, given, taken, self.control, helper, self.linger, pauses, self.addresses,
+            self.serve(crew_flags, given, taken, self.control, helper, LINGER_NS, pause_ns, self.addresses,
                        self.arrays)
         except BaseException as error:        # noqa: BLE001 - raised by the caller waiting for this task
             self.errors[helper] = error
@@ -355,23 +335,27 @@ def _caller_source(steps: list, index: dict, helpers: int, calls) -> list | None
 SERVE = """\
 # lnn helper program (runtime/cpu/programs.py; kernel sources {kernels})
 import numpy as np
-from lnn.runtime.cpu.jit import call_at, compare_and_swap, load_acquire, sched_yield, spin_pause, store_release
+from lnn.runtime.cpu.jit import call_at, compare_and_swap, load_acquire, monotonic_ns, sched_yield, spin_pause, store_release
 
 
-def serve(crew_flags, given, taken, control, helper, linger, pauses, addresses, arrays):
+def serve(crew_flags, given, taken, control, helper, linger_ns, pause_ns, addresses, arrays):
     ({arrays}) = arrays
     base = {words} * helper
     hot = crew_flags.shape[0] - 1
-    idle = 0
-    while idle < pauses + linger and load_acquire(crew_flags, given) == taken:
+    idle_since = np.int64(-1)
+    while load_acquire(crew_flags, given) == taken:
         posted = load_acquire(control, base + {posted})
         claimed = load_acquire(control, base + {claimed})
         if posted == claimed or not compare_and_swap(control, base + {claimed}, posted - 1, posted):
-            if pauses and load_acquire(crew_flags, hot):
+            if pause_ns and load_acquire(crew_flags, hot):
                 spin_pause()
                 continue
-            idle += 1
-            if idle <= pauses:
+            now = monotonic_ns()
+            if idle_since < 0:
+                idle_since = now
+            elif now - idle_since >= pause_ns + linger_ns:
+                break
+            if now - idle_since < pause_ns:
                 spin_pause()
             else:
                 sched_yield()
@@ -380,7 +364,7 @@ def serve(crew_flags, given, taken, control, helper, linger, pauses, addresses, 
 {calls}
         control[base + {ran}] += 1
         store_release(control, base + {done}, posted)
-        idle = 0
+        idle_since = -1
 """
 
 RUN_CALL = """\
