@@ -348,6 +348,7 @@ def serve(crew_flags, given, taken, control, helper, linger_ns, pause_ns, addres
         claimed = load_acquire(control, base + {claimed})
         if posted == claimed or not compare_and_swap(control, base + {claimed}, posted - 1, posted):
             if pause_ns and load_acquire(crew_flags, hot):
+                idle_since = -1                     # the pauses and the linger count from the call's end
                 spin_pause()
                 continue
             now = monotonic_ns()
