@@ -12,8 +12,8 @@ and helper, a call of each of that helper's steps' kernels in order: through the
 compiled for exactly those argument types (jit.call_at; the machine code a call from Python runs, so the
 same bytes), the step's integer and float arguments written into the source, its arrays passed once in one
 tuple. A helper lent the program (`HelperProgram.lend`, at each split step that finds it away) loops in it: it
-waits for the caller to post a step, claims it, runs it, says it is done; it leaves after LINGER_NS
-without a post (parallel.LINGER_NS), or when the crew gives that helper other work (like linear.py's
+waits for the caller to post a step, claims it, runs it, says it is done; it leaves after PAUSE_NS
+and parallel.LINGER_NS more without a post, or when the crew gives that helper other work (like linear.py's
 serve_chain). While a call holds the crew, its waits pause the CPU between reads (jit.spin_pause), and after
 the call for PAUSE_NS more (a call right after, back to back, finds it there), then yield it
 (sched_yield), so that a thread woken on that CPU runs. A yield under Linux's EEVDF scheduler hands the CPU to
