@@ -211,8 +211,7 @@ class Crew:
         hand-off; by hand)."""
         given = list(zip(self._jobs, tasks[1:]))
         if hand_off is None:
-            for slot, task in given:
-                slot.give(task)
+            numbers = [slot.give(task) for slot, task in given]
         else:
             for slot, _ in given:
                 slot.giving.acquire()
@@ -221,13 +220,14 @@ class Crew:
                     slot.tasks.append((task, False))
                     slot.wake()                  # a helper blocked on its lock takes it when it wakes
                 hand_off(self._flags, len(given), FLAGS_PER_HELPER, GIVEN, STARTED, HAND_OFF_WAIT_NS, HAND_OFF_MARGIN_NS)
+                numbers = [int(self._flags[slot.given]) for slot, _ in given]
             finally:
                 for slot, _ in given:
                     slot.giving.release()
         try:
             run_steps(tasks[0])
         finally:
-            errors = [slot.wait() for slot in self._jobs[:len(tasks) - 1]]
+            errors = [slot.wait(number) for (slot, _), number in zip(given, numbers)]
         for error in errors:
             if error is not None:
                 raise error
@@ -345,13 +345,16 @@ class _Slot:
         self.flags = flags
         self.given, self.done_at, self.started_at = (FLAGS_PER_HELPER * index + offset for offset in (GIVEN, DONE, STARTED))
 
-    def give(self, task, lent: bool = False) -> None:
+    def give(self, task, lent: bool = False) -> int:
+        """Gives the helper its next task; the task's number (the helper's count of tasks given)."""
         with self.giving:
             if lent:
                 self.lent = True
             self.tasks.append((task, lent))
             self.flags[self.given] += 1
+            number = int(self.flags[self.given])
         self.wake()
+        return number
 
     def wake(self) -> None:
         try:
@@ -359,9 +362,13 @@ class _Slot:
         except RuntimeError:        # a wake-up call already pending
             pass
 
-    def wait(self):
+    def wait(self, number: int):
+        """Waits until the helper has done task `number` (not a lent one: those release no `done`); what it raised.
+        The spin ends when the helper's count of tasks done leaves number - 1 (it counts every task in order), then
+        the lock, released after each task, says it is over; `number` is the caller's own, not the count of tasks
+        given now: another thread may have lent the helper a task since (Crew.lend)."""
         if spin_while_equal is not None:
-            spin_while_equal(self.flags, self.done_at, self.flags[self.given] - 1, -1, -1, 0, 0)
+            spin_while_equal(self.flags, self.done_at, number - 1, -1, -1, 0, 0)
         self.done.acquire()
         error, self.error = self.error, None
         return error
@@ -372,6 +379,9 @@ def _serve(slot: _Slot) -> None:
     seen = 0                 # tasks taken
     done = -1                # flags index of a "done" not yet stored: the spin stores it
     while not slot.stopped:
+        if done >= 0 and flags[slot.given] != seen:      # a next task is there already (a lent one, given by
+            flags[done] = seen                          # another thread): say "done" before taking it
+            done = -1
         if flags[slot.given] == seen:
             if spin_while_equal is not None and (flags[hot] or done >= 0):
                 spin_while_equal(flags, slot.given, seen, hot, done, seen, LINGER_NS)

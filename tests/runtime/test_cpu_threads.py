@@ -163,6 +163,46 @@ def test_split_range_cuts_evenly_on_aligned_bounds():
     assert split_range(0, 1, 4) == [(0, 1)]
 
 
+@pytest.mark.parametrize("lent_before_the_wait", [False, True])
+def test_a_call_waits_for_its_task_not_for_a_lent_one_given_after_it(lent_before_the_wait):
+    """A lent task given to a helper by another thread (Crew.lend: a Claimed step of a call that found the crew busy)
+    while a call's task runs there delays that call's wait by nothing: the helper says the call's task is done
+    before it takes the lent one, and the call waits for its own task's number, not for the helper's count of tasks
+    given when it starts waiting. Either way, before, the call spun on a whole core until the lent task ended (a
+    linear chain's lingers on while that thread's calls keep coming), whether it started waiting before the
+    lending (no "done" said) or after it (the count it waited on included the lent task)."""
+    import threading
+    import time
+
+    from lnn.runtime.cpu.parallel import Crew
+
+    crew = Crew(1)
+    lent_started, lent_ends = threading.Event(), threading.Event()
+
+    def lent(flags, given, taken):                      # runs until the crew gives that helper other work, or 10 s
+        lent_started.set()
+        end = time.monotonic() + 10
+        while flags[given] == taken and time.monotonic() < end and not lent_ends.is_set():
+            time.sleep(0.001)
+
+    def helper_task():                                  # another thread lends while this task runs
+        lender = threading.Thread(target=crew.lend_to, args=(0, lent))
+        lender.start()
+        lender.join()
+
+    def caller_task():
+        if lent_before_the_wait:
+            assert lent_started.wait(5)
+
+    try:
+        start = time.monotonic()
+        assert crew.try_run(lambda c: c.run([[caller_task], [helper_task]]))
+        assert time.monotonic() - start < 5, "the call waited for the lent task"
+    finally:
+        lent_ends.set()
+        crew.close()
+
+
 def test_an_error_in_a_helper_reaches_the_caller_and_the_crew_still_works():
     from lnn.runtime.cpu.parallel import Crew
 
