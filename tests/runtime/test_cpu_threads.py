@@ -445,14 +445,24 @@ def chain_case() -> tuple:
     return model, weights, np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
 
 
-def trial_clock(monkeypatch, cpu_backend) -> list:
-    """[seconds]: the clock the backend's trials read (time.perf_counter), made to stand still but for what a test
-    adds, so that a plan the test slows down is the slower one whatever else this machine runs (with a 3 ms sleep
-    instead, the split plan's calls beside another test process on the 2-core VM took longer still)."""
-    import types
+class TrialClock:
+    """The clock the backend's trials read (its module's time.perf_counter), standing still but for what a test adds
+    (`later`), so that a plan the test slows down is the slower one whatever else this machine runs (with sleeps of
+    3 ms instead, the split plan's calls beside another test process on the 2-core VM took longer still)."""
 
-    clock = [0.0]
-    monkeypatch.setattr(cpu_backend, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def later(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def trial_clock(monkeypatch, cpu_backend) -> TrialClock:
+    clock = TrialClock()
+    monkeypatch.setattr(cpu_backend, "time", clock)
     return clock
 
 
@@ -468,7 +478,7 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     slow = cpu_backend.CpuBackend(model, weights, threads=2)
     slow.task_flops = 1                      # the default rule, but every layer worth splitting
     run = slow._crew.run
-    monkeypatch.setattr(slow._crew, "run", lambda tasks: (clock.__setitem__(0, clock[0] + 1), run(tasks)))
+    monkeypatch.setattr(slow._crew, "run", lambda tasks: (clock.later(1), run(tasks)))
     for _ in range(2 * cpu_backend.TRIAL_LENGTH + 1):           # one thread: two trials in a row say so
         np.testing.assert_allclose(slow.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
     assert slow._chosen == {1: 1} and slow.split_choice().startswith("batch 1: one thread (the split was not faster); batches of ")
@@ -476,7 +486,7 @@ def test_a_split_that_does_not_pay_is_dropped(monkeypatch):
     paying.task_flops = 1
     whole = paying._plan(1, 1)
     whole_run = whole.run
-    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (clock.__setitem__(0, clock[0] + 1), whole_run(x))[1])
+    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (clock.later(1), whole_run(x))[1])
     for _ in range(cpu_backend.TRIAL_LENGTH + 1):
         np.testing.assert_allclose(paying.run(x), expected, rtol=0, atol=SPLIT_TOLERANCE)
     assert paying._chosen == {1: 2} and paying.split_choice().startswith("batch 1: layers split over 2 threads; batches of ")
@@ -506,10 +516,9 @@ def test_a_split_slow_only_at_first_is_kept(monkeypatch):
     """The split plan is judged by its fastest trial call: slowed on its first timed calls (as a second
     core was seen to be, in some fresh processes), then faster than the one-thread plan, it is kept;
     by median it was not."""
-    import time
-
     from lnn.runtime.cpu import backend as cpu_backend
 
+    clock = trial_clock(monkeypatch, cpu_backend)
     backend, x, split, whole = choice_case()
     split_run, whole_run = split.run, whole.run
     split_calls = []
@@ -517,11 +526,11 @@ def test_a_split_slow_only_at_first_is_kept(monkeypatch):
 
     def slow_at_first(x, crew=None, held=True):
         split_calls.append(1)
-        time.sleep(0.02 if len(split_calls) <= slow_first else 0)
+        clock.later(2 if len(split_calls) <= slow_first else 0)
         return split_run(x, crew, held)
 
     monkeypatch.setattr(split, "run", slow_at_first)
-    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.01), whole_run(x))[1])
+    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (clock.later(1), whole_run(x))[1])
     for _ in range(cpu_backend.TRIAL_LENGTH + 1):
         backend.run(x)
     assert backend._chosen == {1: 2}
@@ -531,21 +540,20 @@ def test_the_trial_runs_each_plan_in_turns_and_times_not_a_turns_first_call(monk
     """The trial runs the split and the one-thread plan in turns of TRIAL_BLOCK calls (the split first),
     and a turn's first call is not timed: a split slow on each turn's first call only (its helpers asleep
     after the one-thread turn), faster on the others than the one-thread plan, is kept."""
-    import time
-
     from lnn.runtime.cpu import backend as cpu_backend
 
+    clock = trial_clock(monkeypatch, cpu_backend)
     backend, x, split, whole = choice_case()
     split_run, whole_run = split.run, whole.run
     order = []
 
     def split_slow_first_in_turn(x, crew=None, held=True):
-        time.sleep(0.03 if not order or order[-1] == "whole" else 0)
+        clock.later(3 if not order or order[-1] == "whole" else 0)
         order.append("split")
         return split_run(x, crew, held)
 
     def whole_slower(x, crew=None, held=True):
-        time.sleep(0.01)
+        clock.later(1)
         order.append("whole")
         return whole_run(x)
 
@@ -561,28 +569,27 @@ def test_the_trial_runs_each_plan_in_turns_and_times_not_a_turns_first_call(monk
 def test_one_thread_is_kept_only_when_two_trials_in_a_row_say_so(monkeypatch):
     """A trial that finds the split not faster is followed at once by another: one noisy trial keeps the split
     (the plan asked for); two in a row keep one thread."""
-    import time
-
     from lnn.runtime.cpu import backend as cpu_backend
 
+    clock = trial_clock(monkeypatch, cpu_backend)
     backend, x, split, whole = choice_case()
     split_run = split.run
-    split_delays = [0.02] * (cpu_backend.TRIAL_LENGTH // 2)        # its calls in the first trial only
+    split_delays = [2] * (cpu_backend.TRIAL_LENGTH // 2)        # its calls in the first trial only
 
     def split_slow_in_the_first_trial(x, crew=None, held=True):
-        time.sleep(split_delays.pop(0) if split_delays else 0)
+        clock.later(split_delays.pop(0) if split_delays else 0)
         return split_run(x, crew, held)
 
     monkeypatch.setattr(split, "run", split_slow_in_the_first_trial)
     whole_run = whole.run
-    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (time.sleep(0.01), whole_run(x))[1])
+    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (clock.later(1), whole_run(x))[1])
     for _ in range(2 * cpu_backend.TRIAL_LENGTH + 1):
         backend.run(x)
     assert backend._chosen == {1: 2} and not backend.choosing(1)
 
     backend, x, split, whole = choice_case()
     split_run = split.run
-    monkeypatch.setattr(split, "run", lambda x, crew=None, held=True: (time.sleep(0.02), split_run(x, crew, held))[1])
+    monkeypatch.setattr(split, "run", lambda x, crew=None, held=True: (clock.later(2), split_run(x, crew, held))[1])
     for _ in range(2 * cpu_backend.TRIAL_LENGTH + 1):
         assert backend._chosen == {}                            # undecided until the second trial ends
         backend.run(x)
@@ -602,7 +609,7 @@ def test_a_choice_is_timed_again_later(monkeypatch):
     slow = {"split": True}
 
     def slower(plan: str) -> None:
-        clock[0] += slow["split"] == (plan == "split")
+        clock.later(slow["split"] == (plan == "split"))
 
     run = backend._crew.run
     monkeypatch.setattr(backend._crew, "run", lambda tasks: (slower("split"), run(tasks)))
