@@ -379,9 +379,6 @@ def _serve(slot: _Slot) -> None:
     seen = 0                 # tasks taken
     done = -1                # flags index of a "done" not yet stored: the spin stores it
     while not slot.stopped:
-        if done >= 0 and flags[slot.given] != seen:      # a next task is there already (a lent one, given by
-            flags[done] = seen                          # another thread): say "done" before taking it
-            done = -1
         if flags[slot.given] == seen:
             if spin_while_equal is not None and (flags[hot] or done >= 0):
                 spin_while_equal(flags, slot.given, seen, hot, done, seen, LINGER_NS)
@@ -389,6 +386,9 @@ def _serve(slot: _Slot) -> None:
             if flags[slot.given] == seen:
                 slot.go.acquire()
                 continue
+        if done >= 0:            # the next task was there already (a lent one, given by another thread): the last
+            flags[done] = seen   # one's "done" is said before it is taken
+            done = -1
         seen += 1
         task, lent = slot.tasks.popleft()
         flags[slot.started_at] = seen                 # Crew.run's caller waits for this (jit.hand_off)
