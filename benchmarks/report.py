@@ -70,13 +70,30 @@ def others_cores(before: tuple, after: tuple, seconds: float) -> float:
     return ((after[0] - before[0]) - (after[1] - before[1])) / max(seconds, 1e-9)
 
 
-def machine_line(packages=("numpy", "numba", "onnxruntime")) -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_words() -> str:
+    """The CPU as /proc/cpuinfo names it, with its family / model and widest vectors where it says them (VMs of
+    one name differ: "AMD EPYC" has been Zen 3 with AVX2 and Zen 4 with AVX-512)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            for line in f:
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break                                       # the first processor's block is enough
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
         pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields.get("flags", fields.get("Features", "")).split())
+    vectors = next((words for flag, words in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON"))
+                    if flag in flags), None)
+    details = [f"family {fields['cpu family']} model {fields['model']}"] if "cpu family" in fields else []
+    details += [vectors] if vectors else []
+    return f"{name} ({', '.join(details)})" if details else name
+
+
+def machine_line(packages=("numpy", "numba", "onnxruntime")) -> str:
+    cpu = cpu_words()
     versions = []
     for name in packages:
         try:
