@@ -366,15 +366,16 @@ def read_image_file(path) -> bytes:
     return read_regular_file(path, "an image file", limits.MAX_IMAGE_FILE_BYTES, "MAX_IMAGE_FILE_BYTES")
 
 
-def decode_image(source) -> np.ndarray:
+def decode_image(source, name: str | None = None) -> np.ndarray:
     """Decode a path or encoded bytes into an HxWx3 uint8 BGR image, or HxW uint8 for a grey one; bad
     input raises LnnInputError: missing, not a regular file, too large, not an image, truncated, over
-    the pixel limits. A JPEG over MAX_DECODED_PIXELS comes back reduced (1/2, 1/4 or 1/8 of its size)."""
+    the pixel limits. A JPEG over MAX_DECODED_PIXELS comes back reduced (1/2, 1/4 or 1/8 of its size).
+    name: what the error lines call the image (default: the path, or "<bytes>")."""
     image_library()      # before reading: a missing image library is one clear error
     if isinstance(source, (bytes, bytearray, memoryview)):
-        data, name = bytes(source), "<bytes>"
+        data, name = bytes(source), name or "<bytes>"
     else:
-        data, name = read_image_file(source), str(source)
+        data, name = read_image_file(source), name or str(source)
     if not data:
         raise LnnInputError(f"{name}: the file is empty")
     library = "OpenCV" if image_library() == "opencv" else "Pillow"

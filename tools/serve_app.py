@@ -39,7 +39,7 @@ from starlette.routing import Route
 
 from lnn.formats.errors import LnnInputError
 from lnn.tools.cli import error_line
-from lnn.runtime.preprocess import read_header
+from lnn.runtime.preprocess import decode_image, read_header
 from lnn.tools.infer import answer_for, judge_images
 from lnn.tools.serve import ServeConfig
 
@@ -52,23 +52,24 @@ disable_created_metrics()               # no *_created series: only what a stati
 
 # --------------------------------------------------------------------------- one image: decode, answer
 
-def check_pixels(data: bytes, max_pixels: int) -> None:
+def check_pixels(data: bytes, max_pixels: int, name: str = UPLOAD_NAME) -> None:
     """Refuse an image whose header declares more than the server's --max-pixels, before anything decodes
     it (a decompression bomb: a small file that would expand into gigabytes). The header is read as
     lnn-infer reads it (runtime/preprocess.py, which also applies lnn's own limits when decoding)."""
     header = read_header(data)
     if header is not None and header.pixels > max_pixels:
-        raise LnnInputError(f"the image is {header.width}x{header.height} = {header.pixels:,} pixels, over the "
-                            f"server's limit of {max_pixels:,} pixels; send a smaller photo")
+        raise LnnInputError(f"{name}: the image is {header.width}x{header.height} = {header.pixels:,} pixels, over "
+                            f"the server's limit of {max_pixels:,} pixels; send a smaller photo")
 
 
-def prepare_upload(session, data: bytes, max_pixels: int) -> tuple:
+def prepare_upload(session, data: bytes, max_pixels: int, name: str = UPLOAD_NAME) -> tuple:
     """Encoded image bytes -> (the model's input [C, H, W], its photo check, notes): lnn-infer's decoding,
-    photo checks and preprocessing; bad bytes raise LnnInputError with lnn-infer's one-line reason. Runs
-    on the decode pool."""
-    check_pixels(data, max_pixels)
+    photo checks and preprocessing; bad bytes raise LnnInputError with lnn-infer's one-line reason, the
+    upload's name (its multipart filename, or UPLOAD_NAME) where lnn-infer names the file. Runs on the
+    decode pool."""
+    check_pixels(data, max_pixels, name)
     notes: list = []
-    return (*session.prepare_and_check(data, notes=notes), notes)
+    return (*session.prepare_and_check(decode_image(data, name), notes=notes), notes)
 
 
 def load_image_libraries() -> None:
@@ -344,7 +345,8 @@ def create_app(session, config: ServeConfig) -> Starlette:
         batcher = request.app.state.batcher
         try:
             with batcher.decoding():
-                prepared = await loop.run_in_executor(decoders, prepare_upload, session, data, config.max_pixels)
+                prepared = await loop.run_in_executor(decoders, prepare_upload, session, data,
+                                                      config.max_pixels, name)
         except LnnInputError as err:
             raise Refused(400, " ".join(str(err).split()), "bad_image") from None
         judged = await batcher.classify(prepared[0], prepared[1])

@@ -237,14 +237,16 @@ def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
         assert response.status_code == 400, (fragment, response.text)
         reason = response.json()["error"]
         assert "\n" not in reason and (fragment in reason or fragment == "empty" and "empty" in reason), reason
-    assert served.post("/v1/classify", content=truncated).json()["error"].endswith(cli_reason)
+    assert served.post("/v1/classify", content=truncated).json()["error"] == f"upload: {cli_reason}"
+    named = served.post("/v1/classify", files={"file": ("IMG_0042.jpg", truncated)})      # as lnn-infer names the file
+    assert named.status_code == 400 and named.json()["error"] == f"IMG_0042.jpg: {cli_reason}"
     no_field = served.post("/v1/classify", files={"photo": ("leaf.jpg", LEAVES[0].read_bytes())})
     assert no_field.status_code == 400 and "`file` field" in no_field.json()["error"]
     bad_k = served.post("/v1/classify?top_k=0", content=LEAVES[0].read_bytes())
     assert bad_k.status_code == 400 and "top_k" in bad_k.json()["error"]
     after = metric_samples(served)
-    assert counted(before, after, "lnn_serve_requests_total", status="400") == 7
-    assert counted(before, after, "lnn_serve_rejected_total", reason="bad_image") == 5
+    assert counted(before, after, "lnn_serve_requests_total", status="400") == 8
+    assert counted(before, after, "lnn_serve_rejected_total", reason="bad_image") == 6
 
 
 def test_oversized_body_gets_413_declared_or_streamed(session):
