@@ -200,6 +200,19 @@ class Session:
         model, a float image read as 0..1); without it they are issued as lnn.LnnWarning."""
         return self.prepare_and_check(image, color, notes, check=False)[0]
 
+    def decode_side(self) -> int:
+        """The fewest pixels a side of a photo needs for this model: its input size, and its photo checks'
+        copy and smallest photo (photo_checks.DEFAULTS, overridden by the model's). A larger baseline JPEG is
+        decoded reduced by libjpeg to no less (preprocess.decode_image's keep_side): the same resize to the
+        input then gives nearly the same pixels, at a fraction of the decoding and resizing."""
+        from lnn.runtime.photo_checks import DEFAULTS
+
+        sides = list(self.model.preprocess["resize"])
+        if self.judge_rules.photo_checks is not None:
+            thresholds = {**DEFAULTS, **self.judge_rules.photo_checks}
+            sides += [int(thresholds["check_size"]), int(thresholds["min_side"])]
+        return max(sides)
+
     def prepare_and_check(self, image, color: str = "bgr", notes: list | None = None, check: bool = True) -> tuple:
         """(the model's input [C, H, W], the photo check or None): the photo is decoded once for both;
         arguments as for prepare_image."""
@@ -208,7 +221,7 @@ class Session:
         if not self.model.takes_images:
             raise LnnInputError(f"model {self.model.name!r} takes no images (input shape {list(self.model.input_shape)})")
         if isinstance(image, (str, Path, bytes, bytearray, memoryview)):
-            image, color = decode_image(image), "bgr"
+            image, color = decode_image(image, keep_side=self.decode_side()), "bgr"
         x = preprocess_image(image, self.model.preprocess, color, notes)      # checks the array first
         return x, (self.check_photo(image, color) if check else None)
 

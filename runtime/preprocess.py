@@ -4,7 +4,8 @@ read:       only a regular file, at most MAX_IMAGE_FILE_BYTES (formats/limits.py
             decoding: format, size (refused over MAX_IMAGE_PIXELS), complete (a JPEG walked to its end
             marker: bytes after it are fine, a file ending before it is truncated)
 decode:     -> HxWx3 uint8 BGR (OpenCV's order), or HxW for a grey image (decode_image; read_image always
-            gives 3 channels); a baseline JPEG over MAX_DECODED_PIXELS decoded reduced by libjpeg
+            gives 3 channels); a baseline JPEG over MAX_DECODED_PIXELS decoded reduced by libjpeg, and one
+            larger than its caller needs (keep_side: the model's input, the photo checks' copy) too
 preprocess: an image array (the rules in _image_array) -> [C, H, W] float32 per the model's metadata:
             colour order (rgb/bgr/gray), resize to the input size, x * scale, then (x - mean) / std per channel;
             remarks (grey into a colour model, float 0..1) go to a notes list or are LnnWarnings
@@ -339,8 +340,10 @@ def _tiff_header(data: bytes) -> ImageHeader:
     return ImageHeader("TIFF", sizes[256], sizes[257])
 
 
-def check_header(header: ImageHeader, name: str) -> ImageHeader:
-    """Refuse an image over the pixel limits (formats/limits.py), or truncated; choose its reduction."""
+def check_header(header: ImageHeader, name: str, keep_side: int = 0) -> ImageHeader:
+    """Refuse an image over the pixel limits (formats/limits.py), or truncated; choose its reduction: a
+    baseline JPEG over MAX_DECODED_PIXELS is reduced below it, and one whose sides stay at least keep_side
+    pixels (0: never) when reduced is decoded so (libjpeg's scaled decoding, the largest such factor)."""
     size = f"{header.width}x{header.height} = {header.pixels:,} pixels"
     if not header.complete:
         raise LnnInputError(f"{name}: the image is truncated (it ends before its end marker); copy or take it again")
@@ -349,16 +352,19 @@ def check_header(header: ImageHeader, name: str) -> ImageHeader:
                             f"not an image that can be decoded")
     if header.pixels > limits.MAX_IMAGE_PIXELS:
         raise LnnInputError(f"{name}: the image is {size}, over lnn's limit of {limits.MAX_IMAGE_PIXELS:,} pixels")
-    if header.pixels <= limits.MAX_DECODED_PIXELS:
-        return header
-    if not header.reducible:
+    if header.pixels > limits.MAX_DECODED_PIXELS and not header.reducible:
         kind = "progressive JPEG" if header.format == "JPEG" else header.format
         raise LnnInputError(f"{name}: the image is {size}; a {kind} cannot be decoded at a reduced size, and "
                             f"lnn's limit for decoding at full size is {limits.MAX_DECODED_PIXELS:,} pixels "
                             f"(save it as a baseline JPEG, or scale it down)")
-    reduction = next(factor for factor in REDUCTIONS
-                     if -(-header.width // factor) * -(-header.height // factor) <= limits.MAX_DECODED_PIXELS)
-    return replace(header, reduction=reduction)
+    if not header.reducible:
+        return header
+    reduced = {factor: (-(-header.width // factor), -(-header.height // factor)) for factor in (1, *REDUCTIONS)}
+    below_limit = next(factor for factor, (width, height) in reduced.items()
+                       if width * height <= limits.MAX_DECODED_PIXELS)
+    kept = max(factor for factor, (width, height) in reduced.items()
+               if factor == 1 or keep_side and min(width, height) >= keep_side)
+    return replace(header, reduction=max(below_limit, kept))
 
 
 def read_image_file(path) -> bytes:
@@ -366,11 +372,13 @@ def read_image_file(path) -> bytes:
     return read_regular_file(path, "an image file", limits.MAX_IMAGE_FILE_BYTES, "MAX_IMAGE_FILE_BYTES")
 
 
-def decode_image(source, name: str | None = None) -> np.ndarray:
+def decode_image(source, name: str | None = None, keep_side: int = 0) -> np.ndarray:
     """Decode a path or encoded bytes into an HxWx3 uint8 BGR image, or HxW uint8 for a grey one; bad
     input raises LnnInputError: missing, not a regular file, too large, not an image, truncated, over
-    the pixel limits. A JPEG over MAX_DECODED_PIXELS comes back reduced (1/2, 1/4 or 1/8 of its size).
-    name: what the error lines call the image (default: the path, or "<bytes>")."""
+    the pixel limits. A baseline JPEG over MAX_DECODED_PIXELS comes back reduced (1/2, 1/4 or 1/8 of its
+    size), and one whose sides stay at least keep_side pixels so reduced too (check_header): a caller that
+    only needs that many (Session.decode_side) skips decoding the rest (a 1600x1200 phone photo for the
+    bundled model: 1/4, 400x300). name: what the error lines call the image (default: the path, or "<bytes>")."""
     image_library()      # before reading: a missing image library is one clear error
     if isinstance(source, (bytes, bytearray, memoryview)):
         data, name = bytes(source), name or "<bytes>"
@@ -385,7 +393,7 @@ def decode_image(source, name: str | None = None) -> np.ndarray:
         raise LnnInputError(f"{name}: {err}") from None
     if header is None:
         raise LnnInputError(f"{name}: not an image lnn can read (JPEG, PNG, BMP, TIFF, WebP, GIF, PNM)")
-    header = check_header(header, name)
+    header = check_header(header, name, keep_side)
     try:
         image = _decode(data, header)
     except MemoryError:
@@ -395,10 +403,10 @@ def decode_image(source, name: str | None = None) -> np.ndarray:
     return image
 
 
-def read_image(source) -> np.ndarray:
+def read_image(source, keep_side: int = 0) -> np.ndarray:
     """Decode a path or encoded bytes into an HxWx3 uint8 BGR image (grey copied to the three channels,
-    as OpenCV's IMREAD_COLOR does); bad input raises LnnInputError (see decode_image)."""
-    image = decode_image(source)
+    as OpenCV's IMREAD_COLOR does); bad input raises LnnInputError; keep_side: see decode_image."""
+    image = decode_image(source, keep_side=keep_side)
     return np.repeat(image[:, :, None], 3, axis=2) if image.ndim == 2 else image
 
 

@@ -153,7 +153,7 @@ class Worker(threading.Thread):
         if self.session is None:
             return "failed", path, "no model is loaded; open a model first"
         try:
-            image = read_image(path)                       # decoded once, for the model and the screen
+            image = read_image(path, self.session.decode_side())   # once, for the model (as lnn-infer) and the screen
             top_k = min(TOP_K, len(self.session.labels))
             notes: list = []
             [answer] = answers_for(self.session, [(path, *self.session.prepare_and_check(image, notes=notes), notes)],

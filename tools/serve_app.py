@@ -69,7 +69,7 @@ def prepare_upload(session, data: bytes, max_pixels: int, name: str = UPLOAD_NAM
     decode pool."""
     check_pixels(data, max_pixels, name)
     notes: list = []
-    return (*session.prepare_and_check(decode_image(data, name), notes=notes), notes)
+    return (*session.prepare_and_check(decode_image(data, name, session.decode_side()), notes=notes), notes)
 
 
 def load_image_libraries() -> None:

@@ -199,12 +199,12 @@ def scenario_worker_failures(app, root, tmp_path):
     leaf = LEAVES / "healthy.jpg"
     real_read_image = field_ui.read_image
 
-    def faulty_read_image(path):               # what a model with a huge input or a pixel bomb used to cause
+    def faulty_read_image(path, *args):        # what a model with a huge input or a pixel bomb used to cause
         if path.name == "huge.jpg":
             raise MemoryError()
         if path.name == "bomb.png":
             raise RuntimeError("OpenCV(4.10.0) error: (-215:Assertion failed) pixels <= CV_IO_MAX_IMAGE_PIXELS")
-        return real_read_image(path)
+        return real_read_image(path, *args)
 
     field_ui.read_image = faulty_read_image
     for name, expected in (("huge.jpg", "not enough memory"), ("bomb.png", "unexpected error (RuntimeError")):

@@ -93,6 +93,38 @@ def test_a_big_baseline_jpeg_is_decoded_reduced_and_a_progressive_one_refused(li
         preprocess.read_image(jpeg(progressive=1))
 
 
+def test_a_baseline_jpeg_larger_than_needed_is_decoded_reduced_to_no_less_than_its_keep_side(library):
+    data = jpeg(photo(90, 120))
+    assert preprocess.decode_image(data).shape == (90, 120, 3)                   # nothing asked: full size
+    assert preprocess.decode_image(data, keep_side=40).shape == (45, 60, 3)      # 1/4 would leave 23 rows
+    assert preprocess.decode_image(data, keep_side=11).shape == (12, 15, 3)      # 1/8
+    assert preprocess.decode_image(data, keep_side=46).shape == (90, 120, 3)     # 1/2 would leave 45 rows
+    progressive = jpeg(photo(90, 120), progressive=1)
+    assert preprocess.decode_image(progressive, keep_side=11).shape == (90, 120, 3)
+    png = cv2.imencode(".png", photo(90, 120))[1].tobytes()
+    assert preprocess.decode_image(png, keep_side=11).shape == (90, 120, 3)
+
+
+def test_a_session_decodes_a_big_phone_photo_reduced_with_the_same_answer():
+    """The bundled model needs 256 pixels a side (its photo checks' copy; its input is 128): a 1600 x 1200 JPEG is
+    decoded at 1/4 (400 x 300), and its answer is the full-size decoding's (by hand, 150 PlantVillage photos
+    enlarged to phone sizes: the same top class in all, the largest change of any probability 0.057, median 0)."""
+    from lnn.runtime import load
+
+    session = load(DEFAULT_MODEL, device="numpy")
+    assert session.decode_side() == 256
+    leaf = cv2.imread(str(REPO / "examples" / "leaves" / "late_blight.jpg"))
+    big = cv2.resize(leaf, (1600, 1200), interpolation=cv2.INTER_CUBIC)
+    data = cv2.imencode(".jpg", big, [cv2.IMWRITE_JPEG_QUALITY, 92])[1].tobytes()
+    x, check = session.prepare_and_check(data)
+    assert (check.measures["width"], check.measures["height"]) == (400, 300)
+    full_x, full_check = session.prepare_and_check(cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR))
+    assert (full_check.measures["width"], check.reason) == (1600, full_check.reason)
+    assert np.abs(x - full_x).mean() < 0.02                                       # normalized units (1/255 / std ~ 0.017)
+    reduced, full = session.predict_image(data), session.predict_image(big)
+    assert reduced[0][0] == full[0][0] and abs(reduced[0][1] - full[0][1]) < 0.01
+
+
 def test_both_decoders_reduce_a_big_jpeg_alike(monkeypatch):
     monkeypatch.setattr(limits, "MAX_DECODED_PIXELS", 4000)
     decoded = {}
