@@ -13,7 +13,9 @@ requests, and the servers are stopped at the end. Reported per server and client
 per second), p50/p95/p99 latency of the answers, the batch-size distribution (lnn's /metrics), refusals
 (503), requests without an answer (none expected) and answers that differ from lnn's own for that photo.
 After the table, --target-rounds rounds alternate the batching and unbatched servers at 16 clients (the
-issue's target) and give the median of the rounds' ratios.
+issue's target) and give the median of the rounds' ratios. Then the batching and unbatched servers at 16
+clients on uploads of the phone page's size (1600x1200, photo_sizes.py's photos), and on the reference
+leaf_cnn224 where ../shared has it.
 Writes the `serve_load` (and `serve_soak`) sections of docs/BENCHMARKS.md and docs/images/serve_load.png.
 """
 
@@ -33,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import SHARED, machine_line, markdown_table, update_section  # noqa: E402
+from photo_sizes import photos_of_size  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "tomato_leaf.bin"
@@ -41,6 +44,7 @@ TOMATO = SHARED / "data" / "tomato"
 REFERENCE_MODELS = SHARED / "reference_models"
 PICTURE = REPO / "docs" / "images" / "serve_load.png"
 UPLOAD_SIDE = 256
+PAGE_UPLOAD = (1600, 1200)               # what the phone page sends at most (serve_page.html MAX_SIDE)
 PHOTOS = 64
 WARMUP_S = 3.0
 BATCH_EDGES = (1, 2, 4, 8, 16)           # batch-size histogram buckets shown (from lnn's /metrics)
@@ -467,6 +471,16 @@ def run_plan(servers: dict, plan: list, photos, labels, args) -> list:
     return rows
 
 
+def batching_pair(label: str, model: Path, photos, labels, args) -> list:
+    """The batching and the unbatched lnn server (defaults) of `model` at 16 clients on `photos`."""
+    from lnn.tools.serve import launch_process
+
+    common = ("--model", model, "--port", "0", "--device", "cpu")
+    servers = {f"{label}, batching": launch_process(*common),
+               f"{label}, no batching": launch_process(*common, "--max-batch", "1")}
+    return run_plan(servers, [(name, 16) for name in servers], photos, labels, args)
+
+
 def rows_table(rows: list) -> str:
     return markdown_table(
         ["server", "clients", "answers/s", "p50 ms", "p95 ms", "p99 ms", "batch sizes", "503 refused",
@@ -496,7 +510,6 @@ def heavy_model(folder: Path) -> Path | None:
 
 def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
     from lnn.runtime import usable_cores
-    from lnn.tools.serve import launch_process
 
     load_before = os.getloadavg()[0]
     stages = stage_costs(photos)                 # before the servers start: this script alone on the cores
@@ -515,13 +528,18 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
                    f"{np.median([b for b, _ in pairs]):.1f} against {np.median([u for _, u in pairs]):.1f} answers/s "
                    f"(medians), the rounds' ratios {', '.join(f'{b / u:.2f}' for b, u in pairs)}: median "
                    f"**{np.median([b / u for b, u in pairs]):.2f}×**." if pairs else "")
+    page_photos = photos_of_size(*PAGE_UPLOAD)
+    page_rows = batching_pair("lnn, 1600×1200 uploads", MODEL, page_photos, expected_labels(page_photos), args)
+    page_part = ["### Uploads of the page's size: 1600×1200, 16 clients",
+                 "The phone page shrinks a photo to 1600 pixels on its long side before sending it: the sample "
+                 f"leaves enlarged to {PAGE_UPLOAD[0]}×{PAGE_UPLOAD[1]} (baseline JPEGs, "
+                 f"{np.mean([len(photo) for photo in page_photos]) / 1000:.0f} KB on average, "
+                 "benchmarks/photo_sizes.py), the bundled model, both servers at the defaults. lnn decodes them "
+                 "at 400×300 (libjpeg's reduced decoding: the model and its photo checks need 256 pixels a side).",
+                 rows_table(page_rows)]
     heavy_part = []
     if heavy is not None:
-        common = ("--model", heavy, "--port", "0", "--device", "cpu")
-        heavy_servers = {"leaf_cnn224, batching": launch_process(*common),
-                         "leaf_cnn224, no batching": launch_process(*common, "--max-batch", "1")}
-        heavy_rows = run_plan(heavy_servers, [(name, 16) for name in heavy_servers], photos,
-                              expected_labels(photos, heavy), args)
+        heavy_rows = batching_pair("leaf_cnn224", heavy, photos, expected_labels(photos, heavy), args)
         heavy_part = ["### A model whose inference dominates: the reference leaf_cnn224, 16 clients",
                       "The same uploads and clients; leaf_cnn224 (224×224 input, random reference weights: "
                       "its answers mean nothing) costs several times the bundled model's server CPU per photo, "
@@ -553,6 +571,7 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
         rows_table(rows),
         "![throughput and p99 latency](images/serve_load.png)",
         breakdown_part(stages, by, list(servers)),
+        *page_part,
         *heavy_part]))
     print(f"wrote the serve_load section of docs/BENCHMARKS.md and {PICTURE}")
 
