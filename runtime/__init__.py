@@ -207,6 +207,8 @@ class Session:
         input then gives nearly the same pixels, at a fraction of the decoding and resizing."""
         from lnn.runtime.photo_checks import DEFAULTS
 
+        if not self.model.takes_images:
+            return 0                                   # (prepare_and_check says why it takes no photo)
         sides = list(self.model.preprocess["resize"])
         if self.judge_rules.photo_checks is not None:
             thresholds = {**DEFAULTS, **self.judge_rules.photo_checks}

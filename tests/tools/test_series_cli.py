@@ -12,6 +12,7 @@ import pytest
 from cli_helpers import assert_one_line_error, run_command
 from conftest import DATA, EXAMPLES, need
 from lnn.formats.binfile import read_bin
+from lnn.formats.errors import LnnInputError
 from lnn.formats.model import parse_model
 from lnn.tools.eval import main as eval_main
 from lnn.tools.infer import main as infer_main
@@ -128,6 +129,12 @@ def test_series_errors_are_one_line(trained_series, toy_ucr, tmp_path):
     assert_one_line_error(result.stderr, "lnn-eval", "no NAME_TRAIN file")
     result = run_command("infer", "--model", trained_series, EXAMPLES / "leaves" / "healthy.jpg")
     assert_one_line_error(result.stderr, "lnn-infer", "takes no images", ".ts, .tsv or .arff")
+    import lnn
+
+    session = lnn.load(trained_series, device="numpy")
+    assert session.decode_side() == 0                       # (lnn-field asks it before prepare_and_check says why)
+    with pytest.raises(LnnInputError, match="takes no images"):
+        session.prepare_and_check(EXAMPLES / "leaves" / "healthy.jpg")
 
 
 
