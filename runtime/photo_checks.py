@@ -11,7 +11,8 @@ input, and has its own reason (lnn/runtime/gate.py words them):
     blurred     the variance of the Laplacian of a check_size x check_size grey copy is under blur_below
                 (Pech-Pacheco et al. 2000: a sharp photo has strong second derivatives somewhere)
     too_small   (leaf) under leaf_fill_below of the grey copy's pixels look like leaf: coloured
-                (HSV saturation >= 0.2 and value >= 0.12), a plain background is grey
+                (HSV saturation >= 0.2 and value >= 0.12), a plain background is grey; with none at all
+                the words say the photo has no colour (a black-and-white photo: "move closer" would not help)
 
 The thresholds come from the model's metadata (gate.photo_checks, formats/gate.py), so a model for
 other photos can change them; DEFAULTS were measured on the 3,839 PlantVillage tomato photos
@@ -132,6 +133,9 @@ def check_photo(image: np.ndarray, thresholds: dict | None = None, statistics=co
     if m["laplacian_variance"] < t["blur_below"]:
         return PhotoCheck("blurred", None, m)
     if m["leaf_fill"] < t["leaf_fill_below"]:
+        if m["leaf_fill"] == 0:                   # not one pixel coloured: a black-and-white photo, or no leaf at all
+            return PhotoCheck("too_small", "The photo has no colour in it, so no leaf can be seen (a black-and-white "
+                                           "photo?). Take a colour photo of one leaf, filling the frame.", m)
         return PhotoCheck("too_small", "The leaf fills too little of the photo. Move closer, so that one leaf "
                                        "fills the frame.", m)
     return PhotoCheck(None, None, m)
