@@ -39,7 +39,7 @@ from starlette.routing import Route
 
 from lnn.formats.errors import LnnInputError
 from lnn.tools.cli import error_line
-from lnn.runtime.preprocess import decode_image, read_header
+from lnn.runtime.preprocess import read_header
 from lnn.tools.infer import answer_for, judge_images
 from lnn.tools.serve import ServeConfig
 
@@ -69,7 +69,7 @@ def prepare_upload(session, data: bytes, max_pixels: int, name: str = UPLOAD_NAM
     decode pool."""
     check_pixels(data, max_pixels, name)
     notes: list = []
-    return (*session.prepare_and_check(decode_image(data, name, session.decode_side()), notes=notes), notes)
+    return (*session.prepare_and_check(session.decode_photo(data, name), notes=notes), notes)
 
 
 def load_image_libraries() -> None:
