@@ -65,6 +65,13 @@ def busy_seconds() -> tuple[float, float]:
             times.user + times.system + times.children_user + times.children_system)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (its threads included), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def others_cores(before: tuple, after: tuple, seconds: float) -> float:
     """Cores other processes used between two busy_seconds() readings `seconds` apart."""
     return ((after[0] - before[0]) - (after[1] - before[1])) / max(seconds, 1e-9)

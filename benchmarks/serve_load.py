@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import SHARED, machine_line, markdown_table, update_section  # noqa: E402
+from report import SHARED, cpu_seconds, machine_line, markdown_table, update_section  # noqa: E402
 from photo_sizes import photos_of_size  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,13 +263,6 @@ def batch_distribution(before: dict | None, after: dict | None) -> str:
             parts.append(f"{low if low == edge else f'{low}–{edge}'}: {share:.0%}")
         low = edge + 1
     return ", ".join(parts)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used (its threads included), from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mib(pid: int) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -19,6 +20,9 @@ from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes, rea
 from lnn.formats.model import parse_model
 from lnn.runtime import Session, resolve_threads, usable_cores
 from lnn.runtime.reference import NumpyBackend
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from report import busy_seconds, cpu_seconds  # noqa: E402  (benchmarks/report.py: /proc's CPU times)
 
 pytestmark = pytest.mark.skipif("cpu" not in runtime_devices(), reason="the Numba backend is not available")
 
@@ -325,15 +329,11 @@ def test_helpers_are_kept_off_the_callers_cpu():
         os.sched_setaffinity(0, cpus)
 
 
-def cpu_seconds_of_others(*also_ours: int) -> float:
-    """CPU seconds every process but this one and the given ones has used since boot (Linux /proc)."""
-    with open("/proc/stat") as stat:
-        jiffies = [int(v) for v in stat.readline().split()[1:]]
-    ours = sum(os.times()[:2])
-    for pid in also_ours:
-        with open(f"/proc/{pid}/stat") as stat:
-            ours += sum(int(v) for v in stat.read().rsplit(")", 1)[1].split()[11:13]) / os.sysconf("SC_CLK_TCK")
-    return (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK") - ours
+def cpu_seconds_of_others(also_ours: int) -> float:
+    """CPU seconds every process but this one and process `also_ours` has used since boot (Linux /proc; the
+    benchmarks' own measures, benchmarks/report.py)."""
+    everyone, ours = busy_seconds()
+    return everyone - ours - cpu_seconds(also_ours)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
