@@ -3,6 +3,11 @@
     lnn-train examples/reference/mnist_mlp.json --data mnist:data/mnist --epochs 5 --batch 64 --out runs/mlp
     lnn-train model.json --data mnist:data/mnist --out runs/mlp --resume      # after an interruption
 
+--resume continues the run in RUN_DIR with the options it was started with (RUN_DIR/run.json: --data, --epochs,
+--batch, --lr, --lr-schedule, --seed, --patience, --limit-train, --val-fraction, --target, --no-augment,
+--outliers, --amp, --tf32); one left out is taken from there, one given again must say the same. --device,
+--threads, --cuda-graph and --quiet may change.
+
 Writes into the --out folder: checkpoint.npz (every epoch, atomically), best.npz, metrics.jsonl,
 curves.png and, at the end, model.bin (the best epoch, with preprocessing and labels). Settings
 come from the description's "training" block (see lnn.train.config); options given here win.
@@ -38,6 +43,11 @@ from lnn.tools.cli import command_parser, human_bytes, is_bin_file, is_npz_file,
 PROG = "lnn-train"
 DATA_KINDS = ("mnist", "folder", "ucr", "csv")
 CPU_BLAS_THREADS = 1
+VAL_FRACTION = 0.2
+# The options that decide what a run computes, kept in RUN_DIR/run.json and taken again by --resume; None: not
+# given (the description's training block decides). The flags' None is their default, False.
+RUN_OPTIONS = ("data", "epochs", "batch", "lr", "lr_schedule", "seed", "patience", "limit_train", "val_fraction",
+               "target", "no_augment", "outliers", "amp", "tf32")
 
 
 def build_parser():
@@ -65,7 +75,7 @@ def build_parser():
                         help="mixed precision on the GPU: 16-bit activations, float32 master weights; --amp alone is "
                              "fp16 (dynamic loss scaling, compute capability 7.0+), --amp bf16 is bfloat16 (float32's "
                              "range, no loss scaling, 8.0+: Ampere or newer)")
-    parser.add_argument("--tf32", action="store_true",
+    parser.add_argument("--tf32", action="store_true", default=None,
                         help="float32 GEMMs on TF32 tensor cores (GPU; 10-bit mantissa inputs; off by default)")
     parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR after its last checkpoint")
     parser.add_argument("--init", metavar="MODEL", help="start from this model's weights (a .bin or an lnn-train "
@@ -76,10 +86,11 @@ def build_parser():
                              "measured on the test set)")
     parser.add_argument("--limit-train", type=int, metavar="N", help="train on the first N training images only")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (one line per epoch stays)")
-    parser.add_argument("--val-fraction", type=float, default=0.2,
-                        help="folder, csv: share of each class kept for validation")
+    parser.add_argument("--val-fraction", type=float,
+                        help=f"folder, csv: share of each class kept for validation (default {VAL_FRACTION})")
     parser.add_argument("--target", metavar="COLUMN", help="csv: the column holding the class")
-    parser.add_argument("--no-augment", action="store_true", help="folder: train on the photos as they are")
+    parser.add_argument("--no-augment", action="store_true", default=None,
+                        help="folder: train on the photos as they are")
     parser.add_argument("--outliers", metavar="DIR",
                         help="folder: outlier exposure with the fit part of these non-leaf photos (training.outliers)")
     return parser
@@ -147,6 +158,52 @@ def initial_weights_from(path: str) -> dict:
     raise LnnInputError(f"--init {path}: neither a .bin nor an lnn-train checkpoint")
 
 
+def option_words(name: str, value) -> str:
+    """An option as typed: "--epochs 5", "--no-augment"."""
+    flag = "--" + name.replace("_", "-")
+    return flag if value is True else f"{flag} {value}"
+
+
+def data_with_absolute_path(spec: str) -> str:
+    """KIND:PATH with PATH absolute (run.json's --data: the same data from another working folder)."""
+    kind, sep, path = spec.partition(":")
+    return f"{kind}:{Path(path).resolve()}" if sep and path and kind in DATA_KINDS else spec
+
+
+def run_options(args) -> dict:
+    """The run's options (RUN_OPTIONS) from this command; with --resume in a folder holding a run, those it was
+    started with: one left out is taken from there, one given again must say the same (one LnnInputError line
+    naming it). Sets them on args."""
+    from lnn.train.run import OPTIONS, saved_options
+
+    given = {name: getattr(args, name) for name in RUN_OPTIONS}
+    given["data"] = data_with_absolute_path(args.data)
+    if args.outliers:
+        given["outliers"] = str(Path(args.outliers).resolve())
+    saved = saved_options(args.out) if args.resume else None
+    if saved == {}:
+        print(f"{args.out} has no {OPTIONS} (its run was started by an lnn-train that did not keep its options): "
+              f"resuming with the options given now", flush=True)
+    if saved:
+        for name, value in given.items():
+            if value is None or value == saved.get(name):
+                continue
+            was = "without it" if saved.get(name) in (None, False) else f"with {option_words(name, saved[name])}"
+            raise LnnInputError(f"{option_words(name, value)}: the run in {args.out} was started {was}, and --resume "
+                                f"continues it as it was ({Path(args.out) / OPTIONS}); leave the option out, "
+                                f"or start a new run in another --out folder")
+        given = {name: saved.get(name) if value is None else value for name, value in given.items()}
+    given["val_fraction"] = VAL_FRACTION if given["val_fraction"] is None else given["val_fraction"]
+    given["no_augment"], given["tf32"] = bool(given["no_augment"]), bool(given["tf32"])
+    for name, value in given.items():
+        setattr(args, name, value)
+    if saved:
+        taken = [option_words(name, value) for name, value in given.items()
+                 if value not in (None, False) and name != "data"]
+        print(f"resuming with the run's options: {' '.join(taken) or 'none beyond --data'}", flush=True)
+    return given
+
+
 def _positive(name, value):
     if value is not None and value < 1:
         raise LnnError(f"{name} must be at least 1, not {value}")
@@ -157,6 +214,7 @@ def body(args) -> int:
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.seed is not None and args.seed < 0:
         raise LnnError(f"--seed must be non-negative, not {args.seed}")
+    options = run_options(args)
     description = load_description(args.model)
     if args.lr_schedule:
         description = copy.deepcopy(description)
@@ -194,7 +252,7 @@ def body(args) -> int:
           f"{human_bytes(memory['activations_naive'])})", flush=True)
     with cpu_blas_threads(trainer.device, args.threads):
         trainer.fit(train, test, epochs=args.epochs, out_dir=args.out, resume=args.resume,
-                    patience=args.patience, progress=not args.quiet)
+                    patience=args.patience, progress=not args.quiet, options=options)
     held = trainer.memory_held()
     if held is not None:
         graphs = trainer.graph_pool_bytes()

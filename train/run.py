@@ -3,6 +3,8 @@
     RUN_DIR/checkpoint.npz   the last completed epoch (weights, optimizer, epoch, lr, RNG), atomic
     RUN_DIR/best.npz         the epoch with the best validation result so far (same format)
     RUN_DIR/metrics.jsonl    one JSON object per epoch (rewritten from the checkpoint on resume)
+    RUN_DIR/run.json         the options the run was started with (lnn-train's RUN_OPTIONS), which --resume
+                             takes again
     RUN_DIR/curves.png       loss and accuracy per epoch (matplotlib; redrawn every CURVES_EVERY_S and at the end)
     RUN_DIR/model.bin        at the end: the best epoch's model, with preprocessing and labels; when
                              the description has a model_card, its "trained" field says how this
@@ -28,6 +30,7 @@ from lnn.train.checkpoint import export_checkpoint, read_checkpoint, save_checkp
 from lnn.version import __version__
 
 CHECKPOINT, BEST, METRICS, CURVES, MODEL = "checkpoint.npz", "best.npz", "metrics.jsonl", "curves.png", "model.bin"
+OPTIONS = "run.json"
 # curves.png is redrawn after an epoch only when this many seconds passed since the last drawing (and at
 # the end): matplotlib takes about 1 s a drawing on a busy 2-core machine, 10x a series dataset's epoch.
 CURVES_EVERY_S = 30.0
@@ -46,8 +49,28 @@ def _same_network(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in keys)
 
 
+def saved_options(folder) -> dict | None:
+    """The options a run in `folder` was started with (RUN_DIR/run.json): None when the folder holds no run yet
+    (no checkpoint), {} for a run started before lnn-train kept them."""
+    folder = Path(folder)
+    if not (folder / CHECKPOINT).is_file():
+        return None
+    path = folder / OPTIONS
+    if not path.exists():
+        return {}
+    try:
+        options = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise LnnFormatError(f"{path}: unreadable ({err}); start a new run in another --out folder") from None
+    if not isinstance(options, dict):
+        raise LnnFormatError(f"{path}: not a JSON object of options; start a new run in another --out folder")
+    return options
+
+
 class RunDirectory:
-    def __init__(self, folder, trainer, resume: bool):
+    def __init__(self, folder, trainer, resume: bool, options: dict | None = None):
+        """options: what the run computes from (lnn-train's options), kept in run.json when the run starts, or
+        when a run without it is resumed."""
         self.folder = Path(folder)
         self.trainer = trainer
         self.history, self.best = [], None
@@ -65,6 +88,8 @@ class RunDirectory:
             self._resume(checkpoint)
         elif resume:
             trainer.log(f"--resume: {checkpoint} does not exist yet; starting a new run")
+        if options is not None and not (checkpoint.exists() and (self.folder / OPTIONS).exists()):
+            write_atomic(self.folder / OPTIONS, (json.dumps(options, indent=1) + "\n").encode("utf-8"))
 
     def _resume(self, checkpoint: Path):
         meta, weights, optimizer_state = read_checkpoint(checkpoint)

@@ -558,17 +558,18 @@ class Trainer:
         return out_of_memory(self.memory_planned, self.plan.batch_size, self.device)
 
     def fit(self, train_data, val_data=None, epochs: int | None = None, out_dir=None, resume: bool = False,
-            patience: int | None = None, progress: bool = True, export: bool = True) -> list:
+            patience: int | None = None, progress: bool = True, export: bool = True, options: dict | None = None) -> list:
         """Train for `epochs`; evaluate on val_data each epoch. With out_dir: checkpoints, metrics.jsonl,
-        curves.png, best.npz and (export=True) model.bin there. Returns the per-epoch history.
+        curves.png, best.npz and (export=True) model.bin there, and `options` (what the caller made the run from,
+        lnn-train's) in run.json. Returns the per-epoch history.
         Running out of memory is one LnnError line naming the planned figure."""
         try:
-            return self._fit(train_data, val_data, epochs, out_dir, resume, patience, progress, export)
+            return self._fit(train_data, val_data, epochs, out_dir, resume, patience, progress, export, options)
         except MemoryError:                          # CuPy's OutOfMemoryError is a MemoryError too
             raise self.out_of_memory() from None
 
     def _fit(self, train_data, val_data=None, epochs: int | None = None, out_dir=None, resume: bool = False,
-             patience: int | None = None, progress: bool = True, export: bool = True) -> list:
+             patience: int | None = None, progress: bool = True, export: bool = True, options: dict | None = None) -> list:
         from lnn.train.run import RunDirectory
 
         train = self._as_dataset(train_data, "training data")
@@ -583,7 +584,7 @@ class Trainer:
                 self.log(f"training.min_steps {self.config.min_steps}: {epochs} epochs of {steps_per_epoch} steps "
                          f"(training.epochs {self.config.epochs} would make {self.config.epochs * steps_per_epoch})")
         patience = patience if patience is not None else self.config.patience
-        run = RunDirectory(out_dir, self, resume) if out_dir is not None else None
+        run = RunDirectory(out_dir, self, resume, options) if out_dir is not None else None
         history = run.history if run else []
         first_epoch = len(history) + 1
         if run and run.stopped_early(patience):

@@ -77,7 +77,7 @@ def test_kill_9_then_resume_finishes_like_an_uninterrupted_run(tmp_path):
     meta = read_checkpoint(checkpoint)[0]
     assert 1 <= meta["epoch"] < 4
 
-    resumed = subprocess.run(_train_command(run, *settings, "--resume"), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(_train_command(run, "--resume"), capture_output=True, text=True, timeout=300)   # run.json
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed {run} after epoch {meta['epoch']}" in resumed.stdout
     assert not list(run.glob(".*.tmp"))
@@ -85,6 +85,40 @@ def test_kill_9_then_resume_finishes_like_an_uninterrupted_run(tmp_path):
     assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]
     straight, after_kill = _bin_accuracy(tmp_path / "straight" / "model.bin"), _bin_accuracy(run / "model.bin")
     assert after_kill == pytest.approx(straight, abs=0.005)
+
+
+def test_resume_alone_continues_the_run_with_the_options_it_was_started_with(tmp_path, monkeypatch, capsys):
+    """An interrupted run resumed with only --data, --target and --resume ends byte for byte as the uninterrupted
+    run; an option given again with another value is one line, and changes nothing."""
+    from lnn.tools.train import main
+    from lnn.train.run import RunDirectory
+
+    table = EXAMPLES / "tabular"
+    data = ["--data", f"csv:{table / 'machines.csv'}", "--target", "state", "--device", "cpu", "--quiet"]
+    started = [str(table / "mlp.json"), *data, "--epochs", "5", "--batch", "16", "--lr", "0.004"]
+    assert main([*started, "--out", str(tmp_path / "straight")]) == 0
+
+    end_epoch = RunDirectory.end_epoch
+
+    def interrupted_after_epoch_2(run, entry):
+        end_epoch(run, entry)
+        if entry["epoch"] == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(RunDirectory, "end_epoch", interrupted_after_epoch_2)
+    run = tmp_path / "interrupted"
+    assert main([*started, "--out", str(run)]) != 0
+    monkeypatch.setattr(RunDirectory, "end_epoch", end_epoch)
+    assert [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    capsys.readouterr()
+
+    assert main([str(table / "mlp.json"), *data, "--out", str(run), "--resume", "--epochs", "9"]) != 0
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "--epochs 9: the run in" in error[0] and "was started with --epochs 5" in error[0]
+
+    assert main([str(table / "mlp.json"), *data, "--out", str(run), "--resume"]) == 0
+    assert "resuming with the run's options: --epochs 5 --batch 16 --lr 0.004" in capsys.readouterr().out
+    assert (run / "model.bin").read_bytes() == (tmp_path / "straight" / "model.bin").read_bytes()
+    assert [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
 def test_command_errors_are_one_line(tmp_path):
