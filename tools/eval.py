@@ -28,7 +28,8 @@ classified evaluated photos at or above it, i.e. at most 1% of right answers are
 model has a model card, its "accuracy" becomes this evaluation (figure, photos, the command).
 
 Calibration: the expected calibration error (ECE, 15 bins) is printed for the raw softmax and, when
-the model carries a temperature (metadata.calibration), for the calibrated probabilities too.
+the model carries a temperature (metadata.calibration), for the calibrated probabilities too (images,
+series and tables alike); metrics.json (--out) holds the one of the probabilities the model gives.
 
 --fit-gate fits the out-of-distribution gate and the calibration (lnn/train/gate_fit.py) and
 --write-gate OUT.bin writes the model with them (metadata gate, calibration, thresholds; tensors
@@ -324,6 +325,7 @@ def body(args) -> int:
                    "seed": seed if args.split == "val" else None,
                    "val_fraction": val_fraction if args.split == "val" else None,
                    "photos": int(len(rows)), "accuracy": accuracy,
+                   "expected_calibration_error": expected_calibration_error(probs, true),
                    "classes": {label["name"]: score for label, score in zip(labels, scores)},
                    "threshold": threshold}
         write_report(Path(args.out), session.model.name, labels, matrix, metrics,
@@ -386,17 +388,22 @@ def evaluate_rows(args, kind: str, path: str) -> int:
                 else f"{source} (all rows)")
     labels = session.labels
     true = class_columns(names, labels, source)
-    probs = np.concatenate([session.predict(model_inputs(session.model, values[start:start + args.batch]))
-                            for start in range(0, len(values), args.batch)])
+    outputs = np.concatenate([session.run(model_inputs(session.model, values[start:start + args.batch]))
+                              for start in range(0, len(values), args.batch)])
+    probs = session.judge_rules.probabilities(outputs)
     predicted, confidence = probs.argmax(axis=1), probs.max(axis=1)
     matrix = confusion_matrix(true, predicted, len(labels))
     scores = per_class_scores(matrix)
     accuracy = float((predicted == true).mean())
     print("\n".join(report_lines(labels, matrix, scores, accuracy, len(true), what)).replace(" photos", f" {unit}"))
+    from lnn.train.gate_fit import expected_calibration_error
+
+    print("\n" + calibration_line(session, outputs, true, expected_calibration_error))
     if args.out:
         metrics = {"model": str(args.model), "data": str(source), "split": split,
                    "seed": seed if split == "val" else None, "val_fraction": val_fraction if split == "val" else None,
                    unit: int(len(true)), "accuracy": accuracy,
+                   "expected_calibration_error": expected_calibration_error(probs, true),
                    "classes": {label["name"]: score for label, score in zip(labels, scores)}}
         write_report(Path(args.out), session.model.name, labels, matrix, metrics, items, (true, predicted, confidence),
                      unit)

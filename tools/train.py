@@ -77,7 +77,7 @@ def build_parser():
                              "range, no loss scaling, 8.0+: Ampere or newer)")
     parser.add_argument("--tf32", action="store_true", default=None,
                         help="float32 GEMMs on TF32 tensor cores (GPU; 10-bit mantissa inputs; off by default)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR after its last checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR after its last checkpoint, with the options it was started with")
     parser.add_argument("--init", metavar="MODEL", help="start from this model's weights (a .bin or an lnn-train "
                         "checkpoint of the same layers) instead of a random initialization: fine-tuning")
     parser.add_argument("--seed", type=int, help="seed of weights, shuffling and dropout (training.seed)")

@@ -88,6 +88,15 @@ def test_eval_on_the_test_split_writes_accuracy(trained_series, toy_ucr, tmp_pat
     assert metrics["accuracy"] >= 0.9
     predictions = (tmp_path / "predictions.csv").read_text().splitlines()
     assert len(predictions) == 31 and predictions[0] == "line,true,predicted,confidence"
+    # the calibration error, as for photos: 15 equal bins of confidence, |accuracy - confidence| weighted by count
+    rows = [line.split(",") for line in predictions[1:]]
+    confidence = np.array([float(row[3]) for row in rows])
+    correct = np.array([row[1] == row[2] for row in rows])
+    bins = np.minimum((confidence * 15).astype(int), 14)
+    ece = sum(abs(correct[bins == b].mean() - confidence[bins == b].mean()) * np.mean(bins == b)
+              for b in range(15) if np.any(bins == b))
+    assert metrics["expected_calibration_error"] == pytest.approx(ece, abs=1e-5)
+    assert f"expected calibration error (15 bins) {metrics['expected_calibration_error']:.2%}" in capsys.readouterr().out
 
 
 def test_infer_answers_every_series_and_a_bad_file_is_one_line(trained_series, toy_ucr, tmp_path, capsys):
