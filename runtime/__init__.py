@@ -253,7 +253,7 @@ class Session:
                           {name: float(values[0]) for name, values in judgement.scores.items()})
 
     def prepare_series(self, values) -> np.ndarray:
-        """Raw values for a series model ([T], [C, T'], [N, C, T'] or a list of [C, T_i]) or a table model ([F],
+        """Raw values for a series model ([T], [C, T'], [N, C, T'] or a list of [C, T_i] or [T_i]) or a table model ([F],
         [N, F]) -> [N, *input_shape] float32 with the model's preprocessing (lnn.runtime.series: brought to
         the model's length as its preprocessing says, standardized as fitted on the training data)."""
         from lnn.runtime.series import model_inputs
@@ -268,9 +268,10 @@ class Session:
         "low_confidence" under the model's thresholds.uncertain_below); a batch ([N, C, T], a list of
         series, [N, F]) -> a list of them. Values are raw: the model's preprocessing is applied here."""
         from lnn.runtime.gate import Prediction
+        from lnn.runtime.series import is_series_list
 
-        single = not isinstance(values, list) and np.ndim(values) < len(self.model.input_shape) + 1
         judgement = self.judge(self.prepare_series(values))
+        single = not is_series_list(values, self.model) and np.ndim(values) < len(self.model.input_shape) + 1
         answers = [Prediction(self.ranked(p, top_k), reason) for p, reason in zip(judgement.probabilities,
                                                                                 judgement.reasons)]
         return answers[0] if single else answers

@@ -365,7 +365,11 @@ def standardize(values: np.ndarray, preprocess: dict) -> np.ndarray:
 
 def check_raw(values, model, what: str = "the input") -> np.ndarray:
     """An array given to a series or table model: numbers, finite -> float64."""
-    array = np.asarray(values)
+    try:
+        array = np.asarray(values)
+    except ValueError:                  # nested lists of different lengths
+        raise LnnInputError(f"{what}: rows or series of different lengths in one array; give series of different "
+                            f"lengths as a list of arrays, each [C, T] (or [T] for a one-channel model)") from None
     if array.dtype.kind not in "iuf" or array.size == 0:
         raise LnnInputError(f"{what}: must be a non-empty array of numbers, not {array.dtype} of shape {list(array.shape)}")
     array = array.astype(np.float64)
@@ -374,12 +378,24 @@ def check_raw(values, model, what: str = "the input") -> np.ndarray:
     return array
 
 
+def is_series_list(values, model) -> bool:
+    """Whether `values` is a list of series for a series model, each [C, T_i] or, for a one-channel model, [T_i]
+    (lengths may differ): a batch. A list of numbers is one series [T]."""
+    if len(model.input_shape) != 2 or not isinstance(values, list) or not values:
+        return False
+    try:
+        ranks = {np.ndim(v) for v in values}
+    except ValueError:                  # an item of ragged nested lists: check_raw names it
+        return False
+    return ranks == {2} or (ranks == {1} and model.input_shape[0] == 1)
+
+
 def model_inputs(model, values) -> np.ndarray:
     """Raw values for a series model ([T] univariate, [C, T'] or [N, C, T'] with any length T', or a list
-    of [C, T_i] series of different lengths) or a table model ([F] or [N, F]) -> [N, *input_shape] float32
-    with the model's preprocessing."""
+    of [C, T_i] or univariate [T_i] series of different lengths) or a table model ([F] or [N, F]) ->
+    [N, *input_shape] float32 with the model's preprocessing."""
     rank = len(model.input_shape)
-    if rank == 2 and isinstance(values, list) and values and all(np.ndim(v) == 2 for v in values):
+    if is_series_list(values, model):
         return np.concatenate([model_inputs(model, v) for v in values])
     array = check_raw(values, model)
     if rank == 2 and array.ndim == 1 and model.input_shape[0] == 1:

@@ -151,6 +151,40 @@ def series_description(length=8, channels=2, classes=3):
                            "mean": [1.5, -2.0][:channels], "std": [2.0, 0.5][:channels]}}
 
 
+def test_a_one_channel_model_takes_a_list_of_plain_series_of_any_lengths(tmp_path):
+    """[T_i] items of a list are one-channel series (a batch, as [1, T_i] items are); a list of numbers is one
+    series; ragged nested lists are one LnnInputError line, not NumPy's ValueError."""
+    model = parse_model(series_description(channels=1))
+    rng = np.random.default_rng(2)
+    weights = {"linear_1.weight": rng.normal(size=(3, 8)).astype(np.float32),
+               "linear_1.bias": rng.normal(size=3).astype(np.float32)}
+    write_bin(tmp_path / "m.bin", model, weights)
+    session = lnn.load(tmp_path / "m.bin", device="numpy")
+    long, short = rng.normal(size=12), rng.normal(size=5)
+    one_by_one = [session.predict_series(v) for v in (long, short, long)]
+    for batch in ([long, short, long], [long[None], short[None], long[None]], [list(long), list(short), list(long)]):
+        answers = session.predict_series(batch)
+        assert len(answers) == 3
+        for answer, alone in zip(answers, one_by_one):
+            assert [label for label, _ in answer] == [label for label, _ in alone]
+            np.testing.assert_allclose([p for _, p in answer], [p for _, p in alone], rtol=1e-5)
+    np.testing.assert_array_equal(session.prepare_series([long, long]), session.prepare_series(np.stack([long, long])[:, None]))
+    assert session.predict_series(list(long)) == one_by_one[0]                      # a list of numbers: one series
+    with pytest.raises(LnnInputError, match="different lengths in one array"):
+        session.prepare_series([[list(long), list(short)]])
+    two_channels = lnn.load(_two_channel_bin(tmp_path), device="numpy")
+    with pytest.raises(LnnInputError, match=r"each \[C, T\]"):          # not one-channel series: no list of [T_i]
+        two_channels.prepare_series([long, short])
+
+
+def _two_channel_bin(tmp_path):
+    rng = np.random.default_rng(3)
+    write_bin(tmp_path / "two.bin", parse_model(series_description()),
+              {"linear_1.weight": rng.normal(size=(3, 16)).astype(np.float32),
+               "linear_1.bias": rng.normal(size=3).astype(np.float32)})
+    return tmp_path / "two.bin"
+
+
 def test_series_preprocessing_round_trips_through_the_bin_and_is_applied(tmp_path):
     model = parse_model(series_description())
     rng = np.random.default_rng(1)
