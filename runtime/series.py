@@ -254,15 +254,27 @@ def read_series_file(path) -> SeriesFile:
     return result
 
 
+def _csv_rows(path: Path, text: str):
+    """(line number, cells) of each CSV row; a cell over the csv module's field size limit is an LnnInputError
+    naming the line."""
+    import csv            # only for a table: not on every start
+
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        for row in reader:
+            yield reader.line_num, row
+    except csv.Error:     # the default dialect's only error: a cell over the limit
+        raise LnnInputError(f"{path}: line {reader.line_num}: a cell is longer than the csv module's limit of "
+                            f"{csv.field_size_limit():,} characters") from None
+
+
 def read_table(path, target: str | None = None, columns: list | None = None) -> Table:
     """A CSV table with a header row (see the module doc). `target`: the class column, kept as text;
     `columns`: read only these feature columns, in this order (lnn-infer: a model's columns; any other column,
     such as the class, is left unread), else every column but the target."""
-    import csv            # only for a table: not on every start
-
     path = Path(path)
-    rows = csv.reader(io.StringIO(read_text(path, "CSV table"), newline=""))
-    header = next(rows, None)
+    rows = _csv_rows(path, read_text(path, "CSV table"))
+    _, header = next(rows, (1, []))
     if not header or not any(cell.strip() for cell in header):
         raise LnnInputError(f"{path}: the CSV table is empty (it needs a header row naming the columns)")
     names = [cell.strip() for cell in header]
@@ -285,8 +297,7 @@ def read_table(path, target: str | None = None, columns: list | None = None) -> 
     if not features:
         raise LnnInputError(f"{path}: no feature column besides the target {target!r}")
     values, labels = [], []
-    for row in rows:
-        line = rows.line_num
+    for line, row in rows:
         if not any(cell.strip() for cell in row):
             continue
         if len(row) != len(names):

@@ -118,6 +118,13 @@ def test_table_errors_name_the_line_and_column(tmp_path, text, fragments):
         assert fragment in str(err.value), (fragment, str(err.value))
 
 
+def test_a_cell_over_the_csv_limit_is_one_line_naming_the_line(tmp_path):
+    path = write(tmp_path, "t.csv", "a,b\n1,2\n3," + "9" * 200_000 + "\n")
+    with pytest.raises(LnnInputError) as err:
+        read_table(path)
+    assert str(err.value) == f"{path}: line 3: a cell is longer than the csv module's limit of 131,072 characters"
+
+
 def test_resample_keeps_the_time_span():
     x = np.array([[0.0, 1.0, 2.0]])
     np.testing.assert_allclose(resample(x, 5), [[0, 0.5, 1, 1.5, 2]])
