@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lnn.formats.errors import LnnInputError
 from lnn.formats.gate import model_outputs_probabilities
 
 REASONS = ("not_a_leaf", "blurred", "too_dark", "too_bright", "too_small", "low_confidence")
@@ -50,9 +51,11 @@ def instruction(reason: str | None, subject: str = DEFAULT_SUBJECT, detail: str 
 # --------------------------------------------------------------------------- the scores
 
 def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """Rows with an infinite or NaN logit come out NaN (Judge.judge gives them no answer), without a warning."""
     z = np.asarray(logits, np.float64) / temperature
-    z = np.exp(z - z.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        z = np.exp(z - z.max(axis=1, keepdims=True))
+        return z / z.sum(axis=1, keepdims=True)
 
 
 def energy_score(logits: np.ndarray) -> np.ndarray:
@@ -151,15 +154,19 @@ class Judge:
     def judge(self, outputs: np.ndarray, features: np.ndarray | None = None, photo_reasons=None) -> Judgement:
         """outputs [N, K] (logits, or probabilities for a softmax model), the gate's features [N, D],
         and optionally each photo's photo-check reason (None = passed) -> a Judgement."""
+        if photo_reasons is not None and len(photo_reasons) != len(outputs):
+            raise LnnInputError(f"photo_reasons has {len(photo_reasons)} reasons for {len(outputs)} photos")
         probabilities = self.probabilities(outputs)
         scores, flagged = {}, np.zeros(len(outputs), bool)
         if self.gate:
             scores = all_scores(self.gate["scores"], outputs, features, self.tensors, self.temperature,
                                 self.gate.get("knn_k", 1), probabilities, self.prepared)
-            for name, values in scores.items():
-                flagged |= values > self.gate["thresholds"][name]
-        unsure = (np.zeros(len(outputs), bool) if self.uncertain_below is None
-                  else probabilities.max(axis=1) < self.uncertain_below)
+            for name, values in scores.items():      # a score that is not a number: no sign the photo is a leaf
+                flagged |= (values > self.gate["thresholds"][name]) | np.isnan(values)
+        # outputs that overflowed (inputs far beyond the training data's): no answer to give
+        unsure = ~np.isfinite(probabilities).all(axis=1)
+        if self.uncertain_below is not None:
+            unsure |= probabilities.max(axis=1) < self.uncertain_below
         photo_reasons = photo_reasons or [None] * len(outputs)
         reasons = [photo or ("not_a_leaf" if gated else "low_confidence" if low else None)
                    for photo, gated, low in zip(photo_reasons, flagged, unsure)]

@@ -31,6 +31,50 @@ def test_run_checks_the_batch_shape():
             session.run(odd)
 
 
+def test_run_refuses_nan_infinity_and_ragged_rows_naming_the_input():
+    """The backends differ on NaN (the cpu kernels' ReLU makes it 0), so neither sees one: one line naming it."""
+    session = tiny_session()
+    x = rng.standard_normal((3, 3, 8, 8)).astype(np.float32)
+    for bad, value in ((1, np.nan), (2, np.inf), (0, 1e39)):       # 1e39: beyond float32 once converted
+        y = x.astype(np.float64)
+        y[bad, 1, 2, 3] = value
+        with pytest.raises(lnn.LnnInputError, match=f"^input {bad} of the batch holds NaN or infinity"):
+            session.run(y)
+        with pytest.raises(lnn.LnnInputError, match=f"^input {bad} of the batch holds NaN or infinity"):
+            session.judge(y)
+    with pytest.raises(lnn.LnnInputError, match="rows here differ in length"):
+        session.run([[1.0, 2.0], [3.0]])
+
+
+@pytest.mark.parametrize("device", ["numpy", "cpu"])
+def test_a_large_batch_runs_in_chunks_with_the_answers_of_one_call(device):
+    """A batch over RUN_CHUNK is computed a chunk at a time (bounded memory: the cpu backend keeps plans of the
+    chunk sizes only), with each input's answer as it is alone."""
+    from lnn.runtime import RUN_CHUNK
+
+    if device == "cpu":
+        pytest.importorskip("numba")
+    session = tiny_session(device=device)
+    count = 2 * RUN_CHUNK[device] + 5
+    x = rng.standard_normal((count, 3, 8, 8)).astype(np.float32)
+    alone = np.concatenate([session.run(x[i:i + 1]) for i in range(count)])
+    np.testing.assert_allclose(session.run(x), alone, rtol=1e-5, atol=1e-6)
+    if device == "cpu":
+        assert {key[0] for key in session.backend._plans.keys()} == {1, 5, RUN_CHUNK[device]}
+
+
+def test_judge_flags_what_it_cannot_answer_and_checks_its_photo_reasons():
+    session = tiny_session()
+    logits = np.array([[1.0, 2.0, 3.0], [np.inf, 0.0, 0.0], [np.nan, 1.0, 1.0]])
+    judgement = session.judge_rules.judge(logits)
+    assert judgement.reasons == [None, "low_confidence", "low_confidence"]
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    with pytest.raises(lnn.LnnInputError, match="^photo_reasons has 1 reasons for 2 photos$"):
+        session.judge(x, ["blurred"])
+    with pytest.raises(lnn.LnnInputError, match="^warm_up takes a batch size of at least 1, not 0$"):
+        session.warm_up(0)
+
+
 def test_predict_is_softmax_of_logits_unless_the_model_ends_in_softmax():
     plain, ending_in_softmax = tiny_session(), tiny_session("softmax")
     x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
