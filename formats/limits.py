@@ -24,6 +24,12 @@ MAX_PARAMETERS = 1 << 28
 # single image needs more than a small machine's memory is refused at load, not by MemoryError.
 MAX_ACTIVATION_BYTES = 1 << 31
 
+# Threads of one Session's cpu backend (`threads=`, the commands' --threads). Each is an OS thread that spins
+# between a call's layers; more than a machine's cores only slows a call down. 1024 covers the largest servers,
+# while --threads 100000 is refused in one line instead of failing to start threads (and 10^9 instead of asking
+# for gigabytes of hand-off counters).
+MAX_THREADS = 1024
+
 # --------------------------------------------------------------------------- JSON (descriptions, the .bin's sections)
 
 # A model description file, and each JSON section of a `.bin` (SPEC rule 19): parsing the worst

@@ -24,6 +24,7 @@ import numpy as np
 
 from lnn.formats.binfile import BinModel, read_bin
 from lnn.formats.errors import LnnError, LnnInputError
+from lnn.formats.limits import MAX_THREADS
 from lnn.runtime.cores import cores_in_words, usable_cores
 
 BACKENDS = {"numpy": "lnn.runtime.reference", "cpu": "lnn.runtime.cpu", "cuda": "lnn.runtime.cuda"}
@@ -69,6 +70,8 @@ def resolve_threads(threads) -> int:
         return usable_cores()
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
         raise LnnInputError(f"threads must be a positive whole number or 'auto', not {threads!r}")
+    if threads > MAX_THREADS:
+        raise LnnInputError(f"threads must be at most {MAX_THREADS} (formats/limits.py MAX_THREADS), not {threads}")
     return int(threads)
 
 

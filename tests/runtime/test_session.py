@@ -129,5 +129,8 @@ def test_threads_is_accepted_everywhere_and_checked_once():
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(lnn.LnnInputError, match=f"^threads must be a positive whole number or 'auto', not {bad!r}$"):
             Session(source, "numpy", threads=bad)
+    for huge in (1025, 10**20):
+        with pytest.raises(lnn.LnnInputError, match=f"^threads must be at most 1024 .*, not {huge}$"):
+            Session(source, "numpy", threads=huge)
     with pytest.raises(lnn.LnnInputError, match=r"^the numpy backend takes no option 'thread'; its options: threads$"):
         Session(source, "numpy", thread=2)
