@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lnn.formats.errors import LnnFormatError, ModelSpecError
+from lnn.formats.errors import LnnFormatError, LnnInputError, ModelSpecError
 from lnn.formats.files import regular_file
 from lnn.formats.gate import TENSOR_PREFIX, check_gate_metadata, check_gate_tensor_shapes, gate_tensor_shapes
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
@@ -351,11 +351,22 @@ def atomic_output(path: str | Path, mode: str = "wb", **open_args):
     (a full disk, Ctrl-C) it is removed, so `path` is either the old file or the complete new one.
 
     The file gets the permissions an ordinary new file would (0666 less the umask), not
-    mkstemp's private 0600."""
+    mkstemp's private 0600.
+
+    `path` must be a regular file or not exist: a folder, named pipe, device or socket there is refused
+    in one line (LnnInputError) before anything is written, since the rename would put a regular file in
+    its place. A symbolic link is written through, as the shell's `>` does: the link stays and the file
+    it names is replaced (or created, for a dangling link) the same atomic way."""
     import tempfile       # here, not at the top: its imports (shutil, random, ...) cost lnn-infer's start ~4 ms
 
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        target = Path(os.path.realpath(path, strict=True))   # the existing file, or the one a symbolic link names
+    except FileNotFoundError:
+        target = Path(os.path.realpath(path))                # a new file (or the one a dangling link names)
+    else:
+        regular_file(path, "a regular output file", LnnInputError)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -365,7 +376,7 @@ def atomic_output(path: str | Path, mode: str = "wb", **open_args):
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -187,5 +187,5 @@ def record_verdict(path: Path, check: VectorCheck) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(path, "w", encoding="utf-8") as f:
             json.dump({"count": check.count, "difference": check.difference, "device": check.device}, f)
-    except OSError:
+    except (OSError, LnnInputError):          # a cache that cannot be written (or a pipe in its place) goes without
         pass

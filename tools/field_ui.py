@@ -259,8 +259,9 @@ class FieldApp:
         if path:
             try:
                 self.save_report(path)
-            except OSError as err:
-                messagebox.showerror(TITLE, f"The report could not be saved:\n{err.strerror or err}", parent=self.root)
+            except (OSError, LnnInputError) as err:       # LnnInputError: a pipe or device chosen as the report
+                messagebox.showerror(TITLE, f"The report could not be saved:\n{getattr(err, 'strerror', None) or err}",
+                                     parent=self.root)
 
     def open_photos(self, paths):
         paths = [Path(p) for p in paths]

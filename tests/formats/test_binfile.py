@@ -850,6 +850,27 @@ def test_atomic_write_gives_ordinary_file_permissions(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
 
 
+def test_atomic_write_refuses_what_is_not_a_regular_file_and_writes_through_a_symlink(tmp_path):
+    import os
+    from lnn.formats.binfile import write_atomic
+    from lnn.formats.errors import LnnInputError
+
+    pipe, folder = tmp_path / "pipe", tmp_path / "folder"
+    os.mkfifo(pipe)
+    folder.mkdir()
+    (tmp_path / "to_pipe").symlink_to(pipe)
+    for target, kind in [(pipe, "a named pipe"), (folder, "a folder"), (tmp_path / "to_pipe", "a named pipe")]:
+        with pytest.raises(LnnInputError) as refused:
+            write_atomic(target, b"data")
+        assert str(refused.value) == f"{target}: is {kind}, not a regular output file"
+    assert pipe.is_fifo() and folder.is_dir() and not any(folder.iterdir())
+    (tmp_path / "old.bin").write_bytes(b"old")
+    (tmp_path / "link.bin").symlink_to("old.bin")
+    write_atomic(tmp_path / "link.bin", b"new")
+    assert (tmp_path / "link.bin").is_symlink() and (tmp_path / "old.bin").read_bytes() == b"new"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_a_tiny_file_declaring_a_huge_input_is_one_line_in_the_commands(tmp_path):
     import subprocess
     import sys

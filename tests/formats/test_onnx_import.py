@@ -246,6 +246,16 @@ def test_command_errors_are_one_line_with_exit_status(tmp_path):
     assert run(source).returncode == 2                                          # -o is required: usage error
 
 
+def test_an_output_that_is_a_named_pipe_is_refused_and_left_as_it_is(tmp_path, capsys):
+    import os
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    assert main([str(need(REFERENCE_MODELS / "mnist_mlp.onnx")), "-o", str(pipe)]) == 1
+    assert capsys.readouterr().err == f"lnn-import: error: {pipe}: is a named pipe, not a regular output file\n"
+    assert pipe.is_fifo()
+
+
 def test_missing_onnx_extra_is_one_clear_line(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "onnx", None)
     with pytest.raises(LnnError, match=r"ONNX support needs the onnx extra: pip install 'lnn\[onnx\]'"):

@@ -339,3 +339,16 @@ def test_onnx_on_a_full_disk_keeps_the_older_file_and_leaves_no_partial_one(tiny
     assert old.read_bytes() == b"an older export" and temporaries(tmp_path) == []
     assert main([str(folder / "best.npz"), "--onnx", str(old)]) == 0                # with room, it is replaced
     assert old.read_bytes()[:2] != b"an"
+
+
+@pytest.mark.parametrize("flag", ["-o", "--onnx"])
+def test_an_output_that_is_a_named_pipe_is_refused_and_left_as_it_is(tmp_path, capsys, flag):
+    import os
+
+    if flag == "--onnx":
+        pytest.importorskip("onnx")
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    assert error_of(capsys, [MNIST_JSON, "--weights", mnist_weights(), flag, pipe]) == (
+        f"lnn-export: error: {pipe}: is a named pipe, not a regular output file\n")
+    assert pipe.is_fifo()
