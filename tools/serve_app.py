@@ -269,7 +269,7 @@ async def read_body(request: Request, max_body: int) -> bytes:
     too_large = Refused(413, f"the upload is over the server's limit of {max_body:,} bytes; send a smaller photo",
                         "too_large")
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body:
+    if declared is not None and declared.isdecimal() and int(declared) > max_body:
         raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -305,7 +305,7 @@ def requested_top_k(request: Request, default: int, labels: int) -> int:
     given = request.query_params.get("top_k")
     if given is None:
         return min(default, labels)
-    if not given.isdigit() or int(given) < 1:
+    if not given.isdecimal() or int(given) < 1:
         raise Refused(400, f"top_k must be a whole number of at least 1, not {given!r}", "bad_query")
     return min(int(given), labels)
 

@@ -242,10 +242,11 @@ def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
     assert named.status_code == 400 and named.json()["error"] == f"IMG_0042.jpg: {cli_reason}"
     no_field = served.post("/v1/classify", files={"photo": ("leaf.jpg", LEAVES[0].read_bytes())})
     assert no_field.status_code == 400 and "`file` field" in no_field.json()["error"]
-    bad_k = served.post("/v1/classify?top_k=0", content=LEAVES[0].read_bytes())
-    assert bad_k.status_code == 400 and "top_k" in bad_k.json()["error"]
+    for k in ("0", "%C2%B2"):                      # ², which str.isdigit accepts and int() does not
+        bad_k = served.post(f"/v1/classify?top_k={k}", content=LEAVES[0].read_bytes())
+        assert bad_k.status_code == 400 and "top_k" in bad_k.json()["error"]
     after = metric_samples(served)
-    assert counted(before, after, "lnn_serve_requests_total", status="400") == 8
+    assert counted(before, after, "lnn_serve_requests_total", status="400") == 9
     assert counted(before, after, "lnn_serve_rejected_total", reason="bad_image") == 6
 
 
