@@ -26,6 +26,7 @@ from lnn.formats.errors import LnnFormatError, ModelSpecError
 from lnn.formats.limits import MAX_JSON_BYTES
 from lnn.formats.model import Model, parse_json_text, parse_model
 from lnn.formats.npz import NPZ_READ_ERRORS, array_headers, check_array_fits, open_npz
+from lnn.train.config import _number
 
 FORMAT, VERSION = "lnn-checkpoint", 1
 
@@ -79,6 +80,41 @@ def read_checkpoint(path) -> tuple[dict, dict, dict]:
         except NPZ_READ_ERRORS:
             raise LnnFormatError(f"{path}: the checkpoint is damaged (an entry cannot be read)") from None
     return meta, weights, optimizer_state
+
+
+def check_run_state(meta: dict, weights: dict) -> None:
+    """The meta fields a resumed run continues from, each of the kind and in the range the trainer writes (the
+    module's doc), and finite weights: a ValueError naming the first that is not (a KeyError for one missing)."""
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    history, best, rng = meta["history"], meta.get("best"), meta["rng"]
+    epochs = len(history) if isinstance(history, list) else None
+    checks = [("step", count(meta["step"]), "a non-negative integer"),
+              ("lr", _number(meta["lr"]) and meta["lr"] >= 0, "a non-negative number"),
+              ("base_lr", _number(meta["base_lr"]) and meta["base_lr"] >= 0, "a non-negative number"),
+              ("loss_scale", _number(meta["loss_scale"]) and meta["loss_scale"] > 0, "a positive number"),
+              ("clean_steps", count(meta["clean_steps"]), "a non-negative integer"),
+              ("overflow_steps", count(meta["overflow_steps"]), "a non-negative integer"),
+              ("amp", meta["amp"] in (None, "fp16", "bf16"), "null, 'fp16' or 'bf16'"),
+              ("device", meta["device"] in ("cpu", "cuda"), "'cpu' or 'cuda'"),
+              ("rng", isinstance(rng, dict) and count(rng.get("seed")) and count(rng.get("dropout_calls")),
+               "an object of a non-negative seed and dropout_calls"),
+              ("history", epochs is not None and all(
+                  isinstance(entry, dict) and entry.get("epoch") == epoch
+                  and all(value is None or _number(value) for value in entry.values())
+                  for epoch, entry in enumerate(history, 1)), "a list of epochs 1, 2, ... of numbers or null"),
+              ("epoch", count(meta["epoch"]) and meta["epoch"] == epochs, "the number of epochs in history"),
+              ("best", best is None or (isinstance(best, dict) and count(best.get("epoch"))
+                                        and 1 <= best["epoch"] <= (epochs or 0) and _number(best.get("score"))),
+               "null or the epoch and score of one epoch in history")]
+    for name, good, kind in checks:
+        if not good:
+            text = json.dumps(meta[name])
+            raise ValueError(f"{name} is {text if len(text) <= 60 else text[:56] + ' ...'}, not {kind}")
+    for key, value in weights.items():
+        if not np.isfinite(value).all():
+            raise ValueError(f"weight {key!r} holds NaN or infinity")
 
 
 def _model_of(meta: dict, path) -> Model:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from lnn.formats.binfile import atomic_output, write_atomic
 from lnn.formats.errors import LnnError, LnnFormatError
-from lnn.train.checkpoint import export_checkpoint, read_checkpoint, save_checkpoint
+from lnn.train.checkpoint import check_run_state, export_checkpoint, read_checkpoint, save_checkpoint
 from lnn.version import __version__
 
 CHECKPOINT, BEST, METRICS, CURVES, MODEL = "checkpoint.npz", "best.npz", "metrics.jsonl", "curves.png", "model.bin"
@@ -98,6 +98,7 @@ class RunDirectory:
             raise LnnError(f"{checkpoint} was trained from a different model than this description; "
                            f"use another --out folder")
         try:
+            check_run_state(meta, weights)
             self.trainer.load_state(meta, weights, optimizer_state)
             self.history = list(meta["history"])
             self.best = meta.get("best")

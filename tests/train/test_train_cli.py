@@ -185,17 +185,28 @@ def test_resume_from_a_damaged_checkpoint_is_one_line(tmp_path):
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.integers(0, 2, 32)
 
-    def fit(resume):
+    def fit(resume, epochs):
         trainer = Trainer(model, device="cpu", seed=0, batch_size=16, log=lambda *a: None)
-        trainer.fit((x, y), (x, y), epochs=1, out_dir=tmp_path / "run", resume=resume, progress=False, export=False)
+        trainer.fit((x, y), (x, y), epochs=epochs, out_dir=tmp_path / "run", resume=resume, progress=False,
+                    export=False)
 
-    fit(False)
+    fit(False, 1)
     checkpoint = tmp_path / "run" / "checkpoint.npz"
     with zipfile.ZipFile(checkpoint) as archive:
         members = {info.filename: archive.read(info) for info in archive.infolist()}
     for damage, fragment in [(lambda m: m.pop("step"), "the checkpoint is damaged (no 'step')"),
                              (lambda m: m.update(history=7), "the checkpoint is damaged ("),
-                             (lambda m: m.update(description={"layers": 3}), "model description is unusable")]:
+                             (lambda m: m.update(description={"layers": 3}), "model description is unusable"),
+                             (lambda m: m.update(best="x"), "damaged (best is \"x\", not null or the epoch"),
+                             (lambda m: m.update(best={"epoch": 5, "score": 1}), "damaged (best is {"),
+                             (lambda m: m.update(history=["x"]), "damaged (history is [\"x\"], not a list of epochs"),
+                             (lambda m: m["history"][0].update(train_loss="x"), "damaged (history is"),
+                             (lambda m: m.update(epoch=7), "damaged (epoch is 7, not the number of epochs"),
+                             (lambda m: m.update(step=-1), "damaged (step is -1, not a non-negative integer)"),
+                             (lambda m: m.update(lr=True), "damaged (lr is true, not a non-negative number)"),
+                             (lambda m: m.update(loss_scale=0), "damaged (loss_scale is 0, not a positive number)"),
+                             (lambda m: m.update(rng={"seed": "0", "dropout_calls": 0}), "damaged (rng is {"),
+                             (lambda m: m.update(amp="fp8"), "damaged (amp is \"fp8\", not null, 'fp16' or 'bf16')")]:
         meta = json.loads(np.load(io.BytesIO(members["meta.npy"])).tobytes())
         damage(meta)
         buffer = io.BytesIO()
@@ -204,8 +215,16 @@ def test_resume_from_a_damaged_checkpoint_is_one_line(tmp_path):
             for name, data in {**members, "meta.npy": buffer.getvalue()}.items():
                 archive.writestr(name, data)
         with pytest.raises(LnnFormatError) as info:
-            fit(True)
+            fit(True, 2)
         assert fragment in str(info.value) and "\n" not in str(info.value)
+    weight = next(name for name in members if name.startswith("w/"))
+    buffer = io.BytesIO()
+    np.save(buffer, np.full(np.load(io.BytesIO(members[weight])).shape, np.nan, np.float32))
+    with zipfile.ZipFile(checkpoint, "w") as archive:
+        for name, data in {**members, weight: buffer.getvalue()}.items():
+            archive.writestr(name, data)
+    with pytest.raises(LnnFormatError, match=r"the checkpoint is damaged \(weight '.*' holds NaN or infinity\)"):
+        fit(True, 2)
 
 
 def colour_photos(root, per_class=4):
