@@ -244,18 +244,19 @@ def read_rows(session, path: Path):
     table_model = len(session.input_shape) == 1
     if path.suffix.lower() not in (TABLE_SUFFIXES if table_model else SERIES_SUFFIXES):
         kind = f"a CSV table ({', '.join(TABLE_SUFFIXES)})" if table_model else f"series ({', '.join(SERIES_SUFFIXES)})"
-        raise LnnInputError(f"{path}: model {session.model.name!r} takes {kind}")
+        raise LnnInputError(f"{path}: model {session.model.name!r} takes {kind}{', not images' if is_image_name(path) else ''}")
     if table_model:
         columns = (session.model.preprocess or {}).get("columns")
         return table_values(session.model, read_table(path, columns=columns)) if columns else read_table(path).values
     return read_series_file(path).series
 
 
-def infer_rows(args, output) -> int:
-    """lnn-infer on series files or CSV tables: one answer per series or row, through Session.prepare_series."""
+def infer_rows(args, output, bin_model) -> int:
+    """lnn-infer with a series or table model: one answer per series or row of its files, through
+    Session.prepare_series (any other file is one error line)."""
     if args.csv:
         raise LnnInputError("--csv is for images; series and table rows are answered as text or --json")
-    session = load_session(args.model, choose_device(args.device, 1), threads_option(args.threads), images=False)
+    session = load_session(bin_model, choose_device(args.device, 1), threads_option(args.threads), images=False)
     top_k = min(args.top_k, len(session.labels))
     failures = 0
     for given in args.inputs:
@@ -356,20 +357,35 @@ def progress_bar(total: int):
     return tqdm(total=total, unit="img", disable=None, file=sys.stderr)
 
 
-def load_session(model: str | None, device: str, threads: int | str | None = "auto", images: bool = True):
+def read_model(model: str | None):
+    """The model file (None: the bundled one), read and checked (a BinModel)."""
+    from lnn.formats.binfile import read_bin
+
     if model is None:
         if not DEFAULT_MODEL.exists():
             raise LnnInputError(f"no bundled default model found ({DEFAULT_MODEL}); pass --model M.bin")
         model = DEFAULT_MODEL
+    return read_bin(model)
+
+
+def takes_rows(model) -> bool:
+    """A series [C, T] or table [F] model: lnn-infer answers the rows of its data files, not photos."""
+    return not model.takes_images and len(model.input_shape) in (1, 2)
+
+
+def load_session(model, device: str, threads: int | str | None = "auto", images: bool = True):
+    """A Session on `model`: a path (None: the bundled model) or the BinModel read_model gave; with `images`,
+    a model that takes no images is refused."""
+    from lnn.formats.binfile import BinModel
+    from lnn.runtime import Session
+
+    bin_model = model if isinstance(model, BinModel) else read_model(model)
     backend_options = {"threads": threads} if threads is not None and device == "cpu" else {}   # None: the default
-    session = lnn.load(model, device=device, **backend_options)      # an unavailable backend is one LnnError
+    session = Session(bin_model, device=device, **backend_options)      # an unavailable backend is one LnnError
     if images and not session.model.takes_images:
         takes = {1: "table rows: pass .csv files", 2: "series: pass .ts, .tsv or .arff files"}
-        raise LnnInputError(f"{model}: model {session.model.name!r} takes no images (input shape "
+        raise LnnInputError(f"{bin_model.path}: model {session.model.name!r} takes no images (input shape "
                             f"{list(session.input_shape)}{'; it takes ' + takes[len(session.input_shape)] if len(session.input_shape) in takes else ''})")
-    if not images and len(session.input_shape) not in (1, 2):
-        raise LnnInputError(f"{model}: model {session.model.name!r} takes input {list(session.input_shape)}, "
-                            f"not series [C, T] or table rows [F]: pass images")
     return session
 
 
@@ -379,6 +395,9 @@ def prepare_batch(session, batch: list, bar) -> tuple[dict, dict]:
     for i, path in enumerate(batch):
         notes = []
         try:
+            if path.suffix.lower() in DATA_SUFFIXES:
+                raise LnnInputError(f"{path}: model {session.model.name!r} takes photos ({', '.join(IMAGE_SUFFIXES)}), "
+                                    f"not series or table files")
             images[i] = (*session.prepare_and_check(path, notes=notes), notes)
         except LnnError as err:                   # the decoding errors name the file; say which for the others too
             errors[i] = str(err) if str(err).startswith(str(path)) else f"{path}: {err}"
@@ -392,15 +411,16 @@ def infer(args) -> int:
         raise LnnInputError(f"--top-k must be at least 1, not {args.top_k}")
     threads = threads_option(args.threads)
     output = Output("json" if args.json else "csv" if args.csv else "human", prog=args.prog)
-    if any(Path(given).suffix.lower() in DATA_SUFFIXES for given in args.inputs):
-        return infer_rows(args, output)
+    bin_model = read_model(args.model)           # the model says what the inputs are: photos, or rows of data files
+    if takes_rows(bin_model.model):
+        return infer_rows(args, output, bin_model)
     paths, problems = expand_inputs(args.inputs, args.recursive)
     for folder, message in problems:
         output.failure(folder, message)
     failures = len(problems)
     if not paths:
         return 1
-    session = load_session(args.model, choose_device(args.device, len(paths)), threads)
+    session = load_session(bin_model, choose_device(args.device, len(paths)), threads)
     top_k = min(args.top_k, len(session.labels))
     if args.verbose:
         print(f"{args.prog}: {session.describe_threads()}", file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cli_helpers import assert_one_line_error, run_command
+from conftest import EXAMPLES
 from lnn.formats.binfile import write_bin
 from lnn.formats.model import parse_model
 
@@ -36,3 +37,41 @@ def test_a_cell_over_the_csv_limit_loses_no_other_file(table_bin, tmp_path):
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(r["file"], r.get("row")) for r in records] == [(str(good), 1), (str(good), 2), (str(big), None),
                                                             (str(good), 1), (str(good), 2)]
+
+
+SERIES = {"name": "tiny_series", "input_shape": [1, 4],
+          "layers": [{"type": "flatten"}, {"type": "linear", "out_features": 2}],
+          "labels": [{"name": "up", "display": "up"}, {"name": "down", "display": "down"}],
+          "preprocess": {"kind": "series", "length": 4, "resample": "linear", "mean": [0.0], "std": [1.0]}}
+
+
+@pytest.fixture(scope="module")
+def series_bin(tmp_path_factory):
+    path = tmp_path_factory.mktemp("series") / "series.bin"
+    write_bin(path, parse_model(SERIES), {"linear_1.weight": np.ones((2, 4), np.float32),
+                                          "linear_1.bias": np.zeros(2, np.float32)})
+    return path
+
+
+def test_a_data_file_among_photos_is_one_error_record_for_the_image_model(tmp_path):
+    photo = EXAMPLES / "leaves" / "healthy.jpg"
+    table = tmp_path / "rows.csv"
+    table.write_text("a,b\n1,2\n")
+    result = run_command("infer", "--json", photo, table)
+    assert result.returncode == 1
+    message = (f"{table}: model 'tomato_leaf' takes photos (.jpg, .jpeg, .png, .bmp, .tif, .tiff, .webp), "
+               f"not series or table files")
+    assert result.stderr.strip() == f"lnn-infer: error: {message}"
+    first, second = [json.loads(line) for line in result.stdout.splitlines()]
+    assert first["file"] == str(photo) and first["label"] == "healthy"
+    assert second == {"file": str(table), "error": message.removeprefix(f"{table}: ")}
+
+
+def test_a_photo_among_series_files_is_one_error_line_for_the_series_model(series_bin, tmp_path):
+    photo = EXAMPLES / "leaves" / "healthy.jpg"
+    series = tmp_path / "s.ts"
+    series.write_text("@classLabel true up down\n@data\n1,2,3,4:up\n")
+    result = run_command("infer", "--model", series_bin, series, photo, series)
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"lnn-infer: error: {photo}: model 'tiny_series' takes series (.ts, .tsv, .arff), not images"
+    assert [line.split(":")[0] for line in result.stdout.splitlines()] == [f"{series} row 1"] * 2

@@ -137,7 +137,7 @@ def test_series_errors_are_one_line(trained_series, toy_ucr, tmp_path):
     assert result.returncode != 0
     assert_one_line_error(result.stderr, "lnn-eval", "no NAME_TRAIN file")
     result = run_command("infer", "--model", trained_series, EXAMPLES / "leaves" / "healthy.jpg")
-    assert_one_line_error(result.stderr, "lnn-infer", "takes no images", ".ts, .tsv or .arff")
+    assert_one_line_error(result.stderr, "lnn-infer", "takes series (.ts, .tsv, .arff), not images")
     import lnn
 
     session = lnn.load(trained_series, device="numpy")
