@@ -361,12 +361,10 @@ def atomic_output(path: str | Path, mode: str = "wb", **open_args):
 
     path = Path(path)
     try:
-        target = Path(os.path.realpath(path, strict=True))   # the existing file, or the one a symbolic link names
-    except FileNotFoundError:
-        target = Path(os.path.realpath(path))                # a new file (or the one a dangling link names)
-    else:
-        regular_file(path, "a regular output file", LnnInputError)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        target = _replaced_file(path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as err:                       # e.g. a missing folder: name the target, not a temporary file
+        raise OSError(err.errno, err.strerror, str(path)) from None
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -380,9 +378,19 @@ def atomic_output(path: str | Path, mode: str = "wb", **open_args):
     except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(err, OSError) and err.errno is not None and err.filename is None:
+        if isinstance(err, OSError) and err.errno is not None and err.filename in (None, tmp):
             raise OSError(err.errno, err.strerror, str(path)) from None      # name the file in the one-line error
         raise
+
+
+def _replaced_file(path: Path) -> Path:
+    """The file atomic_output replaces: `path`, or the file a symbolic link there names (see atomic_output)."""
+    try:
+        target = Path(os.path.realpath(path, strict=True))
+    except FileNotFoundError:
+        return Path(os.path.realpath(path))                  # a new file (or the one a dangling link names)
+    regular_file(path, "a regular output file", LnnInputError)
+    return target
 
 
 def write_atomic(path: str | Path, data: bytes) -> None:

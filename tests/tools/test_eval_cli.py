@@ -192,6 +192,16 @@ def test_a_full_disk_leaves_the_old_outputs_and_no_partial_file(tmp_path, capsys
     assert temporaries(out) == [] and sorted(p.name for p in out.iterdir()) == ["confusion.csv"]
 
 
+def test_an_output_in_a_folder_that_cannot_exist_names_the_output_not_a_temporary_file(tmp_path, capsys):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
+    (tmp_path / "a_file").write_text("")
+    assert run_eval(capsys, model, "--data", f"folder:{folder}", "--split", "all")[0] == 0    # the photos' cache
+    for out, problem in [(tmp_path / "a_file" / "x.bin", "Not a directory"),
+                         (tmp_path / "no_folder" / "x.bin", "No such file or directory")]:
+        code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--split", "all", "--write-threshold", out)
+        assert code == 1 and err == f"lnn-eval: error: {out}: {problem}\n"
+
+
 def test_an_unwritable_cache_is_one_warning_not_a_failure(tmp_path, monkeypatch, capsys):
     model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
     (tmp_path / "a_file").write_text("")
