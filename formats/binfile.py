@@ -35,8 +35,8 @@ from lnn.formats.errors import LnnFormatError, LnnInputError, ModelSpecError
 from lnn.formats.files import regular_file
 from lnn.formats.gate import TENSOR_PREFIX, check_gate_metadata, check_gate_tensor_shapes, gate_tensor_shapes
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
-from lnn.formats.model import (Model, finite_json_float, json_nesting_depth, parse_model, reject_json_constant,
-                               size_refusals)
+from lnn.formats.model import (Model, finite_json_float, json_nesting_depth, lone_surrogate, parse_model,
+                               reject_json_constant, size_refusals)
 from lnn.formats.ops import get_op
 from lnn.formats.quantize import QMAX, dequantize, quantize_per_channel, scale_key
 from lnn.formats.vectors import INPUTS, OUTPUTS, TENSOR_PREFIX as VECTOR_PREFIX, check_vectors_metadata, vector_tensor_shapes
@@ -554,6 +554,9 @@ def _read_json(buf, offset: int, size: int, what: str) -> dict:
         raise LnnFormatError(f"{what} is not valid UTF-8 JSON ({err})") from None
     if json_nesting_depth(raw) > MAX_JSON_DEPTH:                                         # rule 21
         raise LnnFormatError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    problem = lone_surrogate(value)
+    if problem:                                                                      # rule 20
+        raise LnnFormatError(f"{what} is not valid UTF-8 JSON ({problem})")
     if not isinstance(value, dict):                                                  # rule 22
         raise LnnFormatError(f"{what} must be a JSON object, not {type(value).__name__}")
     if _json_bytes(value) != raw:                                                    # rule 23

@@ -179,11 +179,15 @@ def parse_json_text(text: str, what: str):
         raise ModelSpecError(f"{what}: nests deeper than {MAX_JSON_DEPTH} levels "
                              f"(MAX_JSON_DEPTH in lnn/formats/limits.py)")
     try:
-        return json.loads(text, parse_constant=reject_json_constant, parse_float=finite_json_float)
+        value = json.loads(text, parse_constant=reject_json_constant, parse_float=finite_json_float)
     except json.JSONDecodeError as err:
         raise ModelSpecError(f"{what}: not valid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
     except ValueError as err:
         raise ModelSpecError(f"{what}: not valid JSON: {err}") from None
+    problem = lone_surrogate(value)
+    if problem:
+        raise ModelSpecError(f"{what}: not valid text ({problem})")
+    return value
 
 
 JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -201,6 +205,17 @@ def json_nesting_depth(raw: bytes) -> int:
 def reject_json_constant(name: str):
     """json.loads' parse_constant: NaN, Infinity and -Infinity are not JSON numbers."""
     raise ValueError(f"{name} is not a JSON number; write a finite number")
+
+
+def lone_surrogate(value) -> str | None:
+    """Why parsed JSON is not text ("a lone UTF-16 surrogate \\ud800 in a string"), or None. A `\\u` escape
+    can write half of a surrogate pair, but that is no character: UTF-8 cannot encode it, so printing or
+    writing the string would fail."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"a lone UTF-16 surrogate \\u{ord(err.object[err.start]):04x} in a string"
+    return None
 
 
 def finite_json_float(text: str) -> float:

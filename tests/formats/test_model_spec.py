@@ -232,6 +232,19 @@ def test_nan_in_a_json_file_is_refused(tmp_path):
         load_description(path)
 
 
+def test_a_lone_surrogate_escape_in_a_json_file_is_refused_as_text(tmp_path):
+    path = tmp_path / "surrogate.json"
+    for text, surrogate in [('{"name": "\\ud800", "input_shape": [4], "layers": []}', "\\ud800"),
+                            ('{"labels": [{"name": "a\\udc80b"}]}', "\\udc80"),
+                            ('{"\\udfff": 1}', "\\udfff")]:
+        path.write_text(text)
+        with pytest.raises(ModelSpecError) as info:
+            load_description(path)
+        assert str(info.value) == f"{path}: not valid text (a lone UTF-16 surrogate {surrogate} in a string)"
+    path.write_text('{"name": "\\ud83c\\udf45"}')                          # a pair is one character
+    assert load_description(path)["name"] == "\N{TOMATO}"
+
+
 def test_missing_and_unreadable_files(tmp_path):
     with pytest.raises(ModelSpecError, match=r"nothere.json: no such file"):
         load_model(tmp_path / "nothere.json")

@@ -271,3 +271,11 @@ def test_lnn_metadata_in_an_onnx_file_nested_100000_deep_is_one_line():
     helper.set_model_props(model, {"lnn.labels": "[1,"})
     with pytest.raises(OnnxImportError, match=r"^metadata_props lnn.labels: not valid JSON at line 1"):
         import_onnx(model)
+
+
+def test_a_lone_surrogate_escape_in_lnn_metadata_is_one_line():
+    model = make_model([helper.make_node("Relu", ["x"], ["y"], name="r")], [], [2, 6, 6], "y")
+    helper.set_model_props(model, {"lnn.labels": '["\\ud800"]'})
+    with pytest.raises(OnnxImportError) as info:
+        import_onnx(model)
+    assert str(info.value) == "metadata_props lnn.labels: not valid text (a lone UTF-16 surrogate \\ud800 in a string)"

@@ -147,6 +147,7 @@ def test_bin_shows_metadata(reference_bin, tmp_path, capsys):
 @pytest.mark.parametrize("case, fragment, status", [
     ("missing", "no such file", 1),
     ("bad_json", "not valid JSON", 1),
+    ("surrogate", "surrogate.json: not valid text (a lone UTF-16 surrogate \\ud800 in a string)", 1),
     ("image", "cannot read the model description", 1),
     ("batch_zero", "--batch must be at least 1", 1),
     ("batch_text", "invalid int value", 2),
@@ -162,6 +163,9 @@ def test_bad_input_is_one_line(tmp_path, case, fragment, status):
     if case == "bad_json":
         source = tmp_path / "bad.json"
         source.write_text("{nope")
+    elif case == "surrogate":
+        source = tmp_path / "surrogate.json"
+        source.write_text('{"name": "\\ud800", "input_shape": [4], "layers": [{"type": "linear", "out_features": 2}]}')
     elif case == "image":
         source = tmp_path / "photo.png"
         source.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
