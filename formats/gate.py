@@ -68,7 +68,10 @@ def check_gate_metadata(metadata: dict, model) -> None:
         _check_gate(gate, model)
     _check_calibration(metadata.get("calibration", None), "calibration" in metadata, model)
     thresholds = metadata.get("thresholds")
-    if isinstance(thresholds, dict) and "uncertain_below" in thresholds:
+    if thresholds is not None and not isinstance(thresholds, dict):                    # rule G8
+        raise LnnFormatError(f"metadata: thresholds must be an object such as {{\"uncertain_below\": 0.5}}, "
+                             f"not {type(thresholds).__name__}")
+    if thresholds and "uncertain_below" in thresholds:
         value = thresholds["uncertain_below"]
         if not _number(value) or not 0 <= value <= 1:                                    # rule G8
             raise LnnFormatError(f"metadata: thresholds.uncertain_below must be a probability in [0, 1], not {value!r}")

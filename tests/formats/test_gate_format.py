@@ -94,7 +94,11 @@ G_CASES = {
            ("out-of-order", None, gate_tensors()[::-1], r"not stored in the graph's layer order")],
     "G7": [("zero-temperature", dict(calibration={"temperature": 0, "rule": "x"}), None, r"calibration must be"),
            ("no-rule", dict(calibration={"temperature": 1.2}), None, r"calibration must be")],
-    "G8": [("threshold-over-one", dict(thresholds={"uncertain_below": 1.5}), None, r"uncertain_below must be a probability")],
+    "G8": [("threshold-over-one", dict(thresholds={"uncertain_below": 1.5}), None, r"uncertain_below must be a probability"),
+           ("thresholds-a-list", dict(thresholds=[1, 2]), None,
+            r'^crafted.bin: metadata: thresholds must be an object such as \{"uncertain_below": 0.5\}, not list$'),
+           ("thresholds-a-string", dict(thresholds="abc"), None, r"thresholds must be an object .*, not str$"),
+           ("thresholds-a-number", dict(thresholds=7), None, r"thresholds must be an object .*, not int$")],
 }
 
 
