@@ -13,6 +13,8 @@ line and the column or channel):
   - `read_table(path, target=None)` -> Table: a CSV file with a header row; every cell outside the target
     column must be a finite number (empty cells, text, NaN and infinity and ragged rows are refused with
     their line and column).
+Every value must lie within float32's range, in which models compute; given a model's preprocessing
+(lnn-infer), also after its standardisation (a value beyond is refused with its line and channel or column).
 
 Preprocessing (a model's metadata.preprocess, formats/model.py `_parse_standardize`, SPEC "Metadata
 JSON"): series `{"kind": "series", "length": T, "resample": "linear" | "pad_mean", "mean": [C], "std": [C]}`,
@@ -37,6 +39,8 @@ from lnn.formats.limits import MAX_DATA_FILE_BYTES, MAX_INPUT_ELEMENTS
 SERIES_SUFFIXES = (".ts", ".tsv", ".arff")
 TABLE_SUFFIXES = (".csv",)
 MISSING = ("?", "nan", "NaN", "NAN", "")
+FLOAT32_MAX = float(np.finfo(np.float32).max)     # the model computes in float32
+FLOAT32_RANGE = (-FLOAT32_MAX, FLOAT32_MAX)
 
 
 @dataclass
@@ -71,24 +75,39 @@ def read_text(path, what: str) -> str:
         raise LnnInputError(f"{path}: not UTF-8 text, not a {what} (byte {err.start})") from None
 
 
-def _finite_number(cell: str, where: str) -> float:
-    """One cell as a finite float, or an LnnInputError naming `where` and the cell."""
+def value_range(preprocess: dict | None, index: int) -> tuple:
+    """(low, high): the values of channel or column `index` a model can compute with, within float32's range
+    before and after its standardisation (x - mean) / std; without one (or for a channel it lacks), float32's range."""
+    if not preprocess or index >= len(preprocess["mean"]):
+        return FLOAT32_RANGE
+    mean, std = preprocess["mean"][index], preprocess["std"][index]
+    return max(-FLOAT32_MAX, mean - FLOAT32_MAX * std), min(FLOAT32_MAX, mean + FLOAT32_MAX * std)
+
+
+def _finite_number(cell: str, where: str, bounds: tuple = FLOAT32_RANGE) -> float:
+    """One cell as a finite float within `bounds` (value_range), or an LnnInputError naming `where` and the cell."""
     try:
         value = float(cell)
     except ValueError:
         raise LnnInputError(f"{where}: {cell[:40]!r} is not a number") from None
     if not math.isfinite(value):
         raise LnnInputError(f"{where}: {cell[:40]!r} is not a finite number")
+    if abs(value) > FLOAT32_MAX:
+        raise LnnInputError(f"{where}: {cell[:40]!r} is beyond float32's range (±{FLOAT32_MAX:.4g}), in which "
+                            f"the model computes")
+    if not bounds[0] <= value <= bounds[1]:
+        raise LnnInputError(f"{where}: {cell[:40]!r} overflows float32 after the model's standardisation "
+                            f"(x - mean) / std")
     return value
 
 
-def _numbers(text: str, sep: str, where: str) -> np.ndarray:
-    """One channel's values, `sep`-separated -> float64 with NaN for missing values ('?', NaN, empty); text or
-    infinity is an error naming the value. NumPy parses the text (no Python string per value); the loop
-    below only runs to name a bad value."""
+def _numbers(text: str, sep: str, where: str, bounds: tuple = FLOAT32_RANGE) -> np.ndarray:
+    """One channel's values, `sep`-separated -> float64 with NaN for missing values ('?', NaN, empty); text,
+    infinity or a value outside `bounds` (value_range) is an error naming the value. NumPy parses the text (no
+    Python string per value); the loop below only runs to name a bad value."""
     try:
         fast = np.fromstring(text.replace("?", "nan"), dtype=np.float64, sep=sep)
-        if len(fast) == text.count(sep) + 1 and not np.isinf(fast).any():
+        if len(fast) == text.count(sep) + 1 and not (fast < bounds[0]).any() and not (fast > bounds[1]).any():
             return fast
     except ValueError:
         pass
@@ -99,7 +118,7 @@ def _numbers(text: str, sep: str, where: str) -> np.ndarray:
         if cell in MISSING:
             out[i] = np.nan
             continue
-        out[i] = _finite_number(cell, f"{where}, value {i + 1}")
+        out[i] = _finite_number(cell, f"{where}, value {i + 1}", bounds)
     return out
 
 
@@ -121,7 +140,7 @@ def clean_series(channels: list, where: str) -> np.ndarray:
     return np.stack(cut).astype(np.float32)       # the model computes in float32; half the memory of float64
 
 
-def _read_ts(path: Path, text: str) -> SeriesFile:
+def _read_ts(path: Path, text: str, preprocess: dict | None) -> SeriesFile:
     header, classes, has_labels, series, labels = {}, None, True, [], []
     lines = iter(enumerate(text.splitlines(), 1))
     for number, line in lines:
@@ -154,12 +173,12 @@ def _read_ts(path: Path, text: str) -> SeriesFile:
             labels.append(parts[-1].strip())
             parts = parts[:-1]
         where = f"{path}: line {number}"
-        series.append(clean_series([_numbers(p, ",", f"{where}, channel {c + 1}") for c, p in enumerate(parts)],
-                                   where))
+        series.append(clean_series([_numbers(p, ",", f"{where}, channel {c + 1}", value_range(preprocess, c))
+                                    for c, p in enumerate(parts)], where))
     return SeriesFile(path, series, labels if has_labels else None, classes)
 
 
-def _read_tsv(path: Path, text: str) -> SeriesFile:
+def _read_tsv(path: Path, text: str, preprocess: dict | None) -> SeriesFile:
     series, labels = [], []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -169,7 +188,7 @@ def _read_tsv(path: Path, text: str) -> SeriesFile:
             raise LnnInputError(f"{path}: line {number}: a .tsv line holds the class label, then the values")
         labels.append(_label_text(label))
         where = f"{path}: line {number}"
-        series.append(clean_series([_numbers(values, "\t", f"{where}, channel 1")], where))
+        series.append(clean_series([_numbers(values, "\t", f"{where}, channel 1", value_range(preprocess, 0))], where))
     return SeriesFile(path, series, labels, None)
 
 
@@ -183,7 +202,7 @@ def _label_text(cell: str) -> str:
     return str(int(value)) if math.isfinite(value) and value == int(value) else cell
 
 
-def _read_arff(path: Path, text: str) -> SeriesFile:
+def _read_arff(path: Path, text: str, preprocess: dict | None) -> SeriesFile:
     attributes, relational, data_at = [], False, None
     lines = text.splitlines()
     depth = 0
@@ -226,21 +245,22 @@ def _read_arff(path: Path, text: str) -> SeriesFile:
             channels, rest = [",".join(cells[:-1])], cells[-1]
         if classes is not None:
             labels.append(rest.strip().strip("'\""))
-        series.append(clean_series([_numbers(ch, ",", f"{where}, channel {c + 1}") for c, ch in enumerate(channels)],
-                                   where))
+        series.append(clean_series([_numbers(ch, ",", f"{where}, channel {c + 1}", value_range(preprocess, c))
+                                    for c, ch in enumerate(channels)], where))
     return SeriesFile(path, series, labels if classes is not None else None, classes)
 
 
 READERS = {".ts": _read_ts, ".tsv": _read_tsv, ".arff": _read_arff}
 
 
-def read_series_file(path) -> SeriesFile:
-    """A .ts, .tsv or .arff file of series (see the module doc); an empty or mixed-channel file is refused."""
+def read_series_file(path, preprocess: dict | None = None) -> SeriesFile:
+    """A .ts, .tsv or .arff file of series (see the module doc); an empty or mixed-channel file is refused.
+    `preprocess`: the model's (lnn-infer), whose standardisation must keep every value within float32's range."""
     path = Path(path)
     reader = READERS.get(path.suffix.lower())
     if reader is None:
         raise LnnInputError(f"{path}: not a series file ({', '.join(SERIES_SUFFIXES)})")
-    result = reader(path, read_text(path, "series file"))
+    result = reader(path, read_text(path, "series file"), preprocess)
     if not result.series:
         raise LnnInputError(f"{path}: holds no series")
     channels = {s.shape[0] for s in result.series}
@@ -268,10 +288,11 @@ def _csv_rows(path: Path, text: str):
                             f"{csv.field_size_limit():,} characters") from None
 
 
-def read_table(path, target: str | None = None, columns: list | None = None) -> Table:
+def read_table(path, target: str | None = None, columns: list | None = None, preprocess: dict | None = None) -> Table:
     """A CSV table with a header row (see the module doc). `target`: the class column, kept as text;
     `columns`: read only these feature columns, in this order (lnn-infer: a model's columns; any other column,
-    such as the class, is left unread), else every column but the target."""
+    such as the class, is left unread), else every column but the target. `preprocess`: the model's (lnn-infer;
+    its mean and std in `columns`' order), whose standardisation must keep every value within float32's range."""
     path = Path(path)
     rows = _csv_rows(path, read_text(path, "CSV table"))
     _, header = next(rows, (1, []))
@@ -303,12 +324,12 @@ def read_table(path, target: str | None = None, columns: list | None = None) -> 
         if len(row) != len(names):
             raise LnnInputError(f"{path}: line {line} has {len(row)} cells, the header has {len(names)} columns")
         numbers = []
-        for i in features:
+        for j, i in enumerate(features):
             cell = row[i].strip()
             where = f"{path}: line {line}, column {names[i]!r}"
             if not cell:
                 raise LnnInputError(f"{where}: missing value (the cell is empty)")
-            numbers.append(_finite_number(cell, where))
+            numbers.append(_finite_number(cell, where, value_range(preprocess, j)))
         values.append(numbers)
         if target_at is not None:
             label = row[target_at].strip()
@@ -367,11 +388,19 @@ def fit_standardize(values: np.ndarray) -> tuple:
 
 
 def standardize(values: np.ndarray, preprocess: dict) -> np.ndarray:
-    """[N, C, T] or [N, F] raw values (already of the model's length) -> float32 model inputs, (x - mean) / std."""
+    """[N, C, T] or [N, F] raw values (already of the model's length) -> float32 model inputs, (x - mean) / std;
+    a value that this takes beyond float32's range is an LnnInputError naming its series or row."""
     shape = (1, -1, 1) if values.ndim == 3 else (1, -1)
     mean = np.asarray(preprocess["mean"], np.float64).reshape(shape)
     std = np.asarray(preprocess["std"], np.float64).reshape(shape)
-    return ((values - mean) / std).astype(np.float32)
+    out = (values - mean) / std
+    beyond = np.argwhere(np.abs(out) > FLOAT32_MAX)
+    if len(beyond):
+        at = tuple(beyond[0])
+        row, column = ("series", "channel") if values.ndim == 3 else ("row", "column")
+        raise LnnInputError(f"{row} {at[0] + 1}, {column} {at[1] + 1}: {values[at]:.6g} overflows float32 after the model's standardisation "
+                            f"(x - mean) / std")
+    return out.astype(np.float32)
 
 
 def check_raw(values, model, what: str = "the input") -> np.ndarray:
@@ -386,6 +415,9 @@ def check_raw(values, model, what: str = "the input") -> np.ndarray:
     array = array.astype(np.float64)
     if not np.isfinite(array).all():
         raise LnnInputError(f"{what}: holds NaN or infinity")
+    if (np.abs(array) > FLOAT32_MAX).any():
+        raise LnnInputError(f"{what}: {array[np.abs(array) > FLOAT32_MAX][0]:.6g} is beyond float32's range "
+                            f"(±{FLOAT32_MAX:.4g}), in which the model computes")
     return array
 
 

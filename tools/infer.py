@@ -245,10 +245,12 @@ def read_rows(session, path: Path):
     if path.suffix.lower() not in (TABLE_SUFFIXES if table_model else SERIES_SUFFIXES):
         kind = f"a CSV table ({', '.join(TABLE_SUFFIXES)})" if table_model else f"series ({', '.join(SERIES_SUFFIXES)})"
         raise LnnInputError(f"{path}: model {session.model.name!r} takes {kind}{', not images' if is_image_name(path) else ''}")
+    preprocess = session.model.preprocess
     if table_model:
-        columns = (session.model.preprocess or {}).get("columns")
-        return table_values(session.model, read_table(path, columns=columns)) if columns else read_table(path).values
-    return read_series_file(path).series
+        columns = (preprocess or {}).get("columns")
+        return (table_values(session.model, read_table(path, columns=columns, preprocess=preprocess)) if columns
+                else read_table(path).values)
+    return read_series_file(path, preprocess).series
 
 
 def infer_rows(args, output, bin_model) -> int:

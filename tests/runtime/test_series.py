@@ -1,5 +1,7 @@
 """Series and table readers (runtime/series.py), the series/table preprocessing and its .bin round trip."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,8 @@ def test_arff_univariate_and_multivariate_agree_with_ts(tmp_path):
     ("a.ts", "@classLabel true a\n@data\n1,2,3:1,2:a\n", ["line 3", "different lengths"]),
     ("a.ts", "1,2,3:a\n", ["line 1", "@data"]),
     ("a.ts", "@classLabel true a\n@data\n1,inf,3:a\n", ["value 2", "not a finite number"]),
+    ("a.ts", "@classLabel true a\n@data\n1,2:1,-1e39:a\n", ["line 3, channel 2, value 2: '-1e39' is beyond float32's range"]),
+    ("a.tsv", "1\t2\t1e308\n", ["line 1, channel 1, value 2: '1e308' is beyond float32's range"]),
     ("a.tsv", "1\t?\t?\n", ["line 1", "channel 1 holds no value"]),
     ("a.arff", "@relation x\n@data\n1,2\n", ["not an .arff"]),
     ("a.txt", "1,2\n", ["not a series file"]),
@@ -106,6 +110,7 @@ def test_table_reads_numbers_and_keeps_the_target_as_text(tmp_path):
     ("a,b,y\n1,2,x\n1,2\n", ["line 3", "2 cells", "3 columns"]),
     ("a,b,y\n1,nan,x\n", ["line 2", "column 'b'", "not a finite number"]),
     ("a,b,y\ninf,1,x\n", ["line 2", "column 'a'", "not a finite number"]),
+    ("a,b,y\n1,-1e300,x\n", ["line 2, column 'b': '-1e300' is beyond float32's range"]),
     ("a,b,y\n1,2,\n", ["line 2", "column 'y'", "missing class label"]),
     ("a,a,y\n1,2,x\n", ["column 'a' appears twice"]),
     ("a,b,z\n1,2,x\n", ["no column 'y'"]),
@@ -123,6 +128,33 @@ def test_a_cell_over_the_csv_limit_is_one_line_naming_the_line(tmp_path):
     with pytest.raises(LnnInputError) as err:
         read_table(path)
     assert str(err.value) == f"{path}: line 3: a cell is longer than the csv module's limit of 131,072 characters"
+
+
+def test_values_beyond_float32_after_the_models_standardisation_are_one_line_without_warnings(tmp_path):
+    """A value finite in float64 but beyond float32, before or after the model's (x - mean) / std, is refused
+    with its line and channel or column by the readers, and by its place in an array given to a Session."""
+    series_pre = {"mean": [0.0, 1.0], "std": [1.0, 0.5]}
+    ts = write(tmp_path, "a.ts", "@classLabel true a\n@data\n1,2:3e38,4:a\n")
+    table = write(tmp_path, "t.csv", "a,b\n1,2\n3,3e38\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_series_file(ts).series[0][1, 0] == np.float32(3e38)            # without the model: in range
+        with pytest.raises(LnnInputError) as err:
+            read_series_file(ts, series_pre)
+        assert str(err.value) == (f"{ts}: line 3, channel 2, value 1: '3e38' overflows float32 after the model's "
+                                  f"standardisation (x - mean) / std")
+        with pytest.raises(LnnInputError) as err:
+            read_table(table, columns=["a", "b"], preprocess={"columns": ["a", "b"], **series_pre})
+        assert str(err.value) == (f"{table}: line 3, column 'b': '3e38' overflows float32 after the model's "
+                                  f"standardisation (x - mean) / std")
+        model = parse_model(series_description())
+        with pytest.raises(LnnInputError) as err:
+            model_inputs(model, np.full((2, 8), 1e300))
+        assert str(err.value) == "the input: 1e+300 is beyond float32's range (±3.403e+38), in which the model computes"
+        with pytest.raises(LnnInputError) as err:
+            model_inputs(model, np.stack([np.zeros(8), np.full(8, -3e38)]))
+        assert str(err.value) == ("series 1, channel 2: -3e+38 overflows float32 after the model's standardisation "
+                                  "(x - mean) / std")
 
 
 def test_resample_keeps_the_time_span():

@@ -75,3 +75,17 @@ def test_a_photo_among_series_files_is_one_error_line_for_the_series_model(serie
     assert result.returncode == 1
     assert result.stderr.strip() == f"lnn-infer: error: {photo}: model 'tiny_series' takes series (.ts, .tsv, .arff), not images"
     assert [line.split(":")[0] for line in result.stdout.splitlines()] == [f"{series} row 1"] * 2
+
+
+def test_a_value_beyond_float32_is_one_line_naming_it_without_warnings(series_bin, table_bin, tmp_path):
+    series = tmp_path / "huge.ts"
+    series.write_text("@classLabel true up down\n@data\n1,2,3,4:up\n1,2,1e308,4:up\n")
+    result = run_command("infer", "--model", series_bin, series)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"lnn-infer: error: {series}: line 4, channel 1, value 3: '1e308' is beyond "
+                                     f"float32's range (±3.403e+38), in which the model computes")
+    table = tmp_path / "huge.csv"
+    table.write_text("b,a\n1,-1e300\n")
+    result = run_command("infer", "--model", table_bin, table)
+    assert result.stderr.strip() == (f"lnn-infer: error: {table}: line 2, column 'a': '-1e300' is beyond "
+                                     f"float32's range (±3.403e+38), in which the model computes")
