@@ -106,7 +106,8 @@ def check_run_state(meta: dict, weights: dict) -> None:
                   for epoch, entry in enumerate(history, 1)), "a list of epochs 1, 2, ... of numbers or null"),
               ("epoch", count(meta["epoch"]) and meta["epoch"] == epochs, "the number of epochs in history"),
               ("best", best is None or (isinstance(best, dict) and count(best.get("epoch"))
-                                        and 1 <= best["epoch"] <= (epochs or 0) and _number(best.get("score"))),
+                                        and 1 <= best["epoch"] <= (epochs or 0)
+                                        and (best.get("score") is None or _number(best.get("score")))),
                "null or the epoch and score of one epoch in history")]
     for name, good, kind in checks:
         if not good:

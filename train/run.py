@@ -119,8 +119,9 @@ class RunDirectory:
             if isinstance(value, float) and not math.isfinite(value):
                 self.trainer.log(f"epoch {entry.get('epoch')}: {key} is {value}; recorded as null")
                 entry[key] = None
-        if self.best is None or _score(entry) > self.best["score"]:
-            self.best = {"epoch": entry["epoch"], "score": _score(entry)}
+        score = _score(entry)
+        if self.best is None or score > (-math.inf if self.best["score"] is None else self.best["score"]):
+            self.best = {"epoch": entry["epoch"], "score": score if math.isfinite(score) else None}  # JSON has no -inf
             self._save(BEST)
         self._save(CHECKPOINT)
         with open(self.folder / METRICS, "a", encoding="utf-8") as f:

@@ -179,9 +179,10 @@ class Trainer:
             raise self.out_of_memory() from None
         self.optimizer_config = dict(self.model.optimizer)
         if lr is not None:
-            if not lr > 0:
-                raise LnnError(f"the learning rate must be positive, not {lr}")
             self.optimizer_config["lr"] = float(lr)
+        if not (math.isfinite(self.optimizer_config["lr"]) and self.optimizer_config["lr"] > 0):
+            raise LnnError(f"the learning rate (--lr, or the optimizer block's lr) must be a positive finite number, "
+                           f"not {self.optimizer_config['lr']}")
         self.base_lr = self.lr = self.optimizer_config["lr"]
         self.optimizer = make_optimizer(self.xp, self.plan.params, self.optimizer_config)
         self.set_weights(initial_weights(self.model, config.seed))
@@ -363,9 +364,16 @@ class Trainer:
         return None if held is None else held + self.graph_pool_bytes()
 
     def _check_finite(self, result) -> None:
-        if not result.skipped and not math.isfinite(result.grad_norm):
-            raise LnnError(f"training diverged by step {self.step_count} (loss {result.loss}, gradient norm "
-                           f"{result.grad_norm}); lower the learning rate or set training.grad_clip")
+        """Without amp, a step whose float32 loss or gradient norm is not finite has diverged (its update was
+        withheld on the device, but the weights that led there stay): TrainingDiverged. With amp such a step
+        overflowed the 16-bit range and stays skipped and counted (fp16 lowers the loss scale); there the epoch's
+        loss decides (_train_epoch)."""
+        if self.amp:
+            return
+        for what, value in (("training loss", result.loss), ("gradient norm", result.grad_norm)):
+            if not math.isfinite(value):
+                raise TrainingDiverged(f"the {what} became {_not_finite(value)} by step {self.step_count} (diverged): "
+                                       f"train with a lower learning rate (--lr) or set training.grad_clip")
 
     def _inputs_for(self, rows: int, x_dtype) -> StepInputs:
         key = (rows, x_dtype)
@@ -504,14 +512,15 @@ class Trainer:
         for images, labels, done in self._batches(dataset, np.arange(len(dataset)), plan.batch_size):
             n = len(images)
             self._load_input(images, n)
-            out = plan.forward(n, training=False)
-            targets = self._targets(labels, n)
-            if self.model.loss == "cross_entropy":
-                part, right = K.softmax_cross_entropy_forward(xp, out, targets)
-                correct = correct + right
-            else:
-                part = K.mse_forward(xp, out, targets)
-            loss_sum = loss_sum + part
+            with np.errstate(all="ignore"):          # an overflowed loss is reported as such (fit: recorded as null)
+                out = plan.forward(n, training=False)
+                targets = self._targets(labels, n)
+                if self.model.loss == "cross_entropy":
+                    part, right = K.softmax_cross_entropy_forward(xp, out, targets)
+                    correct = correct + right
+                else:
+                    part = K.mse_forward(xp, out, targets)
+                loss_sum = loss_sum + part
             done()
         rows = len(dataset)
         outputs = 1 if self.model.loss == "cross_entropy" else math.prod(self.model.output_shape)
@@ -562,7 +571,8 @@ class Trainer:
         """Train for `epochs`; evaluate on val_data each epoch. With out_dir: checkpoints, metrics.jsonl,
         curves.png, best.npz and (export=True) model.bin there, and `options` (what the caller made the run from,
         lnn-train's) in run.json. Returns the per-epoch history.
-        Running out of memory is one LnnError line naming the planned figure."""
+        Running out of memory is one LnnError line naming the planned figure; a diverged run (TrainingDiverged:
+        its rule) one line naming the epoch, with nothing of that epoch recorded."""
         try:
             return self._fit(train_data, val_data, epochs, out_dir, resume, patience, progress, export, options)
         except MemoryError:                          # CuPy's OutOfMemoryError is a MemoryError too
@@ -591,7 +601,11 @@ class Trainer:
             self.log(f"the run in {out_dir} already stopped early (patience {patience})")
             first_epoch = epochs + 1
         for epoch in range(first_epoch, epochs + 1):
-            entry = self._train_epoch(train, epoch, epochs, steps_per_epoch, rows_per_step, progress)
+            try:
+                entry = self._train_epoch(train, epoch, epochs, steps_per_epoch, rows_per_step, progress)
+            except TrainingDiverged as err:                 # nothing of this epoch is recorded
+                kept = f"; {out_dir} keeps the run as it was after epoch {len(history)}" if run and history else ""
+                raise TrainingDiverged(f"epoch {epoch}: {err}{kept}") from None
             if val is not None:
                 entry.update({f"val_{k}": v for k, v in self.evaluate(val).items()})
             history.append(entry)
@@ -643,11 +657,29 @@ class Trainer:
         entry = {"epoch": epoch, "train_loss": loss_sum / rows_done, "lr": self.lr, "epoch_s": round(seconds, 3),
                  "images_per_s": round(rows_done / seconds, 1),
                  "grad_norm": float(np.mean(norms)) if norms else None}
+        if not math.isfinite(entry["train_loss"]):         # amp: its skipped steps' losses count too
+            raise TrainingDiverged(f"the training loss of the epoch became {_not_finite(entry['train_loss'])} "
+                                   f"(diverged): train with a lower learning rate (--lr), set training.grad_clip, "
+                                   f"or train without --amp")
         if self.model.loss == "cross_entropy":
             entry["train_accuracy"] = correct / max(labelled_done, 1)
         if self.amp:
             entry.update(overflow_steps=self.overflow_steps, loss_scale=self.loss_scale)
         return entry
+
+
+class TrainingDiverged(LnnError):
+    """The training loss (or, without amp, a step's gradient norm) became NaN or infinite: the run stops, and
+    fit() records nothing of the epoch, so the run folder stays as it was after the last good one.
+
+    The rule: without amp, a step whose float32 loss or gradient norm is not finite (the device withholds its
+    update; going on would repeat it at every step). With amp (fp16 or bf16) such a step overflowed the 16-bit
+    range and is skipped and counted, as it should be; the run stops only when the float32 mean loss of a whole
+    epoch (its skipped steps included) is not finite, i.e. the forward pass itself left the range."""
+
+
+def _not_finite(value: float) -> str:
+    return "NaN" if math.isnan(value) else "infinite"
 
 
 def amp_refusal(precision: str, info: dict, xp) -> str | None:

@@ -353,6 +353,59 @@ def test_a_non_finite_figure_is_recorded_as_null_and_the_run_still_exports(tmp_p
     assert len(resumed.fit((x, y), (x, y), epochs=4, out_dir=tmp_path / "run", resume=True, progress=False)) == 4
 
 
+def test_a_diverged_epoch_stops_in_one_line_and_leaves_the_run_as_it_was(tmp_path):
+    """A training loss that becomes NaN or infinite stops the run at once, without NumPy's RuntimeWarnings, and
+    nothing of that epoch reaches the run folder; a non-finite learning rate is refused before training."""
+    import warnings
+
+    from lnn.formats.errors import LnnError
+    from lnn.formats.model import parse_model
+    from lnn.train import Trainer
+    from lnn.train.trainer import TrainingDiverged
+
+    model = parse_model({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}],
+                         "optimizer": {"type": "sgd", "lr": 0.05}})
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.integers(0, 2, 32)
+    with pytest.raises(LnnError, match="must be a positive finite number, not inf"):
+        Trainer(model, device="numpy", lr=float("inf"))
+    run = tmp_path / "run"
+    Trainer(model, device="numpy", seed=0, batch_size=16, log=lambda *a: None).fit(
+        (x, y), (x, y), epochs=1, out_dir=run, progress=False, export=False)
+    def state():      # metrics.jsonl is rewritten from the checkpoint on resume: the same entries
+        return {path.name: [json.loads(line) for line in path.read_text().splitlines()] if path.suffix == ".jsonl"
+                else path.read_bytes() for path in run.iterdir()}
+
+    before = state()
+    diverging = Trainer(model, device="numpy", seed=0, batch_size=16, lr=1e38, log=lambda *a: None)
+    with warnings.catch_warnings(), pytest.raises(TrainingDiverged) as info:
+        warnings.simplefilter("error")                 # a RuntimeWarning would fail here
+        diverging.fit((x, y), (x, y), epochs=3, out_dir=run, resume=True, progress=False)
+    assert str(info.value) == (f"epoch 2: the training loss became infinite by step 4 (diverged): train with a lower "
+                               f"learning rate (--lr) or set training.grad_clip; {run} keeps the run as it was after "
+                               f"epoch 1")
+    assert state() == before
+
+
+def test_an_epoch_with_no_finite_score_is_still_a_readable_best(tmp_path):
+    """An mse run whose first validation loss overflows scores lowest; best.npz must still read back (JSON has no
+    -Infinity), and the next epoch takes its place."""
+    from lnn.formats.model import parse_model
+    from lnn.train import Trainer
+
+    model = parse_model({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}], "loss": "mse"})
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.normal(size=(32, 2)).astype(np.float32)
+    trainer = Trainer(model, device="numpy", seed=0, batch_size=16, log=lambda *a: None)
+    evaluate = trainer.evaluate
+    trainer.evaluate = lambda data: {"loss": float("inf")}
+    trainer.fit((x, y), (x, y), epochs=1, out_dir=tmp_path / "run", progress=False, export=False)
+    assert read_checkpoint(tmp_path / "run" / "best.npz")[0]["best"] == {"epoch": 1, "score": None}
+    trainer.evaluate = evaluate
+    trainer.fit((x, y), (x, y), epochs=2, out_dir=tmp_path / "run", resume=True, progress=False)
+    assert read_checkpoint(tmp_path / "run" / "best.npz")[0]["best"]["epoch"] == 2
+
+
 def test_init_starts_from_the_given_models_weights(tmp_path):
     """--init: a run with a vanishing learning rate ends where the given .bin started; a model of other
     layers is one line."""
