@@ -47,7 +47,8 @@ SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 CARD_RESERVE_FRACTION = 0.10            # of the card, kept free by --max-batch (fragmentation, other processes)
 CARD_RESERVE_BYTES = 300 * 2**20        # also kept free: the CUDA context and library workspaces
-LARGEST_BATCH_TRIED = 2**24
+LARGEST_BATCH = 2**24      # the largest --batch figured, and --max-batch tried: even at MAX_ACTIVATION_BYTES a sample,
+                           # its byte counts stay within the plan's 64-bit integers
 
 
 def build_parser():
@@ -97,7 +98,7 @@ def largest_batch(model: Model, usable: int, amp=None) -> int:
     fits, too_big = 1, 2
     while planned_peak(model, too_big, amp) <= usable:    # double until it does not fit
         fits, too_big = too_big, too_big * 2
-        if too_big > LARGEST_BATCH_TRIED:
+        if too_big > LARGEST_BATCH:
             return fits
     while too_big - fits > 1:                             # then halve the gap
         middle = (fits + too_big) // 2
@@ -182,7 +183,7 @@ def max_batch_lines(model: Model, card: int, amp=None) -> list:
     batch = largest_batch(model, usable, amp)
     if batch == 0:
         raise LnnInputError(f"batch 1 needs {planned_peak(model, 1, amp):,} bytes of training memory; {margin}")
-    capped = " (the largest tried; it may fit more)" if batch == LARGEST_BATCH_TRIED else ""
+    capped = " (the largest tried; it may fit more)" if batch == LARGEST_BATCH else ""
     peak = planned_peak(model, batch, amp)
     return [f"largest training batch: {batch}{capped}{f' with amp {amp}' if amp else ''}, planned {human_bytes(peak)} "
             f"({peak:,} bytes)", f"  on {margin}"]
@@ -260,8 +261,9 @@ def metadata_lines(bin_model) -> list:
 
 
 def summarize(args) -> int:
-    if args.batch < 1:
-        raise LnnInputError(f"--batch must be at least 1, not {args.batch}")
+    if not 1 <= args.batch <= LARGEST_BATCH:
+        raise LnnInputError(f"--batch must be at least 1 and at most {LARGEST_BATCH:,} (the largest lnn-summary "
+                            f"figures: a larger one could overflow the plan's 64-bit byte counts), not {args.batch:,}")
     model, bin_model = read_model_source(args.source)
     model = at_length(model, args.length)
     if args.max_batch:

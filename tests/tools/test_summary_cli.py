@@ -151,6 +151,8 @@ def test_bin_shows_metadata(reference_bin, tmp_path, capsys):
     ("image", "cannot read the model description", 1),
     ("batch_zero", "--batch must be at least 1", 1),
     ("batch_text", "invalid int value", 2),
+    ("batch_huge", "--batch must be at least 1 and at most 16,777,216 (the largest lnn-summary figures: a larger one "
+                   "could overflow the plan's 64-bit byte counts), not 9,223,372,036,854,775,807", 1),
     ("size_no_unit", "'6' is not a size", 2),
     ("size_bad_unit", "'6gigs' is not a size", 2),
     ("size_zero", "more than 0 bytes", 2),
@@ -171,6 +173,8 @@ def test_bad_input_is_one_line(tmp_path, case, fragment, status):
         source.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
     elif case == "batch_zero":
         source, extra = MNIST_CNN, ["--batch", "0"]
+    elif case == "batch_huge":
+        source, extra = MNIST_CNN, ["--batch", str(2**63 - 1)]
     elif case == "batch_text":
         source, extra = MNIST_CNN, ["--batch", "many"]
     elif case.startswith("size_"):
