@@ -133,7 +133,8 @@ def choose_threshold(confidence: np.ndarray, correct: np.ndarray, keep: float = 
     right = np.sort(confidence[correct])
     if len(right) == 0:
         raise LnnError("no photo was classified correctly, so no threshold can be chosen")
-    may_drop = math.floor((1 - keep) * len(right) + 1e-9)
+    must_keep = max(1, math.ceil(keep * len(right) - 1e-9))        # at least one, however small keep is
+    may_drop = len(right) - must_keep
     threshold = math.floor(float(right[may_drop]) * 1e4) / 1e4       # rounded down: the kept ones stay kept
     accepted = confidence >= threshold
     wrong = ~correct

@@ -123,6 +123,19 @@ def test_threshold_rule_against_brute_force():
         choose_threshold(np.array([0.5]), np.array([False]))
 
 
+@pytest.mark.parametrize("keep", [1e-10, 1e-3, 0.01, 0.1, 0.5, 0.7, 0.9, 0.99, 0.999, 1 - 1e-12, 1.0])
+def test_threshold_rule_against_brute_force_for_any_keep_and_few_photos(keep):
+    """Every keep in (0, 1], down to a tiny one (which indexed past the sorted answers), from 1 to 100 photos."""
+    rng = np.random.default_rng(1)
+    for photos in (1, 2, 3, 7, 10, 100):
+        confidence = rng.uniform(0.3, 1.0, photos)
+        correct = rng.random(photos) < confidence
+        correct[0] = True
+        chosen = choose_threshold(confidence, correct, keep)
+        assert chosen["uncertain_below"] == pytest.approx(brute_force_threshold(confidence, correct, keep))
+        assert chosen["correct_kept"] >= keep
+
+
 def test_threshold_is_written_into_a_copy_that_lnn_infer_reads(tmp_path, capsys):
     model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos")
     copy = tmp_path / "with_threshold.bin"
