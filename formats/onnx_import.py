@@ -344,6 +344,10 @@ def _lnn_metadata(proto) -> dict:
                 found[field] = parse_json_text(props[key], f"metadata_props {key}") if field != "name" else props[key]
             except ModelSpecError as err:
                 raise OnnxImportError(str(err)) from None
+    preprocess = found.get("preprocess")
+    if preprocess is not None and not isinstance(preprocess, dict):                # null: a model without preprocessing
+        raise OnnxImportError(f"metadata_props {METADATA_KEYS['preprocess']}: must be a JSON object of preprocessing "
+                              f"fields, or null, not {type(preprocess).__name__}")
     return found
 
 

@@ -279,3 +279,15 @@ def test_a_lone_surrogate_escape_in_lnn_metadata_is_one_line():
     with pytest.raises(OnnxImportError) as info:
         import_onnx(model)
     assert str(info.value) == "metadata_props lnn.labels: not valid text (a lone UTF-16 surrogate \\ud800 in a string)"
+
+
+@pytest.mark.parametrize("text, kind", [("[1,2]", "list"), ('"rgb"', "str"), ("5", "int")])
+def test_lnn_preprocess_metadata_that_is_not_an_object_is_one_line(text, kind):
+    model = make_model([helper.make_node("Relu", ["x"], ["y"], name="r")], [], [2, 6, 6], "y")
+    helper.set_model_props(model, {"lnn.preprocess": text})
+    with pytest.raises(OnnxImportError) as info:
+        import_onnx(model)
+    assert str(info.value) == ("metadata_props lnn.preprocess: must be a JSON object of preprocessing fields, or null, "
+                               f"not {kind}")
+    helper.set_model_props(model, {"lnn.preprocess": "null"})      # what a model without preprocessing carries
+    import_onnx(model)
