@@ -66,6 +66,23 @@ def test_a_model_without_vectors_and_bad_options_are_one_line(tiny_bin, tmp_path
         assert_one_line_error(result.stderr, "lnn-bench", fragment)
 
 
+def test_photos_for_a_series_model_are_one_line(tmp_path):
+    import numpy as np
+
+    from lnn.formats.binfile import write_bin
+    from lnn.formats.model import parse_model
+
+    model = parse_model({"name": "tiny_series", "input_shape": [1, 4],
+                         "layers": [{"type": "flatten"}, {"type": "linear", "out_features": 2}],
+                         "preprocess": {"kind": "series", "length": 4, "resample": "linear", "mean": [0.0], "std": [1.0]}})
+    write_bin(tmp_path / "series.bin", model, {"linear_1.weight": np.ones((2, 4), np.float32),
+                                               "linear_1.bias": np.zeros(2, np.float32)})
+    result = run_command("bench", tmp_path / "series.bin", "--device", "numpy", "--images", EXAMPLES / "leaves" / "healthy.jpg")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip() == (f"lnn-bench: error: {tmp_path / 'series.bin'}: model 'tiny_series' takes series, "
+                                     f"not images: leave out --images to time it on its test vectors")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed: cuda may work here")
 def test_an_unavailable_backend_is_its_own_error_and_the_others_are_measured(tiny_bin):  # noqa: F811
     result, report = bench_json(tiny_bin, "--device", "numpy,cuda")
