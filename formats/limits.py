@@ -55,6 +55,12 @@ MAX_TEST_VECTORS = 16
 # raise it here to read them on a machine with the memory).
 MAX_DATA_FILE_BYTES = 256 << 20
 
+# Bytes of data an IDX file (lnn-train's mnist: data, gzipped or raw) declares in its header, checked before they
+# are decompressed or read: MNIST's training images are 47 MB (Fashion-MNIST's and KMNIST's too), so 256 MiB holds
+# five times that, kept in memory at one byte a pixel; a 2 MB .gz whose header declares 2.6 M images (2 GB) is
+# refused before it expands.
+MAX_IDX_BYTES = 256 << 20
+
 
 # --------------------------------------------------------------------------- images
 # Enforced by runtime/preprocess.py for both decoders (OpenCV and Pillow), so for lnn-infer, lnn-field,

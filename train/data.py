@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import collections
 import gzip
+import io
+import math
 import queue
 import struct
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +30,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnInputError
 from lnn.formats.files import read_regular_file
-from lnn.formats.limits import MAX_DATA_FILE_BYTES
+from lnn.formats.limits import MAX_DATA_FILE_BYTES, MAX_IDX_BYTES, refusal
 
 IDX_IMAGES, IDX_LABELS = 2051, 2049
 MNIST_FILES = {
@@ -121,30 +124,42 @@ def epoch_order(count: int, seed: int, epoch: int) -> np.ndarray:
 # --------------------------------------------------------------------------- MNIST IDX
 
 def read_idx(path, expected_magic: int) -> np.ndarray:
-    """An IDX file (gzip or raw) of unsigned bytes -> uint8 array of its declared shape."""
+    """An IDX file (gzip or raw) of unsigned bytes -> uint8 array of its declared shape. The header is read first
+    and a declared size over MAX_IDX_BYTES refused; a gzip stream is decompressed only as far as the header
+    declares, plus one byte to see a longer (damaged) one."""
     path = Path(path)
     raw = read_regular_file(path, "an IDX file", MAX_DATA_FILE_BYTES, "MAX_DATA_FILE_BYTES")
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, ValueError) as err:
-            raise LnnInputError(f"{path}: damaged gzip data ({err})") from None
+    stream = gzip.GzipFile(fileobj=io.BytesIO(raw)) if raw[:2] == b"\x1f\x8b" else io.BytesIO(raw)
+    try:
+        return _read_idx_stream(stream, path, expected_magic)
+    except (OSError, EOFError, zlib.error) as err:
+        raise LnnInputError(f"{path}: damaged gzip data ({err})") from None
+
+
+def _read_idx_stream(stream, path: Path, expected_magic: int) -> np.ndarray:
     kind = "images" if expected_magic == IDX_IMAGES else "labels"
-    if len(raw) < 8:
-        raise LnnInputError(f"{path}: {len(raw)} bytes is too short for an IDX {kind} file")
-    (magic,) = struct.unpack(">I", raw[:4])
+    start = stream.read(8)
+    if len(start) < 8:
+        raise LnnInputError(f"{path}: {len(start)} bytes is too short for an IDX {kind} file")
+    (magic,) = struct.unpack(">I", start[:4])
     if magic != expected_magic:
         raise LnnInputError(f"{path}: not an IDX {kind} file (magic number {magic}, expected {expected_magic})")
     ndim = magic & 0xFF
-    header = 4 + 4 * ndim
-    if len(raw) < header:
+    dims = start[4:] + stream.read(4 * ndim - 4)
+    if len(dims) < 4 * ndim:
         raise LnnInputError(f"{path}: truncated IDX header")
-    shape = struct.unpack(f">{ndim}I", raw[4:header])
-    size = int(np.prod(shape, dtype=np.int64))
-    if len(raw) - header != size:
-        raise LnnInputError(f"{path}: the header declares {list(shape)} ({size} bytes) but {len(raw) - header} "
-                            f"bytes follow: the file is truncated or damaged")
-    return np.frombuffer(raw, np.uint8, offset=header).reshape(shape)
+    shape = struct.unpack(f">{ndim}I", dims)
+    size = math.prod(shape)
+    too_big = refusal(f"{path}: the data its IDX header declares ({list(shape)})", size, MAX_IDX_BYTES,
+                      "MAX_IDX_BYTES", " bytes")
+    if too_big:
+        raise LnnInputError(too_big)
+    data = stream.read(size + 1)
+    if len(data) != size:
+        follow = "more" if len(data) > size else f"only {len(data):,}"
+        raise LnnInputError(f"{path}: the header declares {list(shape)} ({size:,} bytes) but {follow} bytes follow: "
+                            f"the file is truncated or damaged")
+    return np.frombuffer(data, np.uint8).reshape(shape)
 
 
 def _find(folder: Path, names: tuple) -> Path:

@@ -165,6 +165,29 @@ def test_idx_reader_errors(tmp_path):
             read_idx(tmp_path / name, IDX_IMAGES)
 
 
+def test_an_idx_gzip_bomb_is_refused_before_it_expands(tmp_path):
+    """The header is read from the gzip stream first: a declared size over MAX_IDX_BYTES is refused, and a stream
+    longer than its header declares is decompressed only that far (64 MB of zeros behind a 24-byte header)."""
+    import tracemalloc
+
+    def header(*shape):
+        return IDX_IMAGES.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in shape)
+
+    (tmp_path / "huge.gz").write_bytes(gzip.compress(header(2600000, 28, 28) + bytes(1000)))
+    with pytest.raises(LnnInputError, match=r"huge.gz: the data its IDX header declares \(\[2600000, 28, 28\]\) is "
+                                            r"2,038,400,000 bytes, over the limit of .* \(MAX_IDX_BYTES in"):
+        read_idx(tmp_path / "huge.gz", IDX_IMAGES)
+    (tmp_path / "long.gz").write_bytes(gzip.compress(header(2, 3, 4) + bytes(64 << 20), compresslevel=1))
+    tracemalloc.start()
+    try:
+        with pytest.raises(LnnInputError, match=r"declares \[2, 3, 4\] \(24 bytes\) but more bytes follow"):
+            read_idx(tmp_path / "long.gz", IDX_IMAGES)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (1 << 20) + (tmp_path / "long.gz").stat().st_size * 2
+
+
 def test_checkpoint_errors(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not really")
     np.savez(tmp_path / "foreign.npz", a=np.zeros(3))
