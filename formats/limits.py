@@ -46,6 +46,13 @@ MAX_JSON_DEPTH = 64
 # (lnn-doctor MODEL.bin, the field app's first start), run one at a time; 4 is the default, 16 is plenty.
 MAX_TEST_VECTORS = 16
 
+# --------------------------------------------------------------------------- training
+
+# A description's training.min_steps (lnn.train.config): a small dataset gets as many epochs as reach this many
+# optimizer steps. The bundled series recipe asks 1,000; a million steps of a small model is hours on the CPU,
+# while 10^12 (with epochs 1) would run for ever, one tiny epoch after another.
+MAX_MIN_STEPS = 1_000_000
+
 
 # --------------------------------------------------------------------------- series and tables
 # Enforced by runtime/series.py for the UCR/UEA files (.ts, .tsv, .arff) and CSV tables that lnn-train,

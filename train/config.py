@@ -3,7 +3,8 @@
     "training": {
         "epochs": 10,                 # passes over the training data
         "min_steps": null,            # at least this many optimizer steps: a small dataset gets more
-                                      #   epochs (null: epochs as given; --epochs overrides both)
+                                      #   epochs (null: epochs as given; --epochs overrides both;
+                                      #   at most MAX_MIN_STEPS, formats/limits.py)
         "batch_size": 64,             # rows per forward/backward (a micro-batch when accumulating)
         "accumulate": 1,              # micro-batches per optimizer step: the same update as one
                                       #   batch of batch_size * accumulate rows
@@ -39,6 +40,7 @@ import math
 from dataclasses import dataclass, field
 
 from lnn.formats.errors import ModelSpecError
+from lnn.formats.limits import MAX_MIN_STEPS, refusal
 
 SCHEDULES = {
     "constant": {"warmup_epochs": 0.0},
@@ -92,6 +94,10 @@ class TrainingConfig:
         config.epochs = _positive_int("epochs", block.get("epochs", config.epochs))
         min_steps = block.get("min_steps")
         config.min_steps = None if min_steps is None else _positive_int("min_steps", min_steps)
+        too_many = config.min_steps and refusal("training: min_steps", config.min_steps, MAX_MIN_STEPS,
+                                                "MAX_MIN_STEPS", " steps")
+        if too_many:
+            raise ModelSpecError(too_many)
         config.batch_size = _positive_int("batch_size", block.get("batch_size", config.batch_size))
         config.accumulate = _positive_int("accumulate", block.get("accumulate", config.accumulate))
         clip = block.get("grad_clip")

@@ -301,9 +301,12 @@ def test_training_block_defaults_and_errors():
                          ({"lr_schedule": {"type": "linear"}}, "lr_schedule must be an object whose type"),
                          ({"lr_schedule": {"type": "step", "gamma": 0}}, "gamma must be a positive number"),
                          ({"lr_schedule": {"type": "cosine", "steps": 3}}, "unknown field 'steps'"),
-                         ({"min_steps": 0}, "min_steps must be a positive integer")]:
+                         ({"min_steps": 0}, "min_steps must be a positive integer"),
+                         ({"epochs": 1, "min_steps": 10 ** 12}, r"training: min_steps is 1,000,000,000,000 steps, "
+                                                                r"over the limit of 1,000,000 steps \(MAX_MIN_STEPS")]:
         with pytest.raises(ModelSpecError, match=message):
             TrainingConfig.parse(bad)
+    assert TrainingConfig.parse({"min_steps": 1_000_000}).min_steps == 1_000_000
 
 
 def test_min_steps_raises_the_epochs_of_a_small_dataset_only():
