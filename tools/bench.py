@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from lnn.formats.errors import LnnInputError
-from lnn.tools.cli import command_parser, human_bytes, run_command
+from lnn.tools.cli import command_parser, error_line, human_bytes, run_command
 
 PROG = "lnn-bench"
 DEVICES = ("numpy", "cpu", "cuda")
@@ -239,7 +239,7 @@ def body(args) -> int:
     else:
         print_table(report)
     for line in errors:
-        print(f"{PROG}: error: {line}", file=sys.stderr)
+        error_line(PROG, line)
     return 1 if errors else 0
 
 

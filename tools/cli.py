@@ -28,13 +28,16 @@ from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.version import __version__
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+# What would break an error line or act on the terminal (C0 and C1 controls, Unicode's line and paragraph
+# separators), written as Python writes them in a string: a newline as \n, an escape as \x1b.
+CONTROL_ESCAPES = {code: repr(chr(code))[1:-1] for code in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)}
 
 
 class CommandParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (argparse prints the usage block before it)."""
 
     def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, error_text(self.prog, f"{message} (see {self.prog} --help)") + "\n")
 
 
 def command_parser(prog: str, description: str, epilog: str | None = None) -> CommandParser:
@@ -44,10 +47,20 @@ def command_parser(prog: str, description: str, epilog: str | None = None) -> Co
     return parser
 
 
-def error_line(prog: str, message: str) -> None:
+def one_line(text) -> str:
+    """`text` with its control characters escaped (CONTROL_ESCAPES), so that a file name holding a newline is
+    shown as it is and cannot split the line it is printed in."""
+    return str(text).strip().translate(CONTROL_ESCAPES)
+
+
+def error_text(prog: str, message) -> str:
+    """The one error line every command prints: `prog: error: message`, one line whatever the message held."""
+    return f"{prog}: error: {one_line(message)}"
+
+
+def error_line(prog: str, message) -> None:
     """Print one error line to stderr (also used for a single bad file in batch mode)."""
-    message = " ".join(str(message).split())        # one line, whatever the message held
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    print(error_text(prog, message), file=sys.stderr, flush=True)
 
 
 def run_command(parser: CommandParser, body, argv=None) -> int:

@@ -42,7 +42,7 @@ import lnn
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime.gate import DEFAULT_SUBJECT, INSTRUCTIONS, instruction
 from lnn.runtime.series import SERIES_SUFFIXES, TABLE_SUFFIXES
-from lnn.tools.cli import command_parser, run_command
+from lnn.tools.cli import command_parser, error_text, one_line, run_command
 
 PROG = "lnn-infer"
 DEFAULT_MODEL = Path(lnn.__file__).resolve().parent / "models" / "tomato_leaf.bin"
@@ -145,10 +145,9 @@ def expand_inputs(inputs: list, recursive: bool = False) -> tuple[list, list]:
 
 def failure_record(file, message: str) -> dict:
     """The record of an image that got no answer: what --json prints (and a server would return); the
-    error is one line, without the file name the message may start with (the record names the file)."""
-    message = " ".join(str(message).split())
-    prefix = f"{file}: "
-    return {"file": str(file), "error": message[len(prefix):] if message.startswith(prefix) else message}
+    error is one line (cli.one_line), without the file name the message may start with (the record names the file)."""
+    message, prefix = str(message), f"{file}: "
+    return {"file": str(file), "error": one_line(message[len(prefix):] if message.startswith(prefix) else message)}
 
 
 class Answer:
@@ -336,7 +335,7 @@ class Output:
             self._write(json_line(record), sys.stdout)
         elif self.style == "csv":
             self.csv.writerow([record["file"], *[""] * (len(CSV_COLUMNS) - 2), record["error"]])
-        self._write(f"{self.prog}: error: {record['file']}: {record['error']}", sys.stderr)
+        self._write(error_text(self.prog, f"{record['file']}: {record['error']}"), sys.stderr)
 
     def _write(self, text: str, stream) -> None:
         if self.bar is not None:
