@@ -53,6 +53,12 @@ MAX_TEST_VECTORS = 16
 # while 10^12 (with epochs 1) would run for ever, one tiny epoch after another.
 MAX_MIN_STEPS = 1_000_000
 
+# Epochs of one run (training.epochs, --epochs, or those min_steps makes): every checkpoint carries each epoch's
+# figures (about 220 bytes an epoch) in its metadata, which a checkpoint reader takes up to MAX_JSON_BYTES, so a run of
+# about 19,000 epochs could no longer read back its own checkpoint (no export, no --resume). The longest recipe
+# here is 280 epochs.
+MAX_EPOCHS = 10_000
+
 
 # --------------------------------------------------------------------------- series and tables
 # Enforced by runtime/series.py for the UCR/UEA files (.ts, .tsv, .arff) and CSV tables that lnn-train,

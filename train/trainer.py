@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.errors import LnnError, ModelSpecError
+from lnn.formats.limits import MAX_EPOCHS, refusal
 from lnn.formats.model import Model, load_description, parse_model
 from lnn.formats.ops import get_op
 from lnn.runtime.cuda import blas
@@ -593,6 +594,9 @@ class Trainer:
             if epochs > self.config.epochs:
                 self.log(f"training.min_steps {self.config.min_steps}: {epochs} epochs of {steps_per_epoch} steps "
                          f"(training.epochs {self.config.epochs} would make {self.config.epochs * steps_per_epoch})")
+        too_many = refusal("the run", epochs, MAX_EPOCHS, "MAX_EPOCHS", " epochs")
+        if too_many:
+            raise LnnError(too_many)
         patience = patience if patience is not None else self.config.patience
         run = RunDirectory(out_dir, self, resume, options) if out_dir is not None else None
         history = run.history if run else []

@@ -324,6 +324,20 @@ def test_min_steps_raises_the_epochs_of_a_small_dataset_only():
     assert len(Trainer(model, device="numpy", batch_size=10, log=lambda *a: None).fit(data, epochs=1, progress=False)) == 1
 
 
+def test_a_run_of_more_epochs_than_its_checkpoint_can_hold_is_refused_before_training(tmp_path):
+    """Each checkpoint keeps every epoch's figures; past MAX_EPOCHS it could not be read back (no export, no
+    --resume), whether the epochs are asked for or come from min_steps on a small dataset."""
+    model = parse_model({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}],
+                         "optimizer": {"type": "sgd", "lr": 0.05}, "training": {"epochs": 1, "min_steps": 20_000}})
+    rng = np.random.default_rng(0)
+    data = (rng.normal(size=(20, 4)).astype(np.float32), rng.integers(0, 2, 20))
+    trainer = Trainer(model, device="numpy", batch_size=20, log=lambda *a: None)
+    for epochs in (10_001, None):                                           # None: min_steps makes 20,000
+        with pytest.raises(LnnError, match=r"^the run is [\d,]+ epochs, over the limit of 10,000 epochs \(MAX_EPOCHS"):
+            trainer.fit(data, epochs=epochs, out_dir=tmp_path / "run", progress=False)
+        assert not (tmp_path / "run").exists()
+
+
 def test_learning_rate_schedules():
     cosine = {"type": "cosine", "warmup_epochs": 1.0, "min_lr": 0.0}
     assert learning_rate(0.1, cosine, 0, 10, 5) == pytest.approx(0.01)
