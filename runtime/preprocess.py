@@ -66,12 +66,12 @@ def image_library() -> str:
 
 
 def _opencv():
-    """Import OpenCV on first use (it costs ~0.2 s), quietening libjpeg's warnings: we report problems ourselves."""
+    """Import OpenCV on first use (it costs ~0.2 s), its log silenced (its codecs' warnings, such as libjpeg's or
+    libtiff's, would be stray lines on stderr): lnn reports a problem itself, in one line."""
     global _cv2
     if _cv2 is None:
         import cv2
-        if hasattr(cv2, "setLogLevel"):
-            cv2.setLogLevel(2)   # errors only
+        cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
         _cv2 = cv2
     return _cv2
 
@@ -92,6 +92,8 @@ def _decode(data: bytes, header: "ImageHeader"):
     if image_library() == "opencv":
         cv2 = _opencv()
         flags = cv2.IMREAD_ANYCOLOR | OPENCV_REDUCED.get(header.reduction, 0)   # grey stays one channel
+        if header.format == "PNG":
+            data = png_pixel_chunks(data)
         try:
             return cv2.imdecode(np.frombuffer(data, np.uint8), flags)
         except cv2.error:
@@ -100,6 +102,27 @@ def _decode(data: bytes, header: "ImageHeader"):
         return _pillow_decode(data, header)
     except (OSError, SyntaxError, ValueError, _pillow()[0].DecompressionBombError):
         return None
+
+
+def png_pixel_chunks(data: bytes) -> bytes:
+    """The PNG without the ancillary chunks OpenCV's decoder does not use for its pixels (colour profiles, text,
+    gamma, ...): libpng checks each one it meets and prints its own warning on stderr for a damaged one
+    (`libpng warning: iCCP: ...`); OpenCV gives no way to turn that off. Kept: the critical chunks, PNG_PIXEL_CHUNKS
+    and text holding EXIF (its orientation is applied). The data is returned as it is when nothing is dropped."""
+    view = memoryview(data)
+    kept, position, dropped = [view[:8]], 8, False
+    while position + 12 <= len(data):
+        length = int.from_bytes(data[position:position + 4], "big")
+        kind, end = data[position + 4:position + 8], position + 12 + length
+        ancillary = kind[0] & 0x20                                 # a lower-case first letter
+        if ancillary and kind not in PNG_PIXEL_CHUNKS and not data.startswith(PNG_EXIF_TEXT, position + 8):
+            dropped = True
+        else:
+            kept.append(view[position:end])
+        position = end
+        if kind == b"IEND":
+            break
+    return b"".join([*kept, view[position:]]) if dropped else data
 
 
 def _pillow_decode(data: bytes, header: "ImageHeader") -> np.ndarray:
@@ -236,6 +259,9 @@ JPEG_STANDALONE = {0x01, *range(0xD0, 0xD8)}                  # TEM, RSTn: marke
 JPEG_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7]")       # in entropy-coded data: 0xFF00 is a stuffed 0xFF
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"                  # the last chunk: always these 12 bytes
+PNG_PIXEL_CHUNKS = {b"tRNS", b"eXIf", b"acTL", b"fcTL", b"fdAT"}   # ancillary, used by OpenCV: transparency,
+                                                                 # EXIF orientation, an animation's first frame
+PNG_EXIF_TEXT = (b"Raw profile type exif\x00", b"Raw profile type APP12\x00")   # a text chunk's keyword: EXIF
 OPENCV_REDUCED = {2: 16, 4: 32, 8: 64}                       # cv2.IMREAD_REDUCED_*_2/4/8's scale bits
 REDUCTIONS = (2, 4, 8)
 

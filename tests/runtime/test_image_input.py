@@ -101,3 +101,28 @@ def test_resizing_then_reordering_channels_equals_the_other_order(library, monke
     for size in ((8, 8), (120, 40)):
         np.testing.assert_array_equal(preprocess.resize_image(big, *size)[:, :, ::-1],
                                       preprocess.resize_image(np.ascontiguousarray(big[:, :, ::-1]), *size))
+
+
+def test_the_decoders_print_nothing_on_stderr(tmp_path, capfd):
+    """A PNG with a damaged colour profile or an over-long text chunk is decoded without libpng's warning lines
+    (its pixels as without those chunks; EXIF kept), and OpenCV's TIFF warning on a float TIFF stays quiet:
+    lnn reports a problem in one line itself."""
+    import zlib
+
+    import cv2
+    from hostile_images import png_chunk
+    from lnn.runtime.preprocess import decode_image, png_pixel_chunks
+
+    png = cv2.imencode(".png", IMAGE)[1].tobytes()
+    before_data = png.index(b"IDAT") - 4
+    chunks = {"bad_profile": png_chunk(b"iCCP", b"icc\x00\x00" + zlib.compress(bytes(100))),
+              "text_bomb": png_chunk(b"zTXt", b"Comment\x00\x00" + zlib.compress(bytes(10**7), 9)),
+              "exif": png_chunk(b"eXIf", b"MM\x00*\x00\x00\x00\x08\x00\x00")}
+    for name, chunk in chunks.items():
+        (tmp_path / f"{name}.png").write_bytes(png[:before_data] + chunk + png[before_data:])
+        assert np.array_equal(decode_image(tmp_path / f"{name}.png"), IMAGE)
+    assert chunks["exif"] in png_pixel_chunks((tmp_path / "exif.png").read_bytes())
+    cv2.imwrite(str(tmp_path / "float.tif"), IMAGE.astype(np.float32))
+    with pytest.raises(lnn.LnnInputError, match="float.tif: not an image OpenCV can decode"):
+        decode_image(tmp_path / "float.tif")
+    assert capfd.readouterr().err == ""
