@@ -398,18 +398,31 @@ def read_image_file(path) -> bytes:
     return read_regular_file(path, "an image file", limits.MAX_IMAGE_FILE_BYTES, "MAX_IMAGE_FILE_BYTES")
 
 
+def encoded_source(source, name: str | None) -> tuple:
+    """(the encoded bytes, what error lines call them) of what decode_image takes: a path (str or os.PathLike),
+    bytes-like, or a uint8 array of bytes, 1-D or [N, 1] (what cv2.imencode returns); anything else is one
+    LnnInputError line."""
+    if isinstance(source, np.ndarray) and source.dtype == np.uint8 and (source.ndim == 1 or source.shape[1:] == (1,)):
+        return source.tobytes(), name or "<bytes>"
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source), name or "<bytes>"
+    if isinstance(source, (str, os.PathLike)):
+        return read_image_file(source), name or str(source)
+    what = (f"a {source.dtype} array of shape {list(source.shape)} (a decoded image goes to prepare_image)"
+            if isinstance(source, np.ndarray) else f"{type(source).__name__} {repr(source)[:40]}")
+    raise LnnInputError(f"{name or '<image>'}: a photo to decode is a path, encoded bytes, or a uint8 array of "
+                        f"them (1-D or [N, 1], as cv2.imencode gives); not {what}")
+
+
 def decode_image(source, name: str | None = None, keep_side: int = 0) -> np.ndarray:
-    """Decode a path or encoded bytes into an HxWx3 uint8 BGR image, or HxW uint8 for a grey one; bad
+    """Decode a path or encoded bytes (see encoded_source) into an HxWx3 uint8 BGR image, or HxW uint8 for a grey one; bad
     input raises LnnInputError: missing, not a regular file, too large, not an image, truncated, over
     the pixel limits. A baseline JPEG over MAX_DECODED_PIXELS comes back reduced (1/2, 1/4 or 1/8 of its
     size), and one whose sides stay at least keep_side pixels so reduced too (check_header): a caller that
     only needs that many (Session.decode_side) skips decoding the rest (a 1600x1200 phone photo for the
     bundled model: 1/4, 400x300). name: what the error lines call the image (default: the path, or "<bytes>")."""
     image_library()      # before reading: a missing image library is one clear error
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        data, name = bytes(source), name or "<bytes>"
-    else:
-        data, name = read_image_file(source), name or str(source)
+    data, name = encoded_source(source, name)
     if not data:
         raise LnnInputError(f"{name}: the file is empty")
     library = "OpenCV" if image_library() == "opencv" else "Pillow"

@@ -94,3 +94,21 @@ def test_the_sample_leaves_get_the_same_answers_without_opencv(use):
         got = session.predict_image(leaf)
         assert got[0][0] == expected[0][0], leaf.name
         assert abs(got[0][1] - expected[0][1]) <= 0.005, leaf.name            # 0.5 percentage points
+
+
+@pytest.mark.parametrize("library", ["opencv", "pillow"])
+def test_decode_image_takes_an_encoded_uint8_array_and_refuses_what_it_cannot_take(use, library):
+    """cv2.imencode's array (1-D or [N, 1] uint8) is encoded bytes; an int, None or a decoded image is one line."""
+    use(library)
+    image = photo_like(40, 50)
+    encoded = cv2.imencode(".png", image)[1].reshape(-1)
+    for given in (encoded, encoded[:, None]):
+        assert np.array_equal(preprocess.decode_image(given), preprocess.decode_image(encoded.tobytes()))
+    session = lnn.load(DEFAULT_MODEL, device="numpy")
+    assert session.decode_photo(encoded[:, None]).shape == (40, 50, 3)
+    takes = "a photo to decode is a path, encoded bytes, or a uint8 array of them (1-D or [N, 1], as cv2.imencode gives)"
+    for given, what in ((3, "int 3"), (None, "NoneType None"),
+                        (image, "a uint8 array of shape [40, 50, 3] (a decoded image goes to prepare_image)")):
+        with pytest.raises(LnnInputError) as err:
+            session.decode_photo(given)
+        assert str(err.value) == f"<image>: {takes}; not {what}"
