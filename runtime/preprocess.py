@@ -493,8 +493,17 @@ def _image_array(image, notes: list) -> tuple[np.ndarray, bool]:
     return image, image.shape[2] == 1
 
 
+def channel_order(color) -> str:
+    """`color`, the order of an image array's channels, as "bgr" or "rgb" (either case); anything else is one
+    LnnInputError line."""
+    if isinstance(color, str) and color.lower() in ("bgr", "rgb"):
+        return color.lower()
+    raise LnnInputError(f"color must be 'bgr' or 'rgb' (the order of the image's channels), not {color!r}")
+
+
 def photo_array(image, color: str = "bgr") -> np.ndarray:
     """Any image array preprocess_image takes -> HxWx3 uint8 BGR, as the photo checks measure it."""
+    color = channel_order(color)
     image, grey = _image_array(image, [])
     if grey:
         image = np.repeat(image, 3, axis=2)
@@ -509,6 +518,7 @@ def preprocess_image(image: np.ndarray, preprocess: dict, color: str = "bgr", no
 
     notes: a list to which one-line remarks about the conversion are appended (a grey image given to a
     colour model, a float image read as 0..1); without one they are issued as LnnWarning."""
+    color = channel_order(color)
     remarks = [] if notes is None else notes
     image, grey = _image_array(image, remarks)
     want = preprocess["color"]

@@ -126,3 +126,15 @@ def test_the_decoders_print_nothing_on_stderr(tmp_path, capfd):
     with pytest.raises(lnn.LnnInputError, match="float.tif: not an image OpenCV can decode"):
         decode_image(tmp_path / "float.tif")
     assert capfd.readouterr().err == ""
+
+
+def test_color_is_bgr_or_rgb_in_either_case_and_anything_else_is_one_line():
+    tiny = session()
+    rgb = IMAGE[:, :, ::-1]
+    expected = tiny.prepare_image(rgb, color="rgb")
+    assert np.array_equal(tiny.prepare_image(rgb, color="RGB"), expected)        # was read as BGR
+    assert tiny.predict_image(rgb, color="Rgb") == tiny.predict_image(IMAGE)
+    for color in ("xyz", "", None, "gray"):
+        with pytest.raises(lnn.LnnInputError) as err:
+            tiny.predict_image(IMAGE, color=color)
+        assert str(err.value) == f"color must be 'bgr' or 'rgb' (the order of the image's channels), not {color!r}"
