@@ -51,8 +51,9 @@ def photo_inputs(model, paths) -> tuple:
     """(the photos preprocessed as the model's metadata says [N, C, H, W] float32, what they are in words)."""
     from lnn.runtime.preprocess import decode_image, preprocess_image
 
-    if model.preprocess is None:
-        raise LnnInputError(f"model {model.name!r} takes no images, so photos cannot be its test inputs")
+    if not model.takes_images:
+        kind = {1: "table rows", 2: "series"}.get(len(model.input_shape), f"input {list(model.input_shape)}")
+        raise LnnInputError(f"model {model.name!r} takes {kind}, not images: photos cannot be its inputs")
     if not 1 <= len(paths) <= MAX_TEST_VECTORS:
         raise LnnInputError(f"give 1 to {MAX_TEST_VECTORS} photos, not {len(paths)} (MAX_TEST_VECTORS in lnn/formats/limits.py)")
     inputs = np.stack([preprocess_image(decode_image(path), model.preprocess, "bgr") for path in paths])
@@ -84,8 +85,8 @@ def with_test_vectors(model, weights: dict, metadata: dict, dtypes: dict, inputs
     inputs = np.ascontiguousarray(inputs, np.float32)
     outputs = np.concatenate([backend.run(inputs[i:i + 1]) for i in range(len(inputs))])
     if not np.isfinite(outputs).all():
-        raise LnnError(f"the model's output for a test input is not finite (NaN or infinity), so it cannot be "
-                       f"stored as a test vector: check the weights, or export with --test-vectors 0")
+        raise LnnError("the model's output for a test input is not finite (NaN or infinity), so it cannot be "
+                       "stored as a test vector: check the weights, or export with --test-vectors 0")
     return ({**weights, INPUTS: inputs, OUTPUTS: outputs},
             {**metadata, METADATA_KEY: {"count": len(inputs), "inputs": what, "outputs": outputs_made_by()}})
 

@@ -82,11 +82,6 @@ def model_inputs(bin_model, images, batch: int) -> tuple:
     """(a batch of real inputs [batch, *input_shape] float32, what they are in words)."""
     import numpy as np
 
-    if images and not bin_model.model.takes_images:
-        shape = bin_model.model.input_shape
-        kind = {1: "table rows", 2: "series"}.get(len(shape), f"input {list(shape)}")
-        raise LnnInputError(f"{bin_model.path}: model {bin_model.model.name!r} takes {kind}, not images: leave out "
-                            f"--images to time it on its test vectors")
     if images:
         from lnn.runtime.vectors import photo_inputs
         from lnn.tools.export import photo_paths

@@ -84,9 +84,11 @@ def threads_option(text) -> int | str:
     """--threads as the backend takes it: "auto", or a whole number of at least 1."""
     if text == "auto" or isinstance(text, int):
         return text
-    if not str(text).isdigit() or int(text) < 1:
+    if not str(text).isdecimal() or int(text) < 1:
         raise LnnInputError(f"--threads must be a whole number of at least 1, or auto; not {text!r}")
-    return int(text)
+    from lnn.runtime import resolve_threads
+
+    return resolve_threads(int(text))           # at most MAX_THREADS, on every device
 
 
 def choose_device(requested: str, image_count: int) -> str:

@@ -79,8 +79,11 @@ def test_photos_for_a_series_model_are_one_line(tmp_path):
                                                "linear_1.bias": np.zeros(2, np.float32)})
     result = run_command("bench", tmp_path / "series.bin", "--device", "numpy", "--images", EXAMPLES / "leaves" / "healthy.jpg")
     assert result.returncode == 1 and result.stdout == ""
-    assert result.stderr.strip() == (f"lnn-bench: error: {tmp_path / 'series.bin'}: model 'tiny_series' takes series, "
-                                     f"not images: leave out --images to time it on its test vectors")
+    assert result.stderr.strip() == "lnn-bench: error: model 'tiny_series' takes series, not images: photos cannot be its inputs"
+    exported = run_command("export", tmp_path / "series.bin", "-o", tmp_path / "again.bin", "--test-photos",
+                           EXAMPLES / "leaves" / "healthy.jpg")
+    assert exported.returncode == 1 and not (tmp_path / "again.bin").exists()
+    assert exported.stderr.strip() == "lnn-export: error: model 'tiny_series' takes series, not images: photos cannot be its inputs"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed: cuda may work here")

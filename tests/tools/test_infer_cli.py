@@ -213,6 +213,10 @@ def test_bad_options_are_usage_errors():
     result = run_command("infer", "--json", "--csv", "x.jpg")
     assert result.returncode == 2
     assert_one_line_error(result.stderr, "lnn-infer", "--csv")
+    for threads in ("0", "two", "²", "1025"):          # ²: a digit to str.isdigit that int() cannot read
+        result = run_command("infer", "--threads", threads, EXAMPLES / "leaves" / "healthy.jpg")
+        assert result.returncode == 1 and result.stdout == ""
+        assert_one_line_error(result.stderr, "lnn-infer", "threads")
 
 
 def test_one_image_answers_without_importing_numba_or_tqdm(reference_bin, tmp_path):
