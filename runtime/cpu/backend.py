@@ -286,6 +286,7 @@ class CpuBackend:
         self._nothing_to_split: set = set()   # batch sizes whose plan has no layer worth splitting (one thread runs it)
         BLAS_THREADS.find_libraries()
         self.compile_seconds: float | None = None     # set by warmup(): first-call compile or cache load
+        self._kernels_marked = False                  # whether a call has ended (cache.mark_cached)
 
     def _plan(self, batch: int, parts: int = 1, part: int = 0) -> Plan:
         return self._plans.get((batch, parts, part))
@@ -295,7 +296,16 @@ class CpuBackend:
         return self.run_with_features(x)[0]
 
     def run_with_features(self, x: np.ndarray) -> tuple:
-        """(output, {kept node name: its value [N, ...]}), both the plan's buffers (overwritten by the next call)."""
+        """(output, {kept node name: its value [N, ...]}), both the plan's buffers (overwritten by the next call).
+        The first call to end records that this model's kernels are in the cache (lnn-bench's "from the cache")."""
+        result = self._run_with_features(x)
+        if not self._kernels_marked:
+            self._kernels_marked = True
+            if CACHE_ENABLED:
+                cache.mark_cached(self.model)
+        return result
+
+    def _run_with_features(self, x: np.ndarray) -> tuple:
         batch = x.shape[0]
         if self._splits_batch(batch):
             with BLAS_THREADS:
@@ -488,8 +498,6 @@ class CpuBackend:
         start = time.perf_counter()
         self.run(x)
         self.compile_seconds = max(0.0, first_two - 2 * (time.perf_counter() - start))
-        if CACHE_ENABLED:
-            cache.mark_cached(self.model)
         return self.compile_seconds
 
 
