@@ -374,12 +374,12 @@ def evaluate_rows(args, kind: str, path: str) -> int:
     seed = DEFAULT_SPLIT_SEED if args.seed is None else args.seed
     val_fraction = DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction
     if kind == "ucr":
-        data, source = ucr_split(path, split)
+        data, source = ucr_split(path, split, session.model.preprocess)
         values, names, unit = data.series, data.labels, "series"
         items = ("line", list(range(1, len(values) + 1)))
         what = f"{source} ({split} split)"
     else:
-        table = read_target_table(path, args.target)
+        table = read_target_table(path, args.target, session.model.preprocess)
         source, unit = table.path, "rows"
         values, names = table_values(session.model, table), table.labels
         rows = split_rows(names, val_fraction, seed)[1] if split == "val" else np.arange(len(names))

@@ -91,10 +91,11 @@ def ucr_datasets(folder, description: dict) -> tuple:
     return ArrayDataset(standardize(raw, preprocess), labels, f"{Path(folder).name} train"), None, description
 
 
-def ucr_split(folder, split: str):
-    """(series file, path) of one split of a ucr:DIR dataset, for lnn-eval."""
+def ucr_split(folder, split: str, preprocess: dict | None = None):
+    """(series file, path) of one split of a ucr:DIR dataset, for lnn-eval; `preprocess`: the model's, whose
+    standardisation must keep every value within float32's range (read_series_file)."""
     path = ucr_files(folder)[split]
-    data = read_series_file(path)
+    data = read_series_file(path, preprocess)
     if data.labels is None:
         raise LnnInputError(f"{path}: has no class labels (@classLabel false), so it cannot be evaluated")
     return data, path
@@ -122,10 +123,12 @@ def split_rows(labels: list, val_fraction: float, seed: int) -> tuple:
     return np.array(sorted(train), np.int64), np.array(sorted(val), np.int64)
 
 
-def read_target_table(spec_path: str, target: str | None):
+def read_target_table(spec_path: str, target: str | None, preprocess: dict | None = None):
+    """The table of csv:FILE --target COLUMN; with a model's `preprocess` (lnn-eval), only its columns, in its order,
+    each value within what its standardisation can take (read_table)."""
     if not target:
         raise LnnInputError("--data csv:FILE needs --target COLUMN (the column holding the class)")
-    return read_table(spec_path, target)
+    return read_table(spec_path, target, (preprocess or {}).get("columns"), preprocess)
 
 
 def csv_datasets(path, target: str | None, description: dict, val_fraction: float = DEFAULT_VAL_FRACTION,

@@ -89,3 +89,23 @@ def test_a_value_beyond_float32_is_one_line_naming_it_without_warnings(series_bi
     result = run_command("infer", "--model", table_bin, table)
     assert result.stderr.strip() == (f"lnn-infer: error: {table}: line 2, column 'a': '-1e300' is beyond "
                                      f"float32's range (±3.403e+38), in which the model computes")
+
+
+def test_lnn_eval_names_the_line_of_a_value_the_models_standardisation_takes_beyond_float32(tmp_path):
+    """Column b's std of 0.5 doubles its values: 3e38 is a float32, its standardised value is not. lnn-eval reads
+    the table with the model's preprocessing, as lnn-infer does, so the line names the file, line and column
+    (it named only the row, after reading); a column the model does not take is left unread."""
+    squeezed = {**TABLE, "name": "squeezed", "preprocess": {**TABLE["preprocess"], "std": [1.0, 0.5]}}
+    model = tmp_path / "squeezed.bin"
+    write_bin(model, parse_model(squeezed), {"linear_0.weight": np.eye(2, dtype=np.float32),
+                                             "linear_0.bias": np.zeros(2, np.float32)})
+    table = tmp_path / "t.csv"
+    table.write_text("note,b,a,state\nx,1,2,ok\ny,3e38,1,faulty\n")
+    result = run_command("eval", model, "--data", f"csv:{table}", "--target", "state", "--split", "all")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"lnn-eval: error: {table}: line 3, column 'b': '3e38' overflows float32 "
+                                     f"after the model's standardisation (x - mean) / std")
+    table.write_text("note,b,a,state\nx,1,2,ok\ny,3,1,faulty\n")
+    result = run_command("eval", model, "--data", f"csv:{table}", "--target", "state", "--split", "all")
+    assert result.returncode == 0, result.stderr
+    assert "2 rows" in result.stdout
