@@ -48,6 +48,10 @@ THREADS_OF = {"numpy": "NumPy's BLAS picks its own", "cuda": "the GPU's"}
 # batch costs no less an image (the bundled model, 1 thread, Zen 4: 1.62 ms at batch 1, 1.93 at 16); the GPU's
 # kernels are fed larger ones.
 RUN_CHUNK = {"numpy": 32, "cpu": 32, "cuda": 256}
+# Session.judge and predict of an image model answer only inputs its preprocessing could have made (within each
+# channel's range, preprocess.input_range, and this share of its width beyond either end): raw 0..255 pixels, or
+# another normalisation, got a confident diagnosis (the bundled model, inputs x 1000: 100%, reason None).
+PREPARED_MARGIN = 0.05
 INSTALL_HINTS = {"cpu": "pip install numba", "cuda": "pip install 'lnn[cuda]' on a machine with an NVIDIA GPU"}
 
 
@@ -202,18 +206,41 @@ class Session:
     def outputs_probabilities(self) -> bool:
         return self.judge_rules.outputs_probabilities
 
+    def _check_prepared(self, batch: np.ndarray) -> np.ndarray:
+        """A checked batch, when the model takes images, refused in one line unless every input is one its
+        preprocessing could make (PREPARED_MARGIN); run() and run_with_features() take any numbers."""
+        if not self.model.takes_images:
+            return batch
+        from lnn.runtime.preprocess import input_range
+
+        low, high = input_range(self.model.preprocess)
+        margin = PREPARED_MARGIN * (high - low)
+        lowest, highest = batch.min(axis=(2, 3)), batch.max(axis=(2, 3))      # [N, C]
+        outside = (lowest < low - margin) | (highest > high + margin)
+        if outside.any():
+            n, c = (int(i) for i in np.argwhere(outside)[0])
+            c_low, c_high = low[c % len(low)], high[c % len(high)]
+            raise LnnInputError(f"input {n} is not a photo prepared for this model: its channel {c} runs from "
+                                f"{lowest[n, c]:.4g} to {highest[n, c]:.4g}, while the model's preprocessing makes "
+                                f"{c_low:.4g} to {c_high:.4g}; give photos to predict_image, or prepare_image them")
+        return batch
+
     def predict(self, batch) -> np.ndarray:
         """Class probabilities: a softmax of the outputs (divided by the model's calibration temperature,
-        metadata.calibration) unless the model already ends in a softmax."""
-        return self.judge_rules.probabilities(self.run(batch))
+        metadata.calibration) unless the model already ends in a softmax. An image model's inputs must be photos
+        its preprocessing made (_check_prepared)."""
+        batch = self._check_prepared(self._check_batch(batch))
+        return self.judge_rules.probabilities(self._run_in_chunks(batch, with_features=False)[0])
 
     def judge(self, batch, photo_reasons=None):
         """Probabilities, gate scores and a reason (None: a diagnosis) per photo: a runtime.gate.Judgement.
-        `photo_reasons`: each photo's photo-check reason (check_photo), when the photos were checked."""
+        `photo_reasons`: each photo's photo-check reason (check_photo), when the photos were checked. An image
+        model's inputs must be photos its preprocessing made (_check_prepared)."""
         if self.judge_rules.gate is not None and self.feature != self.judge_rules.feature:
             raise LnnError(f"this session keeps node {self.feature!r}, but the model's gate uses "
                            f"{self.judge_rules.feature!r}: load it without features= to judge photos")
-        outputs, features = self.run_with_features(batch)
+        outputs, features = self._run_in_chunks(self._check_prepared(self._check_batch(batch)),
+                                                with_features=self.feature is not None)
         return self.judge_rules.judge(outputs, features if self.judge_rules.gate else None, photo_reasons)
 
     def check_photo(self, image, color: str = "bgr"):

@@ -512,6 +512,14 @@ def photo_array(image, color: str = "bgr") -> np.ndarray:
     return image if image.dtype == np.uint8 else np.clip(np.rint(image), 0, 255).astype(np.uint8)
 
 
+def input_range(preprocess: dict) -> tuple:
+    """(low, high), each [C] float64 (or [1] for all channels): the values preprocess_image makes from any photo,
+    per channel: pixels of 0 and 255 scaled, less the mean, over the std."""
+    mean = np.asarray(preprocess["mean"], np.float64)
+    ends = (np.array([[0.0], [255.0 * preprocess["scale"]]]) - mean) / np.asarray(preprocess["std"], np.float64)
+    return ends.min(axis=0), ends.max(axis=0)
+
+
 def preprocess_image(image: np.ndarray, preprocess: dict, color: str = "bgr", notes: list | None = None) -> np.ndarray:
     """HxW, HxWx3 (in `color` order) or HxWx4 image (see _image_array for the values taken) -> [C, H, W]
     float32 normalized for the model.

@@ -5,6 +5,7 @@ import importlib
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,6 +24,15 @@ SHARED_CONTENTS = {
     "data/ucr": "UCR/UEA time-series files (.ts)",
     "reference_models": "the PyTorch-made reference models (ONNX, weights .npz, samples with expected outputs)",
 }
+
+
+def prepared_photos(model, count: int, seed: int = 0):
+    """[count, *input_shape] float32 as an image model's preprocessing makes them from photos of random 0..255
+    pixels: what Session.judge and predict take from an image model (runtime Session._check_prepared)."""
+    pre = model.preprocess
+    pixels = np.random.default_rng(seed).integers(0, 256, (count, *model.input_shape)).astype(np.float32)
+    mean = np.asarray(pre["mean"], np.float32).reshape(-1, 1, 1)
+    return ((pixels * np.float32(pre["scale"]) - mean) / np.asarray(pre["std"], np.float32).reshape(-1, 1, 1))
 
 
 def need(path: Path) -> Path:

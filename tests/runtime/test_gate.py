@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import EXAMPLES, REPO, runtime_devices
+from conftest import EXAMPLES, REPO, prepared_photos, runtime_devices
 from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes
 from lnn.formats.model import parse_model
 from lnn.runtime import Session, backend_class
@@ -65,7 +65,7 @@ def gated_bin(scores=("mahalanobis", "energy", "knn", "msp"), thresholds=None, p
 
 
 def inputs(n=24, seed=5):
-    return np.random.default_rng(seed).standard_normal((n, 3, 16, 16)).astype(np.float32)
+    return prepared_photos(parse_model(DESCRIPTION), n, seed)
 
 
 def thresholds_in_gaps(scores: dict) -> dict:

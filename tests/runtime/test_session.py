@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import lnn
+from conftest import EXAMPLES, prepared_photos
 from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes
 from lnn.formats.model import parse_model
 from lnn.runtime import Session, backend_class
@@ -68,7 +69,7 @@ def test_judge_flags_what_it_cannot_answer_and_checks_its_photo_reasons():
     logits = np.array([[1.0, 2.0, 3.0], [np.inf, 0.0, 0.0], [np.nan, 1.0, 1.0]])
     judgement = session.judge_rules.judge(logits)
     assert judgement.reasons == [None, "low_confidence", "low_confidence"]
-    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    x = prepared_photos(session.model, 2)
     with pytest.raises(lnn.LnnInputError, match="^photo_reasons has 1 reasons for 2 photos$"):
         session.judge(x, ["blurred"])
     with pytest.raises(lnn.LnnInputError, match="^warm_up takes a batch size of at least 1, not 0$"):
@@ -77,12 +78,29 @@ def test_judge_flags_what_it_cannot_answer_and_checks_its_photo_reasons():
 
 def test_predict_is_softmax_of_logits_unless_the_model_ends_in_softmax():
     plain, ending_in_softmax = tiny_session(), tiny_session("softmax")
-    x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
+    x = prepared_photos(plain.model, 5)
     logits = plain.run(x)
     expected = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
     np.testing.assert_allclose(plain.predict(x), expected, rtol=1e-5)
     np.testing.assert_allclose(ending_in_softmax.predict(x).sum(axis=1), 1, rtol=1e-5)
     assert not plain.outputs_probabilities and ending_in_softmax.outputs_probabilities
+
+
+def test_judge_and_predict_of_an_image_model_take_only_inputs_its_preprocessing_makes():
+    """Raw pixels, or another normalisation, got a confident answer; run takes any numbers. The bundled model's
+    preprocessing (scale 1/255, ImageNet's mean and std) makes -2.118..2.249 of channel 0."""
+    session = lnn.load(EXAMPLES.parent / "models" / "tomato_leaf.bin", device="numpy")
+    photo = session.prepare_image(EXAMPLES / "leaves" / "late_blight.jpg")[None]
+    assert session.judge(photo).reasons == [None]
+    raw = photo * np.float32(0.229 * 255) + np.float32(0.485 * 255)        # 0..255 again, channel 0 at least
+    message = (r"^input 1 is not a photo prepared for this model: its channel 0 runs from [\d.-]+ to [\d.]+, while "
+               r"the model's preprocessing makes -2\.118 to 2\.249; give photos to predict_image, or prepare_image them$")
+    for call in (session.judge, session.predict):
+        with pytest.raises(lnn.LnnInputError, match=message):
+            call(np.concatenate([photo, raw]))
+    edge = photo * np.float32(1.04)                                          # within the 5% margin: still taken
+    session.judge(edge)
+    assert session.run(raw).shape == (1, 10)
 
 
 def test_run_returns_a_copy_the_backend_cannot_overwrite():

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import lnn
-from conftest import REPO, runtime_devices
+from conftest import REPO, prepared_photos, runtime_devices
 from lnn.formats.binfile import read_bin
 
 THREADS, CALLS = 4, 6
@@ -38,15 +38,16 @@ def gpu_available() -> bool:
         return False
 
 
-def thread_inputs(input_shape: tuple) -> list:
-    """Per thread, CALLS batches of its own values, of 1 or 2 images (threads meet on the same batch sizes)."""
+def thread_inputs(model) -> list:
+    """Per thread, CALLS batches of its own photos (as the model's preprocessing makes them), of 1 or 2 images
+    (threads meet on the same batch sizes)."""
     rng = np.random.default_rng(1)
-    return [[rng.standard_normal((rng.integers(1, 3), *input_shape)).astype(np.float32) for c in range(CALLS)]
+    return [[prepared_photos(model, int(rng.integers(1, 3)), seed=t * CALLS + c) for c in range(CALLS)]
             for t in range(THREADS)]
 
 
-def assert_threads_match_one_thread(run, input_shape: tuple, tolerance: float = 0.0) -> None:
-    inputs = thread_inputs(input_shape)
+def assert_threads_match_one_thread(run, model, tolerance: float = 0.0) -> None:
+    inputs = thread_inputs(model)
     expected = [[run(x) for x in batches] for batches in inputs]        # one thread, one call at a time
     got = [[None] * CALLS for _ in range(THREADS)]
     start = threading.Barrier(THREADS)
@@ -86,7 +87,7 @@ def test_one_session_shared_by_threads_gives_the_single_thread_answers(device, o
     session = lnn.load(BUNDLED, device, **options)
     if options.get("threads") == 2:
         session.backend.task_flops = 0
-    assert_threads_match_one_thread(session.predict, session.input_shape, CPU_TOLERANCE if device == "cpu" else 0.0)
+    assert_threads_match_one_thread(session.predict, session.model, CPU_TOLERANCE if device == "cpu" else 0.0)
 
 
 def test_the_cuda_backend_plans_shared_by_threads_on_numpy_arrays():
@@ -94,4 +95,4 @@ def test_the_cuda_backend_plans_shared_by_threads_on_numpy_arrays():
 
     source = read_bin(BUNDLED)
     backend = CudaBackend(source.model, source.weights_fp32(), array_module=np)
-    assert_threads_match_one_thread(lambda x: np.array(backend.run(x), copy=True), source.model.input_shape)
+    assert_threads_match_one_thread(lambda x: np.array(backend.run(x), copy=True), source.model)
