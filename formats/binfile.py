@@ -278,6 +278,11 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
     if alignment < MIN_ALIGNMENT or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
         raise ValueError(f"alignment {alignment} is not a power of two between {MIN_ALIGNMENT} and {MAX_ALIGNMENT}")
     graph_value = graph_of(model)
+    for what, value in (("model description", graph_value), ("metadata", metadata)):
+        problem = lone_surrogate(value)     # text in another encoding (an argument, a file name): UTF-8 cannot hold it
+        if problem:
+            raise LnnInputError(f"the {what} cannot be written: {problem} (text that is not UTF-8, such as a "
+                                f"command-line argument or a file name in another encoding)")
     try:
         _model_from(graph_value, metadata)
     except LnnFormatError as err:

@@ -20,7 +20,7 @@ from conftest import EXAMPLES, REPO
 from lnn.formats import binfile, limits
 from lnn.formats.binfile import (BinModel, build_metadata, encode_bin, fp16_dtypes, graph_of, int8_dtypes,
                                  parse_bin_bytes, read_bin, write_bin)
-from lnn.formats.errors import LnnFormatError, ModelSpecError
+from lnn.formats.errors import LnnFormatError, LnnInputError, ModelSpecError
 from lnn.formats.model import load_model, parse_model
 
 # --------------------------------------------------------------------------- SPEC.md's byte tables, restated
@@ -619,6 +619,9 @@ def test_writer_refuses_bad_weights_and_metadata(tiny):
         encode_bin(model, weights, build_metadata(model), {"nope": "float16"})
     with pytest.raises(ValueError, match=r"float32, float16 or int8"):
         encode_bin(model, weights, build_metadata(model), {"fc.weight": "float64"})
+    card = {**build_metadata(model), "model_card": {"accuracy": "97% on /data/caf\udce9"}}  # a Latin-1 path's byte
+    with pytest.raises(LnnInputError, match=r"^the metadata cannot be written: a lone UTF-16 surrogate \\udce9 in a string"):
+        encode_bin(model, weights, card)
 
 
 # --------------------------------------------------------------------------- round trips and determinism
