@@ -58,17 +58,6 @@ def read_labels(args) -> list | None:
     return names
 
 
-def check_text_options(args) -> None:
-    """--name and --labels go into the .bin as text: bytes that are not UTF-8 in them (which Python keeps as lone
-    surrogates) are one line, not an encoding error when the file is written."""
-    for option, value in (("--name", args.name), ("--labels", args.labels)):
-        try:
-            (value or "").encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise LnnInputError(f"{option}: not valid UTF-8 text (it holds the byte "
-                                f"0x{ord(err.object[err.start]) & 0xff:02x})") from None
-
-
 def read_preprocess(args) -> dict:
     given = {"color": args.color, "mean": args.mean, "std": args.std, "scale": args.scale}
     return {key: value for key, value in given.items() if value is not None}
@@ -78,7 +67,6 @@ def convert(args) -> int:
     from lnn.formats.binfile import build_metadata, write_bin
     from lnn.formats.onnx_import import import_onnx
 
-    check_text_options(args)
     model, weights = import_onnx(args.source, name=args.name, labels=read_labels(args),
                                  preprocess=read_preprocess(args))
     try:
