@@ -62,8 +62,9 @@ MAX_EPOCHS = 10_000
 
 # --------------------------------------------------------------------------- series and tables
 # Enforced by runtime/series.py for the UCR/UEA files (.ts, .tsv, .arff) and CSV tables that lnn-train,
-# lnn-eval and lnn-infer read: a file is read whole as text, then NumPy parses each channel into float32
-# (at most 2 bytes of text per value: up to 2x the file as values), so 256 MiB needs under 1 GB. It holds
+# lnn-eval and lnn-infer read: a file is read whole as text, then NumPy parses each channel into float64
+# (at most 2 bytes of text per value: up to 4x the file as values, so a 256 MiB file of one-digit values takes
+# about 1.3 GB with its text; a value such as -0.64788 takes 8 or 9 bytes: about the file's size). It holds
 # most of the archive (the UEA's largest, InsectWingbeat and the like, are refused naming this limit;
 # raise it here to read them on a machine with the memory).
 MAX_DATA_FILE_BYTES = 256 << 20
