@@ -47,6 +47,7 @@ stored with the gate.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import sys
@@ -56,7 +57,7 @@ import numpy as np
 
 from lnn.formats.binfile import atomic_output, write_atomic
 from lnn.formats.errors import LnnError, LnnInputError
-from lnn.tools.cli import command_parser, run_command
+from lnn.tools.cli import command_parser, one_line, run_command
 
 PROG = "lnn-eval"
 DEFAULT_KEEP = 0.99
@@ -285,6 +286,10 @@ def body(args) -> int:
     folder = ImageFolder.load(folder_path, session.model.input_shape, preprocess["color"], progress=not args.quiet,
                               log=lambda message: print(message, file=sys.stderr, flush=True))
     rows = folder.split(val_fraction, seed)[1] if args.split == "val" else np.arange(len(folder.files))
+    if len(rows) == 0:
+        raise LnnInputError(f"{folder.folder}: no photo falls in the validation split ({val_fraction:.0%} of each "
+                            f"class, whole leaves only, seed {seed}): its classes have too few photos for it; "
+                            f"evaluate every photo with --split all, or choose a larger --val-fraction")
     what = (f"{folder.folder} (validation split: seed {seed}, {val_fraction:.0%} per class)" if args.split == "val"
             else f"{folder.folder} (all photos)")
 
@@ -473,10 +478,18 @@ def fit_and_write_gate(args, session, folder, columns, validation: tuple, val_fr
     _, train_features = extract(session, input_batches(session, folder.data.images[train_rows], args.batch),
                                 len(train_rows), "training features", not args.quiet)
     skipped: list = []
-    outlier_outputs, outlier_features = extract(session, path_batches(session, outlier_paths, args.batch, skipped),
-                                                len(outlier_paths), "outlier photos", not args.quiet)
+    batches = path_batches(session, outlier_paths, args.batch, skipped)
+    first = next(batches, None)                     # None: not one of them could be decoded
     for message in skipped:
-        print(f"{PROG}: skipped an outlier photo: {message}", file=sys.stderr)
+        print(f"{PROG}: skipped an outlier photo: {one_line(message)}", file=sys.stderr)
+    if first is None:
+        raise LnnInputError(f"{args.outliers}: none of the {len(outlier_paths)} photos of the outlier folder's "
+                            f"validation part could be decoded (first: {skipped[0]})")
+    shown = len(skipped)
+    outlier_outputs, outlier_features = extract(session, itertools.chain([first], batches), len(outlier_paths),
+                                                "outlier photos", not args.quiet)
+    for message in skipped[shown:]:
+        print(f"{PROG}: skipped an outlier photo: {one_line(message)}", file=sys.stderr)
     val_outputs, val_features, true = validation
     logits = not session.outputs_probabilities
     fitted = fit_gate((train_features, columns[folder.labels[train_rows]]), (val_outputs, val_features, true),

@@ -315,6 +315,12 @@ class ImageFolder:
         from lnn.train.augment import AugmentedDataset
 
         train_rows, val_rows = self.split(val_fraction, seed)
+        if len(val_rows) == 0 or len(train_rows) == 0:
+            side, other = ("validation", "a larger") if len(val_rows) == 0 else ("training", "a smaller")
+            raise LnnInputError(f"{self.folder}: no photo falls on the {side} side of the split ({val_fraction:.0%} "
+                                f"of each class for validation, whole leaves only, seed {seed}) of its "
+                                f"{len(self.files)} photos: add photos to the classes, or choose {other} "
+                                f"--val-fraction")
         if balance:
             train_rows = balanced_rows(train_rows, self.labels, seed)
         val = self.subset(val_rows, f"{self.folder.name} validation")

@@ -297,3 +297,28 @@ def test_fit_gate_needs_its_companions(tmp_path, capsys):
     model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos")
     code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--fit-gate")
     assert code != 0 and "go together" in err and len(err.strip().splitlines()) == 1
+
+
+def test_too_few_photos_for_a_validation_split_is_one_line_not_a_traceback(tmp_path, capsys):
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
+    code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}")        # round(0.2 * 2) = 0 per class
+    assert code == 1 and "Traceback" not in err
+    assert_one_line_error(err.splitlines()[-1] + "\n", "lnn-eval", "no photo falls in the validation split",
+                          "--split all")
+
+
+def test_fit_gate_with_no_decodable_outlier_validation_photo_is_one_line(tmp_path, capsys):
+    from lnn.train.outliers import split_outliers
+
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos")
+    (tmp_path / "outliers").mkdir()
+    for i in range(10):
+        (tmp_path / "outliers" / f"bad_{i}.jpg").write_text("not a photo\n")
+    assert split_outliers(tmp_path / "outliers")["validation"]           # some fall in the validation part
+    code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--outliers", tmp_path / "outliers",
+                            "--fit-gate", "--write-gate", tmp_path / "gated.bin")
+    assert code == 1 and "Traceback" not in err
+    lines = err.splitlines()
+    assert lines[-1].startswith("lnn-eval: error: ") and "none of the" in lines[-1] and "could be decoded" in lines[-1]
+    assert any(line.startswith("lnn-eval: skipped an outlier photo: ") for line in lines[:-1])
+    assert not (tmp_path / "gated.bin").exists()

@@ -407,3 +407,13 @@ def test_an_unwritable_cache_falls_back_to_a_temporary_folder_with_one_warning(t
         assert len(warnings) == 1 and "cannot write the image cache" in warnings[0] and "LNN_CACHE_DIR" in warnings[0]
         assert np.array_equal(data.data.images, reference.data.images) and data.files == reference.files
         assert not data.cache_dir.is_relative_to(root)
+
+
+def test_a_split_that_leaves_one_side_empty_names_the_problem(tmp_path):
+    folder = make_folder(tmp_path / "photos", sizes=((20, 20),))          # class_a: 2 photos, class_b: 1
+    data = ImageFolder.load(folder, (3, 8, 8), "rgb", cache_root=tmp_path / "cache", log=lambda m: None,
+                            progress=False)
+    with pytest.raises(LnnInputError, match="no photo falls on the validation side .* a larger --val-fraction"):
+        data.datasets(0.2)
+    with pytest.raises(LnnInputError, match="no photo falls on the training side .* a smaller --val-fraction"):
+        data.datasets(0.9)
