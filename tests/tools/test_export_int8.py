@@ -110,6 +110,21 @@ def test_int8_without_calibration_needs_force(tmp_path, capsys):
     assert status == 0 and "not checked" in err and out.exists()
 
 
+@pytest.mark.parametrize("per_class", [1, 2])
+def test_a_calibration_folder_too_small_for_a_validation_split_is_one_line(tmp_path, monkeypatch, capsys, per_class):
+    # 1 or 2 photos per class: 20% of a class rounds to no photo, so the validation split was empty and
+    # measuring accuracy on it crashed with a traceback (numpy.concatenate of nothing); now one line
+    monkeypatch.setenv("LNN_CACHE_DIR", str(tmp_path / "cache"))
+    photos = halves_folder(tmp_path / "photos", per_class=per_class)
+    out = tmp_path / "int8.bin"
+    status, printed, err = export(capsys, halves_bin(tmp_path / "fp32.bin"), "-o", out, "--int8",
+                                  "--calibration", f"folder:{photos}")
+    assert status == 1 and printed == ""
+    assert_one_line_error(last_line(err), "lnn-export", f"none of its {2 * per_class} photos falls on the validation side",
+                          "int8 cannot be checked")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--int8", "--calibration", "photos"], "--calibration must look like folder:DIR or mnist:DIR"),
     (["--int8", "--calibration", "folder:/nonexistent"], "/nonexistent: no such folder"),
