@@ -19,6 +19,7 @@ import collections
 import gzip
 import io
 import math
+import os
 import queue
 import struct
 import threading
@@ -86,9 +87,8 @@ class MemmapDataset(ArrayDataset):
     def create(cls, path, count: int, sample_shape: tuple, name: str = "cache") -> "MemmapDataset":
         """An empty writable cache; fill `.images[i]` and `.labels[i]`, then `.flush()`."""
         path = Path(path)
-        images = np.lib.format.open_memmap(f"{path}.images.npy", mode="w+", dtype=np.uint8,
-                                           shape=(count,) + tuple(sample_shape))
-        labels = np.lib.format.open_memmap(f"{path}.labels.npy", mode="w+", dtype=np.int32, shape=(count,))
+        images = reserved_memmap(f"{path}.images.npy", np.uint8, (count,) + tuple(sample_shape))
+        labels = reserved_memmap(f"{path}.labels.npy", np.int32, (count,))
         return cls(images, labels, name)
 
     @classmethod
@@ -114,6 +114,25 @@ class MemmapDataset(ArrayDataset):
         images = np.empty((len(indices),) + self.sample_shape, np.uint8)
         images[order] = self.images[indices[order]]
         return images, np.asarray(self.labels[indices])
+
+
+def reserved_memmap(path, dtype, shape: tuple) -> np.memmap:
+    """A new writable .npy memmap (np.lib.format.open_memmap) whose disk space is reserved at once
+    (os.posix_fallocate). The file is created sparse and its pages are written later through the mapping;
+    on a full disk such a write is a SIGBUS that kills the process without a word (exit 135, the temporary
+    files left behind). Reserved, a full disk is an OSError (ENOSPC, naming the file) here, before anything
+    is written."""
+    array = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape))
+    if hasattr(os, "posix_fallocate"):
+        descriptor = os.open(path, os.O_RDWR)
+        try:
+            os.posix_fallocate(descriptor, 0, os.fstat(descriptor).st_size)
+        except OSError as err:
+            del array
+            raise OSError(err.errno, err.strerror, str(path)) from None
+        finally:
+            os.close(descriptor)
+    return array
 
 
 def epoch_order(count: int, seed: int, epoch: int) -> np.ndarray:

@@ -51,7 +51,7 @@ import numpy as np
 from lnn.formats.errors import LnnInputError
 from lnn.runtime import preprocess as image_io
 from lnn.runtime.cpu.cache import default_cache_root as lnn_cache_root, ensure_writable   # no Numba import
-from lnn.train.data import ArrayDataset, MemmapDataset
+from lnn.train.data import ArrayDataset, MemmapDataset, reserved_memmap
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
 CACHE_VERSION = 2                 # bump when the cached pixels would change for the same files (2: leaf masks)
@@ -119,8 +119,8 @@ def _build_cache(folder: Path, files: list, labels: list, size: tuple, color: st
     building = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         data = MemmapDataset.create(building / "all", len(files), (channels,) + tuple(size))
-        masks = (np.lib.format.open_memmap(building / "all.masks.npy", mode="w+", dtype=np.uint8,
-                                           shape=(len(files),) + tuple(size)) if channels == 3 else None)
+        masks = (reserved_memmap(building / "all.masks.npy", np.uint8, (len(files),) + tuple(size))
+                 if channels == 3 else None)
         decoded = np.zeros(len(files), bool)
         skipped = []
 
@@ -180,6 +180,12 @@ def _scratch_folder() -> Path:
     return scratch
 
 
+def _unwritable(err: OSError) -> LnnInputError:
+    where = f" ({err.filename})" if err.filename else ""
+    return LnnInputError(f"cannot write the decoded photos{where}: {err.strerror or err}; free some space, or set "
+                         f"LNN_CACHE_DIR (and TMPDIR) to a folder with room")
+
+
 def open_cache(folder, files: list, labels: list, size: tuple, color: str, cache_root=None, workers=None,
                log=None, progress: bool = True, what: str = "images"):
     """(cache folder, its index, MemmapDataset of the decoded files, leaf masks or None) for the given files
@@ -197,7 +203,20 @@ def open_cache(folder, files: list, labels: list, size: tuple, color: str, cache
             log(f"warning: cannot write the image cache: {problem}; decoding into the temporary folder "
                 f"{target.parent} for this run only (set LNN_CACHE_DIR to a writable folder to decode once)")
         log(f"{folder}: decoding {len(files)} {what} at {size[0]}x{size[1]} into {target} (once)")
-        _build_cache(folder, files, labels, size, color, target, workers or min(8, os.cpu_count() or 1), log, progress)
+        workers = workers or min(8, os.cpu_count() or 1)
+        try:
+            _build_cache(folder, files, labels, size, color, target, workers, log, progress)
+        except OSError as err:                  # the cache folder filled up or became unwritable on the way
+            if problem:                         # already the temporary folder
+                raise _unwritable(err) from None
+            target = _scratch_folder() / target.name
+            log(f"warning: cannot write the image cache: {err.strerror or err} ({err.filename or root}); "
+                f"decoding into the temporary folder {target.parent} for this run only (free some space or set "
+                f"LNN_CACHE_DIR to a writable folder to decode once)")
+            try:
+                _build_cache(folder, files, labels, size, color, target, workers, log, progress)
+            except OSError as again:
+                raise _unwritable(again) from None
     index = json.loads((target / "index.json").read_text())
     if index["skipped"]:
         log(f"{folder}: {len(index['skipped'])} of {len(files)} image files could not be decoded and are "

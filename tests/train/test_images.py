@@ -417,3 +417,48 @@ def test_a_split_that_leaves_one_side_empty_names_the_problem(tmp_path):
         data.datasets(0.2)
     with pytest.raises(LnnInputError, match="no photo falls on the training side .* a smaller --val-fraction"):
         data.datasets(0.9)
+
+
+def test_the_cache_files_have_their_disk_space_reserved_before_they_are_written(tmp_path):
+    from lnn.train.data import reserved_memmap
+
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no posix_fallocate on this system")
+    array = reserved_memmap(tmp_path / "x.npy", np.uint8, (64, 3, 32, 32))
+    status = os.stat(tmp_path / "x.npy")
+    assert status.st_blocks * 512 >= status.st_size >= array.nbytes      # not sparse: no SIGBUS on a full disk
+    del array
+
+
+def test_a_cache_disk_that_fills_up_falls_back_to_a_temporary_folder_then_is_one_line(tmp_path, monkeypatch):
+    import errno
+
+    from lnn.train import data as data_module
+
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no posix_fallocate on this system")
+    folder = make_folder(tmp_path / "photos")
+    reference = ImageFolder.load(folder, (3, 16, 16), "rgb", cache_root=tmp_path / "reference", log=lambda m: None,
+                                 progress=False)
+    real = os.posix_fallocate
+    full = [str(tmp_path / "cache")]
+
+    def filling(descriptor, offset, length):
+        if any(os.readlink(f"/proc/self/fd/{descriptor}").startswith(root) for root in full):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(descriptor, offset, length)
+
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    monkeypatch.setattr(data_module.os, "posix_fallocate", filling)
+    messages = []
+    data = ImageFolder.load(folder, (3, 16, 16), "rgb", cache_root=tmp_path / "cache", log=messages.append,
+                            progress=False)
+    warnings = [m for m in messages if m.startswith("warning:")]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0] and "temporary folder" in warnings[0]
+    assert np.array_equal(data.data.images, reference.data.images) and data.files == reference.files
+    assert not data.cache_dir.is_relative_to(tmp_path / "cache")
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []     # nothing half-written left
+    full.append(os.path.realpath(data.cache_dir.parent.parent))                  # the temporary folders fill up too
+    with pytest.raises(LnnInputError, match="cannot write the decoded photos .*No space left on device"):
+        ImageFolder.load(folder, (3, 8, 8), "rgb", cache_root=tmp_path / "cache", log=lambda m: None, progress=False)
