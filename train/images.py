@@ -51,6 +51,7 @@ import numpy as np
 from lnn.formats.errors import LnnInputError
 from lnn.runtime import preprocess as image_io
 from lnn.runtime.cpu.cache import default_cache_root as lnn_cache_root, ensure_writable   # no Numba import
+from lnn.tools.cli import one_line
 from lnn.train.data import ArrayDataset, MemmapDataset, reserved_memmap
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
@@ -69,8 +70,9 @@ def scan_folder(folder) -> tuple[list, list, list]:
         raise LnnInputError(f"{folder}: no such folder (pass --data folder:DIR with one sub-folder per class)")
     classes, files, labels = [], [], []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        images = sorted(p for p in sub.iterdir()
-                        if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".") and p.is_file())
+        images = sorted(p for p in sub.iterdir()     # anything but a folder, as lnn-infer: a named pipe, a link to a
+                        if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")   # device, a broken
+                        and not p.is_dir())         # or looping link is then skipped and counted, not ignored
         if not images:
             continue
         for path in images:
@@ -89,7 +91,10 @@ def default_cache_root() -> Path:
 def cache_key(folder: Path, files: list, size: tuple, color: str) -> str:
     stamps = []
     for name in files:
-        stat = (folder / name).stat()
+        try:
+            stat = (folder / name).stat()
+        except OSError:                     # a broken or looping link: its own stamp (decoding skips it)
+            stat = (folder / name).lstat()
         stamps.append([name, stat.st_size, stat.st_mtime_ns])
     blob = json.dumps([CACHE_VERSION, list(size), color, stamps])
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -163,7 +168,7 @@ def _build_cache(folder: Path, files: list, labels: list, size: tuple, color: st
         index = {"files": [files[i] for i in kept], "skipped": sorted(skipped), "size": list(size), "color": color}
         (building / "index.json").write_text(json.dumps(index))
         for problem in sorted(skipped):
-            log(f"skipped {problem[1]}")
+            log(f"skipped {one_line(problem[1])}")
         try:
             os.rename(building, target)
         except OSError:
@@ -220,7 +225,7 @@ def open_cache(folder, files: list, labels: list, size: tuple, color: str, cache
     index = json.loads((target / "index.json").read_text())
     if index["skipped"]:
         log(f"{folder}: {len(index['skipped'])} of {len(files)} image files could not be decoded and are "
-            f"left out (first: {index['skipped'][0][1]})")
+            f"left out (first: {one_line(index['skipped'][0][1])})")
     data = MemmapDataset.open(target / "images", name=folder.name)
     masks_file = target / "images.masks.npy"
     masks = np.load(masks_file, mmap_mode="r") if masks_file.exists() else None

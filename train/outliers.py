@@ -37,7 +37,7 @@ def split_outliers(folder) -> dict:
     parts = {name: [] for name, _ in PARTS}
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder).as_posix()
-        if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES and not any(
+        if not path.is_dir() and path.suffix.lower() in IMAGE_SUFFIXES and not any(   # a pipe or broken link: skipped later, counted
                 piece.startswith(".") for piece in relative.split("/")):
             parts[outlier_part(relative)].append(path)
     if not any(parts.values()):

@@ -462,3 +462,31 @@ def test_a_cache_disk_that_fills_up_falls_back_to_a_temporary_folder_then_is_one
     full.append(os.path.realpath(data.cache_dir.parent.parent))                  # the temporary folders fill up too
     with pytest.raises(LnnInputError, match="cannot write the decoded photos .*No space left on device"):
         ImageFolder.load(folder, (3, 8, 8), "rgb", cache_root=tmp_path / "cache", log=lambda m: None, progress=False)
+
+
+def odd_entries(folder) -> list:
+    """A named pipe, a link to /dev/zero, a broken link, a looping pair and a name with a newline, all *.jpg."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(folder / "pipe.jpg")
+    (folder / "zero.jpg").symlink_to("/dev/zero")
+    (folder / "dangling.jpg").symlink_to(folder / "nowhere.jpg")
+    (folder / "loop_a.jpg").symlink_to(folder / "loop_b.jpg")
+    (folder / "loop_b.jpg").symlink_to(folder / "loop_a.jpg")
+    (folder / "new\nline.jpg").write_text("not a photo")
+    return ["dangling.jpg", "loop_a.jpg", "loop_b.jpg", "new\nline.jpg", "pipe.jpg", "zero.jpg"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"), reason="needs named pipes")
+def test_pipes_devices_and_broken_links_named_like_photos_are_skipped_and_counted_not_ignored(tmp_path):
+    folder = make_folder(tmp_path / "photos")
+    odd = odd_entries(folder / "class_b")
+    messages = []
+    data = ImageFolder.load(folder, (3, 8, 8), "rgb", cache_root=tmp_path / "cache", log=messages.append,
+                            progress=False)
+    assert len(data.files) == 7                                                  # the good photos all kept
+    assert sorted(f for f, _ in data.skipped) == sorted(["class_b/broken.jpg"] + [f"class_b/{n}" for n in odd])
+    reasons = dict(data.skipped)
+    assert "named pipe" in reasons["class_b/pipe.jpg"] and "character device" in reasons["class_b/zero.jpg"]
+    assert "no such file" in reasons["class_b/dangling.jpg"] and "symbolic links" in reasons["class_b/loop_a.jpg"]
+    assert any("7 of 14 image files could not be decoded" in m for m in messages)
+    assert all("\n" not in m for m in messages) and any("new\\nline.jpg" in m for m in messages)

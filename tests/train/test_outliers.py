@@ -31,3 +31,15 @@ def test_missing_or_empty_folder_is_one_clear_error(tmp_path):
         split_outliers(tmp_path / "absent")
     with pytest.raises(LnnInputError, match="no image files"):
         split_outliers(tmp_path)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs named pipes")
+def test_a_pipe_or_broken_link_named_like_a_photo_is_listed_to_be_skipped_and_counted(tmp_path):
+    import os
+
+    (tmp_path / "a").mkdir()
+    os.mkfifo(tmp_path / "a" / "pipe.jpg")
+    (tmp_path / "a" / "broken.jpg").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "a" / "folder.jpg").mkdir()
+    listed = sorted(p.name for files in split_outliers(tmp_path).values() for p in files)
+    assert listed == ["broken.jpg", "pipe.jpg"]
