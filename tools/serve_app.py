@@ -302,12 +302,20 @@ async def upload_from(request: Request, max_body: int) -> tuple[bytes, str]:
 
 
 def requested_top_k(request: Request, default: int, labels: int) -> int:
-    given = request.query_params.get("top_k")
-    if given is None:
+    """The query's top_k, at most the model's labels. ASCII digits only, counted rather than converted when
+    long: int() refuses over 4,300 digits (a ValueError, answered 500), and any number that long is over
+    every model's labels anyway. Given twice with different values: 400, not one of them picked silently."""
+    values = request.query_params.getlist("top_k")
+    if not values:
         return min(default, labels)
-    if not given.isdecimal() or int(given) < 1:
+    given = values[0]
+    if len(set(values)) > 1:
+        raise Refused(400, f"top_k is given {len(values)} times with different values ({', '.join(map(repr, values))}); "
+                           f"give it once", "bad_query")
+    significant = given.lstrip("0")
+    if not (given.isascii() and given.isdigit()) or not significant:
         raise Refused(400, f"top_k must be a whole number of at least 1, not {given!r}", "bad_query")
-    return min(int(given), labels)
+    return labels if len(significant) > len(str(labels)) else min(int(significant), labels)
 
 
 def create_app(session, config: ServeConfig) -> Starlette:

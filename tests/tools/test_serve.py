@@ -250,6 +250,20 @@ def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
     assert counted(before, after, "lnn_serve_rejected_total", reason="bad_image") == 6
 
 
+def test_odd_top_k_queries_get_400_or_an_answer_never_500(served):
+    """top_k of 5,000 digits answered 500 (int() refuses over 4,300 digits: a ValueError); a huge number is
+    more than the labels: all of them. Given twice with different values: 400, not the last one silently."""
+    photo = LEAVES[0].read_bytes()
+    labels = len(served.get("/v1/model").json()["labels"])
+    for k in ("9" * 5000, "99999999999999999999", "0" * 5000 + "2", "2&top_k=2"):
+        response = served.post(f"/v1/classify?top_k={k}", content=photo)
+        assert response.status_code == 200, (k[:30], response.text[:200])
+        assert len(response.json()["top_k"]) == (2 if k.endswith("2") else labels)
+    for k in ("-1", "1e3", "", "0" * 5000, "%D9%A3", "2&top_k=5"):          # %D9%A3: an Arabic-Indic 3
+        response = served.post(f"/v1/classify?top_k={k}", content=photo)
+        assert response.status_code == 400 and "top_k" in response.json()["error"], (k[:30], response.text[:200])
+
+
 def test_oversized_body_gets_413_declared_or_streamed(session):
     photo = LEAVES[0].read_bytes()
     with client_for(session, max_body=len(photo) - 1) as client:
