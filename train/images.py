@@ -185,6 +185,31 @@ def _scratch_folder() -> Path:
     return scratch
 
 
+def _read_cache(target: Path, name: str, size: tuple, color: str) -> tuple:
+    """(index, MemmapDataset, leaf masks or None) of a built cache folder; LnnInputError saying what is wrong
+    when a part of it is missing, unreadable or disagrees with the others."""
+    channels = 1 if color == "gray" else 3
+    try:
+        index = json.loads((target / "index.json").read_text(encoding="utf-8"))
+        if not (isinstance(index, dict) and isinstance(index.get("files"), list)
+                and isinstance(index.get("skipped"), list) and all(len(item) == 2 for item in index["skipped"])):
+            raise ValueError("index.json is not a cache index")
+        data = MemmapDataset.open(target / "images", name=name)
+        shape = (len(index["files"]), channels) + tuple(size)
+        if data.images.shape != shape or data.labels.shape != shape[:1]:
+            raise ValueError(f"images.images.npy holds {list(data.images.shape)}, the index {list(shape)}")
+        masks = None
+        if channels == 3:
+            masks = np.load(target / "images.masks.npy", mmap_mode="r")
+            if masks.shape != (shape[0],) + tuple(size) or masks.dtype != np.uint8:
+                raise ValueError(f"images.masks.npy holds {masks.dtype} {list(masks.shape)}")
+    except LnnInputError:
+        raise
+    except (OSError, ValueError, EOFError, TypeError) as err:
+        raise LnnInputError(f"{target}: {err}") from None
+    return index, data, masks
+
+
 def _unwritable(err: OSError) -> LnnInputError:
     where = f" ({err.filename})" if err.filename else ""
     return LnnInputError(f"cannot write the decoded photos{where}: {err.strerror or err}; free some space, or set "
@@ -201,8 +226,17 @@ def open_cache(folder, files: list, labels: list, size: tuple, color: str, cache
     folder = Path(folder)
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     target = root / cache_key(folder, files, size, color)
-    if not (target / "index.json").exists():
-        problem = ensure_writable(root)
+    opened, problem = None, None
+    if (target / "index.json").exists():
+        try:
+            opened = _read_cache(target, folder.name, size, color)
+        except LnnInputError as damage:             # lnn builds it atomically: a disk error, a hand, a bad copy
+            log(f"warning: the image cache is damaged ({one_line(damage)}): decoding the photos again")
+            shutil.rmtree(target, ignore_errors=True)
+            if target.exists():                     # cannot be removed: decode beside it, for this run
+                problem = f"the damaged {target} cannot be removed"
+    if opened is None:
+        problem = problem or ensure_writable(root)
         if problem:
             target = _scratch_folder() / target.name
             log(f"warning: cannot write the image cache: {problem}; decoding into the temporary folder "
@@ -222,13 +256,11 @@ def open_cache(folder, files: list, labels: list, size: tuple, color: str, cache
                 _build_cache(folder, files, labels, size, color, target, workers, log, progress)
             except OSError as again:
                 raise _unwritable(again) from None
-    index = json.loads((target / "index.json").read_text())
+        opened = _read_cache(target, folder.name, size, color)
+    index, data, masks = opened
     if index["skipped"]:
         log(f"{folder}: {len(index['skipped'])} of {len(files)} image files could not be decoded and are "
             f"left out (first: {one_line(index['skipped'][0][1])})")
-    data = MemmapDataset.open(target / "images", name=folder.name)
-    masks_file = target / "images.masks.npy"
-    masks = np.load(masks_file, mmap_mode="r") if masks_file.exists() else None
     return target, index, data, masks
 
 

@@ -490,3 +490,32 @@ def test_pipes_devices_and_broken_links_named_like_photos_are_skipped_and_counte
     assert "no such file" in reasons["class_b/dangling.jpg"] and "symbolic links" in reasons["class_b/loop_a.jpg"]
     assert any("7 of 14 image files could not be decoded" in m for m in messages)
     assert all("\n" not in m for m in messages) and any("new\\nline.jpg" in m for m in messages)
+
+
+@pytest.mark.parametrize("damage", ["index", "index_list", "short_images", "empty_masks", "no_labels"])
+def test_a_damaged_cache_is_decoded_again_with_one_warning(tmp_path, damage):
+    folder = make_folder(tmp_path / "photos")
+    first = ImageFolder.load(folder, (3, 8, 8), "rgb", cache_root=tmp_path / "cache", log=lambda m: None,
+                             progress=False)
+    reference, cache = np.array(first.data.images), first.cache_dir
+    del first
+    if damage == "index":
+        (cache / "index.json").write_text('{"fil')
+    elif damage == "index_list":
+        (cache / "index.json").write_text("[]")
+    elif damage == "short_images":
+        os.truncate(cache / "images.images.npy", 200)
+    elif damage == "empty_masks":
+        os.truncate(cache / "images.masks.npy", 0)
+    else:
+        (cache / "images.labels.npy").unlink()
+    messages = []
+    again = ImageFolder.load(folder, (3, 8, 8), "rgb", cache_root=tmp_path / "cache", log=messages.append,
+                             progress=False)
+    warnings = [m for m in messages if m.startswith("warning:")]
+    assert len(warnings) == 1 and "the image cache is damaged" in warnings[0], messages
+    assert again.cache_dir == cache and np.array_equal(again.data.images, reference)
+    assert again.masks is not None and again.masks.shape == (7, 8, 8)
+    messages.clear()
+    ImageFolder.load(folder, (3, 8, 8), "rgb", cache_root=tmp_path / "cache", log=messages.append, progress=False)
+    assert not any(m.startswith("warning:") or "decoding" in m for m in messages)
