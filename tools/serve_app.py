@@ -33,7 +33,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                disable_created_metrics, generate_latest)
 from starlette.applications import Starlette
 from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
@@ -272,11 +272,15 @@ async def read_body(request: Request, max_body: int) -> bytes:
     if declared is not None and declared.isdecimal() and int(declared) > max_body:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:            # the client closed mid-upload, or uvicorn refused its chunked encoding
+        raise Refused(400, "the upload ended before its end (the connection closed, or its chunked encoding is "
+                           "broken)", "incomplete_upload") from None     # (400 is what uvicorn sent the latter)
     return b"".join(chunks)
 
 

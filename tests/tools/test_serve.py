@@ -264,6 +264,32 @@ def test_odd_top_k_queries_get_400_or_an_answer_never_500(served):
         assert response.status_code == 400 and "top_k" in response.json()["error"], (k[:30], response.text[:200])
 
 
+def test_uploads_cut_short_are_counted_as_400_not_as_server_faults(served):
+    """A client that closes mid-upload, or whose chunked encoding uvicorn refuses (it answers 400 itself):
+    /metrics counted each as a 500 server_error (starlette's ClientDisconnect reached the catch-all). Now
+    each is one 400, reason incomplete_upload."""
+    import socket
+
+    photo = LEAVES[0].read_bytes()
+    head = f"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Length: {len(photo)}\r\n\r\n".encode()
+    chunked = b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    before = metric_samples(served)
+    for request in (head + photo[:3000], chunked + b"zz\r\nhello\r\n0\r\n\r\n", chunked + b"-5\r\nhello\r\n"):
+        with socket.create_connection((served.base_url.host, served.base_url.port), timeout=10) as sock:
+            sock.sendall(request)
+            if request.startswith(head):
+                sock.shutdown(socket.SHUT_WR)
+            assert sock.recv(100).startswith(b"HTTP/1.1 400") or request.startswith(head)
+    deadline = time.monotonic() + 10
+    while counted(before, metric_samples(served), "lnn_serve_requests_total", status="400") < 3:
+        assert time.monotonic() < deadline, metric_samples(served)
+        time.sleep(0.05)
+    after = metric_samples(served)
+    assert counted(before, after, "lnn_serve_rejected_total", reason="incomplete_upload") == 3
+    assert counted(before, after, "lnn_serve_requests_total", status="500") == 0
+    assert counted(before, after, "lnn_serve_request_seconds_count") == 3
+
+
 def test_oversized_body_gets_413_declared_or_streamed(session):
     photo = LEAVES[0].read_bytes()
     with client_for(session, max_body=len(photo) - 1) as client:
