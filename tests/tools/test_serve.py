@@ -290,6 +290,22 @@ def test_uploads_cut_short_are_counted_as_400_not_as_server_faults(served):
     assert counted(before, after, "lnn_serve_request_seconds_count") == 3
 
 
+def test_multipart_media_type_is_case_insensitive_and_bad_forms_leave_no_log_lines(served, caplog):
+    """MULTIPART/FORM-DATA (media types are case-insensitive) was read as a raw body: 400, not an image.
+    python-multipart's warnings on a malformed form reached stderr, a line per hostile request."""
+    import logging
+
+    photo = LEAVES[0].read_bytes()
+    form = b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"leaf.jpg\"\r\n\r\n" + photo + b"\r\n--B--\r\n"
+    response = served.post("/v1/classify", content=form, headers={"Content-Type": "Multipart/Form-Data; boundary=B"})
+    assert response.status_code == 200 and response.json()["file"] == "leaf.jpg", response.text
+    with caplog.at_level(logging.WARNING):
+        for body in (b"\x00\xff" * 100, form.replace(b"--B", b"--C")):
+            bad = served.post("/v1/classify", content=body, headers={"Content-Type": "multipart/form-data; boundary=B"})
+            assert bad.status_code == 400 and "multipart form" in bad.json()["error"]
+    assert not [record for record in caplog.records if "multipart" in record.name], caplog.text
+
+
 def test_oversized_body_gets_413_declared_or_streamed(session):
     photo = LEAVES[0].read_bytes()
     with client_for(session, max_body=len(photo) - 1) as client:
