@@ -67,7 +67,8 @@ def scan_folder(folder) -> tuple[list, list, list]:
     """(class names, files as paths relative to folder, class index per file), in a fixed order."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise LnnInputError(f"{folder}: no such folder (pass --data folder:DIR with one sub-folder per class)")
+        what = "not a folder" if folder.exists() else "no such folder"
+        raise LnnInputError(f"{folder}: {what} (pass --data folder:DIR with one sub-folder per class)")
     classes, files, labels = [], [], []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
         images = sorted(p for p in sub.iterdir()     # anything but a folder, as lnn-infer: a named pipe, a link to a
@@ -348,6 +349,11 @@ class ImageFolder:
             raise LnnInputError(f"a {color} model needs {1 if color == 'gray' else 3} input channels, "
                                 f"the model takes {channels}")
         classes, files, labels = scan_folder(folder)
+        empty = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
+                       and p.name not in classes)
+        if empty:
+            log(f"{folder}: {len(empty)} sub-folder{'s' if len(empty) > 1 else ''} without image files left out "
+                f"(no class of that name): {one_line(', '.join(empty[:5]))}{', ...' if len(empty) > 5 else ''}")
         target, index, data, masks = open_cache(folder, files, labels, (height, width), color, cache_root, workers,
                                                 log, progress, what=f"images of {len(classes)} classes")
         return cls(folder, classes, index["files"], index["skipped"], data, target, masks)
@@ -422,6 +428,10 @@ def folder_datasets(folder, description: dict, augment: bool = True, val_fractio
                             "and an input_shape [C, H, W]")
     config = TrainingConfig.parse(model.extra.get("training"))
     color = model.preprocess["color"]
+    classes = scan_folder(folder)[0]
+    if len(classes) < 2:
+        raise LnnInputError(f"{folder}: holds photos of one class only ({one_line(classes[0])}): a classifier learns "
+                            f"from two or more class sub-folders (DIR/<class>/<photo>.jpg)")
     wanted = os.environ.get("LNN_AUGMENT_PROCESSES", "").strip()       # "1"/"0" forces processes/threads
     processes = wanted == "1" if wanted in ("0", "1") else (os.cpu_count() or 1) > PROCESSES_ABOVE
     augmenter = augmenter_from_block(config.augment, color, processes=processes) if augment else None

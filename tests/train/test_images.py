@@ -519,3 +519,22 @@ def test_a_damaged_cache_is_decoded_again_with_one_warning(tmp_path, damage):
     messages.clear()
     ImageFolder.load(folder, (3, 8, 8), "rgb", cache_root=tmp_path / "cache", log=messages.append, progress=False)
     assert not any(m.startswith("warning:") or "decoding" in m for m in messages)
+
+
+def test_a_file_for_dir_an_empty_class_folder_and_a_single_class_are_named(tmp_path):
+    from lnn.train.images import folder_datasets
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(LnnInputError, match="a_file: not a folder"):
+        scan_folder(tmp_path / "a_file")
+    folder = make_folder(tmp_path / "photos")                        # its empty_class/ holds nothing
+    messages = []
+    ImageFolder.load(folder, (3, 8, 8), "rgb", cache_root=tmp_path / "cache", log=messages.append, progress=False)
+    assert any("1 sub-folder without image files left out" in m and m.endswith(": empty_class") for m in messages)
+    (tmp_path / "one" / "only").mkdir(parents=True)
+    cv2.imwrite(str(tmp_path / "one" / "only" / "a.png"), np.zeros((4, 4, 3), np.uint8))
+    description = {"name": "m", "input_shape": [3, 8, 8],
+                   "preprocess": {"color": "rgb", "scale": 1 / 255, "mean": [0] * 3, "std": [1] * 3},
+                   "layers": [{"type": "global_avg_pool"}, {"type": "linear", "out_features": 2}]}
+    with pytest.raises(LnnInputError, match=r"photos of one class only \(only\)"):
+        folder_datasets(tmp_path / "one", description, log=lambda m: None, progress=False)
