@@ -33,6 +33,79 @@ NO_ROUTE_PROBE = ("10.255.255.255", 1)      # a private address: connecting a UD
 BANNER = "serving on"                       # the first line on stderr: "lnn-serve: serving on http://HOST:PORT/ ..."
 
 
+HEAD_LIMIT = 64 * 1024                      # bytes of a request's line and headers: more is 431
+
+
+def guarded_protocol(head_timeout_s: float):
+    """uvicorn's httptools protocol (the serve extra's) with the two limits it lacks, or None without httptools
+    (uvicorn's h11 protocol then, which has a 16 KiB head limit of its own). A request's line and headers over
+    HEAD_LIMIT: 431 and the connection closed (httptools buffered an endless header whole: 100 MB sent took
+    the server's memory up 146 MB). No whole head within head_timeout_s of the connection's start or of the
+    head's first byte: the connection closed, with 408 where part of a head came (an idle connection stayed
+    open forever, so enough of them used up the process's open files and every other phone was refused)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+    except ImportError:
+        return None
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        def connection_made(self, transport) -> None:
+            self.reading_head, self.head_bytes, self.head_tail, self.head_timer = True, 0, b"", None
+            super().connection_made(transport)
+            self.start_head_timer()
+
+        def start_head_timer(self) -> None:
+            if self.head_timer is None:
+                self.head_timer = self.loop.call_later(head_timeout_s, self.head_timed_out)
+
+        def stop_head_timer(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def data_received(self, data: bytes) -> None:
+            if self.reading_head:               # measured up to its blank line, before the parser buffers any of it
+                self.start_head_timer()
+                seen = self.head_tail + data
+                end = seen.find(b"\r\n\r\n")
+                self.head_bytes += len(data) if end < 0 else end + 4 - len(self.head_tail)
+                self.head_tail = seen[-3:]
+                if self.head_bytes > HEAD_LIMIT:
+                    return self.refuse(431, f"the request's line and headers are over {HEAD_LIMIT:,} bytes")
+            super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self.reading_head = False
+            self.stop_head_timer()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self.reading_head, self.head_bytes, self.head_tail = True, 0, b""      # the next request's head
+
+        def connection_lost(self, exc) -> None:
+            self.stop_head_timer()
+            super().connection_lost(exc)
+
+        def head_timed_out(self) -> None:
+            self.head_timer = None
+            if not self.reading_head or self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:    # a pipelined head behind an answer
+                return self.start_head_timer()
+            if self.head_bytes:
+                return self.refuse(408, f"no whole request within {head_timeout_s:g} s")
+            self.transport.close()
+
+        def refuse(self, status: int, message: str) -> None:
+            body = message.encode()
+            self.transport.write(STATUS_LINE[status] + b"content-type: text/plain; charset=utf-8\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+            self.transport.close()
+
+    return GuardedHttpToolsProtocol
+
+
 @dataclass
 class ServeConfig:
     """The server's settings; their defaults are the command's."""
@@ -149,6 +222,7 @@ def server_for(model, host: str, port: int, device: str = "auto", threads: int |
     sock = listening_socket(host, port)
     app = create_app(session, config)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                           http=guarded_protocol(config.timeout_s) or "auto",
                                            timeout_graceful_shutdown=config.timeout_s + 5))
     return server, sock
 

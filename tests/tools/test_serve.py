@@ -393,6 +393,47 @@ def test_model_page_and_metrics_endpoints(session, served):
     assert "lnn_serve_queue_depth" in metrics.text and "lnn_serve_request_seconds_bucket" in metrics.text
 
 
+def test_endless_request_heads_get_431_and_idle_connections_are_closed():
+    """uvicorn's httptools protocol has no limit on a request's headers (100 MB of one header took the
+    server's memory up 146 MB) and never closes a connection that sends nothing (enough of them use up the
+    open files and every other phone is refused). The server's protocol (serve.guarded_protocol): a head
+    over HEAD_LIMIT is 431; no whole head within --timeout closes the connection, with 408 where part came."""
+    import http.client
+    import socket
+
+    from lnn.tools.serve import HEAD_LIMIT, server_for
+
+    server, sock = server_for(DEFAULT_MODEL, "127.0.0.1", 0, "numpy", timeout_s=1.0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    address = sock.getsockname()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        with socket.create_connection(address, timeout=10) as big:
+            big.sendall(b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * (HEAD_LIMIT // 2))
+            time.sleep(0.1)
+            big.sendall(b"a" * (HEAD_LIMIT // 2))
+            assert big.recv(100).startswith(b"HTTP/1.1 431 ")
+        idle = [socket.create_connection(address, timeout=10) for _ in range(50)]
+        idle[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")                      # a head that never ends
+        kept = http.client.HTTPConnection(*address, timeout=10)
+        for pause in (0, 0.6):                                       # a kept-alive connection is not cut short
+            time.sleep(pause)
+            kept.request("GET", "/healthz")
+            assert kept.getresponse().read() == b'{"alive":true}'
+        kept.close()
+        assert idle[0].recv(100).startswith(b"HTTP/1.1 408 ")
+        assert [connection.recv(100) for connection in idle[1:]] == [b""] * 49       # closed by the server
+        for connection in idle:
+            connection.close()
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 def test_sigterm_drains_the_request_in_flight_and_exits_0():
     """A real lnn-serve on a free loopback port: a request still uploading when SIGTERM arrives gets its
     answer, and the process then exits 0."""
