@@ -68,24 +68,55 @@ class _GraphBuilder:
     def __init__(self, onnx):
         self.onnx = onnx
         self.nodes, self.initializers = [], []
-        self.current = INPUT_NAME
+        # Tensor and node names come from layer names, which may be anything: a layer named "input", "logits" or
+        # "fc2.weight", or "fc/relu" beside layer "fc"'s fused relu, gave two tensors or nodes one name (a
+        # traceback from onnx.checker, or a file onnxruntime refuses). Every name is made unique here (`_unique`);
+        # the graph's input and output names are reserved.
+        self.tensor_names = {INPUT_NAME, "logits", "output"}
+        self.node_names = set()
+        self.renamed = {}               # add_node's output names as asked -> as written
+        self._current = INPUT_NAME
+
+    @property
+    def current(self) -> str:
+        return self._current
+
+    @current.setter
+    def current(self, name: str) -> None:
+        self._current = self.renamed.get(name, name)
+
+    @staticmethod
+    def _unique(name: str, taken: set) -> str:
+        unique, count = name, 1
+        while unique in taken:
+            count += 1
+            unique = f"{name}_{count}"
+        taken.add(unique)
+        return unique
 
     def constant(self, name: str, array: np.ndarray) -> str:
+        name = self._unique(name, self.tensor_names)
         self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(array, dtype=np.float32, order="C"), name))
         return name
 
     def add(self, op_type: str, name: str, extra_inputs=(), **attributes) -> None:
-        output = name
-        self.nodes.append(self.onnx.helper.make_node(op_type, [self.current, *extra_inputs], [output], name=name,
-                                                     **attributes))
-        self.current = output
+        output = self._unique(name, self.tensor_names)
+        self.nodes.append(self.onnx.helper.make_node(op_type, [self.current, *extra_inputs], [output],
+                                                     name=self._unique(name, self.node_names), **attributes))
+        self._current = output
 
     def add_node(self, op_type: str, name: str, inputs: list, outputs: list, **attributes) -> None:
         """A node of several inputs and outputs; the first output flows on."""
-        self.nodes.append(self.onnx.helper.make_node(op_type, inputs, outputs, name=name, **attributes))
-        self.current = outputs[0]
+        written = []
+        for output in outputs:
+            written.append(self._unique(output, self.tensor_names))
+            self.renamed[output] = written[-1]
+        self.nodes.append(self.onnx.helper.make_node(op_type, inputs, written, name=self._unique(name, self.node_names),
+                                                     **attributes))
+        self._current = written[0]
 
     def integers(self, name: str, values) -> str:
+        name = self._unique(name, self.tensor_names)
         self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(values, dtype=np.int64), name))
         return name
 
@@ -108,10 +139,9 @@ def build_onnx(model: Model, weights: dict, opset: int = MIN_OPSET):
         last_activation = node.attrs if node.op in ACTIVATIONS else fused
     ends_in_probabilities = last_activation is not None and last_activation["type"] in ("softmax", "sigmoid")
     output = "output" if ends_in_probabilities else "logits"
-    if graph.nodes:
-        graph.nodes[-1].output[0] = output
-    else:
+    if not graph.nodes:
         graph.add("Identity", output)
+    graph.nodes[-1].output[0] = output          # a reserved name (_GraphBuilder), so no other tensor has it
 
     float32 = onnx.TensorProto.FLOAT
     graph_proto = onnx.helper.make_graph(

@@ -248,6 +248,39 @@ def test_round_trip_through_lnn_import_keeps_model_and_outputs(tmp_path):
     assert np.abs(numpy_session(back, back_weights).run(batch) - numpy_session(model, weights).run(batch)).max() <= TOLERANCE
 
 
+@pytest.mark.parametrize("names", [
+    ["input", "fc"], ["logits", "fc"], ["fc", "fc/relu"], ["fc2.weight", "fc2"], ["fc2", "fc2.weight"]])
+def test_layer_names_that_are_also_onnx_tensor_or_node_names_export(tmp_path, names):
+    # Tensor and node names come from layer names: a layer named "input" or "logits", one whose output name is
+    # another layer's weight ("fc2.weight"), or "fc/relu" beside layer fc's fused relu gave two tensors (an
+    # onnx.checker traceback) or two nodes (a file onnxruntime refused) one name; now each is made unique
+    model = parse_model({"name": "names", "input_shape": [5], "layers": [
+        {"type": "linear", "name": names[0], "out_features": 4, "activation": "relu"},
+        {"type": "linear", "name": names[1], "out_features": 4, "bias": False},
+        {"type": "linear", "name": "out", "out_features": 3, "activation": "softmax"}]})
+    weights = random_weights(model, seed=9)
+    proto = export_onnx(model, weights, tmp_path / "names.onnx")
+    onnx.checker.check_model(proto, full_check=True)
+    assert [v.name for v in proto.graph.input] == ["input"] and [v.name for v in proto.graph.output] == ["output"]
+    batch = np.random.default_rng(10).standard_normal((7, 5)).astype(np.float32)
+    expected = numpy_session(model, weights).run(batch)
+    for level in LEVELS.values():
+        assert np.abs(ort_run(tmp_path / "names.onnx", batch, level) - expected).max() <= TOLERANCE
+    back, back_weights = import_onnx(tmp_path / "names.onnx")
+    assert np.abs(numpy_session(back, back_weights).run(batch) - expected).max() <= TOLERANCE
+
+
+def test_an_lstm_beside_a_layer_named_like_its_nodes_exports(tmp_path):
+    model = parse_model({"name": "rnn_names", "input_shape": [3, 6], "layers": [
+        {"type": "lstm", "name": "r", "hidden_size": 3, "num_layers": 2, "return": "last"},
+        {"type": "linear", "name": "r/l1", "out_features": 2}]})
+    weights = random_weights(model, seed=11)
+    export_onnx(model, weights, tmp_path / "rnn.onnx")
+    batch = np.random.default_rng(12).standard_normal((7, 3, 6)).astype(np.float32)
+    assert np.abs(ort_run(tmp_path / "rnn.onnx", batch, LEVELS["default optimizations"])
+                  - numpy_session(model, weights).run(batch)).max() <= TOLERANCE
+
+
 def test_errors_are_one_line_lnn_errors(tmp_path, monkeypatch):
     model = load_model(EXAMPLES / "reference" / "mnist_mlp.json")
     weights = random_weights(model)
