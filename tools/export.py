@@ -53,6 +53,7 @@ from lnn.tools.cli import (command_parser, human_bytes, is_npz_file, read_checkp
 
 PROG = "lnn-export"
 IGNORED_BATCHNORM_KEYS = ("num_batches_tracked",)     # a PyTorch counter, not a parameter
+ONNX_LEFT_OUT = ("calibration", "gate", "thresholds")   # .bin metadata ONNX does not carry
 MAX_INT8_LOSS = 0.005                                # top-1 accuracy int8 may lose: half a percentage point
 
 
@@ -133,6 +134,11 @@ def export(args) -> int:
         export_onnx(model, float32_weights(model, network), args.onnx)      # int8 and float16 widened
         size = Path(args.onnx).stat().st_size
         print(f"wrote {args.onnx}: {human_bytes(size)} ({size:,} bytes), ONNX, float32, {model.num_params:,} parameters")
+        left_out = [key for key in ONNX_LEFT_OUT if key in metadata]
+        if left_out:          # lnn-import of this file gives a model that never says "uncertain" or "not a leaf"
+            print(f"warning: {args.onnx} holds the network, labels and preprocessing, not this model's "
+                  f"{', '.join(left_out)} (its uncertain answers); a .bin imported from it answers every input",
+                  file=sys.stderr)
     return 0
 
 

@@ -84,6 +84,22 @@ def test_onnx_output_reproduces_pytorch_in_onnxruntime(reference_bin, tmp_path, 
     np.testing.assert_allclose(got, samples["expected"], rtol=0, atol=1e-4)
 
 
+def test_onnx_of_a_bin_with_a_gate_says_the_gate_stays_behind(tmp_path, capsys):
+    # ONNX carries the network, labels and preprocessing only: the bundled model's calibration, gate and
+    # thresholds were dropped without a word, and a .bin imported back from the file answered every photo
+    # (never "uncertain" / "not a leaf"); now a warning line says so (the file is still written)
+    pytest.importorskip("onnx")
+    from conftest import REPO
+
+    assert main([str(REPO / "models" / "tomato_leaf.bin"), "--onnx", str(tmp_path / "t.onnx")]) == 0
+    captured = capsys.readouterr()
+    assert "ONNX, float32" in captured.out and (tmp_path / "t.onnx").exists()
+    (warning,) = captured.err.splitlines()
+    assert warning.startswith("warning: ") and "calibration, gate, thresholds" in warning
+    assert main([str(MNIST_JSON), "--weights", str(mnist_weights()), "--onnx", str(tmp_path / "m.onnx")]) == 0
+    assert capsys.readouterr().err == ""                                 # nothing left behind: no warning
+
+
 def batchnorm_model(tmp_path):
     desc = {"name": "bn", "input_shape": [2, 4, 4], "layers": [
         {"type": "conv2d", "name": "conv", "out_channels": 3, "kernel_size": 3, "padding": 1},
