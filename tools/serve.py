@@ -16,6 +16,7 @@ Needs the serve extra: pip install 'lnn[serve]'.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import sys
@@ -265,16 +266,32 @@ class BackgroundServer:
         self.blas.restore_original_limits()
 
 
+def more_open_files() -> None:
+    """Raise this process's soft limit on open files to its hard one, as servers do: each connection is a file,
+    and under the usual soft limit of 1,024 about 1,000 open connections (idle or slow ones included) got every
+    further phone's connection reset until some closed."""
+    try:
+        import resource
+    except ImportError:                         # Windows: no such limit to raise
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):          # macOS: an unlimited hard limit is not settable
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def serve(args) -> int:
     check_options(args)
+    more_open_files()
     server, sock = server_for(args.model, args.host, args.port, args.device, args.threads,
                               max_batch=args.max_batch, max_delay_s=args.max_delay_ms / 1000, queue=args.queue,
                               timeout_s=args.timeout, max_body=args.max_body, max_pixels=args.max_pixels,
                               top_k=args.top_k)
-    print_banner(args.host, sock, server.config.app.state.session.describe_threads())
     # uvicorn catches SIGTERM, drains the requests in flight, puts the previous handler back and raises the
-    # signal again; this handler makes that second delivery a no-op, so a drained server exits 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    # signal again; this handler makes that second delivery harmless, so a drained server exits 0. Set before
+    # the banner, and stopping the server: a SIGTERM between the banner and uvicorn's own handler (its loop's
+    # start) was swallowed by a no-op handler here, and the server then ran on, deaf to it.
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    print_banner(args.host, sock, server.config.app.state.session.describe_threads())
     one_blas_thread()                           # until the process ends
     server.run(sockets=[sock])
     if not server.started:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import signal
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -432,6 +433,39 @@ def test_endless_request_heads_get_431_and_idle_connections_are_closed():
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_the_command_raises_its_open_files_limit_to_the_hard_one():
+    """Each connection is a file: under a soft limit of 1,024, about 1,000 open connections got every further
+    phone's connection reset. lnn-serve raises its soft limit to the hard one at start."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or min(soft, hard) <= 256:
+        pytest.skip("no finite hard limit over 256 to raise a low soft limit to")
+    process, _ = launch_process("--port", "0", "--device", "numpy",
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    try:
+        limits = open(f"/proc/{process.pid}/limits").read() if sys.platform == "linux" else None
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    if limits is not None:
+        [line] = [line for line in limits.splitlines() if line.startswith("Max open files")]
+        assert line.split()[3:5] == [str(hard), str(hard)], line
+
+
+def test_sigterm_right_after_the_banner_stops_the_server():
+    """A SIGTERM between the banner and uvicorn's own handler was swallowed by lnn-serve's no-op handler:
+    the server ran on and ignored it. Now it stops the server once started, exit 0."""
+    for _ in range(2):
+        process, _ = launch_process("--port", "0", "--device", "numpy")
+        process.send_signal(signal.SIGTERM)
+        try:
+            assert process.wait(timeout=30) == 0, "".join(process.stderr_lines)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def test_sigterm_drains_the_request_in_flight_and_exits_0():
