@@ -43,7 +43,8 @@ def guarded_protocol(head_timeout_s: float):
     HEAD_LIMIT: 431 and the connection closed (httptools buffered an endless header whole: 100 MB sent took
     the server's memory up 146 MB). No whole head within head_timeout_s of the connection's start or of the
     head's first byte: the connection closed, with 408 where part of a head came (an idle connection stayed
-    open forever, so enough of them used up the process's open files and every other phone was refused)."""
+    open forever, so enough of them used up the process's open files and every other phone was refused).
+    Part of a head in when the server stops: 503 with Retry-After, not a connection closed unanswered."""
     try:
         from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
     except ImportError:
@@ -98,9 +99,15 @@ def guarded_protocol(head_timeout_s: float):
                 return self.refuse(408, f"no whole request within {head_timeout_s:g} s")
             self.transport.close()
 
-        def refuse(self, status: int, message: str) -> None:
+        def shutdown(self) -> None:
+            """SIGTERM: uvicorn closed a connection with part of a head in it, no answer; now 503 (try again)."""
+            if self.reading_head and self.head_bytes and (self.cycle is None or self.cycle.response_complete):
+                return self.refuse(503, "the server is stopping; try again in a moment", b"retry-after: 1\r\n")
+            super().shutdown()
+
+        def refuse(self, status: int, message: str, headers: bytes = b"") -> None:
             body = message.encode()
-            self.transport.write(STATUS_LINE[status] + b"content-type: text/plain; charset=utf-8\r\n"
+            self.transport.write(STATUS_LINE[status] + headers + b"content-type: text/plain; charset=utf-8\r\n"
                                  b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
             self.transport.close()
 

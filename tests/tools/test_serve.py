@@ -454,6 +454,28 @@ def test_the_command_raises_its_open_files_limit_to_the_hard_one():
         assert line.split()[3:5] == [str(hard), str(hard)], line
 
 
+def test_a_request_head_half_sent_at_sigterm_gets_503():
+    """uvicorn closed a connection whose request head was still arriving when SIGTERM came, unanswered."""
+    import socket
+
+    process, url = launch_process("--port", "0", "--device", "numpy")
+    try:
+        with httpx.Client(base_url=url) as client:
+            wait_ready(client)
+        host, port = url.split("//")[1].strip("/").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\n")
+            time.sleep(0.2)
+            process.send_signal(signal.SIGTERM)
+            answer = sock.recv(200)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in answer, answer
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_sigterm_right_after_the_banner_stops_the_server():
     """A SIGTERM between the banner and uvicorn's own handler was swallowed by lnn-serve's no-op handler:
     the server ran on and ignored it. Now it stops the server once started, exit 0."""
