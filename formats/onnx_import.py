@@ -48,6 +48,7 @@ class _Node:
         self.proto, self.consts, self.in_shape, self.opset, self.batch = proto, consts, in_shape, opset, batch
         self.zeros = zeros          # computed tensors known to be all zeros (initial states from ConstantOfShape)
         self.op = proto.op_type
+        self.output = 0             # the output the chain goes on from (1: an LSTM / GRU's last state Y_h)
         self.where = _where(proto, index)
         self.given = {}
         for attribute in proto.attribute:
@@ -134,7 +135,8 @@ class _Chain:
         self.layers, self.params = [], []
         self.shape = input_shape
         # Where a series is time-major around LSTM / GRU nodes: None (lnn's own [N, C, T] layout),
-        # "time_major" ([T, N, F]), "directions" (an RNN's Y [T, D, N, H]), "directions_last" ([T, N, D, H]).
+        # "time_major" ([T, N, F]), "directions" (an RNN's Y [T, D, N, H]), "directions_last" ([T, N, D, H]),
+        # "last_state" (an RNN's Y_h [D, N, H]), "last_state_batch" ([N, D, H]).
         self.layout = None
         self.rnn_open = False       # the time-major tensor is the output of the last lstm / gru layer
 
@@ -187,6 +189,8 @@ def _read(node: _Node, chain: _Chain) -> None:
         node.attributes()
         return
     op = next((op for op in ops if op.onnx_claims(node, chain)), ops[-1])
+    if node.output and node.output != op.onnx_last_state_output:
+        raise node.error(f'its output {node.output + 1} ("{node.proto.output[node.output]}") is used; lnn gives only the first')
     getattr(op, op.onnx_readers[node.op])(node, chain)
 
 
@@ -314,13 +318,15 @@ def convert_graph(proto) -> tuple[dict, list]:
         if consumers.get(current, 0) > 1 or current in graph_outputs:
             raise OnnxImportError(f'{where}: "{current}" is used by more than one node or is also a graph output; '
                                   "lnn needs a chain without branches")
-        for extra in proto_node.output[1:]:
-            if extra and (extra in consumers or extra in graph_outputs):
-                raise OnnxImportError(f'{where}: its second output "{extra}" is used; lnn gives only the first')
+        used = [i for i, name in enumerate(proto_node.output) if name and (name in consumers or name in graph_outputs)]
+        if len(used) > 1:
+            raise OnnxImportError(f'{where}: outputs {", ".join(proto_node.output[i] for i in used)} are all used; '
+                                  f"lnn needs a chain without branches")
         node = _Node(proto_node, index, consts, chain.shape, opset, batch, frozenset(zeros))
+        node.output = used[0] if used else 0      # not the first: _read refuses it unless the op gives that one
         _read(node, chain)
         chain.infer_shape(node)
-        current = proto_node.output[0]
+        current = proto_node.output[node.output]
 
     if graph_outputs != [current]:
         raise OnnxImportError(f"the graph's outputs are {graph_outputs}; lnn needs exactly one, the end of the chain "

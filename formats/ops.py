@@ -248,7 +248,9 @@ class Op:
     # (params float32, a batch norm after it already folded in). Import: `onnx_readers` maps each ONNX op type
     # this op reads to the name of its method `(node, chain)`, which reads onnx_import's _Node into its _Chain;
     # where several ops read one type, the first in OPS whose `onnx_claims` is true reads it (else the last).
+    # A node's outputs past the first may carry the chain on only where `onnx_last_state_output` names it.
     onnx_readers: dict = {}
+    onnx_last_state_output: int | None = None
 
     def to_onnx(self, graph, node, params: dict) -> None:
         raise LnnError(f"layer {node.index} ({node.op}): no ONNX export for this op")
@@ -816,6 +818,11 @@ class GlobalMaxPool(_GlobalPool):
     onnx_type = "GlobalMaxPool"
 
 
+# onnx_import's chain layouts in which a Reshape is an LSTM / GRU's (directions merged, or the last states as
+# [N, D*H]), not a flatten
+RECURRENT_RESHAPE_LAYOUTS = ("directions_last", "last_state_batch")
+
+
 class Flatten(Op):
     name = "flatten"
     trainable = False
@@ -832,7 +839,7 @@ class Flatten(Op):
         graph.add("Flatten", node.name, axis=1)
 
     def onnx_claims(self, node, chain):
-        return node.op != "Reshape" or chain.layout != "directions_last"      # else a recurrent layer's Reshape
+        return node.op != "Reshape" or chain.layout not in RECURRENT_RESHAPE_LAYOUTS   # else a recurrent layer's
 
     def flatten_from_onnx(self, node, chain):
         """Flatten on axis 1."""
@@ -1234,8 +1241,10 @@ class _Recurrent(Op):
     # same, the layout between the nodes followed in chain.layout (None: lnn's [N, C, T]; "time_major"
     # [T, N, F]; "directions" an RNN's Y [T, D, N, H]; "directions_last" [T, N, D, H]); consecutive nodes
     # become one layer with num_layers; zero initial states, also when computed from the input's Shape, as
-    # PyTorch writes them for a dynamic batch (onnx_import._shape_side).
+    # PyTorch writes them for a dynamic batch (onnx_import._shape_side). "last" as lnn exports it: the top
+    # node's Y_h alone ("last_state" [D, N, H]), Transpose [1, 0, 2] ("last_state_batch"), Reshape [0, -1].
     onnx_type = ""
+    onnx_last_state_output = 1      # Y_h [D, N, H]: "return": "last" (lnn's export: Transpose [1, 0, 2], Reshape [0, -1])
     onnx_gate_order: tuple = ()     # ONNX's gate blocks, as indices of PyTorch's (= lnn's) blocks
     onnx_activations: list = []     # the ONNX activations of lnn's cell
     onnx_cell_defaults: dict = {}   # the node's cell-specific attributes: ONNX's defaults (import) ...
@@ -1284,7 +1293,7 @@ class _Recurrent(Op):
         graph.add("Transpose", f"{name}/channels_first", perm=[1, 2, 0])            # [T, N, F] -> [N, F, T]
 
     def onnx_claims(self, node, chain):
-        return node.op != "Reshape" or chain.layout == "directions_last"
+        return node.op != "Reshape" or chain.layout in RECURRENT_RESHAPE_LAYOUTS
 
     def onnx_check_cell(self, node, attrs: dict) -> None:
         """Refuse the node's cell-specific attributes (onnx_cell_defaults) where they are not lnn's cell."""
@@ -1340,6 +1349,9 @@ class _Recurrent(Op):
                 params[f"bias_ih{suffix}"] = self.onnx_gate_blocks(b[direction, :gates * hidden], hidden, to_onnx=False)
                 params[f"bias_hh{suffix}"] = self.onnx_gate_blocks(b[direction, gates * hidden:], hidden, to_onnx=False)
         chain.layout, chain.rnn_open = "directions", True
+        if node.output == self.onnx_last_state_output:         # Y_h: this is the top layer, giving its last states
+            chain.last["return"] = "last"
+            chain.layout, chain.rnn_open = "last_state", False
 
     @staticmethod
     def _zero_state_from_onnx(node, position: int, what: str) -> None:
@@ -1358,6 +1370,8 @@ class _Recurrent(Op):
             chain.layout = "directions_last"                # Y [T, D, N, H] -> [T, N, D, H]
         elif chain.layout == "time_major" and chain.rnn_open and perm == [1, 2, 0]:
             chain.layout, chain.rnn_open = None, False      # [T, N, D*H] -> lnn's [N, D*H, T]
+        elif chain.layout == "last_state" and perm == [1, 0, 2]:
+            chain.layout = "last_state_batch"               # Y_h [D, N, H] -> [N, D, H]
         else:
             raise node.error(f"Transpose with perm {perm} is not supported here: lnn takes Transpose only around "
                              "LSTM / GRU nodes of a channel-first [N, C, T] series")
@@ -1374,9 +1388,17 @@ class _Recurrent(Op):
         chain.layout = "time_major"
 
     def reshape_from_onnx(self, node, chain):
-        """[T, N, D, H] -> [T, N, D*H]: a bidirectional RNN's output merged back into features."""
+        """[T, N, D, H] -> [T, N, D*H]: a bidirectional RNN's output merged back into features; or its last states
+        [N, D, H] -> [N, D*H], lnn's "return": "last"."""
         node.attributes(allowzero=0)
         target = [int(v) for v in node.const(1, "shape").reshape(-1)]
+        if chain.layout == "last_state_batch":
+            features = chain.last["hidden_size"] * (2 if chain.last["bidirectional"] else 1)
+            if len(target) != 2 or target[0] not in {0, -1, node.batch} - {None} or target[1] not in (-1, features):
+                raise node.error(f"Reshape to {target} is not supported after an LSTM / GRU's last states: lnn takes "
+                                 f"[0, -1] ([N, {features}])")
+            chain.layout = None
+            return
         features = chain.last["hidden_size"] * 2
         if len(target) != 3 or target[0] not in (0, chain.shape[-1]) or target[1] not in {0, -1, node.batch} - {None} \
                 or target[2] not in (-1, features):

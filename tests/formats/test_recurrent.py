@@ -154,13 +154,36 @@ def test_onnx_round_trip_through_lnn_export(tmp_path):
     from lnn.formats.onnx_import import import_onnx
     from lnn.runtime import Session
 
-    for case in ("lstm_nobias_bi_seq", "gru_nobias_2_seq"):
+    for case in CASES:                          # "return": "last" too: the top layer's Y_h
         model, params, x, y = golden(case)
         export_onnx(model, {f"rnn.{key}": value for key, value in params.items()}, tmp_path / f"{case}.onnx")
         back, weights = import_onnx(tmp_path / f"{case}.onnx")
         assert back.nodes[0].attrs == model.nodes[0].attrs
         session = Session(parse_bin_bytes(encode_bin(back, weights, build_metadata(back))), "numpy")
         np.testing.assert_allclose(session.run(x), y, atol=3e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_one_direction_last_state_model_round_trips_through_onnx(kind, tmp_path):
+    """lnn's export of "return": "last" reads the top node's Y_h (its second output); the import takes it back
+    into the same layer, and a layer after it."""
+    pytest.importorskip("onnx")
+    from lnn.formats.onnx_export import export_onnx
+    from lnn.formats.onnx_import import import_onnx
+    from lnn.runtime import Session
+
+    model = parse_model({"input_shape": [2, 7], "layers": [
+        {"type": kind, "name": "rnn", "hidden_size": 3, "num_layers": 2, "return": "last"},
+        {"type": "linear", "name": "fc", "out_features": 4}]})
+    rng = np.random.default_rng(0)
+    weights = {key: rng.standard_normal(shape).astype(np.float32) * 0.5 for key, shape in model.param_shapes().items()}
+    x = rng.standard_normal((5, 2, 7)).astype(np.float32)
+    export_onnx(model, weights, tmp_path / "m.onnx")
+    back, back_weights = import_onnx(tmp_path / "m.onnx")
+    assert back.nodes[0].attrs == model.nodes[0].attrs
+    run = [Session(parse_bin_bytes(encode_bin(m, w, build_metadata(m))), "numpy").run(x)
+           for m, w in ((model, weights), (back, back_weights))]
+    np.testing.assert_allclose(run[1], run[0], atol=1e-6, rtol=1e-5)
 
 
 def test_onnx_import_refuses_what_lnn_does_not_compute(tmp_path):
