@@ -18,7 +18,8 @@ and linear weight matrices as float16 (biases and batch-norm statistics stay flo
 quarter of the float32 size; formats/SPEC.md). Before writing, it measures the top-1 accuracy of the
 model as given and of its int8 version on --calibration data, and refuses when int8 loses more than
 0.5 points: folder:DIR is the validation side of lnn-train's split of an image folder (the photos
-lnn-eval evaluates by default), mnist:DIR the 10,000 MNIST test images. Without --calibration it
+lnn-eval evaluates by default), mnist:DIR the 10,000 MNIST test images, ucr:DIR a series model's UCR/UEA
+dataset's NAME_TEST (the split lnn-eval --split test measures). Without --calibration it
 refuses too, since nothing was checked. --force writes the int8 file anyway (after the check, when
 there is calibration data).
 
@@ -66,7 +67,8 @@ def build_parser():
     parser.add_argument("--int8", action="store_true",
                         help="in the .bin, store conv and linear weights as int8 with per-channel scales (about a quarter)")
     parser.add_argument("--calibration", metavar="KIND:DIR",
-                        help="with --int8: folder:DIR (its validation split) or mnist:DIR (the test set) to compare accuracy on")
+                        help="with --int8: folder:DIR (its validation split), mnist:DIR (the test set) or, for a "
+                             "series model, ucr:DIR (NAME_TEST) to compare accuracy on")
     parser.add_argument("--force", action="store_true",
                         help="with --int8: write it even if it loses more than 0.5 points, or without --calibration")
     parser.add_argument("--onnx", metavar="OUT.onnx", help="also (or only) write the model as ONNX")
@@ -198,15 +200,28 @@ def photo_paths(given: list) -> list:
 
 # --------------------------------------------------------------------------- the int8 accuracy gate
 
+CALIBRATION_KINDS = "folder:DIR, mnist:DIR or (a series model) ucr:DIR"
+
+
 def calibration_set(spec: str, model: Model) -> tuple:
-    """`folder:DIR` or `mnist:DIR` -> (uint8 images [N, C, H, W] in the model's colour order and size,
-    the model output index each should get [N], what they are). folder: the validation side of
-    lnn-train's split with its default seed and share, as lnn-eval evaluates; mnist: the test set."""
+    """`folder:DIR`, `mnist:DIR` or `ucr:DIR` -> (the inputs: uint8 images [N, C, H, W] in the model's colour
+    order and size, or a series model's raw series; the model output index each should get [N]; what they are).
+    folder: the validation side of lnn-train's split with its default seed and share, as lnn-eval evaluates;
+    mnist: the test set; ucr: NAME_TEST, as lnn-eval --split test."""
     kind, sep, path = spec.partition(":")
-    if kind not in ("folder", "mnist") or not sep or not path:
-        raise LnnInputError(f"--calibration must look like folder:DIR or mnist:DIR, not {spec!r}")
-    if not model.takes_images:
-        raise LnnInputError(f"model {model.name!r} takes no images, so {spec} cannot calibrate it")
+    if kind not in ("folder", "mnist", "ucr") or not sep or not path:
+        raise LnnInputError(f"--calibration must look like {CALIBRATION_KINDS}, not {spec!r}")
+    series_model = len(model.input_shape) == 2
+    if (kind == "ucr" and not series_model) or (kind != "ucr" and not model.takes_images):
+        takes = "series" if series_model else "images" if model.takes_images else "table rows"
+        hint = {"series": "give ucr:DIR", "images": "give folder:DIR or mnist:DIR"}.get(
+            takes, "a table model has no calibration data kind yet: --force writes int8 unchecked")
+        raise LnnInputError(f"model {model.name!r} takes {takes}, so {spec} cannot calibrate it; {hint}")
+    if kind == "ucr":
+        from lnn.train.series import ucr_split
+
+        data, source = ucr_split(path, "test", model.preprocess)
+        return list(data.series), class_columns(data.labels, model.labels, source), f"{source} (test split)"
     if kind == "mnist":
         from lnn.train.data import load_mnist
 
@@ -230,9 +245,13 @@ def calibration_set(spec: str, model: Model) -> tuple:
             f"{path} (validation split: seed {DEFAULT_SPLIT_SEED}, {DEFAULT_VAL_FRACTION:.0%} per class)")
 
 
-def accuracy(session, images, true_columns, batch: int = 256) -> float:
-    """Top-1 accuracy of a Session on uint8 images (see calibration_set), with the model's own preprocessing."""
-    return float(np.mean(probabilities(session, images, batch, progress=True).argmax(axis=1) == true_columns))
+def accuracy(session, inputs, true_columns, batch: int = 256) -> float:
+    """Top-1 accuracy of a Session on calibration_set's inputs, with the model's own preprocessing."""
+    if session.model.takes_images:
+        probs = probabilities(session, inputs, batch, progress=True)
+    else:
+        probs = session.predict(session.prepare_series(inputs))
+    return float(np.mean(probs.argmax(axis=1) == true_columns))
 
 
 def check_int8_accuracy(reference: bytes, quantized: bytes, calibration: str | None, force: bool) -> None:
@@ -242,16 +261,17 @@ def check_int8_accuracy(reference: bytes, quantized: bytes, calibration: str | N
 
     if calibration is None:
         if not force:
-            raise LnnError("--int8 needs --calibration folder:DIR or mnist:DIR to check that int8 keeps the "
+            raise LnnError(f"--int8 needs --calibration {CALIBRATION_KINDS} to check that int8 keeps the "
                            "accuracy (or --force to write it unchecked)")
         print("warning: int8 accuracy not checked (no --calibration)", file=sys.stderr)
         return
     reference_bin = parse_bin_bytes(reference, "the model as given")
-    images, true_columns, what = calibration_set(calibration, reference_bin.model)
-    before = accuracy(Session(reference_bin), images, true_columns)
-    after = accuracy(Session(parse_bin_bytes(quantized, "the int8 model")), images, true_columns)
+    inputs, true_columns, what = calibration_set(calibration, reference_bin.model)
+    before = accuracy(Session(reference_bin), inputs, true_columns)
+    after = accuracy(Session(parse_bin_bytes(quantized, "the int8 model")), inputs, true_columns)
+    unit = "images" if reference_bin.model.takes_images else "series"
     summary = (f"int8 accuracy {after:.2%} vs {before:.2%} as given ({(after - before) * 100:+.2f} points) "
-               f"on {len(images):,} images of {what}")
+               f"on {len(inputs):,} {unit} of {what}")
     if before - after > MAX_INT8_LOSS + 1e-12:
         if not force:
             raise LnnError(f"{summary}: loses more than {MAX_INT8_LOSS * 100:.1f} points, not written "

@@ -301,3 +301,24 @@ def test_default_recipe_trains_italy_power_demand(tmp_path):
     assert result.returncode == 0, result.stderr
     accuracy = json.loads((tmp_path / "eval" / "metrics.json").read_text())["accuracy"]
     assert accuracy >= 0.96 and math.isfinite(accuracy)
+
+
+def test_int8_export_of_a_series_model_is_checked_on_its_ucr_test_split(trained_series, toy_ucr, tmp_path, capsys):
+    """--calibration ucr:DIR measures a series model as given and as int8 on NAME_TEST (as lnn-eval --split test);
+    a kind that does not fit the model is one line naming what it takes."""
+    from lnn.tools.export import main as export_main
+
+    out = tmp_path / "int8.bin"
+    assert export_main([str(trained_series), "-o", str(out), "--int8", "--calibration", f"ucr:{toy_ucr}"]) == 0
+    printed = capsys.readouterr().out
+    assert "int8 accuracy" in printed and "on 30 series of" in printed and "Toy_TEST.ts (test split)" in printed
+    assert read_bin(out).stored_dtypes["linear_1.weight"] == "int8"
+    import lnn
+
+    session = lnn.load(out, device="numpy")
+    test = toy_series(30, 1)
+    best = session.predict(session.prepare_series([series for _, series in test])).argmax(axis=1)
+    assert np.mean([session.labels[i]["name"] == label for i, (label, _) in zip(best, test)]) >= 0.9
+    assert export_main([str(trained_series), "-o", str(out), "--int8", "--calibration", f"mnist:{tmp_path}"]) == 1
+    assert capsys.readouterr().err.strip() == (f"lnn-export: error: model 'series_mlp' takes series, so mnist:{tmp_path} "
+                                               f"cannot calibrate it; give ucr:DIR")
