@@ -14,8 +14,9 @@ Colour images also get their leaf mask (lnn.train.segment.leaf_mask, uint8 [N, H
 
 Cache: `<cache root>/datasets/<key>/` where the cache root is $LNN_CACHE_DIR, else the per-user
 cache folder (~/.cache/lnn on Linux; see lnn.runtime.cpu.cache.default_cache_root). The key
-hashes every source file's relative path, size and mtime with the image size and colour order,
-so an edited, added or removed photo makes a new cache. It is built in a temporary folder beside
+hashes every source file's relative path, size, mtime and ctime with the image size and colour order,
+so an edited, added or removed photo makes a new cache (ctime: a photo copied over another of the same size with
+its old mtime kept, as `cp -p` does, still changes it; a chmod does too, and costs one decoding). It is built in a temporary folder beside
 it and renamed into place, so a killed run never leaves a half-written cache; the next run with
 the same files and size opens it at once without decoding anything. When the cache folder cannot
 be written (read-only, on a full or missing disk), the images are decoded into a temporary folder
@@ -96,7 +97,7 @@ def cache_key(folder: Path, files: list, size: tuple, color: str) -> str:
             stat = (folder / name).stat()
         except OSError:                     # a broken or looping link: its own stamp (decoding skips it)
             stat = (folder / name).lstat()
-        stamps.append([name, stat.st_size, stat.st_mtime_ns])
+        stamps.append([name, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns])
     blob = json.dumps([CACHE_VERSION, list(size), color, stamps])
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 

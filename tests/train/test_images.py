@@ -174,6 +174,16 @@ def test_second_open_does_not_decode_and_a_changed_file_rebuilds(tmp_path, monke
     other_size = ImageFolder.load(folder, (1, 8, 8), "gray", cache_root=tmp_path / "cache", log=lambda m: None,
                                   progress=False)
     assert other_size.data.images.shape == (7, 1, 8, 8)
+    # another photo of the same size copied over it with the old mtime kept (cp -p): its ctime is new
+    photo = folder / "class_a" / "p0.png"
+    stamp, other = photo.stat(), (folder / "class_a" / "p1.png").read_bytes()
+    time.sleep(0.01)
+    photo.write_bytes(other[:stamp.st_size].ljust(stamp.st_size, b"\0"))
+    os.utime(photo, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert photo.stat().st_size == stamp.st_size and photo.stat().st_mtime_ns == stamp.st_mtime_ns
+    fourth = ImageFolder.load(folder, (3, 16, 16), "rgb", cache_root=tmp_path / "cache", log=lambda m: None,
+                              progress=False)
+    assert fourth.cache_dir != third.cache_dir
 
 
 def test_bad_folders_are_one_clear_error(tmp_path):
