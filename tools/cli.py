@@ -47,10 +47,15 @@ def command_parser(prog: str, description: str, epilog: str | None = None) -> Co
     return parser
 
 
-def one_line(text) -> str:
+def escaped(text) -> str:
     """`text` with its control characters escaped (CONTROL_ESCAPES), so that a file name holding a newline is
     shown as it is and cannot split the line it is printed in."""
-    return str(text).strip().translate(CONTROL_ESCAPES)
+    return str(text).translate(CONTROL_ESCAPES)
+
+
+def one_line(text) -> str:
+    """A message as one line: stripped, its control characters escaped."""
+    return escaped(str(text).strip())
 
 
 def error_text(prog: str, message) -> str:

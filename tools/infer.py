@@ -42,7 +42,7 @@ import lnn
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime.gate import DEFAULT_SUBJECT, INSTRUCTIONS, instruction
 from lnn.runtime.series import SERIES_SUFFIXES, TABLE_SUFFIXES
-from lnn.tools.cli import command_parser, error_text, one_line, run_command
+from lnn.tools.cli import command_parser, error_text, escaped, one_line, run_command
 
 PROG = "lnn-infer"
 DEFAULT_MODEL = Path(lnn.__file__).resolve().parent / "models" / "tomato_leaf.bin"
@@ -195,15 +195,17 @@ class Answer:
         return out
 
     def human_lines(self) -> list:
+        """The answer for people: its file named on the first line (a newline in the name escaped)."""
+        name = escaped(self.file)
         if self.reason == "low_confidence":
             threshold = f", under the model's {self.uncertain_below:.0%} threshold" if self.uncertain_below else ""
-            lines = [f"{self.file}: uncertain (best guess {self.best['display']} at {self.confidence:.1%}{threshold})",
+            lines = [f"{name}: uncertain (best guess {self.best['display']} at {self.confidence:.1%}{threshold})",
                      f"  {self.instruction}"]
         elif self.uncertain:               # no ranking: a percentage beside a disease name reads as a diagnosis
-            return [f"{self.file}: uncertain ({self.reason.replace('_', ' ')}): {self.instruction}",
+            return [f"{name}: uncertain ({self.reason.replace('_', ' ')}): {self.instruction}",
                     "  not a diagnosis (--json still lists the model's scores)"] + [f"  note: {note}" for note in self.notes]
         else:
-            lines = [f"{self.file}: {self.best['display']} ({self.confidence:.1%})"]
+            lines = [f"{name}: {self.best['display']} ({self.confidence:.1%})"]
         width = max(len(label["display"]) for label, _ in self.ranked)
         lines += [f"  {rank}. {label['display']:<{width}}  {p:6.1%}" for rank, (label, p) in enumerate(self.ranked, 1)]
         if "advice" in self.best and not self.uncertain:
@@ -230,7 +232,7 @@ class RowAnswer(Answer):
 
     def human_lines(self) -> list:
         ranked = ", ".join(f"{label['display']} {p:.1%}" for label, p in self.ranked)
-        where = f"{self.file} row {self.row}"
+        where = f"{escaped(self.file)} row {self.row}"
         if self.uncertain:
             threshold = f", under the model's {self.uncertain_below:.0%} threshold" if self.uncertain_below else ""
             return [f"{where}: uncertain (best guess {self.best['display']} at {self.confidence:.1%}{threshold}); "

@@ -3,6 +3,7 @@
 import json
 
 from cli_helpers import run_command as run_command_process
+from conftest import EXAMPLES
 from lnn.formats.errors import LnnInputError
 from lnn.tools.cli import command_parser, run_command
 
@@ -34,3 +35,16 @@ def test_a_file_name_holding_a_newline_is_one_error_line_and_record(tmp_path):
                              f"(JPEG, PNG, BMP, TIFF, WebP, GIF, PNM)\n")
     assert json.loads(result.stdout) == {"file": str(bad), "error": "not an image lnn can read (JPEG, PNG, BMP, TIFF, "
                                                                     "WebP, GIF, PNM)"}
+
+
+def test_a_photo_named_with_a_newline_keeps_its_answer_on_its_lines(tmp_path):
+    """The answer for people names the file on its first line, the newline escaped, as the error lines do."""
+    import shutil
+
+    photo = tmp_path / "leaf\nsecond.jpg"
+    shutil.copyfile(EXAMPLES / "leaves" / "late_blight.jpg", photo)
+    result = run_command_process("infer", photo)
+    assert result.returncode == 0, result.stderr
+    first, *rest = result.stdout.splitlines()
+    assert first.startswith(f"{tmp_path}/leaf\\nsecond.jpg: Late blight (")
+    assert all(line.startswith("  ") for line in rest)
