@@ -363,20 +363,20 @@ def import_onnx(source, *, name: str | None = None, labels: list | None = None,
 
     `labels` and `preprocess` (fields as in a JSON description: color, scale, mean, std) override
     what the file carries; preprocess fields not given keep the file's or lnn's defaults."""
-    proto = load_onnx(source) if isinstance(source, (str, Path)) else source
-    description, params = convert_graph(proto)
-    carried = _lnn_metadata(proto)
-    description["name"] = name or carried.get("name") or (Path(source).stem if isinstance(source, (str, Path))
-                                                          else description["name"])
-    merged_preprocess = {**(carried.get("preprocess") or {}), **(preprocess or {})}
-    if merged_preprocess:
-        description["preprocess"] = merged_preprocess
-    if labels is not None or carried.get("labels"):
-        description["labels"] = labels if labels is not None else carried["labels"]
+    is_file = isinstance(source, (str, Path))
+    proto = load_onnx(source) if is_file else source
     try:
+        description, params = convert_graph(proto)
+        carried = _lnn_metadata(proto)
+        description["name"] = name or carried.get("name") or (Path(source).stem if is_file else description["name"])
+        merged_preprocess = {**(carried.get("preprocess") or {}), **(preprocess or {})}
+        if merged_preprocess:
+            description["preprocess"] = merged_preprocess
+        if labels is not None or carried.get("labels"):
+            description["labels"] = labels if labels is not None else carried["labels"]
         model = parse_model(description)
-    except ModelSpecError as err:
-        raise OnnxImportError(str(err)) from None
+    except LnnError as err:            # the graph's, its metadata's or the description's: named after the file
+        raise OnnxImportError(f"{source}: {err}" if is_file else str(err)) from None
     weights = {node.param_key(key): value for node, layer_params in zip(model.nodes, params)
                for key, value in layer_params.items()}
     return model, weights

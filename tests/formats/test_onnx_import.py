@@ -238,7 +238,7 @@ def test_command_errors_are_one_line_with_exit_status(tmp_path):
         result = run(*args)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 1 and len(lines) == 1, result.stderr
-        assert lines[0].startswith("lnn-import: error: ") and fragment in lines[0], lines[0]
+        assert lines[0].startswith(f"lnn-import: error: {args[0]}: ") and fragment in lines[0], lines[0]   # file named
         assert not (tmp_path / "x.bin").exists()
     source = need(REFERENCE_MODELS / "mnist_mlp.onnx")
     result = run(source, "-o", tmp_path / "x.bin", "--labels", "a,b")
