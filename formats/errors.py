@@ -1,4 +1,20 @@
-"""The errors lnn raises for bad input. Each carries a one-line message that names the problem."""
+"""The errors lnn raises for bad input. Each carries a one-line message that names the problem; `one_line` and
+`escaped` keep a message, or a file name inside one, on one line when it is printed."""
+
+# What would break an error line or act on the terminal (C0 and C1 controls, Unicode's line and paragraph
+# separators), written as Python writes them in a string: a newline as \n, an escape as \x1b.
+CONTROL_ESCAPES = {code: repr(chr(code))[1:-1] for code in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)}
+
+
+def escaped(text) -> str:
+    """`text` with its control characters escaped (CONTROL_ESCAPES), so that a file name holding a newline is
+    shown as it is and cannot split the line it is printed in."""
+    return str(text).translate(CONTROL_ESCAPES)
+
+
+def one_line(text) -> str:
+    """A message as one line: stripped, its control characters escaped."""
+    return escaped(str(text).strip())
 
 
 class LnnError(Exception):

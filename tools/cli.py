@@ -24,13 +24,10 @@ import stat
 import sys
 from pathlib import Path
 
-from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
+from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError, one_line
 from lnn.version import __version__
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-# What would break an error line or act on the terminal (C0 and C1 controls, Unicode's line and paragraph
-# separators), written as Python writes them in a string: a newline as \n, an escape as \x1b.
-CONTROL_ESCAPES = {code: repr(chr(code))[1:-1] for code in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)}
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -45,17 +42,6 @@ def command_parser(prog: str, description: str, epilog: str | None = None) -> Co
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s (lnn) {__version__}")
     return parser
-
-
-def escaped(text) -> str:
-    """`text` with its control characters escaped (CONTROL_ESCAPES), so that a file name holding a newline is
-    shown as it is and cannot split the line it is printed in."""
-    return str(text).translate(CONTROL_ESCAPES)
-
-
-def one_line(text) -> str:
-    """A message as one line: stripped, its control characters escaped."""
-    return escaped(str(text).strip())
 
 
 def error_text(prog: str, message) -> str:

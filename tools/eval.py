@@ -56,8 +56,8 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.binfile import atomic_output, write_atomic
-from lnn.formats.errors import LnnError, LnnInputError
-from lnn.tools.cli import command_parser, one_line, run_command
+from lnn.formats.errors import LnnError, LnnInputError, one_line
+from lnn.tools.cli import command_parser, run_command
 
 PROG = "lnn-eval"
 DEFAULT_KEEP = 0.99

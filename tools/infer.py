@@ -39,10 +39,10 @@ from pathlib import Path
 import numpy as np
 
 import lnn
-from lnn.formats.errors import LnnError, LnnInputError
+from lnn.formats.errors import LnnError, LnnInputError, escaped, one_line
 from lnn.runtime.gate import DEFAULT_SUBJECT, INSTRUCTIONS, instruction
 from lnn.runtime.series import SERIES_SUFFIXES, TABLE_SUFFIXES
-from lnn.tools.cli import command_parser, error_text, escaped, one_line, run_command
+from lnn.tools.cli import command_parser, error_text, run_command
 
 PROG = "lnn-infer"
 DEFAULT_MODEL = Path(lnn.__file__).resolve().parent / "models" / "tomato_leaf.bin"
@@ -147,7 +147,7 @@ def expand_inputs(inputs: list, recursive: bool = False) -> tuple[list, list]:
 
 def failure_record(file, message: str) -> dict:
     """The record of an image that got no answer: what --json prints (and a server would return); the
-    error is one line (cli.one_line), without the file name the message may start with (the record names the file)."""
+    error is one line (errors.one_line), without the file name the message may start with (the record names the file)."""
     message, prefix = str(message), f"{file}: "
     return {"file": str(file), "error": one_line(message[len(prefix):] if message.startswith(prefix) else message)}
 

@@ -49,10 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lnn.formats.errors import LnnInputError
+from lnn.formats.errors import LnnInputError, one_line
 from lnn.runtime import preprocess as image_io
 from lnn.runtime.cpu.cache import default_cache_root as lnn_cache_root, ensure_writable   # no Numba import
-from lnn.tools.cli import one_line
 from lnn.train.data import ArrayDataset, MemmapDataset, reserved_memmap
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
