@@ -8,15 +8,16 @@ Phones open the page at / (a camera button, the answer in words with its advice,
 POST /v1/classify takes a photo (the body, or a multipart `file` field) and returns lnn-infer --json's
 object. Requests that arrive together are merged into one batch of up to --max-batch images, waiting at
 most --max-delay-ms after the first for photos still being decoded (none on the way: no wait). Over
---queue requests at once: 503 with Retry-After; a body over --max-body: 413; not an image, truncated or
-over --max-pixels: 400 with lnn-infer's reason; no answer within --timeout: 504. GET /v1/model, /healthz,
-/readyz (warmed up) and /metrics (Prometheus). SIGTERM finishes the requests in flight, then exits 0.
+--queue requests or --max-connections connections at once: 503 with Retry-After; a body over --max-body:
+413; not an image, truncated or over --max-pixels: 400 with lnn-infer's reason; no answer within --timeout:
+504. GET /v1/model, /healthz, /readyz (warmed up) and /metrics (Prometheus). SIGTERM finishes the requests in flight, then exits 0.
 Needs the serve extra: pip install 'lnn[serve]'.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 import sys
@@ -34,36 +35,65 @@ NO_ROUTE_PROBE = ("10.255.255.255", 1)      # a private address: connecting a UD
 BANNER = "serving on"                       # the first line on stderr: "lnn-serve: serving on http://HOST:PORT/ ..."
 
 
+RETRY_AFTER_S = 1                           # what a 503 asks the phone to wait
 HEAD_LIMIT = 64 * 1024                      # bytes of a request's line and headers: more is 431
+FILES_KEPT_FREE = 64                        # open files left for the model, the logs and the pools under --max-connections
+INVALID_REQUEST = "Invalid HTTP request received."      # uvicorn's log line before its 400 for malformed HTTP
 
 
-def guarded_protocol(head_timeout_s: float):
-    """uvicorn's httptools protocol (the serve extra's) with the two limits it lacks, or None without httptools
-    (uvicorn's h11 protocol then, which has a 16 KiB head limit of its own). A request's line and headers over
-    HEAD_LIMIT: 431 and the connection closed (httptools buffered an endless header whole: 100 MB sent took
-    the server's memory up 146 MB). No whole head within head_timeout_s of the connection's start or of the
-    head's first byte: the connection closed, with 408 where part of a head came (an idle connection stayed
-    open forever, so enough of them used up the process's open files and every other phone was refused).
-    Part of a head in when the server stops: 503 with Retry-After, not a connection closed unanswered."""
+class QuietInvalidRequests(logging.Filter):
+    """Drops uvicorn's warning line for each malformed request (one line per hostile request in the station's log;
+    /metrics counts them as bad_http instead)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != INVALID_REQUEST
+
+
+QUIET_INVALID_REQUESTS = QuietInvalidRequests()
+
+
+def guarded_protocol(config: "ServeConfig", metrics):
+    """uvicorn's httptools protocol (the serve extra's) with the limits it lacks, or None without httptools
+    (uvicorn's h11 protocol then, which has a 16 KiB head limit of its own). What it answers itself is counted
+    in metrics.unserved (status, reason), its connections in metrics.connections.
+    - A request's line and headers over HEAD_LIMIT: 431 and the connection closed (httptools buffered an endless
+      header whole: 100 MB sent took the server's memory up 146 MB).
+    - No whole head within --timeout of the connection's start or of the head's first byte: the connection
+      closed, with 408 where part of a head came (an idle connection stayed open forever, so enough of them
+      used up the process's open files and every other phone was refused).
+    - A body still coming after its request was answered (413, 504, 404, ...): the rest has --timeout to end,
+      then the connection is closed (uvicorn read and dropped an endless body for ever).
+    - More than --max-connections open: 503 with Retry-After and closed, before any request is read.
+    - Part of a head in when the server stops: 503 with Retry-After, not a connection closed unanswered.
+    - uvicorn's own 400 for malformed HTTP is counted (bad_http), its log line dropped (QuietInvalidRequests)."""
     try:
         from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
     except ImportError:
         return None
+    timeout_s = config.timeout_s
+    retry_after = b"retry-after: %d\r\n" % RETRY_AFTER_S
+    logging.getLogger("uvicorn.error").addFilter(QUIET_INVALID_REQUESTS)
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:
-            self.reading_head, self.head_bytes, self.head_tail, self.head_timer = True, 0, b"", None
+            self.reading_head, self.head_bytes, self.head_tail = True, 0, b""
+            self.head_timer = self.body_timer = None
             super().connection_made(transport)
+            metrics.connections.inc()
+            if len(self.connections) > config.max_connections:
+                return self.refuse(503, f"the server has {config.max_connections:,} connections open; try again in "
+                                        f"a moment", "too_many_connections", retry_after)
             self.start_head_timer()
 
         def start_head_timer(self) -> None:
             if self.head_timer is None:
-                self.head_timer = self.loop.call_later(head_timeout_s, self.head_timed_out)
+                self.head_timer = self.loop.call_later(timeout_s, self.head_timed_out)
 
-        def stop_head_timer(self) -> None:
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-                self.head_timer = None
+        def stop_timers(self) -> None:
+            for timer in (self.head_timer, self.body_timer):
+                if timer is not None:
+                    timer.cancel()
+            self.head_timer = self.body_timer = None
 
         def data_received(self, data: bytes) -> None:
             if self.reading_head:               # measured up to its blank line, before the parser buffers any of it
@@ -73,20 +103,28 @@ def guarded_protocol(head_timeout_s: float):
                 self.head_bytes += len(data) if end < 0 else end + 4 - len(self.head_tail)
                 self.head_tail = seen[-3:]
                 if self.head_bytes > HEAD_LIMIT:
-                    return self.refuse(431, f"the request's line and headers are over {HEAD_LIMIT:,} bytes")
+                    return self.refuse(431, f"the request's line and headers are over {HEAD_LIMIT:,} bytes",
+                                       "head_too_large")
             super().data_received(data)
 
         def on_headers_complete(self) -> None:
             self.reading_head = False
-            self.stop_head_timer()
+            self.stop_timers()
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
+            self.stop_timers()
             self.reading_head, self.head_bytes, self.head_tail = True, 0, b""      # the next request's head
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+                self.body_timer = self.loop.call_later(timeout_s, self.transport.close)    # answered mid-body
+
         def connection_lost(self, exc) -> None:
-            self.stop_head_timer()
+            self.stop_timers()
+            metrics.connections.dec()
             super().connection_lost(exc)
 
         def head_timed_out(self) -> None:
@@ -96,16 +134,21 @@ def guarded_protocol(head_timeout_s: float):
             if self.cycle is not None and not self.cycle.response_complete:    # a pipelined head behind an answer
                 return self.start_head_timer()
             if self.head_bytes:
-                return self.refuse(408, f"no whole request within {head_timeout_s:g} s")
+                return self.refuse(408, f"no whole request within {timeout_s:g} s", "head_timeout")
             self.transport.close()
 
         def shutdown(self) -> None:
             """SIGTERM: uvicorn closed a connection with part of a head in it, no answer; now 503 (try again)."""
             if self.reading_head and self.head_bytes and (self.cycle is None or self.cycle.response_complete):
-                return self.refuse(503, "the server is stopping; try again in a moment", b"retry-after: 1\r\n")
+                return self.refuse(503, "the server is stopping; try again in a moment", "stopping", retry_after)
             super().shutdown()
 
-        def refuse(self, status: int, message: str, headers: bytes = b"") -> None:
+        def send_400_response(self, msg: str) -> None:
+            metrics.unserved.labels("400", "bad_http").inc()
+            super().send_400_response(msg)
+
+        def refuse(self, status: int, message: str, reason: str, headers: bytes = b"") -> None:
+            metrics.unserved.labels(str(status), reason).inc()
             body = message.encode()
             self.transport.write(STATUS_LINE[status] + headers + b"content-type: text/plain; charset=utf-8\r\n"
                                  b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
@@ -123,6 +166,7 @@ class ServeConfig:
     timeout_s: float = 10.0
     max_body: int = 10_000_000          # bytes
     max_pixels: int = 50_000_000        # a 48-megapixel phone photo passes
+    max_connections: int = 1000         # open at once (a browser keeps up to 6 a server); more get 503
     top_k: int = 3
     decode_threads: int = usable_cpus()     # the photo decoding pool (OpenCV drops the GIL)
 
@@ -154,6 +198,9 @@ def build_parser():
                         help=f"largest upload; bigger ones get 413 (default {DEFAULTS.max_body})")
     parser.add_argument("--max-pixels", type=int, default=DEFAULTS.max_pixels, metavar="N",
                         help=f"largest image in pixels; bigger ones get 400 (default {DEFAULTS.max_pixels})")
+    parser.add_argument("--max-connections", type=int, default=DEFAULTS.max_connections, metavar="N",
+                        help=f"most connections open at once; more get 503 (default {DEFAULTS.max_connections}, at "
+                             f"most the open-files limit less {FILES_KEPT_FREE})")
     parser.add_argument("--top-k", type=int, default=DEFAULTS.top_k, metavar="K",
                         help=f"labels per answer unless the request asks (default {DEFAULTS.top_k})")
     parser.add_argument("--device", choices=("auto", "cpu", "numpy"), default="auto",
@@ -198,7 +245,7 @@ def check_options(args) -> None:
     from lnn.tools.infer import threads_option
 
     args.threads = threads_option(args.threads)
-    for name in ("max_batch", "queue", "max_body", "max_pixels", "top_k"):
+    for name in ("max_batch", "queue", "max_body", "max_pixels", "max_connections", "top_k"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise LnnInputError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
@@ -214,7 +261,7 @@ def server_for(model, host: str, port: int, device: str = "auto", threads: int |
     Session is `server.config.app.state.session`.
 
     threads: the Numba backend's (a count or "auto"); photos decode on one thread per core. settings: ServeConfig's fields
-    (max_batch, max_delay_s, queue, timeout_s, max_body, max_pixels, top_k)."""
+    (max_batch, max_delay_s, queue, timeout_s, max_body, max_pixels, max_connections, top_k)."""
     try:
         import uvicorn
 
@@ -230,7 +277,7 @@ def server_for(model, host: str, port: int, device: str = "auto", threads: int |
     sock = listening_socket(host, port)
     app = create_app(session, config)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                           http=guarded_protocol(config.timeout_s) or "auto",
+                                           http=guarded_protocol(config, app.state.metrics) or "auto",
                                            timeout_graceful_shutdown=config.timeout_s + 5))
     return server, sock
 
@@ -273,26 +320,30 @@ class BackgroundServer:
         self.blas.restore_original_limits()
 
 
-def more_open_files() -> None:
+def more_open_files() -> int | None:
     """Raise this process's soft limit on open files to its hard one, as servers do: each connection is a file,
     and under the usual soft limit of 1,024 about 1,000 open connections (idle or slow ones included) got every
-    further phone's connection reset until some closed."""
+    further phone's connection reset until some closed. -> the soft limit now (None: no such limit)."""
     try:
         import resource
     except ImportError:                         # Windows: no such limit to raise
-        return
+        return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):          # macOS: an unlimited hard limit is not settable
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def serve(args) -> int:
     check_options(args)
-    more_open_files()
+    files = more_open_files()
+    if files is not None and args.max_connections > files - FILES_KEPT_FREE:     # past it, accept() fails silently
+        args.max_connections = max(1, files - FILES_KEPT_FREE)
     server, sock = server_for(args.model, args.host, args.port, args.device, args.threads,
                               max_batch=args.max_batch, max_delay_s=args.max_delay_ms / 1000, queue=args.queue,
                               timeout_s=args.timeout, max_body=args.max_body, max_pixels=args.max_pixels,
-                              top_k=args.top_k)
+                              max_connections=args.max_connections, top_k=args.top_k)
     # uvicorn catches SIGTERM, drains the requests in flight, puts the previous handler back and raises the
     # signal again; this handler makes that second delivery harmless, so a drained server exits 0. Set before
     # the banner, and stopping the server: a SIGTERM between the banner and uvicorn's own handler (its loop's

@@ -33,6 +33,7 @@ import numpy as np
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -42,10 +43,10 @@ from lnn.formats.errors import LnnInputError
 from lnn.tools.cli import error_line
 from lnn.runtime.preprocess import read_header
 from lnn.tools.infer import answer_for, judge_images
-from lnn.tools.serve import ServeConfig
+from lnn.tools.serve import RETRY_AFTER_S, ServeConfig
 
+ENDPOINTS = "POST /v1/classify, GET /v1/model, /healthz, /readyz, /metrics and the phone page at /"
 UPLOAD_NAME = "upload"                  # the answer's "file" for a raw-body upload (multipart gives its filename)
-RETRY_AFTER_S = 1                       # what a 503 asks the phone to wait
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 disable_created_metrics()               # no *_created series: only what a station's dashboard reads
@@ -123,6 +124,11 @@ class Metrics:
                                registry=self.registry)
         self.rejected = Counter("lnn_serve_rejected", "classify requests refused, by reason",
                                 ["reason"], registry=self.registry)
+        self.unserved = Counter("lnn_serve_unserved", "requests answered before reaching an endpoint, by HTTP "
+                                "status and reason: bad_http, head_too_large, head_timeout, too_many_connections, "
+                                "stopping (the protocol's, lnn.tools.serve.guarded_protocol), not_found, "
+                                "method_not_allowed", ["status", "reason"], registry=self.registry)
+        self.connections = Gauge("lnn_serve_connections", "connections open now", registry=self.registry)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
@@ -413,8 +419,20 @@ def create_app(session, config: ServeConfig) -> Starlette:
     async def home(request: Request) -> Response:
         return HTMLResponse(page)
 
+    async def not_an_endpoint(request: Request, error: HTTPException) -> Response:
+        """The router's 404 and 405 (and any other HTTPException) as the API's one-line JSON error, counted."""
+        if error.status_code == 404:
+            reason, message = "not_found", f"nothing here; lnn-serve answers {ENDPOINTS}"
+        elif error.status_code == 405:
+            reason = "method_not_allowed"
+            message = f"{request.method} is not answered at this address, only {error.headers['Allow']} (lnn-serve answers {ENDPOINTS})"
+        else:
+            reason, message = "bad_request", error.detail
+        metrics.unserved.labels(str(error.status_code), reason).inc()
+        return JSONResponse({"error": message, "status": error.status_code}, error.status_code, error.headers)
+
     routes = [Route("/", home), Route("/v1/classify", classify, methods=["POST"]), Route("/v1/model", model),
               Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics_page)]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.session = session
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_an_endpoint})
+    app.state.session, app.state.metrics = session, metrics
     return app

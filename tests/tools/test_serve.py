@@ -394,6 +394,26 @@ def test_model_page_and_metrics_endpoints(session, served):
     assert "lnn_serve_queue_depth" in metrics.text and "lnn_serve_request_seconds_bucket" in metrics.text
 
 
+@contextlib.contextmanager
+def guarded_server(**settings):
+    """lnn-serve's whole server (server_for: the guarded protocol, NumPy backend) on a thread, on a free
+    loopback port -> its (host, port), once uvicorn has started."""
+    from lnn.tools.serve import server_for
+
+    server, sock = server_for(DEFAULT_MODEL, "127.0.0.1", 0, "numpy", **settings)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        yield sock.getsockname()
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 def test_endless_request_heads_get_431_and_idle_connections_are_closed():
     """uvicorn's httptools protocol has no limit on a request's headers (100 MB of one header took the
     server's memory up 146 MB) and never closes a connection that sends nothing (enough of them use up the
@@ -402,17 +422,9 @@ def test_endless_request_heads_get_431_and_idle_connections_are_closed():
     import http.client
     import socket
 
-    from lnn.tools.serve import HEAD_LIMIT, server_for
+    from lnn.tools.serve import HEAD_LIMIT
 
-    server, sock = server_for(DEFAULT_MODEL, "127.0.0.1", 0, "numpy", timeout_s=1.0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    address = sock.getsockname()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+    with guarded_server(timeout_s=1.0) as address:
         with socket.create_connection(address, timeout=10) as big:
             big.sendall(b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * (HEAD_LIMIT // 2))
             time.sleep(0.1)
@@ -430,9 +442,86 @@ def test_endless_request_heads_get_431_and_idle_connections_are_closed():
         assert [connection.recv(100) for connection in idle[1:]] == [b""] * 49       # closed by the server
         for connection in idle:
             connection.close()
-    finally:
-        server.should_exit = True
-        thread.join(30)
+        metrics = metric_samples(httpx.Client(base_url=f"http://{address[0]}:{address[1]}"))
+    assert counted({}, metrics, "lnn_serve_unserved_total", status="431", reason="head_too_large") == 1
+    assert counted({}, metrics, "lnn_serve_unserved_total", status="408", reason="head_timeout") == 1
+
+
+def test_a_body_still_coming_after_its_answer_is_cut_off_after_the_timeout():
+    """uvicorn kept a connection open while a client went on sending a body the server had already answered
+    (413 here), reading and dropping it for ever. Now the rest of the body has --timeout to end; a body
+    that ends in time leaves the connection kept alive for the next request."""
+    import socket
+
+    with guarded_server(timeout_s=1.0, max_body=1000) as address:
+        with socket.create_connection(address, timeout=10) as endless:
+            endless.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            started, answer = time.monotonic(), b""
+            endless.settimeout(0.02)
+            while time.monotonic() - started < 5:
+                try:
+                    endless.sendall(b"400\r\n" + b"a" * 1024 + b"\r\n")
+                    received = endless.recv(4096)
+                except socket.timeout:
+                    continue
+                except OSError:                                 # reset: the server closed it while we sent
+                    break
+                if not received:
+                    break
+                answer += received
+            cut_after = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 413 ") and 0.9 < cut_after < 3, (answer[:80], cut_after)
+        with socket.create_connection(address, timeout=10) as finite:
+            finite.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n" + b"a" * 500)
+            assert finite.recv(4096).startswith(b"HTTP/1.1 413 ")           # declared over --max-body: at once
+            finite.sendall(b"a" * 1500)                                     # the rest, in time
+            finite.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert finite.recv(4096).startswith(b"HTTP/1.1 200 ")
+            time.sleep(1.5)                                                  # past the timeout: still open
+            finite.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert finite.recv(4096).startswith(b"HTTP/1.1 200 ")
+
+
+def test_connections_over_the_limit_get_503_and_malformed_http_is_counted_without_log_lines(capfd):
+    """More than --max-connections open: 503 with Retry-After before any request is read (each connection is an
+    open file; past the process's limit accept() failed and new phones were left hanging). uvicorn's own 400
+    for bytes that are not HTTP is counted in /metrics (bad_http), without its warning line per request."""
+    import socket
+
+    with guarded_server(max_connections=4) as address:
+        client = httpx.Client(base_url=f"http://{address[0]}:{address[1]}")
+        assert client.get("/healthz").status_code == 200                    # the client's own connection: 1
+        held = [socket.create_connection(address, timeout=10) for _ in range(3)]
+        over = [socket.create_connection(address, timeout=10) for _ in range(2)]
+        for connection in over:
+            answer = connection.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in answer and b"4 connections" in answer
+            assert connection.recv(100) == b""                                # and closed
+        for connection in held + over:
+            connection.close()
+        time.sleep(0.2)
+        with socket.create_connection(address, timeout=10) as garbage:
+            garbage.sendall(b"\x16\x03\x01\x02\x00 not HTTP\r\n\r\n")           # a TLS hello, say
+            assert garbage.recv(4096).startswith(b"HTTP/1.1 400 ")
+        metrics = metric_samples(client)
+        client.close()
+    assert counted({}, metrics, "lnn_serve_unserved_total", status="503", reason="too_many_connections") == 2
+    assert counted({}, metrics, "lnn_serve_unserved_total", status="400", reason="bad_http") == 1
+    assert metrics[("lnn_serve_connections", ())] == 1
+    assert "Invalid HTTP request" not in capfd.readouterr().err
+
+
+def test_unknown_addresses_and_methods_get_the_apis_json_error_and_are_counted(served):
+    before = metric_samples(served)
+    missing = served.get("/v1/clasify")
+    wrong_method = served.get("/v1/classify")
+    assert missing.status_code == 404 and "POST /v1/classify" in missing.json()["error"]
+    assert wrong_method.status_code == 405 and wrong_method.headers["Allow"] == "POST"
+    assert wrong_method.json() == {"status": 405, "error": wrong_method.json()["error"]}
+    assert wrong_method.json()["error"].startswith("GET is not answered at this address, only POST")
+    after = metric_samples(served)
+    assert counted(before, after, "lnn_serve_unserved_total", status="404", reason="not_found") == 1
+    assert counted(before, after, "lnn_serve_unserved_total", status="405", reason="method_not_allowed") == 1
 
 
 def test_the_command_raises_its_open_files_limit_to_the_hard_one():
