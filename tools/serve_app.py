@@ -434,5 +434,8 @@ def create_app(session, config: ServeConfig) -> Starlette:
     routes = [Route("/", home), Route("/v1/classify", classify, methods=["POST"]), Route("/v1/model", model),
               Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics_page)]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_an_endpoint})
+    # POST /v1/classify/ is a 404 naming the endpoints, not Starlette's 307 to the Host header's address (the
+    # phone's upload sent twice, and to wherever that header says)
+    app.router.redirect_slashes = False
     app.state.session, app.state.metrics = session, metrics
     return app

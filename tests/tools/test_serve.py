@@ -514,13 +514,15 @@ def test_connections_over_the_limit_get_503_and_malformed_http_is_counted_withou
 def test_unknown_addresses_and_methods_get_the_apis_json_error_and_are_counted(served):
     before = metric_samples(served)
     missing = served.get("/v1/clasify")
+    slash = served.post("/v1/classify/", content=b"photo", headers={"Host": "elsewhere.example"})
+    assert slash.status_code == 404 and "location" not in slash.headers       # was a 307 to elsewhere.example
     wrong_method = served.get("/v1/classify")
     assert missing.status_code == 404 and "POST /v1/classify" in missing.json()["error"]
     assert wrong_method.status_code == 405 and wrong_method.headers["Allow"] == "POST"
     assert wrong_method.json() == {"status": 405, "error": wrong_method.json()["error"]}
     assert wrong_method.json()["error"].startswith("GET is not answered at this address, only POST")
     after = metric_samples(served)
-    assert counted(before, after, "lnn_serve_unserved_total", status="404", reason="not_found") == 1
+    assert counted(before, after, "lnn_serve_unserved_total", status="404", reason="not_found") == 2
     assert counted(before, after, "lnn_serve_unserved_total", status="405", reason="method_not_allowed") == 1
 
 
