@@ -10,7 +10,8 @@ object. Requests that arrive together are merged into one batch of up to --max-b
 most --max-delay-ms after the first for photos still being decoded (none on the way: no wait). Over
 --queue requests or --max-connections connections at once: 503 with Retry-After; a body over --max-body:
 413; not an image, truncated or over --max-pixels: 400 with lnn-infer's reason; no answer within --timeout:
-504. GET /v1/model, /healthz, /readyz (warmed up) and /metrics (Prometheus). SIGTERM finishes the requests in flight, then exits 0.
+504. GET /v1/model, /healthz, /readyz (warmed up) and /metrics (Prometheus). SIGTERM finishes the requests
+in flight, then exits 0.
 Needs the serve extra: pip install 'lnn[serve]'.
 """
 
