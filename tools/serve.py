@@ -8,10 +8,10 @@ Phones open the page at / (a camera button, the answer in words with its advice,
 POST /v1/classify takes a photo (the body, or a multipart `file` field) and returns lnn-infer --json's
 object. Requests that arrive together are merged into one batch of up to --max-batch images, waiting at
 most --max-delay-ms after the first for photos still being decoded (none on the way: no wait). Over
---queue requests or --max-connections connections at once: 503 with Retry-After; a body over --max-body:
-413; not an image, truncated or over --max-pixels: 400 with lnn-infer's reason; no answer within --timeout:
-504. GET /v1/model, /healthz, /readyz (warmed up) and /metrics (Prometheus). SIGTERM finishes the requests
-in flight, then exits 0.
+--queue requests, --max-connections connections or --upload-memory bytes of uploads at once: 503 with
+Retry-After; a body over --max-body: 413; not an image, truncated or over --max-pixels: 400 with
+lnn-infer's reason; no answer within --timeout: 504. GET /v1/model, /healthz, /readyz (warmed up) and
+/metrics (Prometheus). SIGTERM finishes the requests in flight, then exits 0.
 Needs the serve extra: pip install 'lnn[serve]'.
 """
 
@@ -168,6 +168,7 @@ class ServeConfig:
     max_body: int = 10_000_000          # bytes
     max_pixels: int = 50_000_000        # a 48-megapixel phone photo passes
     max_connections: int = 1000         # open at once (a browser keeps up to 6 a server); more get 503
+    upload_memory: int = 256_000_000    # bytes of uploads held at once (serve_app.UploadMemory); more get 503
     top_k: int = 3
     decode_threads: int = usable_cpus()     # the photo decoding pool (OpenCV drops the GIL)
 
@@ -199,6 +200,9 @@ def build_parser():
                         help=f"largest upload; bigger ones get 413 (default {DEFAULTS.max_body})")
     parser.add_argument("--max-pixels", type=int, default=DEFAULTS.max_pixels, metavar="N",
                         help=f"largest image in pixels; bigger ones get 400 (default {DEFAULTS.max_pixels})")
+    parser.add_argument("--upload-memory", type=int, default=DEFAULTS.upload_memory, metavar="BYTES",
+                        help=f"most bytes of uploads held at once; an upload past it gets 503 (default "
+                             f"{DEFAULTS.upload_memory}, at least --max-body)")
     parser.add_argument("--max-connections", type=int, default=DEFAULTS.max_connections, metavar="N",
                         help=f"most connections open at once; more get 503 (default {DEFAULTS.max_connections}, at "
                              f"most the open-files limit less {FILES_KEPT_FREE})")
@@ -253,6 +257,9 @@ def check_options(args) -> None:
     for name in ("max_delay_ms", "timeout"):
         if getattr(args, name) < 0 or (name == "timeout" and args.timeout == 0):
             raise LnnInputError(f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}")
+    if args.upload_memory < args.max_body:
+        raise LnnInputError(f"--upload-memory ({args.upload_memory}) must be at least --max-body ({args.max_body}), "
+                            f"or no upload that large could be taken")
     if not 0 <= args.port < 65536:
         raise LnnInputError(f"--port must be between 0 (any free port) and 65535, not {args.port}")
 
@@ -262,7 +269,7 @@ def server_for(model, host: str, port: int, device: str = "auto", threads: int |
     Session is `server.config.app.state.session`.
 
     threads: the Numba backend's (a count or "auto"); photos decode on one thread per core. settings: ServeConfig's fields
-    (max_batch, max_delay_s, queue, timeout_s, max_body, max_pixels, max_connections, top_k)."""
+    (max_batch, max_delay_s, queue, timeout_s, max_body, max_pixels, max_connections, upload_memory, top_k)."""
     try:
         import uvicorn
 
@@ -344,7 +351,8 @@ def serve(args) -> int:
     server, sock = server_for(args.model, args.host, args.port, args.device, args.threads,
                               max_batch=args.max_batch, max_delay_s=args.max_delay_ms / 1000, queue=args.queue,
                               timeout_s=args.timeout, max_body=args.max_body, max_pixels=args.max_pixels,
-                              max_connections=args.max_connections, top_k=args.top_k)
+                              max_connections=args.max_connections, upload_memory=args.upload_memory,
+                              top_k=args.top_k)
     # uvicorn catches SIGTERM, drains the requests in flight, puts the previous handler back and raises the
     # signal again; this handler makes that second delivery harmless, so a drained server exits 0. Set before
     # the banner, and stopping the server: a SIGTERM between the banner and uvicorn's own handler (its loop's
