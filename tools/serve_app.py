@@ -207,25 +207,29 @@ class Batcher:
         return [job for job in batch if not job.answer.done()]       # done = its request gave up
 
     async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
         await self.ready.wait()
         while True:
             jobs = await self._next_batch()
-            if not jobs:
-                continue
-            self.metrics.batch_size.observe(len(jobs))
-            try:
-                probabilities, reasons = await loop.run_in_executor(self.inference, judge_in_chunks, self.session,
-                                                                    [job.image for job in jobs],
-                                                                    [job.check for job in jobs])
-            except Exception as err:                  # noqa: BLE001 - each waiting request answers 500, none hangs
+            if jobs:
+                self.metrics.batch_size.observe(len(jobs))
+                await self._answer(jobs)
+
+    async def _answer(self, jobs: list) -> None:
+        """Compute a batch and answer its jobs. A batch that fails is computed again one image at a time, so
+        one image the model fails on gets its 500 and the others in its batch still get their answers."""
+        try:
+            probabilities, reasons = await asyncio.get_running_loop().run_in_executor(
+                self.inference, judge_in_chunks, self.session, [job.image for job in jobs], [job.check for job in jobs])
+        except Exception as err:                  # noqa: BLE001 - each waiting request answers, none hangs
+            if len(jobs) > 1:
                 for job in jobs:
-                    if not job.answer.done():
-                        job.answer.set_exception(err)
-                continue
-            for job, row, reason in zip(jobs, probabilities, reasons):
-                if not job.answer.done():
-                    job.answer.set_result((row, reason))
+                    await self._answer([job])
+            elif not jobs[0].answer.done():
+                jobs[0].answer.set_exception(err)
+            return
+        for job, row, reason in zip(jobs, probabilities, reasons):
+            if not job.answer.done():
+                job.answer.set_result((row, reason))
 
     async def close(self) -> None:
         if self._task is not None:

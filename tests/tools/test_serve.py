@@ -176,6 +176,49 @@ def test_batches_merge_and_each_request_gets_its_own_answer(session):
     assert metrics[("lnn_serve_requests_total", (("status", "200"),))] == 8
 
 
+def test_an_image_the_model_fails_on_costs_only_its_own_answer(session, monkeypatch):
+    """One image whose computation fails (a fault, here made on purpose) gets 500; the others merged into its
+    batch are computed again without it and get their answers, not the batch's 500. A first photo holds the
+    inference thread until the poisoned one and two others wait, so those three make one batch."""
+    from lnn.tools import serve_app
+
+    poisoned = session.prepare_image(LEAVES[0])
+    judge_images = serve_app.judge_images
+    computing, release = threading.Event(), threading.Event()
+
+    def failing_on_the_poisoned(session_, images, checks):
+        if not computing.is_set():
+            computing.set()
+            assert release.wait(30)
+        if any(np.array_equal(image, poisoned) for image in images):
+            raise RuntimeError("the model failed on this image")
+        return judge_images(session_, images, checks)
+
+    monkeypatch.setattr(serve_app, "judge_images", failing_on_the_poisoned)
+    with client_for(session, max_batch=4) as client:
+        answers = {}
+
+        def send(path):
+            answers[path] = client.post("/v1/classify", content=path.read_bytes())
+
+        first = threading.Thread(target=send, args=(LEAVES[1],))
+        first.start()
+        assert computing.wait(30)
+        others = [threading.Thread(target=send, args=(path,)) for path in (LEAVES[0], LEAVES[2], LEAVES[3])]
+        for thread in others:
+            thread.start()
+        time.sleep(1.0)                                 # decoded and waiting behind the first
+        release.set()
+        for thread in [first, *others]:
+            thread.join(60)
+        metrics = metric_samples(client)
+    assert metrics[("lnn_serve_batch_size_count", ())] == 2 and metrics[("lnn_serve_batch_size_sum", ())] == 4
+    assert answers[LEAVES[0]].status_code == 500 and "failed on this image" in answers[LEAVES[0]].json()["error"]
+    for path in LEAVES[1:4]:
+        assert answers[path].status_code == 200
+        assert_same_answer(answers[path].json(), reference_answer(session, path, "upload"))
+
+
 def test_a_lone_request_does_not_wait_for_a_batch(session):
     """With nobody else on the way the batch runs at once: a 5 s --max-delay-ms costs a lone phone nothing."""
     photo = LEAVES[0].read_bytes()
