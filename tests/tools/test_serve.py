@@ -633,6 +633,31 @@ def test_the_command_raises_its_open_files_limit_to_the_hard_one():
         assert line.split()[3:5] == [str(hard), str(hard)], line
 
 
+def test_max_connections_stays_under_the_open_files_limit():
+    """Past the open-files limit accept() fails and a new phone is left hanging, unanswered: --max-connections is
+    held under it (the limit less FILES_KEPT_FREE), so the connection after the last gets 503 instead."""
+    import socket
+
+    resource = pytest.importorskip("resource")
+    from lnn.tools.serve import FILES_KEPT_FREE
+
+    files = 300
+    process, url = launch_process("--port", "0", "--device", "numpy",
+                                  preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (files, files)))
+    cap = files - FILES_KEPT_FREE
+    host, port = url.split("//")[1].strip("/").rsplit(":", 1)
+    try:
+        held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(cap)]
+        with socket.create_connection((host, int(port)), timeout=10) as over:
+            answer = over.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503 ") and f"{cap:,} connections".encode() in answer, answer
+        for connection in held:
+            connection.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def test_a_request_head_half_sent_at_sigterm_gets_503():
     """uvicorn closed a connection whose request head was still arriving when SIGTERM came, unanswered."""
     import socket
