@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 import socket
 import sys
@@ -38,6 +39,8 @@ BANNER = "serving on"                       # the first line on stderr: "lnn-ser
 
 RETRY_AFTER_S = 1                           # what a 503 asks the phone to wait
 HEAD_LIMIT = 64 * 1024                      # bytes of a request's line and headers: more is 431
+UPGRADE_HEADER = re.compile(rb"\r\nupgrade:", re.IGNORECASE)   # in a head: renamed, so the request is plain HTTP
+PIPELINE_LIMIT = 32                         # requests a connection may send ahead of their answers: more is 503
 FILES_KEPT_FREE = 64                        # open files left for the model, the logs and the pools under --max-connections
 INVALID_REQUEST = "Invalid HTTP request received."      # uvicorn's log line before its 400 for malformed HTTP
 
@@ -57,16 +60,24 @@ def guarded_protocol(config: "ServeConfig", metrics):
     """uvicorn's httptools protocol (the serve extra's) with the limits it lacks, or None without httptools
     (uvicorn's h11 protocol then, which has a 16 KiB head limit of its own). What it answers itself is counted
     in metrics.unserved (status, reason), its connections in metrics.connections.
-    - A request's line and headers over HEAD_LIMIT: 431 and the connection closed (httptools buffered an endless
-      header whole: 100 MB sent took the server's memory up 146 MB).
+    - A request's line and headers over HEAD_LIMIT: 431 (httptools buffered an endless header whole: 100 MB
+      sent took the server's memory up 146 MB).
     - No whole head within --timeout of the connection's start or of the head's first byte: the connection
       closed, with 408 where part of a head came (an idle connection stayed open forever, so enough of them
       used up the process's open files and every other phone was refused).
     - A body still coming after its request was answered (413, 504, 404, ...): the rest has --timeout to end,
       then the connection is closed (uvicorn read and dropped an endless body for ever).
+    - More than PIPELINE_LIMIT requests sent ahead of their answers: 503 (uvicorn parsed every read whole into
+      its queue, and read on after each answer: one client pipelining /healthz without reading took 700 MB).
+      A client that reads no answer for --timeout while one waits to be sent: the connection closed.
     - More than --max-connections open: 503 with Retry-After and closed, before any request is read.
     - Part of a head in when the server stops: 503 with Retry-After, not a connection closed unanswered.
-    - uvicorn's own 400 for malformed HTTP is counted (bad_http), its log line dropped (QuietInvalidRequests)."""
+    - uvicorn's own 400 for malformed HTTP is counted (bad_http), its log line dropped (QuietInvalidRequests).
+    - An Upgrade header (curl --http2 and Java's HttpClient ask for h2c) is ignored, as RFC 9110 allows: the
+      request is answered as HTTP/1.1 (httptools skipped an upgrade request's body: the photo arrived empty).
+    A head is held here until whole, then given to the parser (so the header can be renamed first). These refusals are written after the answers still owed on the connection (not in their place), and the
+    connection is then closed; nothing more is read from it. A client that half-closes after its request
+    (shutdown(SHUT_WR), as `nc -N` does) still gets its answers (uvicorn closed the connection at once)."""
     try:
         from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
     except ImportError:
@@ -77,14 +88,19 @@ def guarded_protocol(config: "ServeConfig", metrics):
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:
-            self.reading_head, self.head_bytes, self.head_tail = True, 0, b""
-            self.head_timer = self.body_timer = None
+            self.reading_head, self.head = True, bytearray()
+            self.head_timer = self.body_timer = self.write_timer = None
+            self.refusal = None                 # (status line + headers + body) written once no answer is owed
+            self.peer_closed = False            # the client half-closed: close once its answers are sent
             super().connection_made(transport)
             metrics.connections.inc()
             if len(self.connections) > config.max_connections:
                 return self.refuse(503, f"the server has {config.max_connections:,} connections open; try again in "
                                         f"a moment", "too_many_connections", retry_after)
             self.start_head_timer()
+
+        def answers_owed(self) -> bool:
+            return (self.cycle is not None and not self.cycle.response_complete) or bool(self.pipeline)
 
         def start_head_timer(self) -> None:
             if self.head_timer is None:
@@ -97,63 +113,130 @@ def guarded_protocol(config: "ServeConfig", metrics):
             self.head_timer = self.body_timer = None
 
         def data_received(self, data: bytes) -> None:
-            if self.reading_head:               # measured up to its blank line, before the parser buffers any of it
+            if self.refusal is not None:        # refused: nothing more is read
+                return
+            if self.reading_head:               # a head is held here until whole, then given to the parser
                 self.start_head_timer()
-                seen = self.head_tail + data
-                end = seen.find(b"\r\n\r\n")
-                self.head_bytes += len(data) if end < 0 else end + 4 - len(self.head_tail)
-                self.head_tail = seen[-3:]
-                if self.head_bytes > HEAD_LIMIT:
+                searched = max(len(self.head) - 3, 0)
+                self.head += data
+                end = self.head.find(b"\r\n\r\n", searched)
+                if (end if end >= 0 else len(self.head)) > HEAD_LIMIT:
                     return self.refuse(431, f"the request's line and headers are over {HEAD_LIMIT:,} bytes",
                                        "head_too_large")
+                if end < 0:
+                    return
+                data = UPGRADE_HEADER.sub(b"\r\nx-ignored-upgrade:", bytes(self.head[:end + 4])) + self.head[end + 4:]
+                self.head = bytearray()
             super().data_received(data)
 
         def on_headers_complete(self) -> None:
+            if self.refusal is not None:        # the rest of a read after a refusal: not a request any more
+                return
             self.reading_head = False
             self.stop_timers()
             super().on_headers_complete()
+            if len(self.pipeline) > PIPELINE_LIMIT:
+                self.pipeline.popleft()         # this one (appended on the left), refused after those before it;
+                self.cycle = self.pipeline[0][0]        # self.cycle: the last request that will be answered
+                self.refuse(503, f"more than {PIPELINE_LIMIT} requests sent ahead of their answers; read them, "
+                                 f"then send more", "pipeline_full", retry_after)
+
+        def on_body(self, body: bytes) -> None:
+            if self.refusal is None:
+                super().on_body(body)
 
         def on_message_complete(self) -> None:
+            if self.refusal is not None:
+                return
             super().on_message_complete()
             self.stop_timers()
-            self.reading_head, self.head_bytes, self.head_tail = True, 0, b""      # the next request's head
+            self.reading_head = True            # the next request's head
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+            body_unfinished = self.cycle is not None and self.cycle.more_body     # of the request just answered
+            super().on_response_complete()      # (starts the next pipelined request, resumes reading)
+            if self.transport.is_closing():
+                return
+            if self.refusal is not None or self.pipeline:
+                self.flow.pause_reading()       # read on only once the requests already in are answered
+            if self.answers_owed():
+                return
+            if self.refusal is not None:
+                self.transport.write(self.refusal)
+                self.transport.close()
+            elif self.peer_closed:
+                self.transport.close()
+            elif body_unfinished:
                 self.body_timer = self.loop.call_later(timeout_s, self.transport.close)    # answered mid-body
+
+        def eof_received(self) -> bool | None:
+            """The client will send no more: keep the connection to send the answers it is owed (True), unless
+            its upload was cut short (then closed, as uvicorn did: the request ends as incomplete_upload)."""
+            if self.cycle is not None and self.cycle.more_body or not self.answers_owed():
+                return None
+            self.peer_closed = True
+            return True
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self.write_timer is None:        # the client reads no answer: closed after --timeout
+                self.write_timer = self.loop.call_later(timeout_s, self.transport.abort)
+
+        def resume_writing(self) -> None:
+            if self.write_timer is not None:
+                self.write_timer.cancel()
+                self.write_timer = None
+            if self.transport.is_closing() and self.cycle is not None:
+                self.cycle.disconnected = True  # uvloop resumes a paused write as it closes: nothing more is written
+            super().resume_writing()
 
         def connection_lost(self, exc) -> None:
             self.stop_timers()
+            if self.write_timer is not None:
+                self.write_timer.cancel()
             metrics.connections.dec()
             super().connection_lost(exc)
 
         def head_timed_out(self) -> None:
             self.head_timer = None
-            if not self.reading_head or self.transport.is_closing():
+            if not self.reading_head or self.transport.is_closing() or self.refusal is not None:
                 return
-            if self.cycle is not None and not self.cycle.response_complete:    # a pipelined head behind an answer
+            if self.answers_owed():             # a pipelined head behind an answer
                 return self.start_head_timer()
-            if self.head_bytes:
+            if self.head:
                 return self.refuse(408, f"no whole request within {timeout_s:g} s", "head_timeout")
             self.transport.close()
 
         def shutdown(self) -> None:
             """SIGTERM: uvicorn closed a connection with part of a head in it, no answer; now 503 (try again)."""
-            if self.reading_head and self.head_bytes and (self.cycle is None or self.cycle.response_complete):
+            if self.reading_head and self.head and self.refusal is None and not self.answers_owed():
                 return self.refuse(503, "the server is stopping; try again in a moment", "stopping", retry_after)
             super().shutdown()
 
         def send_400_response(self, msg: str) -> None:
-            metrics.unserved.labels("400", "bad_http").inc()
-            super().send_400_response(msg)
+            """uvicorn's answer to bytes the parser cannot read. In the body of the request in flight: that
+            request's answer, counted by the application (incomplete_upload); in the body of one already
+            answered: no second answer, the connection closed; else a request of its own, answered in turn."""
+            if self.cycle is not None and self.cycle.more_body:
+                if self.cycle.response_complete:
+                    return self.transport.close()
+                return super().send_400_response(msg)
+            self.refuse(400, msg, "bad_http")
 
         def refuse(self, status: int, message: str, reason: str, headers: bytes = b"") -> None:
+            """Answer a request the application never sees, after the answers still owed, then close; the
+            connection reads nothing more."""
+            if self.refusal is not None:
+                return
             metrics.unserved.labels(str(status), reason).inc()
             body = message.encode()
-            self.transport.write(STATUS_LINE[status] + headers + b"content-type: text/plain; charset=utf-8\r\n"
-                                 b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
-            self.transport.close()
+            self.refusal = (STATUS_LINE[status] + headers + b"content-type: text/plain; charset=utf-8\r\n"
+                            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+            self.flow.pause_reading()
+            self.stop_timers()
+            if not self.answers_owed():
+                self.transport.write(self.refusal)
+                self.transport.close()
 
     return GuardedHttpToolsProtocol
 

@@ -486,7 +486,7 @@ def test_model_page_and_metrics_endpoints(session, served):
 @contextlib.contextmanager
 def guarded_server(**settings):
     """lnn-serve's whole server (server_for: the guarded protocol, NumPy backend) on a thread, on a free
-    loopback port -> its (host, port), once uvicorn has started."""
+    loopback port -> (its (host, port), the uvicorn.Server), once uvicorn has started."""
     from lnn.tools.serve import server_for
 
     server, sock = server_for(DEFAULT_MODEL, "127.0.0.1", 0, "numpy", **settings)
@@ -497,7 +497,7 @@ def guarded_server(**settings):
         while not server.started:
             assert time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
-        yield sock.getsockname()
+        yield sock.getsockname(), server
     finally:
         server.should_exit = True
         thread.join(30)
@@ -513,7 +513,7 @@ def test_endless_request_heads_get_431_and_idle_connections_are_closed():
 
     from lnn.tools.serve import HEAD_LIMIT
 
-    with guarded_server(timeout_s=1.0) as address:
+    with guarded_server(timeout_s=1.0) as (address, server):
         with socket.create_connection(address, timeout=10) as big:
             big.sendall(b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * (HEAD_LIMIT // 2))
             time.sleep(0.1)
@@ -542,7 +542,7 @@ def test_a_body_still_coming_after_its_answer_is_cut_off_after_the_timeout():
     that ends in time leaves the connection kept alive for the next request."""
     import socket
 
-    with guarded_server(timeout_s=1.0, max_body=1000) as address:
+    with guarded_server(timeout_s=1.0, max_body=1000) as (address, server):
         with socket.create_connection(address, timeout=10) as endless:
             endless.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
             started, answer = time.monotonic(), b""
@@ -577,7 +577,7 @@ def test_connections_over_the_limit_get_503_and_malformed_http_is_counted_withou
     for bytes that are not HTTP is counted in /metrics (bad_http), without its warning line per request."""
     import socket
 
-    with guarded_server(max_connections=4) as address:
+    with guarded_server(max_connections=4) as (address, server):
         client = httpx.Client(base_url=f"http://{address[0]}:{address[1]}")
         assert client.get("/healthz").status_code == 200                    # the client's own connection: 1
         held = [socket.create_connection(address, timeout=10) for _ in range(3)]
@@ -598,6 +598,81 @@ def test_connections_over_the_limit_get_503_and_malformed_http_is_counted_withou
     assert counted({}, metrics, "lnn_serve_unserved_total", status="400", reason="bad_http") == 1
     assert metrics[("lnn_serve_connections", ())] == 1
     assert "Invalid HTTP request" not in capfd.readouterr().err
+
+
+def raw_exchange(address, data: bytes, half_close: bool = False, wait_s: float = 10) -> list:
+    """Send bytes on a new connection (then shutdown(SHUT_WR) if half_close), read until the server closes it
+    or wait_s passes -> the statuses of the answers, in the order they came."""
+    import re
+    import socket
+
+    received = b""
+    with socket.create_connection(address, timeout=wait_s) as connection:
+        connection.sendall(data)
+        if half_close:
+            connection.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):
+            while chunk := connection.recv(65536):
+                received += chunk
+    return [int(status) for status in re.findall(rb"HTTP/1\.1 (\d{3}) ", received)]
+
+
+def classify_request(photo: bytes, *headers: bytes) -> bytes:
+    return (b"POST /v1/classify HTTP/1.1\r\nHost: x\r\n" + b"".join(h + b"\r\n" for h in headers) +
+            b"Content-Length: %d\r\n\r\n" % len(photo) + photo)
+
+
+def test_the_protocol_answers_in_order_and_keeps_its_answers_for_clients_that_stop_sending():
+    """The protocol's own refusals came out of turn: garbage pipelined behind a photo got its 400 written
+    first, and the photo's answer was lost; a client that half-closed after its request (nc -N) got no answer
+    at all; a stalled upload pipelined behind another request lost its 504 (the wrong request's body was
+    watched); an h2c Upgrade header (curl --http2, Java's HttpClient) made httptools skip the photo."""
+    photo = LEAVES[0].read_bytes()
+    healthz = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    with guarded_server(timeout_s=1.0) as (address, server):
+        assert raw_exchange(address, classify_request(photo) + b"\x16\x03 not HTTP\r\n\r\n") == [200, 400]
+        assert raw_exchange(address, classify_request(photo) + healthz, half_close=True) == [200, 200]
+        stalled = b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(photo) + photo[:500]
+        assert raw_exchange(address, healthz + stalled) == [200, 504]
+        upgrade = classify_request(photo, b"Connection: Upgrade, HTTP2-Settings", b"Upgrade: h2c",
+                                   b"HTTP2-Settings: AAMAAABkAAQAAP__", b"Connection: close")
+        assert raw_exchange(address, upgrade) == [200]
+        metrics = metric_samples(httpx.Client(base_url=f"http://{address[0]}:{address[1]}"))
+    assert counted({}, metrics, "lnn_serve_requests_total", status="200") == 3
+    assert counted({}, metrics, "lnn_serve_requests_total", status="504") == 1
+    assert counted({}, metrics, "lnn_serve_unserved_total", status="400", reason="bad_http") == 1
+
+
+def test_a_client_that_pipelines_without_reading_is_bounded_and_cut_off():
+    """uvicorn parsed each read whole into its queue of pipelined requests and read on after every answer: one
+    client pipelining GET /healthz without reading its answers took the server to 790 MB in 7 s, and a client
+    that never reads held its connection (and the slot under --max-connections) for ever. Now at most
+    PIPELINE_LIMIT wait (then 503 and the connection closed), and answers unread for --timeout close it."""
+    import socket
+
+    from lnn.tools.serve import PIPELINE_LIMIT
+
+    with guarded_server(timeout_s=1.0) as (address, server):
+        client = httpx.Client(base_url=f"http://{address[0]}:{address[1]}")
+        statuses = raw_exchange(address, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * (PIPELINE_LIMIT * 4))
+        assert statuses == [200] * (PIPELINE_LIMIT + 1) + [503], statuses
+        # A client whose answers are left unread: the transport pauses the protocol's writes once its buffer
+        # is full (the kernel's buffers on loopback hold megabytes first, so the pause is made here)
+        with socket.create_connection(address, timeout=10) as stalled:
+            stalled.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert stalled.recv(4096).startswith(b"HTTP/1.1 200 ")
+            [protocol] = [p for p in server.server_state.connections if p.transport.get_extra_info("peername")
+                          == stalled.getsockname()]
+            protocol.loop.call_soon_threadsafe(protocol.pause_writing)
+            time.sleep(0.5)
+            assert stalled.getsockname() in [p.transport.get_extra_info("peername")
+                                             for p in server.server_state.connections]
+            time.sleep(1.0)                             # past --timeout, still paused: closed
+            assert stalled.recv(100) == b""
+        metrics = metric_samples(client)
+        client.close()
+    assert metrics[("lnn_serve_connections", ())] == 1
+    assert counted({}, metrics, "lnn_serve_unserved_total", status="503", reason="pipeline_full") == 1
 
 
 def test_unknown_addresses_and_methods_get_the_apis_json_error_and_are_counted(served):
