@@ -125,7 +125,7 @@ class Metrics:
         self.rejected = Counter("lnn_serve_rejected", "classify requests refused, by reason",
                                 ["reason"], registry=self.registry)
         self.unserved = Counter("lnn_serve_unserved", "requests answered before reaching an endpoint, by HTTP "
-                                "status and reason: bad_http, head_too_large, head_timeout, too_many_connections, "
+                                "status and reason: bad_http, head_too_large, head_timeout, too_many_connections, pipeline_full, "
                                 "stopping (the protocol's, lnn.tools.serve.guarded_protocol), not_found, "
                                 "method_not_allowed", ["status", "reason"], registry=self.registry)
         self.connections = Gauge("lnn_serve_connections", "connections open now", registry=self.registry)
