@@ -46,6 +46,7 @@ from lnn.tools.infer import answer_for, judge_images
 from lnn.tools.serve import RETRY_AFTER_S, ServeConfig
 
 ENDPOINTS = "POST /v1/classify, GET /v1/model, /healthz, /readyz, /metrics and the phone page at /"
+RETRY_LATER = {"Retry-After": str(RETRY_AFTER_S)}       # a 503's header: when the phone should try again
 UPLOAD_NAME = "upload"                  # the answer's "file" for a raw-body upload (multipart gives its filename)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -296,7 +297,7 @@ class UploadMemory:
             if self.held + nbytes > self.budget:
                 raise Refused(503, f"the server holds {self.held:,} bytes of other uploads, near its limit of "
                                    f"{self.budget:,} (--upload-memory); try again in a moment", "uploads_full",
-                              {"Retry-After": str(RETRY_AFTER_S)})
+                              RETRY_LATER)
             self.held += nbytes
             taken += nbytes
 
@@ -429,7 +430,7 @@ def create_app(session, config: ServeConfig) -> Starlette:
         started = time.perf_counter()
         if state["in_flight"] >= config.queue:
             response = refusal(Refused(503, f"the server is busy ({config.queue} requests waiting); try again in a "
-                                            f"moment", "queue_full", {"Retry-After": str(RETRY_AFTER_S)}))
+                                            f"moment", "queue_full", RETRY_LATER))
         else:
             state["in_flight"] += 1
             metrics.in_flight.inc()

@@ -69,17 +69,24 @@ def client_for(session, **settings):
     sock = listening_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(create_app(session, ServeConfig(decode_threads=2, **settings)),
                                            log_level="warning", lifespan="on"))
+    with running(server, sock), httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
+                                             timeout=60) as client:
+        assert client.get("/healthz").json() == {"alive": True}
+        wait_ready(client)
+        yield client
+
+
+@contextlib.contextmanager
+def running(server, sock):
+    """A uvicorn.Server on a thread of the test, serving on sock, from its start to its stop."""
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60) as client:
-            deadline = time.monotonic() + 30
-            while not server.started:
-                assert time.monotonic() < deadline, "uvicorn did not start"
-                time.sleep(0.02)
-            assert client.get("/healthz").json() == {"alive": True}
-            wait_ready(client)
-            yield client
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        yield
     finally:
         server.should_exit = True
         thread.join(30)
@@ -490,17 +497,8 @@ def guarded_server(**settings):
     from lnn.tools.serve import server_for
 
     server, sock = server_for(DEFAULT_MODEL, "127.0.0.1", 0, "numpy", **settings)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+    with running(server, sock):
         yield sock.getsockname(), server
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def test_endless_request_heads_get_431_and_idle_connections_are_closed():
@@ -721,10 +719,10 @@ def test_max_connections_stays_under_the_open_files_limit():
     process, url = launch_process("--port", "0", "--device", "numpy",
                                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (files, files)))
     cap = files - FILES_KEPT_FREE
-    host, port = url.split("//")[1].strip("/").rsplit(":", 1)
+    address = httpx.URL(url).host, httpx.URL(url).port
     try:
-        held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(cap)]
-        with socket.create_connection((host, int(port)), timeout=10) as over:
+        held = [socket.create_connection(address, timeout=10) for _ in range(cap)]
+        with socket.create_connection(address, timeout=10) as over:
             answer = over.recv(4096)
         assert answer.startswith(b"HTTP/1.1 503 ") and f"{cap:,} connections".encode() in answer, answer
         for connection in held:
@@ -742,8 +740,7 @@ def test_a_request_head_half_sent_at_sigterm_gets_503():
     try:
         with httpx.Client(base_url=url) as client:
             wait_ready(client)
-        host, port = url.split("//")[1].strip("/").rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
+        with socket.create_connection((httpx.URL(url).host, httpx.URL(url).port), timeout=10) as sock:
             sock.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\n")
             time.sleep(0.2)
             process.send_signal(signal.SIGTERM)
