@@ -345,11 +345,8 @@ def _lnn_metadata(proto) -> dict:
     props = {entry.key: entry.value for entry in proto.metadata_props}
     found = {}
     for field, key in METADATA_KEYS.items():
-        if key in props:
-            try:
-                found[field] = parse_json_text(props[key], f"metadata_props {key}") if field != "name" else props[key]
-            except ModelSpecError as err:
-                raise OnnxImportError(str(err)) from None
+        if key in props:            # a ModelSpecError is named after the file by import_onnx
+            found[field] = parse_json_text(props[key], f"metadata_props {key}") if field != "name" else props[key]
     preprocess = found.get("preprocess")
     if preprocess is not None and not isinstance(preprocess, dict):                # null: a model without preprocessing
         raise OnnxImportError(f"metadata_props {METADATA_KEYS['preprocess']}: must be a JSON object of preprocessing "

@@ -1393,7 +1393,7 @@ class _Recurrent(Op):
         node.attributes(allowzero=0)
         target = [int(v) for v in node.const(1, "shape").reshape(-1)]
         if chain.layout == "last_state_batch":
-            features = chain.last["hidden_size"] * (2 if chain.last["bidirectional"] else 1)
+            features = chain.last["hidden_size"] * self.directions(chain.last)
             if len(target) != 2 or target[0] not in {0, -1, node.batch} - {None} or target[1] not in (-1, features):
                 raise node.error(f"Reshape to {target} is not supported after an LSTM / GRU's last states: lnn takes "
                                  f"[0, -1] ([N, {features}])")
