@@ -317,6 +317,7 @@ def read_table(path, target: str | None = None, columns: list | None = None, pre
         features = [i for i in range(len(names)) if i != target_at]
     if not features:
         raise LnnInputError(f"{path}: no feature column besides the target {target!r}")
+    bounds = [value_range(preprocess, j) for j in range(len(features))]       # per column, not per cell
     values, labels = [], []
     for line, row in rows:
         if not any(cell.strip() for cell in row):
@@ -329,7 +330,7 @@ def read_table(path, target: str | None = None, columns: list | None = None, pre
             where = f"{path}: line {line}, column {names[i]!r}"
             if not cell:
                 raise LnnInputError(f"{where}: missing value (the cell is empty)")
-            numbers.append(_finite_number(cell, where, value_range(preprocess, j)))
+            numbers.append(_finite_number(cell, where, bounds[j]))
         values.append(numbers)
         if target_at is not None:
             label = row[target_at].strip()
@@ -454,15 +455,3 @@ def model_inputs(model, values) -> np.ndarray:
     if model.preprocess is None:
         return array.astype(np.float32)
     return standardize(array, model.preprocess)
-
-
-def table_values(model, table: Table) -> np.ndarray:
-    """A table's feature columns in the order the model's preprocessing names them ([N, F] raw values); a
-    column the model lacks or does not take is an error naming it."""
-    wanted = (model.preprocess or {}).get("columns", table.columns)
-    if sorted(wanted) != sorted(table.columns):
-        missing = [name for name in wanted if name not in table.columns]
-        problem = (f"no column {missing[0]!r}, which the model takes" if missing else
-                   f"column {next(n for n in table.columns if n not in wanted)!r} is not one the model takes")
-        raise LnnInputError(f"{table.path}: {problem} (its columns: {', '.join(wanted)}; the class column is --target)")
-    return table.values[:, [table.columns.index(name) for name in wanted]]

@@ -360,7 +360,7 @@ def evaluate_rows(args, kind: str, path: str) -> int:
     """ucr:DIR (--split test or train) and csv:FILE --target COLUMN (--split val or all): series or table rows
     through the model's own preprocessing (lnn.runtime.series.model_inputs: raw values in)."""
     import lnn
-    from lnn.runtime.series import model_inputs, table_values
+    from lnn.runtime.series import model_inputs
     from lnn.train.series import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, read_target_table, split_rows, ucr_split
 
     if args.fit_gate or args.write_gate or args.choose_threshold or args.write_threshold:
@@ -386,7 +386,7 @@ def evaluate_rows(args, kind: str, path: str) -> int:
     else:
         table = read_target_table(path, args.target, session.model.preprocess)
         source, unit = table.path, "rows"
-        values, names = table_values(session.model, table), table.labels
+        values, names = table.values, table.labels          # the model's columns, in its order
         rows = split_rows(names, val_fraction, seed)[1] if split == "val" else np.arange(len(names))
         values, names = values[rows], [names[i] for i in rows]
         items = ("row", (rows + 1).tolist())

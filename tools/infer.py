@@ -242,7 +242,7 @@ class RowAnswer(Answer):
 
 def read_rows(session, path: Path):
     """A series file's series (list of [C, T_i]) or a CSV table's rows [N, F] in the model's column order."""
-    from lnn.runtime.series import read_series_file, read_table, table_values
+    from lnn.runtime.series import read_series_file, read_table
 
     table_model = len(session.input_shape) == 1
     if path.suffix.lower() not in (TABLE_SUFFIXES if table_model else SERIES_SUFFIXES):
@@ -251,8 +251,7 @@ def read_rows(session, path: Path):
     preprocess = session.model.preprocess
     if table_model:
         columns = (preprocess or {}).get("columns")
-        return (table_values(session.model, read_table(path, columns=columns, preprocess=preprocess)) if columns
-                else read_table(path).values)
+        return read_table(path, columns=columns, preprocess=preprocess if columns else None).values
     return read_series_file(path, preprocess).series
 
 
