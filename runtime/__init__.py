@@ -115,6 +115,7 @@ class Session:
         """features: a node whose output run_with_features() returns (default: the gate's feature node);
         for fitting a gate to a model that has none yet."""
         from lnn.runtime.gate import Judge
+        from lnn.runtime.preprocess import input_range
 
         self.bin = bin_model
         self.model = bin_model.model
@@ -129,6 +130,8 @@ class Session:
         self.backend = backend(self.model, bin_model.weights_fp32(), keep=keep, **backend_options)
         self.threads = getattr(self.backend, "threads", None)    # the cpu backend's count; None: it has none
         self.threads_asked = backend_options.get("threads", "auto")
+        # per channel, the lowest and highest input an image model's preprocessing makes (_check_prepared)
+        self.prepared_range = input_range(self.model.preprocess) if self.model.takes_images else None
 
     def describe_threads(self) -> str:
         """The threads choice in words: 'cpu backend, 2 threads (auto: 2 usable cores)'."""
@@ -209,11 +212,9 @@ class Session:
     def _check_prepared(self, batch: np.ndarray) -> np.ndarray:
         """A checked batch, when the model takes images, refused in one line unless every input is one its
         preprocessing could make (PREPARED_MARGIN); run() and run_with_features() take any numbers."""
-        if not self.model.takes_images:
+        if self.prepared_range is None:
             return batch
-        from lnn.runtime.preprocess import input_range
-
-        low, high = input_range(self.model.preprocess)
+        low, high = self.prepared_range
         margin = PREPARED_MARGIN * (high - low)
         lowest, highest = batch.min(axis=(2, 3)), batch.max(axis=(2, 3))      # [N, C]
         outside = (lowest < low - margin) | (highest > high + margin)
