@@ -74,16 +74,7 @@ class _GraphBuilder:
         # the graph's input and output names are reserved.
         self.tensor_names = {INPUT_NAME, "logits", "output"}
         self.node_names = set()
-        self.renamed = {}               # add_node's output names as asked -> as written
-        self._current = INPUT_NAME
-
-    @property
-    def current(self) -> str:
-        return self._current
-
-    @current.setter
-    def current(self, name: str) -> None:
-        self._current = self.renamed.get(name, name)
+        self.current = INPUT_NAME       # the tensor the next add() reads
 
     @staticmethod
     def _unique(name: str, taken: set) -> str:
@@ -103,17 +94,15 @@ class _GraphBuilder:
         output = self._unique(name, self.tensor_names)
         self.nodes.append(self.onnx.helper.make_node(op_type, [self.current, *extra_inputs], [output],
                                                      name=self._unique(name, self.node_names), **attributes))
-        self._current = output
+        self.current = output
 
-    def add_node(self, op_type: str, name: str, inputs: list, outputs: list, **attributes) -> None:
-        """A node of several inputs and outputs; the first output flows on."""
-        written = []
-        for output in outputs:
-            written.append(self._unique(output, self.tensor_names))
-            self.renamed[output] = written[-1]
+    def add_node(self, op_type: str, name: str, inputs: list, outputs: list, **attributes) -> list:
+        """A node of several inputs and outputs; the first output flows on. -> the outputs' names as written."""
+        written = [self._unique(output, self.tensor_names) for output in outputs]
         self.nodes.append(self.onnx.helper.make_node(op_type, inputs, written, name=self._unique(name, self.node_names),
                                                      **attributes))
-        self._current = written[0]
+        self.current = written[0]
+        return written
 
     def integers(self, name: str, values) -> str:
         name = self._unique(name, self.tensor_names)

@@ -1277,11 +1277,11 @@ class _Recurrent(Op):
             inputs = [graph.current, graph.constant(f"{step}.W", np.stack(w)), graph.constant(f"{step}.R", np.stack(r))]
             if b:
                 inputs.append(graph.constant(f"{step}.B", np.stack(b)))
-            graph.add_node(self.onnx_type, step, inputs, [f"{step}/Y", f"{step}/Y_h"], hidden_size=h,
-                           direction="bidirectional" if d == 2 else "forward", **self.onnx_cell_fields)
+            _, last_state = graph.add_node(self.onnx_type, step, inputs, [f"{step}/Y", f"{step}/Y_h"], hidden_size=h,
+                                           direction="bidirectional" if d == 2 else "forward", **self.onnx_cell_fields)
             last = layer == attrs["num_layers"] - 1
             if last and attrs["return"] == "last":
-                graph.current = f"{step}/Y_h"                                          # [D, N, H]
+                graph.current = last_state                                             # [D, N, H]
                 graph.add("Transpose", f"{name}/h_n", perm=[1, 0, 2])
                 graph.add("Reshape", f"{name}/last", [graph.integers(f"{name}/last.shape", [0, -1])])
                 return
