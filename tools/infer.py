@@ -255,12 +255,12 @@ def read_rows(session, path: Path):
     return read_series_file(path, preprocess).series
 
 
-def infer_rows(args, output, bin_model) -> int:
+def infer_rows(args, output, bin_model, threads) -> int:
     """lnn-infer with a series or table model: one answer per series or row of its files, through
-    Session.prepare_series (any other file is one error line)."""
+    Session.prepare_series (any other file is one error line). threads: --threads as threads_option resolved it."""
     if args.csv:
         raise LnnInputError("--csv is for images; series and table rows are answered as text or --json")
-    session = load_session(bin_model, choose_device(args.device, 1), threads_option(args.threads), images=False)
+    session = load_session(bin_model, choose_device(args.device, 1), threads, images=False)
     top_k = min(args.top_k, len(session.labels))
     failures = 0
     for given in args.inputs:
@@ -417,7 +417,7 @@ def infer(args) -> int:
     output = Output("json" if args.json else "csv" if args.csv else "human", prog=args.prog)
     bin_model = read_model(args.model)           # the model says what the inputs are: photos, or rows of data files
     if takes_rows(bin_model.model):
-        return infer_rows(args, output, bin_model)
+        return infer_rows(args, output, bin_model, threads)
     paths, problems = expand_inputs(args.inputs, args.recursive)
     for folder, message in problems:
         output.failure(folder, message)
