@@ -344,7 +344,13 @@ def check_weight_shapes(expected: dict, shapes: dict) -> None:
 def check_weights(expected: dict, weights: dict) -> None:
     """Raise ModelSpecError unless `weights` has exactly the expected keys and shapes, all finite."""
     check_weight_shapes(expected, {key: np.shape(value) for key, value in weights.items()})
-    for key in expected:
+    check_finite_weights(weights, expected)
+
+
+def check_finite_weights(weights: dict, keys=None) -> None:
+    """Raise ModelSpecError naming the first weight (of `keys`, in their order; default all) that holds NaN or
+    infinity."""
+    for key in weights if keys is None else keys:
         if not np.all(np.isfinite(weights[key])):
             raise ModelSpecError(f"weights: {key} contains NaN or infinity")
 

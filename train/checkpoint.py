@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from lnn.formats.binfile import build_metadata, write_atomic, write_bin
+from lnn.formats.binfile import build_metadata, check_finite_weights, write_atomic, write_bin
 from lnn.formats.errors import LnnFormatError, ModelSpecError
 from lnn.formats.limits import MAX_JSON_BYTES
 from lnn.formats.model import Model, parse_json_text, parse_model
@@ -84,7 +84,8 @@ def read_checkpoint(path) -> tuple[dict, dict, dict]:
 
 def check_run_state(meta: dict, weights: dict) -> None:
     """The meta fields a resumed run continues from, each of the kind and in the range the trainer writes (the
-    module's doc), and finite weights: a ValueError naming the first that is not (a KeyError for one missing)."""
+    module's doc), and finite weights (binfile.check_finite_weights): a ValueError naming the first that is not (a
+    KeyError for one missing)."""
     def count(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -113,9 +114,10 @@ def check_run_state(meta: dict, weights: dict) -> None:
         if not good:
             text = json.dumps(meta[name])
             raise ValueError(f"{name} is {text if len(text) <= 60 else text[:56] + ' ...'}, not {kind}")
-    for key, value in weights.items():
-        if not np.isfinite(value).all():
-            raise ValueError(f"weight {key!r} holds NaN or infinity")
+    try:
+        check_finite_weights(weights)
+    except ModelSpecError as err:
+        raise ValueError(str(err)) from None
 
 
 def _model_of(meta: dict, path) -> Model:
