@@ -285,11 +285,9 @@ def body(args) -> int:
     columns = class_columns(scan_folder(folder_path)[0], session.labels, folder_path)     # before decoding
     folder = ImageFolder.load(folder_path, session.model.input_shape, preprocess["color"], progress=not args.quiet,
                               log=lambda message: print(message, file=sys.stderr, flush=True))
-    rows = folder.split(val_fraction, seed)[1] if args.split == "val" else np.arange(len(folder.files))
-    if len(rows) == 0:
-        raise LnnInputError(f"{folder.folder}: no photo falls in the validation split ({val_fraction:.0%} of each "
-                            f"class, whole leaves only, seed {seed}): its classes have too few photos for it; "
-                            f"evaluate every photo with --split all, or choose a larger --val-fraction")
+    rows = (folder.split(val_fraction, seed, "its classes have too few photos for it; evaluate every photo with "
+                                             "--split all, or choose a larger --val-fraction")[1]
+            if args.split == "val" else np.arange(len(folder.files)))
     what = (f"{folder.folder} (validation split: seed {seed}, {val_fraction:.0%} per class)" if args.split == "val"
             else f"{folder.folder} (all photos)")
 

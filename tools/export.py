@@ -236,11 +236,8 @@ def calibration_set(spec: str, model: Model) -> tuple:
     columns = class_columns(scan_folder(path)[0], model.labels, path)
     folder = ImageFolder.load(path, model.input_shape, model.preprocess["color"], progress=True,
                               log=lambda message: print(message, file=sys.stderr, flush=True))
-    rows = folder.split(DEFAULT_VAL_FRACTION, DEFAULT_SPLIT_SEED)[1]
-    if len(rows) == 0:         # too few photos per class for a 20% share: nothing to measure int8 on
-        raise LnnInputError(f"--calibration {spec}: none of its {len(folder.labels):,} photos falls on the validation "
-                            f"side of the split ({DEFAULT_VAL_FRACTION:.0%} per class, whole leaves), so int8 cannot "
-                            f"be checked; give a folder with more photos per class")
+    rows = folder.split(DEFAULT_VAL_FRACTION, DEFAULT_SPLIT_SEED,     # too few photos per class for a 20% share
+                        "int8 cannot be checked on it; give --calibration a folder with more photos per class")[1]
     return (folder.data.images[rows], columns[folder.labels[rows]],
             f"{path} (validation split: seed {DEFAULT_SPLIT_SEED}, {DEFAULT_VAL_FRACTION:.0%} per class)")
 

@@ -362,9 +362,20 @@ class ImageFolder:
     def labels(self) -> np.ndarray:
         return np.asarray(self.data.labels)
 
-    def split(self, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = DEFAULT_SPLIT_SEED):
-        """(train rows, validation rows) of this folder; see split_by_leaf."""
-        return split_by_leaf(self.files, self.labels, val_fraction, seed)
+    def split(self, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = DEFAULT_SPLIT_SEED,
+              hint: str | None = None):
+        """(train rows, validation rows) of this folder; see split_by_leaf. With a `hint` (what the user can do
+        about it), a split that leaves no photo on the validation side is refused in one line ending in it."""
+        train_rows, val_rows = split_by_leaf(self.files, self.labels, val_fraction, seed)
+        if hint is not None and len(val_rows) == 0:
+            raise self.empty_side("validation", val_fraction, seed, hint)
+        return train_rows, val_rows
+
+    def empty_side(self, side: str, val_fraction: float, seed: int, hint: str) -> LnnInputError:
+        """The one-line error for a split that leaves no photo on `side` ("validation" or "training")."""
+        return LnnInputError(f"{self.folder}: no photo falls on the {side} side of the split ({val_fraction:.0%} "
+                             f"of each class for validation, whole leaves only, seed {seed}) of its "
+                             f"{len(self.files)} photos: {hint}")
 
     def subset(self, rows: np.ndarray, name: str) -> ArrayDataset:
         """The given rows, read into memory (a training set on the GPU is then moved there once)."""
@@ -376,13 +387,11 @@ class ImageFolder:
         and, with an Augmenter, augmented on worker threads as the trainer's prefetch thread reads them."""
         from lnn.train.augment import AugmentedDataset
 
-        train_rows, val_rows = self.split(val_fraction, seed)
-        if len(val_rows) == 0 or len(train_rows) == 0:
-            side, other = ("validation", "a larger") if len(val_rows) == 0 else ("training", "a smaller")
-            raise LnnInputError(f"{self.folder}: no photo falls on the {side} side of the split ({val_fraction:.0%} "
-                                f"of each class for validation, whole leaves only, seed {seed}) of its "
-                                f"{len(self.files)} photos: add photos to the classes, or choose {other} "
-                                f"--val-fraction")
+        train_rows, val_rows = self.split(val_fraction, seed,
+                                          "add photos to the classes, or choose a larger --val-fraction")
+        if len(train_rows) == 0:
+            raise self.empty_side("training", val_fraction, seed,
+                                  "add photos to the classes, or choose a smaller --val-fraction")
         if balance:
             train_rows = balanced_rows(train_rows, self.labels, seed)
         val = self.subset(val_rows, f"{self.folder.name} validation")

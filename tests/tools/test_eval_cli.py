@@ -303,7 +303,7 @@ def test_too_few_photos_for_a_validation_split_is_one_line_not_a_traceback(tmp_p
     model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
     code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}")        # round(0.2 * 2) = 0 per class
     assert code == 1 and "Traceback" not in err
-    assert_one_line_error(err.splitlines()[-1] + "\n", "lnn-eval", "no photo falls in the validation split",
+    assert_one_line_error(err.splitlines()[-1] + "\n", "lnn-eval", "no photo falls on the validation side of the split",
                           "--split all")
 
 

@@ -120,8 +120,8 @@ def test_a_calibration_folder_too_small_for_a_validation_split_is_one_line(tmp_p
     status, printed, err = export(capsys, halves_bin(tmp_path / "fp32.bin"), "-o", out, "--int8",
                                   "--calibration", f"folder:{photos}")
     assert status == 1 and printed == ""
-    assert_one_line_error(last_line(err), "lnn-export", f"none of its {2 * per_class} photos falls on the validation side",
-                          "int8 cannot be checked")
+    assert_one_line_error(last_line(err), "lnn-export", "no photo falls on the validation side of the split",
+                          f"of its {2 * per_class} photos", "int8 cannot be checked", "--calibration")
     assert not out.exists()
 
 
