@@ -35,8 +35,8 @@ from lnn.formats.errors import LnnFormatError, LnnInputError, ModelSpecError
 from lnn.formats.files import regular_file
 from lnn.formats.gate import TENSOR_PREFIX, check_gate_metadata, check_gate_tensor_shapes, gate_tensor_shapes
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
-from lnn.formats.model import (Model, finite_json_float, json_nesting_depth, lone_surrogate, parse_model,
-                               reject_json_constant, size_refusals)
+from lnn.formats.model import (Model, finite_json_float, json_nesting_depth, parse_model, reject_json_constant,
+                               size_refusals, surrogate_problem)
 from lnn.formats.ops import get_op
 from lnn.formats.quantize import QMAX, dequantize, quantize_per_channel, scale_key
 from lnn.formats.vectors import INPUTS, OUTPUTS, TENSOR_PREFIX as VECTOR_PREFIX, check_vectors_metadata, vector_tensor_shapes
@@ -163,7 +163,9 @@ def int8_dtypes(model: Model) -> dict:
 
 
 def _json_bytes(obj) -> bytes:
-    """The canonical JSON encoding: sorted keys, compact separators, UTF-8, no NaN or infinity."""
+    """The canonical JSON encoding: sorted keys, compact separators, UTF-8, no NaN or infinity. A string holding a
+    lone UTF-16 surrogate (formats/model.py lone_surrogate) raises UnicodeEncodeError: the callers say so in words
+    (surrogate_problem), so that each section is encoded once."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
@@ -278,13 +280,9 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
     if alignment < MIN_ALIGNMENT or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
         raise ValueError(f"alignment {alignment} is not a power of two between {MIN_ALIGNMENT} and {MAX_ALIGNMENT}")
     graph_value = graph_of(model)
-    for what, value in (("model description", graph_value), ("metadata", metadata)):
-        problem = lone_surrogate(value)     # text in another encoding (an argument, a file name): UTF-8 cannot hold it
-        if problem:
-            raise LnnInputError(f"the {what} cannot be written: {problem} (text that is not UTF-8, such as a "
-                                f"command-line argument or a file name in another encoding)")
+    graph = _writable_json(graph_value, "model description")
     try:
-        _model_from(graph_value, metadata)
+        _model_from(graph_value, metadata, graph)
     except LnnFormatError as err:
         raise ModelSpecError(str(err)) from None
     gate_keys = [key for key in weights if key.startswith(TENSOR_PREFIX)]
@@ -297,8 +295,7 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
     table_offset = HEADER_SIZE
     string_offset = table_offset + TENSOR_ENTRY_SIZE * len(stored)
     strings = b"".join(names)
-    graph = _json_bytes(graph_value)
-    meta = _json_bytes(metadata)
+    meta = _writable_json(metadata, "metadata")
     graph_offset = string_offset + len(strings)
     meta_offset = graph_offset + len(graph)
     data_offset = _align(meta_offset + len(meta), alignment)
@@ -325,6 +322,15 @@ def encode_bin(model: Model, weights: dict, metadata: dict, dtypes: dict | None 
               string_offset, len(strings), data_offset, running, file_size, zlib.crc32(body), 0]
     fields[-1] = zlib.crc32(HEADER.pack(*fields))
     return HEADER.pack(*fields) + body
+
+
+def _writable_json(value, what: str) -> bytes:
+    """_json_bytes(value), or one LnnInputError line for text that UTF-8 cannot hold."""
+    try:
+        return _json_bytes(value)
+    except UnicodeEncodeError as err:   # text in another encoding (an argument, a file name): UTF-8 cannot hold it
+        raise LnnInputError(f"the {what} cannot be written: {surrogate_problem(err)} (text that is not UTF-8, such "
+                            f"as a command-line argument or a file name in another encoding)") from None
 
 
 def check_weight_shapes(expected: dict, shapes: dict) -> None:
@@ -532,14 +538,14 @@ def _parse(path: Path, buf: memoryview, keep_alive) -> BinModel:
     if data_size != size - data_offset:                                              # rule 18
         raise LnnFormatError(f"data section is {data_size} bytes, but {size - data_offset} bytes follow its start")
 
-    graph = _read_json(buf, graph_offset, graph_size, "graph JSON")
-    metadata = _read_json(buf, meta_offset, meta_size, "metadata JSON")
+    graph, graph_bytes = _read_json(buf, graph_offset, graph_size, "graph JSON")
+    metadata, _ = _read_json(buf, meta_offset, meta_size, "metadata JSON")
     entries = _read_tensor_table(buf, count, entry_size, table_offset, string_offset, string_size,
                                  data_offset, data_size, alignment)
     for flag, dtype, what in ((FLAG_FP16, np.float16, "fp16"), (FLAG_INT8, INT8, "int8")):
         if any(entry.dtype == dtype for entry in entries) != bool(flags_required & flag):   # rule 39
             raise LnnFormatError(f"the {what} flag in flags_required does not match the stored tensor types")
-    model = _model_from(graph, metadata)
+    model = _model_from(graph, metadata, graph_bytes)
     _check_entries_match(model, entries, metadata)
     tensors = {}
     for entry in entries:
@@ -553,7 +559,8 @@ def _parse(path: Path, buf: memoryview, keep_alive) -> BinModel:
     return BinModel(path, model, tensors, metadata, (major, minor), alignment, keep_alive, (header_crc, body_crc))
 
 
-def _read_json(buf, offset: int, size: int, what: str) -> dict:
+def _read_json(buf, offset: int, size: int, what: str) -> tuple:
+    """(the section's JSON object, its bytes: its canonical encoding)."""
     if size > MAX_JSON_BYTES:                                                        # rule 19
         raise LnnFormatError(f"{what} is {size} bytes, over the limit of {MAX_JSON_BYTES}")
     raw = bytes(buf[offset:offset + size])
@@ -565,15 +572,16 @@ def _read_json(buf, offset: int, size: int, what: str) -> dict:
         raise LnnFormatError(f"{what} is not valid UTF-8 JSON ({err})") from None
     if json_nesting_depth(raw) > MAX_JSON_DEPTH:                                         # rule 21
         raise LnnFormatError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
-    problem = lone_surrogate(value)
-    if problem:                                                                      # rule 20
-        raise LnnFormatError(f"{what} is not valid UTF-8 JSON ({problem})")
+    try:
+        canonical = _json_bytes(value)
+    except UnicodeEncodeError as err:                                                # rule 20
+        raise LnnFormatError(f"{what} is not valid UTF-8 JSON ({surrogate_problem(err)})") from None
     if not isinstance(value, dict):                                                  # rule 22
         raise LnnFormatError(f"{what} must be a JSON object, not {type(value).__name__}")
-    if _json_bytes(value) != raw:                                                    # rule 23
+    if canonical != raw:                                                             # rule 23
         raise LnnFormatError(f"{what} is not in canonical form (sorted keys, compact separators, "
                              "UTF-8 without escapes, each key once)")
-    return value
+    return value, raw
 
 
 @dataclass
@@ -645,8 +653,9 @@ def _read_tensor_table(buf, count, entry_size, table_offset, string_offset, stri
     return entries
 
 
-def _model_from(graph: dict, metadata: dict) -> Model:
-    """Parse the graph with the metadata's labels and preprocessing; check both are complete and agree."""
+def _model_from(graph: dict, metadata: dict, graph_bytes: bytes) -> Model:
+    """Parse the graph with the metadata's labels and preprocessing; check both are complete and agree.
+    graph_bytes: the graph's canonical encoding (_json_bytes(graph)), which its caller has made."""
     missing = [key for key in REQUIRED_METADATA if key not in metadata]
     if missing:                                                                      # rule 40
         raise LnnFormatError(f"metadata lacks the required field {missing[0]!r}")
@@ -669,7 +678,7 @@ def _model_from(graph: dict, metadata: dict) -> Model:
         raise LnnFormatError(f"graph: {too_many_params}")
     if too_much_activation:                                                          # rule 59
         raise LnnFormatError(f"graph: {too_much_activation}")
-    if _json_bytes(graph_of(model)) != _json_bytes(graph):                           # rule 42
+    if _json_bytes(graph_of(model)) != graph_bytes:                                  # rule 42
         raise LnnFormatError("graph: not the normalized model description (every layer attribute written out, "
                              "nothing else); re-export the model")
     input_meta = {"shape": list(model.input_shape), "layout": input_layout(model.input_shape), "dtype": "float32"}

@@ -214,8 +214,14 @@ def lone_surrogate(value) -> str | None:
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as err:
-        return f"a lone UTF-16 surrogate \\u{ord(err.object[err.start]):04x} in a string"
+        return surrogate_problem(err)
     return None
+
+
+def surrogate_problem(err: UnicodeEncodeError) -> str:
+    """lone_surrogate's words for the UnicodeEncodeError of encoding JSON text as UTF-8 (for a caller that
+    encodes it anyway: formats/binfile.py's `_json_bytes`)."""
+    return f"a lone UTF-16 surrogate \\u{ord(err.object[err.start]):04x} in a string"
 
 
 def finite_json_float(text: str) -> float:
