@@ -253,7 +253,7 @@ def plot_confusion(path: Path, labels: list, matrix: np.ndarray, title: str) -> 
 
 def body(args) -> int:
     import lnn
-    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, check_split, scan_folder
+    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, check_split, scan_classes
 
     kind, sep, folder_path = args.data.partition(":")
     if kind not in ("folder", "ucr", "csv") or not sep or not folder_path:
@@ -282,9 +282,10 @@ def body(args) -> int:
         raise LnnInputError(f"{args.model}: model {session.model.name!r} takes no images "
                             f"(input shape {list(session.model.input_shape)}; series and tables: --data ucr:DIR "
                             f"or csv:FILE)")
-    columns = class_columns(scan_folder(folder_path)[0], session.labels, folder_path)     # before decoding
+    scan = scan_classes(folder_path)
+    columns = class_columns(scan.classes, session.labels, folder_path)     # before decoding
     folder = ImageFolder.load(folder_path, session.model.input_shape, preprocess["color"], progress=not args.quiet,
-                              log=lambda message: print(message, file=sys.stderr, flush=True))
+                              log=lambda message: print(message, file=sys.stderr, flush=True), scan=scan)
     rows = (folder.split(val_fraction, seed, "its classes have too few photos for it; evaluate every photo with "
                                              "--split all, or choose a larger --val-fraction")[1]
             if args.split == "val" else np.arange(len(folder.files)))

@@ -231,11 +231,12 @@ def calibration_set(spec: str, model: Model) -> tuple:
         folder_classes = [str(digit) for digit in range(10)]
         columns = class_columns(folder_classes, model.labels, path)
         return test.images, columns[test.labels], f"{path} (MNIST test set)"
-    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, scan_folder
+    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, scan_classes
 
-    columns = class_columns(scan_folder(path)[0], model.labels, path)
+    scan = scan_classes(path)
+    columns = class_columns(scan.classes, model.labels, path)         # before decoding
     folder = ImageFolder.load(path, model.input_shape, model.preprocess["color"], progress=True,
-                              log=lambda message: print(message, file=sys.stderr, flush=True))
+                              log=lambda message: print(message, file=sys.stderr, flush=True), scan=scan)
     rows = folder.split(DEFAULT_VAL_FRACTION, DEFAULT_SPLIT_SEED,     # too few photos per class for a 20% share
                         "int8 cannot be checked on it; give --calibration a folder with more photos per class")[1]
     return (folder.data.images[rows], columns[folder.labels[rows]],

@@ -46,6 +46,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -63,18 +64,28 @@ LEAF_NUMBER = re.compile(r"leaf[ _]+(\d+)", re.IGNORECASE)
 
 # --------------------------------------------------------------------------- finding the files
 
-def scan_folder(folder) -> tuple[list, list, list]:
-    """(class names, files as paths relative to folder, class index per file), in a fixed order."""
+class FolderScan(NamedTuple):
+    """What one walk of an image folder finds (scan_classes), in a fixed order."""
+
+    classes: list       # names of the sub-folders holding image files, sorted
+    files: list         # the image files, as paths relative to the folder
+    labels: list        # class index per file
+    empty: list         # names of the sub-folders without image files (no class), sorted
+
+
+def scan_classes(folder) -> FolderScan:
+    """The classes, files and labels of an image folder, and its sub-folders left out for holding no image file."""
     folder = Path(folder)
     if not folder.is_dir():
         what = "not a folder" if folder.exists() else "no such folder"
         raise LnnInputError(f"{folder}: {what} (pass --data folder:DIR with one sub-folder per class)")
-    classes, files, labels = [], [], []
+    classes, files, labels, empty = [], [], [], []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
         images = sorted(p for p in sub.iterdir()     # anything but a folder, as lnn-infer: a named pipe, a link to a
                         if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")   # device, a broken
                         and not p.is_dir())         # or looping link is then skipped and counted, not ignored
         if not images:
+            empty.append(sub.name)
             continue
         for path in images:
             files.append(path.relative_to(folder).as_posix())
@@ -82,7 +93,13 @@ def scan_folder(folder) -> tuple[list, list, list]:
         classes.append(sub.name)
     if not classes:
         raise LnnInputError(f"{folder}: holds no class sub-folders with images (expected DIR/<class>/<photo>.jpg)")
-    return classes, files, labels
+    return FolderScan(classes, files, labels, empty)
+
+
+def scan_folder(folder) -> tuple[list, list, list]:
+    """(class names, files as paths relative to folder, class index per file), in a fixed order: scan_classes
+    without the empty sub-folders."""
+    return scan_classes(folder)[:3]
 
 
 def default_cache_root() -> Path:
@@ -340,17 +357,16 @@ class ImageFolder:
 
     @classmethod
     def load(cls, folder, input_shape, color: str, cache_root=None, workers: int | None = None,
-             log=None, progress: bool = True) -> "ImageFolder":
-        """Open the cache for (folder, size, colour), building it first when it does not exist."""
+             log=None, progress: bool = True, scan: FolderScan | None = None) -> "ImageFolder":
+        """Open the cache for (folder, size, colour), building it first when it does not exist. `scan`: the
+        folder's scan_classes, when the caller has it already (to check the classes before anything is decoded)."""
         log = log or (lambda message: print(message, flush=True))
         folder = Path(folder)
         channels, height, width = input_shape
         if channels != (1 if color == "gray" else 3):
             raise LnnInputError(f"a {color} model needs {1 if color == 'gray' else 3} input channels, "
                                 f"the model takes {channels}")
-        classes, files, labels = scan_folder(folder)
-        empty = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
-                       and p.name not in classes)
+        classes, files, labels, empty = scan_classes(folder) if scan is None else scan
         if empty:
             log(f"{folder}: {len(empty)} sub-folder{'s' if len(empty) > 1 else ''} without image files left out "
                 f"(no class of that name): {one_line(', '.join(empty[:5]))}{', ...' if len(empty) > 5 else ''}")
@@ -437,14 +453,14 @@ def folder_datasets(folder, description: dict, augment: bool = True, val_fractio
                             "and an input_shape [C, H, W]")
     config = TrainingConfig.parse(model.extra.get("training"))
     color = model.preprocess["color"]
-    classes = scan_folder(folder)[0]
-    if len(classes) < 2:
-        raise LnnInputError(f"{folder}: holds photos of one class only ({one_line(classes[0])}): a classifier learns "
-                            f"from two or more class sub-folders (DIR/<class>/<photo>.jpg)")
+    scan = scan_classes(folder)
+    if len(scan.classes) < 2:
+        raise LnnInputError(f"{folder}: holds photos of one class only ({one_line(scan.classes[0])}): a classifier "
+                            f"learns from two or more class sub-folders (DIR/<class>/<photo>.jpg)")
     wanted = os.environ.get("LNN_AUGMENT_PROCESSES", "").strip()       # "1"/"0" forces processes/threads
     processes = wanted == "1" if wanted in ("0", "1") else (os.cpu_count() or 1) > PROCESSES_ABOVE
     augmenter = augmenter_from_block(config.augment, color, processes=processes) if augment else None
-    images = ImageFolder.load(folder, model.input_shape, color, log=log, progress=progress)
+    images = ImageFolder.load(folder, model.input_shape, color, log=log, progress=progress, scan=scan)
     described = dict(description, labels=images.model_labels(description.get("labels")))
     train, val = images.datasets(val_fraction, seed, augmenter)
     log(f"{images.folder}: {len(images.classes)} classes, {len(train)} training rows (classes balanced), "

@@ -548,3 +548,22 @@ def test_a_file_for_dir_an_empty_class_folder_and_a_single_class_are_named(tmp_p
                    "layers": [{"type": "global_avg_pool"}, {"type": "linear", "out_features": 2}]}
     with pytest.raises(LnnInputError, match=r"photos of one class only \(only\)"):
         folder_datasets(tmp_path / "one", description, log=lambda m: None, progress=False)
+
+
+def test_one_walk_of_the_folder_serves_the_classes_the_empty_sub_folders_and_the_load(tmp_path, monkeypatch):
+    folder = make_folder(tmp_path / "photos")
+    scan = images_module.scan_classes(folder)
+    assert scan.classes == ["class_a", "class_b"] and scan.empty == ["empty_class"]
+    assert tuple(scan[:3]) == scan_folder(folder)
+    walks = []
+    real = images_module.scan_classes
+    monkeypatch.setattr(images_module, "scan_classes", lambda where: walks.append(where) or real(where))
+    monkeypatch.setenv("LNN_CACHE_DIR", str(tmp_path / "cache"))
+    description = {"name": "m", "input_shape": [3, 8, 8],
+                   "preprocess": {"color": "rgb", "scale": 1 / 255, "mean": [0] * 3, "std": [1] * 3},
+                   "layers": [{"type": "global_avg_pool"}, {"type": "linear", "out_features": 2}]}
+    messages = []
+    images_module.folder_datasets(folder, description, augment=False, val_fraction=0.3, log=messages.append,
+                                  progress=False)
+    assert walks == [folder]
+    assert any("1 sub-folder without image files left out" in m and m.endswith(": empty_class") for m in messages)
