@@ -160,7 +160,9 @@ class Session:
         for chunk_size in sorted({min(size, chunk), size % chunk} - {0}):
             warmup(chunk_size)
 
-    def _check_batch(self, batch) -> np.ndarray:
+    def _check_batch(self, batch, prepared: bool = False) -> np.ndarray:
+        """The batch as contiguous float32, refused in one line unless it is [N, *input_shape] numbers, all finite;
+        prepared (predict, judge): an image model's inputs must also be ones its preprocessing makes (_check_prepared)."""
         try:
             batch = np.asarray(batch)
         except ValueError:                      # nested lists of different lengths
@@ -174,10 +176,19 @@ class Session:
             raise LnnInputError(f"a batch must hold numbers (float32, already preprocessed), not {batch.dtype}")
         with np.errstate(over="ignore"):
             batch = np.ascontiguousarray(batch, dtype=np.float32)
-        finite = np.isfinite(batch).reshape(len(batch), -1).all(axis=1)
+        check_range = prepared and self.prepared_range is not None
+        if check_range:
+            # Each input's lowest and highest value per channel [N, C], which the range check needs: NaN propagates
+            # through min and max, and an infinity is a bound, so they show a non-finite value too (no isfinite pass).
+            lowest, highest = batch.min(axis=(2, 3)), batch.max(axis=(2, 3))
+            finite = np.isfinite(lowest).all(axis=1) & np.isfinite(highest).all(axis=1)
+        else:
+            finite = np.isfinite(batch).reshape(len(batch), -1).all(axis=1)
         if not finite.all():                    # (the backends differ on NaN: the cpu kernels' ReLU makes it 0)
             raise LnnInputError(f"input {int(np.flatnonzero(~finite)[0])} of the batch holds NaN or infinity (or a "
                                 f"value beyond float32's range)")
+        if check_range:
+            self._check_prepared(lowest, highest)
         return batch
 
     def _run_in_chunks(self, batch, with_features: bool) -> tuple:
@@ -209,14 +220,12 @@ class Session:
     def outputs_probabilities(self) -> bool:
         return self.judge_rules.outputs_probabilities
 
-    def _check_prepared(self, batch: np.ndarray) -> np.ndarray:
-        """A checked batch, when the model takes images, refused in one line unless every input is one its
-        preprocessing could make (PREPARED_MARGIN); run() and run_with_features() take any numbers."""
-        if self.prepared_range is None:
-            return batch
+    def _check_prepared(self, lowest: np.ndarray, highest: np.ndarray) -> None:
+        """An image model's batch, from its finite lowest and highest value per input and channel ([N, C]: see
+        _check_batch), refused in one line unless every input is one its preprocessing could make
+        (PREPARED_MARGIN); run() and run_with_features() take any numbers."""
         low, high = self.prepared_range
         margin = PREPARED_MARGIN * (high - low)
-        lowest, highest = batch.min(axis=(2, 3)), batch.max(axis=(2, 3))      # [N, C]
         outside = (lowest < low - margin) | (highest > high + margin)
         if outside.any():
             n, c = (int(i) for i in np.argwhere(outside)[0])
@@ -224,13 +233,12 @@ class Session:
             raise LnnInputError(f"input {n} is not a photo prepared for this model: its channel {c} runs from "
                                 f"{lowest[n, c]:.4g} to {highest[n, c]:.4g}, while the model's preprocessing makes "
                                 f"{c_low:.4g} to {c_high:.4g}; give photos to predict_image, or prepare_image them")
-        return batch
 
     def predict(self, batch) -> np.ndarray:
         """Class probabilities: a softmax of the outputs (divided by the model's calibration temperature,
         metadata.calibration) unless the model already ends in a softmax. An image model's inputs must be photos
         its preprocessing made (_check_prepared)."""
-        batch = self._check_prepared(self._check_batch(batch))
+        batch = self._check_batch(batch, prepared=True)
         return self.judge_rules.probabilities(self._run_in_chunks(batch, with_features=False)[0])
 
     def judge(self, batch, photo_reasons=None):
@@ -240,7 +248,7 @@ class Session:
         if self.judge_rules.gate is not None and self.feature != self.judge_rules.feature:
             raise LnnError(f"this session keeps node {self.feature!r}, but the model's gate uses "
                            f"{self.judge_rules.feature!r}: load it without features= to judge photos")
-        outputs, features = self._run_in_chunks(self._check_prepared(self._check_batch(batch)),
+        outputs, features = self._run_in_chunks(self._check_batch(batch, prepared=True),
                                                 with_features=self.feature is not None)
         return self.judge_rules.judge(outputs, features if self.judge_rules.gate else None, photo_reasons)
 

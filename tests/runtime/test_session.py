@@ -47,6 +47,52 @@ def test_run_refuses_nan_infinity_and_ragged_rows_naming_the_input():
         session.run([[1.0, 2.0], [3.0]])
 
 
+def test_predict_and_judge_refuse_nan_and_infinity_as_run_does_before_the_prepared_range():
+    """predict and judge of an image model find NaN and infinity in each input's lowest and highest value per
+    channel (what the prepared-range check takes; NaN propagates through min and max, an infinity is a bound):
+    each is the line run gives, naming the first such input, even when another input is out of range; a model
+    that takes no images checks every value."""
+    session = tiny_session()
+    assert session.prepared_range is not None
+    x = prepared_photos(session.model, 4)
+    finite_line = r"^input {} of the batch holds NaN or infinity \(or a value beyond float32's range\)$"
+    for bad, value in ((1, np.nan), (2, np.inf), (3, -np.inf), (0, 1e39), (1, -1e39)):   # 1e39: inf as float32
+        for where in ((0, 0, 0), (2, 7, 7)):
+            y = x.astype(np.float64)
+            y[bad][where] = value
+            for call in (session.run, session.predict, session.judge):
+                with pytest.raises(lnn.LnnInputError, match=finite_line.format(bad)):
+                    call(y)
+            other = 0 if bad else 3
+            y[other] = x[other] * 1000                             # another input out of range (before or after)
+            for call in (session.predict, session.judge):
+                with pytest.raises(lnn.LnnInputError, match=finite_line.format(bad)):
+                    call(y)
+    y = x.copy()
+    y[2] = x[2] * 1000
+    y[3, 1] = np.nan                                                  # a whole channel NaN
+    y[3, 0] = np.inf
+    for call in (session.predict, session.judge):
+        with pytest.raises(lnn.LnnInputError, match=finite_line.format(3)):
+            call(y)
+        with pytest.raises(lnn.LnnInputError, match=r"^input 2 is not a photo prepared for this model: its channel "):
+            call(y[:3])
+    rows = Session(parse_bin_bytes(encode_bin(*table_model(), build_metadata(table_model()[0]))), "numpy")
+    assert rows.prepared_range is None
+    z = rng.standard_normal((3, 4)) * 1000
+    for value in (np.nan, np.inf, -np.inf):
+        z[1, 2] = value
+        for call in (rows.run, rows.predict, rows.judge):
+            with pytest.raises(lnn.LnnInputError, match=finite_line.format(1)):
+                call(z)
+
+
+def table_model():
+    model = parse_model({"name": "rows", "input_shape": [4], "labels": ["a", "b"],
+                         "layers": [{"type": "linear", "name": "fc", "out_features": 2}]})
+    return model, {k: rng.standard_normal(s).astype(np.float32) for k, s in model.param_shapes().items()}
+
+
 @pytest.mark.parametrize("device", ["numpy", "cpu"])
 def test_a_large_batch_runs_in_chunks_with_the_answers_of_one_call(device):
     """A batch over RUN_CHUNK is computed a chunk at a time (bounded memory: the cpu backend keeps plans of the
