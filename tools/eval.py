@@ -47,7 +47,6 @@ stored with the gate.
 from __future__ import annotations
 
 import csv
-import itertools
 import json
 import math
 import sys
@@ -477,18 +476,13 @@ def fit_and_write_gate(args, session, folder, columns, validation: tuple, val_fr
     _, train_features = extract(session, input_batches(session, folder.data.images[train_rows], args.batch),
                                 len(train_rows), "training features", not args.quiet)
     skipped: list = []
-    batches = path_batches(session, outlier_paths, args.batch, skipped)
-    first = next(batches, None)                     # None: not one of them could be decoded
+    outlier_outputs, outlier_features = extract(session, path_batches(session, outlier_paths, args.batch, skipped),
+                                                len(outlier_paths), "outlier photos", not args.quiet)
     for message in skipped:
         print(f"{PROG}: skipped an outlier photo: {one_line(message)}", file=sys.stderr)
-    if first is None:
+    if len(outlier_outputs) == 0:                   # not one of them could be decoded
         raise LnnInputError(f"{args.outliers}: none of the {len(outlier_paths)} photos of the outlier folder's "
                             f"validation part could be decoded (first: {skipped[0]})")
-    shown = len(skipped)
-    outlier_outputs, outlier_features = extract(session, itertools.chain([first], batches), len(outlier_paths),
-                                                "outlier photos", not args.quiet)
-    for message in skipped[shown:]:
-        print(f"{PROG}: skipped an outlier photo: {one_line(message)}", file=sys.stderr)
     val_outputs, val_features, true = validation
     logits = not session.outputs_probabilities
     fitted = fit_gate((train_features, columns[folder.labels[train_rows]]), (val_outputs, val_features, true),

@@ -41,7 +41,7 @@ def default_feature_node(model) -> str:
 
 def extract(session, batches, total: int, what: str, progress: bool = True) -> tuple:
     """(outputs [N, K], features [N, D], or None when the session keeps no features) of preprocessed
-    input batches, with a progress bar."""
+    input batches, with a progress bar; no batches at all give N = 0 (arrays of no rows)."""
     from tqdm import tqdm
 
     outputs, features = [], []
@@ -51,6 +51,10 @@ def extract(session, batches, total: int, what: str, progress: bool = True) -> t
             outputs.append(out)
             features.append(feat)
             bar.update(len(batch))
+    if not outputs:
+        nodes = {node.name: node for node in session.model.nodes}
+        return (np.zeros((0, *session.model.output_shape), np.float32),
+                None if session.feature is None else np.zeros((0, *nodes[session.feature].out_shape), np.float32))
     return np.concatenate(outputs), None if features[0] is None else np.concatenate(features)
 
 

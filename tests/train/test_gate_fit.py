@@ -69,3 +69,25 @@ def test_fit_gate_prefers_the_score_that_separates_and_works_without_logits():
     probabilities = softmax(val @ weight.T)
     scores = Candidate(("msp",)).compute(probabilities, None, 1.0, outputs_probabilities=True)
     np.testing.assert_allclose(scores["msp"], 1 - probabilities.max(axis=1))   # of p itself, not of softmax(p)
+
+
+@pytest.mark.parametrize("feature", [None, "pool"])
+def test_extract_of_no_batches_is_no_rows_of_the_shapes_batches_give(feature):
+    from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes
+    from lnn.formats.model import parse_model
+    from lnn.runtime import Session
+    from lnn.train.gate_fit import extract
+
+    model = parse_model({"name": "tiny", "input_shape": [3, 8, 8], "labels": ["a", "b", "c"],
+                         "layers": [{"type": "conv2d", "out_channels": 4, "kernel_size": 3, "activation": "relu"},
+                                    {"type": "global_avg_pool", "name": "pool"},
+                                    {"type": "linear", "out_features": 3}]})
+    weights = {k: rng.standard_normal(s).astype(np.float32) for k, s in model.param_shapes().items()}
+    session = Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), "numpy", features=feature)
+    some = extract(session, iter([rng.standard_normal((2, 3, 8, 8)).astype(np.float32)]), 2, "some", progress=False)
+    none = extract(session, iter([]), 0, "none", progress=False)
+    assert none[0].shape == (0,) + some[0].shape[1:] and none[0].dtype == some[0].dtype
+    if feature is None:
+        assert some[1] is None and none[1] is None
+    else:
+        assert none[1].shape == (0,) + some[1].shape[1:] == (0, 4) and none[1].dtype == some[1].dtype
