@@ -196,11 +196,14 @@ def _build_cache(folder: Path, files: list, labels: list, size: tuple, color: st
         shutil.rmtree(building, ignore_errors=True)
 
 
-def _scratch_folder() -> Path:
-    """A temporary folder for a cache that cannot be kept, removed when the process ends."""
+def _scratch_target(target: Path, problem: str, advice: str, log) -> Path:
+    """Where to build `target` instead, when the cache cannot be written: in a temporary folder removed when
+    the process ends; logs the one warning (`problem`: why; `advice`: what to do, before "LNN_CACHE_DIR")."""
     scratch = Path(tempfile.mkdtemp(prefix="lnn-images-"))
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-    return scratch
+    log(f"warning: cannot write the image cache: {problem}; decoding into the temporary folder {scratch} for this "
+        f"run only ({advice} LNN_CACHE_DIR to a writable folder to decode once)")
+    return scratch / target.name
 
 
 def _read_cache(target: Path, name: str, size: tuple, color: str) -> tuple:
@@ -256,24 +259,18 @@ def open_cache(folder, files: list, labels: list, size: tuple, color: str, cache
     if opened is None:
         problem = problem or ensure_writable(root)
         if problem:
-            target = _scratch_folder() / target.name
-            log(f"warning: cannot write the image cache: {problem}; decoding into the temporary folder "
-                f"{target.parent} for this run only (set LNN_CACHE_DIR to a writable folder to decode once)")
+            target = _scratch_target(target, problem, "set", log)
         log(f"{folder}: decoding {len(files)} {what} at {size[0]}x{size[1]} into {target} (once)")
         workers = workers or min(8, os.cpu_count() or 1)
-        try:
-            _build_cache(folder, files, labels, size, color, target, workers, log, progress)
-        except OSError as err:                  # the cache folder filled up or became unwritable on the way
-            if problem:                         # already the temporary folder
-                raise _unwritable(err) from None
-            target = _scratch_folder() / target.name
-            log(f"warning: cannot write the image cache: {err.strerror or err} ({err.filename or root}); "
-                f"decoding into the temporary folder {target.parent} for this run only (free some space or set "
-                f"LNN_CACHE_DIR to a writable folder to decode once)")
+        while True:
             try:
                 _build_cache(folder, files, labels, size, color, target, workers, log, progress)
-            except OSError as again:
-                raise _unwritable(again) from None
+                break
+            except OSError as err:              # the cache folder filled up or became unwritable on the way
+                if problem:                     # already the temporary folder
+                    raise _unwritable(err) from None
+                problem = f"{err.strerror or err} ({err.filename or root})"
+                target = _scratch_target(target, problem, "free some space or set", log)
         opened = _read_cache(target, folder.name, size, color)
     index, data, masks = opened
     if index["skipped"]:

@@ -415,6 +415,8 @@ def test_an_unwritable_cache_falls_back_to_a_temporary_folder_with_one_warning(t
         data = ImageFolder.load(folder, (3, 16, 16), "rgb", cache_root=root, log=messages.append, progress=False)
         warnings = [m for m in messages if m.startswith("warning:")]
         assert len(warnings) == 1 and "cannot write the image cache" in warnings[0] and "LNN_CACHE_DIR" in warnings[0]
+        assert warnings[0].endswith(f"; decoding into the temporary folder {data.cache_dir.parent} for this run only "
+                                    f"(set LNN_CACHE_DIR to a writable folder to decode once)")
         assert np.array_equal(data.data.images, reference.data.images) and data.files == reference.files
         assert not data.cache_dir.is_relative_to(root)
 
@@ -466,6 +468,9 @@ def test_a_cache_disk_that_fills_up_falls_back_to_a_temporary_folder_then_is_one
                             progress=False)
     warnings = [m for m in messages if m.startswith("warning:")]
     assert len(warnings) == 1 and "No space left on device" in warnings[0] and "temporary folder" in warnings[0]
+    assert warnings[0].startswith("warning: cannot write the image cache: No space left on device (") and \
+        warnings[0].endswith(f"); decoding into the temporary folder {data.cache_dir.parent} for this run only "
+                             f"(free some space or set LNN_CACHE_DIR to a writable folder to decode once)")
     assert np.array_equal(data.data.images, reference.data.images) and data.files == reference.files
     assert not data.cache_dir.is_relative_to(tmp_path / "cache")
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []     # nothing half-written left
