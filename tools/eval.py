@@ -178,6 +178,15 @@ def probabilities(session, images, batch: int, progress: bool) -> np.ndarray:
     return session.judge_rules.probabilities(outputs)
 
 
+def row_outputs(session, values, batch: int) -> np.ndarray:
+    """Raw series or table rows (as lnn.runtime.series.model_inputs takes them) -> the model's outputs [N, K],
+    through its own preprocessing, `batch` rows per run."""
+    from lnn.runtime.series import model_inputs
+
+    return np.concatenate([session.run(model_inputs(session.model, values[start:start + batch]))
+                           for start in range(0, len(values), batch)])
+
+
 def path_batches(session, paths: list, batch: int, skipped: list):
     """Image files -> preprocessed batches; a file that cannot be decoded is left out and noted in `skipped`."""
     for start in range(0, len(paths), batch):
@@ -358,7 +367,6 @@ def evaluate_rows(args, kind: str, path: str) -> int:
     """ucr:DIR (--split test or train) and csv:FILE --target COLUMN (--split val or all): series or table rows
     through the model's own preprocessing (lnn.runtime.series.model_inputs: raw values in)."""
     import lnn
-    from lnn.runtime.series import model_inputs
     from lnn.train.series import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, read_target_table, split_rows, ucr_split
 
     if args.fit_gate or args.write_gate or args.choose_threshold or args.write_threshold:
@@ -392,8 +400,7 @@ def evaluate_rows(args, kind: str, path: str) -> int:
                 else f"{source} (all rows)")
     labels = session.labels
     true = class_columns(names, labels, source)
-    outputs = np.concatenate([session.run(model_inputs(session.model, values[start:start + args.batch]))
-                              for start in range(0, len(values), args.batch)])
+    outputs = row_outputs(session, values, args.batch)
     probs = session.judge_rules.probabilities(outputs)
     predicted, confidence = probs.argmax(axis=1), probs.max(axis=1)
     matrix = confusion_matrix(true, predicted, len(labels))

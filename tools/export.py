@@ -48,7 +48,7 @@ from lnn.formats.model import Model
 from lnn.formats.limits import MAX_TEST_VECTORS
 from lnn.formats.vectors import INPUTS, METADATA_KEY as VECTORS
 from lnn.runtime.vectors import DEFAULT_INPUT_BYTES, normal_inputs, photo_inputs, with_test_vectors, without_test_vectors
-from lnn.tools.eval import class_columns, probabilities
+from lnn.tools.eval import class_columns, probabilities, row_outputs
 from lnn.tools.cli import (command_parser, human_bytes, is_npz_file, read_checkpoint_source, read_model_source,
                            run_command)
 
@@ -248,7 +248,7 @@ def accuracy(session, inputs, true_columns, batch: int = 256) -> float:
     if session.model.takes_images:
         probs = probabilities(session, inputs, batch, progress=True)
     else:
-        probs = session.predict(session.prepare_series(inputs))
+        probs = session.judge_rules.probabilities(row_outputs(session, inputs, batch))
     return float(np.mean(probs.argmax(axis=1) == true_columns))
 
 
