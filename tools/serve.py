@@ -65,8 +65,10 @@ def guarded_protocol(config: "ServeConfig", metrics):
     - No whole head within --timeout of the connection's start or of the head's first byte: the connection
       closed, with 408 where part of a head came (an idle connection stayed open forever, so enough of them
       used up the process's open files and every other phone was refused).
-    - A body still coming after its request was answered (413, 504, 404, ...): the rest has --timeout to end,
-      then the connection is closed (uvicorn read and dropped an endless body for ever).
+    - A request answered before its body is all in (413, 504, 404, ...) is told `connection: close` (RFC 9110
+      15: such an answer SHOULD say so), and the connection ends in a staged close (below): a client that then
+      skipped the rest of its body had its next request read as that body, and uvicorn read and dropped an
+      endless body for ever.
     - More than PIPELINE_LIMIT requests sent ahead of their answers: 503 (uvicorn parsed every read whole into
       its queue, and read on after each answer: one client pipelining /healthz without reading took the server
       from 78 to about 790 MB in 7 s). A client that reads no answer for --timeout while one waits to be sent:
@@ -77,9 +79,12 @@ def guarded_protocol(config: "ServeConfig", metrics):
     - An Upgrade header (curl --http2 and Java's HttpClient ask for h2c) is ignored, as RFC 9110 allows: the
       request is answered as HTTP/1.1 (httptools skipped an upgrade request's body: the photo arrived empty).
     A head is held here until whole, then given to the parser (so the header can be renamed first). These
-    refusals are written after the answers still owed on the connection (not in their place), and the
-    connection is then closed; nothing more is read from it. A client that half-closes after its request
-    (shutdown(SHUT_WR), as `nc -N` does) still gets its answers (uvicorn closed the connection at once)."""
+    refusals are written after the answers still owed on the connection (not in their place); then the
+    connection ends in a staged close (RFC 9112 9.6; `close_gently`): no more requests are read, the write side
+    is shut once the last answer is out, and what the client still sends is dropped until it closes or
+    --timeout passes (closing at once, with its bytes unread, resets the connection, and the client may lose
+    the answer it has not read yet). A client that half-closes after its request (shutdown(SHUT_WR), as
+    `nc -N` does) still gets its answers (uvicorn closed the connection at once)."""
     try:
         from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
     except ImportError:
@@ -91,8 +96,9 @@ def guarded_protocol(config: "ServeConfig", metrics):
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:
             self.reading_head, self.head = True, bytearray()
-            self.head_timer = self.body_timer = self.write_timer = None
+            self.head_timer = self.linger_timer = self.write_timer = None
             self.refusal = None                 # (status line + headers + body) written once no answer is owed
+            self.close_promised = False         # an answer said `connection: close`: no request is read after it
             self.peer_closed = False            # the client half-closed: close once its answers are sent
             super().connection_made(transport)
             metrics.connections.inc()
@@ -109,13 +115,13 @@ def guarded_protocol(config: "ServeConfig", metrics):
                 self.head_timer = self.loop.call_later(timeout_s, self.head_timed_out)
 
         def stop_timers(self) -> None:
-            for timer in (self.head_timer, self.body_timer):
+            for timer in (self.head_timer, self.linger_timer):
                 if timer is not None:
                     timer.cancel()
-            self.head_timer = self.body_timer = None
+            self.head_timer = self.linger_timer = None
 
         def data_received(self, data: bytes) -> None:
-            if self.refusal is not None:        # refused: nothing more is read
+            if self.refusal is not None or self.close_promised:     # closing: no request is read any more
                 return
             if self.reading_head:               # a head is held here until whole, then given to the parser
                 self.start_head_timer()
@@ -132,11 +138,12 @@ def guarded_protocol(config: "ServeConfig", metrics):
             super().data_received(data)
 
         def on_headers_complete(self) -> None:
-            if self.refusal is not None:        # the rest of a read after a refusal: not a request any more
+            if self.refusal is not None or self.close_promised:    # the rest of a read: not a request any more
                 return
             self.reading_head = False
             self.stop_timers()
             super().on_headers_complete()
+            self.cycle.send = self.saying_close_when_answered_early(self.cycle)
             if len(self.pipeline) > PIPELINE_LIMIT:
                 self.pipeline.popleft()         # this one (appended on the left), refused after those before it;
                 self.cycle = self.pipeline[0][0]        # self.cycle: the last request that will be answered
@@ -154,8 +161,21 @@ def guarded_protocol(config: "ServeConfig", metrics):
             self.stop_timers()
             self.reading_head = True            # the next request's head
 
+        def saying_close_when_answered_early(self, cycle):
+            """cycle.send, adding `connection: close` to an answer started before the request's body is all in;
+            the connection then ends in a staged close once that answer is out (not at once, as uvicorn would)."""
+            send = cycle.send
+
+            async def send_saying_close(message) -> None:
+                if message["type"] != "http.response.start" or not cycle.more_body or cycle.disconnected:
+                    return await send(message)
+                self.close_promised = True
+                await send({**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]})
+                cycle.keep_alive = True         # uvicorn closes at the answer's end; on_response_complete will
+
+            return send_saying_close
+
         def on_response_complete(self) -> None:
-            body_unfinished = self.cycle is not None and self.cycle.more_body     # of the request just answered
             super().on_response_complete()      # (starts the next pipelined request, resumes reading)
             if self.transport.is_closing():
                 return
@@ -164,12 +184,23 @@ def guarded_protocol(config: "ServeConfig", metrics):
             if self.answers_owed():
                 return
             if self.refusal is not None:
-                self.transport.write(self.refusal)
-                self.transport.close()
+                self.close_gently(self.refusal)
             elif self.peer_closed:
                 self.transport.close()
-            elif body_unfinished:
-                self.body_timer = self.loop.call_later(timeout_s, self.transport.close)    # answered mid-body
+            elif self.close_promised:
+                self.close_gently()
+
+        def close_gently(self, last_words: bytes = b"") -> None:
+            """The staged close of RFC 9112 9.6, once no answer is owed: write last_words, shut the write side,
+            drop what the client still sends until it closes (eof_received) or --timeout passes, then close. Over
+            --max-connections, closed at once: a lingering connection holds an open file."""
+            self.stop_timers()
+            self.transport.write(last_words)
+            if len(self.connections) > config.max_connections or not self.transport.can_write_eof():
+                return self.transport.close()
+            self.transport.write_eof()
+            self.flow.resume_reading()
+            self.linger_timer = self.loop.call_later(timeout_s, self.transport.close)
 
         def eof_received(self) -> bool | None:
             """The client will send no more: keep the connection to send the answers it is owed (True), unless
@@ -237,8 +268,7 @@ def guarded_protocol(config: "ServeConfig", metrics):
             self.flow.pause_reading()
             self.stop_timers()
             if not self.answers_owed():
-                self.transport.write(self.refusal)
-                self.transport.close()
+                self.close_gently(self.refusal)
 
     return GuardedHttpToolsProtocol
 
