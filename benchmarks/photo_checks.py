@@ -78,7 +78,7 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     folder = Path(args.tomato_dir)
-    _, files, _ = scan_folder(folder)
+    files = scan_folder(folder).files
     each, total, caught = {}, 0, {}
     for index, name in enumerate(tqdm(files, desc="tomato photos", unit="img", disable=None)):
         image = read_image(folder / name)

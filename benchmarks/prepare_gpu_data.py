@@ -60,7 +60,7 @@ def main():
 
     shared, out = Path(args.shared), Path(args.out)
     tomato, outliers = shared / "tomato", shared / "outliers"
-    classes, files, labels = scan_folder(tomato)
+    classes, files, labels, _ = scan_folder(tomato)
     fit = split_outliers(outliers)["fit"]
     total = 0
     for name in tqdm(files, desc="tomato", unit="photo"):
@@ -69,7 +69,7 @@ def main():
         relative = path.relative_to(outliers)
         total += shrink(path, out / "outliers" / relative, args.outlier_size, args.quality, longer=True)
 
-    copy_classes, copy_files, copy_labels = scan_folder(out / "tomato")
+    copy_classes, copy_files, copy_labels, _ = scan_folder(out / "tomato")
     if (copy_classes, copy_files, list(copy_labels)) != (classes, files, list(labels)):
         raise SystemExit("the copied tomato folder does not list the same photos")
     original_val = split_by_leaf(files, labels)[1]

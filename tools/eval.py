@@ -261,7 +261,7 @@ def plot_confusion(path: Path, labels: list, matrix: np.ndarray, title: str) -> 
 
 def body(args) -> int:
     import lnn
-    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, check_split, scan_classes
+    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, check_split, scan_folder
 
     kind, sep, folder_path = args.data.partition(":")
     if kind not in ("folder", "ucr", "csv") or not sep or not folder_path:
@@ -290,7 +290,7 @@ def body(args) -> int:
         raise LnnInputError(f"{args.model}: model {session.model.name!r} takes no images "
                             f"(input shape {list(session.model.input_shape)}; series and tables: --data ucr:DIR "
                             f"or csv:FILE)")
-    scan = scan_classes(folder_path)
+    scan = scan_folder(folder_path)
     columns = class_columns(scan.classes, session.labels, folder_path)     # before decoding
     folder = ImageFolder.load(folder_path, session.model.input_shape, preprocess["color"], progress=not args.quiet,
                               log=lambda message: print(message, file=sys.stderr, flush=True), scan=scan)

@@ -231,9 +231,9 @@ def calibration_set(spec: str, model: Model) -> tuple:
         folder_classes = [str(digit) for digit in range(10)]
         columns = class_columns(folder_classes, model.labels, path)
         return test.images, columns[test.labels], f"{path} (MNIST test set)"
-    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, scan_classes
+    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, scan_folder
 
-    scan = scan_classes(path)
+    scan = scan_folder(path)
     columns = class_columns(scan.classes, model.labels, path)         # before decoding
     folder = ImageFolder.load(path, model.input_shape, model.preprocess["color"], progress=True,
                               log=lambda message: print(message, file=sys.stderr, flush=True), scan=scan)

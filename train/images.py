@@ -65,7 +65,7 @@ LEAF_NUMBER = re.compile(r"leaf[ _]+(\d+)", re.IGNORECASE)
 # --------------------------------------------------------------------------- finding the files
 
 class FolderScan(NamedTuple):
-    """What one walk of an image folder finds (scan_classes), in a fixed order."""
+    """What one walk of an image folder finds (scan_folder), in a fixed order."""
 
     classes: list       # names of the sub-folders holding image files, sorted
     files: list         # the image files, as paths relative to the folder
@@ -73,7 +73,7 @@ class FolderScan(NamedTuple):
     empty: list         # names of the sub-folders without image files (no class), sorted
 
 
-def scan_classes(folder) -> FolderScan:
+def scan_folder(folder) -> FolderScan:
     """The classes, files and labels of an image folder, and its sub-folders left out for holding no image file."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -94,12 +94,6 @@ def scan_classes(folder) -> FolderScan:
     if not classes:
         raise LnnInputError(f"{folder}: holds no class sub-folders with images (expected DIR/<class>/<photo>.jpg)")
     return FolderScan(classes, files, labels, empty)
-
-
-def scan_folder(folder) -> tuple[list, list, list]:
-    """(class names, files as paths relative to folder, class index per file), in a fixed order: scan_classes
-    without the empty sub-folders."""
-    return scan_classes(folder)[:3]
 
 
 def default_cache_root() -> Path:
@@ -356,14 +350,14 @@ class ImageFolder:
     def load(cls, folder, input_shape, color: str, cache_root=None, workers: int | None = None,
              log=None, progress: bool = True, scan: FolderScan | None = None) -> "ImageFolder":
         """Open the cache for (folder, size, colour), building it first when it does not exist. `scan`: the
-        folder's scan_classes, when the caller has it already (to check the classes before anything is decoded)."""
+        folder's scan_folder, when the caller has it already (to check the classes before anything is decoded)."""
         log = log or (lambda message: print(message, flush=True))
         folder = Path(folder)
         channels, height, width = input_shape
         if channels != (1 if color == "gray" else 3):
             raise LnnInputError(f"a {color} model needs {1 if color == 'gray' else 3} input channels, "
                                 f"the model takes {channels}")
-        classes, files, labels, empty = scan_classes(folder) if scan is None else scan
+        classes, files, labels, empty = scan_folder(folder) if scan is None else scan
         if empty:
             log(f"{folder}: {len(empty)} sub-folder{'s' if len(empty) > 1 else ''} without image files left out "
                 f"(no class of that name): {one_line(', '.join(empty[:5]))}{', ...' if len(empty) > 5 else ''}")
@@ -450,7 +444,7 @@ def folder_datasets(folder, description: dict, augment: bool = True, val_fractio
                             "and an input_shape [C, H, W]")
     config = TrainingConfig.parse(model.extra.get("training"))
     color = model.preprocess["color"]
-    scan = scan_classes(folder)
+    scan = scan_folder(folder)
     if len(scan.classes) < 2:
         raise LnnInputError(f"{folder}: holds photos of one class only ({one_line(scan.classes[0])}): a classifier "
                             f"learns from two or more class sub-folders (DIR/<class>/<photo>.jpg)")

@@ -93,7 +93,7 @@ def test_validation_split_is_the_one_lnn_train_uses(tmp_path, capsys):
     model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos")
     code, out, err = run_eval(capsys, model, "--data", f"folder:{folder}", "--out", tmp_path / "ev", "--seed", "3")
     assert code == 0, err
-    _, files, labels = scan_folder(folder)
+    _, files, labels, _ = scan_folder(folder)
     validation = sorted(files[i] for i in split_by_leaf(files, labels, 0.2, seed=3)[1])
     assert sorted(r["file"] for r in csv.DictReader(open(tmp_path / "ev" / "predictions.csv"))) == validation
     assert "6 photos" in out and "seed 3" in out
@@ -279,7 +279,7 @@ def test_fit_gate_writes_a_gated_model_that_keeps_the_validation_photos_and_flag
     assert meta["calibration"]["temperature"] > 0 and "photo_checks" in meta["gate"]
     assert np.array_equal(gated.tensors["fc.weight"], read_bin(model).tensors["fc.weight"])
     session = lnn.load(tmp_path / "gated.bin", device="numpy")
-    _, files, labels = scan_folder(folder)
+    _, files, labels, _ = scan_folder(folder)
     validation = split_by_leaf(files, labels)[1]
     batch = np.stack([session.prepare_image(folder / files[i]) for i in validation])
     assert session.judge(batch).reasons.count(None) >= 0.97 * len(validation) - 1
