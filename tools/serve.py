@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import signal
 import socket
@@ -479,7 +480,20 @@ def serve(args) -> int:
     if not server.started:
         error_line(PROG, "the server did not start (see the message above)")
         return 1
+    if not server.config.app.state.batcher.ready.is_set():
+        leave_during_the_warm_up()
     return 0
+
+
+def leave_during_the_warm_up() -> None:
+    """Stopped before the model was warmed up: the inference thread is inside a compile, which cannot be
+    interrupted, and the interpreter's exit would wait for it (a first start's compile held a SIGTERM for
+    12-16 s, silently). Numba writes each cache file whole (to a temporary name, then renamed), so leaving
+    at once loses only the kernels being compiled: the next start compiles them again."""
+    print(f"{PROG}: stopped during the model's warm-up (its compile is dropped; the next start does it again)",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def print_banner(host: str, sock: socket.socket, runtime: str | None = None) -> None:

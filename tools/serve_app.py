@@ -237,7 +237,7 @@ class Batcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self.inference.shutdown(wait=True)
+        self.inference.shutdown(wait=self.ready.is_set())   # not ready: inside a compile (see serve.serve)
 
 
 CHUNK_SIZES = (8, 4, 2, 1)      # the CPU backend keeps buffers for 4 batch sizes (PLANS_KEPT): these four
