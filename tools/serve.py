@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime.cores import usable_cpus
-from lnn.tools.cli import command_parser, error_line, run_command
+from lnn.tools.cli import EXIT_INTERRUPTED, command_parser, error_line, run_command
 
 PROG = "lnn-serve"
 DEFAULT_PORT = 8080
@@ -476,24 +476,34 @@ def serve(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     print_banner(args.host, sock, server.config.app.state.session.describe_threads())
     one_blas_thread()                           # until the process ends
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:                   # Ctrl-C: uvicorn stops the server, then raises the SIGINT again
+        if still_warming_up(server):
+            leave_during_the_warm_up(EXIT_INTERRUPTED)
+        raise
     if not server.started:
         error_line(PROG, "the server did not start (see the message above)")
         return 1
-    if not server.config.app.state.batcher.ready.is_set():
-        leave_during_the_warm_up()
+    if still_warming_up(server):
+        leave_during_the_warm_up(0)
     return 0
 
 
-def leave_during_the_warm_up() -> None:
-    """Stopped before the model was warmed up: the inference thread is inside a compile, which cannot be
-    interrupted, and the interpreter's exit would wait for it (a first start's compile held a SIGTERM for
-    12-16 s, silently). Numba writes each cache file whole (to a temporary name, then renamed), so leaving
-    at once loses only the kernels being compiled: the next start compiles them again."""
-    print(f"{PROG}: stopped during the model's warm-up (its compile is dropped; the next start does it again)",
-          file=sys.stderr, flush=True)
+def still_warming_up(server) -> bool:
+    return server.started and not server.config.app.state.batcher.ready.is_set()
+
+
+def leave_during_the_warm_up(exit_code: int) -> None:
+    """Stopped (SIGTERM, Ctrl-C) before the model was warmed up: the inference thread is inside a compile,
+    which cannot be interrupted, and the interpreter's exit would wait for it (a first start's compile held
+    a SIGTERM 12 s and a Ctrl-C 14 s, silently). Numba writes each cache file whole (to a temporary name, then
+    renamed), so leaving at once loses only the kernels being compiled: the next start compiles them again."""
+    after_ctrl_c = "" if exit_code == 0 else "\n"          # (a terminal's ^C is on the line)
+    print(f"{after_ctrl_c}{PROG}: stopped during the model's warm-up (its compile is dropped; the next start "
+          f"does it again)", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(exit_code)
 
 
 def print_banner(host: str, sock: socket.socket, runtime: str | None = None) -> None:
