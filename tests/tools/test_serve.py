@@ -436,6 +436,34 @@ def test_refused_uploads_are_not_held_after_their_answer(session):
     assert held < 4_000_000, held
 
 
+def test_uploads_that_time_out_are_not_held_after_their_504(session):
+    """A request past --timeout is cancelled inside wait_for, whose frame and task hold its exception (a refusal
+    raised out of that task kept the upload until the next garbage collection: the test above). With the
+    collector off, five 2 MB uploads stalled past --timeout leave nothing behind (a body kept by the server
+    fails it: 11 MB held)."""
+    import gc
+    import tracemalloc
+
+    def stalled_upload():
+        yield bytes(2_000_000)
+        time.sleep(0.5)                                 # past --timeout: answered 504 meanwhile
+        yield b"rest"
+
+    with client_for(session, timeout_s=0.25) as client:
+        assert client.post("/v1/classify", content=stalled_upload()).status_code == 504
+        gc.collect()
+        gc.disable()
+        tracemalloc.start()
+        try:
+            for _ in range(5):
+                assert client.post("/v1/classify", content=stalled_upload()).status_code == 504
+            held = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+            gc.enable()
+    assert held < 4_000_000, held
+
+
 def test_blas_is_held_at_one_thread_while_a_background_server_runs():
     """A threaded BLAS call beside the server's own threads (decode pool, inference) left OpenBLAS's helper
     busy-waiting: lnn-field's BackgroundServer holds BLAS at one thread from start to stop, then gives the
