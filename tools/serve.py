@@ -196,6 +196,9 @@ def guarded_protocol(config: "ServeConfig", metrics):
             drop what the client still sends until it closes (eof_received) or --timeout passes, then close. Over
             --max-connections, closed at once: a lingering connection holds an open file."""
             self.stop_timers()
+            if self.timeout_keep_alive_task is not None:    # uvicorn's idle timer: would cut the linger short
+                self.timeout_keep_alive_task.cancel()
+                self.timeout_keep_alive_task = None
             self.transport.write(last_words)
             if len(self.connections) > config.max_connections or not self.transport.can_write_eof():
                 return self.transport.close()

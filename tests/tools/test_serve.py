@@ -519,12 +519,15 @@ def test_model_page_and_metrics_endpoints(session, served):
 
 
 @contextlib.contextmanager
-def guarded_server(**settings):
+def guarded_server(keep_alive_s: float | None = None, **settings):
     """lnn-serve's whole server (server_for: the guarded protocol, NumPy backend) on a thread, on a free
-    loopback port -> (its (host, port), the uvicorn.Server), once uvicorn has started."""
+    loopback port -> (its (host, port), the uvicorn.Server), once uvicorn has started. keep_alive_s: uvicorn's
+    idle keep-alive timeout, when not its default (5 s)."""
     from lnn.tools.serve import server_for
 
     server, sock = server_for(DEFAULT_MODEL, "127.0.0.1", 0, "numpy", **settings)
+    if keep_alive_s is not None:
+        server.config.timeout_keep_alive = keep_alive_s
     with running(server, sock):
         yield sock.getsockname(), server
 
@@ -575,11 +578,12 @@ def test_an_answer_before_the_body_is_in_says_close_and_the_rest_is_dropped_for_
     """An answer sent before its request's body was all in (413 here) did not say `connection: close`: a client
     that skipped the rest of its body (curl after Expect: 100-continue) had its next request read as that body,
     and uvicorn read and dropped an endless body for ever. Now the answer says close, the server shuts its side
-    once the answer is out, drops what still comes until the client closes or --timeout passes, then closes (at
-    once, with bytes unread, the reset could cost the client the answer); nothing after it is answered."""
+    once the answer is out, drops what still comes until the client closes or --timeout passes (not uvicorn's
+    shorter keep-alive timeout), then closes (at once, with bytes unread, the reset could cost the client the
+    answer); nothing after it is answered."""
     import socket
 
-    with guarded_server(timeout_s=1.0, max_body=1000) as (address, server):
+    with guarded_server(timeout_s=1.0, max_body=1000, keep_alive_s=0.2) as (address, server):
         with socket.create_connection(address, timeout=10) as endless:
             endless.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
             endless.settimeout(0.02)
