@@ -269,9 +269,10 @@ def guarded_protocol(config: "ServeConfig", metrics):
             body = message.encode()
             self.refusal = (STATUS_LINE[status] + headers + b"content-type: text/plain; charset=utf-8\r\n"
                             b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
-            self.flow.pause_reading()
             self.stop_timers()
-            if not self.answers_owed():
+            if self.answers_owed():
+                self.flow.pause_reading()       # written, then the connection closed, once they are out
+            else:
                 self.close_gently(self.refusal)
 
     return GuardedHttpToolsProtocol

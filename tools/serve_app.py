@@ -314,8 +314,7 @@ async def read_body(request: Request, max_body: int, take) -> bytearray:
     too_large = Refused(413, f"the upload is over the server's limit of {max_body:,} bytes; send a smaller photo",
                         "too_large")
     declared = request.headers.get("content-length")
-    declared = int(declared) if declared is not None and declared.isdecimal() else None
-    if declared is not None and declared > max_body:
+    if declared is not None and declared.isdecimal() and int(declared) > max_body:
         raise too_large
     body = bytearray()                  # grown in place: not chunks then joined (twice the body at the join)
     try:
