@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lnn.formats.errors import LnnError
+from lnn.formats.gate import feature_node
 from lnn.runtime.gate import all_scores, softmax, unit_rows
 
 ECE_BINS = 15
@@ -52,9 +53,9 @@ def extract(session, batches, total: int, what: str, progress: bool = True) -> t
             features.append(feat)
             bar.update(len(batch))
     if not outputs:
-        nodes = {node.name: node for node in session.model.nodes}
+        feature = None if session.feature is None else feature_node(session.model, session.feature)
         return (np.zeros((0, *session.model.output_shape), np.float32),
-                None if session.feature is None else np.zeros((0, *nodes[session.feature].out_shape), np.float32))
+                None if feature is None else np.zeros((0, *feature.out_shape), np.float32))
     return np.concatenate(outputs), None if features[0] is None else np.concatenate(features)
 
 
