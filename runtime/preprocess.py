@@ -5,7 +5,9 @@ read:       only a regular file, at most MAX_IMAGE_FILE_BYTES (formats/limits.py
             marker: bytes after it are fine, a file ending before it is truncated)
 decode:     -> HxWx3 uint8 BGR (OpenCV's order), or HxW for a grey image (decode_image; read_image always
             gives 3 channels); a baseline JPEG over MAX_DECODED_PIXELS decoded reduced by libjpeg, and one
-            larger than its caller needs (keep_side: the model's input, the photo checks' copy) too
+            larger than its caller needs (keep_side: the model's input, the photo checks' copy) too; JPEGs
+            by libjpeg-turbo's TurboJPEG (simplejpeg), which reports damaged data (refused) where OpenCV
+            prints a warning and guesses; a PNG's pixel chunks checked against their CRCs
 preprocess: an image array (the rules in _image_array) -> [C, H, W] float32 per the model's metadata:
             colour order (rgb/bgr/gray), resize to the input size, x * scale, then (x - mean) / std per channel;
             remarks (grey into a colour model, float 0..1) go to a notes list or are LnnWarnings
@@ -26,6 +28,7 @@ import os
 import re
 import struct
 import warnings
+import zlib
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -88,12 +91,18 @@ def _pillow():
 
 def _decode(data: bytes, header: "ImageHeader"):
     """Encoded bytes -> HxWx3 uint8 BGR, or HxW uint8 for a grey image, reduced by header.reduction
-    (a JPEG); None when the library cannot decode them."""
+    (a JPEG); None when the library cannot decode them; LnnInputError (without a file name) for a JPEG or
+    PNG whose data is damaged. JPEG: libjpeg-turbo through simplejpeg (_decode_jpeg), the image library only
+    for what TurboJPEG refuses to decode at all."""
+    if header.format == "JPEG":
+        image = _decode_jpeg(data, header)
+        if image is not None:
+            return image
+    if header.format == "PNG":
+        data = png_pixel_chunks(data)
     if image_library() == "opencv":
         cv2 = _opencv()
         flags = cv2.IMREAD_ANYCOLOR | OPENCV_REDUCED.get(header.reduction, 0)   # grey stays one channel
-        if header.format == "PNG":
-            data = png_pixel_chunks(data)
         try:
             return cv2.imdecode(np.frombuffer(data, np.uint8), flags)
         except cv2.error:
@@ -104,11 +113,50 @@ def _decode(data: bytes, header: "ImageHeader"):
         return None
 
 
+def _decode_jpeg(data: bytes, header: "ImageHeader") -> np.ndarray | None:
+    """A JPEG -> HxWx3 BGR or HxW grey uint8, reduced by header.reduction, EXIF orientation applied (as OpenCV
+    does); None where TurboJPEG cannot decode it at all (the image library tries). TurboJPEG reports libjpeg's
+    warnings as errors where OpenCV prints them on stderr and answers with the damaged pixels: data that lost
+    its place (JPEG_DAMAGE) is refused; the other warnings (extra bytes between segments, which some webcams
+    and scanners write; an unknown JFIF version, ...) leave the pixels whole, and the image is decoded."""
+    import simplejpeg
+
+    options = dict(colorspace="GRAY" if header.components == 1 else "BGR",
+                   min_height=-(-header.height // header.reduction), min_width=-(-header.width // header.reduction))
+    try:
+        image = simplejpeg.decode_jpeg(data, **options)
+    except ValueError as warning:
+        if JPEG_DAMAGE.search(str(warning)):
+            raise LnnInputError(f"the JPEG's data is damaged (libjpeg: {str(warning).strip()}); "
+                                f"copy or take it again") from None
+        try:
+            image = simplejpeg.decode_jpeg(data, strict=False, **options)
+        except ValueError:
+            return None
+    return np.ascontiguousarray(exif_oriented(image[:, :, 0] if header.components == 1 else image,
+                                              header.orientation))
+
+
+def exif_oriented(image: np.ndarray, orientation: int) -> np.ndarray:
+    """The image turned as its EXIF orientation (1-8) asks, as OpenCV's imdecode turns it: 2 mirrored, 3 turned
+    half a turn, 4 flipped, 5 transposed, 6 turned a quarter clockwise, 7 transposed and turned half, 8 a
+    quarter anticlockwise. A view."""
+    if orientation in (5, 6, 7, 8):
+        image = image.swapaxes(0, 1)
+    if orientation in (2, 3, 6, 7):
+        image = image[:, ::-1]
+    if orientation in (3, 4, 7, 8):
+        image = image[::-1]
+    return image
+
+
 def png_pixel_chunks(data: bytes) -> bytes:
     """The PNG without the ancillary chunks OpenCV's decoder does not use for its pixels (colour profiles, text,
     gamma, ...): libpng checks each one it meets and prints its own warning on stderr for a damaged one
     (`libpng warning: iCCP: ...`); OpenCV gives no way to turn that off. Kept: the critical chunks, PNG_PIXEL_CHUNKS
-    and text holding EXIF (its orientation is applied). The data is returned as it is when nothing is dropped."""
+    and text holding EXIF (its orientation is applied). The data is returned as it is when nothing is dropped.
+    A kept chunk whose CRC does not match its bytes is LnnInputError (without a file name): libpng would print
+    its own line, then fail."""
     view = memoryview(data)
     kept, position, dropped = [view[:8]], 8, False
     while position + 12 <= len(data):
@@ -118,6 +166,9 @@ def png_pixel_chunks(data: bytes) -> bytes:
         if ancillary and kind not in PNG_PIXEL_CHUNKS and not data.startswith(PNG_EXIF_TEXT, position + 8):
             dropped = True
         else:
+            if end > len(data) or zlib.crc32(view[position + 4:end - 4]) != int.from_bytes(view[end - 4:end], "big"):
+                raise LnnInputError(f"the PNG is damaged (its {kind.decode('latin-1')!r} chunk fails its CRC check); "
+                                    f"copy or take it again")
             kept.append(view[position:end])
         position = end
         if kind == b"IEND":
@@ -247,6 +298,8 @@ class ImageHeader:
     complete: bool = True        # JPEG and PNG: the data reaches the end marker (bytes after it are allowed)
     reducible: bool = False      # a baseline JPEG: libjpeg can decode it at 1/2, 1/4, 1/8 of its size
     reduction: int = 1           # the factor it will be decoded at (set by check_header)
+    components: int = 0          # JPEG: the frame's colour components (1: grey; 3: YCbCr or RGB; 4: CMYK)
+    orientation: int = 1         # JPEG: the EXIF orientation (1-8; 1 also where there is none or it is garbled)
 
     @property
     def pixels(self) -> int:
@@ -257,6 +310,9 @@ JPEG_SOF = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}        # start-of-frame m
 JPEG_BASELINE_SOF = {0xC0, 0xC1}                              # sequential Huffman: decoded in a few rows at a time
 JPEG_STANDALONE = {0x01, *range(0xD0, 0xD8)}                  # TEM, RSTn: markers without a length
 JPEG_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7]")       # in entropy-coded data: 0xFF00 is a stuffed 0xFF
+JPEG_DAMAGE = re.compile(r"premature end|bad (Huffman|arithmetic) code|instead of RST", re.IGNORECASE)
+                             # libjpeg's warnings for entropy-coded data that lost its place: the rest is guessed
+JPEG_EXIF = b"Exif\x00\x00"   # an APP1 segment holding EXIF (XMP uses APP1 too)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"                  # the last chunk: always these 12 bytes
 PNG_PIXEL_CHUNKS = {b"tRNS", b"eXIf", b"acTL", b"fcTL", b"fdAT"}   # ancillary, used by OpenCV: transparency,
@@ -299,12 +355,14 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
     """Walk the JPEG's segments (skipping entropy-coded data) to its end-of-image marker: the frame
     header gives the size, and data ending before the marker is truncated (bytes after it are allowed:
     phones append their own)."""
-    frame, scans, position, end = None, 0, 2, len(data)
+    frame, scans, position, end, orientation = None, 0, 2, len(data), 1
     for _ in range(limits.MAX_JPEG_SEGMENTS):
         if position >= end:
             break
-        if data[position] != 0xFF:                              # garbled structure: the decoder decides
-            return None if frame is None else _frame_header(frame, complete=True)
+        if data[position] != 0xFF:                              # extra bytes before a marker: skipped, as libjpeg
+            position = data.find(b"\xff", position)               # does (some webcams and scanners write them)
+            if position < 0:
+                break
         while position < end and data[position] == 0xFF:        # the marker's 0xFF and any fill bytes
             position += 1
         if position >= end:
@@ -312,14 +370,16 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
         marker = data[position]
         position += 1
         if marker == 0xD9:                                      # end of image
-            return None if frame is None else _frame_header(frame, complete=True)
+            return None if frame is None else _frame_header(frame, orientation, complete=True)
         if marker in JPEG_STANDALONE:
             continue
         length = struct.unpack(">H", data[position:position + 2])[0]
         if length < 2:                                          # garbled: the decoder decides
-            return None if frame is None else _frame_header(frame, complete=True)
+            return None if frame is None else _frame_header(frame, orientation, complete=True)
         if marker in JPEG_SOF and frame is None:
             frame = (marker, data[position + 2:position + length])
+        if marker == 0xE1 and data.startswith(JPEG_EXIF, position + 2) and orientation == 1:
+            orientation = _exif_orientation(data[position + 8:position + length])
         position += length
         if marker == 0xDA:                                      # start of scan: entropy-coded data follows
             scans += 1
@@ -331,13 +391,32 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
             position = following.start()
     else:
         raise LnnInputError(f"the JPEG has more than {limits.MAX_JPEG_SEGMENTS} segments (lnn's limit)")
-    return ImageHeader("JPEG", 0, 0, complete=False) if frame is None else _frame_header(frame, complete=False)
+    return (ImageHeader("JPEG", 0, 0, complete=False) if frame is None
+            else _frame_header(frame, orientation, complete=False))
 
 
-def _frame_header(frame: tuple, complete: bool) -> ImageHeader | None:
+def _frame_header(frame: tuple, orientation: int, complete: bool) -> ImageHeader | None:
     marker, segment = frame
     height, width = struct.unpack(">HH", segment[1:5])
-    return ImageHeader("JPEG", width, height, complete=complete, reducible=marker in JPEG_BASELINE_SOF)
+    return ImageHeader("JPEG", width, height, complete=complete, reducible=marker in JPEG_BASELINE_SOF,
+                       components=segment[5], orientation=orientation)
+
+
+def _exif_orientation(tiff: bytes) -> int:
+    """The orientation tag (EXIF_ORIENTATION) of EXIF's first IFD (a TIFF structure), 1-8; 1 where it is
+    missing or garbled, as OpenCV reads it."""
+    try:
+        order = {b"II": "<", b"MM": ">"}[tiff[:2]]
+        first = struct.unpack(order + "I", tiff[4:8])[0]
+        count = struct.unpack(order + "H", tiff[first:first + 2])[0]
+        for entry in range(first + 2, first + 2 + 12 * count, 12):
+            tag, kind = struct.unpack(order + "HH", tiff[entry:entry + 4])
+            if tag == EXIF_ORIENTATION and kind == 3:             # SHORT
+                value = struct.unpack(order + "H", tiff[entry + 8:entry + 10])[0]
+                return value if 1 <= value <= 8 else 1
+    except (KeyError, struct.error):
+        pass
+    return 1
 
 
 def _webp_header(data: bytes) -> ImageHeader:
@@ -435,6 +514,8 @@ def decode_image(source, name: str | None = None, keep_side: int = 0) -> np.ndar
     header = check_header(header, name, keep_side)
     try:
         image = _decode(data, header)
+    except LnnInputError as err:
+        raise LnnInputError(f"{name}: {err}") from None
     except MemoryError:
         raise LnnInputError(f"{name}: not enough memory to decode this {header.width}x{header.height} image") from None
     if image is None or image.size == 0:

@@ -1,0 +1,150 @@
+"""Damaged photos and JPEG decoding through libjpeg-turbo's TurboJPEG API (simplejpeg), both image libraries:
+a JPEG whose entropy-coded data lost its place (an end marker pasted after half the data, as a broken transfer
+leaves it) and a PNG whose chunk fails its CRC are refused in one line, with nothing of libjpeg's or libpng's
+own on stderr; the warnings that leave the pixels whole (extra bytes before a marker, which some webcams and
+scanners write) still decode; and TurboJPEG's pixels are OpenCV's (OpenCV decoded them until 2026-12-06):
+baseline, progressive, grey, CMYK, every subsampling, reduced decoding, every EXIF orientation."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from lnn.formats.errors import LnnInputError
+from lnn.runtime import preprocess
+
+cv2 = pytest.importorskip("cv2")
+pytest.importorskip("simplejpeg")
+LIBRARIES = ["opencv", "pillow"]
+
+
+@pytest.fixture(params=LIBRARIES)
+def library(request, monkeypatch):
+    if request.param == "pillow":
+        pytest.importorskip("PIL")
+    monkeypatch.setattr(preprocess, "_library", request.param)
+    return request.param
+
+
+def photo(height=96, width=128) -> np.ndarray:
+    blocks = np.random.default_rng(1).integers(0, 256, (6, 8, 3)).astype(np.uint8)
+    return cv2.resize(blocks, (width, height), interpolation=cv2.INTER_CUBIC)
+
+
+def jpeg(image=None, *params) -> bytes:
+    return cv2.imencode(".jpg", photo() if image is None else image, [cv2.IMWRITE_JPEG_QUALITY, 90, *params])[1].tobytes()
+
+
+def opencv_decoding(data: bytes, flags: int = 0) -> np.ndarray:
+    return cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_ANYCOLOR | flags)
+
+
+def cut_in_half_and_ended(data: bytes) -> bytes:
+    """The JPEG's scan data cut in the middle and its end marker pasted after it: complete by its markers,
+    half its pixels missing."""
+    scan = data.index(b"\xff\xda")
+    middle = scan + (len(data) - scan) // 2
+    return data[:middle] + b"\xff\xd9"
+
+
+def test_a_jpeg_whose_data_ends_early_is_refused_in_one_line_and_nothing_else_on_stderr(library, capfd):
+    damaged = cut_in_half_and_ended(jpeg())
+    assert opencv_decoding(damaged) is not None                  # OpenCV answers with the half it has
+    assert "premature end of data segment" in capfd.readouterr().err   # and says so only on stderr
+    with pytest.raises(LnnInputError) as refused:
+        preprocess.decode_image(damaged, "leaf.jpg")
+    assert str(refused.value) == ("leaf.jpg: the JPEG's data is damaged (libjpeg: Corrupt JPEG data: premature end "
+                                  "of data segment); copy or take it again")
+    assert capfd.readouterr().err == ""
+
+
+def test_lnn_infer_answers_the_good_photo_beside_a_damaged_jpeg(tmp_path):
+    import subprocess
+    import sys
+
+    good, damaged = tmp_path / "good.jpg", tmp_path / "damaged.jpg"
+    good.write_bytes(jpeg())
+    damaged.write_bytes(cut_in_half_and_ended(jpeg()))
+    done = subprocess.run([sys.executable, "-m", "lnn.tools.infer", str(good), str(damaged)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "good.jpg" in done.stdout and "damaged.jpg" not in done.stdout
+    assert done.stderr.strip().splitlines() == [f"lnn-infer: error: {damaged}: the JPEG's data is damaged (libjpeg: "
+                                                f"Corrupt JPEG data: premature end of data segment); copy or take it again"]
+
+
+@pytest.mark.parametrize("marker", [b"\xff\xd9", b"\xff\xc4", b"\xff\xdb"])
+def test_extra_bytes_before_a_marker_keep_the_photo_decoded_whole(library, marker):
+    data = jpeg()
+    at = data.rindex(marker) if marker == b"\xff\xd9" else data.index(marker)
+    padded = data[:at] + b"\x00\x00" + data[at:]                  # as some webcams write them
+    np.testing.assert_array_equal(preprocess.decode_image(padded), opencv_decoding(data))
+
+
+def test_a_png_whose_chunk_fails_its_crc_is_refused_in_one_line_and_nothing_else_on_stderr(library, capfd):
+    data = bytearray(cv2.imencode(".png", photo())[1].tobytes())
+    data[data.index(b"IDAT") + 40] ^= 0x10
+    with pytest.raises(LnnInputError) as refused:
+        preprocess.decode_image(bytes(data), "leaf.png")
+    assert str(refused.value) == "leaf.png: the PNG is damaged (its 'IDAT' chunk fails its CRC check); copy or take it again"
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("sampling", ["411", "420", "422", "440", "444"])
+@pytest.mark.parametrize("progressive", [0, 1])
+def test_turbojpeg_gives_opencvs_pixels_at_every_reduction(sampling, progressive, monkeypatch):
+    monkeypatch.setattr(preprocess, "_library", "opencv")
+    factor = getattr(cv2, f"IMWRITE_JPEG_SAMPLING_FACTOR_{sampling}")
+    for width, height in [(1601, 1203), (999, 777), (17, 9)]:
+        data = jpeg(photo(height, width), cv2.IMWRITE_JPEG_SAMPLING_FACTOR, factor,
+                    cv2.IMWRITE_JPEG_PROGRESSIVE, progressive)
+        header = preprocess.read_header(data)
+        for reduction, flag in [(1, 0), (2, cv2.IMREAD_REDUCED_COLOR_2), (4, cv2.IMREAD_REDUCED_COLOR_4),
+                                (8, cv2.IMREAD_REDUCED_COLOR_8)]:
+            from dataclasses import replace
+            decoded = preprocess._decode(data, replace(header, reduction=reduction))
+            np.testing.assert_array_equal(decoded, opencv_decoding(data, flag))
+
+
+def test_turbojpeg_gives_opencvs_pixels_for_grey_and_cmyk_photos():
+    from PIL import Image
+
+    leaf = Image.fromarray(photo()[:, :, ::-1])
+    for mode in ("L", "CMYK"):
+        out = io.BytesIO()
+        leaf.convert(mode).save(out, format="JPEG", quality=90)
+        data = out.getvalue()
+        assert preprocess.read_header(data).components == len(mode)
+        np.testing.assert_array_equal(preprocess.decode_image(data), opencv_decoding(data))
+
+
+def exif(orientation: int, order: str) -> bytes:
+    """An APP1 EXIF block with one IFD entry: the orientation (a SHORT)."""
+    entry = struct.pack(order + "HHIHH", preprocess.EXIF_ORIENTATION, 3, 1, orientation, 0)
+    return b"Exif\x00\x00" + (b"II" if order == "<" else b"MM") + struct.pack(order + "HIH", 42, 8, 1) + entry + bytes(4)
+
+
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_every_exif_orientation_turns_the_photo_as_opencv_does(order):
+    from PIL import Image
+
+    leaf = Image.fromarray(photo(40, 64))
+    for orientation in range(0, 10):                             # 0 and 9: not orientations, left as they are
+        out = io.BytesIO()
+        leaf.save(out, format="JPEG", exif=exif(orientation, order))
+        data = out.getvalue()
+        assert preprocess.read_header(data).orientation == (orientation if 1 <= orientation <= 8 else 1)
+        np.testing.assert_array_equal(preprocess.decode_image(data), opencv_decoding(data))
+
+
+def test_a_garbled_exif_block_leaves_the_photo_as_it_is():
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(photo(40, 64)).save(out, format="JPEG", exif=exif(6, "<")[:14])   # its IFD cut off
+    assert preprocess.read_header(out.getvalue()).orientation == 1
+    assert preprocess.decode_image(out.getvalue()).shape == (40, 64, 3)
