@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import csv
 import datetime
+import os
 import queue
+import sys
 import threading
 import tkinter as tk
 from pathlib import Path
@@ -467,6 +469,21 @@ def run_app(model_path: str | None = None, photos=()) -> int:
         root = tk.Tk()
     except tk.TclError as err:                   # no display (e.g. over ssh): say so in one line
         raise LnnInputError(f"cannot open a window ({err}); use --cli IMAGE... without a display") from None
-    FieldApp(root, model_path, photos)
+    app = FieldApp(root, model_path, photos)
     root.mainloop()
+    if app.phone_server is not None:
+        stop_for_good(app.phone_server)
     return 0
+
+
+def stop_for_good(phone_server) -> None:
+    """The window is closed: stop the phone server. One stopped during its model's warm-up leaves the process
+    at once: the interpreter's exit would join the inference thread inside its compile (unseen, 20-30 s after
+    the window closed, then an error line), and leaving loses only the kernels being compiled
+    (serve.leave_during_the_warm_up)."""
+    compiling = phone_server.warming_up
+    phone_server.stop()
+    if compiling:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -442,6 +442,10 @@ class BackgroundServer:
     def running(self) -> bool:
         return self.thread.is_alive()
 
+    @property
+    def warming_up(self) -> bool:
+        return still_warming_up(self.server)
+
     def stop(self, timeout_s: float = 15.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout_s)

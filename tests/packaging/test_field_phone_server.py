@@ -25,6 +25,35 @@ def test_phones_menu_starts_and_stops_the_server(display):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_closing_the_window_while_the_phone_server_warms_up_ends_the_process_at_once(display, tmp_path):
+    """A cold kernel cache, so that the server's warm-up compiles for a while: the window closed during it, the
+    process ends within seconds (it waited 20-30 s for the compile at the interpreter's exit, then printed
+    "the model failed its warm-up"), and the next start finds a cache it can use."""
+    pytest.importorskip("uvicorn")
+    import time
+
+    cold = {**os.environ, "DISPLAY": display, "LNN_CACHE_DIR": str(tmp_path), "NUMBA_CACHE_DIR": str(tmp_path)}
+    child = subprocess.Popen([sys.executable, str(HERE), "close-while-warming"], env=cold, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        said = child.stdout.readline()                    # "closed" when the window closes
+        closed_at = time.monotonic()
+        returncode = child.wait(timeout=2 * ANSWER_TIMEOUT_S)
+        ended_at = time.monotonic()
+    finally:
+        child.kill()
+    said += child.stdout.read()
+    errors = child.stderr.read()
+    if returncode == 3:
+        pytest.skip(said.strip())
+    assert returncode == 0 and said.startswith("closed"), said + errors
+    assert ended_at - closed_at < 5.0, f"the process ended {ended_at - closed_at:.1f} s after its window closed"
+    assert "warm-up" not in errors, errors
+    again = subprocess.run([sys.executable, str(HERE)], env=cold, capture_output=True, text=True,
+                           timeout=2 * ANSWER_TIMEOUT_S)
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
 def test_the_address_for_phones_is_the_lan_address_on_every_network():
     from lnn.tools.serve import lan_address, phone_url
 
@@ -73,5 +102,33 @@ def child() -> int:
     return 0
 
 
+def close_while_warming() -> int:
+    """lnn-field's own run_app, its window closed while the phone server it started still warms up; says
+    "closed" on stdout when it closes the window."""
+    import tkinter as tk
+
+    from lnn.tools import field_ui
+
+    try:
+        tk.Tk().destroy()
+    except tk.TclError as err:
+        print(f"Tk cannot open the virtual display: {err}")
+        return 3
+    field_ui.messagebox.showinfo = lambda *args, **kwargs: None
+
+    class ClosedWhileWarming(field_ui.FieldApp):
+        def __init__(self, root, *args):
+            super().__init__(root, *args)
+            self.toggle_phone_server("127.0.0.1", 0)
+            root.after(200, self.close_once_warming)
+
+        def close_once_warming(self):
+            print("closed" if self.phone_server.warming_up else "the warm-up ended before the window closed", flush=True)
+            self.root.destroy()
+
+    field_ui.FieldApp = ClosedWhileWarming
+    return field_ui.run_app()
+
+
 if __name__ == "__main__":
-    sys.exit(child())
+    sys.exit(close_while_warming() if sys.argv[1:] == ["close-while-warming"] else child())
