@@ -119,8 +119,11 @@ def _decode_jpeg(data: bytes, header: "ImageHeader") -> np.ndarray | None:
     warnings as errors where OpenCV prints them on stderr and answers with the damaged pixels: data that lost
     its place (JPEG_DAMAGE) is refused; the other warnings (extra bytes between segments, which some webcams
     and scanners write; an unknown JFIF version, ...) leave the pixels whole, and the image is decoded."""
-    import simplejpeg
-
+    try:
+        import simplejpeg
+    except ImportError:
+        raise LnnError("cannot decode JPEG photos: simplejpeg (lnn's dependency) is not installed "
+                       "(pip install simplejpeg)") from None
     options = dict(colorspace="GRAY" if header.components == 1 else "BGR",
                    min_height=-(-header.height // header.reduction), min_width=-(-header.width // header.reduction))
     try:

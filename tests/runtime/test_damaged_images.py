@@ -148,3 +148,13 @@ def test_a_garbled_exif_block_leaves_the_photo_as_it_is():
     Image.fromarray(photo(40, 64)).save(out, format="JPEG", exif=exif(6, "<")[:14])   # its IFD cut off
     assert preprocess.read_header(out.getvalue()).orientation == 1
     assert preprocess.decode_image(out.getvalue()).shape == (40, 64, 3)
+
+
+def test_without_simplejpeg_a_jpeg_is_one_clear_error(monkeypatch):
+    import sys
+
+    from lnn.formats.errors import LnnError
+
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)          # import simplejpeg raises ImportError
+    with pytest.raises(LnnError, match=r"^cannot decode JPEG photos: simplejpeg .* not installed"):
+        preprocess.decode_image(jpeg())
