@@ -117,13 +117,21 @@ def _decode_jpeg(data: bytes, header: "ImageHeader") -> np.ndarray | None:
     """A JPEG -> HxWx3 BGR or HxW grey uint8, reduced by header.reduction, EXIF orientation applied (as OpenCV
     does); None where TurboJPEG cannot decode it at all (the image library tries). TurboJPEG reports libjpeg's
     warnings as errors where OpenCV prints them on stderr and answers with the damaged pixels: data that lost
-    its place (JPEG_DAMAGE) is refused; the other warnings (extra bytes between segments, which some webcams
-    and scanners write; an unknown JFIF version, ...) leave the pixels whole, and the image is decoded."""
+    its place (JPEG_DAMAGE) is refused; the other warnings leave the pixels whole, and the image is decoded.
+    Bytes before a marker that libjpeg discards (header.extra: some webcams and scanners write them) are cut out
+    first: TurboJPEG refuses a file with such a warning in its header."""
     try:
         import simplejpeg
     except ImportError:
         raise LnnError("cannot decode JPEG photos: simplejpeg (lnn's dependency) is not installed "
                        "(pip install simplejpeg)") from None
+    if header.extra:                                            # TurboJPEG refuses them in the header: cut out
+        kept, start = [], 0
+        view = memoryview(data)
+        for skip_start, skip_stop in header.extra:
+            kept.append(view[start:skip_start])
+            start = skip_stop
+        data = b"".join([*kept, view[start:]])
     options = dict(colorspace="GRAY" if header.components == 1 else "BGR",
                    min_height=-(-header.height // header.reduction), min_width=-(-header.width // header.reduction))
     try:
@@ -157,21 +165,25 @@ def png_pixel_chunks(data: bytes) -> bytes:
     """The PNG without the ancillary chunks OpenCV's decoder does not use for its pixels (colour profiles, text,
     gamma, ...): libpng checks each one it meets and prints its own warning on stderr for a damaged one
     (`libpng warning: iCCP: ...`); OpenCV gives no way to turn that off. Kept: the critical chunks, PNG_PIXEL_CHUNKS
-    and text holding EXIF (its orientation is applied). The data is returned as it is when nothing is dropped.
-    A kept chunk whose CRC does not match its bytes is LnnInputError (without a file name): libpng would print
-    its own line, then fail."""
+    and text holding EXIF (its orientation is applied), each checked against its CRC first: a kept ancillary
+    chunk that fails it is dropped (libpng would warn and skip it), a critical one is LnnInputError (without a
+    file name; libpng would print its own line, then fail). The data is returned as it is when nothing is dropped."""
     view = memoryview(data)
     kept, position, dropped = [view[:8]], 8, False
     while position + 12 <= len(data):
         length = int.from_bytes(data[position:position + 4], "big")
         kind, end = data[position + 4:position + 8], position + 12 + length
         ancillary = kind[0] & 0x20                                 # a lower-case first letter
-        if ancillary and kind not in PNG_PIXEL_CHUNKS and not data.startswith(PNG_EXIF_TEXT, position + 8):
+        unused = ancillary and kind not in PNG_PIXEL_CHUNKS and not data.startswith(PNG_EXIF_TEXT, position + 8)
+        damage = None if unused else (
+            "runs past the end of the file" if end > len(data) else
+            "fails its CRC check" if zlib.crc32(view[position + 4:end - 4]) != int.from_bytes(view[end - 4:end], "big")
+            else None)
+        if unused or damage and ancillary:
             dropped = True
+        elif damage:
+            raise LnnInputError(f"the PNG is damaged (its {kind.decode('latin-1')!r} chunk {damage}); copy or take it again")
         else:
-            if end > len(data) or zlib.crc32(view[position + 4:end - 4]) != int.from_bytes(view[end - 4:end], "big"):
-                raise LnnInputError(f"the PNG is damaged (its {kind.decode('latin-1')!r} chunk fails its CRC check); "
-                                    f"copy or take it again")
             kept.append(view[position:end])
         position = end
         if kind == b"IEND":
@@ -303,6 +315,7 @@ class ImageHeader:
     reduction: int = 1           # the factor it will be decoded at (set by check_header)
     components: int = 0          # JPEG: the frame's colour components (1: grey; 3: YCbCr or RGB; 4: CMYK)
     orientation: int = 1         # JPEG: the EXIF orientation (1-8; 1 also where there is none or it is garbled)
+    extra: tuple = ()            # JPEG: (start, stop) of the bytes before markers that libjpeg discards
 
     @property
     def pixels(self) -> int:
@@ -357,31 +370,50 @@ def read_header(data: bytes) -> ImageHeader | None:
 def _jpeg_header(data: bytes) -> ImageHeader | None:
     """Walk the JPEG's segments (skipping entropy-coded data) to its end-of-image marker: the frame
     header gives the size, and data ending before the marker is truncated (bytes after it are allowed:
-    phones append their own)."""
-    frame, scans, position, end, orientation = None, 0, 2, len(data), 1
+    phones append their own). Bytes before a marker that libjpeg discards (anything but 0xFF, and 0xFF 0x00
+    pairs: some webcams and scanners write them) are skipped, their places kept in `extra`. The orientation
+    is the first EXIF block's before the first scan, as OpenCV reads it."""
+    frame, scans, position, end = None, 0, 2, len(data)
+    orientation, exif_seen, extra = 1, False, []
+
+    def header(complete: bool) -> ImageHeader | None:
+        if frame is None:
+            return None if complete else ImageHeader("JPEG", 0, 0, complete=False)
+        marker, segment = frame
+        height, width = struct.unpack(">HH", segment[1:5])
+        return ImageHeader("JPEG", width, height, complete=complete, reducible=marker in JPEG_BASELINE_SOF,
+                           components=segment[5], orientation=orientation, extra=tuple(extra))
+
     for _ in range(limits.MAX_JPEG_SEGMENTS):
         if position >= end:
             break
-        if data[position] != 0xFF:                              # extra bytes before a marker: skipped, as libjpeg
-            position = data.find(b"\xff", position)               # does (some webcams and scanners write them)
-            if position < 0:
+        if data[position] != 0xFF:                              # discarded bytes before a marker
+            following = data.find(b"\xff", position)
+            if following < 0:
                 break
+            extra.append((position, following))
+            position = following
+        marker_start = position
         while position < end and data[position] == 0xFF:        # the marker's 0xFF and any fill bytes
             position += 1
         if position >= end:
             break
         marker = data[position]
         position += 1
+        if marker == 0x00:                                      # 0xFF 0x00 outside entropy-coded data: discarded
+            extra.append((marker_start, position))
+            continue
         if marker == 0xD9:                                      # end of image
-            return None if frame is None else _frame_header(frame, orientation, complete=True)
+            return header(complete=True)
         if marker in JPEG_STANDALONE:
             continue
         length = struct.unpack(">H", data[position:position + 2])[0]
         if length < 2:                                          # garbled: the decoder decides
-            return None if frame is None else _frame_header(frame, orientation, complete=True)
+            return header(complete=True)
         if marker in JPEG_SOF and frame is None:
             frame = (marker, data[position + 2:position + length])
-        if marker == 0xE1 and data.startswith(JPEG_EXIF, position + 2) and orientation == 1:
+        if marker == 0xE1 and not exif_seen and scans == 0 and data.startswith(JPEG_EXIF, position + 2):
+            exif_seen = True
             orientation = _exif_orientation(data[position + 8:position + length])
         position += length
         if marker == 0xDA:                                      # start of scan: entropy-coded data follows
@@ -394,27 +426,18 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
             position = following.start()
     else:
         raise LnnInputError(f"the JPEG has more than {limits.MAX_JPEG_SEGMENTS} segments (lnn's limit)")
-    return (ImageHeader("JPEG", 0, 0, complete=False) if frame is None
-            else _frame_header(frame, orientation, complete=False))
-
-
-def _frame_header(frame: tuple, orientation: int, complete: bool) -> ImageHeader | None:
-    marker, segment = frame
-    height, width = struct.unpack(">HH", segment[1:5])
-    return ImageHeader("JPEG", width, height, complete=complete, reducible=marker in JPEG_BASELINE_SOF,
-                       components=segment[5], orientation=orientation)
+    return header(complete=False)
 
 
 def _exif_orientation(tiff: bytes) -> int:
-    """The orientation tag (EXIF_ORIENTATION) of EXIF's first IFD (a TIFF structure), 1-8; 1 where it is
-    missing or garbled, as OpenCV reads it."""
+    """The orientation tag (EXIF_ORIENTATION) of EXIF's first IFD (a TIFF structure), 1-8, its 16 bits read
+    whatever type the entry claims, as OpenCV reads it; 1 where it is missing, garbled or out of range."""
     try:
         order = {b"II": "<", b"MM": ">"}[tiff[:2]]
         first = struct.unpack(order + "I", tiff[4:8])[0]
         count = struct.unpack(order + "H", tiff[first:first + 2])[0]
         for entry in range(first + 2, first + 2 + 12 * count, 12):
-            tag, kind = struct.unpack(order + "HH", tiff[entry:entry + 4])
-            if tag == EXIF_ORIENTATION and kind == 3:             # SHORT
+            if struct.unpack(order + "H", tiff[entry:entry + 2])[0] == EXIF_ORIENTATION:
                 value = struct.unpack(order + "H", tiff[entry + 8:entry + 10])[0]
                 return value if 1 <= value <= 8 else 1
     except (KeyError, struct.error):

@@ -444,7 +444,9 @@ class BackgroundServer:
 
     @property
     def warming_up(self) -> bool:
-        return still_warming_up(self.server)
+        """Its model not ready yet: a compile may be running, or about to start (the lifespan may not have run)."""
+        batcher = getattr(self.server.config.app.state, "batcher", None)
+        return batcher is None or not batcher.ready.is_set()
 
     def stop(self, timeout_s: float = 15.0) -> None:
         self.server.should_exit = True

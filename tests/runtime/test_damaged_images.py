@@ -77,12 +77,23 @@ def test_lnn_infer_answers_the_good_photo_beside_a_damaged_jpeg(tmp_path):
                                                 f"Corrupt JPEG data: premature end of data segment); copy or take it again"]
 
 
-@pytest.mark.parametrize("marker", [b"\xff\xd9", b"\xff\xc4", b"\xff\xdb"])
-def test_extra_bytes_before_a_marker_keep_the_photo_decoded_whole(library, marker):
-    data = jpeg()
+def padded(data: bytes, marker: bytes, pad: bytes = b"\x00\x00") -> bytes:
+    """Bytes that libjpeg discards put before the marker's first place (its last for the end marker)."""
     at = data.rindex(marker) if marker == b"\xff\xd9" else data.index(marker)
-    padded = data[:at] + b"\x00\x00" + data[at:]                  # as some webcams write them
-    np.testing.assert_array_equal(preprocess.decode_image(padded), opencv_decoding(data))
+    return data[:at] + pad + data[at:]
+
+
+@pytest.mark.parametrize("pad", [b"\x00\x00", b"\xff\x00", b"\x12\xff\x00\x34"])
+@pytest.mark.parametrize("marker", [b"\xff\xd9", b"\xff\xc4", b"\xff\xdb", b"\xff\xda"])
+def test_extra_bytes_before_a_marker_keep_the_photo_decoded_whole_and_stderr_quiet(library, marker, pad, capfd):
+    data = jpeg()
+    np.testing.assert_array_equal(preprocess.decode_image(padded(data, marker, pad)), opencv_decoding(data))
+    assert capfd.readouterr().err == ""                          # (the decoding the test compares with is clean)
+
+
+def test_a_damaged_jpeg_is_refused_with_extra_bytes_in_its_header_too(library):
+    with pytest.raises(LnnInputError, match="the JPEG's data is damaged"):
+        preprocess.decode_image(padded(cut_in_half_and_ended(jpeg()), b"\xff\xc4"))
 
 
 def test_a_png_whose_chunk_fails_its_crc_is_refused_in_one_line_and_nothing_else_on_stderr(library, capfd):
@@ -139,6 +150,54 @@ def test_every_exif_orientation_turns_the_photo_as_opencv_does(order):
         data = out.getvalue()
         assert preprocess.read_header(data).orientation == (orientation if 1 <= orientation <= 8 else 1)
         np.testing.assert_array_equal(preprocess.decode_image(data), opencv_decoding(data))
+
+
+def with_app1(data: bytes, block: bytes, before: bytes = b"\xff\xdb") -> bytes:
+    """The JPEG with an APP1 segment holding `block` put before the marker's first place."""
+    at = data.index(before)
+    return data[:at] + b"\xff\xe1" + struct.pack(">H", len(block) + 2) + block + data[at:]
+
+
+@pytest.mark.parametrize("case", ["first_of_two", "after_the_scan", "typed_long", "typed_long_big_endian"])
+def test_the_orientation_is_read_where_and_as_opencv_reads_it(case):
+    data = jpeg(photo(40, 64))
+    if case == "first_of_two":                                   # two EXIF blocks: the first counts
+        data = with_app1(with_app1(data, exif(6, "<")), exif(1, "<"))
+    elif case == "after_the_scan":                               # after the first scan: not read
+        data = with_app1(data, exif(6, "<"), before=b"\xff\xd9")
+    else:                                                        # a LONG entry: its first 16 bits read as they are
+        order = ">" if case.endswith("big_endian") else "<"
+        block = exif(6, order)
+        entry = block.index(struct.pack(order + "H", preprocess.EXIF_ORIENTATION))
+        value = struct.pack(order + "I", 6)
+        data = with_app1(data, block[:entry + 2] + struct.pack(order + "HI", 4, 1) + value + block[entry + 12:])
+    np.testing.assert_array_equal(preprocess.decode_image(data), opencv_decoding(data))
+
+
+def test_many_exif_blocks_cost_one_parse():
+    import time
+
+    block = exif(1, "<")[:-4]
+    block = block[:16] + struct.pack("<H", 5400) + block[18:] + bytes(12 * 5400 - 12)   # 5,400 entries of nothing
+    data = jpeg()
+    for _ in range(200):
+        data = with_app1(data, block)
+    start = time.process_time()
+    for _ in range(10):
+        preprocess.read_header(data)
+    assert (time.process_time() - start) / 10 < 0.05              # 0.3 s when every block was parsed
+
+
+def test_a_damaged_ancillary_png_chunk_is_dropped_and_a_critical_ones_length_is_named(library, capfd):
+    image = photo()
+    data = cv2.imencode(".png", image)[1].tobytes()
+    at = data.index(b"IDAT") - 4
+    transparency = struct.pack(">I", 6) + b"tRNS" + bytes(6) + b"\x00\x00\x00\x00"     # its CRC all zeros
+    np.testing.assert_array_equal(preprocess.decode_image(data[:at] + transparency + data[at:]), image)
+    assert capfd.readouterr().err == ""
+    overrun = data[:at] + struct.pack(">I", len(data)) + data[at + 4:]                  # IDAT longer than the file
+    with pytest.raises(LnnInputError, match=r"its 'IDAT' chunk runs past the end of the file"):
+        preprocess.decode_image(overrun)
 
 
 def test_a_garbled_exif_block_leaves_the_photo_as_it_is():
