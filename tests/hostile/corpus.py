@@ -3,8 +3,8 @@
 `build_corpus(folder)` writes every file the cases in test_hostile.py name and returns {name: path}
 (strings, ready for a command line). Kinds:
   photos   good ones that must be answered (a JPEG with bytes after its end marker, 16-bit PNG, grey
-           JPEG, CMYK JPEG, a JPEG with a near-64 KiB EXIF block) and bad ones (truncated, one byte
-           flipped, not an image, empty, a folder, a named pipe, a symlink loop, /dev/zero, a valid
+           JPEG, CMYK JPEG, a JPEG with a near-64 KiB EXIF block) and bad ones (truncated, half a JPEG with
+           its end marker pasted on, a PNG failing its CRC, one byte flipped, not an image, empty, a folder, a named pipe, a symlink loop, /dev/zero, a valid
            33000x33000 PNG bomb and a 30000x30000 one, a JPEG whose header claims 65000x65000)
   models   tomato_leaf.bin truncated, bit-flipped, random bytes after the magic; a valid tiny .bin whose
            input is 3x50000x50000; a valid .bin whose output is NaN; an int8 .bin; a checkpoint
@@ -102,12 +102,23 @@ def leaf_variants(folder: Path) -> dict:
     return {name: str(folder / name) for name in made}
 
 
+def crc_damaged_png() -> bytes:
+    """A leaf as PNG with one byte of its image data changed (its chunk's CRC no longer matches)."""
+    import cv2
+
+    data = bytearray(cv2.imencode(".png", cv2.imread(str(LEAVES / "late_blight.jpg")))[1].tobytes())
+    data[data.index(b"IDAT") + 100] ^= 0x01
+    return bytes(data)
+
+
 def bad_photos(folder: Path) -> dict:
     leaf = (LEAVES / "late_blight.jpg").read_bytes()
     flipped = bytearray(leaf)
     flipped[len(leaf) // 2] ^= 0xFF
     files = {
         "truncated.jpg": leaf[:len(leaf) // 2],
+        "ended_early.jpg": leaf[:len(leaf) // 2] + b"\xff\xd9",   # a broken copy's half, its end marker pasted on
+        "crc_damaged.png": crc_damaged_png(),
         "bitflip.jpg": bytes(flipped),
         "text.jpg": b"this is a shopping list, not a photo\n" * 20,
         "empty.png": b"",
@@ -138,7 +149,8 @@ def mixed_folder(folder: Path, good: dict, bad: dict) -> tuple[str, list]:
     for name, path in good.items():
         shutil.copy(path, folder / name)
         answered.append(str(folder / name))
-    for name in ("truncated.jpg", "text.jpg", "empty.png", "garbage.png", "bomb33000.png", "jpeg_bomb.jpg"):
+    for name in ("truncated.jpg", "ended_early.jpg", "crc_damaged.png", "text.jpg", "empty.png", "garbage.png",
+                 "bomb33000.png", "jpeg_bomb.jpg"):
         shutil.copy(bad[name], folder / name)
     os.mkfifo(folder / "pipe.jpg")
     return str(folder), sorted(answered)
@@ -323,7 +335,8 @@ def build_corpus(root: Path) -> dict:
     corpus.update(int8_and_checkpoint(root / "models", corpus["tiny.bin"]))
     corpus["data"] = noise_dataset(root / "data")
     corpus["bad_data"] = noise_dataset(root / "bad_data", extra={name: bad[name] for name in
-                                                                ("bomb33000.png", "truncated.jpg", "text.jpg")})
+                                                                ("bomb33000.png", "truncated.jpg", "ended_early.jpg",
+                                                                 "text.jpg")})
     corpus["warm_cache"] = warm_cache(root / "warm_cache", corpus["data"])
     corpus["unwritable"] = unwritable_folder(root / "unwritable")
     corpus["old.onnx"] = str(root / "out" / "old.onnx")

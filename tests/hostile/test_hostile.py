@@ -90,7 +90,7 @@ TOMATO_SESSION = "s = lnn.load('{tomato}', device='numpy')"
 CASES = [
     # ---- photos through lnn-infer: the bad are one line each, the good answered
     *(infer_image(name, "error") for name in (
-        "truncated.jpg", "text.jpg", "empty.png", "garbage.png", "folder.jpg", "pipe.jpg", "dev_zero", "loop_a.jpg",
+        "truncated.jpg", "ended_early.jpg", "crc_damaged.png", "text.jpg", "empty.png", "garbage.png", "folder.jpg", "pipe.jpg", "dev_zero", "loop_a.jpg",
         "bomb33000.png", "bomb30000.png", "jpeg_bomb.jpg")),
     infer_image("bitflip.jpg", "either"),
     *(infer_image(name, "ok") for name in ("trailing.jpg", "png16.png", "gray.jpg", "cmyk.jpg", "exif.jpg")),
