@@ -11,8 +11,9 @@
 #   default either: "tests" and "step" cover it) runs only the bfloat16 tests and step sides, in a few minutes.
 # amp bf16 needs ml_dtypes on the GPU machine (NumPy has no bfloat16; CuPy 14 takes ml_dtypes' type): without it
 # the bf16 tests skip and the "lnn bf16" side fails with one line saying so. Wheels in .devdata/wheels (here:
-# `pip download ml_dtypes --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
-# -d .devdata/wheels`) are installed beside the package first, for a machine without a network.
+# `pip download ml_dtypes simplejpeg --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux2014_x86_64 -d .devdata/wheels`; simplejpeg decodes lnn's JPEGs, and the GPU machine lacks it) are
+# installed beside the package first, for a machine without a network.
 # The first call on a fresh machine compiles every kernel (CuPy's cache is empty): the tests stage took over
 # 170 s that way on the H200, 60-80 s warm. "accuracy" trains the bundled recipe (280 epochs) three times, each
 # side until its first epoch at 97% (about 4-5 minutes a side): a finished side is kept in $TTA_RESULTS
