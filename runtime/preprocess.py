@@ -15,9 +15,10 @@ resize:     area averaging when shrinking, bilinear (pixel centres aligned) when
 
 The image library: OpenCV (lnn's dependency) when it is installed, else Pillow for decoding and NumPy for
 resizing and grey: the packaged lnn-field ships Pillow (about 15 MiB) instead of OpenCV (about 150 MiB
-with its FFmpeg and OpenBLAS libraries); LNN_IMAGE_LIBRARY=opencv|pillow chooses. The two give the same
-pixels up to rounding: both decode with libjpeg-turbo and libpng and apply the EXIF orientation, the
-NumPy resize computes OpenCV's INTER_AREA / INTER_LINEAR weights, grey is 0.299 R + 0.587 G + 0.114 B.
+with its FFmpeg and OpenBLAS libraries); LNN_IMAGE_LIBRARY=opencv|pillow chooses. JPEGs are TurboJPEG's
+in both (the image library only for the few it refuses outright). The two give the same pixels up to
+rounding: both decode with libpng and apply the EXIF orientation, the NumPy resize computes OpenCV's
+INTER_AREA / INTER_LINEAR weights, grey is 0.299 R + 0.587 G + 0.114 B.
 tests/runtime/test_preprocess.py compares them.
 """
 
