@@ -8,13 +8,17 @@ baseline, progressive, grey, CMYK, every subsampling, reduced decoding, every EX
 from __future__ import annotations
 
 import io
+import random
 import struct
-import zlib
+import subprocess
+import sys
+import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from lnn.formats.errors import LnnInputError
+from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime import preprocess
 
 cv2 = pytest.importorskip("cv2")
@@ -63,9 +67,6 @@ def test_a_jpeg_whose_data_ends_early_is_refused_in_one_line_and_nothing_else_on
 
 
 def test_lnn_infer_answers_the_good_photo_beside_a_damaged_jpeg(tmp_path):
-    import subprocess
-    import sys
-
     good, damaged = tmp_path / "good.jpg", tmp_path / "damaged.jpg"
     good.write_bytes(jpeg())
     damaged.write_bytes(cut_in_half_and_ended(jpeg()))
@@ -116,7 +117,6 @@ def test_turbojpeg_gives_opencvs_pixels_at_every_reduction(sampling, progressive
         header = preprocess.read_header(data)
         for reduction, flag in [(1, 0), (2, cv2.IMREAD_REDUCED_COLOR_2), (4, cv2.IMREAD_REDUCED_COLOR_4),
                                 (8, cv2.IMREAD_REDUCED_COLOR_8)]:
-            from dataclasses import replace
             decoded = preprocess._decode(data, replace(header, reduction=reduction))
             np.testing.assert_array_equal(decoded, opencv_decoding(data, flag))
 
@@ -175,8 +175,6 @@ def test_the_orientation_is_read_where_and_as_opencv_reads_it(case):
 
 
 def test_many_exif_blocks_cost_one_parse():
-    import time
-
     block = exif(1, "<")[:-4]
     block = block[:16] + struct.pack("<H", 5400) + block[18:] + bytes(12 * 5400 - 12)   # 5,400 entries of nothing
     data = jpeg()
@@ -210,9 +208,6 @@ def test_a_garbled_exif_block_leaves_the_photo_as_it_is():
 
 
 def test_without_simplejpeg_a_jpeg_is_one_clear_error(monkeypatch):
-    import sys
-
-    from lnn.formats.errors import LnnError
 
     monkeypatch.setitem(sys.modules, "simplejpeg", None)          # import simplejpeg raises ImportError
     with pytest.raises(LnnError, match=r"^cannot decode JPEG photos: simplejpeg .* not installed"):
@@ -221,8 +216,6 @@ def test_without_simplejpeg_a_jpeg_is_one_clear_error(monkeypatch):
 
 def corruptions(data: bytes, count: int, seed: int):
     """`count` damaged copies: one or ten bytes changed, a run of bytes dropped, or the end cut off."""
-    import random
-
     rng = random.Random(seed)
     for _ in range(count):
         damaged = bytearray(data)
