@@ -326,10 +326,12 @@ class ImageHeader:
 JPEG_SOF = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}        # start-of-frame markers (C4 DHT, C8 JPG, CC DAC)
 JPEG_BASELINE_SOF = {0xC0, 0xC1}                              # sequential Huffman: decoded in a few rows at a time
 JPEG_STANDALONE = {0x01, *range(0xD0, 0xD8)}                  # TEM, RSTn: markers without a length
-JPEG_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7]")       # in entropy-coded data: 0xFF00 is a stuffed 0xFF
+JPEG_NEXT_MARKER = re.compile(rb"\xff+[^\x00\xd0-\xd7\xff]")   # in entropy-coded data: 0xFF00 is a stuffed 0xFF,
+                                                             # 0xFF fill bytes may come before any marker (RSTn too)
 JPEG_DAMAGE = re.compile(r"premature end|bad (Huffman|arithmetic) code|instead of RST", re.IGNORECASE)
                              # libjpeg's warnings for entropy-coded data that lost its place: the rest is guessed
 JPEG_EXIF = b"Exif\x00\x00"   # an APP1 segment holding EXIF (XMP uses APP1 too)
+MAX_EXIF_BLOCKS = 8            # EXIF blocks read for an orientation (each can hold 5,000 entries to walk)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"                  # the last chunk: always these 12 bytes
 PNG_PIXEL_CHUNKS = {b"tRNS", b"eXIf", b"acTL", b"fcTL", b"fdAT"}   # ancillary, used by OpenCV: transparency,
@@ -373,9 +375,10 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
     header gives the size, and data ending before the marker is truncated (bytes after it are allowed:
     phones append their own). Bytes before a marker that libjpeg discards (anything but 0xFF, and 0xFF 0x00
     pairs: some webcams and scanners write them) are skipped, their places kept in `extra`. The orientation
-    is the first EXIF block's before the first scan, as OpenCV reads it."""
+    is that of the first EXIF block before the first scan that holds one (of at most MAX_EXIF_BLOCKS), as
+    OpenCV reads it."""
     frame, scans, position, end = None, 0, 2, len(data)
-    orientation, exif_seen, extra = 1, False, []
+    orientation, exif_blocks, extra = None, 0, []
 
     def header(complete: bool) -> ImageHeader | None:
         if frame is None:
@@ -383,7 +386,7 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
         marker, segment = frame
         height, width = struct.unpack(">HH", segment[1:5])
         return ImageHeader("JPEG", width, height, complete=complete, reducible=marker in JPEG_BASELINE_SOF,
-                           components=segment[5], orientation=orientation, extra=tuple(extra))
+                           components=segment[5], orientation=orientation or 1, extra=tuple(extra))
 
     for _ in range(limits.MAX_JPEG_SEGMENTS):
         if position >= end:
@@ -413,8 +416,9 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
             return header(complete=True)
         if marker in JPEG_SOF and frame is None:
             frame = (marker, data[position + 2:position + length])
-        if marker == 0xE1 and not exif_seen and scans == 0 and data.startswith(JPEG_EXIF, position + 2):
-            exif_seen = True
+        if (marker == 0xE1 and orientation is None and scans == 0 and exif_blocks < MAX_EXIF_BLOCKS
+                and data.startswith(JPEG_EXIF, position + 2)):
+            exif_blocks += 1
             orientation = _exif_orientation(data[position + 8:position + length])
         position += length
         if marker == 0xDA:                                      # start of scan: entropy-coded data follows
@@ -430,9 +434,10 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
     return header(complete=False)
 
 
-def _exif_orientation(tiff: bytes) -> int:
-    """The orientation tag (EXIF_ORIENTATION) of EXIF's first IFD (a TIFF structure), 1-8, its 16 bits read
-    whatever type the entry claims, as OpenCV reads it; 1 where it is missing, garbled or out of range."""
+def _exif_orientation(tiff: bytes) -> int | None:
+    """The orientation tag (EXIF_ORIENTATION) of EXIF's first IFD (a TIFF structure), its 16 bits read whatever
+    type the entry claims, as OpenCV reads it: 1-8, or 1 for a value out of that range; None where the block
+    is garbled or has no such tag (OpenCV then reads the next block)."""
     try:
         order = {b"II": "<", b"MM": ">"}[tiff[:2]]
         first = struct.unpack(order + "I", tiff[4:8])[0]
@@ -443,7 +448,7 @@ def _exif_orientation(tiff: bytes) -> int:
                 return value if 1 <= value <= 8 else 1
     except (KeyError, struct.error):
         pass
-    return 1
+    return None
 
 
 def _webp_header(data: bytes) -> ImageHeader:

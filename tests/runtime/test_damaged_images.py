@@ -92,6 +92,13 @@ def test_extra_bytes_before_a_marker_keep_the_photo_decoded_whole_and_stderr_qui
     assert capfd.readouterr().err == ""                          # (the decoding the test compares with is clean)
 
 
+def test_fill_bytes_before_a_restart_marker_in_the_scan_keep_the_photo_whole(library):
+    data = jpeg(None, cv2.IMWRITE_JPEG_RST_INTERVAL, 1)
+    restart = data.index(b"\xff\xd3", data.index(b"\xff\xda"))
+    filled = data[:restart] + b"\xff\xff" + data[restart:]     # 0xFF fill bytes may precede any marker
+    np.testing.assert_array_equal(preprocess.decode_image(filled), opencv_decoding(data))
+
+
 def test_a_damaged_jpeg_is_refused_with_extra_bytes_in_its_header_too(library):
     with pytest.raises(LnnInputError, match="the JPEG's data is damaged"):
         preprocess.decode_image(padded(cut_in_half_and_ended(jpeg()), b"\xff\xc4"))
@@ -158,11 +165,17 @@ def with_app1(data: bytes, block: bytes, before: bytes = b"\xff\xdb") -> bytes:
     return data[:at] + b"\xff\xe1" + struct.pack(">H", len(block) + 2) + block + data[at:]
 
 
-@pytest.mark.parametrize("case", ["first_of_two", "after_the_scan", "typed_long", "typed_long_big_endian"])
+@pytest.mark.parametrize("case", ["first_of_two", "garbled_then_6", "no_tag_then_6", "after_the_scan", "typed_long",
+                                  "typed_long_big_endian"])
 def test_the_orientation_is_read_where_and_as_opencv_reads_it(case):
     data = jpeg(photo(40, 64))
     if case == "first_of_two":                                   # two EXIF blocks: the first counts
         data = with_app1(with_app1(data, exif(6, "<")), exif(1, "<"))
+    elif case == "garbled_then_6":                               # one without an orientation: the next counts
+        data = with_app1(with_app1(data, exif(1, "<")[:14]), exif(6, "<"))
+    elif case == "no_tag_then_6":
+        no_tag = exif(6, "<").replace(struct.pack("<H", preprocess.EXIF_ORIENTATION), struct.pack("<H", 0x0110))
+        data = with_app1(with_app1(data, no_tag), exif(6, "<"))
     elif case == "after_the_scan":                               # after the first scan: not read
         data = with_app1(data, exif(6, "<"), before=b"\xff\xd9")
     else:                                                        # a LONG entry: its first 16 bits read as they are
