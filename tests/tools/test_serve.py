@@ -281,8 +281,10 @@ def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
     cli = run_command("infer", "--device", "numpy", tmp_path / "cut.jpg")
     cli_reason = cli.stderr.split("cut.jpg: ", 1)[1].strip()
     before = metric_samples(served)
+    leaf = LEAVES[0].read_bytes()
     cases = {"not an image": b"hello, not a photo", "truncated": truncated, "empty": b"",
-             "over the server's limit of 1,000,000 pixels": png_declaring(5000, 5000)}
+             "over the server's limit of 1,000,000 pixels": png_declaring(5000, 5000),
+             "the JPEG's data is damaged": leaf[:len(leaf) // 2] + b"\xff\xd9"}    # half, its end marker pasted on
     for fragment, body in cases.items():
         response = served.post("/v1/classify", content=body)
         assert response.status_code == 400, (fragment, response.text)
@@ -297,8 +299,8 @@ def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
         bad_k = served.post(f"/v1/classify?top_k={k}", content=LEAVES[0].read_bytes())
         assert bad_k.status_code == 400 and "top_k" in bad_k.json()["error"]
     after = metric_samples(served)
-    assert counted(before, after, "lnn_serve_requests_total", status="400") == 9
-    assert counted(before, after, "lnn_serve_rejected_total", reason="bad_image") == 6
+    assert counted(before, after, "lnn_serve_requests_total", status="400") == 10
+    assert counted(before, after, "lnn_serve_rejected_total", reason="bad_image") == 7
 
 
 def test_odd_top_k_queries_get_400_or_an_answer_never_500(served):
