@@ -439,10 +439,8 @@ def _exif_orientation(tiff: bytes) -> int | None:
     type the entry claims, as OpenCV reads it: 1-8, or 1 for a value out of that range; None where the block
     is garbled or has no such tag (OpenCV then reads the next block)."""
     try:
-        order = {b"II": "<", b"MM": ">"}[tiff[:2]]
-        first = struct.unpack(order + "I", tiff[4:8])[0]
-        count = struct.unpack(order + "H", tiff[first:first + 2])[0]
-        for entry in range(first + 2, first + 2 + 12 * count, 12):
+        order, entries = _first_ifd_entries(tiff)
+        for entry in entries:
             if struct.unpack(order + "H", tiff[entry:entry + 2])[0] == EXIF_ORIENTATION:
                 value = struct.unpack(order + "H", tiff[entry + 8:entry + 10])[0]
                 return value if 1 <= value <= 8 else 1
@@ -464,13 +462,20 @@ def _webp_header(data: bytes) -> ImageHeader:
     raise ValueError("unknown WebP chunk")
 
 
+def _first_ifd_entries(tiff: bytes) -> tuple:
+    """(struct's byte order, the offsets of the 12-byte entries of the first IFD) of a TIFF structure (a TIFF file,
+    or the EXIF block of a JPEG); KeyError or struct.error where it is garbled."""
+    order = {b"II": "<", b"MM": ">"}[tiff[:2]]
+    first = struct.unpack(order + "I", tiff[4:8])[0]
+    count = struct.unpack(order + "H", tiff[first:first + 2])[0]
+    return order, range(first + 2, first + 2 + 12 * count, 12)
+
+
 def _tiff_header(data: bytes) -> ImageHeader:
     """The first image's width and height tags (256, 257) from the first IFD."""
-    order = "<" if data[:2] == b"II" else ">"
-    offset = struct.unpack(order + "I", data[4:8])[0]
-    count = struct.unpack(order + "H", data[offset:offset + 2])[0]
+    order, entries = _first_ifd_entries(data)
     sizes = {}
-    for entry in range(offset + 2, offset + 2 + 12 * count, 12):
+    for entry in entries:
         tag, kind = struct.unpack(order + "HH", data[entry:entry + 4])
         if tag in (256, 257):
             sizes[tag] = struct.unpack(order + ("H" if kind == 3 else "I"), data[entry + 8:entry + (10 if kind == 3 else 12)])[0]

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import csv
 import datetime
-import os
 import queue
-import sys
 import threading
 import tkinter as tk
 from pathlib import Path
@@ -481,9 +479,9 @@ def stop_for_good(phone_server) -> None:
     at once: the interpreter's exit would join the inference thread inside its compile (unseen, 20-30 s after
     the window closed, then an error line), and leaving loses only the kernels being compiled
     (serve.leave_during_the_warm_up)."""
+    from lnn.tools.serve import leave_at_once
+
     compiling = phone_server.warming_up
     phone_server.stop()
     if compiling:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_at_once(0)

@@ -444,9 +444,7 @@ class BackgroundServer:
 
     @property
     def warming_up(self) -> bool:
-        """Its model not ready yet: a compile may be running, or about to start (the lifespan may not have run)."""
-        batcher = getattr(self.server.config.app.state, "batcher", None)
-        return batcher is None or not batcher.ready.is_set()
+        return warming_up(self.server)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         self.server.should_exit = True
@@ -489,19 +487,22 @@ def serve(args) -> int:
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:                   # Ctrl-C: uvicorn stops the server, then raises the SIGINT again
-        if still_warming_up(server):
+        if server.started and warming_up(server):
             leave_during_the_warm_up(EXIT_INTERRUPTED)
         raise
     if not server.started:
         error_line(PROG, "the server did not start (see the message above)")
         return 1
-    if still_warming_up(server):
+    if warming_up(server):
         leave_during_the_warm_up(0)
     return 0
 
 
-def still_warming_up(server) -> bool:
-    return server.started and not server.config.app.state.batcher.ready.is_set()
+def warming_up(server) -> bool:
+    """The server's model is not ready yet: a compile may be running, or about to start (before the lifespan
+    has run there is no batcher)."""
+    batcher = getattr(server.config.app.state, "batcher", None)
+    return batcher is None or not batcher.ready.is_set()
 
 
 def leave_during_the_warm_up(exit_code: int) -> None:
@@ -511,8 +512,14 @@ def leave_during_the_warm_up(exit_code: int) -> None:
     renamed), so leaving at once loses only the kernels being compiled: the next start compiles them again."""
     after_ctrl_c = "" if exit_code == 0 else "\n"          # (a terminal's ^C is on the line)
     print(f"{after_ctrl_c}{PROG}: stopped during the model's warm-up (its compile is dropped; the next start "
-          f"does it again)", file=sys.stderr, flush=True)
+          f"does it again)", file=sys.stderr)
+    leave_at_once(exit_code)
+
+
+def leave_at_once(exit_code: int) -> None:
+    """End the process now, its output flushed, without waiting for its threads (os._exit)."""
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(exit_code)
 
 
