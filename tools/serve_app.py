@@ -142,14 +142,16 @@ class Job:
     image: np.ndarray
     check: object                        # its photo check (runtime/photo_checks.PhotoCheck) or None
     answer: asyncio.Future               # -> (this image's row of probabilities, its reason)
+    waiting_since: float                 # the event loop's time when it was put in the queue
 
 
 class Batcher:
     """Merges the images waiting into one Session call on a single inference thread.
 
     A batch takes every image waiting, up to max_batch. While other requests are still being decoded it waits
-    up to max_delay_s for them; with none on the way it runs at once (waiting could gain nothing, so a lone
-    phone never pays the delay). Images that arrive while a batch computes are waiting when it ends, so
+    for them until max_delay_s after its first image was ready (not after the batcher took it: a photo that
+    waited behind a computing batch is not held the whole delay again); with none on the way it runs at once
+    (waiting could gain nothing, so a lone phone never pays the delay). Images that arrive while a batch computes are waiting when it ends, so
     under load batches fill without any wait. A job whose request gave up (timeout) is dropped unrun."""
 
     def __init__(self, session, max_batch: int, max_delay_s: float, metrics: Metrics):
@@ -184,7 +186,8 @@ class Batcher:
             self.being_decoded -= 1
 
     async def classify(self, image: np.ndarray, check) -> tuple:
-        job = Job(image, check, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        job = Job(image, check, loop.create_future(), loop.time())
         self.waiting.put_nowait(job)
         self.metrics.queue_depth.inc()
         return await job.answer
@@ -192,7 +195,7 @@ class Batcher:
     async def _next_batch(self) -> list:
         loop = asyncio.get_running_loop()
         batch = [await self.waiting.get()]
-        deadline = loop.time() + self.max_delay_s
+        deadline = batch[0].waiting_since + self.max_delay_s
         while len(batch) < self.max_batch:
             if not self.waiting.empty():
                 batch.append(self.waiting.get_nowait())

@@ -236,6 +236,53 @@ def test_a_lone_request_does_not_wait_for_a_batch(session):
         assert time.perf_counter() - started < 2.5
 
 
+def test_max_delay_counts_from_when_a_photo_began_waiting(session, monkeypatch):
+    """--max-delay-ms bounds a photo's wait from when it was ready, not from when the batcher took it: a photo
+    that already waited longer than that behind a computing batch goes in the next batch at once, though
+    another request is still being decoded (before, it waited the whole delay again)."""
+    from lnn.tools import serve_app
+
+    judge_images, prepare_upload = serve_app.judge_images, serve_app.prepare_upload
+    computing, release, slow_decode = threading.Event(), threading.Event(), threading.Event()
+    slow_photo = LEAVES[2].read_bytes()
+
+    def held_first_batch(session_, images, checks):
+        if not computing.is_set():
+            computing.set()
+            assert release.wait(30)
+        return judge_images(session_, images, checks)
+
+    def slow_for_one_photo(session_, data, *args):
+        if bytes(data) == slow_photo:
+            slow_decode.wait(30)
+        return prepare_upload(session_, data, *args)
+
+    monkeypatch.setattr(serve_app, "judge_images", held_first_batch)
+    monkeypatch.setattr(serve_app, "prepare_upload", slow_for_one_photo)
+    with client_for(session, max_batch=16, max_delay_s=2.0) as client:
+        answered = {}
+
+        def send(path):
+            answered[path] = (client.post("/v1/classify", content=path.read_bytes()), time.perf_counter())
+
+        threads = {path: threading.Thread(target=send, args=(path,)) for path in LEAVES[:3]}
+        threads[LEAVES[0]].start()
+        assert computing.wait(30)                      # the first photo's batch holds the inference thread
+        threads[LEAVES[1]].start()                     # decoded, then waiting
+        time.sleep(0.3)
+        threads[LEAVES[2]].start()                     # still being decoded until slow_decode
+        time.sleep(2.3)                                # the waiting photo's delay has passed
+        released = time.perf_counter()
+        release.set()
+        threads[LEAVES[1]].join(30)
+        slow_decode.set()
+        for thread in threads.values():
+            thread.join(30)
+    response, at = answered[LEAVES[1]]
+    assert response.status_code == 200 and at - released < 1.2      # not the 2 s delay again
+    assert all(answered[path][0].status_code == 200 for path in LEAVES[:3])
+
+
 def test_a_cpu_server_is_ready_only_once_its_calls_only_compute(monkeypatch):
     """Before /readyz says ready, the warm-up readies every chunk size on the inference thread (Session.warm_up):
     the CPU backend's kernels, buffers, split choice and the split plan's helper program, which compiles for
