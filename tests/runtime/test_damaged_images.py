@@ -199,6 +199,25 @@ def test_many_exif_blocks_cost_one_parse():
     assert (time.process_time() - start) / 10 < 0.05              # 0.3 s when every block was parsed
 
 
+def test_walking_a_big_jpegs_header_costs_little_beside_decoding_it():
+    """The header walk skips the scan data to the end marker; it runs before every decoding (twice per upload in
+    lnn-serve). Its search for the next marker cost 0.92 of the decoding of this 1.7 MB photo while the pattern
+    had no literal first byte for re to skip to; 0.04 with one."""
+    image = (np.random.default_rng(0).random((1200, 1600, 3)) * 255).astype(np.uint8)   # noise: a big scan
+    data = jpeg(image)
+
+    def cpu_seconds(work) -> float:
+        times = []
+        for _ in range(5):
+            start = time.process_time()
+            work()
+            times.append(time.process_time() - start)
+        return min(times)
+
+    assert preprocess.read_header(data).complete
+    assert cpu_seconds(lambda: preprocess.read_header(data)) < 0.25 * cpu_seconds(lambda: preprocess.decode_image(data))
+
+
 def test_a_damaged_ancillary_png_chunk_is_dropped_and_a_critical_ones_length_is_named(library, capfd):
     image = photo()
     data = cv2.imencode(".png", image)[1].tobytes()
