@@ -287,12 +287,13 @@ class Session:
             sides += [int(thresholds["check_size"]), int(thresholds["min_side"])]
         return max(sides)
 
-    def decode_photo(self, source, name: str | None = None) -> np.ndarray:
+    def decode_photo(self, source, name: str | None = None, notes: list | None = None) -> np.ndarray:
         """A path or encoded bytes -> the decoded photo (preprocess.decode_image), a big baseline JPEG reduced to
-        no less than decode_side(); name: what its error lines call it (default: the path, or "<bytes>")."""
+        no less than decode_side(); name: what its error lines call it (default: the path, or "<bytes>");
+        notes: a list that receives one-line remarks on the decoding."""
         from lnn.runtime.preprocess import decode_image
 
-        return decode_image(source, name, self.decode_side())
+        return decode_image(source, name, self.decode_side(), notes)
 
     def prepare_and_check(self, image, color: str = "bgr", notes: list | None = None, check: bool = True) -> tuple:
         """(the model's input [C, H, W], the photo check or None): the photo is decoded once for both;
@@ -302,7 +303,7 @@ class Session:
         if not self.model.takes_images:
             raise LnnInputError(f"model {self.model.name!r} takes no images (input shape {list(self.model.input_shape)})")
         if isinstance(image, (str, Path, bytes, bytearray, memoryview)):
-            image, color = self.decode_photo(image), "bgr"
+            image, color = self.decode_photo(image, notes=notes), "bgr"
         x = preprocess_image(image, self.model.preprocess, color, notes)      # checks the array first
         return x, (self.check_photo(image, color) if check else None)
 

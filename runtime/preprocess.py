@@ -90,13 +90,13 @@ def _pillow():
     return Image, ImageOps
 
 
-def _decode(data: bytes, header: "ImageHeader"):
+def _decode(data: bytes, header: "ImageHeader", notes: list | None = None):
     """Encoded bytes -> HxWx3 uint8 BGR, or HxW uint8 for a grey image, reduced by header.reduction
     (a JPEG); None when the library cannot decode them; LnnInputError (without a file name) for a JPEG or
-    PNG whose data is damaged. JPEG: libjpeg-turbo through simplejpeg (_decode_jpeg), the image library only
-    for what TurboJPEG refuses to decode at all."""
+    PNG whose data is damaged. JPEG: libjpeg-turbo through simplejpeg (_decode_jpeg, which may add a remark
+    to notes), the image library only for what TurboJPEG refuses to decode at all."""
     if header.format == "JPEG":
-        image = _decode_jpeg(data, header)
+        image = _decode_jpeg(data, header, notes)
         if image is not None:
             return image
     if header.format == "PNG":
@@ -114,13 +114,16 @@ def _decode(data: bytes, header: "ImageHeader"):
         return None
 
 
-def _decode_jpeg(data: bytes, header: "ImageHeader") -> np.ndarray | None:
+def _decode_jpeg(data: bytes, header: "ImageHeader", notes: list | None = None) -> np.ndarray | None:
     """A JPEG -> HxWx3 BGR or HxW grey uint8, reduced by header.reduction, EXIF orientation applied (as OpenCV
     does); None where TurboJPEG cannot decode it at all (the image library tries). TurboJPEG reports libjpeg's
     warnings as errors where OpenCV prints them on stderr and answers with the damaged pixels: data that lost
     its place (JPEG_DAMAGE) is refused; the other warnings leave the pixels whole, and the image is decoded.
-    Bytes before a marker that libjpeg discards (header.extra: some webcams and scanners write them) are cut out
-    first: TurboJPEG refuses a file with such a warning in its header."""
+    Data left over after a scan's last block (JPEG_LEFTOVER) is decoded with a remark in notes: DJI drones and
+    some camera modules write such bytes in good photos, and most damage to a photo's data (bit flips, a run
+    of bytes lost or repeated) ends the same way, which no decoder can tell apart. Bytes before a marker that
+    libjpeg discards in the header (header.extra: some webcams and scanners write them) are cut out first:
+    TurboJPEG refuses a file with such a warning in its header."""
     try:
         import simplejpeg
     except ImportError:
@@ -141,6 +144,11 @@ def _decode_jpeg(data: bytes, header: "ImageHeader") -> np.ndarray | None:
         if JPEG_DAMAGE.search(str(warning)):
             raise LnnInputError(f"the JPEG's data is damaged (libjpeg: {str(warning).strip()}); "
                                 f"copy or take it again") from None
+        leftover = JPEG_LEFTOVER.search(str(warning))
+        if leftover and notes is not None:
+            notes.append(f"the JPEG's data ran on after its image ended ({leftover[1]} bytes left over): some cameras "
+                         f"write such bytes, and damage to the data ends the same way; if part of the photo looks "
+                         f"wrong, copy or take it again")
         try:
             image = simplejpeg.decode_jpeg(data, strict=False, **options)
         except ValueError:
@@ -332,6 +340,9 @@ JPEG_NEXT_MARKER = re.compile(rb"\xff\xff*[^\x00\xd0-\xd7\xff]")   # in entropy-
                             # 25 KB photo)
 JPEG_DAMAGE = re.compile(r"premature end|bad (Huffman|arithmetic) code|instead of RST", re.IGNORECASE)
                              # libjpeg's warnings for entropy-coded data that lost its place: the rest is guessed
+JPEG_LEFTOVER = re.compile(r"(\d+) extraneous bytes before marker 0x(?!d[0-7])[0-9a-f]{2}", re.IGNORECASE)
+                             # data left over after a scan's last block (not before a restart marker: webcams pad
+                             # their restart intervals): some cameras write it, and damage ends the same way
 JPEG_EXIF = b"Exif\x00\x00"   # an APP1 segment holding EXIF (XMP uses APP1 too)
 MAX_EXIF_BLOCKS = 8            # EXIF blocks read for an orientation (each can hold 5,000 entries to walk)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -532,13 +543,15 @@ def encoded_source(source, name: str | None) -> tuple:
                         f"them (1-D or [N, 1], as cv2.imencode gives); not {what}")
 
 
-def decode_image(source, name: str | None = None, keep_side: int = 0) -> np.ndarray:
+def decode_image(source, name: str | None = None, keep_side: int = 0, notes: list | None = None) -> np.ndarray:
     """Decode a path or encoded bytes (see encoded_source) into an HxWx3 uint8 BGR image, or HxW uint8 for a grey one; bad
     input raises LnnInputError: missing, not a regular file, too large, not an image, truncated, over
     the pixel limits. A baseline JPEG over MAX_DECODED_PIXELS comes back reduced (1/2, 1/4 or 1/8 of its
     size), and one whose sides stay at least keep_side pixels so reduced too (check_header): a caller that
     only needs that many (Session.decode_side) skips decoding the rest (a 1600x1200 phone photo for the
-    bundled model: 1/4, 400x300). name: what the error lines call the image (default: the path, or "<bytes>")."""
+    bundled model: 1/4, 400x300). name: what the error lines call the image (default: the path, or "<bytes>").
+    notes: a list that receives one-line remarks on the decoding (a JPEG whose data ran on past its image); without
+    one they are issued as LnnWarning, the image named."""
     image_library()      # before reading: a missing image library is one clear error
     data, name = encoded_source(source, name)
     if not data:
@@ -551,21 +564,25 @@ def decode_image(source, name: str | None = None, keep_side: int = 0) -> np.ndar
     if header is None:
         raise LnnInputError(f"{name}: not an image lnn can read (JPEG, PNG, BMP, TIFF, WebP, GIF, PNM)")
     header = check_header(header, name, keep_side)
+    remarks = [] if notes is None else notes
     try:
-        image = _decode(data, header)
+        image = _decode(data, header, remarks)
     except LnnInputError as err:
         raise LnnInputError(f"{name}: {err}") from None
     except MemoryError:
         raise LnnInputError(f"{name}: not enough memory to decode this {header.width}x{header.height} image") from None
     if image is None or image.size == 0:
         raise LnnInputError(f"{name}: not an image {library} can decode (a damaged or unusual {header.format})")
+    if notes is None:
+        for remark in remarks:
+            warnings.warn(f"{name}: {remark}", LnnWarning, stacklevel=2)
     return image
 
 
-def read_image(source, keep_side: int = 0) -> np.ndarray:
+def read_image(source, keep_side: int = 0, notes: list | None = None) -> np.ndarray:
     """Decode a path or encoded bytes into an HxWx3 uint8 BGR image (grey copied to the three channels,
-    as OpenCV's IMREAD_COLOR does); bad input raises LnnInputError; keep_side: see decode_image."""
-    image = decode_image(source, keep_side=keep_side)
+    as OpenCV's IMREAD_COLOR does); bad input raises LnnInputError; keep_side, notes: see decode_image."""
+    image = decode_image(source, keep_side=keep_side, notes=notes)
     return np.repeat(image[:, :, None], 3, axis=2) if image.ndim == 2 else image
 
 

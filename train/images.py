@@ -115,12 +115,13 @@ def cache_key(folder: Path, files: list, size: tuple, color: str) -> str:
 # --------------------------------------------------------------------------- decoding
 
 def decode_for_model(path: Path, size: tuple, color: str) -> np.ndarray:
-    """A file -> uint8 [C, H, W] in the model's colour order and size, as lnn-infer would see it."""
+    """A file -> uint8 [C, H, W] in the model's colour order and size, as lnn-infer would see it (its remarks on the
+    decoding, meant for a person reading one answer, are not repeated for every photo of a training folder)."""
     height, width = size
     channels = 1 if color == "gray" else 3
     identity = {"color": color, "resize": [height, width], "scale": 1.0,
                 "mean": [0.0] * channels, "std": [1.0] * channels}
-    pixels = image_io.preprocess_image(image_io.read_image(path), identity)   # integer values in float32
+    pixels = image_io.preprocess_image(image_io.read_image(path, notes=[]), identity)   # integer values in float32
     return pixels.astype(np.uint8)
 
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from lnn.formats.errors import LnnError, LnnInputError
+from lnn.formats.errors import LnnError, LnnInputError, LnnWarning
 from lnn.runtime import preprocess
 
 cv2 = pytest.importorskip("cv2")
@@ -90,6 +90,47 @@ def test_extra_bytes_before_a_marker_keep_the_photo_decoded_whole_and_stderr_qui
     data = jpeg()
     np.testing.assert_array_equal(preprocess.decode_image(padded(data, marker, pad)), opencv_decoding(data))
     assert capfd.readouterr().err == ""                          # (the decoding the test compares with is clean)
+
+
+LEFT_OVER = bytes(32) + bytes(range(1, 33))     # bytes after the image's last block, as DJI drones write them
+
+
+def test_data_left_over_after_the_image_is_decoded_whole_with_a_remark(library, capfd):
+    """Bytes before the end marker beyond what libjpeg reads ahead (a few it takes silently) are reported as
+    left over: decoded whole, with one remark; the same bytes in the header are skipped without one."""
+    data, notes = jpeg(), []
+    np.testing.assert_array_equal(preprocess.decode_image(padded(data, b"\xff\xd9", LEFT_OVER), notes=notes),
+                                  opencv_decoding(data))
+    [note] = notes
+    assert "the JPEG's data ran on after its image ended" in note and "copy or take it again" in note
+    in_the_header = []
+    preprocess.decode_image(padded(data, b"\xff\xdb", LEFT_OVER), notes=in_the_header)
+    assert in_the_header == [] and capfd.readouterr().err == ""
+
+
+def test_data_left_over_after_the_image_is_a_warning_naming_the_photo_without_a_notes_list(library):
+    with pytest.warns(LnnWarning, match=r"leaf.jpg: the JPEG's data ran on after its image ended \([0-9]+ bytes left over\)"):
+        preprocess.decode_image(padded(jpeg(), b"\xff\xd9", LEFT_OVER), "leaf.jpg")
+
+
+def test_a_scan_damaged_so_that_data_is_left_over_is_decoded_with_the_remark(library):
+    """Most damage to a photo's data (here 64 bytes of it repeated) leaves data over after the image's last
+    block, as the bytes some cameras write there do: no decoder can tell them apart, so the photo is answered
+    with the remark, not refused."""
+    data = jpeg(photo(384, 512))
+    middle = (data.index(b"\xff\xda") + len(data)) // 2
+    notes = []
+    preprocess.decode_image(data[:middle] + data[middle - 64:], notes=notes)
+    assert len(notes) == 1 and "ran on after its image ended" in notes[0]
+
+
+def test_bytes_before_a_restart_marker_as_webcams_write_them_are_decoded_without_a_remark(library):
+    data = jpeg(None, cv2.IMWRITE_JPEG_RST_INTERVAL, 1)
+    restart = data.index(b"\xff\xd3", data.index(b"\xff\xda"))
+    notes = []
+    decoded = preprocess.decode_image(data[:restart] + b"\x00\x00" + data[restart:], notes=notes)
+    np.testing.assert_array_equal(decoded, opencv_decoding(data))
+    assert notes == []
 
 
 def test_fill_bytes_before_a_restart_marker_in_the_scan_keep_the_photo_whole(library):

@@ -358,6 +358,22 @@ def test_a_grey_photo_is_answered_with_a_note(tmp_path, capsys):
     assert "  note: a grey image given to a colour (RGB) model" in capsys.readouterr().out
 
 
+def test_a_jpeg_with_data_left_over_after_its_image_is_answered_with_a_note(tmp_path, capsys):
+    """Bytes before the end marker that no block uses (DJI drones write them; most damage to the data ends so):
+    the same answer as the clean photo, and a note saying what to do if the photo looks wrong."""
+    clean = sorted((EXAMPLES / "leaves").glob("*.jpg"))[0]
+    data = clean.read_bytes()
+    end = data.rindex(b"\xff\xd9")
+    (tmp_path / "drone.jpg").write_bytes(data[:end] + bytes(range(1, 65)) + data[end:])
+    assert main(["--json", str(clean), str(tmp_path / "drone.jpg")]) == 0
+    before, after = (strict_json(line) for line in capsys.readouterr().out.splitlines())
+    assert after["label"] == before["label"] and after["confidence"] == pytest.approx(before["confidence"])
+    assert before["notes"] == [] and len(after["notes"]) == 1
+    assert "the JPEG's data ran on after its image ended" in after["notes"][0]
+    assert main([str(tmp_path / "drone.jpg")]) == 0
+    assert "  note: " in capsys.readouterr().out
+
+
 def test_answers_that_are_not_diagnoses_carry_a_reason_and_an_instruction():
     from lnn.tools.infer import Answer
 
