@@ -75,7 +75,7 @@ def prepare_upload(session, data: bytes, max_pixels: int, name: str = UPLOAD_NAM
     decode pool."""
     check_pixels(data, max_pixels, name)
     notes: list = []
-    return (*session.prepare_and_check(session.decode_photo(data, name), notes=notes), notes)
+    return (*session.prepare_and_check(session.decode_photo(data, name, notes), notes=notes), notes)
 
 
 def load_image_libraries() -> None:

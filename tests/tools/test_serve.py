@@ -146,6 +146,17 @@ def test_photos_that_are_not_diagnoses_get_lnn_infers_reason(session, served, tm
         assert_same_answer(got, reference_answer(session, tmp_path / name, name))
 
 
+def test_a_jpeg_with_data_left_over_after_its_image_carries_lnn_infers_note(served, session, tmp_path):
+    """Bytes before the end marker that no block uses (DJI drones write them; most damage ends so): answered,
+    with the note lnn-infer gives (the page shows it)."""
+    data = LEAVES[0].read_bytes()
+    end = data.rindex(b"\xff\xd9")
+    (tmp_path / "drone.jpg").write_bytes(data[:end] + bytes(range(1, 65)) + data[end:])
+    got = served.post("/v1/classify", content=(tmp_path / "drone.jpg").read_bytes()).json()
+    assert len(got["notes"]) == 1 and "ran on after its image ended" in got["notes"][0]
+    assert_same_answer(got, reference_answer(session, tmp_path / "drone.jpg", "upload"))
+
+
 def test_lnn_infer_json_line_is_the_servers_object(served):
     """Against the command itself: the same keys and values as `lnn-infer --json`."""
     path = LEAVES[0]

@@ -11,7 +11,6 @@ relative to the repository to copy it there too (docs/images/serve_page.png was 
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -115,6 +114,26 @@ def test_a_large_photo_is_shrunk_on_the_phone_before_sending(browser, server_url
     jpeg = body[body.index(b"\xff\xd8\xff"):]                # the form's file part
     height, width = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR).shape[:2]
     assert (width, height) == (1600, 1200)
+    page.close()
+
+
+def test_the_answers_notes_are_shown_and_cleared(browser, server_url, tmp_path):
+    """A JPEG with bytes before its end marker that no block uses (DJI drones write them; most damage ends so)
+    is answered with a note, which the page shows under the answer; the next photo's answer has none."""
+    data = (EXAMPLES / "leaves" / "late_blight.jpg").read_bytes()
+    end = data.rindex(b"\xff\xd9")
+    (tmp_path / "drone.jpg").write_bytes(data[:end] + bytes(range(1, 65)) + data[end:])
+    page = browser.new_page(viewport=PHONE)
+    wait_ready(page, server_url)
+    page.goto(server_url)
+    page.locator("#photo").set_input_files(str(tmp_path / "drone.jpg"))
+    page.wait_for_function("document.querySelector('#headline').textContent.includes('Late blight')", timeout=WAIT_MS)
+    notes = page.locator("#notes li")
+    assert notes.count() == 1 and notes.nth(0).text_content().startswith("Note: ")
+    assert "ran on after its image ended" in notes.nth(0).text_content()
+    page.locator("#photo").set_input_files(str(EXAMPLES / "leaves" / "healthy.jpg"))
+    page.wait_for_function("document.querySelector('#headline').textContent.includes('Healthy')", timeout=WAIT_MS)
+    assert page.locator("#notes li").count() == 0
     page.close()
 
 
