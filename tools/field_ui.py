@@ -153,9 +153,9 @@ class Worker(threading.Thread):
         if self.session is None:
             return "failed", path, "no model is loaded; open a model first"
         try:
-            image = read_image(path, self.session.decode_side())   # once, for the model (as lnn-infer) and the screen
-            top_k = min(TOP_K, len(self.session.labels))
             notes: list = []
+            image = read_image(path, self.session.decode_side(), notes)   # once, for the model (as lnn-infer) and the screen
+            top_k = min(TOP_K, len(self.session.labels))
             [answer] = answers_for(self.session, [(path, *self.session.prepare_and_check(image, notes=notes), notes)],
                                    top_k)
             if isinstance(answer, str):                    # the model's output is not a number
@@ -449,10 +449,11 @@ class FieldApp:
         self.photo.configure(image=self.shown_image, text="")
         if answer.uncertain:
             self.headline.set(UNCERTAIN_HEADLINES.get(answer.reason, RETAKE_HEADLINE))
-            self.advice.set(answer.explanation)
+            advice = answer.explanation
         else:
             self.headline.set(f"{answer.best['display']} — {answer.confidence:.1%} sure")
-            self.advice.set(f"Advice: {answer.best['advice']}" if "advice" in answer.best else "")
+            advice = f"Advice: {answer.best['advice']}" if "advice" in answer.best else ""
+        self.advice.set("\n".join([advice] * bool(advice) + [f"Note: {note}" for note in answer.notes]))
         refused = answer.uncertain and answer.reason != "low_confidence"     # a score beside a disease reads as one
         self.details.set("" if refused else "\n".join(f"{rank}. {label['display']:<28} {p:6.1%}"
                                                       for rank, (label, p) in enumerate(answer.ranked, 1)))

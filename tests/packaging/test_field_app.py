@@ -147,6 +147,13 @@ def scenario_photos(app, root, tmp_path):
     assert shown.startswith(UNCERTAIN_HEADLINES["not_a_leaf"]), shown
     assert "does not look like a tomato leaf" in shown and "Advice:" not in shown, shown
     assert "%" not in shown, shown                          # no disease score beside the refusal
+    data = (LEAVES / "late_blight.jpg").read_bytes()        # bytes no block uses before the end marker: a note
+    end = data.rindex(b"\xff\xd9")
+    (tmp_path / "drone.jpg").write_bytes(data[:end] + bytes(range(1, 65)) + data[end:])
+    app.open_photos([tmp_path / "drone.jpg"])
+    pump_until(root, lambda: len(app.history) == 4 and not app.busy)
+    shown = app.shown_text()
+    assert shown.startswith("Late blight") and "\nNote: " in shown and "ran on after its image ended" in shown, shown
     if shutil.which("import"):              # ImageMagick: the whole virtual screen, which is the window
         subprocess.run(["import", "-window", "root", str(tmp_path / "field_app.png")], check=True, timeout=60)
         print(f"screenshot: {tmp_path / 'field_app.png'}")
