@@ -154,7 +154,7 @@ class Worker(threading.Thread):
             return "failed", path, "no model is loaded; open a model first"
         try:
             notes: list = []
-            image = read_image(path, self.session.decode_side(), notes)   # once, for the model (as lnn-infer) and the screen
+            image = read_image(path, self.session.decode_side(), notes)    # once, for the model and the screen
             top_k = min(TOP_K, len(self.session.labels))
             [answer] = answers_for(self.session, [(path, *self.session.prepare_and_check(image, notes=notes), notes)],
                                    top_k)
@@ -453,7 +453,7 @@ class FieldApp:
         else:
             self.headline.set(f"{answer.best['display']} — {answer.confidence:.1%} sure")
             advice = f"Advice: {answer.best['advice']}" if "advice" in answer.best else ""
-        self.advice.set("\n".join([advice] * bool(advice) + [f"Note: {note}" for note in answer.notes]))
+        self.advice.set("\n".join(([advice] if advice else []) + [f"Note: {note}" for note in answer.notes]))
         refused = answer.uncertain and answer.reason != "low_confidence"     # a score beside a disease reads as one
         self.details.set("" if refused else "\n".join(f"{rank}. {label['display']:<28} {p:6.1%}"
                                                       for rank, (label, p) in enumerate(answer.ranked, 1)))

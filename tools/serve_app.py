@@ -151,8 +151,9 @@ class Batcher:
     A batch takes every image waiting, up to max_batch. While other requests are still being decoded it waits
     for them until max_delay_s after its first image was ready (not after the batcher took it: a photo that
     waited behind a computing batch is not held the whole delay again); with none on the way it runs at once
-    (waiting could gain nothing, so a lone phone never pays the delay). Images that arrive while a batch computes are waiting when it ends, so
-    under load batches fill without any wait. A job whose request gave up (timeout) is dropped unrun."""
+    (waiting could gain nothing, so a lone phone never pays the delay). Images that arrive while a batch
+    computes are waiting when it ends, so under load batches fill without any wait. A job whose request gave
+    up (timeout) is dropped unrun."""
 
     def __init__(self, session, max_batch: int, max_delay_s: float, metrics: Metrics):
         self.session = session

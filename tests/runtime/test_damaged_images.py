@@ -109,7 +109,7 @@ def test_data_left_over_after_the_image_is_decoded_whole_with_a_remark(library, 
 
 
 def test_data_left_over_after_the_image_is_a_warning_naming_the_photo_without_a_notes_list(library):
-    with pytest.warns(LnnWarning, match=r"leaf.jpg: the JPEG's data ran on after its image ended \([0-9]+ bytes left over\)"):
+    with pytest.warns(LnnWarning, match=r"leaf.jpg: the JPEG's data ran on after its image ended \([0-9]+ bytes left"):
         preprocess.decode_image(padded(jpeg(), b"\xff\xd9", LEFT_OVER), "leaf.jpg")
 
 
