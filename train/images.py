@@ -114,14 +114,14 @@ def cache_key(folder: Path, files: list, size: tuple, color: str) -> str:
 
 # --------------------------------------------------------------------------- decoding
 
-def decode_for_model(path: Path, size: tuple, color: str) -> np.ndarray:
-    """A file -> uint8 [C, H, W] in the model's colour order and size, as lnn-infer would see it (its remarks on the
-    decoding, meant for a person reading one answer, are not repeated for every photo of a training folder)."""
+def decode_for_model(path: Path, size: tuple, color: str, notes: list | None = None) -> np.ndarray:
+    """A file -> uint8 [C, H, W] in the model's colour order and size, as lnn-infer would see it; lnn-infer's
+    remarks on the decoding (a JPEG whose data ran on after its image) go to notes (read_image's)."""
     height, width = size
     channels = 1 if color == "gray" else 3
     identity = {"color": color, "resize": [height, width], "scale": 1.0,
                 "mean": [0.0] * channels, "std": [1.0] * channels}
-    pixels = image_io.preprocess_image(image_io.read_image(path, notes=[]), identity)   # integer values in float32
+    pixels = image_io.preprocess_image(image_io.read_image(path, notes=notes), identity)   # integer values in float32
     return pixels.astype(np.uint8)
 
 
@@ -140,14 +140,17 @@ def _build_cache(folder: Path, files: list, labels: list, size: tuple, color: st
         masks = (reserved_memmap(building / "all.masks.npy", np.uint8, (len(files),) + tuple(size))
                  if channels == 3 else None)
         decoded = np.zeros(len(files), bool)
-        skipped = []
+        skipped, noted = [], []
 
         def decode(i):
             try:
-                data.images[i] = decode_for_model(folder / files[i], size, color)
+                notes = []
+                data.images[i] = decode_for_model(folder / files[i], size, color, notes)
                 if masks is not None:
                     masks[i] = leaf_mask(data.images[i], color)
                 decoded[i] = True
+                if notes:
+                    noted.append((files[i], notes[0]))
             except LnnInputError as err:
                 skipped.append((files[i], str(err)))
 
@@ -178,7 +181,8 @@ def _build_cache(folder: Path, files: list, labels: list, size: tuple, color: st
             del data, masks
             for part in parts:
                 os.replace(building / f"all.{part}.npy", building / f"images.{part}.npy")
-        index = {"files": [files[i] for i in kept], "skipped": sorted(skipped), "size": list(size), "color": color}
+        index = {"files": [files[i] for i in kept], "skipped": sorted(skipped), "noted": sorted(noted),
+                 "size": list(size), "color": color}
         (building / "index.json").write_text(json.dumps(index))
         for problem in sorted(skipped):
             log(f"skipped {one_line(problem[1])}")
@@ -271,6 +275,10 @@ def open_cache(folder, files: list, labels: list, size: tuple, color: str, cache
     if index["skipped"]:
         log(f"{folder}: {len(index['skipped'])} of {len(files)} image files could not be decoded and are "
             f"left out (first: {one_line(index['skipped'][0][1])})")
+    if index.get("noted"):                  # one line for the folder: a drone's photos may all carry the note
+        file, note = index["noted"][0]
+        log(f"{folder}: {len(index['noted'])} of {len(files)} image files were decoded with a note (first: "
+            f"{file}: {note})")
     return target, index, data, masks
 
 

@@ -151,6 +151,25 @@ def test_the_cache_keeps_phone_jpegs_with_a_trailer_and_skips_a_pixel_bomb(tmp_p
     assert any("bomb.png" in m and "over lnn's limit of 250,000,000 pixels" in m for m in messages)
 
 
+def test_photos_decoded_with_a_note_are_kept_and_counted_in_one_line_each_time_the_folder_opens(tmp_path):
+    """A JPEG whose data ran on after its image (a drone's padding, or damage) is trained on, as lnn-infer answers
+    it; the folder's log says how many, once, naming the first, from the cache too."""
+    folder = make_folder(tmp_path / "photos")
+    good = (folder / "class_a" / "good.jpg").read_bytes()
+    end = good.rindex(b"\xff\xd9")
+    for name in ("drone1.jpg", "drone2.jpg"):
+        (folder / "class_b" / name).write_bytes(good[:end] + bytes(range(1, 65)) + good[end:])
+    for _ in range(2):                                      # decoded, then from the cache
+        messages = []
+        data = ImageFolder.load(folder, (3, 16, 24), "rgb", cache_root=tmp_path / "cache", log=messages.append,
+                                progress=False)
+        assert {"class_b/drone1.jpg", "class_b/drone2.jpg"} <= set(data.files)
+        [line] = [m for m in messages if "with a note" in m]
+        assert "2 of 10 image files were decoded with a note (first: class_b/drone1.jpg: the JPEG's data ran on" in line
+    assert np.array_equal(data.data.images[data.files.index("class_b/drone1.jpg")],
+                          data.data.images[data.files.index("class_a/good.jpg")])
+
+
 def test_second_open_does_not_decode_and_a_changed_file_rebuilds(tmp_path, monkeypatch):
     folder = make_folder(tmp_path / "photos")
     first = ImageFolder.load(folder, (3, 16, 16), "rgb", cache_root=tmp_path / "cache", log=lambda m: None,
