@@ -90,7 +90,7 @@ def _pillow():
     return Image, ImageOps
 
 
-def _decode(data: bytes, header: "ImageHeader", notes: list | None = None):
+def _decode(data: bytes, header: "ImageHeader", notes: list):
     """Encoded bytes -> HxWx3 uint8 BGR, or HxW uint8 for a grey image, reduced by header.reduction
     (a JPEG); None when the library cannot decode them; LnnInputError (without a file name) for a JPEG or
     PNG whose data is damaged. JPEG: libjpeg-turbo through simplejpeg (_decode_jpeg, which may add a remark
@@ -114,7 +114,7 @@ def _decode(data: bytes, header: "ImageHeader", notes: list | None = None):
         return None
 
 
-def _decode_jpeg(data: bytes, header: "ImageHeader", notes: list | None = None) -> np.ndarray | None:
+def _decode_jpeg(data: bytes, header: "ImageHeader", notes: list) -> np.ndarray | None:
     """A JPEG -> HxWx3 BGR or HxW grey uint8, reduced by header.reduction, EXIF orientation applied (as OpenCV
     does); None where TurboJPEG cannot decode it at all (the image library tries). TurboJPEG reports libjpeg's
     warnings as errors where OpenCV prints them on stderr and answers with the damaged pixels: data that lost
@@ -140,12 +140,12 @@ def _decode_jpeg(data: bytes, header: "ImageHeader", notes: list | None = None) 
                    min_height=-(-header.height // header.reduction), min_width=-(-header.width // header.reduction))
     try:
         image = simplejpeg.decode_jpeg(data, **options)
-    except ValueError as warning:
-        if JPEG_DAMAGE.search(str(warning)):
-            raise LnnInputError(f"the JPEG's data is damaged (libjpeg: {str(warning).strip()}); "
-                                f"copy or take it again") from None
-        leftover = JPEG_LEFTOVER.search(str(warning))
-        if leftover and notes is not None:
+    except ValueError as error:
+        warning = str(error).strip()
+        if JPEG_DAMAGE.search(warning):
+            raise LnnInputError(f"the JPEG's data is damaged (libjpeg: {warning}); copy or take it again") from None
+        leftover = JPEG_LEFTOVER.search(warning)
+        if leftover:
             notes.append(f"the JPEG's data ran on after its image ended ({leftover[1]} bytes left over): some cameras "
                          f"write such bytes, and damage to the data ends the same way; if part of the photo looks "
                          f"wrong, copy or take it again")

@@ -165,7 +165,7 @@ def test_turbojpeg_gives_opencvs_pixels_at_every_reduction(sampling, progressive
         header = preprocess.read_header(data)
         for reduction, flag in [(1, 0), (2, cv2.IMREAD_REDUCED_COLOR_2), (4, cv2.IMREAD_REDUCED_COLOR_4),
                                 (8, cv2.IMREAD_REDUCED_COLOR_8)]:
-            decoded = preprocess._decode(data, replace(header, reduction=reduction))
+            decoded = preprocess._decode(data, replace(header, reduction=reduction), [])
             np.testing.assert_array_equal(decoded, opencv_decoding(data, flag))
 
 
