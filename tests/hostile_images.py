@@ -1,5 +1,6 @@
 """Small hostile image files made at test time (no big files in the repository): a PNG or JPEG whose
-header claims any size, for the decoding-limit tests of the runtime and the commands."""
+header claims any size, for the decoding-limit tests of the runtime and the commands; a JPEG whose data runs
+on after its image."""
 
 from __future__ import annotations
 
@@ -22,3 +23,12 @@ def with_jpeg_size(data: bytes, width: int, height: int) -> bytes:
     """A baseline JPEG with its frame header rewritten to say width x height."""
     at = data.index(b"\xff\xc0") + 5
     return data[:at] + struct.pack(">HH", height, width) + data[at + 4:]
+
+
+DATA_LEFT_OVER = bytes(range(1, 65))     # bytes after a scan's last block that no block uses, as DJI drones write
+
+
+def with_data_left_over(data: bytes) -> bytes:
+    """The JPEG with DATA_LEFT_OVER put before its end marker: the same pixels, and lnn's note that its data ran on."""
+    end = data.rindex(b"\xff\xd9")
+    return data[:end] + DATA_LEFT_OVER + data[end:]

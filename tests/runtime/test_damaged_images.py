@@ -18,6 +18,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from hostile_images import DATA_LEFT_OVER, with_data_left_over
 from lnn.formats.errors import LnnError, LnnInputError, LnnWarning
 from lnn.runtime import preprocess
 
@@ -92,25 +93,22 @@ def test_extra_bytes_before_a_marker_keep_the_photo_decoded_whole_and_stderr_qui
     assert capfd.readouterr().err == ""                          # (the decoding the test compares with is clean)
 
 
-LEFT_OVER = bytes(32) + bytes(range(1, 33))     # bytes after the image's last block, as DJI drones write them
-
-
 def test_data_left_over_after_the_image_is_decoded_whole_with_a_remark(library, capfd):
     """Bytes before the end marker beyond what libjpeg reads ahead (a few it takes silently) are reported as
     left over: decoded whole, with one remark; the same bytes in the header are skipped without one."""
     data, notes = jpeg(), []
-    np.testing.assert_array_equal(preprocess.decode_image(padded(data, b"\xff\xd9", LEFT_OVER), notes=notes),
+    np.testing.assert_array_equal(preprocess.decode_image(with_data_left_over(data), notes=notes),
                                   opencv_decoding(data))
     [note] = notes
     assert "the JPEG's data ran on after its image ended" in note and "copy or take it again" in note
     in_the_header = []
-    preprocess.decode_image(padded(data, b"\xff\xdb", LEFT_OVER), notes=in_the_header)
+    preprocess.decode_image(padded(data, b"\xff\xdb", DATA_LEFT_OVER), notes=in_the_header)
     assert in_the_header == [] and capfd.readouterr().err == ""
 
 
 def test_data_left_over_after_the_image_is_a_warning_naming_the_photo_without_a_notes_list(library):
     with pytest.warns(LnnWarning, match=r"leaf.jpg: the JPEG's data ran on after its image ended \([0-9]+ bytes left"):
-        preprocess.decode_image(padded(jpeg(), b"\xff\xd9", LEFT_OVER), "leaf.jpg")
+        preprocess.decode_image(with_data_left_over(jpeg()), "leaf.jpg")
 
 
 def test_a_scan_damaged_so_that_data_is_left_over_is_decoded_with_the_remark(library):

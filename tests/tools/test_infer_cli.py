@@ -15,7 +15,7 @@ import pytest
 import lnn
 from cli_helpers import assert_one_line_error, reference_bin, run_command  # noqa: F401 (reference_bin: fixture)
 from conftest import EXAMPLES, REFERENCE_MODELS, need
-from hostile_images import png_claiming
+from hostile_images import png_claiming, with_data_left_over
 from lnn.formats.binfile import read_bin, write_bin
 from lnn.runtime import resolve_device
 from lnn.tools import infer
@@ -362,9 +362,7 @@ def test_a_jpeg_with_data_left_over_after_its_image_is_answered_with_a_note(tmp_
     """Bytes before the end marker that no block uses (DJI drones write them; most damage to the data ends so):
     the same answer as the clean photo, and a note saying what to do if the photo looks wrong."""
     clean = sorted((EXAMPLES / "leaves").glob("*.jpg"))[0]
-    data = clean.read_bytes()
-    end = data.rindex(b"\xff\xd9")
-    (tmp_path / "drone.jpg").write_bytes(data[:end] + bytes(range(1, 65)) + data[end:])
+    (tmp_path / "drone.jpg").write_bytes(with_data_left_over(clean.read_bytes()))
     assert main(["--json", str(clean), str(tmp_path / "drone.jpg")]) == 0
     before, after = (strict_json(line) for line in capsys.readouterr().out.splitlines())
     assert after["label"] == before["label"] and after["confidence"] == pytest.approx(before["confidence"])

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 import lnn  # noqa: E402
 from cli_helpers import assert_one_line_error, run_command  # noqa: E402
 from conftest import EXAMPLES  # noqa: E402
+from hostile_images import with_data_left_over  # noqa: E402
 from lnn.tools import infer  # noqa: E402
 from lnn.tools.infer import DEFAULT_MODEL, answers_for  # noqa: E402
 from lnn.tools.serve import ServeConfig, launch_process, listening_socket  # noqa: E402
@@ -149,9 +150,7 @@ def test_photos_that_are_not_diagnoses_get_lnn_infers_reason(session, served, tm
 def test_a_jpeg_with_data_left_over_after_its_image_carries_lnn_infers_note(served, session, tmp_path):
     """Bytes before the end marker that no block uses (DJI drones write them; most damage ends so): answered,
     with the note lnn-infer gives (the page shows it)."""
-    data = LEAVES[0].read_bytes()
-    end = data.rindex(b"\xff\xd9")
-    (tmp_path / "drone.jpg").write_bytes(data[:end] + bytes(range(1, 65)) + data[end:])
+    (tmp_path / "drone.jpg").write_bytes(with_data_left_over(LEAVES[0].read_bytes()))
     got = served.post("/v1/classify", content=(tmp_path / "drone.jpg").read_bytes()).json()
     assert len(got["notes"]) == 1 and "ran on after its image ended" in got["notes"][0]
     assert_same_answer(got, reference_answer(session, tmp_path / "drone.jpg", "upload"))

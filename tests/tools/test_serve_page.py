@@ -18,6 +18,7 @@ pytest.importorskip("uvicorn")
 sync_api = pytest.importorskip("playwright.sync_api")
 
 from conftest import EXAMPLES, REPO  # noqa: E402
+from hostile_images import with_data_left_over  # noqa: E402
 from lnn.tools.serve import launch_process  # noqa: E402
 
 PHONE = {"width": 390, "height": 844}
@@ -120,9 +121,7 @@ def test_a_large_photo_is_shrunk_on_the_phone_before_sending(browser, server_url
 def test_the_answers_notes_are_shown_and_cleared(browser, server_url, tmp_path):
     """A JPEG with bytes before its end marker that no block uses (DJI drones write them; most damage ends so)
     is answered with a note, which the page shows under the answer; the next photo's answer has none."""
-    data = (EXAMPLES / "leaves" / "late_blight.jpg").read_bytes()
-    end = data.rindex(b"\xff\xd9")
-    (tmp_path / "drone.jpg").write_bytes(data[:end] + bytes(range(1, 65)) + data[end:])
+    (tmp_path / "drone.jpg").write_bytes(with_data_left_over((EXAMPLES / "leaves" / "late_blight.jpg").read_bytes()))
     page = browser.new_page(viewport=PHONE)
     wait_ready(page, server_url)
     page.goto(server_url)

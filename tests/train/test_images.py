@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import DATA, EXAMPLES, need
+from hostile_images import with_data_left_over
 from lnn.formats.errors import LnnInputError
 from lnn.train import images as images_module
 from lnn.train.augment import AugmentedDataset, Augmenter
@@ -155,10 +156,8 @@ def test_photos_decoded_with_a_note_are_kept_and_counted_in_one_line_each_time_t
     """A JPEG whose data ran on after its image (a drone's padding, or damage) is trained on, as lnn-infer answers
     it; the folder's log says how many, once, naming the first, from the cache too."""
     folder = make_folder(tmp_path / "photos")
-    good = (folder / "class_a" / "good.jpg").read_bytes()
-    end = good.rindex(b"\xff\xd9")
     for name in ("drone1.jpg", "drone2.jpg"):
-        (folder / "class_b" / name).write_bytes(good[:end] + bytes(range(1, 65)) + good[end:])
+        (folder / "class_b" / name).write_bytes(with_data_left_over((folder / "class_a" / "good.jpg").read_bytes()))
     for _ in range(2):                                      # decoded, then from the cache
         messages = []
         data = ImageFolder.load(folder, (3, 16, 24), "rgb", cache_root=tmp_path / "cache", log=messages.append,
