@@ -32,6 +32,7 @@ import warnings
 import zlib
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 
@@ -495,16 +496,30 @@ def _tiff_header(data: bytes) -> ImageHeader:
     return ImageHeader("TIFF", sizes[256], sizes[257])
 
 
-def check_header(header: ImageHeader, name: str, keep_side: int = 0) -> ImageHeader:
-    """Refuse an image over the pixel limits (formats/limits.py), or truncated; choose its reduction: a
-    baseline JPEG over MAX_DECODED_PIXELS is reduced below it, and one whose sides stay at least keep_side
-    pixels (0: never) when reduced is decoded so (libjpeg's scaled decoding, the largest such factor)."""
+class PixelLimit(NamedTuple):
+    """A caller's own limit on an image's pixels (lnn-serve's --max-pixels), checked with lnn's own when the
+    header is read, and the words of its error line: "the image is WxH = N pixels, over {called} of
+    {pixels} pixels; {advice}"."""
+    pixels: int
+    called: str
+    advice: str
+
+
+def check_header(header: ImageHeader, name: str, keep_side: int = 0,
+                 pixel_limit: PixelLimit | None = None) -> ImageHeader:
+    """Refuse an image over the pixel limits (formats/limits.py, and the caller's pixel_limit), or truncated;
+    choose its reduction: a baseline JPEG over MAX_DECODED_PIXELS is reduced below it, and one whose sides stay
+    at least keep_side pixels (0: never) when reduced is decoded so (libjpeg's scaled decoding, the largest
+    such factor)."""
     size = f"{header.width}x{header.height} = {header.pixels:,} pixels"
     if not header.complete:
         raise LnnInputError(f"{name}: the image is truncated (it ends before its end marker); copy or take it again")
     if header.pixels == 0:
         raise LnnInputError(f"{name}: the {header.format} header says the image is {header.width}x{header.height}: "
                             f"not an image that can be decoded")
+    if pixel_limit is not None and header.pixels > pixel_limit.pixels:
+        raise LnnInputError(f"{name}: the image is {size}, over {pixel_limit.called} of {pixel_limit.pixels:,} "
+                            f"pixels; {pixel_limit.advice}")
     if header.pixels > limits.MAX_IMAGE_PIXELS:
         raise LnnInputError(f"{name}: the image is {size}, over lnn's limit of {limits.MAX_IMAGE_PIXELS:,} pixels")
     if header.pixels > limits.MAX_DECODED_PIXELS and not header.reducible:
@@ -543,7 +558,8 @@ def encoded_source(source, name: str | None) -> tuple:
                         f"them (1-D or [N, 1], as cv2.imencode gives); not {what}")
 
 
-def decode_image(source, name: str | None = None, keep_side: int = 0, notes: list | None = None) -> np.ndarray:
+def decode_image(source, name: str | None = None, keep_side: int = 0, notes: list | None = None,
+                 pixel_limit: PixelLimit | None = None) -> np.ndarray:
     """Decode a path or encoded bytes (see encoded_source) into an HxWx3 uint8 BGR image, or HxW uint8 for a grey one; bad
     input raises LnnInputError: missing, not a regular file, too large, not an image, truncated, over
     the pixel limits. A baseline JPEG over MAX_DECODED_PIXELS comes back reduced (1/2, 1/4 or 1/8 of its
@@ -551,7 +567,8 @@ def decode_image(source, name: str | None = None, keep_side: int = 0, notes: lis
     only needs that many (Session.decode_side) skips decoding the rest (a 1600x1200 phone photo for the
     bundled model: 1/4, 400x300). name: what the error lines call the image (default: the path, or "<bytes>").
     notes: a list that receives one-line remarks on the decoding (a JPEG whose data ran on past its image); without
-    one they are issued as LnnWarning, the image named."""
+    one they are issued as LnnWarning, the image named. pixel_limit: the caller's own limit (check_header),
+    checked from the same reading of the header."""
     image_library()      # before reading: a missing image library is one clear error
     data, name = encoded_source(source, name)
     if not data:
@@ -563,7 +580,7 @@ def decode_image(source, name: str | None = None, keep_side: int = 0, notes: lis
         raise LnnInputError(f"{name}: {err}") from None
     if header is None:
         raise LnnInputError(f"{name}: not an image lnn can read (JPEG, PNG, BMP, TIFF, WebP, GIF, PNM)")
-    header = check_header(header, name, keep_side)
+    header = check_header(header, name, keep_side, pixel_limit)
     remarks = [] if notes is None else notes
     try:
         image = _decode(data, header, remarks)

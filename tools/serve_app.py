@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from lnn.formats.errors import LnnInputError
 from lnn.tools.cli import error_line
-from lnn.runtime.preprocess import read_header
+from lnn.runtime.preprocess import PixelLimit
 from lnn.tools.infer import answer_for, judge_images
 from lnn.tools.serve import RETRY_AFTER_S, ServeConfig
 
@@ -58,24 +58,17 @@ for _name in ("python_multipart", "multipart"):     # its warnings on a malforme
 
 # --------------------------------------------------------------------------- one image: decode, answer
 
-def check_pixels(data: bytes, max_pixels: int, name: str = UPLOAD_NAME) -> None:
-    """Refuse an image whose header declares more than the server's --max-pixels, before anything decodes
-    it (a decompression bomb: a small file that would expand into gigabytes). The header is read as
-    lnn-infer reads it (runtime/preprocess.py, which also applies lnn's own limits when decoding)."""
-    header = read_header(data)
-    if header is not None and header.pixels > max_pixels:
-        raise LnnInputError(f"{name}: the image is {header.width}x{header.height} = {header.pixels:,} pixels, over "
-                            f"the server's limit of {max_pixels:,} pixels; send a smaller photo")
-
-
 def prepare_upload(session, data: bytes, max_pixels: int, name: str = UPLOAD_NAME) -> tuple:
     """Encoded image bytes -> (the model's input [C, H, W], its photo check, notes): lnn-infer's decoding,
     photo checks and preprocessing; bad bytes raise LnnInputError with lnn-infer's one-line reason, the
-    upload's name (its multipart filename, or UPLOAD_NAME) where lnn-infer names the file. Runs on the
-    decode pool."""
-    check_pixels(data, max_pixels, name)
+    upload's name (its multipart filename, or UPLOAD_NAME) where lnn-infer names the file. An image whose
+    header declares more than max_pixels (--max-pixels: a decompression bomb, a small file that would expand
+    into gigabytes) is refused before anything decodes it, from the same reading of the header as lnn's own
+    limits. Runs on the decode pool."""
     notes: list = []
-    return (*session.prepare_and_check(session.decode_photo(data, name, notes), notes=notes), notes)
+    limit = PixelLimit(max_pixels, "the server's limit", "send a smaller photo")
+    image = session.decode_photo(data, name, notes, limit)
+    return (*session.prepare_and_check(image, notes=notes), notes)
 
 
 def load_image_libraries() -> None:

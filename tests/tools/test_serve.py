@@ -29,6 +29,7 @@ import lnn  # noqa: E402
 from cli_helpers import assert_one_line_error, run_command  # noqa: E402
 from conftest import EXAMPLES  # noqa: E402
 from hostile_images import with_data_left_over  # noqa: E402
+from lnn.formats import limits  # noqa: E402
 from lnn.tools import infer  # noqa: E402
 from lnn.tools.infer import DEFAULT_MODEL, answers_for  # noqa: E402
 from lnn.tools.serve import ServeConfig, launch_process, listening_socket  # noqa: E402
@@ -341,12 +342,15 @@ def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
     leaf = LEAVES[0].read_bytes()
     cases = {"not an image": b"hello, not a photo", "truncated": truncated, "empty": b"",
              "over the server's limit of 1,000,000 pixels": png_declaring(5000, 5000),
-             "the JPEG's data is damaged": leaf[:len(leaf) // 2] + b"\xff\xd9"}    # half, its end marker pasted on
+             "the JPEG's data is damaged": leaf[:len(leaf) // 2] + b"\xff\xd9",   # half, its end marker pasted on
+             f"more than {limits.MAX_JPEG_SEGMENTS} segments":             # refused as its header is read
+             leaf[:2] + b"\xff\xfe\x00\x02" * (limits.MAX_JPEG_SEGMENTS + 1) + leaf[2:]}
     for fragment, body in cases.items():
         response = served.post("/v1/classify", content=body)
         assert response.status_code == 400, (fragment, response.text)
         reason = response.json()["error"]
         assert "\n" not in reason and (fragment in reason or fragment == "empty" and "empty" in reason), reason
+        assert reason.startswith("upload: "), reason                       # the upload named, as lnn-infer names a file
     assert served.post("/v1/classify", content=truncated).json()["error"] == f"upload: {cli_reason}"
     named = served.post("/v1/classify", files={"file": ("IMG_0042.jpg", truncated)})      # as lnn-infer names the file
     assert named.status_code == 400 and named.json()["error"] == f"IMG_0042.jpg: {cli_reason}"
@@ -356,8 +360,8 @@ def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
         bad_k = served.post(f"/v1/classify?top_k={k}", content=LEAVES[0].read_bytes())
         assert bad_k.status_code == 400 and "top_k" in bad_k.json()["error"]
     after = metric_samples(served)
-    assert counted(before, after, "lnn_serve_requests_total", status="400") == 10
-    assert counted(before, after, "lnn_serve_rejected_total", reason="bad_image") == 7
+    assert counted(before, after, "lnn_serve_requests_total", status="400") == 11
+    assert counted(before, after, "lnn_serve_rejected_total", reason="bad_image") == 8
 
 
 def test_odd_top_k_queries_get_400_or_an_answer_never_500(served):
