@@ -18,7 +18,9 @@ hashes every source file's relative path, size, mtime and ctime with the image s
 so an edited, added or removed photo makes a new cache (ctime: a photo copied over another of the same size with
 its old mtime kept, as `cp -p` does, still changes it; a chmod does too, and costs one decoding). It is built in a temporary folder beside
 it and renamed into place, so a killed run never leaves a half-written cache; the next run with
-the same files and size opens it at once without decoding anything. When the cache folder cannot
+the same files and size opens it at once without decoding anything. A folder keeps one cache per size and
+colour order: the one made before its photos changed is removed once the new one is open
+(_replace_older_cache). When the cache folder cannot
 be written (read-only, on a full or missing disk), the images are decoded into a temporary folder
 removed at exit, with one warning, as the Numba kernel cache falls back (runtime/cpu/jit.py).
 
@@ -57,6 +59,8 @@ from lnn.train.data import ArrayDataset, MemmapDataset, reserved_memmap
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
 CACHE_VERSION = 2                 # bump when the cached pixels would change for the same files (2: leaf masks)
+CACHE_KEY = re.compile(r"[0-9a-f]{24}")     # a cache folder's name (cache_key)
+LATEST_CACHES = "latest"          # under the cache root: per (folder, size, colour), the key of its cache now
 DEFAULT_VAL_FRACTION = 0.2
 DEFAULT_SPLIT_SEED = 0
 LEAF_NUMBER = re.compile(r"leaf[ _]+(\d+)", re.IGNORECASE)
@@ -230,6 +234,39 @@ def _read_cache(target: Path, name: str, size: tuple, color: str) -> tuple:
     return index, data, masks
 
 
+def _replace_older_cache(root: Path, folder: Path, size: tuple, color: str, key: str, log) -> None:
+    """One cache per (folder, size, colour): remember that `key` is this folder's cache now (a file under
+    root/LATEST_CACHES), and remove the one remembered before, made before a photo was added, edited or removed,
+    which no run opens again (the 3,839 shared tomato photos' cache at 128x128 is 241 MB: without this, each
+    change to the folder left one behind). It is renamed away first (atomic), so a run that looks for it
+    decodes again rather than reading half of it; one another run still reads stays readable by that run on
+    Linux and macOS (its open maps are kept), and on Windows, where it cannot be renamed while mapped, stays."""
+    identity = json.dumps([str(folder.resolve()), list(size), color])
+    latest = root / LATEST_CACHES / hashlib.sha256(identity.encode()).hexdigest()[:24]
+    try:
+        previous = latest.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        previous = None
+    if previous == key:
+        return
+    try:
+        latest.parent.mkdir(exist_ok=True)
+        written = latest.with_name(f".{latest.name}.{os.getpid()}")
+        written.write_text(key, encoding="ascii")
+        os.replace(written, latest)
+    except OSError:                                 # the cache root turned read-only: nothing remembered, nothing removed
+        return
+    if previous is None or not CACHE_KEY.fullmatch(previous) or not (root / previous).is_dir():
+        return
+    leaving = root / f".{previous}.replaced-{os.getpid()}"
+    try:
+        os.rename(root / previous, leaving)
+    except OSError:
+        return
+    shutil.rmtree(leaving, ignore_errors=True)
+    log(f"{folder}: removed its cache from before its photos changed ({root / previous})")
+
+
 def _unwritable(err: OSError) -> LnnInputError:
     where = f" ({err.filename})" if err.filename else ""
     return LnnInputError(f"cannot write the decoded photos{where}: {err.strerror or err}; free some space, or set "
@@ -271,6 +308,8 @@ def open_cache(folder, files: list, labels: list, size: tuple, color: str, cache
                 problem = f"{err.strerror or err} ({err.filename or root})"
                 target = _scratch_target(target, problem, "free some space or set", log)
         opened = _read_cache(target, folder.name, size, color)
+    if target.parent == root:                       # not a temporary folder of this run
+        _replace_older_cache(root, folder, size, color, target.name, log)
     index, data, masks = opened
     if index["skipped"]:
         log(f"{folder}: {len(index['skipped'])} of {len(files)} image files could not be decoded and are "

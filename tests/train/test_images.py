@@ -132,7 +132,8 @@ def test_cache_holds_the_pixels_lnn_infer_sees_and_skips_bad_files(tmp_path):
         shrink = bgr.shape[0] > 16 or bgr.shape[1] > 24
         want = cv2.resize(bgr, (24, 16), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
         assert np.array_equal(data.data.images[row], want[:, :, ::-1].transpose(2, 0, 1)), name
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [data.cache_dir.name]    # no temporary left
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [data.cache_dir.name,    # no temporary left
+                                                                      images_module.LATEST_CACHES]
 
 
 def test_the_cache_keeps_phone_jpegs_with_a_trailer_and_skips_a_pixel_bomb(tmp_path):
@@ -202,6 +203,36 @@ def test_second_open_does_not_decode_and_a_changed_file_rebuilds(tmp_path, monke
     fourth = ImageFolder.load(folder, (3, 16, 16), "rgb", cache_root=tmp_path / "cache", log=lambda m: None,
                               progress=False)
     assert fourth.cache_dir != third.cache_dir
+
+
+def test_a_folder_keeps_one_cache_per_size_the_one_from_before_its_photos_changed_is_removed(tmp_path):
+    folder, root = make_folder(tmp_path / "photos"), tmp_path / "cache"
+    messages = []
+
+    def load(shape=(3, 16, 16), color="rgb"):
+        return ImageFolder.load(folder, shape, color, cache_root=root, log=messages.append, progress=False)
+
+    first = load()
+    pixels = np.array(first.data.images)
+    other_size = load((1, 8, 8), "gray")
+    assert load().cache_dir == first.cache_dir and first.cache_dir.is_dir()
+    assert not any("removed" in m for m in messages), messages
+    stamp = (folder / "class_a" / "p0.png").stat()
+    os.utime(folder / "class_a" / "p0.png", ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
+    messages.clear()
+    changed = load()
+    assert changed.cache_dir != first.cache_dir and changed.cache_dir.is_dir()
+    assert not first.cache_dir.exists()
+    assert [m for m in messages if "removed" in m] == [f"{folder}: removed its cache from before its photos changed "
+                                                       f"({first.cache_dir})"]
+    assert np.array_equal(first.data.images, pixels)          # a run that had it open still reads it
+    assert other_size.cache_dir.is_dir()                       # another size's: replaced only when it is opened
+    changed_other_size = load((1, 8, 8), "gray")
+    assert changed_other_size.cache_dir != other_size.cache_dir and not other_size.cache_dir.exists()
+    assert load().cache_dir == changed.cache_dir and changed.cache_dir.is_dir()
+    caches = sorted(p.name for p in root.iterdir() if images_module.CACHE_KEY.fullmatch(p.name))
+    assert caches == sorted([changed.cache_dir.name, changed_other_size.cache_dir.name])
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]     # nothing half-removed left behind
 
 
 def test_bad_folders_are_one_clear_error(tmp_path):
