@@ -123,20 +123,16 @@ def _decode_jpeg(data: bytes, header: "ImageHeader", notes: list) -> np.ndarray 
     Data left over after a scan's last block (JPEG_LEFTOVER) is decoded with a remark in notes: DJI drones and
     some camera modules write such bytes in good photos, and most damage to a photo's data (bit flips, a run
     of bytes lost or repeated) ends the same way, which no decoder can tell apart. Bytes before a marker that
-    libjpeg discards in the header (header.extra: some webcams and scanners write them) are cut out first:
-    TurboJPEG refuses a file with such a warning in its header."""
+    libjpeg discards in the header (header.extra: some webcams and scanners write them) are cut out first, and
+    header values libjpeg warns about and then assumes (header.fixes) are written as it assumes them: TurboJPEG
+    refuses a file with a warning in its header (turbojpeg_copy)."""
     try:
         import simplejpeg
     except ImportError:
         raise LnnError("cannot decode JPEG photos: simplejpeg (lnn's dependency) is not installed "
                        "(pip install simplejpeg)") from None
-    if header.extra:                                            # TurboJPEG refuses them in the header: cut out
-        kept, start = [], 0
-        view = memoryview(data)
-        for skip_start, skip_stop in header.extra:
-            kept.append(view[start:skip_start])
-            start = skip_stop
-        data = b"".join([*kept, view[start:]])
+    if header.extra or header.fixes:
+        data = turbojpeg_copy(data, header)
     options = dict(colorspace="GRAY" if header.components == 1 else "BGR",
                    min_height=-(-header.height // header.reduction), min_width=-(-header.width // header.reduction))
     try:
@@ -156,6 +152,22 @@ def _decode_jpeg(data: bytes, header: "ImageHeader", notes: list) -> np.ndarray 
             return None
     return np.ascontiguousarray(exif_oriented(image[:, :, 0] if header.components == 1 else image,
                                               header.orientation))
+
+
+def turbojpeg_copy(data: bytes, header: "ImageHeader") -> bytes:
+    """The JPEG as TurboJPEG reads it, which refuses a file whose header libjpeg warns about, where libjpeg reads on
+    (and OpenCV, given it, prints the warning on stderr): the bytes before markers that libjpeg discards cut out
+    (header.extra), and an unknown JFIF major version or Adobe colour transform written as libjpeg then assumes
+    it (header.fixes)."""
+    fixed = bytearray(data)
+    for offset, value in header.fixes:
+        fixed[offset] = value
+    kept, start = [], 0
+    view = memoryview(fixed)
+    for skip_start, skip_stop in header.extra:
+        kept.append(view[start:skip_start])
+        start = skip_stop
+    return b"".join([*kept, view[start:]])
 
 
 def exif_oriented(image: np.ndarray, orientation: int) -> np.ndarray:
@@ -326,6 +338,7 @@ class ImageHeader:
     components: int = 0          # JPEG: the frame's colour components (1: grey; 3: YCbCr or RGB; 4: CMYK)
     orientation: int = 1         # JPEG: the EXIF orientation (1-8; 1 also where there is none or it is garbled)
     extra: tuple = ()            # JPEG: (start, stop) of the bytes before markers that libjpeg discards
+    fixes: tuple = ()            # JPEG: (offset, value) of header bytes libjpeg warns about, as it assumes them
 
     @property
     def pixels(self) -> int:
@@ -345,6 +358,10 @@ JPEG_LEFTOVER = re.compile(r"(\d+) extraneous bytes before marker 0x(?!d[0-7])[0
                              # data left over after a scan's last block (not before a restart marker: webcams pad
                              # their restart intervals): some cameras write it, and damage ends the same way
 JPEG_EXIF = b"Exif\x00\x00"   # an APP1 segment holding EXIF (XMP uses APP1 too)
+JPEG_JFIF = b"JFIF\x00"        # APP0: then the major and minor version (libjpeg warns about a major other than 1)
+JPEG_ADOBE = b"Adobe"          # APP14: its 12th byte the colour transform, which libjpeg reads for 3 or 4 components:
+JPEG_ADOBE_KNOWN = {3: (0, 1), 4: (0, 2)}     # 3: RGB, YCbCr; 4: CMYK, YCCK
+JPEG_ADOBE_ASSUMED = {3: 1, 4: 2}             # any other: libjpeg warns, then assumes YCbCr (3) or YCCK (4)
 MAX_EXIF_BLOCKS = 8            # EXIF blocks read for an orientation (each can hold 5,000 entries to walk)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"                  # the last chunk: always these 12 bytes
@@ -388,19 +405,24 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
     """Walk the JPEG's segments (skipping entropy-coded data) to its end-of-image marker: the frame
     header gives the size, and data ending before the marker is truncated (bytes after it are allowed:
     phones append their own). Bytes before a marker that libjpeg discards (anything but 0xFF, and 0xFF 0x00
-    pairs: some webcams and scanners write them) are skipped, their places kept in `extra`. The orientation
+    pairs: some webcams and scanners write them) are skipped, their places kept in `extra`. A JFIF major version
+    other than 1, or an Adobe colour transform libjpeg does not know for the frame's components, is kept in
+    `fixes` as the value libjpeg warns about and then assumes (jdmarker.c, jdapimin.c). The orientation
     is that of the first EXIF block before the first scan that holds one (of at most MAX_EXIF_BLOCKS), as
     OpenCV reads it."""
     frame, scans, position, end = None, 0, 2, len(data)
-    orientation, exif_blocks, extra = None, 0, []
+    orientation, exif_blocks, extra, fixes, adobe_transform = None, 0, [], [], None
 
     def header(complete: bool) -> ImageHeader | None:
         if frame is None:
             return None if complete else ImageHeader("JPEG", 0, 0, complete=False)
         marker, segment = frame
         height, width = struct.unpack(">HH", segment[1:5])
+        assumed = JPEG_ADOBE_ASSUMED.get(segment[5])              # the last Adobe segment's transform counts
+        if adobe_transform is not None and assumed and data[adobe_transform] not in JPEG_ADOBE_KNOWN[segment[5]]:
+            fixes.append((adobe_transform, assumed))
         return ImageHeader("JPEG", width, height, complete=complete, reducible=marker in JPEG_BASELINE_SOF,
-                           components=segment[5], orientation=orientation or 1, extra=tuple(extra))
+                           components=segment[5], orientation=orientation or 1, extra=tuple(extra), fixes=tuple(fixes))
 
     for _ in range(limits.MAX_JPEG_SEGMENTS):
         if position >= end:
@@ -430,6 +452,11 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
             return header(complete=True)
         if marker in JPEG_SOF and frame is None:
             frame = (marker, data[position + 2:position + length])
+        if marker == 0xE0 and length >= 16 and end > position + 7 and data.startswith(JPEG_JFIF, position + 2) \
+                and data[position + 7] != 1:
+            fixes.append((position + 7, 1))                     # JFIF major version: libjpeg reads on as 1
+        if marker == 0xEE and length >= 14 and end > position + 13 and data.startswith(JPEG_ADOBE, position + 2):
+            adobe_transform = position + 13
         if (marker == 0xE1 and orientation is None and scans == 0 and exif_blocks < MAX_EXIF_BLOCKS
                 and data.startswith(JPEG_EXIF, position + 2)):
             exif_blocks += 1

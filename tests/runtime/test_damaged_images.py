@@ -93,6 +93,36 @@ def test_extra_bytes_before_a_marker_keep_the_photo_decoded_whole_and_stderr_qui
     assert capfd.readouterr().err == ""                          # (the decoding the test compares with is clean)
 
 
+ADOBE = b"\xff\xee\x00\x0eAdobe\x00\x64\x00\x00\x00\x00"     # APP14 "Adobe", version 100, no flags; its transform next
+
+
+def test_a_jfif_version_or_adobe_transform_libjpeg_warns_about_decodes_as_it_assumes_with_stderr_quiet(capfd):
+    """libjpeg warns about a JFIF major version other than 1, and an Adobe colour transform it does not know
+    for the frame's components, then reads on (YCbCr for 3 components, YCCK for 4). TurboJPEG refused such a
+    file, and OpenCV, given it instead, printed the warning on stderr."""
+    from PIL import Image
+
+    data = jpeg()
+    assert data[6:12] == b"JFIF\x00\x01"
+    without_jfif = data[:2] + data[4 + struct.unpack(">H", data[4:6])[0]:]
+    cmyk = io.BytesIO()
+    Image.fromarray(photo()[:, :, ::-1]).convert("CMYK").save(cmyk, format="JPEG", quality=90)
+    cmyk = cmyk.getvalue()
+    transform = cmyk.index(b"Adobe") + 11
+    cases = {"JFIF 2.1": (data[:11] + b"\x02" + data[12:], "unknown JFIF revision number 2.01"),
+             "Adobe transform 7, 3 components": (without_jfif[:2] + ADOBE + b"\x07" + without_jfif[2:],
+                                                 "Unknown Adobe color transform code 7"),
+             "Adobe transform 5, CMYK": (cmyk[:transform] + b"\x05" + cmyk[transform + 1:],
+                                         "Unknown Adobe color transform code 5")}
+    for case, (hostile, warning) in cases.items():
+        assumed = opencv_decoding(hostile)                                  # libjpeg's own reading
+        assert warning in capfd.readouterr().err, case
+        np.testing.assert_array_equal(preprocess.decode_image(hostile), assumed, err_msg=case)
+        assert capfd.readouterr().err == "", case
+    np.testing.assert_array_equal(opencv_decoding(without_jfif[:2] + ADOBE + b"\x07" + without_jfif[2:]),
+                                  opencv_decoding(data))                    # YCbCr assumed: the photo's own pixels
+
+
 def test_data_left_over_after_the_image_is_decoded_whole_with_a_remark(library, capfd):
     """Bytes before the end marker beyond what libjpeg reads ahead (a few it takes silently) are reported as
     left over: decoded whole, with one remark; the same bytes in the header are skipped without one."""
