@@ -41,6 +41,8 @@ BANNER = "serving on"                       # the first line on stderr: "lnn-ser
 RETRY_AFTER_S = 1                           # what a 503 asks the phone to wait
 HEAD_LIMIT = 64 * 1024                      # bytes of a request's line and headers: more is 431
 UPGRADE_HEADER = re.compile(rb"\r\nupgrade:", re.IGNORECASE)   # in a head: renamed, so the request is plain HTTP
+NOT_A_HEAD = re.compile(rb"\A[\r\n]*[^A-Z\r\n]|(?<!\r)\n")   # bytes no request head the parser reads starts with
+                                    # (a method is capitals: a TLS hello is not) or holds (a line ended by LF alone)
 PIPELINE_LIMIT = 32                         # requests a connection may send ahead of their answers: more is 503
 FILES_KEPT_FREE = 64                        # open files left for the model, the logs and the pools under --max-connections
 INVALID_REQUEST = "Invalid HTTP request received."      # uvicorn's log line before its 400 for malformed HTTP
@@ -76,7 +78,9 @@ def guarded_protocol(config: "ServeConfig", metrics):
       the connection closed.
     - More than --max-connections open: 503 with Retry-After and closed, before any request is read.
     - Part of a head in when the server stops: 503 with Retry-After, not a connection closed unanswered.
-    - uvicorn's own 400 for malformed HTTP is counted (bad_http), its log line dropped (QuietInvalidRequests).
+    - uvicorn's own 400 for malformed HTTP is counted (bad_http), its log line dropped (QuietInvalidRequests);
+      bytes that cannot begin a head the parser reads (a TLS hello: a phone that tried https://) or a line ended
+      by LF alone (which httptools refuses) get it at once, not a 408 after --timeout.
     - An Upgrade header (curl --http2 and Java's HttpClient ask for h2c) is ignored, as RFC 9110 allows: the
       request is answered as HTTP/1.1 (httptools skipped an upgrade request's body: the photo arrived empty).
     A head is held here until whole, then given to the parser (so the header can be renamed first). These
@@ -132,6 +136,9 @@ def guarded_protocol(config: "ServeConfig", metrics):
                 if (end if end >= 0 else len(self.head)) > HEAD_LIMIT:
                     return self.refuse(431, f"the request's line and headers are over {HEAD_LIMIT:,} bytes",
                                        "head_too_large")
+                if end < 0 and NOT_A_HEAD.search(self.head, searched):    # refused by the parser now, not
+                    data, self.head = bytes(self.head), bytearray()        # with 408 after --timeout
+                    return super().data_received(data)
                 if end < 0:
                     return
                 data = UPGRADE_HEADER.sub(b"\r\nx-ignored-upgrade:", bytes(self.head[:end + 4])) + self.head[end + 4:]

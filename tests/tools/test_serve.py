@@ -688,7 +688,8 @@ def test_an_answer_before_the_body_is_in_says_close_and_the_rest_is_dropped_for_
 def test_connections_over_the_limit_get_503_and_malformed_http_is_counted_without_log_lines(capfd):
     """More than --max-connections open: 503 with Retry-After before any request is read (each connection is an
     open file; past the process's limit accept() failed and new phones were left hanging). uvicorn's own 400
-    for bytes that are not HTTP is counted in /metrics (bad_http), without its warning line per request."""
+    for bytes that are not HTTP is counted in /metrics (bad_http), without its warning line per request, and
+    comes as soon as they cannot begin a request's head."""
     import socket
 
     with guarded_server(max_connections=4) as (address, server):
@@ -703,13 +704,20 @@ def test_connections_over_the_limit_get_503_and_malformed_http_is_counted_withou
         for connection in held + over:
             connection.close()
         time.sleep(0.2)
-        with socket.create_connection(address, timeout=10) as garbage:
-            garbage.sendall(b"\x16\x03\x01\x02\x00 not HTTP\r\n\r\n")           # a TLS hello, say
-            assert garbage.recv(4096).startswith(b"HTTP/1.1 400 ")
+        # a TLS hello (a phone that tried https://), a head whose lines end in LF alone (httptools refuses them),
+        # something that is no HTTP but ends like a head: 400 at once, not a 408 after --timeout (10 s)
+        for not_http in (bytes.fromhex("160301020001000200") + bytes(100), b"\r\n\x00\x01 binary",
+                         b"POST /v1/classify HTTP/1.1\nHost: x\nContent-Length: 3\n\nabc",
+                         b"\x16\x03\x01\x02\x00 not HTTP\r\n\r\n"):
+            with socket.create_connection(address, timeout=10) as garbage:
+                started = time.monotonic()
+                garbage.sendall(not_http)
+                assert garbage.recv(4096).startswith(b"HTTP/1.1 400 "), not_http
+                assert time.monotonic() - started < 2, not_http
         metrics = metric_samples(client)
         client.close()
     assert counted({}, metrics, "lnn_serve_unserved_total", status="503", reason="too_many_connections") == 2
-    assert counted({}, metrics, "lnn_serve_unserved_total", status="400", reason="bad_http") == 1
+    assert counted({}, metrics, "lnn_serve_unserved_total", status="400", reason="bad_http") == 4
     assert metrics[("lnn_serve_connections", ())] == 1
     assert "Invalid HTTP request" not in capfd.readouterr().err
 
