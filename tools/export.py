@@ -19,7 +19,8 @@ quarter of the float32 size; formats/SPEC.md). Before writing, it measures the t
 model as given and of its int8 version on --calibration data, and refuses when int8 loses more than
 0.5 points: folder:DIR is the validation side of lnn-train's split of an image folder (the photos
 lnn-eval evaluates by default), mnist:DIR the 10,000 MNIST test images, ucr:DIR a series model's UCR/UEA
-dataset's NAME_TEST (the split lnn-eval --split test measures). Without --calibration it
+dataset's NAME_TEST (the split lnn-eval --split test measures), csv:FILE with --target COLUMN the validation
+rows of lnn-train's split of a table model's table (as lnn-eval --data csv:FILE). Without --calibration it
 refuses too, since nothing was checked. --force writes the int8 file anyway (after the check, when
 there is calibration data).
 
@@ -67,8 +68,10 @@ def build_parser():
     parser.add_argument("--int8", action="store_true",
                         help="in the .bin, store conv and linear weights as int8 with per-channel scales (about a quarter)")
     parser.add_argument("--calibration", metavar="KIND:DIR",
-                        help="with --int8: folder:DIR (its validation split), mnist:DIR (the test set) or, for a "
-                             "series model, ucr:DIR (NAME_TEST) to compare accuracy on")
+                        help="with --int8: folder:DIR (its validation split), mnist:DIR (the test set), for a "
+                             "series model ucr:DIR (NAME_TEST), or for a table model csv:FILE with --target (its "
+                             "validation rows) to compare accuracy on")
+    parser.add_argument("--target", metavar="COLUMN", help="with --calibration csv:FILE: the column holding the class")
     parser.add_argument("--force", action="store_true",
                         help="with --int8: write it even if it loses more than 0.5 points, or without --calibration")
     parser.add_argument("--onnx", metavar="OUT.onnx", help="also (or only) write the model as ONNX")
@@ -154,7 +157,7 @@ def write_bin_and_report(args, model: Model, weights: dict, metadata: dict, dtyp
     data = encode_bin(model, weights, metadata, dtypes)
     if args.int8:
         check_int8_accuracy(encode_bin(model, *without_test_vectors(weights, metadata), source_dtypes), data,
-                            args.calibration, args.force)
+                            args.calibration, args.target, args.force)
     try:
         write_atomic(args.output, data)
     except OSError as err:
@@ -200,23 +203,35 @@ def photo_paths(given: list) -> list:
 
 # --------------------------------------------------------------------------- the int8 accuracy gate
 
-CALIBRATION_KINDS = "folder:DIR, mnist:DIR or (a series model) ucr:DIR"
+CALIBRATION_KINDS = "folder:DIR, mnist:DIR, (a series model) ucr:DIR or (a table model) csv:FILE with --target"
+CALIBRATION_FOR = {"images": ("folder", "mnist"), "series": ("ucr",), "table rows": ("csv",)}   # what each model takes
 
 
-def calibration_set(spec: str, model: Model) -> tuple:
-    """`folder:DIR`, `mnist:DIR` or `ucr:DIR` -> (the inputs: uint8 images [N, C, H, W] in the model's colour
-    order and size, or a series model's raw series; the model output index each should get [N]; what they are).
-    folder: the validation side of lnn-train's split with its default seed and share, as lnn-eval evaluates;
-    mnist: the test set; ucr: NAME_TEST, as lnn-eval --split test."""
+def calibration_set(spec: str, model: Model, target: str | None = None) -> tuple:
+    """`folder:DIR`, `mnist:DIR`, `ucr:DIR` or `csv:FILE` (with target, its class column) -> (the inputs: uint8
+    images [N, C, H, W] in the model's colour order and size, a series model's raw series, or a table model's raw
+    rows [N, F]; the model output index each should get [N]; what they are). folder and csv: the validation side of
+    lnn-train's split with its default seed and share, as lnn-eval evaluates; mnist: the test set; ucr:
+    NAME_TEST, as lnn-eval --split test."""
     kind, sep, path = spec.partition(":")
-    if kind not in ("folder", "mnist", "ucr") or not sep or not path:
+    if kind not in ("folder", "mnist", "ucr", "csv") or not sep or not path:
         raise LnnInputError(f"--calibration must look like {CALIBRATION_KINDS}, not {spec!r}")
-    series_model = len(model.input_shape) == 2
-    if (kind == "ucr" and not series_model) or (kind != "ucr" and not model.takes_images):
-        takes = "series" if series_model else "images" if model.takes_images else "table rows"
-        hint = {"series": "give ucr:DIR", "images": "give folder:DIR or mnist:DIR"}.get(
-            takes, "a table model has no calibration data kind yet: --force writes int8 unchecked")
-        raise LnnInputError(f"model {model.name!r} takes {takes}, so {spec} cannot calibrate it; {hint}")
+    takes = "images" if model.takes_images else "series" if len(model.input_shape) == 2 else "table rows"
+    if kind not in CALIBRATION_FOR[takes]:
+        hint = " or ".join(f"{kind_for}:{'FILE' if kind_for == 'csv' else 'DIR'}" for kind_for in CALIBRATION_FOR[takes])
+        raise LnnInputError(f"model {model.name!r} takes {takes}, so {spec} cannot calibrate it; give {hint}")
+    if kind == "csv":
+        from lnn.train.series import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, read_target_table, split_rows
+
+        if not target:
+            raise LnnInputError(f"--calibration {spec} needs --target COLUMN (the column holding the class)")
+        table = read_target_table(path, target, model.preprocess)
+        rows = split_rows(table.labels, DEFAULT_VAL_FRACTION, DEFAULT_SPLIT_SEED)[1]
+        if len(rows) == 0:
+            raise LnnInputError(f"{table.path}: no row falls on the validation side of the split of its "
+                                f"{len(table.values)} rows, so int8 cannot be checked on it")
+        return (table.values[rows], class_columns([table.labels[i] for i in rows], model.labels, table.path),
+                f"{table.path} (validation split: seed {DEFAULT_SPLIT_SEED}, {DEFAULT_VAL_FRACTION:.0%} per class)")
     if kind == "ucr":
         from lnn.train.series import ucr_split
 
@@ -252,7 +267,8 @@ def accuracy(session, inputs, true_columns, batch: int = 256) -> float:
     return float(np.mean(probs.argmax(axis=1) == true_columns))
 
 
-def check_int8_accuracy(reference: bytes, quantized: bytes, calibration: str | None, force: bool) -> None:
+def check_int8_accuracy(reference: bytes, quantized: bytes, calibration: str | None, target: str | None,
+                        force: bool) -> None:
     """Refuse (LnnError) when the int8 model loses more than MAX_INT8_LOSS of top-1 accuracy on the
     calibration data, or when there is none to check with; --force turns the refusal into a warning."""
     from lnn.runtime import Session
@@ -264,10 +280,11 @@ def check_int8_accuracy(reference: bytes, quantized: bytes, calibration: str | N
         print("warning: int8 accuracy not checked (no --calibration)", file=sys.stderr)
         return
     reference_bin = parse_bin_bytes(reference, "the model as given")
-    inputs, true_columns, what = calibration_set(calibration, reference_bin.model)
+    inputs, true_columns, what = calibration_set(calibration, reference_bin.model, target)
     before = accuracy(Session(reference_bin), inputs, true_columns)
     after = accuracy(Session(parse_bin_bytes(quantized, "the int8 model")), inputs, true_columns)
-    unit = "images" if reference_bin.model.takes_images else "series"
+    model = reference_bin.model
+    unit = "images" if model.takes_images else "series" if len(model.input_shape) == 2 else "rows"
     summary = (f"int8 accuracy {after:.2%} vs {before:.2%} as given ({(after - before) * 100:+.2f} points) "
                f"on {len(inputs):,} {unit} of {what}")
     if before - after > MAX_INT8_LOSS + 1e-12:
@@ -292,6 +309,8 @@ def main(argv=None) -> int:
             parser.error("choose one of --fp16 and --int8")
         if (args.calibration or args.force) and not args.int8:
             parser.error("--calibration and --force go with --int8")
+        if args.target and not (args.calibration or "").startswith("csv:"):
+            parser.error("--target COLUMN goes with --calibration csv:FILE")
         if args.test_vectors is not None and not 0 <= args.test_vectors <= MAX_TEST_VECTORS:
             parser.error(f"--test-vectors must be 0 to {MAX_TEST_VECTORS}, not {args.test_vectors}")
         if args.test_photos and args.test_vectors is not None:

@@ -104,7 +104,7 @@ def test_int8_without_calibration_needs_force(tmp_path, capsys):
     out = tmp_path / "int8.bin"
     status, printed, err = export(capsys, source, "-o", out, "--int8")
     assert status == 1
-    assert_one_line_error(err, "lnn-export", "--int8 needs --calibration folder:DIR, mnist:DIR or (a series model) ucr:DIR", "--force")
+    assert_one_line_error(err, "lnn-export", "--int8 needs --calibration folder:DIR, mnist:DIR, (a series model) ucr:DIR or (a table model) csv:FILE", "--force")
     assert not out.exists()
     status, printed, err = export(capsys, source, "-o", out, "--int8", "--force")
     assert status == 0 and "not checked" in err and out.exists()
@@ -126,11 +126,14 @@ def test_a_calibration_folder_too_small_for_a_validation_split_is_one_line(tmp_p
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--int8", "--calibration", "photos"], "--calibration must look like folder:DIR, mnist:DIR or (a series model) ucr:DIR"),
+    (["--int8", "--calibration", "photos"], "--calibration must look like folder:DIR, mnist:DIR, (a series model) ucr:DIR or (a table model) csv:FILE"),
     (["--int8", "--calibration", "folder:/nonexistent"], "/nonexistent: no such folder"),
     (["--int8", "--calibration", "mnist:/nonexistent"], "takes [1, 8, 8], not MNIST's [1, 28, 28]"),
     (["--int8", "--fp16"], "choose one of --fp16 and --int8"),
     (["--force"], "--calibration and --force go with --int8"),
+    (["--int8", "--calibration", "folder:photos", "--target", "kind"], "--target COLUMN goes with --calibration csv:FILE"),
+    (["--int8", "--calibration", "csv:rows.csv", "--target", "kind"], "takes images, so csv:rows.csv cannot calibrate it; "
+                                                                      "give folder:DIR or mnist:DIR"),
 ])
 def test_bad_int8_arguments_are_one_line(tmp_path, capsys, argv, fragment):
     source = halves_bin(tmp_path / "fp32.bin")

@@ -15,6 +15,7 @@ from lnn.formats.binfile import read_bin
 from lnn.formats.errors import LnnInputError
 from lnn.formats.model import parse_model
 from lnn.tools.eval import main as eval_main
+from lnn.tools.export import main as export_main
 from lnn.tools.infer import main as infer_main
 from lnn.tools.summary import main as summary_main
 from lnn.tools.train import main as train_main
@@ -199,6 +200,19 @@ def test_table_train_eval_infer(tmp_path, capsys):
     assert [r["label"] for r in records[:120]] == [r["label"] for r in records[120:]]
     truth = [c[3] for c in cells[1:]]
     assert np.mean([r["label"] == t for r, t in zip(records, truth)]) >= 0.9
+    # int8, checked on the validation rows lnn-eval measured (a table model had no calibration kind: --force only)
+    out = tmp_path / "int8.bin"
+    assert export_main([str(run / "model.bin"), "-o", str(out), "--int8", "--calibration", f"csv:{table}",
+                        "--target", "kind"]) == 0
+    printed = capsys.readouterr().out
+    assert "int8 accuracy" in printed and f"on 24 rows of {table} (validation split: seed 0, 20% per class)" in printed
+    assert read_bin(out).stored_dtypes["fc1.weight"] == "int8"
+    assert export_main([str(run / "model.bin"), "-o", str(out), "--int8", "--calibration", f"csv:{table}"]) == 1
+    assert capsys.readouterr().err.strip() == (f"lnn-export: error: --calibration csv:{table} needs --target COLUMN "
+                                               f"(the column holding the class)")
+    assert export_main([str(run / "model.bin"), "-o", str(out), "--int8", "--calibration", f"ucr:{tmp_path}"]) == 1
+    assert capsys.readouterr().err.strip() == (f"lnn-export: error: model {bin_model.model.name!r} takes table rows, so "
+                                               f"ucr:{tmp_path} cannot calibrate it; give csv:FILE")
 
 
 def test_table_errors_name_row_and_column(tmp_path):
@@ -306,8 +320,6 @@ def test_default_recipe_trains_italy_power_demand(tmp_path):
 def test_int8_export_of_a_series_model_is_checked_on_its_ucr_test_split(trained_series, toy_ucr, tmp_path, capsys):
     """--calibration ucr:DIR measures a series model as given and as int8 on NAME_TEST (as lnn-eval --split test);
     a kind that does not fit the model is one line naming what it takes."""
-    from lnn.tools.export import main as export_main
-
     out = tmp_path / "int8.bin"
     assert export_main([str(trained_series), "-o", str(out), "--int8", "--calibration", f"ucr:{toy_ucr}"]) == 0
     printed = capsys.readouterr().out
