@@ -67,7 +67,7 @@ def build_parser():
     parser.add_argument("--fp16", action="store_true", help="in the .bin, store conv and linear weights as float16 (about half the size)")
     parser.add_argument("--int8", action="store_true",
                         help="in the .bin, store conv and linear weights as int8 with per-channel scales (about a quarter)")
-    parser.add_argument("--calibration", metavar="KIND:DIR",
+    parser.add_argument("--calibration", metavar="KIND:PATH",
                         help="with --int8: folder:DIR (its validation split), mnist:DIR (the test set), for a "
                              "series model ucr:DIR (NAME_TEST), or for a table model csv:FILE with --target (its "
                              "validation rows) to compare accuracy on")
