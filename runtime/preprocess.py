@@ -333,6 +333,8 @@ class ImageHeader:
     width: int
     height: int
     complete: bool = True        # JPEG and PNG: the data reaches the end marker (bytes after it are allowed)
+    astray: bool = False         # JPEG, not complete: yet an end marker follows its last scan's start (damage: a false
+                                 # marker in the data led the walk past it), so not truncated
     reducible: bool = False      # a baseline JPEG: libjpeg can decode it at 1/2, 1/4, 1/8 of its size
     reduction: int = 1           # the factor it will be decoded at (set by check_header)
     components: int = 0          # JPEG: the frame's colour components (1: grey; 3: YCbCr or RGB; 4: CMYK)
@@ -407,21 +409,24 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
     phones append their own). Bytes before a marker that libjpeg discards (anything but 0xFF, and 0xFF 0x00
     pairs: some webcams and scanners write them) are skipped, their places kept in `extra`. A JFIF major version
     other than 1, or an Adobe colour transform libjpeg does not know for the frame's components, is kept in
-    `fixes` as the value libjpeg warns about and then assumes (jdmarker.c, jdapimin.c). The orientation
+    `fixes` as the value libjpeg warns about and then assumes (jdmarker.c, jdapimin.c). A walk that ends short of
+    an end marker which the data after its last scan holds went astray (`astray`): a bit flipped in the data made
+    a marker there, whose length led past the end; the file is damaged, not truncated. The orientation
     is that of the first EXIF block before the first scan that holds one (of at most MAX_EXIF_BLOCKS), as
     OpenCV reads it."""
     frame, scans, position, end = None, 0, 2, len(data)
-    orientation, exif_blocks, extra, fixes, adobe_transform = None, 0, [], [], None
+    orientation, exif_blocks, extra, fixes, adobe_transform, scan_data = None, 0, [], [], None, None
 
     def header(complete: bool) -> ImageHeader | None:
+        astray = not complete and scan_data is not None and data.find(b"\xff\xd9", scan_data) >= 0
         if frame is None:
-            return None if complete else ImageHeader("JPEG", 0, 0, complete=False)
+            return None if complete else ImageHeader("JPEG", 0, 0, complete=False, astray=astray)
         marker, segment = frame
         height, width = struct.unpack(">HH", segment[1:5])
         assumed = JPEG_ADOBE_ASSUMED.get(segment[5])              # the last Adobe segment's transform counts
         if adobe_transform is not None and assumed and data[adobe_transform] not in JPEG_ADOBE_KNOWN[segment[5]]:
             fixes.append((adobe_transform, assumed))
-        return ImageHeader("JPEG", width, height, complete=complete, reducible=marker in JPEG_BASELINE_SOF,
+        return ImageHeader("JPEG", width, height, complete=complete, astray=astray, reducible=marker in JPEG_BASELINE_SOF,
                            components=segment[5], orientation=orientation or 1, extra=tuple(extra), fixes=tuple(fixes))
 
     for _ in range(limits.MAX_JPEG_SEGMENTS):
@@ -466,6 +471,7 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
             scans += 1
             if scans > limits.MAX_JPEG_SCANS:
                 raise LnnInputError(f"the JPEG has more than {limits.MAX_JPEG_SCANS} scans (lnn's limit)")
+            scan_data = position
             following = JPEG_NEXT_MARKER.search(data, position)
             if following is None:
                 break
@@ -539,6 +545,9 @@ def check_header(header: ImageHeader, name: str, keep_side: int = 0,
     at least keep_side pixels (0: never) when reduced is decoded so (libjpeg's scaled decoding, the largest
     such factor)."""
     size = f"{header.width}x{header.height} = {header.pixels:,} pixels"
+    if header.astray:
+        raise LnnInputError(f"{name}: the JPEG's data is damaged (its markers lead past its end marker); copy or take "
+                            f"it again")
     if not header.complete:
         raise LnnInputError(f"{name}: the image is truncated (it ends before its end marker); copy or take it again")
     if header.pixels == 0:
