@@ -426,8 +426,9 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
         assumed = JPEG_ADOBE_ASSUMED.get(segment[5])              # the last Adobe segment's transform counts
         if adobe_transform is not None and assumed and data[adobe_transform] not in JPEG_ADOBE_KNOWN[segment[5]]:
             fixes.append((adobe_transform, assumed))
-        return ImageHeader("JPEG", width, height, complete=complete, astray=astray, reducible=marker in JPEG_BASELINE_SOF,
-                           components=segment[5], orientation=orientation or 1, extra=tuple(extra), fixes=tuple(fixes))
+        return ImageHeader("JPEG", width, height, complete=complete, astray=astray,
+                           reducible=marker in JPEG_BASELINE_SOF, components=segment[5], orientation=orientation or 1,
+                           extra=tuple(extra), fixes=tuple(fixes))
 
     for _ in range(limits.MAX_JPEG_SEGMENTS):
         if position >= end:

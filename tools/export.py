@@ -218,7 +218,7 @@ def calibration_set(spec: str, model: Model, target: str | None = None) -> tuple
         raise LnnInputError(f"--calibration must look like {CALIBRATION_KINDS}, not {spec!r}")
     takes = "images" if model.takes_images else "series" if len(model.input_shape) == 2 else "table rows"
     if kind not in CALIBRATION_FOR[takes]:
-        hint = " or ".join(f"{kind_for}:{'FILE' if kind_for == 'csv' else 'DIR'}" for kind_for in CALIBRATION_FOR[takes])
+        hint = " or ".join(f"{fitting}:{'FILE' if fitting == 'csv' else 'DIR'}" for fitting in CALIBRATION_FOR[takes])
         raise LnnInputError(f"model {model.name!r} takes {takes}, so {spec} cannot calibrate it; give {hint}")
     if kind == "csv":
         from lnn.train.series import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, read_target_table, split_rows

@@ -254,7 +254,7 @@ def _replace_older_cache(root: Path, folder: Path, size: tuple, color: str, key:
         written = latest.with_name(f".{latest.name}.{os.getpid()}")
         written.write_text(key, encoding="ascii")
         os.replace(written, latest)
-    except OSError:                                 # the cache root turned read-only: nothing remembered, nothing removed
+    except OSError:                     # the cache root turned read-only: nothing remembered, nothing removed
         return
     if previous is None or not CACHE_KEY.fullmatch(previous) or not (root / previous).is_dir():
         return
