@@ -424,11 +424,12 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
         marker, segment = frame
         height, width = struct.unpack(">HH", segment[1:5])
         assumed = JPEG_ADOBE_ASSUMED.get(segment[5])              # the last Adobe segment's transform counts
-        if adobe_transform is not None and assumed and data[adobe_transform] not in JPEG_ADOBE_KNOWN[segment[5]]:
-            fixes.append((adobe_transform, assumed))
+        unknown_transform = (adobe_transform is not None and assumed
+                             and data[adobe_transform] not in JPEG_ADOBE_KNOWN[segment[5]])
+        adobe_fix = [(adobe_transform, assumed)] if unknown_transform else []
         return ImageHeader("JPEG", width, height, complete=complete, astray=astray,
                            reducible=marker in JPEG_BASELINE_SOF, components=segment[5], orientation=orientation or 1,
-                           extra=tuple(extra), fixes=tuple(fixes))
+                           extra=tuple(extra), fixes=tuple(fixes + adobe_fix))
 
     for _ in range(limits.MAX_JPEG_SEGMENTS):
         if position >= end:
