@@ -261,7 +261,8 @@ def plot_confusion(path: Path, labels: list, matrix: np.ndarray, title: str) -> 
 
 def body(args) -> int:
     import lnn
-    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, check_split, scan_folder
+    from lnn.train.data import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, validation_split_words
+    from lnn.train.images import ImageFolder, check_split, scan_folder
 
     kind, sep, folder_path = args.data.partition(":")
     if kind not in ("folder", "ucr", "csv") or not sep or not folder_path:
@@ -297,7 +298,7 @@ def body(args) -> int:
     rows = (folder.split(val_fraction, seed, "its classes have too few photos for it; evaluate every photo with "
                                              "--split all, or choose a larger --val-fraction")[1]
             if args.split == "val" else np.arange(len(folder.files)))
-    what = (f"{folder.folder} (validation split: seed {seed}, {val_fraction:.0%} per class)" if args.split == "val"
+    what = (f"{folder.folder} ({validation_split_words(seed, val_fraction)})" if args.split == "val"
             else f"{folder.folder} (all photos)")
 
     from lnn.train.gate_fit import expected_calibration_error, extract
@@ -367,7 +368,8 @@ def evaluate_rows(args, kind: str, path: str) -> int:
     """ucr:DIR (--split test or train) and csv:FILE --target COLUMN (--split val or all): series or table rows
     through the model's own preprocessing (lnn.runtime.series.model_inputs: raw values in)."""
     import lnn
-    from lnn.train.series import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, read_target_table, split_rows, ucr_split
+    from lnn.train.data import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, validation_split_words
+    from lnn.train.series import read_target_table, split_rows, ucr_split
 
     if args.fit_gate or args.write_gate or args.choose_threshold or args.write_threshold:
         raise LnnError(f"--fit-gate and the threshold options are for image folders, not {kind}: data")
@@ -396,7 +398,7 @@ def evaluate_rows(args, kind: str, path: str) -> int:
         rows = split_rows(names, val_fraction, seed)[1] if split == "val" else np.arange(len(names))
         values, names = values[rows], [names[i] for i in rows]
         items = ("row", (rows + 1).tolist())
-        what = (f"{source} (validation split: seed {seed}, {val_fraction:.0%} per class)" if split == "val"
+        what = (f"{source} ({validation_split_words(seed, val_fraction)})" if split == "val"
                 else f"{source} (all rows)")
     labels = session.labels
     true = class_columns(names, labels, source)

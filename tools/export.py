@@ -207,6 +207,11 @@ CALIBRATION_KINDS = "folder:DIR, mnist:DIR, (a series model) ucr:DIR or (a table
 CALIBRATION_FOR = {"images": ("folder", "mnist"), "series": ("ucr",), "table rows": ("csv",)}   # what each model takes
 
 
+def model_takes(model: Model) -> str:
+    """What a model's inputs are: "images", "series" or "table rows"."""
+    return "images" if model.takes_images else "series" if len(model.input_shape) == 2 else "table rows"
+
+
 def calibration_set(spec: str, model: Model, target: str | None = None) -> tuple:
     """`folder:DIR`, `mnist:DIR`, `ucr:DIR` or `csv:FILE` (with target, its class column) -> (the inputs: uint8
     images [N, C, H, W] in the model's colour order and size, a series model's raw series, or a table model's raw
@@ -216,22 +221,22 @@ def calibration_set(spec: str, model: Model, target: str | None = None) -> tuple
     kind, sep, path = spec.partition(":")
     if kind not in ("folder", "mnist", "ucr", "csv") or not sep or not path:
         raise LnnInputError(f"--calibration must look like {CALIBRATION_KINDS}, not {spec!r}")
-    takes = "images" if model.takes_images else "series" if len(model.input_shape) == 2 else "table rows"
+    takes = model_takes(model)
     if kind not in CALIBRATION_FOR[takes]:
         hint = " or ".join(f"{fitting}:{'FILE' if fitting == 'csv' else 'DIR'}" for fitting in CALIBRATION_FOR[takes])
         raise LnnInputError(f"model {model.name!r} takes {takes}, so {spec} cannot calibrate it; give {hint}")
-    if kind == "csv":
-        from lnn.train.series import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, read_target_table, split_rows
+    from lnn.train.data import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, validation_split_words
 
-        if not target:
-            raise LnnInputError(f"--calibration {spec} needs --target COLUMN (the column holding the class)")
-        table = read_target_table(path, target, model.preprocess)
+    if kind == "csv":
+        from lnn.train.series import read_target_table, split_rows
+
+        table = read_target_table(path, target, model.preprocess, given=f"--calibration {spec}")
         rows = split_rows(table.labels, DEFAULT_VAL_FRACTION, DEFAULT_SPLIT_SEED)[1]
         if len(rows) == 0:
             raise LnnInputError(f"{table.path}: no row falls on the validation side of the split of its "
                                 f"{len(table.values)} rows, so int8 cannot be checked on it")
         return (table.values[rows], class_columns([table.labels[i] for i in rows], model.labels, table.path),
-                f"{table.path} (validation split: seed {DEFAULT_SPLIT_SEED}, {DEFAULT_VAL_FRACTION:.0%} per class)")
+                f"{table.path} ({validation_split_words(DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION)})")
     if kind == "ucr":
         from lnn.train.series import ucr_split
 
@@ -246,7 +251,7 @@ def calibration_set(spec: str, model: Model, target: str | None = None) -> tuple
         folder_classes = [str(digit) for digit in range(10)]
         columns = class_columns(folder_classes, model.labels, path)
         return test.images, columns[test.labels], f"{path} (MNIST test set)"
-    from lnn.train.images import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ImageFolder, scan_folder
+    from lnn.train.images import ImageFolder, scan_folder
 
     scan = scan_folder(path)
     columns = class_columns(scan.classes, model.labels, path)         # before decoding
@@ -255,7 +260,7 @@ def calibration_set(spec: str, model: Model, target: str | None = None) -> tuple
     rows = folder.split(DEFAULT_VAL_FRACTION, DEFAULT_SPLIT_SEED,     # too few photos per class for a 20% share
                         "int8 cannot be checked on it; give --calibration a folder with more photos per class")[1]
     return (folder.data.images[rows], columns[folder.labels[rows]],
-            f"{path} (validation split: seed {DEFAULT_SPLIT_SEED}, {DEFAULT_VAL_FRACTION:.0%} per class)")
+            f"{path} ({validation_split_words(DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION)})")
 
 
 def accuracy(session, inputs, true_columns, batch: int = 256) -> float:
@@ -283,8 +288,8 @@ def check_int8_accuracy(reference: bytes, quantized: bytes, calibration: str | N
     inputs, true_columns, what = calibration_set(calibration, reference_bin.model, target)
     before = accuracy(Session(reference_bin), inputs, true_columns)
     after = accuracy(Session(parse_bin_bytes(quantized, "the int8 model")), inputs, true_columns)
-    model = reference_bin.model
-    unit = "images" if model.takes_images else "series" if len(model.input_shape) == 2 else "rows"
+    takes = model_takes(reference_bin.model)
+    unit = "rows" if takes == "table rows" else takes
     summary = (f"int8 accuracy {after:.2%} vs {before:.2%} as given ({(after - before) * 100:+.2f} points) "
                f"on {len(inputs):,} {unit} of {what}")
     if before - after > MAX_INT8_LOSS + 1e-12:

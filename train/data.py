@@ -34,6 +34,15 @@ from lnn.formats.files import read_regular_file
 from lnn.formats.limits import MAX_DATA_FILE_BYTES, MAX_IDX_BYTES, refusal
 
 IDX_IMAGES, IDX_LABELS = 2051, 2049
+DEFAULT_VAL_FRACTION, DEFAULT_SPLIT_SEED = 0.2, 0     # lnn-train's validation share of each class, and the seed of
+                                                      # its split (image folders and tables alike)
+
+
+def validation_split_words(seed: int, val_fraction: float) -> str:
+    """How reports name the validation side of lnn-train's split (lnn-eval's and lnn-export's)."""
+    return f"validation split: seed {seed}, {val_fraction:.0%} per class"
+
+
 MNIST_FILES = {
     "train_images": ("train-images-idx3-ubyte", "train-images.idx3-ubyte"),
     "train_labels": ("train-labels-idx1-ubyte", "train-labels.idx1-ubyte"),

@@ -55,14 +55,12 @@ import numpy as np
 from lnn.formats.errors import LnnInputError, one_line
 from lnn.runtime import preprocess as image_io
 from lnn.runtime.cpu.cache import default_cache_root as lnn_cache_root, ensure_writable   # no Numba import
-from lnn.train.data import ArrayDataset, MemmapDataset, reserved_memmap
+from lnn.train.data import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ArrayDataset, MemmapDataset, reserved_memmap
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
 CACHE_VERSION = 2                 # bump when the cached pixels would change for the same files (2: leaf masks)
 CACHE_KEY = re.compile(r"[0-9a-f]{24}")     # a cache folder's name (cache_key)
 LATEST_CACHES = "latest"          # under the cache root: per (folder, size, colour), the key of its cache now
-DEFAULT_VAL_FRACTION = 0.2
-DEFAULT_SPLIT_SEED = 0
 LEAF_NUMBER = re.compile(r"leaf[ _]+(\d+)", re.IGNORECASE)
 
 

@@ -29,10 +29,9 @@ import numpy as np
 from lnn.formats.errors import LnnInputError, ModelSpecError
 from lnn.runtime.series import (SERIES_SUFFIXES, fit_standardize, read_series_file, read_table, stack_series,
                                 standardize)
-from lnn.train.data import ArrayDataset
+from lnn.train.data import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ArrayDataset
 
 FROM_DATA = "from_data"
-DEFAULT_VAL_FRACTION, DEFAULT_SPLIT_SEED = 0.2, 0
 
 
 # --------------------------------------------------------------------------- the UCR/UEA archive layout
@@ -123,11 +122,13 @@ def split_rows(labels: list, val_fraction: float, seed: int) -> tuple:
     return np.array(sorted(train), np.int64), np.array(sorted(val), np.int64)
 
 
-def read_target_table(spec_path: str, target: str | None, preprocess: dict | None = None):
-    """The table of csv:FILE --target COLUMN; with a model's `preprocess` (lnn-eval), only its columns, in its order,
-    each value within what its standardisation can take (read_table)."""
+def read_target_table(spec_path: str, target: str | None, preprocess: dict | None = None,
+                      given: str = "--data csv:FILE"):
+    """The table of csv:FILE --target COLUMN; with a model's `preprocess` (lnn-eval, lnn-export), only its columns, in
+    its order, each value within what its standardisation can take (read_table). given: the option that named the
+    table, as the refusal without a target says it."""
     if not target:
-        raise LnnInputError("--data csv:FILE needs --target COLUMN (the column holding the class)")
+        raise LnnInputError(f"{given} needs --target COLUMN (the column holding the class)")
     return read_table(spec_path, target, (preprocess or {}).get("columns"), preprocess)
 
 
