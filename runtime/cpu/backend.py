@@ -13,7 +13,8 @@ Load time (once):
     negative scale does not commute with the max).
 First call per batch size: every buffer is allocated and every kernel call is bound to its buffers
 (`steps`, argument-free callables). Later calls with that batch size copy the input into the plan's
-input buffer and run the steps: no allocation. A layer's scratch (a conv's V, M, acc, columns: written
+input buffer and run the steps: no allocation after the PROGRAM_AT_RUN'th, which (on one thread) makes the
+steps' compiled program (programs.build_steps_program: the steps in one call, the GIL taken back once). A layer's scratch (a conv's V, M, acc, columns: written
 before it is read on each call, read by no other layer) is a piece of one block that all the plan's layers
 reuse, as they run one after another (Plan._new_buffer): the bundled model's buffers at batch 1 take 4.3
 MB where separate scratch buffers took 8.7, leaf_cnn224's 10.5 where they took 17.3, and the layers find
@@ -109,8 +110,10 @@ REVIEW_MOST = 3200
 ALIGNMENT = 64          # bytes
 READ_PAST = STRIP_POSITIONS   # floats a kernel may read past a buffer's end (_aligned)
 BLAS_STEPS = (np.matmul, blas_products, blas_product)   # steps that call BLAS: a plan with one holds BLAS at 1 thread
-# A split plan's helper program (programs.py) is built on its second run on the crew: loading it from the cache
-# took 40-70 ms (the bundled model, by hand), which a process answering one photo (lnn-infer) need not pay
+# A split plan's helper program (programs.py) is built on its second run on the crew, a plan's one-thread program on
+# its second run without it: loading the helper program from the cache took 40-70 ms (the bundled model, by hand),
+# and compiling a one-thread program on an empty cache 2.1 s, which a process answering one photo (lnn-infer)
+# need not pay
 PROGRAM_AT_RUN = 2
 
 
@@ -136,6 +139,8 @@ class Plan:
         self.program = None              # the helpers' tasks compiled (programs.py), from the PROGRAM_AT_RUN'th split run
         self._helpers = parts - 1
         self._split_runs = 0
+        self.alone = None                # the steps as one thread runs them, compiled (programs.StepsProgram)
+        self._alone_runs = 0
 
     def _plan_layers(self, layers, input_shape, batch, kept_after, parts, task_flops, chains) -> None:
         first_padding = getattr(layers[0], "input_padding", (0, 0)) if layers else (0, 0)
@@ -193,7 +198,11 @@ class Plan:
         it has one)."""
         np.copyto(self.input, x)
         if crew is None:
-            run_steps(self.steps)
+            if self._alone_runs < PROGRAM_AT_RUN:
+                self._alone_runs += 1
+                if self._alone_runs == PROGRAM_AT_RUN:
+                    self.alone = programs.build_steps_program(list(all_steps(self.steps)))
+            run_steps(self.steps if self.alone is None else self.alone.segments)
             return self.output
         if held and self._split_runs < PROGRAM_AT_RUN and self.splits:
             self._split_runs += 1

@@ -58,7 +58,7 @@ if KERNELS == "aot":
     load16 = load8 = store8 = None                  # (the register tiles' vector loads and stores: the JIT's only)
     spin_while_equal = hand_off = None     # (the crew's spins use the JIT's intrinsics: the locks hand off instead)
     load_acquire = store_release = compare_and_swap = fetch_add = sched_yield = spin_pause = monotonic_ns = None   # (JIT)
-    call_at = compiled_address = None    # (programs.py's calls of compiled kernels: the JIT's only)
+    call_at = array_at = compiled_address = None    # (programs.py's calls of compiled kernels: the JIT's only)
     call_sgemm = None                    # (BLAS from compiled code: the JIT's only)
 else:
     CACHE_DIR = numba_cache_dir()
@@ -494,6 +494,25 @@ else:
         return types.none(address, arguments), codegen
 
     @intrinsic
+    def _array_at(typingctx, address, shape, strides, array_type):
+        """The array of type `array_type` (a numba Array type, passed as a global of the program's source) whose
+        data start at `address`, with the tuples `shape` and `strides` (bytes): a view without a reference to
+        what owns the memory (as numba.carray makes), for programs.py's step callers: a one-thread program holds
+        its steps' arrays as addresses in an int64 table, not as Python objects (a tuple of typed lists of arrays
+        took 39 us to pass, a call). The owner must outlive the call: the plan holds its arrays."""
+        made = array_type.instance_type
+
+        def codegen(context, builder, signature, args):
+            from numba.np.arrayobj import populate_array
+
+            view = context.make_array(made)(context, builder)
+            populate_array(view, data=builder.inttoptr(args[0], view.data.type), shape=args[1], strides=args[2],
+                           itemsize=context.get_constant(types.intp, context.get_abi_sizeof(
+                               context.get_data_type(made.dtype))), meminfo=None)
+            return view._getvalue()
+        return made(address, shape, strides, array_type), codegen
+
+    @intrinsic
     def call_sgemm(typingctx, address, rows, columns, inner, a, lda, b, ldb, c, ldc):
         """C[rows, columns] = A[rows, inner] @ B[inner, columns], float32 row-major, through the C function at
         `address`: ILP64 CBLAS's cblas_sgemm (sgemm_address), with the matrices' first elements' addresses and
@@ -532,10 +551,10 @@ else:
                         else numba.njit(cache=CACHE_ENABLED, nogil=True)(spin_while_equal))
     hand_off = None if spin_while_equal is None else numba.njit(cache=CACHE_ENABLED, nogil=True)(hand_off)
     # for kernels that hand work between threads themselves (linear.py's chain); None where there is no spin
-    load_acquire, store_release, compare_and_swap, fetch_add, sched_yield, spin_pause, monotonic_ns, call_at = (
-        (None,) * 8 if spin_while_equal is None else
-        (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield, _spin_pause, _monotonic_ns,
-         _call_at))
+    (load_acquire, store_release, compare_and_swap, fetch_add, sched_yield, spin_pause, monotonic_ns, call_at,
+     array_at) = ((None,) * 9 if spin_while_equal is None else
+                  (_load_acquire, _store_release, _compare_and_swap, _fetch_add, _sched_yield, _spin_pause,
+                   _monotonic_ns, _call_at, _array_at))
 
 
 def blas_libraries() -> list:

@@ -1,4 +1,5 @@
-"""A plan's helper tasks as one compiled program: a crew helper runs its share of a whole call without the GIL.
+"""A plan's helper tasks as one compiled program: a crew helper runs its share of a whole call without the GIL; and
+one thread's steps as one compiled call.
 
 Why: a Parallel step handed to a helper through Python (parallel.Crew.run) makes the helper take the GIL
 to start its task and again between its steps, while the caller takes it between its own steps; whichever
@@ -36,6 +37,21 @@ tomato's 7 split steps, with kernels that do nothing, took 39 us a call through 
 (an empty program cache, the kernels cached), tomato's serve took 1.7 s and its run_call 2.1 (in serve's source,
 the two took 7.2 s), leaf_cnn's 1.3 and 1.5 (by hand).
 
+One thread's steps (`build_steps_program`, a StepsProgram): a plan run on one thread (a one-thread backend, each
+share of a batch split by images, a split plan whose crew another call holds) called its kernels one by one from
+Python, taking the GIL back after each. Beside a thread running Python (lnn-serve's event loop and photo decoding
+beside its inference), each take waits for that thread to let go, up to the switch interval (5 ms): the bundled
+model's batch of 8 (116 steps) took 616 ms a call beside a Python loop against 16 alone (by hand). From such a
+plan's PROGRAM_AT_RUN'th run, its steps run in one compiled call, `run_step_range`, which reads each step from
+tables: its kernel's address, its integers and floats, and its arrays as addresses with shapes and strides (a
+tuple of typed lists of the arrays took 39 us to pass, a call). For each step it calls the compiled caller of the
+step's kind (the types of its arguments: `step_caller`), which makes the arrays' views (jit.array_at, without a
+reference to the owner) and calls the kernel (call_at). Nothing of a plan is compiled, only a caller per kind,
+which every plan and model with such steps shares: the bundled model's 11 kinds took 3.2 s to compile the first
+time, 0.08 s to load from the cache in a new process (by hand), and its batch-1 plan then needed none more; a
+source per plan with its values written in (as `serve`'s) took 8.5 s to compile for its batch of 8 alone. A step
+that is no kernel (np.matmul, a Claimed chain, any Python function) runs from Python between the program's runs.
+
 Control words, CONTROL_WORDS per helper: STEP (the split step posted), POSTED (steps posted), CLAIMED
 (steps claimed, by the helper or by the caller), DONE (steps finished), SERVING (1 from the lending until
 the helper's program has returned), RAN (steps the helper ran).
@@ -69,7 +85,7 @@ from lnn.runtime.cpu.jit import (CACHE_ENABLED, call_at, compare_and_swap, compi
                                  sched_yield, store_release)
 from lnn.runtime.cpu.parallel import LINGER_NS, Claimed, Parallel, run_steps
 
-AOT_SIGNATURES = {"copy_into": None, "post": None, "claim_or_wait": None}   # the JIT's only
+AOT_SIGNATURES = {"copy_into": None, "post": None, "claim_or_wait": None, "run_step_range": None}   # the JIT's only
 
 PAUSE_NS = 100_000       # after a call, a helper's waits pause the CPU this long (monotonic clock) before they yield it
 AVAILABLE = call_at is not None            # the JIT, where the crew spins (not the compiled app; not Windows)
@@ -79,6 +95,7 @@ PROGRAM_DIR = "lnn-programs"               # in the kernel cache folder
 # claim_or_wait's answers
 HELPER_DID_IT, CALLER_RUNS_IT, HELPER_FAILED = range(3)
 CLAIMED_STEP = 1 << 20                     # run_call's answer: a step's position times this, + claimed helpers' mask
+VIEW_DIMS = 8                              # a one-thread program's arrays have at most this many dimensions
 
 
 @kernel
@@ -332,6 +349,121 @@ def _caller_source(steps: list, index: dict, helpers: int, calls) -> list | None
     return body
 
 
+class StepsProgram:
+    """One thread's run of plan steps in one compiled call, without the GIL: `run_step_range` calls, for each step, the
+    compiled caller of its kind (the types of its arguments: `step_caller`), which reads the step's arguments from
+    the tables (its integers and floats; its arrays, each an address with its shape and strides, made views by
+    jit.array_at) and calls the step's kernel at its address. Nothing of a plan is compiled: a kind's caller serves
+    every step of that kind in every plan and model. `segments` are what a plan runs in order: a run of such steps
+    as one call of `run(first, end)`, any other step (a Python function, a Claimed step) as itself. The arrays are
+    the plan's, which outlives the program."""
+
+    def __init__(self, tables: tuple, arrays: list):
+        self.tables, self.arrays = tables, arrays
+        self.segments = []
+
+    def run(self, first: int, end: int) -> None:
+        run_step_range(first, end, *self.tables)
+
+
+@kernel
+def run_step_range(first, end, callers, addresses, ints, floats, views):
+    """Steps first..end-1 of a StepsProgram's tables: each step's kind's caller, given the step's kernel address."""
+    for step in range(first, end):
+        call_at(callers[step], (addresses[step], step, ints, floats, views))
+
+
+def build_steps_program(steps: list):
+    """The StepsProgram of one thread's steps (run in order), or None where none is a kernel a program can call
+    (see the module's header) or it could not be built (a warning says why: the steps still run one by one from
+    Python)."""
+    if not AVAILABLE:
+        return None
+    try:
+        return _built_steps(steps)
+    except Exception as error:            # noqa: BLE001 - a program only saves time; the steps run without it
+        warnings.warn(f"lnn: the CPU backend's one-thread program could not be built ({error!r}); its steps run "
+                      f"one by one from Python instead", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def _built_steps(steps: list):
+    from numba import typeof
+
+    native = []                               # (step, kernel address, arguments, their numba types) or (step,)
+    for step in steps:
+        call = native_call(step)
+        address = None if call is None or any(isinstance(value, np.ndarray) and value.ndim > VIEW_DIMS
+                                              for value in call[1]) else compiled_address(*call)
+        native.append((step,) if address is None else
+                      (step, address, call[1], tuple(typeof(value) for value in call[1])))
+    if all(len(entry) == 1 for entry in native):
+        return None
+    width = max(len(entry[2]) for entry in native if len(entry) > 1)
+    arrays, positions = [], {}                # the steps' arrays, and id(array) -> its row of `views`
+    rows, segments = [], []                   # segments: (first, end) of a run of rows, or a step run from Python
+    for step, *call in native:
+        if not call:
+            segments.append(step)
+            continue
+        address, arguments, kind = call
+        ints, floats = [0] * width, [0.0] * width
+        for column, value in enumerate(arguments):
+            if isinstance(value, np.ndarray):
+                if id(value) not in positions:
+                    positions[id(value)] = len(arrays)
+                    arrays.append(value)
+                ints[column] = positions[id(value)]
+            elif isinstance(value, (float, np.floating)):
+                floats[column] = float(value)
+            else:
+                ints[column] = int(value)
+        if segments and type(segments[-1]) is tuple:
+            segments[-1] = (segments[-1][0], len(rows) + 1)
+        else:
+            segments.append((len(rows), len(rows) + 1))
+        rows.append((kind, address, ints, floats))
+    views = np.zeros((max(1, len(arrays)), 1 + 2 * VIEW_DIMS), np.int64)    # address, shape, strides (bytes)
+    for row, array in zip(views, arrays):
+        row[0] = array.ctypes.data
+        row[1:1 + array.ndim], row[1 + VIEW_DIMS:1 + VIEW_DIMS + array.ndim] = array.shape, array.strides
+    kinds, addresses, ints, floats = zip(*rows)
+    ints, floats = np.array(ints, np.int64), np.array(floats, np.float64)
+    callers = np.array([step_caller(kind) for kind in kinds], np.int64)
+    program = StepsProgram((callers, np.array(addresses, np.int64), ints, floats, views), arrays)
+    program.segments = [partial(program.run, *segment) if type(segment) is tuple else segment for segment in segments]
+    return program
+
+
+@functools.cache
+def step_caller(kind: tuple) -> int:
+    """The address of the compiled caller of steps of this kind (their arguments' numba types), for run_step_range:
+    it takes (kernel address, step, ints, floats, views: int64, int64 and the three 2-D tables) and calls the kernel
+    with the step's arguments read from the tables. Compiled once per kind (a kind's source, named by its digest,
+    is cached as a kernel is)."""
+    from numba import types
+
+    array_types = sorted({value for value in kind if isinstance(value, types.Array)}, key=str)
+
+    def argument(column: int, value_type) -> str:
+        if isinstance(value_type, types.Array):
+            row, dims = f"views[ints[step, {column}]", range(value_type.ndim)
+            return (f"array_at({row}, 0], ({''.join(f'{row}, {1 + d}], ' for d in dims)}), "
+                    f"({''.join(f'{row}, {1 + VIEW_DIMS + d}], ' for d in dims)}), T{array_types.index(value_type)})")
+        if isinstance(value_type, types.Boolean):
+            return f"ints[step, {column}] != 0"
+        return f"np.{value_type}({'floats' if isinstance(value_type, types.Float) else 'ints'}[step, {column}])"
+
+    source = STEP_CALLER.format(
+        kernels=cache.kernel_sources_digest(), kind=", ".join(map(str, kind)),
+        types="\n".join(f"T{number} = types.Array(types.{array_type.dtype}, {array_type.ndim}, {array_type.layout!r}, "
+                        f"readonly={not array_type.mutable}, aligned={array_type.aligned})"
+                        for number, array_type in enumerate(array_types)),
+        arguments="".join(f"{argument(column, value_type)}, " for column, value_type in enumerate(kind)))
+    tables = (np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float64), np.zeros((1, 1), np.int64))
+    return compiled_address(_compiled(source, "call_step"), (np.int64(0), np.int64(0), *tables))
+
+
 SERVE = """\
 # lnn helper program (runtime/cpu/programs.py; kernel sources {kernels})
 import numpy as np
@@ -366,6 +498,19 @@ def serve(crew_flags, given, taken, control, helper, linger_ns, pause_ns, addres
         control[base + {ran}] += 1
         store_release(control, base + {done}, posted)
         idle_since = -1
+"""
+
+STEP_CALLER = """\
+# lnn step caller (runtime/cpu/programs.py; kernel sources {kernels}) for steps of the kind: {kind}
+import numpy as np
+from numba import types
+from lnn.runtime.cpu.jit import array_at, call_at
+
+{types}
+
+
+def call_step(address, step, ints, floats, views):
+    call_at(address, ({arguments}))
 """
 
 RUN_CALL = """\

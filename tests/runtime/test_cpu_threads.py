@@ -1139,19 +1139,21 @@ def test_a_program_that_cannot_be_built_leaves_the_python_hand_off(monkeypatch):
     programs = programs_or_skip()
     from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
 
-    def broken(source, function):
+    def broken(*source_and_function_or_kind):
         raise OSError("no room left")
 
     monkeypatch.setattr(programs, "_compiled", broken)
+    monkeypatch.setattr(programs, "step_caller", broken)      # (a kind's caller compiled before is kept in a cache)
     input_shape, layers = CASES["conv_winograd_channels_pool"]
     model = parse_model({"input_shape": input_shape, "layers": layers})
     weights = random_weights(model, np.random.default_rng(5))
     split, one = split_backend(model, weights, 2), split_backend(model, weights, 1)
     x = np.random.default_rng(6).standard_normal((1, *input_shape)).astype(np.float32)
-    with pytest.warns(RuntimeWarning, match="helper program could not be built .*no room left"):
-        for _ in range(PROGRAM_AT_RUN + 1):
-            np.testing.assert_allclose(split.run(x), one.run(x), rtol=0, atol=SPLIT_TOLERANCE)
-    assert split._plan(1, 2).program is None
+    with pytest.warns(RuntimeWarning, match="one-thread program could not be built .*no room left"):
+        with pytest.warns(RuntimeWarning, match="helper program could not be built .*no room left"):
+            for _ in range(PROGRAM_AT_RUN + 1):
+                np.testing.assert_allclose(split.run(x), one.run(x), rtol=0, atol=SPLIT_TOLERANCE)
+    assert split._plan(1, 2).program is None and one._plan(1, 1).alone is None
 
 
 def test_helper_programs_of_threads_sharing_a_backend_give_each_its_own_answers():
@@ -1172,3 +1174,118 @@ def test_helper_programs_of_threads_sharing_a_backend_give_each_its_own_answers(
                                                     after=lambda: shared._plan(1, 2))     # each thread's own
     assert not errors and not wrong, (errors, wrong[:5])
     assert any(plan.program is not None for plan in split_plans), "no thread's plan got a program"
+
+
+@pytest.mark.parametrize("case", ["conv_im2col_pool", "conv_winograd_rows_pool", "conv_depthwise_channels",
+                                  "conv_chain_then_linear"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_one_thread_plan_runs_as_one_program_with_the_same_bytes(case, batch):
+    """From a one-thread plan's PROGRAM_AT_RUN'th run its steps run in one compiled call (programs.StepsProgram): the
+    same kernels on the same buffers, so the same bytes as the steps called one by one from Python; where every step
+    is a kernel, the whole plan is one segment."""
+    programs_or_skip()
+    from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
+    from lnn.runtime.cpu.parallel import Claimed, all_steps
+
+    input_shape, layers = CASES[case]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    backend = split_backend(model, random_weights(model, np.random.default_rng(5)), 1)
+    inputs = np.random.default_rng(6).standard_normal((4, batch, *input_shape)).astype(np.float32)
+    one_by_one = [backend.run(x).copy() for x in inputs[:PROGRAM_AT_RUN - 1]]
+    plan = backend._plan(batch, 1)
+    assert plan.alone is None
+    one_by_one += [backend.run(x).copy() for x in inputs[PROGRAM_AT_RUN - 1:]]
+    program = plan.alone
+    assert program is not None
+    plan.alone = None
+    for x, answer in zip(inputs, one_by_one):
+        np.testing.assert_array_equal(answer, backend.run(x))       # the steps from Python again: the same bytes
+    if not any(type(step) is Claimed for step in all_steps(plan.steps)):
+        assert len(program.segments) == 1 and program.segments[0].func == program.run
+
+
+def test_a_one_thread_program_runs_python_steps_between_its_kernels():
+    """A step that is no kernel (a Python function) runs from Python between the program's runs of kernels, in
+    order."""
+    programs = programs_or_skip()
+    from functools import partial
+
+    add_or_refuse = add_or_refuse_kernel()
+    values, seen = np.zeros(2, np.float32), []
+    steps = [partial(add_or_refuse, values, 0), lambda: seen.append(values.tolist()), partial(add_or_refuse, values, 1)]
+    program = programs.build_steps_program(steps)
+    assert [segment.args for segment in program.segments[::2]] == [(0, 1), (1, 2)]
+    assert program.segments[1] is steps[1]
+    for segment in program.segments:
+        segment()
+    assert seen == [[1.0, 0.0]] and values.tolist() == [1.0, 1.0]
+
+
+def test_an_error_in_a_one_thread_program_is_raised_and_the_next_run_works():
+    programs = programs_or_skip()
+    from functools import partial
+
+    add_or_refuse = add_or_refuse_kernel()
+    values = np.zeros(2, np.float32)
+    program = programs.build_steps_program([partial(add_or_refuse, values, 0), partial(add_or_refuse, values, 1)])
+    values[1] = -5.0
+    with pytest.raises(ValueError, match="a negative value"):
+        program.run(0, 2)
+    assert values.tolist() == [1.0, -5.0]
+    values[1] = 0.0
+    program.run(0, 2)
+    assert values.tolist() == [2.0, 1.0]
+
+
+def test_a_one_thread_call_takes_the_gil_a_few_times_not_once_a_step():
+    """Beside a thread running Python, a call waits for the GIL each time it takes it back (up to a switch interval,
+    here 20 ms). With its steps called one by one from Python that was once a step (the bundled model's batch of 8,
+    116 steps: 616 ms a call against 16 alone, by hand); in one program it is a few times a call."""
+    programs_or_skip()
+    import threading
+    import time
+
+    from lnn.runtime.cpu.backend import PROGRAM_AT_RUN
+
+    input_shape = [8, 12, 12]
+    model = parse_model({"input_shape": input_shape, "layers": [conv(8, padding=1, activation="relu")] * 12})
+    backend = split_backend(model, random_weights(model, np.random.default_rng(5)), 1)
+    x = np.random.default_rng(6).standard_normal((2, *input_shape)).astype(np.float32)
+    for _ in range(PROGRAM_AT_RUN):
+        backend.run(x)
+    plan = backend._plan(2, 1)
+    assert plan.alone is not None and len(plan.steps) >= 24
+    stop, interval = threading.Event(), sys.getswitchinterval()
+
+    def python_loop():
+        while not stop.is_set():
+            sum(range(1000))
+
+    def slowest_of_three_calls() -> float:
+        seconds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            backend.run(x)
+            seconds.append(time.perf_counter() - start)
+        return max(seconds)
+
+    program = plan.alone
+    sys.setswitchinterval(0.02)
+    busy = threading.Thread(target=python_loop)
+    busy.start()
+    try:
+        for _ in range(5):              # a loaded machine may keep the loop off its CPU: then nothing waits
+            plan.alone = program
+            in_one_program = slowest_of_three_calls()
+            plan.alone = None
+            step_by_step = slowest_of_three_calls()
+            if step_by_step > 0.3:
+                break
+    finally:
+        plan.alone = program
+        stop.set()
+        busy.join()
+        sys.setswitchinterval(interval)
+    if step_by_step <= 0.3:
+        pytest.skip("the Python loop never held the steps called from Python up: this machine shows nothing here")
+    assert in_one_program < 0.2, (in_one_program, step_by_step)
