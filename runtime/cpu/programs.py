@@ -456,7 +456,8 @@ def step_caller(kind: tuple) -> int:
 
     source = STEP_CALLER.format(
         kernels=cache.kernel_sources_digest(), kind=", ".join(map(str, kind)),
-        types="\n".join(f"T{number} = types.Array(types.{array_type.dtype}, {array_type.ndim}, {array_type.layout!r}, "
+        types="\n".join(f"T{number} = types.Array(from_dtype(np.dtype('{array_type.dtype}')), {array_type.ndim}, "
+                        f"{array_type.layout!r}, "
                         f"readonly={not array_type.mutable}, aligned={array_type.aligned})"
                         for number, array_type in enumerate(array_types)),
         arguments="".join(f"{argument(column, value_type)}, " for column, value_type in enumerate(kind)))
@@ -503,7 +504,7 @@ def serve(crew_flags, given, taken, control, helper, linger_ns, pause_ns, addres
 STEP_CALLER = """\
 # lnn step caller (runtime/cpu/programs.py; kernel sources {kernels}) for steps of the kind: {kind}
 import numpy as np
-from numba import types
+from numba import from_dtype, types
 from lnn.runtime.cpu.jit import array_at, call_at
 
 {types}

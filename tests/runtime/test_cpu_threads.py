@@ -1221,6 +1221,40 @@ def test_a_one_thread_program_runs_python_steps_between_its_kernels():
     assert seen == [[1.0, 0.0]] and values.tolist() == [1.0, 1.0]
 
 
+def test_a_one_thread_program_passes_each_kind_of_argument_as_a_direct_call_does():
+    """Arrays of several dtypes and dimensions, a strided view, a read-only array, and int32, int64, float32,
+    float64 and bool scalars reach the kernel as they do called from Python: the same values written."""
+    programs = programs_or_skip()
+    from functools import partial
+
+    import numba
+
+    @numba.njit(nogil=True)
+    def masked_add(out, mask, table, count, scale, shift, flip):
+        for i in range(out.shape[0]):
+            if mask[i]:
+                value = table[i % table.shape[0], i % table.shape[1]] * count * scale + shift
+                out[i] += -value if flip else value
+
+    table = np.arange(6, dtype=np.float64).reshape(2, 3)
+    table.flags.writeable = False
+    mask = np.array([True, False, True, True, False, True])
+
+    def steps(out):
+        return [partial(masked_add, out, mask, table, np.int32(3), np.float32(0.5), 0.25, False),
+                partial(masked_add, out[::2], mask[1:4], table[:, ::2], 7, np.float32(-1.5), -2.0, np.bool_(True))]
+
+    direct, programmed = np.zeros(6, np.float32), np.zeros(6, np.float32)
+    for step in steps(direct):
+        step()
+    program = programs.build_steps_program(steps(programmed))
+    assert [segment.func for segment in program.segments] == [program.run]
+    for segment in program.segments:
+        segment()
+    assert direct.any()
+    np.testing.assert_array_equal(programmed, direct)
+
+
 def test_an_error_in_a_one_thread_program_is_raised_and_the_next_run_works():
     programs = programs_or_skip()
     from functools import partial
