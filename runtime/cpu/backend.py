@@ -14,10 +14,10 @@ Load time (once):
 First call per batch size: every buffer is allocated and every kernel call is bound to its buffers
 (`steps`, argument-free callables). Later calls with that batch size copy the input into the plan's
 input buffer and run the steps: no allocation after the PROGRAM_AT_RUN'th, which (on one thread) makes the
-steps' compiled program (programs.build_steps_program: the steps in one call, the GIL taken back once). A layer's scratch (a conv's V, M, acc, columns: written
-before it is read on each call, read by no other layer) is a piece of one block that all the plan's layers
-reuse, as they run one after another (Plan._new_buffer): the bundled model's buffers at batch 1 take 4.3
-MB where separate scratch buffers took 8.7, leaf_cnn224's 10.5 where they took 17.3, and the layers find
+steps' compiled program (programs.build_steps_program: all the steps in one call, the GIL taken back once for
+them). A layer's scratch (a conv's V, M, acc, columns: written before it is read on each call, read by no
+other layer) is a piece of one block that all the plan's layers reuse, as they run one after another
+(Plan._new_buffer): the bundled model's buffers at batch 1 take 4.3 MB where separate scratch buffers took 8.7, leaf_cnn224's 10.5 where they took 17.3, and the layers find
 their scratch still in cache (whole calls 0.78-0.89x the time of separate buffers, by hand:
 docs/BENCHMARKS.md). A split plan has one such block per thread (and one for what the tasks of several
 threads share): a thread never writes the other's scratch lines. keep=(node names): fusion stops at those
@@ -112,8 +112,8 @@ READ_PAST = STRIP_POSITIONS   # floats a kernel may read past a buffer's end (_a
 BLAS_STEPS = (np.matmul, blas_products, blas_product)   # steps that call BLAS: a plan with one holds BLAS at 1 thread
 # A split plan's helper program (programs.py) is built on its second run on the crew, a plan's one-thread program on
 # its second run without it: loading the helper program from the cache took 40-70 ms (the bundled model, by hand),
-# and compiling a one-thread program on an empty cache 2.1 s, which a process answering one photo (lnn-infer)
-# need not pay
+# and the callers of a one-thread program's kinds of steps 0.08 s (3.2 s to compile on an empty cache), which a
+# process answering one photo (lnn-infer) need not pay
 PROGRAM_AT_RUN = 2
 
 
