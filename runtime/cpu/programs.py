@@ -234,7 +234,7 @@ class HelperProgram:
 
 
 def native_call(step):
-    """(kernel, arguments) of a step a program can call, or None."""
+    """(the address of its kernel's compiled code for call_at, arguments) of a step a program can call, or None."""
     function, args = getattr(step, "func", None), getattr(step, "args", None)
     if args is None or step.keywords:
         return None
@@ -244,7 +244,8 @@ def native_call(step):
         return None
     if any(isinstance(value, (float, np.floating)) and not math.isfinite(value) for value in args):
         return None
-    return function, args
+    address = compiled_address(function, args)
+    return None if address is None else (address, args)
 
 
 def _literal(value) -> str:
@@ -283,11 +284,11 @@ def _built(steps: list, split: list, helpers: int):
         lines = []
         for part in task:
             call = native_call(part)
-            address = None if call is None else compiled_address(*call)
-            if address is None:
+            if call is None:
                 return None
+            address, arguments = call
             names = []
-            for value in call[1]:
+            for value in arguments:
                 if isinstance(value, np.ndarray):
                     if id(value) not in array_names:
                         array_names[id(value)] = f"a{len(arrays)}"
@@ -393,10 +394,10 @@ def _built_steps(steps: list):
     native = []                               # (step, kernel address, arguments, their numba types) or (step,)
     for step in steps:
         call = native_call(step)
-        address = None if call is None or any(isinstance(value, np.ndarray) and value.ndim > VIEW_DIMS
-                                              for value in call[1]) else compiled_address(*call)
-        native.append((step,) if address is None else
-                      (step, address, call[1], tuple(typeof(value) for value in call[1])))
+        if call is None or any(isinstance(value, np.ndarray) and value.ndim > VIEW_DIMS for value in call[1]):
+            native.append((step,))
+        else:
+            native.append((step, *call, tuple(typeof(value) for value in call[1])))
     if all(len(entry) == 1 for entry in native):
         return None
     width = max(len(entry[2]) for entry in native if len(entry) > 1)
