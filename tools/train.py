@@ -38,12 +38,12 @@ from pathlib import Path
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.formats.model import load_description, parse_model
 from lnn.runtime.cuda.float16 import AMP_PRECISIONS
+from lnn.train.data import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
 from lnn.tools.cli import command_parser, human_bytes, is_bin_file, is_npz_file, read_checkpoint_source, run_command
 
 PROG = "lnn-train"
 DATA_KINDS = ("mnist", "folder", "ucr", "csv")
 CPU_BLAS_THREADS = 1
-VAL_FRACTION = 0.2
 # The options that decide what a run computes, kept in RUN_DIR/run.json and taken again by --resume; None: not
 # given (the description's training block decides). The flags' None is their default, False.
 RUN_OPTIONS = ("data", "epochs", "batch", "lr", "lr_schedule", "seed", "patience", "limit_train", "val_fraction",
@@ -87,7 +87,7 @@ def build_parser():
     parser.add_argument("--limit-train", type=int, metavar="N", help="train on the first N training images only")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (one line per epoch stays)")
     parser.add_argument("--val-fraction", type=float,
-                        help=f"folder, csv: share of each class kept for validation (default {VAL_FRACTION})")
+                        help=f"folder, csv: share of each class kept for validation (default {DEFAULT_VAL_FRACTION})")
     parser.add_argument("--target", metavar="COLUMN", help="csv: the column holding the class")
     parser.add_argument("--no-augment", action="store_true", default=None,
                         help="folder: train on the photos as they are")
@@ -105,7 +105,7 @@ def load_data(spec: str, description: dict, args):
     if not sep or not path or kind not in DATA_KINDS:
         raise LnnInputError(f"--data must look like KIND:PATH with KIND one of {', '.join(DATA_KINDS)}, not {spec!r}")
     if kind == "folder":
-        from lnn.train.images import DEFAULT_SPLIT_SEED, check_split, folder_datasets
+        from lnn.train.images import check_split, folder_datasets
 
         check_split(args.val_fraction, DEFAULT_SPLIT_SEED)          # before decoding anything
 
@@ -120,7 +120,7 @@ def load_data(spec: str, description: dict, args):
 
         return ucr_datasets(path, description)
     if kind == "csv":
-        from lnn.train.series import DEFAULT_SPLIT_SEED, csv_datasets
+        from lnn.train.series import csv_datasets
 
         return csv_datasets(path, args.target, description, args.val_fraction, DEFAULT_SPLIT_SEED)
     from lnn.train.data import load_mnist
@@ -193,7 +193,7 @@ def run_options(args) -> dict:
                                 f"continues it as it was ({Path(args.out) / OPTIONS}); leave the option out, "
                                 f"or start a new run in another --out folder")
         given = {name: saved.get(name) if value is None else value for name, value in given.items()}
-    given["val_fraction"] = VAL_FRACTION if given["val_fraction"] is None else given["val_fraction"]
+    given["val_fraction"] = DEFAULT_VAL_FRACTION if given["val_fraction"] is None else given["val_fraction"]
     given["no_augment"], given["tf32"] = bool(given["no_augment"]), bool(given["tf32"])
     for name, value in given.items():
         setattr(args, name, value)

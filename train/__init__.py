@@ -11,11 +11,19 @@ data (MNIST, datasets, prefetching), trainer, run (the run folder), checkpoint, 
 Importing lnn.runtime never imports this package.
 """
 
-from lnn.train.checkpoint import export_checkpoint, load_checkpoint
-from lnn.train.config import TrainingConfig
-from lnn.train.data import ArrayDataset, MemmapDataset, load_mnist
-from lnn.train.plan import Plan, plan_memory
-from lnn.train.trainer import StepResult, Trainer
+import importlib
 
-__all__ = ["Trainer", "StepResult", "Plan", "plan_memory", "TrainingConfig", "ArrayDataset", "MemmapDataset",
-           "load_mnist", "load_checkpoint", "export_checkpoint"]
+# Each name and its module, imported when first asked for: lnn.train.data (lnn-train's split defaults, which its
+# --help prints) loads without the trainer.
+_EXPORTS = {"Trainer": "trainer", "StepResult": "trainer", "Plan": "plan", "plan_memory": "plan",
+            "TrainingConfig": "config", "ArrayDataset": "data", "MemmapDataset": "data", "load_mnist": "data",
+            "load_checkpoint": "checkpoint", "export_checkpoint": "checkpoint"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lnn.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"lnn.train.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
