@@ -403,6 +403,44 @@ def read_header(data: bytes) -> ImageHeader | None:
     return None
 
 
+READABLE = "JPEG, PNG, BMP, TIFF, WebP, GIF, PNM"               # the formats read_header knows, for error lines
+PHOTO_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")     # files taken from a folder as photos
+UNREADABLE_PHOTO_SUFFIXES = (".heic", ".heif", ".avif")     # photos lnn cannot read (unreadable_kind says what to do)
+HEIF_BRANDS = {b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1"}    # ISO media: HEIF stills
+AVIF_BRANDS = {b"avif", b"avis"}
+VIDEO_BRANDS = {b"isom", b"iso2", b"iso4", b"iso5", b"iso6", b"mp41", b"mp42", b"avc1", b"qt  ", b"M4V ", b"3gp4",
+                b"3gp5", b"3gp6", b"3g2a"}                       # MP4, QuickTime and phones' 3GP videos
+SEND_AS_JPEG = "save or send it as JPEG"
+
+
+def unreadable_kind(data: bytes) -> str | None:
+    """What a file lnn does not read is, with what to do, when it is a kind people send for a photo: "a HEIC
+    photo (...); ..." for an iPhone's own photos, AVIF, JPEG XL, JPEG 2000, a video, a PDF, an SVG drawing, a
+    web page. None for anything else (read_header's None then stays "not an image lnn can read")."""
+    if data[4:8] == b"ftyp":                                      # ISO base media: HEIF, AVIF, MP4, QuickTime
+        size = int.from_bytes(data[:4], "big")
+        brands = {data[8:12], *(data[i:i + 4] for i in range(16, min(size, 256) - 3, 4))}
+        if brands & AVIF_BRANDS:
+            return f"an AVIF picture, which lnn cannot read; {SEND_AS_JPEG}"
+        if brands & HEIF_BRANDS:
+            return (f"a HEIC photo (an iPhone's own format), which lnn cannot read; {SEND_AS_JPEG} (on the iPhone: "
+                    f"Settings > Camera > Formats > Most Compatible)")
+        if data[8:12] in VIDEO_BRANDS:                            # the major brand (a Canon raw, CR3, lists isom too)
+            return "a video, not a photo; send a photo (JPEG)"
+    if data[:2] == b"\xff\x0a" or data[:12] == b"\x00\x00\x00\x0cJXL \r\n\x87\n":
+        return f"a JPEG XL picture, which lnn cannot read; {SEND_AS_JPEG}"
+    if data[:12] == b"\x00\x00\x00\x0cjP  \r\n\x87\n" or data[:4] == b"\xff\x4f\xff\x51":
+        return f"a JPEG 2000 picture, which lnn cannot read; {SEND_AS_JPEG}"
+    if data[:5] == b"%PDF-":
+        return "a PDF document, not a photo; send the photo itself (JPEG)"
+    start = data[:1024].lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if start.startswith(b"<svg") or (start.startswith(b"<?xml") and b"<svg" in start):
+        return "an SVG drawing, not a photo; send a photo (JPEG)"
+    if start.startswith((b"<!doctype html", b"<html")):
+        return "a web page (HTML), not a photo; send the photo itself (JPEG)"
+    return None
+
+
 def _jpeg_header(data: bytes) -> ImageHeader | None:
     """Walk the JPEG's segments (skipping entropy-coded data) to its end-of-image marker: the frame
     header gives the size, and data ending before the marker is truncated (bytes after it are allowed:
@@ -617,7 +655,7 @@ def decode_image(source, name: str | None = None, keep_side: int = 0, notes: lis
     except LnnInputError as err:
         raise LnnInputError(f"{name}: {err}") from None
     if header is None:
-        raise LnnInputError(f"{name}: not an image lnn can read (JPEG, PNG, BMP, TIFF, WebP, GIF, PNM)")
+        raise LnnInputError(f"{name}: {unreadable_kind(data) or f'not an image lnn can read ({READABLE})'}")
     header = check_header(header, name, keep_side, pixel_limit)
     remarks = [] if notes is None else notes
     try:

@@ -1,11 +1,14 @@
 """Small hostile image files made at test time (no big files in the repository): a PNG or JPEG whose
 header claims any size, for the decoding-limit tests of the runtime and the commands; a JPEG whose data runs
-on after its image."""
+on after its image; the start of an iPhone's HEIC photo."""
 
 from __future__ import annotations
 
 import struct
 import zlib
+
+
+HEIC_START = b"\x00\x00\x00\x18ftypmif1\x00\x00\x00\x00mif1heic"        # an iPhone photo's first box (ISO media)
 
 
 def png_chunk(kind: bytes, body: bytes) -> bytes:

@@ -41,12 +41,15 @@ import numpy as np
 import lnn
 from lnn.formats.errors import LnnError, LnnInputError, escaped, one_line
 from lnn.runtime.gate import DEFAULT_SUBJECT, INSTRUCTIONS, instruction
+from lnn.runtime.preprocess import PHOTO_SUFFIXES, UNREADABLE_PHOTO_SUFFIXES
 from lnn.runtime.series import SERIES_SUFFIXES, TABLE_SUFFIXES
 from lnn.tools.cli import command_parser, error_text, run_command
 
 PROG = "lnn-infer"
 DEFAULT_MODEL = Path(lnn.__file__).resolve().parent / "models" / "tomato_leaf.bin"
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+# What lnn-infer and lnn-field take from a folder: the photos lnn reads, and those it cannot (an iPhone's HEIC), so that
+# each of these gets its line saying what to do rather than being skipped unseen
+IMAGE_SUFFIXES = PHOTO_SUFFIXES + UNREADABLE_PHOTO_SUFFIXES
 RUNTIME_KEYS = ("device", "threads")        # --json records add these to the answer (lnn-serve's answers do not)
 DATA_SUFFIXES = SERIES_SUFFIXES + TABLE_SUFFIXES          # series files and tables (lnn.runtime.series)
 ROWS_PER_CALL = 256       # series or table rows per backend call
@@ -400,7 +403,7 @@ def prepare_batch(session, batch: list, bar) -> tuple[dict, dict]:
         notes = []
         try:
             if path.suffix.lower() in DATA_SUFFIXES:
-                raise LnnInputError(f"{path}: model {session.model.name!r} takes photos ({', '.join(IMAGE_SUFFIXES)}), "
+                raise LnnInputError(f"{path}: model {session.model.name!r} takes photos ({', '.join(PHOTO_SUFFIXES)}), "
                                     f"not series or table files")
             images[i] = (*session.prepare_and_check(path, notes=notes), notes)
         except LnnError as err:                   # the decoding errors name the file; say which for the others too

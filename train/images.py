@@ -57,7 +57,6 @@ from lnn.runtime import preprocess as image_io
 from lnn.runtime.cpu.cache import default_cache_root as lnn_cache_root, ensure_writable   # no Numba import
 from lnn.train.data import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ArrayDataset, MemmapDataset, reserved_memmap
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
 CACHE_VERSION = 2                 # bump when the cached pixels would change for the same files (2: leaf masks)
 CACHE_KEY = re.compile(r"[0-9a-f]{24}")     # a cache folder's name (cache_key)
 LATEST_CACHES = "latest"          # under the cache root: per (folder, size, colour), the key of its cache now
@@ -84,7 +83,7 @@ def scan_folder(folder) -> FolderScan:
     classes, files, labels, empty = [], [], [], []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
         images = sorted(p for p in sub.iterdir()     # anything but a folder, as lnn-infer: a named pipe, a link to a
-                        if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")   # device, a broken
+                        if p.suffix.lower() in image_io.PHOTO_SUFFIXES and not p.name.startswith(".")   # device, a broken
                         and not p.is_dir())         # or looping link is then skipped and counted, not ignored
         if not images:
             empty.append(sub.name)

@@ -18,9 +18,9 @@ import hashlib
 from pathlib import Path
 
 from lnn.formats.errors import LnnInputError
+from lnn.runtime.preprocess import PHOTO_SUFFIXES
 
 PARTS = (("fit", 50), ("validation", 70), ("test", 100))      # cumulative percent bounds
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
 
 
 def outlier_part(relative_path: str) -> str:
@@ -37,7 +37,7 @@ def split_outliers(folder) -> dict:
     parts = {name: [] for name, _ in PARTS}
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder).as_posix()
-        if not path.is_dir() and path.suffix.lower() in IMAGE_SUFFIXES and not any(   # a pipe or broken link: skipped later, counted
+        if not path.is_dir() and path.suffix.lower() in PHOTO_SUFFIXES and not any(   # a pipe or broken link: skipped later, counted
                 piece.startswith(".") for piece in relative.split("/")):
             parts[outlier_part(relative)].append(path)
     if not any(parts.values()):

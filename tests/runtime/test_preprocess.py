@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import EXAMPLES
+from hostile_images import HEIC_START
 import lnn
 from lnn.formats.errors import LnnInputError
 from lnn.runtime import preprocess
@@ -83,6 +84,23 @@ def test_pillow_refuses_a_non_image_in_one_line(use, tmp_path):
     text.write_text("not a photo")
     with pytest.raises(LnnInputError, match=r"notes.jpg: not an image lnn can read \(JPEG, PNG"):
         preprocess.read_image(text)
+
+
+@pytest.mark.parametrize("start, says", [
+    (HEIC_START, "a HEIC photo (an iPhone's own format), which lnn cannot read; save or send it as JPEG"),
+    (b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00avifmif1miaf", "an AVIF picture"),
+    (b"\x00\x00\x00\x20ftypisom\x00\x00\x02\x00isomiso2avc1mp41", "a video, not a photo"),
+    (b"\x00\x00\x00\x0cJXL \r\n\x87\n", "a JPEG XL picture"),
+    (b"\x00\x00\x00\x0cjP  \r\n\x87\n", "a JPEG 2000 picture"),
+    (b"%PDF-1.7\n", "a PDF document, not a photo"),
+    (b"\xef\xbb\xbf<?xml version='1.0'?>\n<svg xmlns='http://www.w3.org/2000/svg'/>", "an SVG drawing"),
+    (b"<!DOCTYPE html><html><body>502 Bad Gateway", "a web page (HTML)"),
+    (b"\x00\x00\x00\x18ftypcrx \x00\x00\x00\x01crx isom", "not an image lnn can read (JPEG, PNG"),  # a Canon raw
+])
+def test_a_file_people_send_for_a_photo_that_lnn_cannot_read_is_named_with_what_to_do(start, says):
+    with pytest.raises(LnnInputError) as refused:
+        preprocess.decode_image(start + bytes(200), "IMG_0042")
+    assert str(refused.value).startswith(f"IMG_0042: {says}") and "\n" not in str(refused.value)
 
 
 def test_the_sample_leaves_get_the_same_answers_without_opencv(use):

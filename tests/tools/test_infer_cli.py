@@ -15,7 +15,7 @@ import pytest
 import lnn
 from cli_helpers import assert_one_line_error, reference_bin, run_command  # noqa: F401 (reference_bin: fixture)
 from conftest import EXAMPLES, REFERENCE_MODELS, need
-from hostile_images import png_claiming, with_data_left_over
+from hostile_images import HEIC_START, png_claiming, with_data_left_over
 from lnn.formats.binfile import read_bin, write_bin
 from lnn.runtime import resolve_device
 from lnn.tools import infer
@@ -273,7 +273,7 @@ def strict_json(line: str) -> dict:
 
 def hostile_files(folder):
     """Among good photos: a pixel bomb, a non-image, a truncated JPEG, a JPEG with bytes after its end
-    (good), a named pipe; returns (good files, bad files) as lnn-infer lists them (sorted)."""
+    (good), an iPhone's HEIC photo, a named pipe; returns (good files, bad files) as lnn-infer lists them (sorted)."""
     photo = cv2.imencode(".jpg", np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8))[1].tobytes()
     folder.mkdir()
     (folder / "a_good.jpg").write_bytes(photo)
@@ -281,7 +281,9 @@ def hostile_files(folder):
     (folder / "c_text.jpg").write_text("not a picture\n")
     (folder / "d_truncated.jpg").write_bytes(photo[:len(photo) // 2])
     (folder / "e_phone.jpg").write_bytes(photo + b"\x00trailer appended by a phone" * 10)
-    good, bad = [folder / "a_good.jpg", folder / "e_phone.jpg"], [folder / n for n in ("b_bomb.png", "c_text.jpg", "d_truncated.jpg")]
+    (folder / "e_iphone.HEIC").write_bytes(HEIC_START + bytes(500))          # listed, not skipped: told what to do
+    good = [folder / "a_good.jpg", folder / "e_phone.jpg"]
+    bad = [folder / n for n in ("b_bomb.png", "c_text.jpg", "d_truncated.jpg", "e_iphone.HEIC")]
     if hasattr(os, "mkfifo"):
         os.mkfifo(folder / "f_pipe.jpg")
         bad.append(folder / "f_pipe.jpg")
@@ -298,7 +300,8 @@ def test_every_good_photo_in_a_hostile_folder_is_answered_and_each_bad_one_gets_
     errors = result.stderr.strip().splitlines()
     assert [line.split(": ")[2] for line in errors] == [str(p) for p in bad]
     assert all(line.startswith("lnn-infer: error: ") for line in errors)
-    for path, why in zip(bad, ("over lnn's limit of 250,000,000 pixels", "not an image", "truncated", "named pipe")):
+    for path, why in zip(bad, ("over lnn's limit of 250,000,000 pixels", "not an image", "truncated", "a HEIC photo",
+                               "named pipe")):
         assert why in next(line for line in errors if f" {path}: " in line)
     if style == "--json":
         records = [strict_json(line) for line in result.stdout.splitlines()]

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 import lnn  # noqa: E402
 from cli_helpers import assert_one_line_error, run_command  # noqa: E402
 from conftest import EXAMPLES  # noqa: E402
-from hostile_images import with_data_left_over  # noqa: E402
+from hostile_images import HEIC_START, with_data_left_over  # noqa: E402
 from lnn.formats import limits  # noqa: E402
 from lnn.tools import infer  # noqa: E402
 from lnn.tools.infer import DEFAULT_MODEL, answers_for  # noqa: E402
@@ -341,6 +341,7 @@ def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
     before = metric_samples(served)
     leaf = LEAVES[0].read_bytes()
     cases = {"not an image": b"hello, not a photo", "truncated": truncated, "empty": b"",
+             "a HEIC photo (an iPhone's own format), which lnn cannot read": HEIC_START + bytes(500),
              "over the server's limit of 1,000,000 pixels": png_declaring(5000, 5000),
              "the JPEG's data is damaged": leaf[:len(leaf) // 2] + b"\xff\xd9",   # half, its end marker pasted on
              f"more than {limits.MAX_JPEG_SEGMENTS} segments":             # refused as its header is read
@@ -360,8 +361,8 @@ def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
         bad_k = served.post(f"/v1/classify?top_k={k}", content=LEAVES[0].read_bytes())
         assert bad_k.status_code == 400 and "top_k" in bad_k.json()["error"]
     after = metric_samples(served)
-    assert counted(before, after, "lnn_serve_requests_total", status="400") == 11
-    assert counted(before, after, "lnn_serve_rejected_total", reason="bad_image") == 8
+    assert counted(before, after, "lnn_serve_requests_total", status="400") == 12
+    assert counted(before, after, "lnn_serve_rejected_total", reason="bad_image") == 9
 
 
 def test_odd_top_k_queries_get_400_or_an_answer_never_500(served):
