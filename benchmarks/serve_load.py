@@ -26,6 +26,7 @@ import asyncio
 import collections
 import json
 import os
+import re
 import sys
 import time
 from functools import partial
@@ -265,6 +266,18 @@ def batch_distribution(before: dict | None, after: dict | None) -> str:
     return ", ".join(parts)
 
 
+def lone_photo_plan(url: str) -> str | None:
+    """What the lnn server's lone photos run on now: the "batch 1" clause of its /v1/model threads_choice ("layers
+    split over 2 threads", "one thread (the split was not faster)"); None for a server without it (onnxruntime's)
+    or one whose backend has not decided."""
+    import httpx
+
+    response = httpx.get(url + "v1/model")
+    choice = response.json().get("threads_choice", "") if response.status_code == 200 else ""
+    found = re.search(r"batch 1: ([^;]+)", choice)
+    return found.group(1) if found else None
+
+
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
@@ -295,6 +308,7 @@ def measure(url, pid, photos, labels, clients, seconds, max_requests) -> dict:
             "batches": batch_distribution(before, batch_buckets(url)), "refused": tally.statuses[503],
             "errors": sum(n for status, n in tally.statuses.items() if status not in (200, 503)),
             "no_answer": tally.no_answer, "mismatched": tally.mismatched, "answers": len(latencies),
+            "lone_photos": lone_photo_plan(url),
             "server_cpu_ms": 1000 * server_cpu / requests, "client_cpu_ms": 1000 * client_cpu / requests}
 
 
@@ -455,7 +469,8 @@ def run_plan(servers: dict, plan: list, photos, labels, args) -> list:
             tqdm.write(f"{name:32} {clients:3} clients  {row['throughput']:7.1f}/s  p50 {row['p50']:7.1f}  "
                        f"p99 {row['p99']:7.1f} ms  batches {row['batches']}  503: {row['refused']}  "
                        f"errors {row['errors']}  unanswered {row['no_answer']}  mismatched {row['mismatched']}  "
-                       f"CPU ms/request server {row['server_cpu_ms']:.1f} client {row['client_cpu_ms']:.1f}")
+                       f"CPU ms/request server {row['server_cpu_ms']:.1f} client {row['client_cpu_ms']:.1f}"
+                       + (f"  lone photos: {row['lone_photos']}" if row["lone_photos"] else ""))
     finally:
         for process, _ in servers.values():
             process.terminate()
@@ -520,6 +535,13 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
                    f"{np.median([b for b, _ in pairs]):.1f} against {np.median([u for _, u in pairs]):.1f} answers/s "
                    f"(medians), the rounds' ratios {', '.join(f'{b / u:.2f}' for b, u in pairs)}: median "
                    f"**{np.median([b / u for b, u in pairs]):.2f}×**." if pairs else "")
+    # what the unbatched server ran its photos on: chosen by timing in its own process (the cpu backend's split of
+    # one photo's layers against one thread), it moves this baseline more than the run-to-run noise does
+    lone = [row["lone_photos"] for row in [by[(list(servers)[1], 16)], *target_rows[1::2]]]
+    lone_line = (f" The unbatched server's photos ran on: {lone[0]} in the table's row"
+                 + (f", then {', '.join(map(str, lone[1:]))} in the rounds" if len(lone) > 1 else "")
+                 + " (its cpu backend times splitting a photo's layers over the cores against one thread, in each "
+                   "process, and reviews that choice as calls go on; /v1/model's threads_choice).")
     page_photos = photos_of_size(*PAGE_UPLOAD)
     page_rows = batching_pair("lnn, 1600×1200 uploads", MODEL, page_photos, expected_labels(page_photos), args)
     page_part = ["### Uploads of the page's size: 1600×1200, 16 clients",
@@ -559,7 +581,7 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
         f"its --queue 64 on purpose: the refused get 503 and wait their Retry-After.",
         f"At 16 clients (target: batching ≥ 2× the unbatched server's throughput, p99 ≤ 200 ms): in the table, "
         f"batching {batched:.1f} answers/s against {unbatched:.1f} without ({batched / unbatched:.2f}×), p99 "
-        f"{by[(list(servers)[0], 16)]['p99']:.0f} ms.{target_line}",
+        f"{by[(list(servers)[0], 16)]['p99']:.0f} ms.{target_line}{lone_line}",
         rows_table(rows),
         "![throughput and p99 latency](images/serve_load.png)",
         breakdown_part(stages, by, list(servers)),

@@ -2,7 +2,7 @@
 
     POST /v1/classify[?top_k=K]   an image as the body, or multipart/form-data with a `file` field
                                   -> lnn-infer --json's object for it (answer_record, below)
-    GET  /v1/model                the model's name, labels, input and checksum
+    GET  /v1/model                the model's name, labels, input and checksum, and how it runs now
     GET  /healthz, /readyz        alive; model loaded and warmed up
     GET  /metrics                 Prometheus text: requests by status, latency, batch sizes, queue depth, rejections
     GET  /                        the page for phones (serve_page.html, shipped in the package)
@@ -453,7 +453,9 @@ def create_app(session, config: ServeConfig) -> Starlette:
         return JSONResponse({"ready": ready}, 200 if ready else 503)
 
     async def model(request: Request) -> Response:
-        return JSONResponse(model_info)
+        # the threads choice as it stands: the cpu backend times, per batch size, splitting a lone photo's
+        # layers over its threads against one thread, and reviews that choice as calls go on
+        return JSONResponse({**model_info, "threads_choice": session.describe_threads()})
 
     async def metrics_page(request: Request) -> Response:
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)

@@ -311,6 +311,8 @@ def test_a_cpu_server_is_ready_only_once_its_calls_only_compute(monkeypatch):
     with client_for(session, max_batch=4, max_delay_s=0.0) as client:
         ready = len(built)
         assert ready >= 1 and not session.backend.choosing(1)
+        choice = client.get("/v1/model").json()["threads_choice"]       # decided: what lone photos run on
+        assert choice == session.describe_threads() and "; batch 1: " in choice, choice
         for path in LEAVES[:4]:                                    # lone photos: batches of one
             assert client.post("/v1/classify", content=path.read_bytes()).status_code == 200
         assert len(built) == ready and not session.backend.choosing(1)
@@ -572,6 +574,7 @@ def test_a_cpu_server_runs_on_the_usable_cores_by_default():
 def test_model_page_and_metrics_endpoints(session, served):
     info = served.get("/v1/model").json()
     assert info["device"] == "numpy" and info["threads"] is None          # the NumPy backend has no count
+    assert info["threads_choice"] == session.describe_threads()
     page = served.get("/")
     metrics = served.get("/metrics")
     assert info["sha256"] == hashlib.sha256(DEFAULT_MODEL.read_bytes()).hexdigest()
