@@ -164,8 +164,9 @@ class Batcher:
 
     async def warm_up(self) -> None:
         """Ready every chunk size on the inference thread (Session.warm_up: the CPU backend's compile or cache
-        load, buffers, helper program and split choice, per calling thread), then be ready. The NumPy backend
-        has none of these: one call does."""
+        load, buffers, helper program and split choice, per calling thread; on several threads, batches of 8 and
+        2 ready every thread's plans for the units of 2 and 1 that split batches of any size run in), then be
+        ready. The NumPy backend has none of these: one call does."""
         for size in CHUNK_SIZES if self.session.device == "cpu" else [1]:
             await asyncio.get_running_loop().run_in_executor(self.inference, self.session.warm_up, size)
         self.ready.set()
@@ -250,14 +251,20 @@ def chunk_sizes(count: int) -> list:
 
 
 def judge_in_chunks(session, images: list, checks: list) -> tuple:
-    """(probabilities, reasons) for a batch of model inputs (lnn-infer's judge_images, which stacks each chunk:
-    the images are copied once), computed in chunks of CHUNK_SIZES. The CPU backend plans buffers per batch
-    size and keeps 4: a batch of any other size re-planned on every call (about 2x slower when sizes varied
-    from 1 to 16); padding to those sizes instead wasted up to half the work. On one thread an image costs
-    about the same in a chunk of 8 as in one of 16 (BENCHMARKS serve_load), so nothing is lost by not calling
-    it with 16."""
+    """(probabilities, reasons) for a batch of model inputs (lnn-infer's judge_images, which stacks each call's
+    images: they are copied once). A batch the CPU backend splits over its threads by images is one call: it runs
+    in units of images taken by whichever thread is free, on plans of the units' sizes, so any batch size is
+    ready (CpuBackend.splits_batch); cutting it into chunks, as below, ended most batches in a lone image split
+    by its layers, and each chunk waited for its slowest thread (2-core VM, 16 clients, by hand: 489.9 against
+    445.7 answers/s with the same units). Otherwise the batch is computed in chunks of CHUNK_SIZES: that backend
+    plans buffers per batch size and keeps 4, and a batch of any other size re-planned on every call (about 2x
+    slower when sizes varied from 1 to 16); padding to those sizes instead wasted up to half the work. On one
+    thread an image costs about the same in a chunk of 8 as in one of 16 (BENCHMARKS serve_load), so nothing is
+    lost by not calling it with 16."""
+    splits = getattr(session.backend, "splits_batch", None)
+    sizes = [len(images)] if splits is not None and splits(len(images)) else chunk_sizes(len(images))
     rows, reasons, start = [], [], 0
-    for size in chunk_sizes(len(images)):
+    for size in sizes:
         chunk_rows, chunk_reasons = judge_images(session, images[start:start + size], checks[start:start + size])
         rows.append(chunk_rows)
         reasons += chunk_reasons

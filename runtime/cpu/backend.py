@@ -44,9 +44,11 @@ runs its own share of the work:
     outputs exactly as one thread does, up to where BLAS's blocking of a smaller product rounds
     differently (up to 2e-6 on the reference models' and the bundled model's outputs;
     tests/runtime/test_cpu_threads.py checks 1e-5).
-  - a batch worth at least MIN_SPLIT_FLOPS is instead cut into N parts of the batch, each run by its
-    own plan (made with parts = 1) on one thread of the crew: whole images per core needed no
-    hand-off per layer and halved batch-32 times on 2 cores.
+  - a batch worth at least MIN_SPLIT_FLOPS is instead cut into units of SPLIT_UNIT images (fewer where the
+    batch is too small to give each thread one), taken in order by whichever thread of the crew is free,
+    each run on that thread's plan for its size (made with parts = 1): whole images per core needed no
+    hand-off per layer and halved batch-32 times on 2 cores, and units taken as threads come free keep
+    every core busy where a fixed share per thread waited for the slowest (`_run_split`).
 A shared backend (so a Session) stays safe: each calling thread has its own plans and split outputs
 (runtime/plans.py), so concurrent calls never touch each other's buffers and run in parallel (the
 kernels and BLAS release the GIL). The crew serves one call at a time; a call that finds it busy
@@ -92,6 +94,11 @@ LAYERS = layer_table("CPU", [vars(module) for module in (linear, conv1d, conv2d,
 IDENTITY_AT_INFERENCE = {"dropout"}
 PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
 MIN_SPLIT_FLOPS = 250e6  # a batch is split across threads from this much work on (measured on 2 cores)
+# Images in each unit of a batch split over the crew (_run_split). lnn-serve on the 2-core VM, 16 clients, 3 rounds
+# of 8 s, its batches whole (2026-12-06, by hand, a first version of _run_split): units of 2 took 484.5 answers/s at
+# 3.51 ms of server CPU a request, of 3 471.2 and 3.63, of 4 468.3 and 3.70; one fixed share per thread in chunks of
+# 8, 4, 2 and 1, 418.3 and 4.18. This version against that one, the same way: 469.9 and 3.64 against 438.4 and 3.98
+SPLIT_UNIT = 2
 MIN_TASK_FLOPS = 4e6     # a layer is split into parts of at least this much work each (mnist_cnn's 7 MFLOP conv: not)
 # A batch size's choice: the split plan and the one-thread plan run in turns of TRIAL_BLOCK calls in a row,
 # TRIAL_BLOCKS turns each, the first call of each turn untimed (`_choose` says why). Five turns each instead of
@@ -316,7 +323,7 @@ class CpuBackend:
 
     def _run_with_features(self, x: np.ndarray) -> tuple:
         batch = x.shape[0]
-        if self._splits_batch(batch):
+        if self.splits_batch(batch):
             with BLAS_THREADS:
                 return self._run_split(x)
         parts = self._parts(batch)
@@ -332,18 +339,26 @@ class CpuBackend:
             trial.append((parts, time.perf_counter() - start))
         return plan.output, plan.kept
 
-    def _splits_batch(self, batch: int) -> bool:
-        """Whether calls of this batch size cut the batch into one share of images per thread (_run_split)."""
+    def splits_batch(self, batch: int) -> bool:
+        """Whether calls of this batch size cut the batch into units of images taken by the crew's threads
+        (_run_split): then a call of any such size needs no plan of its own, only its units' plans."""
         return self._crew is not None and batch > 1 and batch >= self._first_split_batch()
 
     def _first_split_batch(self) -> int:
-        """The smallest batch worth MIN_SPLIT_FLOPS, 2 at least: from it on, a batch's images are split (_splits_batch)."""
+        """The smallest batch worth MIN_SPLIT_FLOPS, 2 at least: from it on, a batch's images are split (splits_batch)."""
         return max(2, -(-int(MIN_SPLIT_FLOPS) // max(1, self._flops_per_row)))
 
-    def _shares(self, batch: int) -> list:
-        """[(start, stop), ...]: the images of each thread's share of a batch split by images."""
-        bounds = np.linspace(0, batch, min(self.threads, batch) + 1).astype(int)
-        return list(zip(bounds[:-1], bounds[1:]))
+    def _unit(self, batch: int) -> int:
+        """Images in each unit of a split batch (the last may have fewer): SPLIT_UNIT, or fewer where the batch
+        would not give every thread one (a batch of 2 on 2 threads: one image each)."""
+        return min(SPLIT_UNIT, -(-batch // self.threads))
+
+    def _unit_plans(self, batch: int) -> dict:
+        """{(images, part): plan} for the units of a split batch, every thread's (part's) plan for each unit
+        size, planned here in the calling thread's cache, not in the workers."""
+        unit = self._unit(batch)
+        parts = min(self.threads, -(-batch // unit))
+        return {(size, part): self._plan(size, 1, part) for size in {unit, batch % unit} - {0} for part in range(parts)}
 
     def _parts(self, batch: int) -> int:
         """The chosen parts of a one-image batch size, or _choose's turn while it is (again) being timed."""
@@ -415,7 +430,7 @@ class CpuBackend:
 
     def split_choice(self) -> str | None:
         """What _choose decided, in words, for the one-image calls seen so far, then from which batch size the images
-        are split instead (_splits_batch); None with one thread."""
+        are split instead (splits_batch); None with one thread."""
         if self._crew is None:
             return None
         decided = sorted(self._chosen.items())
@@ -436,20 +451,28 @@ class CpuBackend:
         plan.run(x, self._crew if plan.claims else None, held=False)      # Claimed steps need no hold on it
 
     def _run_split(self, x: np.ndarray) -> tuple:
+        """A batch in units of `_unit` images, in order, each taken by whichever thread of the crew is free and
+        run on that thread's plan for its size; the crew busy (another call holds it): all on this thread.
+        One fixed share per thread waited for the slowest: in lnn-serve a decoding thread holding up one core
+        left the other spinning, then idle, until that share was done. Each image is computed as its unit's
+        plan computes it, whichever thread takes it, so a call's bytes do not depend on the threads' timing."""
         batch = x.shape[0]
-        parts = [(self._plan(stop - start, 1, part), start, stop)          # planned here, not in the workers
-                 for part, (start, stop) in enumerate(self._shares(batch))]
+        unit = self._unit(batch)
+        plans = self._unit_plans(batch)
         output, kept = self._outputs.get(batch)
+        starts = iter(range(0, batch, unit))             # shared by the threads: a next() is one step under the GIL
 
-        def run_part(plan: Plan, start: int, stop: int) -> None:
-            output[start:stop] = plan.run(x[start:stop])
-            for name, value in plan.kept.items():
-                kept[name][start:stop] = value
+        def run_units(part: int) -> None:
+            for start in starts:
+                stop = min(start + unit, batch)
+                plan = plans[(stop - start, part)]
+                output[start:stop] = plan.run(x[start:stop])
+                for name, value in plan.kept.items():
+                    kept[name][start:stop] = value
 
-        tasks = [[partial(run_part, *part)] for part in parts]
+        tasks = [[partial(run_units, part)] for part in sorted({part for _, part in plans})]
         if not self._crew.try_run(lambda crew: crew.run(tasks)):
-            for task in tasks:
-                run_steps(task)
+            run_units(0)
         return output, kept
 
     def profile(self, x: np.ndarray, repeats: int) -> list:
@@ -457,10 +480,9 @@ class CpuBackend:
         of x on the plan this batch size's calls run: where the split of one image's layers was chosen (_choose),
         the split plan, each split layer's tasks on the crew as in a call (posted to its helper program where it
         has one); threads: the tasks that layer is cut into, 1 where it is not split. A batch split by images: the
-        plan of the largest share of its images, on one thread (each thread runs every layer on its share at the same
-        time, so the layers' times add up to about a call's)."""
-        if self._splits_batch(x.shape[0]):
-            x = x[:max(stop - start for start, stop in self._shares(x.shape[0]))]
+        plan of one of its units, on one thread (the threads run every layer on their units at the same time)."""
+        if self.splits_batch(x.shape[0]):
+            x = x[:self._unit(x.shape[0])]
             parts = 1
         else:
             parts = self._chosen.get(x.shape[0], 1)
@@ -492,7 +514,8 @@ class CpuBackend:
     def warmup(self, batch: int = 1) -> float:
         """Ready the calling thread's calls of this batch size: compile (or load from the cache) every kernel this
         model uses, plan the buffers, build the split plan's helper program (at its PROGRAM_AT_RUN'th run) and make
-        the split choice (`choosing`), so that later calls only compute. Without it that work fell on the first
+        the split choice (`choosing`), or, for a batch split by images, build every thread's unit plans and their
+        one-thread programs, so that later calls only compute. Without it that work fell on the first
         calls that needed it: inside lnn-serve, whose warm-up ran each chunk size once, a helper program compiled
         (uncached, seconds) in a batch's call during load. Returns and records the compile seconds: the first
         two runs (the second builds the program) minus twice a warm run's."""
@@ -504,6 +527,10 @@ class CpuBackend:
             first_two += time.perf_counter() - start
         while self.choosing(batch):
             self.run(x)
+        if self.splits_batch(batch):          # every thread's plan for each unit size, whichever thread takes which
+            for (size, _), plan in self._unit_plans(batch).items():
+                for _ in range(PROGRAM_AT_RUN):
+                    plan.run(x[:size])
         start = time.perf_counter()
         self.run(x)
         self.compile_seconds = max(0.0, first_two - 2 * (time.perf_counter() - start))

@@ -38,7 +38,7 @@ tomato's 7 split steps, with kernels that do nothing, took 39 us a call through 
 the two took 7.2 s), leaf_cnn's 1.3 and 1.5 (by hand).
 
 One thread's steps (`build_steps_program`, a StepsProgram): a plan run on one thread (a one-thread backend, each
-share of a batch split by images, a split plan whose crew another call holds) called its kernels one by one from
+unit of a batch split by images, a split plan whose crew another call holds) called its kernels one by one from
 Python, taking the GIL back after each. Beside a thread running Python (lnn-serve's event loop and photo decoding
 beside its inference), each take waits for that thread to let go, up to the switch interval (5 ms): the bundled
 model's batch of 8 (116 steps) took 616 ms a call beside a Python loop against 16 alone (by hand). From such a

@@ -594,8 +594,9 @@ def test_threads_split_a_large_batch_and_match_the_reference():
     backend, reference = cpu_backend(model, weights, threads=2), NumpyBackend(model, weights)
     per_row = sum(node.flops for node in model.nodes)
     rng = np.random.default_rng(6)
-    for batch in (1, 3, 1):                     # 1 row: its layers split; 3 rows are split into rows [0, 1) and [1, 3)
+    for batch in (1, 3, 1):                     # 1 row: its layers split; 3 rows are split into units [0, 2) and [2, 3)
         x = rng.standard_normal((batch, *model.input_shape)).astype(np.float32)
         np.testing.assert_allclose(backend.run(x), reference.run(x), rtol=0, atol=TOLERANCE)
     assert 3 * per_row >= MIN_SPLIT_FLOPS > per_row
-    assert set(backend._plans.keys()) == {(1, 2, 0), (1, 1, 0), (2, 1, 1)}    # (rows, parts, part)
+    assert set(backend._plans.keys()) == {(1, 2, 0), (1, 1, 0), (2, 1, 0), (2, 1, 1), (1, 1, 1)}  # (rows, parts, part):
+    # a lone row's split plan; each thread's plans for units of 2 rows and of 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -739,7 +740,7 @@ def test_threads_auto_is_the_usable_cores():
                             "batches of ")
     by_images = int(words.split("; batches of ")[1].split()[0])           # the smallest batch split by its images
     assert words.endswith(f"batches of {by_images} or more: their images split over 3 threads")
-    assert three.backend._splits_batch(by_images) and not three.backend._splits_batch(by_images - 1)
+    assert three.backend.splits_batch(by_images) and not three.backend.splits_batch(by_images - 1)
     assert Session(source, "cpu", threads=1).describe_threads() == "cpu backend, 1 thread (as asked)"
     numpy_session = Session(source, "numpy")
     assert numpy_session.threads is None and "no thread count of its own" in numpy_session.describe_threads()
@@ -773,9 +774,53 @@ def test_the_bundled_model_split_matches_one_thread():
 
 
 @pytest.mark.parametrize("threads", [2, 3])
+def test_a_batch_split_by_images_runs_in_units_that_give_the_same_bytes_whoever_takes_them(threads, monkeypatch):
+    """A split batch is cut into units of SPLIT_UNIT images (1 each where the batch is too small to give every
+    thread one): each image's bytes are those of a one-thread run of its unit, whichever thread took it; any batch
+    size runs on the units' plans alone."""
+    from lnn.runtime.cpu import backend
+
+    monkeypatch.setattr(backend, "MIN_SPLIT_FLOPS", 0)                  # any batch of 2 or more split by images
+    input_shape, layers = CASES["conv_chain_then_linear"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    weights = random_weights(model, np.random.default_rng(11))
+    one, split = split_backend(model, weights, 1), split_backend(model, weights, threads)
+    for batch in (2, 3, 5, 8, 13):
+        x = np.random.default_rng(batch).standard_normal((batch, *input_shape)).astype(np.float32)
+        unit = min(backend.SPLIT_UNIT, -(-batch // threads))
+        by_units = np.concatenate([one.run(x[start:start + unit]).copy() for start in range(0, batch, unit)])
+        np.testing.assert_array_equal(split.run(x), by_units)
+        np.testing.assert_allclose(split.run(x), one.run(x), rtol=0, atol=SPLIT_TOLERANCE)
+    assert {rows for rows, _, _ in split._plans.keys()} <= {1, 2}      # no plan of 3, 5, 8 or 13 images
+
+
+def test_a_thread_held_up_leaves_the_other_units_to_the_threads_that_are_free(monkeypatch):
+    """The units of a split batch are taken as threads come free: with the helper held up 0.2 s in its first
+    unit, the calling thread ran all the others (with a fixed share per thread, the helper ran half of them)."""
+    from lnn.runtime.cpu import backend
+
+    monkeypatch.setattr(backend, "MIN_SPLIT_FLOPS", 0)                  # any batch of 2 or more split by images
+    input_shape, layers = CASES["conv_chain_then_linear"]
+    model = parse_model({"input_shape": input_shape, "layers": layers})
+    split = split_backend(model, random_weights(model, np.random.default_rng(12)), 2)
+    batch = 2 * 8                                                       # 8 units of 2
+    x = np.random.default_rng(13).standard_normal((batch, *input_shape)).astype(np.float32)
+    expected = split.run(x).copy()
+    ran = []
+    for (_, part), plan in split._unit_plans(batch).items():
+        def run(images, plan=plan, part=part, plain=plan.run):
+            ran.append(part)
+            time.sleep(0.2 if part == 1 else 0.002)
+            return plain(images)
+        plan.run = run
+    np.testing.assert_array_equal(split.run(x), expected)
+    assert sorted(ran) in ([0] * 7 + [1], [0] * 8), ran     # 8 zeros: the helper had not started when all were taken
+
+
+@pytest.mark.parametrize("threads", [2, 3])
 def test_the_profile_times_the_layers_as_the_calls_split_them(threads, monkeypatch):
     """lnn-bench --profile on a split plan: each layer timed with its tasks on the crew, the threads it is cut into
-    reported (1 for a layer left whole); a batch split by images is profiled on its largest share's plan, one thread."""
+    reported (1 for a layer left whole); a batch split by images is profiled on one of its units' plans, one thread."""
     input_shape, layers = CASES["conv_chain_then_linear"]
     model = parse_model({"input_shape": input_shape, "layers": layers})
     split = split_backend(model, random_weights(model, np.random.default_rng(3)), threads)
@@ -789,11 +834,11 @@ def test_the_profile_times_the_layers_as_the_calls_split_them(threads, monkeypat
     from lnn.runtime.cpu import backend
 
     monkeypatch.setattr(backend, "MIN_SPLIT_FLOPS", 0)      # any batch of 2 or more split by images
-    assert split._splits_batch(4)
+    assert split.splits_batch(4)
     planned, plan_class = [], backend.Plan
     monkeypatch.setattr(backend, "Plan", lambda *args, **options: planned.append(args[2]) or plan_class(*args, **options))
     assert [count for *_, count in split.profile(np.repeat(x, 5, axis=0), 2)] == [1] * len(rows)
-    assert planned == [-(-5 // threads)]                   # the largest share: 3 of 5 images on 2 threads, 2 on 3
+    assert planned == [backend.SPLIT_UNIT]                   # a unit: 2 of the 5 images
 
 
 def programs_or_skip():

@@ -335,6 +335,24 @@ def test_batches_computed_in_chunks_give_the_whole_batchs_answers(session):
     assert reasons == whole.reasons
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_batch_split_over_threads_is_one_call_and_one_thread_runs_chunks(session, threads):
+    """On several threads the CPU backend splits a batch into units of images (any batch size is ready): the
+    batcher's 13 images are one call, whose answers are the one-thread session's. On one thread: chunks of 8, 4
+    and 1, the batch sizes whose buffers it keeps."""
+    pytest.importorskip("numba")
+    cpu = lnn.load(DEFAULT_MODEL, device="cpu", threads=threads)
+    images = np.stack([session.prepare_image(path) for path in LEAVES] + [session.prepare_image(LEAVES[0])] * 5)
+    assert cpu.backend.splits_batch(13) == (threads > 1)
+    calls, run = [], cpu.backend.run_with_features
+    cpu.backend.run_with_features = lambda x: calls.append(len(x)) or run(x)
+    probabilities, reasons = judge_in_chunks(cpu, images, [None] * len(images))
+    assert calls == ([13] if threads > 1 else [8, 4, 1])
+    whole = session.judge(images)
+    np.testing.assert_allclose(probabilities, whole.probabilities, rtol=1e-4, atol=1e-5)
+    assert reasons == whole.reasons
+
+
 def test_bad_images_get_400_with_lnn_infers_reason(served, tmp_path):
     truncated = LEAVES[0].read_bytes()[:2000]
     (tmp_path / "cut.jpg").write_bytes(truncated)
