@@ -538,10 +538,11 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
     # what the unbatched server ran its photos on: chosen by timing in its own process (the cpu backend's split of
     # one photo's layers against one thread), it moves this baseline more than the run-to-run noise does
     lone = [row["lone_photos"] for row in [by[(list(servers)[1], 16)], *target_rows[1::2]]]
-    lone_line = (f" The unbatched server's photos ran on: {lone[0]} in the table's row"
-                 + (f", then {', '.join(map(str, lone[1:]))} in the rounds" if len(lone) > 1 else "")
-                 + " (its cpu backend times splitting a photo's layers over the cores against one thread, in each "
-                   "process, and reviews that choice as calls go on; /v1/model's threads_choice).")
+    lone_line = (f" What the unbatched server had chosen for its photos at the end of each run (/v1/model's "
+                 f"threads_choice): {lone[0]} after the table's row"
+                 + (f", then {', '.join(map(str, lone[1:]))} after the rounds" if len(lone) > 1 else "")
+                 + "; its cpu backend times splitting a photo's layers over the cores against one thread in each "
+                   "process and reviews that choice as calls go on, so a run may have run on both.")
     page_photos = photos_of_size(*PAGE_UPLOAD)
     page_rows = batching_pair("lnn, 1600×1200 uploads", MODEL, page_photos, expected_labels(page_photos), args)
     page_part = ["### Uploads of the page's size: 1600×1200, 16 clients",
