@@ -84,7 +84,7 @@ from lnn.runtime.cpu.conv2d import Conv2dLayer
 from lnn.runtime.cpu.jit import CACHE_ENABLED, blas_libraries
 from lnn.runtime.cpu.linear import LinearLayer, chain_eligible, plan_chain
 from lnn.runtime.cpu.padding import padded_buffer
-from lnn.runtime.cpu.parallel import SHARED, Claimed, Crew, Parallel, all_steps, run_steps
+from lnn.runtime.cpu.parallel import Claimed, Crew, Parallel, all_steps, run_steps
 from lnn.runtime.cpu.winograd import STRIP_POSITIONS, blas_product, blas_products
 from lnn.runtime.plans import PerThreadCache
 from lnn.runtime.features import LayerOutputs, check_kept
