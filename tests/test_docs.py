@@ -21,6 +21,8 @@ def test_the_app_extra_holds_what_packaging_build_sh_needs():
     app = requirement_names(PYPROJECT["project"]["optional-dependencies"]["app"])
     assert requirement_names(PYPROJECT["build-system"]["requires"]) <= app
     assert "pyinstaller" in app
+    # the app's Phones menu runs lnn-serve: a bundle built from `pip install '.[app]'` holds it
+    assert "lnn[serve]" in PYPROJECT["project"]["optional-dependencies"]["app"]
 
 
 def test_the_cuda_extra_is_the_cupy_build_the_gpu_figures_were_measured_with():

@@ -27,18 +27,22 @@ The answer's wording (labels, uncertainty, advice) comes from lnn-infer's Answer
 and the command line always agree.
 
 The Phones menu runs lnn-serve (tools/serve.py's BackgroundServer) on a thread of this process, on every
-network, port 8080, with the window's model, and shows the address phones on the station's Wi-Fi open.
+network, port 8080, with the window's model, and shows the address phones on the station's Wi-Fi open, in
+words and as a QR code that a phone's camera opens.
 """
 
 from __future__ import annotations
 
 import csv
 import datetime
+import io
+import ipaddress
 import queue
 import threading
 import tkinter as tk
 from pathlib import Path
 from tkinter import filedialog, messagebox, ttk
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -58,6 +62,7 @@ SUMMARY_LINES = 12            # failures listed by name in one summary dialog; t
 UNCERTAIN_HEADLINES = {"low_confidence": "Uncertain — take a clearer photo of one leaf",
                        "not_a_leaf": "Not a leaf this model knows — no diagnosis"}
 RETAKE_HEADLINE = "Retake the photo — no diagnosis"          # the photo checks' reasons
+QR_SCALE = 6                  # screen pixels a QR module: a 25-module code and its margin, about 200 pixels
 REPORT_COLUMNS = ("time", "photo", "result", "confidence", "uncertain", "second", "third", "advice", "model")
 PHONE_SERVER_HOST, PHONE_SERVER_PORT = "0.0.0.0", 8080      # every network of this computer: the station's Wi-Fi
 
@@ -181,6 +186,7 @@ class FieldApp:
         self.busy = False
         self.shown_image = None             # keeps the PhotoImage alive while it is on screen
         self.phone_server = None            # lnn-serve's BackgroundServer while the Phones menu has it running
+        self.address_dialog = self.address_image = None     # the window with its address, and its QR code
         self._build()
         self.worker.start()
         self.open_model(model_path or DEFAULT_MODEL)
@@ -318,6 +324,7 @@ class FieldApp:
         if self.phone_server is not None:
             self.phone_server.stop()
             self.phone_server = None
+            self.close_phone_address()
             self.phones_menu.entryconfigure(0, label="Start the phone server…")
             text = "The phone server is stopped; phones get no more answers from this computer."
             messagebox.showinfo(TITLE, text, parent=self.root)
@@ -337,8 +344,36 @@ class FieldApp:
         if host in ALL_NETWORKS and lan_address() == "127.0.0.1":
             text += ("\n\nThis computer is on no network now: connect it to the station's Wi-Fi, then stop and "
                      "start the phone server again to see its address there.")
-        messagebox.showinfo(TITLE, text, parent=self.root)
+        scannable = phones_can_open(url)
+        if scannable:
+            text += "\n\nOr point a phone's camera at this code, which opens the same address:"
+        self.show_phone_address(text, url if scannable else None)
         return text
+
+    def show_phone_address(self, text: str, url: str | None) -> None:
+        """The phone server's address in a window of its own beside the main one (which goes on answering), with
+        the QR code of `url` when given; replaces the one shown before."""
+        from lnn.tools.serve_app import address_qr
+
+        self.close_phone_address()
+        dialog = self.address_dialog = tk.Toplevel(self.root)
+        dialog.title(TITLE)
+        dialog.transient(self.root)
+        dialog.protocol("WM_DELETE_WINDOW", self.close_phone_address)
+        frame = ttk.Frame(dialog, padding=16)
+        frame.pack(fill="both", expand=True)
+        ttk.Label(frame, text=text, wraplength=440, justify="left").pack(anchor="w")
+        if url is not None:
+            ppm = io.BytesIO()
+            address_qr(url).save(ppm, kind="ppm", scale=QR_SCALE, border=4)     # 4 modules: the margin readers need
+            self.address_image = tk.PhotoImage(data=ppm.getvalue(), format="ppm")
+            ttk.Label(frame, image=self.address_image).pack(pady=12)
+        ttk.Button(frame, text="OK", command=self.close_phone_address).pack(pady=(12, 0))
+
+    def close_phone_address(self) -> None:
+        if self.address_dialog is not None:
+            self.address_dialog.destroy()
+        self.address_dialog = self.address_image = None
 
     # ---- results from the worker
 
@@ -461,6 +496,16 @@ class FieldApp:
     def shown_text(self) -> str:
         """What the answer panel says, as one string (for tests and screen readers)."""
         return "\n".join((self.headline.get(), self.details.get(), self.advice.get()))
+
+
+def phones_can_open(url: str) -> bool:
+    """False for a loopback address (127.0.0.1, ::1, localhost): a phone opening it reaches itself, not this
+    computer, so its QR code would only mislead."""
+    host = urlsplit(url).hostname or ""
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:                           # a name
+        return host != "localhost"
 
 
 def run_app(model_path: str | None = None, photos=()) -> int:

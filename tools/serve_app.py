@@ -30,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+import segno
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 from starlette.applications import Starlette
@@ -54,6 +55,13 @@ disable_created_metrics()               # no *_created series: only what a stati
 for _name in ("python_multipart", "multipart"):     # its warnings on a malformed form ("Expected boundary
     logging.getLogger(_name).setLevel(logging.ERROR)  # character 45, got 0 at index 2") went to stderr, one line
     # per hostile request; the form's 400 already says what was wrong with it
+
+
+def address_qr(url: str) -> segno.QRCode:
+    """The QR code of the address phones open: a phone's camera app reads it and offers to open the page, so
+    nobody types an IP address on a phone. Error correction M (about 15% of the code may be misread, by glare on
+    a screen or a smudge, and it still reads; segno raises it where the symbol's size has room for more)."""
+    return segno.make(url, error="m", micro=False)
 
 
 # --------------------------------------------------------------------------- one image: decode, answer

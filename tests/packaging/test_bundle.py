@@ -13,7 +13,6 @@ import stat
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -60,6 +59,17 @@ def test_the_bundle_is_small_and_holds_compiled_kernels_not_numba_or_opencv(read
     assert list(internal.glob("lnn_cpu_kernels*")), "the compiled kernels are missing"
     assert not [p.name for p in internal.iterdir() if p.name.split(".")[0] in ("numba", "llvmlite", "cv2")
                 and p.is_dir() and not p.name.endswith(".dist-info")]
+
+
+def test_the_bundle_holds_the_phones_menus_server(read_only_install):
+    """The Phones menu imports lnn-serve's stack when it starts the server, not when the app starts: a bundle
+    without it would say so only then, on the station."""
+    from PyInstaller.archive.readers import CArchiveReader
+
+    modules = set(CArchiveReader(str(read_only_install / EXE)).open_embedded_archive("PYZ.pyz").toc)
+    wanted = {"lnn.tools.serve", "lnn.tools.serve_app", "uvicorn", "starlette", "multipart", "prometheus_client",
+              "segno"}
+    assert wanted <= modules, f"missing from the bundle: {sorted(wanted - modules)}"
 
 
 def test_frozen_cli_from_a_read_only_install_twice_nothing_compiled(read_only_install, tmp_path):

@@ -1,5 +1,6 @@
 """lnn-field's Phones menu: it starts lnn-serve in the background with the window's model, the dialog
-gives the address phones open, a photo sent there gets its answer, and the same menu stops it.
+gives the address phones open (and its QR code, read back with OpenCV's QR reader), a photo sent there gets
+its answer, and the same menu stops it.
 
 Runs the window on the virtual display of test_field_app.py (a child process per scenario, skipping
 without Xvfb or Tk). The test listens on loopback only (the menu's default is every network, 0.0.0.0)."""
@@ -62,6 +63,28 @@ def test_the_address_for_phones_is_the_lan_address_on_every_network():
     assert lan_address().count(".") == 3
 
 
+def test_only_addresses_other_devices_reach_get_a_qr_code():
+    pytest.importorskip("tkinter")
+    from lnn.tools.field_ui import phones_can_open
+
+    assert phones_can_open("http://192.168.1.23:8080/") and phones_can_open("http://[fe80::1]:8080/")
+    assert phones_can_open("http://station.local:8080/")
+    for loopback in ("http://127.0.0.1:8080/", "http://127.0.1.1:8080/", "http://[::1]:8080/", "http://localhost:8080/"):
+        assert not phones_can_open(loopback), loopback
+
+
+def read_qr_code(image) -> str:
+    """The text of the QR code a Tk PhotoImage shows, read by OpenCV's QR reader ("" when none is found)."""
+    import tempfile
+
+    import cv2
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = str(Path(folder) / "shown.ppm")
+        image.write(path, format="ppm")
+        return cv2.QRCodeDetector().detectAndDecode(cv2.imread(path))[0]
+
+
 def child() -> int:
     import time
     import tkinter as tk
@@ -83,6 +106,7 @@ def child() -> int:
     text = app.toggle_phone_server("127.0.0.1", 0)
     url = app.phone_server.url
     assert url.startswith("http://127.0.0.1:") and url in text and url in app.phones_menu.entrycget(0, "label"), text
+    assert app.address_dialog.winfo_exists() and app.address_image is None, "a loopback address got a QR code"
     deadline = time.monotonic() + ANSWER_TIMEOUT_S
     while httpx.get(url + "readyz").status_code != 200:
         assert time.monotonic() < deadline, "the phone server never became ready"
@@ -90,14 +114,19 @@ def child() -> int:
     answer = httpx.post(url + "v1/classify", content=(LEAVES / "late_blight.jpg").read_bytes(), timeout=60).json()
     assert answer["display"] == "Late blight", answer
 
+    station = "http://192.168.1.23:8080/"               # the address dialog of a server on the station's Wi-Fi
+    app.show_phone_address(f"Phones open {station}", station)
+    assert read_qr_code(app.address_image) == station
+
     assert "stopped" in app.toggle_phone_server()
+    assert app.address_dialog is None, "the address stayed on screen after Stop"
     assert app.phone_server is None and app.phones_menu.entrycget(0, "label").startswith("Start")
     try:
         httpx.get(url + "healthz", timeout=5)
         raise AssertionError("the phone server still answers after Stop")
     except httpx.ConnectError:
         pass
-    assert len(dialogs) == 2
+    assert len(dialogs) == 1
     root.destroy()
     return 0
 
