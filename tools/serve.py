@@ -9,8 +9,8 @@ POST /v1/classify takes a photo (the body, or a multipart `file` field) and retu
 object. Requests that arrive together are merged into one batch of up to --max-batch images, waiting at
 most --max-delay-ms after the first was ready for photos still being decoded (none on the way: no wait). Over
 --queue requests, --max-connections connections or --upload-memory bytes of uploads at once: 503 with
-Retry-After; a body over --max-body: 413; not an image, truncated or over --max-pixels: 400 with
-lnn-infer's reason; no answer within --timeout: 504. GET /v1/model, /healthz, /readyz (warmed up) and
+Retry-After; a body over --max-body: 413; one sent compressed (Content-Encoding): 415; not an image,
+truncated or over --max-pixels: 400 with lnn-infer's reason; no answer within --timeout: 504. GET /v1/model, /healthz, /readyz (warmed up) and
 /metrics (Prometheus). SIGTERM finishes the requests in flight, then exits 0.
 Needs the serve extra: pip install 'lnn[serve]'.
 """

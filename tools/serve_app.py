@@ -8,7 +8,7 @@
     GET  /                        the page for phones (serve_page.html, shipped in the package)
 
 A request's path: admission (more than --queue requests in the server -> 503 with Retry-After), the body
-read up to --max-body (413), decode + preprocessing on a thread pool (400 with lnn-infer's one-line reason),
+(one sent compressed -> 415) read up to --max-body (413), decode + preprocessing on a thread pool (400 with lnn-infer's one-line reason),
 then the Batcher, which merges the images waiting into one batch (up to --max-batch images, waiting at
 most --max-delay-ms after the first while other photos are still being decoded) computed on ONE inference
 thread, so decoding the next requests runs while a batch is computed. No answer within --timeout -> 504.
@@ -342,7 +342,16 @@ async def read_body(request: Request, max_body: int, take) -> bytearray:
 
 
 async def upload_from(request: Request, max_body: int, take) -> tuple[bytes | bytearray, str]:
-    """(image bytes, name) from a raw body or a multipart form's `file` field; take: read_body's."""
+    """(image bytes, name) from a raw body or a multipart form's `file` field; take: read_body's. A body sent
+    compressed (Content-Encoding: gzip, ...) is refused before it is read: 415 naming its coding, where it was
+    read as a photo and answered "not an image" (undoing it would be a decompression bomb's door, and a photo
+    is compressed already)."""
+    codings = [coding.strip().lower() for value in request.headers.getlist("content-encoding")
+               for coding in value.split(",") if coding.strip().lower() not in ("", "identity")]
+    if codings:
+        raise Refused(415, f"the upload is sent compressed (Content-Encoding: {', '.join(codings)[:60]}), which "
+                           f"lnn-serve does not undo; send the photo's own bytes", "encoded_upload",
+                      {"Accept-Encoding": "identity"})
     body = await read_body(request, max_body, take)
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()    # case-insensitive
     if media_type != "multipart/form-data":

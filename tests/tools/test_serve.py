@@ -425,6 +425,22 @@ def test_uploads_cut_short_are_counted_as_400_not_as_server_faults(served):
     assert counted(before, after, "lnn_serve_request_seconds_count") == 3
 
 
+def test_compressed_uploads_get_415_naming_their_coding(served):
+    """Content-Encoding: gzip was read as the photo's bytes: 400 "not an image", a reason that sent the
+    phone's developer looking at the photo."""
+    import gzip
+
+    photo = LEAVES[0].read_bytes()
+    before = metric_samples(served)
+    for coding in ("gzip", "identity, br", "Deflate"):
+        refused = served.post("/v1/classify", content=gzip.compress(photo), headers={"Content-Encoding": coding})
+        assert refused.status_code == 415 and refused.headers["accept-encoding"] == "identity", refused.text
+        assert "compressed" in refused.json()["error"] and coding.split(",")[-1].strip().lower() in refused.json()["error"]
+    assert counted(before, metric_samples(served), "lnn_serve_rejected_total", reason="encoded_upload") == 3
+    plain = served.post("/v1/classify", content=photo, headers={"Content-Encoding": "identity"})
+    assert plain.status_code == 200, plain.text
+
+
 def test_multipart_media_type_is_case_insensitive_and_bad_forms_leave_no_log_lines(served, caplog):
     """MULTIPART/FORM-DATA (media types are case-insensitive) was read as a raw body: 400, not an image.
     python-multipart's warnings on a malformed form reached stderr, a line per hostile request."""
