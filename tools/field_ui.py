@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import csv
 import datetime
-import io
-import ipaddress
 import queue
 import threading
 import tkinter as tk
 from pathlib import Path
 from tkinter import filedialog, messagebox, ttk
-from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -62,7 +59,6 @@ SUMMARY_LINES = 12            # failures listed by name in one summary dialog; t
 UNCERTAIN_HEADLINES = {"low_confidence": "Uncertain — take a clearer photo of one leaf",
                        "not_a_leaf": "Not a leaf this model knows — no diagnosis"}
 RETAKE_HEADLINE = "Retake the photo — no diagnosis"          # the photo checks' reasons
-QR_SCALE = 6                  # screen pixels a QR module: a 25-module code and its margin, about 200 pixels
 REPORT_COLUMNS = ("time", "photo", "result", "confidence", "uncertain", "second", "third", "advice", "model")
 PHONE_SERVER_HOST, PHONE_SERVER_PORT = "0.0.0.0", 8080      # every network of this computer: the station's Wi-Fi
 
@@ -319,7 +315,7 @@ class FieldApp:
     def toggle_phone_server(self, host: str = PHONE_SERVER_HOST, port: int = PHONE_SERVER_PORT) -> str:
         """The Phones menu: start lnn-serve in the background with the model in use, or stop it. The dialog
         says which address phones open; returns its text."""
-        from lnn.tools.serve import ALL_NETWORKS, BackgroundServer, lan_address
+        from lnn.tools.serve import ALL_NETWORKS, BackgroundServer, lan_address, phones_can_open
 
         if self.phone_server is not None:
             self.phone_server.stop()
@@ -364,9 +360,7 @@ class FieldApp:
         frame.pack(fill="both", expand=True)
         ttk.Label(frame, text=text, wraplength=440, justify="left").pack(anchor="w")
         if url is not None:
-            ppm = io.BytesIO()
-            address_qr(url).save(ppm, kind="ppm", scale=QR_SCALE, border=4)     # 4 modules: the margin readers need
-            self.address_image = tk.PhotoImage(data=ppm.getvalue(), format="ppm")
+            self.address_image = tk.PhotoImage(data=address_qr(url, "ppm"), format="ppm")
             ttk.Label(frame, image=self.address_image).pack(pady=12)
         ttk.Button(frame, text="OK", command=self.close_phone_address).pack(pady=(12, 0))
 
@@ -496,16 +490,6 @@ class FieldApp:
     def shown_text(self) -> str:
         """What the answer panel says, as one string (for tests and screen readers)."""
         return "\n".join((self.headline.get(), self.details.get(), self.advice.get()))
-
-
-def phones_can_open(url: str) -> bool:
-    """False for a loopback address (127.0.0.1, ::1, localhost): a phone opening it reaches itself, not this
-    computer, so its QR code would only mislead."""
-    host = urlsplit(url).hostname or ""
-    try:
-        return not ipaddress.ip_address(host).is_loopback
-    except ValueError:                           # a name
-        return host != "localhost"
 
 
 def run_app(model_path: str | None = None, photos=()) -> int:

@@ -4,20 +4,22 @@
     lnn-serve --host 0.0.0.0                    # phones on the station's Wi-Fi open http://<this box>:8080/
     curl -F file=@leaf.jpg http://127.0.0.1:8080/v1/classify
 
-Phones open the page at / (a camera button, the answer in words with its advice, the last answers).
+Phones open the page at / (a camera button, the answer in words with its advice, the last answers, and the
+QR code of its address for the next phone).
 POST /v1/classify takes a photo (the body, or a multipart `file` field) and returns lnn-infer --json's
-object. Requests that arrive together are merged into one batch of up to --max-batch images, waiting at
-most --max-delay-ms after the first was ready for photos still being decoded (none on the way: no wait). Over
+object. Requests that arrive together are merged into one batch of up to --max-batch images, waiting at most
+--max-delay-ms after the first was ready for photos still being decoded (none on the way: no wait). Over
 --queue requests, --max-connections connections or --upload-memory bytes of uploads at once: 503 with
-Retry-After; a body over --max-body: 413; one sent compressed (Content-Encoding): 415; not an image,
-truncated or over --max-pixels: 400 with lnn-infer's reason; no answer within --timeout: 504. GET /v1/model, /healthz, /readyz (warmed up) and
-/metrics (Prometheus). SIGTERM finishes the requests in flight, then exits 0.
+Retry-After; a body over --max-body: 413; one sent compressed (Content-Encoding): 415; not an image, truncated
+or over --max-pixels: 400 with lnn-infer's reason; no answer within --timeout: 504. GET /v1/model, /healthz,
+/readyz (warmed up) and /metrics (Prometheus). SIGTERM finishes the requests in flight, then exits 0.
 Needs the serve extra: pip install 'lnn[serve]'.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import re
@@ -26,6 +28,7 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from lnn.formats.errors import LnnError, LnnInputError
 from lnn.runtime.cores import usable_cpus
@@ -358,6 +361,16 @@ def phone_url(host: str, port: int) -> str:
     return f"http://{lan_address() if host in ALL_NETWORKS else host}:{port}/"
 
 
+def phones_can_open(url: str) -> bool:
+    """False for a loopback address (127.0.0.1, ::1, localhost): a phone opening it reaches itself, not this
+    computer, so its QR code would only mislead."""
+    host = urlsplit(url).hostname or ""
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:                           # a name
+        return host != "localhost"
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """Bind here, not in uvicorn, so a port in use is one clear error before anything starts."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -411,6 +424,7 @@ def server_for(model, host: str, port: int, device: str = "auto", threads: int |
     config = ServeConfig(**settings)
     sock = listening_socket(host, port)
     app = create_app(session, config)
+    app.state.phone_url = phone_url(host, sock.getsockname()[1])     # the page's QR code falls back to it
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                            http=guarded_protocol(config, app.state.metrics) or "auto",
                                            timeout_graceful_shutdown=config.timeout_s + 5))

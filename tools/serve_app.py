@@ -6,14 +6,15 @@
     GET  /healthz, /readyz        alive; model loaded and warmed up
     GET  /metrics                 Prometheus text: requests by status, latency, batch sizes, queue depth, rejections
     GET  /                        the page for phones (serve_page.html, shipped in the package)
+    GET  /address.png             the QR code of the page's address, for another phone to open it
 
-A request's path: admission (more than --queue requests in the server -> 503 with Retry-After), the body
-(one sent compressed -> 415) read up to --max-body (413), decode + preprocessing on a thread pool (400 with lnn-infer's one-line reason),
-then the Batcher, which merges the images waiting into one batch (up to --max-batch images, waiting at
-most --max-delay-ms after the first while other photos are still being decoded) computed on ONE inference
-thread, so decoding the next requests runs while a batch is computed. No answer within --timeout -> 504.
-Every request gets exactly one of 200 / 4xx / 503 / 504 (500 only for a fault of the server itself), and
-each is counted in /metrics.
+A request's path: admission (more than --queue requests in the server -> 503 with Retry-After), the body (one
+sent compressed -> 415) read up to --max-body (413), decode + preprocessing on a thread pool (400 with
+lnn-infer's one-line reason), then the Batcher, which merges the images waiting into one batch (up to
+--max-batch images, waiting at most --max-delay-ms after the first while other photos are still being decoded)
+computed on ONE inference thread, so decoding the next requests runs while a batch is computed. No answer
+within --timeout -> 504. Every request gets exactly one of 200 / 4xx / 503 / 504 (500 only for a fault of the
+server itself), and each is counted in /metrics.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import io
 import logging
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,12 +47,15 @@ from lnn.formats.errors import LnnInputError
 from lnn.tools.cli import error_line
 from lnn.runtime.preprocess import PixelLimit
 from lnn.tools.infer import answer_for, judge_images
-from lnn.tools.serve import RETRY_AFTER_S, ServeConfig
+from lnn.tools.serve import RETRY_AFTER_S, ServeConfig, phones_can_open
 
-ENDPOINTS = "POST /v1/classify, GET /v1/model, /healthz, /readyz, /metrics and the phone page at /"
+ENDPOINTS = ("POST /v1/classify, GET /v1/model, /healthz, /readyz, /metrics and the phone page at / (its QR code: "
+             "/address.png)")
 RETRY_LATER = {"Retry-After": str(RETRY_AFTER_S)}       # a 503's header: when the phone should try again
 UPLOAD_NAME = "upload"                  # the answer's "file" for a raw-body upload (multipart gives its filename)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+HOST_HEADER = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253})(:[0-9]{1,5})?")   # a name or address, a port
+QR_SCALE = 6                            # image pixels a QR module: a 25-module code and its margin, 198 pixels
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 disable_created_metrics()               # no *_created series: only what a station's dashboard reads
 for _name in ("python_multipart", "multipart"):     # its warnings on a malformed form ("Expected boundary
@@ -57,11 +63,15 @@ for _name in ("python_multipart", "multipart"):     # its warnings on a malforme
     # per hostile request; the form's 400 already says what was wrong with it
 
 
-def address_qr(url: str) -> segno.QRCode:
-    """The QR code of the address phones open: a phone's camera app reads it and offers to open the page, so
-    nobody types an IP address on a phone. Error correction M (about 15% of the code may be misread, by glare on
-    a screen or a smudge, and it still reads; segno raises it where the symbol's size has room for more)."""
-    return segno.make(url, error="m", micro=False)
+def address_qr(url: str, kind: str) -> bytes:
+    """The QR code of the address phones open, as an image file of segno's `kind` ("png" for the page, "ppm" for
+    lnn-field's Tk): a phone's camera app reads it and offers to open the page, so nobody types an IP address
+    on a phone. Error correction M (about 15% of the code may be misread, by glare on a screen or a smudge, and
+    it still reads; segno raises it where the symbol's size has room for more); QR_SCALE pixels a module, and
+    the 4-module margin readers need."""
+    image = io.BytesIO()
+    segno.make(url, error="m", micro=False).save(image, kind=kind, scale=QR_SCALE, border=4)
+    return image.getvalue()
 
 
 # --------------------------------------------------------------------------- one image: decode, answer
@@ -487,6 +497,22 @@ def create_app(session, config: ServeConfig) -> Starlette:
     async def home(request: Request) -> Response:
         return HTMLResponse(page)
 
+    async def address_code(request: Request) -> Response:
+        """The QR code of the page's address, which the page shows for another phone to scan: the address this
+        browser used (its Host header), or, where that is this computer's loopback (a browser on the station's
+        own computer), the one phones open (serve.phone_url, when the server listens beyond this computer)."""
+        given = request.headers.get("host", "")
+        if not HOST_HEADER.fullmatch(given):
+            return JSONResponse({"error": f"the Host header {given[:80]!r} is not an address", "status": 400}, 400)
+        url = f"http://{given}/"
+        if not phones_can_open(url):
+            url = request.app.state.phone_url
+            if url is None or not phones_can_open(url):
+                return JSONResponse({"error": "this server answers this computer only, so no phone can open its "
+                                              "page; start it with --host 0.0.0.0 for the station's Wi-Fi",
+                                     "status": 404}, 404)
+        return Response(address_qr(url, "png"), media_type="image/png", headers={"Cache-Control": "no-store"})
+
     async def not_an_endpoint(request: Request, error: HTTPException) -> Response:
         """The router's 404 and 405 (and any other HTTPException) as the API's one-line JSON error, counted."""
         if error.status_code == 404:
@@ -500,11 +526,13 @@ def create_app(session, config: ServeConfig) -> Starlette:
         metrics.unserved.labels(str(error.status_code), reason).inc()
         return JSONResponse({"error": message, "status": error.status_code}, error.status_code, error.headers)
 
-    routes = [Route("/", home), Route("/v1/classify", classify, methods=["POST"]), Route("/v1/model", model),
-              Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics_page)]
+    routes = [Route("/", home), Route("/address.png", address_code), Route("/v1/classify", classify, methods=["POST"]),
+              Route("/v1/model", model), Route("/healthz", healthz), Route("/readyz", readyz),
+              Route("/metrics", metrics_page)]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_an_endpoint})
     # POST /v1/classify/ is a 404 naming the endpoints, not Starlette's 307 to the Host header's address (the
     # phone's upload sent twice, and to wherever that header says)
     app.router.redirect_slashes = False
     app.state.session, app.state.metrics = session, metrics
+    app.state.phone_url = None              # the address phones open: serve.server_for sets it once it listens
     return app

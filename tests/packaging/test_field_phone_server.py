@@ -64,12 +64,12 @@ def test_the_address_for_phones_is_the_lan_address_on_every_network():
 
 
 def test_only_addresses_other_devices_reach_get_a_qr_code():
-    pytest.importorskip("tkinter")
-    from lnn.tools.field_ui import phones_can_open
+    from lnn.tools.serve import phones_can_open
 
     assert phones_can_open("http://192.168.1.23:8080/") and phones_can_open("http://[fe80::1]:8080/")
     assert phones_can_open("http://station.local:8080/")
-    for loopback in ("http://127.0.0.1:8080/", "http://127.0.1.1:8080/", "http://[::1]:8080/", "http://localhost:8080/"):
+    for loopback in ("http://127.0.0.1:8080/", "http://127.0.1.1:8080/", "http://[::1]:8080/",
+                     "http://localhost:8080/"):
         assert not phones_can_open(loopback), loopback
 
 

@@ -66,11 +66,13 @@ def wait_ready(client, timeout_s: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def client_for(session, **settings):
-    """An httpx client of the app, served by uvicorn on a thread, on a free loopback port, once it is ready."""
+def client_for(session, phone_url=None, **settings):
+    """An httpx client of the app, served by uvicorn on a thread, on a free loopback port, once it is ready;
+    phone_url: the address phones open, as serve.server_for tells the app when it listens on a network."""
     sock = listening_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(session, ServeConfig(decode_threads=2, **settings)),
-                                           log_level="warning", lifespan="on"))
+    app = create_app(session, ServeConfig(decode_threads=2, **settings))
+    app.state.phone_url = phone_url
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     with running(server, sock), httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
                                              timeout=60) as client:
         assert client.get("/healthz").json() == {"alive": True}
@@ -425,6 +427,34 @@ def test_uploads_cut_short_are_counted_as_400_not_as_server_faults(served):
     assert counted(before, after, "lnn_serve_request_seconds_count") == 3
 
 
+def read_qr_code(png: bytes) -> str:
+    """The text of a QR code image, read by OpenCV's QR reader ("" when none is found)."""
+    return cv2.QRCodeDetector().detectAndDecode(cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_COLOR))[0]
+
+
+def test_the_pages_qr_code_is_the_address_this_phone_used(served):
+    for host, address in (("192.168.1.23:8080", "http://192.168.1.23:8080/"), ("station.local", "http://station.local/"),
+                          ("[fe80::1]:8080", "http://[fe80::1]:8080/")):
+        code = served.get("/address.png", headers={"Host": host})
+        assert code.status_code == 200 and code.headers["content-type"] == "image/png", code.text
+        assert read_qr_code(code.content) == address
+    alone = served.get("/address.png")                      # loopback, from a server that listens on loopback only
+    assert alone.status_code == 404 and "this computer only" in alone.json()["error"], alone.text
+    for host in ("two words", "a/b", "x" * 300, "host:port"):
+        refused = served.get("/address.png", headers={"Host": host})
+        assert refused.status_code == 400 and "Host header" in refused.json()["error"], (host, refused.text)
+
+
+def test_a_browser_on_the_servers_own_computer_gets_the_code_phones_open(session):
+    """A browser on the station's computer opens the page at 127.0.0.1: the code it shows is the address phones
+    on the network open (serve.phone_url), not that loopback one, which would take a phone to itself."""
+    with client_for(session, phone_url="http://192.168.1.23:8080/") as client:
+        code = client.get("/address.png")
+        assert code.status_code == 200 and read_qr_code(code.content) == "http://192.168.1.23:8080/"
+        used = client.get("/address.png", headers={"Host": "10.0.0.5:8080"})
+        assert read_qr_code(used.content) == "http://10.0.0.5:8080/"
+
+
 def test_compressed_uploads_get_415_naming_their_coding(served):
     """Content-Encoding: gzip was read as the photo's bytes: 400 "not an image", a reason that sent the
     phone's developer looking at the photo."""
@@ -435,7 +465,8 @@ def test_compressed_uploads_get_415_naming_their_coding(served):
     for coding in ("gzip", "identity, br", "Deflate"):
         refused = served.post("/v1/classify", content=gzip.compress(photo), headers={"Content-Encoding": coding})
         assert refused.status_code == 415 and refused.headers["accept-encoding"] == "identity", refused.text
-        assert "compressed" in refused.json()["error"] and coding.split(",")[-1].strip().lower() in refused.json()["error"]
+        error = refused.json()["error"]
+        assert "compressed" in error and coding.split(",")[-1].strip().lower() in error, error
     assert counted(before, metric_samples(served), "lnn_serve_rejected_total", reason="encoded_upload") == 3
     plain = served.post("/v1/classify", content=photo, headers={"Content-Encoding": "identity"})
     assert plain.status_code == 200, plain.text

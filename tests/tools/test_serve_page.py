@@ -1,7 +1,8 @@
 """lnn-serve's page for phones in a real headless Chromium (Debian's `chromium`, driven by Playwright):
 take a photo (the file input), read the answer in words with its advice, see it in this phone's history,
 get a retake reason for an uncertain answer, and a one-line reason for a file that is not a photo; a
-large photo is shrunk to 1600 px on the phone before it is sent.
+large photo is shrunk to 1600 px on the phone before it is sent; the QR code of the page's address is shown
+for another phone (read back from the screenshot with OpenCV's QR reader).
 
 The server is the real command on a free loopback port. The retake case answers with a routed response
 carrying the trust gate's `reason` field, so the page's wording is tested whatever the model answers.
@@ -156,4 +157,31 @@ def test_uncertain_answer_shows_the_retake_reason(browser, server_url):
     answer.update(reason="low_confidence", instruction=None)             # a best guess under the threshold: listed
     page.locator("#photo").set_input_files(str(EXAMPLES / "leaves" / "late_blight.jpg"))
     page.wait_for_function("document.querySelectorAll('#others li').length == 2", timeout=WAIT_MS)
+    page.close()
+
+
+def test_the_page_shows_its_address_as_a_qr_code_for_another_phone(browser, server_url, tmp_path):
+    """The server here listens on loopback only, so its page says no phone can open it; the code a server on the
+    station's Wi-Fi sends (asked for here with that Host) is shown and reads back as that address."""
+    import cv2
+    import httpx
+
+    page = browser.new_page(viewport=PHONE)
+    wait_ready(page, server_url)
+    page.goto(server_url)
+    page.click("#share summary")
+    page.wait_for_function("document.querySelector('#share-text').textContent.includes('this computer only')",
+                           timeout=WAIT_MS)
+    assert page.locator("#share-code").is_hidden()
+
+    station = "http://192.168.1.23:8080/"
+    code = httpx.get(server_url + "address.png", headers={"Host": "192.168.1.23:8080"}).content
+    page.route("**/address.png", lambda route: route.fulfill(status=200, content_type="image/png", body=code))
+    page.reload()
+    page.click("#share summary")
+    shown = page.locator("#share-code")
+    shown.wait_for(state="visible", timeout=WAIT_MS)
+    assert "point the camera" in page.text_content("#share-text")
+    shown.screenshot(path=str(tmp_path / "code.png"))
+    assert cv2.QRCodeDetector().detectAndDecode(cv2.imread(str(tmp_path / "code.png")))[0] == station
     page.close()
