@@ -35,6 +35,14 @@ def prepared_photos(model, count: int, seed: int = 0):
     return ((pixels * np.float32(pre["scale"]) - mean) / np.asarray(pre["std"], np.float32).reshape(-1, 1, 1))
 
 
+def qr_code_text(image) -> str:
+    """The text of the QR code in an image (an array as OpenCV reads it), by OpenCV's QR reader: an independent
+    reader of what segno drew; "" when it finds none."""
+    import cv2
+
+    return cv2.QRCodeDetector().detectAndDecode(image)[0]
+
+
 def need(path: Path) -> Path:
     """Skip the calling test when a file or folder of the shared data folder is absent (a user's clone),
     saying what it needs and how to point the tests at it."""

@@ -74,7 +74,8 @@ def test_only_addresses_other_devices_reach_get_a_qr_code():
 
 
 def read_qr_code(image) -> str:
-    """The text of the QR code a Tk PhotoImage shows, read by OpenCV's QR reader ("" when none is found)."""
+    """The text of the QR code a Tk PhotoImage shows (conftest.qr_code_text's reading, in the child process,
+    which has no conftest)."""
     import tempfile
 
     import cv2

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import lnn  # noqa: E402
 from cli_helpers import assert_one_line_error, run_command  # noqa: E402
-from conftest import EXAMPLES  # noqa: E402
+from conftest import EXAMPLES, qr_code_text  # noqa: E402
 from hostile_images import HEIC_START, with_data_left_over  # noqa: E402
 from lnn.formats import limits  # noqa: E402
 from lnn.tools import infer  # noqa: E402
@@ -428,8 +428,7 @@ def test_uploads_cut_short_are_counted_as_400_not_as_server_faults(served):
 
 
 def read_qr_code(png: bytes) -> str:
-    """The text of a QR code image, read by OpenCV's QR reader ("" when none is found)."""
-    return cv2.QRCodeDetector().detectAndDecode(cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_COLOR))[0]
+    return qr_code_text(cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_COLOR))
 
 
 def test_the_pages_qr_code_is_the_address_this_phone_used(served):
