@@ -292,6 +292,11 @@ def judge_in_chunks(session, images: list, checks: list) -> tuple:
 
 # --------------------------------------------------------------------------- the application
 
+def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    """The API's one-line JSON error, the same shape for every endpoint: {"error": message, "status": status}."""
+    return JSONResponse({"error": message, "status": status}, status, headers)
+
+
 class Refused(Exception):
     """A request answered with an error status and a one-line reason."""
 
@@ -477,7 +482,7 @@ def create_app(session, config: ServeConfig) -> Starlette:
 
     def refusal(refused: Refused) -> Response:
         metrics.rejected.labels(refused.kind).inc()
-        return JSONResponse({"error": refused.reason, "status": refused.status}, refused.status, refused.headers)
+        return error_response(refused.status, refused.reason, refused.headers)
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"alive": True})
@@ -503,14 +508,13 @@ def create_app(session, config: ServeConfig) -> Starlette:
         own computer), the one phones open (serve.phone_url, when the server listens beyond this computer)."""
         given = request.headers.get("host", "")
         if not HOST_HEADER.fullmatch(given):
-            return JSONResponse({"error": f"the Host header {given[:80]!r} is not an address", "status": 400}, 400)
+            return error_response(400, f"the Host header {given[:80]!r} is not an address")
         url = f"http://{given}/"
         if not phones_can_open(url):
             url = request.app.state.phone_url
             if url is None or not phones_can_open(url):
-                return JSONResponse({"error": "this server answers this computer only, so no phone can open its "
-                                              "page; start it with --host 0.0.0.0 for the station's Wi-Fi",
-                                     "status": 404}, 404)
+                return error_response(404, "this server answers this computer only, so no phone can open its page; "
+                                           "start it with --host 0.0.0.0 for the station's Wi-Fi")
         return Response(address_qr(url, "png"), media_type="image/png", headers={"Cache-Control": "no-store"})
 
     async def not_an_endpoint(request: Request, error: HTTPException) -> Response:
@@ -524,7 +528,7 @@ def create_app(session, config: ServeConfig) -> Starlette:
         else:
             reason, message = "bad_request", error.detail
         metrics.unserved.labels(str(error.status_code), reason).inc()
-        return JSONResponse({"error": message, "status": error.status_code}, error.status_code, error.headers)
+        return error_response(error.status_code, message, error.headers)
 
     routes = [Route("/", home), Route("/address.png", address_code), Route("/v1/classify", classify, methods=["POST"]),
               Route("/v1/model", model), Route("/healthz", healthz), Route("/readyz", readyz),
