@@ -437,10 +437,9 @@ def one_blas_thread():
     The server runs calls side by side itself (the decode pool, the inference thread); a threaded BLAS call
     beside them (the gate's products at batch 8 and over) woke OpenBLAS's helper thread, which then
     busy-waits for more work: on 2 cores it burnt 1.6-3.8 ms of CPU per request, about as much as the model
-    (BENCHMARKS serve_load). Called on the thread that starts the server, not in the app's lifespan: OpenBLAS
-    0.3.31 ignores a count set from another thread once the main thread has set one (the CPU backend's
-    BLAS_THREADS does, when lnn-field computes on its main thread), and uvicorn runs lnn-field's server
-    on a thread of its own."""
+    (BENCHMARKS serve_load). Called on the thread that starts the server, not in the app's lifespan: threadpoolctl
+    (3.8) lets only the first thread that sets an OpenBLAS count set it until its limits end (its "controlling
+    thread"; backend.any_thread_setter), and uvicorn runs lnn-field's server on a thread of its own."""
     from threadpoolctl import threadpool_limits
 
     return threadpool_limits(1, user_api="blas")

@@ -580,23 +580,35 @@ class BlasThreads:
                         set_threads(count)
 
 
+# OpenBLAS's exported names in its builds: a prefix and a suffix on every symbol (NumPy's wheels:
+# scipy_openblas_..64_), tried in threadpoolctl's order
+OPENBLAS_AFFIXES = tuple((prefix, suffix) for prefix in ("", "scipy_") for suffix in ("", "64_", "_64"))
+
+
 def any_thread_setter(library):
-    """A function setting a BLAS library's thread count that works from any thread: OpenBLAS's
-    openblas_set_num_threads_local where it has one (0.3.27 on), as OpenBLAS 0.3.31 ignores its plain setter
-    (threadpoolctl's) from a thread other than the main one once the main thread has set a count (a call on
-    a worker thread after one on the main thread then ran its BLAS products on every thread; two such calls
-    at once took 2.4x as long as one alone, the app's compiled kernels on the 2-core VM, by hand). Only in
-    pthreads builds, where it sets the process's count as the plain one does (an OpenMP build's is the
-    calling thread's own, which the shared hold above does not fit). Else threadpoolctl's setter (an older
-    OpenBLAS, such as the 0.3.15 that OpenCV's wheels bundle, then keeps its count in a worker thread's call;
-    lnn's products call NumPy's BLAS only)."""
+    """A function setting a BLAS library's thread count that works from any thread. For OpenBLAS with its own
+    threads (pthreads), its C setter openblas_set_num_threads, under the affixes of the build's getter, called
+    directly: threadpoolctl's setter (3.8) lets only the first thread that sets an OpenBLAS count set it (its
+    "controlling thread", the main one inside threadpool_limits) and silently does nothing in any other, so a
+    call on a worker thread ran its BLAS products on every thread (two such calls at once took 2.4x as long as
+    one alone, the app's compiled kernels on the 2-core VM, by hand). OpenBLAS's own setter is process-wide and
+    took effect from a worker thread with NumPy 2.4's OpenBLAS 0.3.31 and NumPy 2.5's 0.3.34 (by hand). Until
+    2026-12-06 lnn called openblas_set_num_threads_local, which 0.3.31 exports without the wheels' affixes and
+    0.3.34 does not export: with NumPy 2.5 (Python 3.12 on) the setter was threadpoolctl's again. Else
+    threadpoolctl's setter: an OpenMP build's count is the calling thread's own (the shared hold above does not
+    fit it), and the other libraries have no controlling thread."""
     if library.internal_api == "openblas" and getattr(library, "threading_layer", None) == "pthreads":
         try:
-            local = ctypes.CDLL(library.filepath).openblas_set_num_threads_local
-        except (OSError, AttributeError):
+            handle = ctypes.CDLL(library.filepath)
+        except OSError:
             return library.set_num_threads
-        local.argtypes, local.restype = [ctypes.c_int], ctypes.c_int
-        return local
+        for prefix, suffix in OPENBLAS_AFFIXES:
+            if hasattr(handle, f"{prefix}openblas_get_num_threads{suffix}"):
+                setter = getattr(handle, f"{prefix}openblas_set_num_threads{suffix}", None)
+                if setter is None:
+                    break
+                setter.argtypes, setter.restype = [ctypes.c_int], None
+                return setter
     return library.set_num_threads
 
 

@@ -479,11 +479,11 @@ def test_a_large_linear_layer_of_a_small_batch_is_one_fused_kernel_and_gets_a_pr
 
 
 def test_blas_is_held_at_one_thread_in_a_call_from_another_thread_too():
-    """OpenBLAS 0.3.31 ignores openblas_set_num_threads from a thread other than the main one once the main thread
-    has set a count: a call on a worker thread, after one on the main thread, ran its BLAS products on every
-    thread (two such calls at once took 2.4x as long as one alone, with the app's compiled kernels, by hand).
-    Checked on NumPy's BLAS, the one lnn's products call, where it is its wheels' OpenBLAS (not on OpenCV's
-    bundled 0.3.15, which has no such setter)."""
+    """threadpoolctl's setter lets only its "controlling thread" (here the main one, inside threadpool_limits) set an
+    OpenBLAS count and does nothing in any other: a call on a worker thread ran its BLAS products on every thread
+    (two such calls at once took 2.4x as long as one alone, with the app's compiled kernels, by hand), as it did
+    again with NumPy 2.5's OpenBLAS 0.3.34, which no longer exports the openblas_set_num_threads_local lnn called.
+    Checked on NumPy's BLAS, the one lnn's products call, where it is its wheels' OpenBLAS (pthreads)."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
     from lnn.runtime.cpu.jit import blas_libraries
