@@ -218,11 +218,17 @@ def test_a_wrong_description_names_layer_field_and_expected_value(change, expect
 
 
 def test_bad_json_file_reports_line_and_column(tmp_path):
+    """The line of the trailing comma, with the column and words of Python's json (3.13 says "Illegal trailing comma
+    before end of object" at column 20, 3.10-3.12 "Expecting property name enclosed in double quotes" at 21)."""
+    text = '{\n  "name": "x",\n  "layers": [\n    {"type": "relu",}\n  ]\n}\n'
     path = tmp_path / "broken.json"
-    path.write_text('{\n  "name": "x",\n  "layers": [\n    {"type": "relu",}\n  ]\n}\n')
+    path.write_text(text)
+    with pytest.raises(json.JSONDecodeError) as parsed:
+        json.loads(text)
     with pytest.raises(ModelSpecError) as info:
         load_description(path)
-    assert str(info.value) == f"{path}: not valid JSON at line 4 column 21: Expecting property name enclosed in double quotes"
+    assert parsed.value.lineno == 4 and parsed.value.colno in (20, 21)
+    assert str(info.value) == f"{path}: not valid JSON at line 4 column {parsed.value.colno}: {parsed.value.msg}"
 
 
 def test_nan_in_a_json_file_is_refused(tmp_path):
