@@ -128,10 +128,14 @@ class Tally:
 
 
 class Response:
-    """httptools' callbacks for one HTTP response: its headers and body, and whether it is complete."""
+    """httptools' callbacks for one HTTP response: its headers and body, whether it is complete, and whether
+    the server keeps the connection open after it. httptools answers that only while the message is being
+    completed: read after feed_data returns, should_keep_alive() is False for every response (httptools 0.9),
+    and the client reconnected for every request until 2026-12-06."""
 
     def __init__(self):
-        self.headers, self.body, self.complete = {}, [], False
+        self.headers, self.body, self.complete, self.keep_alive = {}, [], False, False
+        self.parser = None
 
     def on_header(self, name: bytes, value: bytes):
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
@@ -140,7 +144,7 @@ class Response:
         self.body.append(body)
 
     def on_message_complete(self):
-        self.complete = True
+        self.complete, self.keep_alive = True, self.parser.should_keep_alive()
 
 
 class KeepAliveClient:
@@ -166,13 +170,13 @@ class KeepAliveClient:
             self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: "
                               f"{content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
             response = Response()
-            parser = httptools.HttpResponseParser(response)
+            parser = response.parser = httptools.HttpResponseParser(response)
             while not response.complete:
                 data = await self.reader.read(1 << 16)
                 if not data:
                     raise ConnectionResetError("the server closed the connection before answering")
                 parser.feed_data(data)
-            if not parser.should_keep_alive():           # the server closes it: the next request reconnects
+            if not response.keep_alive:                  # the server closes it: the next request reconnects
                 self.close()
             return parser.get_status_code(), response.headers, b"".join(response.body)
         except BaseException:

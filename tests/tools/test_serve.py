@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import lnn  # noqa: E402
 from cli_helpers import assert_one_line_error, run_command  # noqa: E402
-from conftest import EXAMPLES, qr_code_text  # noqa: E402
+from conftest import EXAMPLES, REPO, qr_code_text  # noqa: E402
 from hostile_images import HEIC_START, with_data_left_over  # noqa: E402
 from lnn.formats import limits  # noqa: E402
 from lnn.tools import infer  # noqa: E402
@@ -132,6 +132,40 @@ def test_answers_equal_lnn_infer_for_raw_and_multipart_uploads(session, served):
         form = served.post("/v1/classify?top_k=5", files={"file": (path.name, path.read_bytes(), "image/jpeg")})
         assert form.status_code == 200, form.text
         assert_same_answer(form.json(), reference_answer(session, path, path.name, top_k=5))
+
+
+def test_the_load_scripts_client_sends_its_requests_on_one_connection(served, monkeypatch):
+    """benchmarks/serve_load.py measures servers over keep-alive connections: its client must reuse one while the
+    server keeps it open (it reconnected for every request while it asked httptools after the message, where
+    should_keep_alive() is always False), and reconnect after a response that says `Connection: close`."""
+    import asyncio
+
+    import httptools
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from serve_load import KeepAliveClient, Response
+
+    async def three_posts() -> tuple[list, list]:
+        client = KeepAliveClient(str(served.base_url))
+        statuses, connections = [], []
+        try:
+            for path in LEAVES[:3]:
+                status, _, _ = await client.post("/v1/classify", path.read_bytes(), "image/jpeg")
+                statuses.append(status)
+                connections.append(client.writer)
+        finally:
+            client.close()
+        return statuses, connections
+
+    statuses, connections = asyncio.run(three_posts())
+    assert statuses == [200] * 3
+    assert connections[0] is not None and all(writer is connections[0] for writer in connections)
+    for head, keeps in ((b"HTTP/1.1 200 OK\r\n", True), (b"HTTP/1.1 200 OK\r\nConnection: close\r\n", False),
+                        (b"HTTP/1.0 200 OK\r\n", False)):
+        response = Response()
+        response.parser = httptools.HttpResponseParser(response)
+        response.parser.feed_data(head + b"Content-Length: 2\r\n\r\nok")
+        assert (response.complete, response.keep_alive) == (True, keeps), head
 
 
 def test_photos_that_are_not_diagnoses_get_lnn_infers_reason(session, served, tmp_path):
