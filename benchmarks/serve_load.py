@@ -128,14 +128,16 @@ class Tally:
 
 
 class Response:
-    """httptools' callbacks for one HTTP response: its headers and body, whether it is complete, and whether
-    the server keeps the connection open after it. httptools answers that only while the message is being
-    completed: read after feed_data returns, should_keep_alive() is False for every response (httptools 0.9),
-    and the client reconnected for every request until 2026-12-06."""
+    """One HTTP response read by its own httptools parser (`parser`, fed by the caller): its headers and body,
+    whether it is complete, and whether the server keeps the connection open after it. httptools answers that
+    only while the message is being completed: read after feed_data returns, should_keep_alive() is False for
+    every response (httptools 0.9), and the client reconnected for every request until 2026-12-06."""
 
     def __init__(self):
+        import httptools
+
         self.headers, self.body, self.complete, self.keep_alive = {}, [], False, False
-        self.parser = None
+        self.parser = httptools.HttpResponseParser(self)
 
     def on_header(self, name: bytes, value: bytes):
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
@@ -162,23 +164,20 @@ class KeepAliveClient:
 
     async def post(self, path: str, body: bytes, content_type: str) -> tuple[int, dict, bytes]:
         """(status, headers, body); an OSError or httptools.HttpParserError closes the connection."""
-        import httptools
-
         try:
             if self.writer is None:
                 self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
             self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: "
                               f"{content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
             response = Response()
-            parser = response.parser = httptools.HttpResponseParser(response)
             while not response.complete:
                 data = await self.reader.read(1 << 16)
                 if not data:
                     raise ConnectionResetError("the server closed the connection before answering")
-                parser.feed_data(data)
+                response.parser.feed_data(data)
             if not response.keep_alive:                  # the server closes it: the next request reconnects
                 self.close()
-            return parser.get_status_code(), response.headers, b"".join(response.body)
+            return response.parser.get_status_code(), response.headers, b"".join(response.body)
         except BaseException:
             self.close()
             raise

@@ -140,8 +140,6 @@ def test_the_load_scripts_client_sends_its_requests_on_one_connection(served, mo
     should_keep_alive() is always False), and reconnect after a response that says `Connection: close`."""
     import asyncio
 
-    import httptools
-
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from serve_load import KeepAliveClient, Response
 
@@ -163,7 +161,6 @@ def test_the_load_scripts_client_sends_its_requests_on_one_connection(served, mo
     for head, keeps in ((b"HTTP/1.1 200 OK\r\n", True), (b"HTTP/1.1 200 OK\r\nConnection: close\r\n", False),
                         (b"HTTP/1.0 200 OK\r\n", False)):
         response = Response()
-        response.parser = httptools.HttpResponseParser(response)
         response.parser.feed_data(head + b"Content-Length: 2\r\n\r\nok")
         assert (response.complete, response.keep_alive) == (True, keeps), head
 
