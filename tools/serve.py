@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -42,6 +43,7 @@ BANNER = "serving on"                       # the first line on stderr: "lnn-ser
 
 
 RETRY_AFTER_S = 1                           # what a 503 asks the phone to wait
+ERROR_TYPE = "application/json"            # every error's body: error_body
 HEAD_LIMIT = 64 * 1024                      # bytes of a request's line and headers: more is 431
 UPGRADE_HEADER = re.compile(rb"\r\nupgrade:", re.IGNORECASE)   # in a head: renamed, so the request is plain HTTP
 NOT_A_HEAD = re.compile(rb"\A[\r\n]*[^A-Z\r\n]|(?<!\r)\n")   # bytes no request head the parser reads starts with
@@ -49,6 +51,12 @@ NOT_A_HEAD = re.compile(rb"\A[\r\n]*[^A-Z\r\n]|(?<!\r)\n")   # bytes no request 
 PIPELINE_LIMIT = 32                         # requests a connection may send ahead of their answers: more is 503
 FILES_KEPT_FREE = 64                        # open files left for the model, the logs and the pools under --max-connections
 INVALID_REQUEST = "Invalid HTTP request received."      # uvicorn's log line before its 400 for malformed HTTP
+
+
+def error_body(status: int, message: str) -> bytes:
+    """The one-line JSON every error answer carries, the application's (serve_app.error_response) and the
+    protocol's own refusals alike: {"error": message, "status": status}, compact and UTF-8 as Starlette writes it."""
+    return json.dumps({"error": message, "status": status}, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class QuietInvalidRequests(logging.Filter):
@@ -276,8 +284,8 @@ def guarded_protocol(config: "ServeConfig", metrics):
             if self.refusal is not None:
                 return
             metrics.unserved.labels(str(status), reason).inc()
-            body = message.encode()
-            self.refusal = (STATUS_LINE[status] + headers + b"content-type: text/plain; charset=utf-8\r\n"
+            body = error_body(status, message)
+            self.refusal = (STATUS_LINE[status] + headers + b"content-type: %s\r\n" % ERROR_TYPE.encode() +
                             b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
             self.stop_timers()
             if self.answers_owed():

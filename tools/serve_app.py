@@ -47,7 +47,7 @@ from lnn.formats.errors import LnnInputError
 from lnn.tools.cli import error_line
 from lnn.runtime.preprocess import PixelLimit
 from lnn.tools.infer import answer_for, judge_images
-from lnn.tools.serve import RETRY_AFTER_S, ServeConfig, phones_can_open
+from lnn.tools.serve import ERROR_TYPE, RETRY_AFTER_S, ServeConfig, error_body, phones_can_open
 
 ENDPOINTS = ("POST /v1/classify, GET /v1/model, /healthz, /readyz, /metrics and the phone page at / (its QR code: "
              "/address.png)")
@@ -297,9 +297,10 @@ def judge_in_chunks(session, images: list, checks: list, busy: bool = False) -> 
 
 # --------------------------------------------------------------------------- the application
 
-def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    """The API's one-line JSON error, the same shape for every endpoint: {"error": message, "status": status}."""
-    return JSONResponse({"error": message, "status": status}, status, headers)
+def error_response(status: int, message: str, headers: dict | None = None) -> Response:
+    """The API's one-line JSON error, the same for every endpoint and for the protocol's own refusals
+    (serve.error_body)."""
+    return Response(error_body(status, message), status, headers, media_type=ERROR_TYPE)
 
 
 class Refused(Exception):

@@ -748,7 +748,7 @@ def test_endless_request_heads_get_431_and_idle_connections_are_closed():
             big.sendall(b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * (HEAD_LIMIT // 2))
             time.sleep(0.1)
             big.sendall(b"a" * (HEAD_LIMIT // 2))
-            assert big.recv(100).startswith(b"HTTP/1.1 431 ")
+            assert refusal_of(read_to_end(big), 431) == f"the request's line and headers are over {HEAD_LIMIT:,} bytes"
         idle = [socket.create_connection(address, timeout=10) for _ in range(50)]
         idle[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")                      # a head that never ends
         kept = http.client.HTTPConnection(*address, timeout=10)
@@ -764,6 +764,16 @@ def test_endless_request_heads_get_431_and_idle_connections_are_closed():
         metrics = metric_samples(httpx.Client(base_url=f"http://{address[0]}:{address[1]}"))
     assert counted({}, metrics, "lnn_serve_unserved_total", status="431", reason="head_too_large") == 1
     assert counted({}, metrics, "lnn_serve_unserved_total", status="408", reason="head_timeout") == 1
+
+
+def refusal_of(answer: bytes, status: int) -> str:
+    """The message of one refusal the protocol wrote (the whole of what came), checked to be the API's JSON error
+    with that status, as the application's errors are."""
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 %d " % status) and b"\r\ncontent-type: application/json\r\n" in head, head
+    error = json.loads(body)
+    assert set(error) == {"error", "status"} and error["status"] == status, error
+    return error["error"]
 
 
 def read_to_end(connection) -> bytes:
@@ -836,9 +846,8 @@ def test_connections_over_the_limit_get_503_and_malformed_http_is_counted_withou
         held = [socket.create_connection(address, timeout=10) for _ in range(3)]
         over = [socket.create_connection(address, timeout=10) for _ in range(2)]
         for connection in over:
-            answer = connection.recv(4096)
-            assert answer.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in answer and b"4 connections" in answer
-            assert connection.recv(100) == b""                                # and closed
+            answer = read_to_end(connection)                                  # and closed
+            assert b"\r\nretry-after: 1\r\n" in answer and "4 connections" in refusal_of(answer, 503)
         for connection in held + over:
             connection.close()
         time.sleep(0.2)
