@@ -394,9 +394,9 @@ def breakdown_part(stages: dict, by: dict, servers: list) -> str:
         f"of the 2 cores (answers/s × that CPU). Batching changes the model's "
         f"work per image ({model[1]:.2f} ms at batch 1, {model[8]:.2f} at 8, {model[16]:.2f} at 16 on one thread: "
         f"{gain:.2f}× at best), the hand-offs per request and how a call is shared over the cores: a batch by "
-        f"images, a lone photo by its layers only while no other photo waits, as the split's waits between the "
-        f"layers cost CPU that decoding needs under load (the unbatched server's {unbatched['server_cpu_ms']:.1f} ms "
-        f"of server CPU per request against {unbatched_one['server_cpu_ms']:.1f} with --threads 1). Decoding, preprocessing, "
+        f"images, a lone photo by its layers, whose waits between the layers cost CPU (the unbatched server's "
+        f"{unbatched['server_cpu_ms']:.1f} ms of server CPU per request against {unbatched_one['server_cpu_ms']:.1f} "
+        f"with --threads 1), CPU the other threads miss only when the cores are full. Decoding, preprocessing, "
         f"photo checks, HTTP and the answer ({common:.2f} ms of stages, plus the server's rest and the client) are "
         f"paid per photo either way. Were everything but the model free, batching could cut the model's work per "
         f"image by at most {gain:.2f}×: the 2× target is out of reach for this model on this CPU, whose kernels "
@@ -538,15 +538,14 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
                    f"{np.median([b for b, _ in pairs]):.1f} against {np.median([u for _, u in pairs]):.1f} answers/s "
                    f"(medians), the rounds' ratios {', '.join(f'{b / u:.2f}' for b, u in pairs)}: median "
                    f"**{np.median([b / u for b, u in pairs]):.2f}×**." if pairs else "")
-    # what the unbatched server ran its photos on while none waited: chosen by timing in its own process (the cpu
-    # backend's split of one photo's layers against one thread); a photo with others waiting runs on one thread
+    # what the unbatched server ran its photos on: chosen by timing in its own process (the cpu backend's split of
+    # one photo's layers against one thread), it moves this baseline more than the run-to-run noise does
     lone = [row["lone_photos"] for row in [by[(list(servers)[1], 16)], *target_rows[1::2]]]
     lone_line = (f" What the unbatched server had chosen for its photos at the end of each run (/v1/model's "
                  f"threads_choice): {lone[0]} after the table's row"
                  + (f", then {', '.join(map(str, lone[1:]))} after the rounds" if len(lone) > 1 else "")
                  + "; its cpu backend times splitting a photo's layers over the cores against one thread in each "
-                   "process and reviews that choice as calls go on, and a photo computed while others wait "
-                   "(being decoded or queued) runs on one thread whatever was chosen.")
+                   "process and reviews that choice as calls go on, so a run may have run on both.")
     page_photos = photos_of_size(*PAGE_UPLOAD)
     page_rows = batching_pair("lnn, 1600×1200 uploads", MODEL, page_photos, expected_labels(page_photos), args)
     page_part = ["### Uploads of the page's size: 1600×1200, 16 clients",
@@ -564,7 +563,7 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
                       "its answers mean nothing) costs several times the bundled model's server CPU per photo, "
                       "so inference, not HTTP and decoding, takes most of it. Both servers at the defaults "
                       "(`--threads auto`): a batch is split over the cores by images, a lone photo by its "
-                      "layers' output rows or channels while no other photo waits.",
+                      "layers' output rows or channels.",
                       rows_table(heavy_rows)]
     update_section("serve_load", "\n\n".join([
         "## lnn-serve under load (dynamic batching on and off, onnxruntime behind the same stack)",
@@ -572,7 +571,7 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
         f"Load average when it started: {load_before:.2f}{'; ' + args.note if args.note else ''}.",
         f"Loopback only; each server its own process (`lnn-serve --device cpu`: one inference thread whose "
         f"calls run on `--threads auto`, the usable cores ({usable_cores()} here; a batch is split over them "
-        f"by images, a lone photo by its layers while no other photo is being decoded or waits), BLAS at one thread, photos decoded on a pool of one thread "
+        f"by images, a lone photo by its layers), BLAS at one thread, photos decoded on a pool of one thread "
         f"per core; `--threads 1`: the model on the inference thread alone; onnxruntime with one intra-op "
         f"thread per call, one call per request on Starlette's thread pool, so calls run side by side; "
         f"`--max-delay-ms 0` never waits for photos still being decoded), the clients in this "

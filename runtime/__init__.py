@@ -191,19 +191,17 @@ class Session:
             self._check_prepared(lowest, highest)
         return batch
 
-    def _run_in_chunks(self, batch, with_features: bool, busy: bool = False) -> tuple:
+    def _run_in_chunks(self, batch, with_features: bool) -> tuple:
         """(outputs, the gate's features or None) for a checked batch, computed RUN_CHUNK inputs at a time; copies
-        (the backends return their buffers, which the next call overwrites). busy (judge) goes only to a backend
-        with threads of its own (the cpu backend's)."""
+        (the backends return their buffers, which the next call overwrites)."""
         chunk = RUN_CHUNK[self.device]
-        options = {"busy": True} if busy and self.threads is not None else {}
         parts = []
         for start in range(0, len(batch), chunk):
             if with_features:
-                outputs, kept = self.backend.run_with_features(batch[start:start + chunk], **options)
+                outputs, kept = self.backend.run_with_features(batch[start:start + chunk])
                 parts.append((np.array(outputs, copy=True), np.array(kept[self.feature], copy=True)))
             else:
-                parts.append((np.array(self.backend.run(batch[start:start + chunk], **options), copy=True), None))
+                parts.append((np.array(self.backend.run(batch[start:start + chunk]), copy=True), None))
         if len(parts) == 1:
             return parts[0]
         outputs, features = zip(*parts)
@@ -243,17 +241,15 @@ class Session:
         batch = self._check_batch(batch, prepared=True)
         return self.judge_rules.probabilities(self._run_in_chunks(batch, with_features=False)[0])
 
-    def judge(self, batch, photo_reasons=None, busy: bool = False):
+    def judge(self, batch, photo_reasons=None):
         """Probabilities, gate scores and a reason (None: a diagnosis) per photo: a runtime.gate.Judgement.
-        `photo_reasons`: each photo's photo-check reason (check_photo), when the photos were checked. `busy`: other
-        work waits for the cores (lnn-serve's photos being decoded or queued), so the cpu backend runs a batch it
-        would split by layers on one thread (CpuBackend.run_with_features). An image model's inputs must be photos
-        its preprocessing made (_check_prepared)."""
+        `photo_reasons`: each photo's photo-check reason (check_photo), when the photos were checked. An image
+        model's inputs must be photos its preprocessing made (_check_prepared)."""
         if self.judge_rules.gate is not None and self.feature != self.judge_rules.feature:
             raise LnnError(f"this session keeps node {self.feature!r}, but the model's gate uses "
                            f"{self.judge_rules.feature!r}: load it without features= to judge photos")
         outputs, features = self._run_in_chunks(self._check_batch(batch, prepared=True),
-                                                with_features=self.feature is not None, busy=busy)
+                                                with_features=self.feature is not None)
         return self.judge_rules.judge(outputs, features if self.judge_rules.gate else None, photo_reasons)
 
     def check_photo(self, image, color: str = "bgr"):

@@ -287,12 +287,11 @@ def infer_rows(args, output, bin_model, threads) -> int:
     return 1 if failures else 0
 
 
-def judge_images(session, images: list, checks: list, busy: bool = False) -> tuple:
+def judge_images(session, images: list, checks: list) -> tuple:
     """(probabilities [N, K], reasons) for model inputs and their photo checks (None: not checked), as the
-    Session decides: the photo checks, the gate, the confidence threshold. busy: Session.judge's."""
+    Session decides: the photo checks, the gate, the confidence threshold."""
     with np.errstate(all="ignore"):              # a NaN or infinite output is that image's error (answer_for)
-        judgement = session.judge(np.stack(images), [check.reason if check is not None else None for check in checks],
-                                  busy)
+        judgement = session.judge(np.stack(images), [check.reason if check is not None else None for check in checks])
     return judgement.probabilities, judgement.reasons
 
 

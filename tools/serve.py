@@ -329,7 +329,7 @@ def build_parser():
                         help=f"most requests in the server at once; more are refused with 503 (default {DEFAULTS.queue})")
     parser.add_argument("--threads", default="auto", metavar="N|auto",
                         help="threads for the Numba backend: a batch split over them by images, a lone photo's "
-                             "layers too while no other photo waits; default auto, the usable cores, as lnn-infer (1: inference on one core, "
+                             "layers too; default auto, the usable cores, as lnn-infer (1: inference on one core, "
                              "decoding and HTTP on the others: less CPU per request, fewer answers a second; "
                              "BENCHMARKS serve_load)")
     parser.add_argument("--timeout", type=float, default=DEFAULTS.timeout_s, metavar="S",

@@ -233,15 +233,10 @@ class Batcher:
 
     async def _answer(self, jobs: list) -> None:
         """Compute a batch and answer its jobs. A batch that fails is computed again one image at a time, so
-        one image the model fails on gets its 500 and the others in its batch still get their answers. While
-        other photos are being decoded or wait for the next batch, the call is busy (Session.judge): a lone
-        photo then runs on one thread, the other cores left to that work, where splitting its layers was faster
-        alone and cost CPU the work waiting needed (the unbatched server at 16 clients: docs/BENCHMARKS.md)."""
-        busy = self.being_decoded > 0 or not self.waiting.empty()
+        one image the model fails on gets its 500 and the others in its batch still get their answers."""
         try:
             probabilities, reasons = await asyncio.get_running_loop().run_in_executor(
-                self.inference, judge_in_chunks, self.session, [job.image for job in jobs], [job.check for job in jobs],
-                busy)
+                self.inference, judge_in_chunks, self.session, [job.image for job in jobs], [job.check for job in jobs])
         except Exception as err:                  # noqa: BLE001 - each waiting request answers, none hangs
             if len(jobs) > 1:
                 for job in jobs:
@@ -273,7 +268,7 @@ def chunk_sizes(count: int) -> list:
     return sizes
 
 
-def judge_in_chunks(session, images: list, checks: list, busy: bool = False) -> tuple:
+def judge_in_chunks(session, images: list, checks: list) -> tuple:
     """(probabilities, reasons) for a batch of model inputs (lnn-infer's judge_images, which stacks each call's
     images: they are copied once). A batch the CPU backend splits over its threads by images is one call: it runs
     in units of images taken by whichever thread is free, on plans of the units' sizes, so any batch size is
@@ -283,12 +278,12 @@ def judge_in_chunks(session, images: list, checks: list, busy: bool = False) -> 
     plans buffers per batch size and keeps 4, and a batch of any other size re-planned on every call (about 2x
     slower when sizes varied from 1 to 16); padding to those sizes instead wasted up to half the work. On one
     thread an image costs about the same in a chunk of 8 as in one of 16 (BENCHMARKS serve_load), so nothing is
-    lost by not calling it with 16. busy: judge_images's."""
+    lost by not calling it with 16."""
     splits = getattr(session.backend, "splits_batch", None)
     sizes = [len(images)] if splits is not None and splits(len(images)) else chunk_sizes(len(images))
     rows, reasons, start = [], [], 0
     for size in sizes:
-        chunk_rows, chunk_reasons = judge_images(session, images[start:start + size], checks[start:start + size], busy)
+        chunk_rows, chunk_reasons = judge_images(session, images[start:start + size], checks[start:start + size])
         rows.append(chunk_rows)
         reasons += chunk_reasons
         start += size

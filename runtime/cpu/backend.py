@@ -40,11 +40,7 @@ runs its own share of the work:
     (programs.py), without the GIL. Whether a batch
     size runs that split plan or the one-thread plan is timed on its first calls (`_choose`): a
     split is kept only where it was faster; the choice is timed again after REVIEW_FIRST calls, then
-    REVIEW_GROWTH times later each time, so one noisy start does not decide for good. A call marked busy
-    (other work waits for the cores: lnn-serve's photos still being decoded or queued) runs the one-thread
-    plan whatever was chosen: the choice times the call's own wall time, while the split's waits between
-    layers cost CPU that the waiting work needs (by hand, the unbatched lnn-serve at 16 clients on the 2-core
-    VM: 184.8 answers/s at 9.45 ms of server CPU a request split, 214.5 at 6.33 busy). A part computes its
+    REVIEW_GROWTH times later each time, so one noisy start does not decide for good. A part computes its
     outputs exactly as one thread does, up to where BLAS's blocking of a smaller product rounds
     differently (up to 2e-6 on the reference models' and the bundled model's outputs;
     tests/runtime/test_cpu_threads.py checks 1e-5).
@@ -304,7 +300,6 @@ class CpuBackend:
         self._reviews: dict = {}           # batch -> [calls until its choice is timed again, the next interval]
         self._doubted: set = set()         # batch sizes whose last trial alone found the split not faster
         self._nothing_to_split: set = set()   # batch sizes whose plan has no layer worth splitting (one thread runs it)
-        self._run_busy: set = set()        # batch sizes that have run on one thread for calls marked busy
         BLAS_THREADS.find_libraries()
         self.compile_seconds: float | None = None     # set by warmup(): first-call compile or cache load
         self._kernels_marked = False                  # whether a call has ended (cache.mark_cached)
@@ -312,35 +307,28 @@ class CpuBackend:
     def _plan(self, batch: int, parts: int = 1, part: int = 0) -> Plan:
         return self._plans.get((batch, parts, part))
 
-    def run(self, x: np.ndarray, busy: bool = False) -> np.ndarray:
-        """x: C-contiguous float32 [N, *input_shape] -> the plan's output buffer [N, *output_shape]; busy as in
-        run_with_features."""
-        return self.run_with_features(x, busy)[0]
+    def run(self, x: np.ndarray) -> np.ndarray:
+        """x: C-contiguous float32 [N, *input_shape] -> the plan's output buffer [N, *output_shape]."""
+        return self.run_with_features(x)[0]
 
-    def run_with_features(self, x: np.ndarray, busy: bool = False) -> tuple:
+    def run_with_features(self, x: np.ndarray) -> tuple:
         """(output, {kept node name: its value [N, ...]}), both the plan's buffers (overwritten by the next call).
-        busy: other work waits for the cores; a call not split by images then runs on one thread and is not timed
-        for the split choice. The first call to end records that this model's kernels are in the cache
-        (lnn-bench's "from the cache")."""
-        result = self._run_with_features(x, busy)
+        The first call to end records that this model's kernels are in the cache (lnn-bench's "from the cache")."""
+        result = self._run_with_features(x)
         if not self._kernels_marked:
             self._kernels_marked = True
             if CACHE_ENABLED:
                 cache.mark_cached(self.model)
         return result
 
-    def _run_with_features(self, x: np.ndarray, busy: bool) -> tuple:
+    def _run_with_features(self, x: np.ndarray) -> tuple:
         batch = x.shape[0]
         if self.splits_batch(batch):
             with BLAS_THREADS:
                 return self._run_split(x)
-        if busy and self._crew is not None:
-            self._run_busy.add(batch)
-            parts, trial = 1, None
-        else:
-            parts = self._parts(batch)
-            trial = self._trials.get(batch)
+        parts = self._parts(batch)
         plan = self._plan(batch, parts)
+        trial = self._trials.get(batch)
         start = time.perf_counter() if trial is not None else 0.0
         if plan.uses_blas:                  # holding BLAS at one thread costs ~15 us of CPU a call
             with BLAS_THREADS:
@@ -455,7 +443,6 @@ class CpuBackend:
                                                 if batch in self._nothing_to_split else
                                                 f"layers split over {parts} threads" if parts > 1 else
                                                 "one thread (the split was not faster)")
-                          + (", one thread while other work waited" if parts > 1 and batch in self._run_busy else "")
                           for batch, parts in decided] + [images])
 
     def _run_plan(self, plan: Plan, x: np.ndarray) -> None:

@@ -652,33 +652,6 @@ def test_a_choice_is_timed_again_later(monkeypatch):
                                    cpu_backend.REVIEW_FIRST * cpu_backend.REVIEW_GROWTH ** 2]
 
 
-def test_a_busy_call_runs_on_one_thread_and_leaves_the_choice_alone(monkeypatch):
-    """A call marked busy (other work waits for the cores) runs the one-thread plan, before the choice and after
-    a choice to split, with the same answers; it is no call of the trial, and the choice in words says it ran."""
-    from lnn.runtime.cpu import backend as cpu_backend
-
-    clock = trial_clock(monkeypatch, cpu_backend)
-    backend, x, split, whole = choice_case()
-    expected = cpu_backend.CpuBackend(*chain_case()[:2], threads=1).run(x).copy()
-    split_run, whole_run = split.run, whole.run
-    ran = []
-    monkeypatch.setattr(split, "run", lambda x, crew=None, held=True: (ran.append("split"), split_run(x, crew, held))[1])
-    monkeypatch.setattr(whole, "run", lambda x, crew=None, held=True: (ran.append("whole"), clock.later(1),
-                                                                        whole_run(x))[1])
-    np.testing.assert_allclose(backend.run(x, busy=True), expected, rtol=0, atol=SPLIT_TOLERANCE)
-    assert ran == ["whole"] and not backend.choosing(1) and backend._chosen == {}
-    for _ in range(cpu_backend.TRIAL_LENGTH + 1):              # the split faster: kept
-        backend.run(x)
-    assert backend._chosen == {1: 2} and not backend.choosing(1)
-    ran.clear()
-    outputs, kept = backend.run_with_features(x, busy=True)
-    np.testing.assert_allclose(outputs, expected, rtol=0, atol=SPLIT_TOLERANCE)
-    assert ran == ["whole"] and backend._chosen == {1: 2}
-    assert backend.split_choice().startswith("batch 1: layers split over 2 threads, one thread while other work waited;")
-    backend.run(x)
-    assert ran == ["whole", "split"]
-
-
 def fake_cpus(root, cores: list, capacities: list | None = None) -> None:
     """A sysfs cpu folder: cores[i] the logical CPUs of physical core i ("0,4"), capacities[i] its cpu_capacity."""
     for core, cpus in enumerate(cores):

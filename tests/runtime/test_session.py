@@ -122,24 +122,6 @@ def test_judge_flags_what_it_cannot_answer_and_checks_its_photo_reasons():
         session.warm_up(0)
 
 
-@pytest.mark.parametrize("device", ["numpy", "cpu"])
-def test_judge_tells_a_threaded_backend_that_other_work_is_busy(device, monkeypatch):
-    """judge(busy=True) reaches the cpu backend's calls (its one-image plan on one thread); a backend without
-    threads of its own is called as usual; the judgement is the same either way."""
-    if device == "cpu":
-        pytest.importorskip("numba")
-    session = tiny_session(device=device)
-    x = prepared_photos(session.model, 1)
-    calls = []
-    run = session.backend.run
-    monkeypatch.setattr(session.backend, "run", lambda x, **options: (calls.append(options), run(x, **options))[1])
-    quiet = session.judge(x)
-    busy = session.judge(x, busy=True)
-    assert calls == ([{}, {"busy": True}] if device == "cpu" else [{}, {}])
-    np.testing.assert_allclose(busy.probabilities, quiet.probabilities, rtol=1e-6)
-    assert busy.reasons == quiet.reasons
-
-
 def test_predict_is_softmax_of_logits_unless_the_model_ends_in_softmax():
     plain, ending_in_softmax = tiny_session(), tiny_session("softmax")
     x = prepared_photos(plain.model, 5)

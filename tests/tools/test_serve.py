@@ -237,13 +237,13 @@ def test_an_image_the_model_fails_on_costs_only_its_own_answer(session, monkeypa
     judge_images = serve_app.judge_images
     computing, release = threading.Event(), threading.Event()
 
-    def failing_on_the_poisoned(session_, images, checks, busy=False):
+    def failing_on_the_poisoned(session_, images, checks):
         if not computing.is_set():
             computing.set()
             assert release.wait(30)
         if any(np.array_equal(image, poisoned) for image in images):
             raise RuntimeError("the model failed on this image")
-        return judge_images(session_, images, checks, busy)
+        return judge_images(session_, images, checks)
 
     monkeypatch.setattr(serve_app, "judge_images", failing_on_the_poisoned)
     with client_for(session, max_batch=4) as client:
@@ -290,11 +290,11 @@ def test_max_delay_counts_from_when_a_photo_began_waiting(session, monkeypatch):
     computing, release, slow_decode = threading.Event(), threading.Event(), threading.Event()
     slow_photo = LEAVES[2].read_bytes()
 
-    def held_first_batch(session_, images, checks, busy=False):
+    def held_first_batch(session_, images, checks):
         if not computing.is_set():
             computing.set()
             assert release.wait(30)
-        return judge_images(session_, images, checks, busy)
+        return judge_images(session_, images, checks)
 
     def slow_for_one_photo(session_, data, *args):
         if bytes(data) == slow_photo:
@@ -325,45 +325,6 @@ def test_max_delay_counts_from_when_a_photo_began_waiting(session, monkeypatch):
     response, at = answered[LEAVES[1]]
     assert response.status_code == 200 and at - released < 1.2      # not the 2 s delay again
     assert all(answered[path][0].status_code == 200 for path in LEAVES[:3])
-
-
-def test_a_photo_computed_while_others_wait_is_a_busy_call(session, monkeypatch):
-    """Without batching, a photo whose call starts while others wait for the inference thread is computed busy
-    (Session.judge: the cpu backend then leaves its layers on one thread), and one computed alone is not."""
-    from lnn.tools import serve_app
-
-    judge_images = serve_app.judge_images
-    computing, release = threading.Event(), threading.Event()
-    calls = []
-
-    def recorded(session_, images, checks, busy=False):
-        calls.append(busy)
-        if not computing.is_set():
-            computing.set()
-            assert release.wait(30)
-        return judge_images(session_, images, checks, busy)
-
-    monkeypatch.setattr(serve_app, "judge_images", recorded)
-    with client_for(session, max_batch=1) as client:
-        answers = {}
-
-        def send(path):
-            answers[path] = client.post("/v1/classify", content=path.read_bytes())
-
-        first = threading.Thread(target=send, args=(LEAVES[0],))
-        first.start()
-        assert computing.wait(30)                       # the first photo holds the inference thread, alone
-        others = [threading.Thread(target=send, args=(path,)) for path in LEAVES[1:3]]
-        for thread in others:
-            thread.start()
-        time.sleep(1.0)                                 # both decoded and waiting
-        release.set()
-        for thread in [first, *others]:
-            thread.join(60)
-    assert calls == [False, True, False]                # the second with the third waiting; the third alone
-    for path in LEAVES[:3]:
-        assert answers[path].status_code == 200
-        assert_same_answer(answers[path].json(), reference_answer(session, path, "upload"))
 
 
 def test_a_cpu_server_is_ready_only_once_its_calls_only_compute(monkeypatch):
