@@ -14,8 +14,9 @@ per second), p50/p95/p99 latency of the answers, the batch-size distribution (ln
 (503), requests without an answer (none expected) and answers that differ from lnn's own for that photo.
 After the table, --target-rounds rounds alternate the batching and unbatched servers at 16 clients (the
 issue's target) and give the median of the rounds' ratios. Then the batching and unbatched servers at 16
-clients on uploads of the phone page's size (1600x1200, photo_sizes.py's photos), and on the reference
-leaf_cnn224 where ../shared has it.
+clients on uploads of the phone page's size (a 4:3 photo at the server's upload_side, 683x512 for the
+bundled model) and of 1600x1200 (photo_sizes.py's photos), and on the reference leaf_cnn224 where ../shared
+has it.
 Writes the `serve_load` (and `serve_soak`) sections of docs/BENCHMARKS.md and docs/images/serve_load.png.
 """
 
@@ -45,7 +46,7 @@ TOMATO = SHARED / "data" / "tomato"
 REFERENCE_MODELS = SHARED / "reference_models"
 PICTURE = REPO / "docs" / "images" / "serve_load.png"
 UPLOAD_SIDE = 256
-PAGE_UPLOAD = (1600, 1200)               # what the phone page sends at most (serve_page.html MAX_SIDE)
+LARGE_UPLOAD = (1600, 1200)              # what the phone page sent until 2026-12-07 (serve_page.html MAX_SIDE)
 PHOTOS = 64
 WARMUP_S = 3.0
 BATCH_EDGES = (1, 2, 4, 8, 16)           # batch-size histogram buckets shown (from lnn's /metrics)
@@ -519,7 +520,9 @@ def heavy_model(folder: Path) -> Path | None:
 
 
 def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
+    import lnn
     from lnn.runtime import usable_cores
+    from lnn.tools.serve_app import upload_side
 
     load_before = os.getloadavg()[0]
     stages = stage_costs(photos)                 # before the servers start: this script alone on the cores
@@ -546,14 +549,22 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
                  + (f", then {', '.join(map(str, lone[1:]))} after the rounds" if len(lone) > 1 else "")
                  + "; its cpu backend times splitting a photo's layers over the cores against one thread in each "
                    "process and reviews that choice as calls go on, so a run may have run on both.")
-    page_photos = photos_of_size(*PAGE_UPLOAD)
-    page_rows = batching_pair("lnn, 1600×1200 uploads", MODEL, page_photos, expected_labels(page_photos), args)
-    page_part = ["### Uploads of the page's size: 1600×1200, 16 clients",
-                 "The phone page shrinks a photo to 1600 pixels on its long side before sending it: the sample "
-                 f"leaves enlarged to {PAGE_UPLOAD[0]}×{PAGE_UPLOAD[1]} (baseline JPEGs, "
-                 f"{np.mean([len(photo) for photo in page_photos]) / 1000:.0f} KB on average, "
+    side = upload_side(lnn.load(MODEL, device="numpy"))
+    page_size = (round(side * 4 / 3), side)
+    sized = {size: photos_of_size(*size) for size in (page_size, LARGE_UPLOAD)}
+    page_rows = [row for size, sized_photos in sized.items()
+                 for row in batching_pair(f"lnn, {size[0]}×{size[1]} uploads", MODEL, sized_photos,
+                                          expected_labels(sized_photos), args)]
+    kilobytes = {size: np.mean([len(photo) for photo in sized_photos]) / 1000 for size, sized_photos in sized.items()}
+    page_part = [f"### Uploads of the page's size: {page_size[0]}×{page_size[1]}, and 1600×1200, 16 clients",
+                 f"The phone page shrinks a photo to the server's `upload_side` on its short side ({side} pixels for "
+                 f"the bundled model, twice what its model and photo checks need), a 4:3 photo to "
+                 f"{page_size[0]}×{page_size[1]}; until 2026-12-07 it sent 1600 pixels on the long side, as an "
+                 f"API client may still. The sample leaves enlarged to those sizes (baseline JPEGs, "
+                 f"{kilobytes[page_size]:.0f} and {kilobytes[LARGE_UPLOAD]:.0f} KB on average, "
                  "benchmarks/photo_sizes.py), the bundled model, both servers at the defaults. lnn decodes them "
-                 "at 400×300 (libjpeg's reduced decoding: the model and its photo checks need 256 pixels a side).",
+                 "reduced, at 341×256 and 400×300 (libjpeg's reduced decoding: the model and its photo checks "
+                 "need 256 pixels a side).",
                  rows_table(page_rows)]
     heavy_part = []
     if heavy is not None:

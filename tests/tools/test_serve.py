@@ -675,6 +675,7 @@ def test_model_page_and_metrics_endpoints(session, served):
     assert info["sha256"] == hashlib.sha256(DEFAULT_MODEL.read_bytes()).hexdigest()
     assert [label["label"] for label in info["labels"]] == [label["name"] for label in session.labels]
     assert info["input"]["shape"] == list(session.input_shape) and info["name"] == session.model.name
+    assert info["upload_side"] == 2 * session.decode_side() == 512    # the short side the page shrinks photos to
     assert page.status_code == 200 and 'capture="environment"' in page.text and "http" not in page.text.split("<script>")[1]
     assert metrics.headers["content-type"].startswith("text/plain")
     assert "lnn_serve_queue_depth" in metrics.text and "lnn_serve_request_seconds_bucket" in metrics.text

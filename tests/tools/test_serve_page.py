@@ -1,7 +1,7 @@
 """lnn-serve's page for phones in a real headless Chromium (Debian's `chromium`, driven by Playwright):
 take a photo (the file input), read the answer in words with its advice, see it in this phone's history,
 get a retake reason for an uncertain answer, and a one-line reason for a file that is not a photo; a
-large photo is shrunk to 1600 px on the phone before it is sent; the QR code of the page's address is shown
+large photo is shrunk on the phone to the server's upload side (twice what the model needs) before it is sent; the QR code of the page's address is shown
 for another phone (read back from the screenshot with OpenCV's QR reader).
 
 The server is the real command on a free loopback port. The retake case answers with a routed response
@@ -20,6 +20,8 @@ sync_api = pytest.importorskip("playwright.sync_api")
 
 from conftest import EXAMPLES, REPO, qr_code_text  # noqa: E402
 from hostile_images import with_data_left_over  # noqa: E402
+import lnn  # noqa: E402
+from lnn.tools.infer import DEFAULT_MODEL  # noqa: E402
 from lnn.tools.serve import launch_process  # noqa: E402
 
 PHONE = {"width": 390, "height": 844}
@@ -115,7 +117,34 @@ def test_a_large_photo_is_shrunk_on_the_phone_before_sending(browser, server_url
     body = sent[0]
     jpeg = body[body.index(b"\xff\xd8\xff"):]                # the form's file part
     height, width = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR).shape[:2]
-    assert (width, height) == (1600, 1200)
+    side = page.request.get(server_url + "v1/model").json()["upload_side"]
+    assert (width, height) == (round(side * 4 / 3), side) == (683, 512)
+    session = lnn.load(DEFAULT_MODEL, device="numpy")           # the server's, as judged without it
+    sent_photo, original = (session.judge(session.prepare_image(session.decode_photo(data))[None])
+                            for data in (jpeg, (tmp_path / "big.jpg").read_bytes()))
+    np.testing.assert_allclose(sent_photo.probabilities, original.probabilities, atol=0.01)
+    page.close()
+
+
+def test_a_photo_is_shrunk_to_no_more_than_1600_px_without_the_models_side(browser, server_url, tmp_path):
+    """Where the server's /v1/model cannot be read (or gives no upload side), a photo is still shrunk to 1600
+    pixels on its long side."""
+    import cv2
+    import numpy as np
+
+    cv2.imwrite(str(tmp_path / "big.jpg"), cv2.resize(cv2.imread(str(EXAMPLES / "leaves" / "late_blight.jpg")),
+                                                      (2400, 1800)))
+    sent = []
+    page = browser.new_page(viewport=PHONE)
+    wait_ready(page, server_url)
+    page.route("**/v1/model", lambda route: route.fulfill(status=500, body="no"))
+    page.route("**/v1/classify", lambda route: (sent.append(route.request.post_data_buffer),
+                                                route.fulfill(status=400, json={"error": "x", "status": 400})))
+    page.goto(server_url)
+    page.locator("#photo").set_input_files(str(tmp_path / "big.jpg"))
+    page.wait_for_function("document.querySelector('#headline').textContent.includes('No answer')", timeout=WAIT_MS)
+    jpeg = sent[0][sent[0].index(b"\xff\xd8\xff"):]
+    assert cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR).shape[:2] == (1200, 1600)
     page.close()
 
 
