@@ -1,8 +1,9 @@
 """lnn-serve's page for phones in a real headless Chromium (Debian's `chromium`, driven by Playwright):
 take a photo (the file input), read the answer in words with its advice, see it in this phone's history,
 get a retake reason for an uncertain answer, and a one-line reason for a file that is not a photo; a
-large photo is shrunk on the phone to the server's upload side (twice what the model needs) before it is sent; the QR code of the page's address is shown
-for another phone (read back from the screenshot with OpenCV's QR reader).
+large photo is shrunk on the phone to the server's upload side (twice what the model needs) before it is
+sent, with the original's answer; the QR code of the page's address is shown for another phone (read back
+from the screenshot with OpenCV's QR reader).
 
 The server is the real command on a free loopback port. The retake case answers with a routed response
 carrying the trust gate's `reason` field, so the page's wording is tested whatever the model answers.
