@@ -127,6 +127,47 @@ def test_a_large_photo_is_shrunk_on_the_phone_before_sending(browser, server_url
     page.close()
 
 
+def test_a_phone_photo_shrunk_on_the_page_keeps_the_photo_checks_reason(browser, server_url, tmp_path):
+    """A 12 MP photo, sharp, blurred past the photo checks' threshold, too dark, or with the leaf small in the
+    frame, gets the same reason from the photo the page sends as from the original, and nearly the same
+    probabilities (the page's 2x2 halving and JPEG at 0.92, then the box's reduced decoding)."""
+    import cv2
+    import numpy as np
+
+    leaf = cv2.imread(str(EXAMPLES / "leaves" / "early_blight.jpg"))
+    frame = np.full((3024, 4032, 3), (90, 110, 120), np.uint8)
+    frame[1200:1900, 1700:2400] = cv2.resize(leaf, (700, 700))
+    photos = {"sharp": leaf, "blurred": cv2.GaussianBlur(leaf, (0, 0), 3), "dark": (leaf * 0.25).astype(np.uint8)}
+    photos = {name: cv2.resize(image, (4032, 3024), interpolation=cv2.INTER_CUBIC) for name, image in photos.items()}
+    photos["small leaf"] = frame
+    session = lnn.load(DEFAULT_MODEL, device="numpy")
+    page = browser.new_page(viewport=PHONE)
+    wait_ready(page, server_url)
+    sent = []
+    page.route("**/v1/classify", lambda route: (sent.append(route.request.post_data_buffer),
+                                                route.fulfill(status=400, json={"error": "x", "status": 400})))
+    page.goto(server_url)
+    reasons = {}
+    for count, (name, image) in enumerate(photos.items(), start=1):
+        original = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, 92])[1].tobytes()
+        (tmp_path / "photo.jpg").write_bytes(original)
+        page.locator("#photo").set_input_files(str(tmp_path / "photo.jpg"))
+        for _ in range(WAIT_MS // 100):
+            if len(sent) == count:
+                break
+            page.wait_for_timeout(100)
+        body = sent[count - 1]
+        judged = []
+        for data in (body[body.index(b"\xff\xd8\xff"):], original):
+            x, check = session.prepare_and_check(session.decode_photo(data))
+            judged.append(session.judge(x[None], [check.reason if check is not None else None]))
+        reasons[name] = judged[1].reasons[0]
+        assert judged[0].reasons == judged[1].reasons, name
+        np.testing.assert_allclose(judged[0].probabilities, judged[1].probabilities, atol=0.1, err_msg=name)
+    assert reasons == {"sharp": None, "blurred": "blurred", "dark": "too_dark", "small leaf": "not_a_leaf"}
+    page.close()
+
+
 def test_a_photo_is_shrunk_to_no_more_than_1600_px_without_the_models_side(browser, server_url, tmp_path):
     """Where the server's /v1/model cannot be read (or gives no upload side), a photo is still shrunk to 1600
     pixels on its long side."""
