@@ -4,8 +4,8 @@ and the photo checks of one upload, against the plain way and against lnn at ful
     python benchmarks/photo_sizes.py [--rounds 7]
 
 Photos: the sample leaves (examples/leaves) enlarged to 256x256 (serve_load's uploads), 1600x1200 (what
-lnn-serve's page sends: it shrinks a phone's photo to 1600 pixels on its long side) and 4000x3000 (a 12 MP
-phone photo sent whole), with a little noise so that they compress like photos, as baseline JPEGs (quality
+lnn-serve's page sent until 2026-12-07, a phone's photo shrunk to 1600 pixels on its long side; now it sends
+683x512: benchmarks/page_shrink.py) and 4000x3000 (a 12 MP phone photo sent whole), with a little noise so that they compress like photos, as baseline JPEGs (quality
 92). For each, CPU ms per photo on one thread (time.thread_time; medians of --rounds interleaved rounds):
 
     lnn                lnn-serve's prepare_upload (Session.prepare_and_check): a baseline JPEG larger than the

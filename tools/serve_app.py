@@ -120,10 +120,10 @@ def model_record(session) -> dict:
 def upload_side(session) -> int:
     """The short side, in pixels, that a client shrinks a photo to before sending it (the phone page does): twice
     Session.decode_side, so the server's reduced decoding still averages it down to what the model and its photo
-    checks need, as for any bigger photo (40 photos of 4032x3024 shrunk by the page in Chromium, by hand: the
-    same reason as the original for all 40, 8 of them blurred and 8 too dark, every probability within 0.08, as
-    within 0.06 at the 1600 pixels the page sent before; tests/tools/test_serve_page.py); 0 for a model that
-    takes no photos."""
+    checks need, as for any bigger photo. 40 photos of 4032x3024 shrunk by the page in Chromium
+    (benchmarks/page_shrink.py) kept their reasons (8 blurred and 8 too dark among them) and every probability
+    within 0.08, as at the 1600 pixels the page sent before; shrunk to decode_side itself, a blurred one was
+    diagnosed. 0 for a model that takes no photos."""
     return 2 * session.decode_side()
 
 
