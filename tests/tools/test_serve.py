@@ -1046,6 +1046,26 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0():
             process.kill()
 
 
+def test_the_systemd_unit_runs_a_valid_command_that_stops_with_its_drain():
+    """packaging/lnn-serve.service (the station's box starts the server at boot): its ExecStart is lnn-serve with
+    options the command takes, on the station's network; systemd stops it with SIGTERM (the drain) and waits
+    longer than a request in flight may take (--timeout) before it kills it; it restarts after a failure."""
+    import configparser
+    import shlex
+
+    from lnn.tools.serve import build_parser
+
+    unit = configparser.ConfigParser(interpolation=None)
+    unit.optionxform = str                                   # systemd's keys are case-sensitive
+    unit.read(REPO / "packaging" / "lnn-serve.service")
+    program, *arguments = shlex.split(unit["Service"]["ExecStart"])
+    options = build_parser().parse_args(arguments)
+    assert program.endswith("/bin/lnn-serve") and options.host == "0.0.0.0"
+    assert unit["Service"]["KillSignal"] == "SIGTERM" and unit["Service"]["Restart"] == "on-failure"
+    assert float(unit["Service"]["TimeoutStopSec"]) >= options.timeout + 10
+    assert unit["Install"]["WantedBy"] == "multi-user.target" and "network-online.target" in unit["Unit"]["After"]
+
+
 def test_command_errors_are_one_line(tmp_path):
     process, url = launch_process("--port", "0", "--device", "numpy")
     assert "numpy backend" in process.stderr_lines[0]            # the banner says what answers
