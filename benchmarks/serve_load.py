@@ -400,9 +400,10 @@ def breakdown_part(stages: dict, by: dict, servers: list) -> str:
         f"with --threads 1), CPU the other threads miss only when the cores are full. Decoding, preprocessing, "
         f"photo checks, HTTP and the answer ({common:.2f} ms of stages, plus the server's rest and the client) are "
         f"paid per photo either way. Were everything but the model free, batching could cut the model's work per "
-        f"image by at most {gain:.2f}×: the 2× target is out of reach for this model on this CPU, whose kernels "
-        f"run one image nearly as efficiently as a batch (lnn-bench models/tomato_leaf.bin --batch 1 / 16 "
-        f"--threads 1 says the same).",
+        f"image by at most {gain:.2f}×, as this CPU's kernels run one image nearly as efficiently as a batch "
+        f"(lnn-bench models/tomato_leaf.bin --batch 1 / 16 --threads 1 says the same). A ratio above the "
+        f"{total['u'] / total['b']:.2f}× that the CPU per request allows comes from how fully each server used the "
+        f"cores and from the machine's drift between rounds, not from cheaper work per photo.",
         "Found with py-spy and each thread's CPU in /proc (2026-12-01, 16 clients): OpenBLAS's helper thread took "
         "1.6-3.8 ms of CPU per request in the batching server, about as much as the model. The gate's products "
         "at batch 8 and over are threaded BLAS calls; after each the helper busy-waits for more work, beside "
