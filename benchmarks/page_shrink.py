@@ -107,24 +107,29 @@ def main():
     import cv2
 
     import lnn
-    from lnn.tools.serve import launch_process
+    from lnn.tools.infer import judge_images
+    from lnn.tools.serve import DEFAULTS, launch_process
     from lnn.tools.serve_app import prepare_upload, upload_side
     from report import machine_line, markdown_table, update_section
 
     session = lnn.load(MODEL, device="cpu", threads=1)
 
+    def prepared(data: bytes) -> tuple:
+        return prepare_upload(session, data, DEFAULTS.max_pixels)
+
     def judged(data: bytes) -> tuple:
-        x, check = session.prepare_and_check(session.decode_photo(data))
-        judgement = session.judge(x[None], [check.reason if check is not None else None])
-        return judgement.probabilities[0], judgement.reasons[0]
+        """(probabilities, reason) of one photo, as lnn-serve judges an upload."""
+        x, check, _ = prepared(data)
+        probabilities, reasons = judge_images(session, [x], [check])
+        return probabilities[0], reasons[0]
 
     def server_ms(photos: list) -> float:
-        prepare_upload(session, photos[0], 50_000_000)                  # warm: the decoders, the photo measures
+        prepared(photos[0])                                             # warm: the decoders, the photo measures
         rounds = []
         for _ in range(args.rounds):
             started = time.thread_time()
             for data in photos:
-                prepare_upload(session, data, 50_000_000)
+                prepared(data)
             rounds.append(1000 * (time.thread_time() - started) / len(photos))
         return float(np.median(rounds))
 

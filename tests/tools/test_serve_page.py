@@ -22,8 +22,9 @@ sync_api = pytest.importorskip("playwright.sync_api")
 from conftest import EXAMPLES, REPO, qr_code_text  # noqa: E402
 from hostile_images import with_data_left_over  # noqa: E402
 import lnn  # noqa: E402
-from lnn.tools.infer import DEFAULT_MODEL  # noqa: E402
-from lnn.tools.serve import launch_process  # noqa: E402
+from lnn.tools.infer import DEFAULT_MODEL, judge_images  # noqa: E402
+from lnn.tools.serve import DEFAULTS, launch_process  # noqa: E402
+from lnn.tools.serve_app import prepare_upload  # noqa: E402
 
 PHONE = {"width": 390, "height": 844}
 WAIT_MS = 60_000
@@ -46,6 +47,11 @@ def browser():
         browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         yield browser
         browser.close()
+
+
+def photo_part(body: bytes) -> bytes:
+    """The photo in a multipart form the page posted: its JPEG, from its start marker on."""
+    return body[body.index(b"\xff\xd8\xff"):]
 
 
 def wait_ready(page, url):
@@ -115,8 +121,7 @@ def test_a_large_photo_is_shrunk_on_the_phone_before_sending(browser, server_url
     page.route("**/v1/classify", keep_and_send)
     page.locator("#photo").set_input_files(str(tmp_path / "big.jpg"))
     page.wait_for_function("document.querySelector('#headline').textContent.includes('Late blight')", timeout=WAIT_MS)
-    body = sent[0]
-    jpeg = body[body.index(b"\xff\xd8\xff"):]                # the form's file part
+    jpeg = photo_part(sent[0])
     height, width = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR).shape[:2]
     side = page.request.get(server_url + "v1/model").json()["upload_side"]
     assert (width, height) == (round(side * 4 / 3), side) == (683, 512)
@@ -156,14 +161,14 @@ def test_a_phone_photo_shrunk_on_the_page_keeps_the_photo_checks_reason(browser,
             if len(sent) == count:
                 break
             page.wait_for_timeout(100)
-        body = sent[count - 1]
         judged = []
-        for data in (body[body.index(b"\xff\xd8\xff"):], original):
-            x, check = session.prepare_and_check(session.decode_photo(data))
-            judged.append(session.judge(x[None], [check.reason if check is not None else None]))
-        reasons[name] = judged[1].reasons[0]
-        assert judged[0].reasons == judged[1].reasons, name
-        np.testing.assert_allclose(judged[0].probabilities, judged[1].probabilities, atol=0.1, err_msg=name)
+        for data in (photo_part(sent[count - 1]), original):             # as lnn-serve judges an upload
+            x, check, _ = prepare_upload(session, data, DEFAULTS.max_pixels)
+            judged.append(judge_images(session, [x], [check]))
+        (sent_probabilities, sent_reasons), (probabilities, original_reasons) = judged
+        reasons[name] = original_reasons[0]
+        assert sent_reasons == original_reasons, name
+        np.testing.assert_allclose(sent_probabilities, probabilities, atol=0.1, err_msg=name)
     assert reasons == {"sharp": None, "blurred": "blurred", "dark": "too_dark", "small leaf": "not_a_leaf"}
     page.close()
 
@@ -185,7 +190,7 @@ def test_a_photo_is_shrunk_to_no_more_than_1600_px_without_the_models_side(brows
     page.goto(server_url)
     page.locator("#photo").set_input_files(str(tmp_path / "big.jpg"))
     page.wait_for_function("document.querySelector('#headline').textContent.includes('No answer')", timeout=WAIT_MS)
-    jpeg = sent[0][sent[0].index(b"\xff\xd8\xff"):]
+    jpeg = photo_part(sent[0])
     assert cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR).shape[:2] == (1200, 1600)
     page.close()
 
