@@ -98,6 +98,9 @@ MIN_SPLIT_FLOPS = 250e6  # a batch is split across threads from this much work o
 # of 8 s, its batches whole (2026-12-06, by hand, a first version of _run_split): units of 2 took 484.5 answers/s at
 # 3.51 ms of server CPU a request, of 3 471.2 and 3.63, of 4 468.3 and 3.70; one fixed share per thread in chunks of
 # 8, 4, 2 and 1, 418.3 and 4.18. This version against that one, the same way: 469.9 and 3.64 against 438.4 and 3.98
+# (2026-12-07, the Zen 3 VM, by hand, medians of 4 rounds: units of 1 272.4 answers/s at 6.43 ms against 302.9 at 5.85
+# for units of 2, the rounds' ratios 1.08, 1.19, 0.97, 1.02; units of 2 but the last image per thread in a unit of 1, so
+# the threads end closer together, 267.9 at 6.46, and in 3 more rounds 291.9 against 285.0: not kept)
 SPLIT_UNIT = 2
 MIN_TASK_FLOPS = 4e6     # a layer is split into parts of at least this much work each (mnist_cnn's 7 MFLOP conv: not)
 # A batch size's choice: the split plan and the one-thread plan run in turns of TRIAL_BLOCK calls in a row,
