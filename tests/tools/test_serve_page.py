@@ -54,6 +54,13 @@ def photo_part(body: bytes) -> bytes:
     return body[body.index(b"\xff\xd8\xff"):]
 
 
+def served_judgement(session, data: bytes) -> tuple:
+    """(probabilities [1, K], reasons) of one upload as lnn-serve judges it: prepare_upload at the server's
+    --max-pixels, then judge_images."""
+    x, check, _ = prepare_upload(session, data, DEFAULTS.max_pixels)
+    return judge_images(session, [x], [check])
+
+
 def wait_ready(page, url):
     for _ in range(600):
         if page.request.get(url + "readyz").ok:
@@ -126,9 +133,9 @@ def test_a_large_photo_is_shrunk_on_the_phone_before_sending(browser, server_url
     side = page.request.get(server_url + "v1/model").json()["upload_side"]
     assert (width, height) == (round(side * 4 / 3), side) == (683, 512)
     session = lnn.load(DEFAULT_MODEL, device="numpy")           # the server's, as judged without it
-    sent_photo, original = (session.judge(session.prepare_image(session.decode_photo(data))[None])
-                            for data in (jpeg, (tmp_path / "big.jpg").read_bytes()))
-    np.testing.assert_allclose(sent_photo.probabilities, original.probabilities, atol=0.01)
+    (sent_probabilities, _), (probabilities, _) = (served_judgement(session, data)
+                                                    for data in (jpeg, (tmp_path / "big.jpg").read_bytes()))
+    np.testing.assert_allclose(sent_probabilities, probabilities, atol=0.01)
     page.close()
 
 
@@ -161,11 +168,8 @@ def test_a_phone_photo_shrunk_on_the_page_keeps_the_photo_checks_reason(browser,
             if len(sent) == count:
                 break
             page.wait_for_timeout(100)
-        judged = []
-        for data in (photo_part(sent[count - 1]), original):             # as lnn-serve judges an upload
-            x, check, _ = prepare_upload(session, data, DEFAULTS.max_pixels)
-            judged.append(judge_images(session, [x], [check]))
-        (sent_probabilities, sent_reasons), (probabilities, original_reasons) = judged
+        (sent_probabilities, sent_reasons), (probabilities, original_reasons) = (
+            served_judgement(session, data) for data in (photo_part(sent[count - 1]), original))
         reasons[name] = original_reasons[0]
         assert sent_reasons == original_reasons, name
         np.testing.assert_allclose(sent_probabilities, probabilities, atol=0.1, err_msg=name)
