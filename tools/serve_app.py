@@ -26,6 +26,8 @@ import io
 import logging
 import os
 import re
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -194,7 +196,10 @@ class Batcher:
         """Ready every chunk size on the inference thread (Session.warm_up: the CPU backend's compile or cache
         load, buffers, helper program and split choice, per calling thread; on several threads, batches of 8 and
         2 ready every thread's plans for the units of 2 and 1 that split batches of any size run in), then be
-        ready. The NumPy backend has none of these: one call does."""
+        ready. The NumPy backend has none of these: one call does. A first start compiles apart
+        (compile_in_a_child)."""
+        if self.session.device == "cpu":
+            await compile_in_a_child(self.session)
         for size in CHUNK_SIZES if self.session.device == "cpu" else [1]:
             await asyncio.get_running_loop().run_in_executor(self.inference, self.session.warm_up, size)
         self.ready.set()
@@ -264,6 +269,50 @@ class Batcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self.inference.shutdown(wait=self.ready.is_set())   # not ready: inside a compile (see serve.serve)
+
+
+# The child's work (compile_in_a_child): the server's warm-up and a photo check, on the same model and threads
+COMPILE_IN_A_CHILD = ("import sys; from lnn.tools.serve_app import warm_up_alone; "
+                      "warm_up_alone(sys.argv[1], int(sys.argv[2]))")
+
+
+async def compile_in_a_child(session) -> None:
+    """On a first start (this model's kernels are not in Numba's cache yet: a fresh install, an upgrade), compile
+    them in a child process, which fills the cache and exits; the warm-up here then loads them. Compiled in the
+    server itself, Numba's compiler kept its memory for the server's whole life (about 170 MiB more for the
+    bundled model: ARCHITECTURE.md, the phone server), a lot on a 1 GB Raspberry Pi. Nothing to do without the
+    JIT's cache (not writable, or the ahead-of-time kernels); a child that fails leaves the compile to this
+    process, as before, after one line saying why. Stopped during it (the warm-up cancelled), the child is
+    killed."""
+    from lnn.runtime.cpu import cache
+    from lnn.runtime.cpu.jit import CACHE_ENABLED
+
+    if not CACHE_ENABLED or cache.kernels_cached(session.model):
+        return
+    print(f"lnn-serve: a first start with this model: compiling its kernels in a child process (later starts "
+          f"load them from {cache.numba_cache_dir()})", file=sys.stderr, flush=True)
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", COMPILE_IN_A_CHILD, str(session.bin.path),
+                                                 str(session.threads), stdin=subprocess.DEVNULL,
+                                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _, errors = await child.communicate()
+    except asyncio.CancelledError:
+        child.kill()
+        raise
+    if child.returncode != 0:
+        last = (errors.decode(errors="replace").strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+        print(f"lnn-serve: compiling the kernels in a child process failed ({last}); compiling them in this one",
+              file=sys.stderr, flush=True)
+
+
+def warm_up_alone(model_path: str, threads: int) -> None:
+    """compile_in_a_child's child: what the server's warm-up compiles, and the photo checks' kernel."""
+    from lnn.tools.infer import load_session
+
+    session = load_session(model_path, "cpu", threads)
+    for size in CHUNK_SIZES:
+        session.warm_up(size)
+    session.check_photo(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
 
 
 CHUNK_SIZES = (8, 4, 2, 1)      # the CPU backend keeps buffers for 4 batch sizes (PLANS_KEPT): these four

@@ -5,9 +5,11 @@ sent, SIGTERM drains a request in flight and exits 0, and the command's own erro
 In-process tests run the app under uvicorn on a thread of the test, on a free loopback port, on the NumPy
 backend (no JIT compile); the process tests start the real command the same way."""
 
+import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import signal
 import struct
 import sys
@@ -33,7 +35,8 @@ from lnn.formats import limits  # noqa: E402
 from lnn.tools import infer  # noqa: E402
 from lnn.tools.infer import DEFAULT_MODEL, answers_for  # noqa: E402
 from lnn.tools.serve import ServeConfig, launch_process, listening_socket  # noqa: E402
-from lnn.tools.serve_app import chunk_sizes, create_app, judge_in_chunks  # noqa: E402
+from lnn.tools import serve_app  # noqa: E402
+from lnn.tools.serve_app import chunk_sizes, compile_in_a_child, create_app, judge_in_chunks  # noqa: E402
 
 LEAVES = sorted((EXAMPLES / "leaves").glob("*.jpg"))
 
@@ -1021,6 +1024,102 @@ def test_stopping_during_the_warm_up_exits_at_once(stop, exit_code):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+TINY_PHOTO_MODEL = {"name": "tiny", "input_shape": [3, 16, 16], "labels": ["one", "two"],
+                    "preprocess": {"color": "rgb", "scale": 1 / 255, "mean": [0.5] * 3, "std": [0.25] * 3},
+                    "layers": [{"type": "conv2d", "out_channels": 4, "kernel_size": 3, "padding": 1,
+                                "activation": "relu"}, {"type": "flatten"}, {"type": "linear", "out_features": 2}]}
+# lnn-serve with Numba's cache log (NUMBA_DEBUG_CACHE prints to stdout, which launch_process drops) on stderr
+SERVE_WITH_CACHE_LOG = "import sys; sys.stdout = sys.stderr; from lnn.tools.serve import main; sys.exit(main())"
+
+
+@pytest.fixture
+def tiny_photo_model(tmp_path):
+    """A photo model whose kernels compile in seconds, with random weights, as a .bin."""
+    from lnn.formats.binfile import write_bin
+    from lnn.formats.model import parse_model
+
+    model = parse_model(TINY_PHOTO_MODEL)
+    rng = np.random.default_rng(0)
+    path = tmp_path / "tiny.bin"
+    write_bin(path, model, {key: rng.standard_normal(shape).astype(np.float32)
+                            for key, shape in model.param_shapes().items()})
+    return path
+
+
+def child_processes(pid: int, timeout_s: float = 30.0) -> list:
+    """The children of process pid, once it has some."""
+    deadline = time.monotonic() + timeout_s
+    while not (children := open(f"/proc/{pid}/task/{pid}/children").read().split()):
+        assert time.monotonic() < deadline, "no child process was started"
+        time.sleep(0.02)
+    return [int(child) for child in children]
+
+
+def is_running(pid: int) -> bool:
+    """pid is a process that has not ended (not gone, not a zombie)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree in /proc")
+def test_a_first_start_compiles_in_a_child_process_and_the_server_only_loads_the_cache(tiny_photo_model, tmp_path):
+    """Compiled in the server itself, Numba's compiler kept its memory for the server's life (about 170 MiB
+    for the bundled model). A first start compiles in a child process, which
+    a SIGTERM meanwhile kills with the server; the server itself then only loads what the child saved (Numba's
+    cache log), answers, and a later start starts no child."""
+    env = {**{k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"},
+           "LNN_CACHE_DIR": str(tmp_path / "cache"), "NUMBA_DEBUG_CACHE": "1"}
+    options = ("--model", tiny_photo_model, "--port", "0", "--threads", "1")
+
+    process, _ = launch_process(*options, program=("-c", SERVE_WITH_CACHE_LOG), env=env)
+    try:
+        [compiling] = child_processes(process.pid)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, "".join(process.stderr_lines)
+        deadline = time.monotonic() + 5
+        while is_running(compiling):
+            assert time.monotonic() < deadline, "the compile's child process outlived the server"
+            time.sleep(0.02)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    for start in ("first", "later"):
+        process, url = launch_process(*options, program=("-c", SERVE_WITH_CACHE_LOG), env=env)
+        try:
+            with httpx.Client(base_url=url, timeout=60) as client:
+                wait_ready(client)
+                answer = client.post("/v1/classify", content=LEAVES[0].read_bytes())
+                assert answer.status_code == 200 and answer.json()["label"] in TINY_PHOTO_MODEL["labels"]
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+            time.sleep(0.2)                                 # the reading thread reaches the end of the pipe
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        log = "".join(process.stderr_lines)
+        assert ("compiling its kernels in a child process" in log) == (start == "first"), log
+        assert "[cache] data loaded from" in log and "[cache] data saved to" not in log, log
+
+
+def test_a_compile_in_a_child_process_that_fails_is_left_to_the_server(tiny_photo_model, monkeypatch, capfd):
+    """The child's last line says why, and the server goes on to compile in its own process."""
+    from lnn.runtime.cpu import cache, jit
+
+    monkeypatch.setattr(jit, "CACHE_ENABLED", True)
+    monkeypatch.setattr(cache, "kernels_cached", lambda model: False)
+    monkeypatch.setattr(serve_app, "COMPILE_IN_A_CHILD", "import sys; sys.exit('MemoryError: the child ran out')")
+    session = lnn.load(tiny_photo_model, device="cpu", threads=1)
+    asyncio.run(compile_in_a_child(session))
+    assert capfd.readouterr().err.splitlines()[-1] == ("lnn-serve: compiling the kernels in a child process failed "
+                                                       "(MemoryError: the child ran out); compiling them in this one")
 
 
 def test_sigterm_drains_the_request_in_flight_and_exits_0():
