@@ -528,9 +528,9 @@ def serve(args) -> int:
 
 def warming_up(server) -> bool:
     """The server's model is not ready yet: a compile may be running, or about to start (before the lifespan
-    has run there is no batcher)."""
+    has run there is no batcher); not once its warm-up has failed."""
     batcher = getattr(server.config.app.state, "batcher", None)
-    return batcher is None or not batcher.ready.is_set()
+    return batcher is None or not (batcher.ready.is_set() or batcher.failed is not None)
 
 
 def leave_during_the_warm_up(exit_code: int) -> None:

@@ -46,6 +46,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from lnn.formats.errors import LnnInputError
+from lnn.runtime.cpu import cache
 from lnn.tools.cli import error_line
 from lnn.runtime.preprocess import PixelLimit
 from lnn.tools.infer import answer_for, judge_images
@@ -54,6 +55,7 @@ from lnn.tools.serve import ERROR_TYPE, RETRY_AFTER_S, ServeConfig, error_body, 
 ENDPOINTS = ("POST /v1/classify, GET /v1/model, /healthz, /readyz, /metrics and the phone page at / (its QR code: "
              "/address.png)")
 RETRY_LATER = {"Retry-After": str(RETRY_AFTER_S)}       # a 503's header: when the phone should try again
+STARTING_RETRY_AFTER_S = 30             # ... while the model's kernels compile (Batcher.refusal_while_starting)
 UPLOAD_NAME = "upload"                  # the answer's "file" for a raw-body upload (multipart gives its filename)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 HOST_HEADER = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253})(:[0-9]{1,5})?")   # a name or address, a port
@@ -187,6 +189,8 @@ class Batcher:
         self.being_decoded = 0               # requests whose image is on the decode pool: soon waiting here
         self.inference = ThreadPoolExecutor(1, thread_name_prefix="lnn-serve-inference")
         self.ready = asyncio.Event()
+        self.compiling = False               # the warm-up compiles the model's kernels (about 40 s here)
+        self.failed = None                   # why the warm-up failed, if it did
         self._task = None
 
     def start(self) -> None:
@@ -197,12 +201,34 @@ class Batcher:
         load, buffers, helper program and split choice, per calling thread; on several threads, batches of 8 and
         2 ready every thread's plans for the units of 2 and 1 that split batches of any size run in), then be
         ready. The NumPy backend has none of these: one call does. A first start compiles apart
-        (compile_in_a_child)."""
-        if self.session.device == "cpu":
-            await compile_in_a_child(self.session)
-        for size in CHUNK_SIZES if self.session.device == "cpu" else [1]:
-            await asyncio.get_running_loop().run_in_executor(self.inference, self.session.warm_up, size)
+        (compile_in_a_child); while kernels compile, or once the warm-up has failed, requests are refused at once
+        (refusal_while_starting)."""
+        try:
+            if self.session.device == "cpu" and not cache.kernels_cached(self.session.model):
+                self.compiling = True
+                self.compiling = not await compile_in_a_child(self.session)    # failed: compiled here instead
+            for size in CHUNK_SIZES if self.session.device == "cpu" else [1]:
+                await asyncio.get_running_loop().run_in_executor(self.inference, self.session.warm_up, size)
+        except Exception as err:                # noqa: BLE001 - the server stays up to say so to every request
+            self.failed = " ".join(str(err).split()) or type(err).__name__
+            error_line("lnn-serve", f"the model failed its warm-up and answers nothing: {self.failed}")
+            return
+        self.compiling = False
         self.ready.set()
+
+    def refusal_while_starting(self):
+        """A Refused for a request that arrives while the model cannot answer soon: its kernels are being
+        compiled (a first start: about 40 s on the 2-core VM, more on a slower CPU; held until --timeout, such
+        a request got a 504 saying only that no answer came) or its warm-up failed. None otherwise: a warm-up
+        that only loads the cache takes about 2 s, and a request meanwhile waits for it."""
+        if self.failed is not None:
+            return Refused(503, f"the server's model failed to start ({self.failed}); whoever runs the server "
+                                f"should read its log", "model_failed")
+        if self.compiling:
+            return Refused(503, "the server is still preparing its model (its first start compiles it); try "
+                                "again shortly", "starting",
+                           {"Retry-After": str(STARTING_RETRY_AFTER_S)})
+        return None
 
     @contextlib.contextmanager
     def decoding(self):
@@ -276,19 +302,19 @@ COMPILE_IN_A_CHILD = ("import sys; from lnn.tools.serve_app import warm_up_alone
                       "warm_up_alone(sys.argv[1], int(sys.argv[2]))")
 
 
-async def compile_in_a_child(session) -> None:
+async def compile_in_a_child(session) -> bool:
     """On a first start (this model's kernels are not in Numba's cache yet: a fresh install, an upgrade), compile
-    them in a child process, which fills the cache and exits; the warm-up here then loads them. Compiled in the
+    them in a child process, which fills the cache and exits; the warm-up here then loads them. -> whether the
+    child did. Compiled in the
     server itself, Numba's compiler kept its memory for the server's whole life (about 170 MiB more for the
     bundled model: ARCHITECTURE.md, the phone server), a lot on a 1 GB Raspberry Pi. Nothing to do without the
     JIT's cache (not writable, or the ahead-of-time kernels); a child that fails leaves the compile to this
     process, as before, after one line saying why. Stopped during it (the warm-up cancelled), the child is
     killed."""
-    from lnn.runtime.cpu import cache
     from lnn.runtime.cpu.jit import CACHE_ENABLED
 
-    if not CACHE_ENABLED or cache.kernels_cached(session.model):
-        return
+    if not CACHE_ENABLED:
+        return False
     print(f"lnn-serve: a first start with this model: compiling its kernels in a child process (later starts "
           f"load them from {cache.numba_cache_dir()})", file=sys.stderr, flush=True)
     child = await asyncio.create_subprocess_exec(sys.executable, "-c", COMPILE_IN_A_CHILD, str(session.bin.path),
@@ -303,6 +329,7 @@ async def compile_in_a_child(session) -> None:
         last = (errors.decode(errors="replace").strip().splitlines() or [f"exit status {child.returncode}"])[-1]
         print(f"lnn-serve: compiling the kernels in a child process failed ({last}); compiling them in this one",
               file=sys.stderr, flush=True)
+    return child.returncode == 0
 
 
 def warm_up_alone(model_path: str, threads: int) -> None:
@@ -481,17 +508,12 @@ def create_app(session, config: ServeConfig) -> Starlette:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(decoders, load_image_libraries)
         warming = loop.create_task(batcher.warm_up())           # /healthz answers meanwhile; /readyz once done
-        warming.add_done_callback(report_failed_warm_up)
         try:
             yield
         finally:
             warming.cancel()
             await batcher.close()
             decoders.shutdown(wait=False, cancel_futures=True)
-
-    def report_failed_warm_up(task) -> None:
-        if not task.cancelled() and task.exception() is not None:      # /readyz stays 503, requests get 504
-            error_line("lnn-serve", f"the model failed its warm-up and answers nothing: {task.exception()}")
 
     async def answer(request: Request) -> dict:
         with uploads.share() as take:               # the upload's bytes count until decoded
@@ -523,7 +545,10 @@ def create_app(session, config: ServeConfig) -> Starlette:
 
     async def classify(request: Request) -> Response:
         started = time.perf_counter()
-        if state["in_flight"] >= config.queue:
+        starting = request.app.state.batcher.refusal_while_starting()
+        if starting is not None:
+            response = refusal(starting)
+        elif state["in_flight"] >= config.queue:
             response = refusal(Refused(503, f"the server is busy ({config.queue} requests waiting); try again in a "
                                             f"moment", "queue_full", RETRY_LATER))
         else:

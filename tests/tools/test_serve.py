@@ -32,10 +32,9 @@ from cli_helpers import assert_one_line_error, run_command  # noqa: E402
 from conftest import EXAMPLES, REPO, qr_code_text  # noqa: E402
 from hostile_images import HEIC_START, with_data_left_over  # noqa: E402
 from lnn.formats import limits  # noqa: E402
-from lnn.tools import infer  # noqa: E402
+from lnn.tools import infer, serve_app  # noqa: E402
 from lnn.tools.infer import DEFAULT_MODEL, answers_for  # noqa: E402
 from lnn.tools.serve import ServeConfig, launch_process, listening_socket  # noqa: E402
-from lnn.tools import serve_app  # noqa: E402
 from lnn.tools.serve_app import chunk_sizes, compile_in_a_child, create_app, judge_in_chunks  # noqa: E402
 
 LEAVES = sorted((EXAMPLES / "leaves").glob("*.jpg"))
@@ -69,9 +68,10 @@ def wait_ready(client, timeout_s: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def client_for(session, phone_url=None, **settings):
-    """An httpx client of the app, served by uvicorn on a thread, on a free loopback port, once it is ready;
-    phone_url: the address phones open, as serve.server_for tells the app when it listens on a network."""
+def client_for(session, phone_url=None, ready=True, **settings):
+    """An httpx client of the app, served by uvicorn on a thread, on a free loopback port, once it is ready
+    (ready=False: once it has started); phone_url: the address phones open, as serve.server_for tells the app
+    when it listens on a network."""
     sock = listening_socket("127.0.0.1", 0)
     app = create_app(session, ServeConfig(decode_threads=2, **settings))
     app.state.phone_url = phone_url
@@ -79,7 +79,8 @@ def client_for(session, phone_url=None, **settings):
     with running(server, sock), httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
                                              timeout=60) as client:
         assert client.get("/healthz").json() == {"alive": True}
-        wait_ready(client)
+        if ready:
+            wait_ready(client)
         yield client
 
 
@@ -1069,9 +1070,9 @@ def is_running(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree in /proc")
 def test_a_first_start_compiles_in_a_child_process_and_the_server_only_loads_the_cache(tiny_photo_model, tmp_path):
     """Compiled in the server itself, Numba's compiler kept its memory for the server's life (about 170 MiB
-    for the bundled model). A first start compiles in a child process, which
-    a SIGTERM meanwhile kills with the server; the server itself then only loads what the child saved (Numba's
-    cache log), answers, and a later start starts no child."""
+    for the bundled model). A first start compiles in a child process, which a SIGTERM meanwhile kills with the
+    server; the server itself then only loads what the child saved (Numba's cache log), answers, and a later
+    start starts no child."""
     env = {**{k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"},
            "LNN_CACHE_DIR": str(tmp_path / "cache"), "NUMBA_DEBUG_CACHE": "1"}
     options = ("--model", tiny_photo_model, "--port", "0", "--threads", "1")
@@ -1111,15 +1112,49 @@ def test_a_first_start_compiles_in_a_child_process_and_the_server_only_loads_the
 
 def test_a_compile_in_a_child_process_that_fails_is_left_to_the_server(tiny_photo_model, monkeypatch, capfd):
     """The child's last line says why, and the server goes on to compile in its own process."""
+    from lnn.runtime.cpu import jit
+
+    monkeypatch.setattr(jit, "CACHE_ENABLED", True)
+    monkeypatch.setattr(serve_app, "COMPILE_IN_A_CHILD", "import sys; sys.exit('MemoryError: the child ran out')")
+    session = lnn.load(tiny_photo_model, device="cpu", threads=1)
+    assert asyncio.run(compile_in_a_child(session)) is False
+    assert capfd.readouterr().err.splitlines()[-1] == ("lnn-serve: compiling the kernels in a child process failed "
+                                                       "(MemoryError: the child ran out); compiling them in this one")
+
+
+def test_requests_while_the_kernels_compile_get_503_at_once_then_answers(monkeypatch):
+    """A first start compiles for about 40 s on the 2-core VM, more on a slower CPU: a request meanwhile gets
+    503 at once, with Retry-After and the reason (held until --timeout, it got a 504 saying only that no answer
+    came); once the compile is done the server answers. (A child that sleeps stands in for the compile.)"""
     from lnn.runtime.cpu import cache, jit
 
     monkeypatch.setattr(jit, "CACHE_ENABLED", True)
     monkeypatch.setattr(cache, "kernels_cached", lambda model: False)
-    monkeypatch.setattr(serve_app, "COMPILE_IN_A_CHILD", "import sys; sys.exit('MemoryError: the child ran out')")
-    session = lnn.load(tiny_photo_model, device="cpu", threads=1)
-    asyncio.run(compile_in_a_child(session))
-    assert capfd.readouterr().err.splitlines()[-1] == ("lnn-serve: compiling the kernels in a child process failed "
-                                                       "(MemoryError: the child ran out); compiling them in this one")
+    monkeypatch.setattr(serve_app, "COMPILE_IN_A_CHILD", "import time; time.sleep(2)")
+    session = lnn.load(DEFAULT_MODEL, device="cpu", threads=1)
+    with client_for(session, ready=False) as client:
+        sent = time.monotonic()
+        answer = client.post("/v1/classify", content=LEAVES[0].read_bytes())
+        assert time.monotonic() - sent < 1
+        assert answer.status_code == 503 and answer.headers["Retry-After"] == "30"
+        assert answer.json()["error"].startswith("the server is still preparing its model")
+        assert client.get("/readyz").status_code == 503
+        wait_ready(client)
+        assert client.post("/v1/classify", content=LEAVES[0].read_bytes()).status_code == 200
+        assert metric_samples(client)[("lnn_serve_rejected_total", (("reason", "starting"),))] == 1
+
+
+def test_a_failed_warm_up_is_said_to_every_request():
+    """Not a 504 after --timeout for each request, as if the server were only slow."""
+    session = lnn.load(DEFAULT_MODEL, device="numpy")
+    session.warm_up = lambda size: (_ for _ in ()).throw(MemoryError("no memory left"))
+    with client_for(session, ready=False, timeout_s=2) as client:
+        deadline = time.monotonic() + 10
+        while (answer := client.post("/v1/classify", content=LEAVES[0].read_bytes())).status_code != 503:
+            assert time.monotonic() < deadline, answer.status_code
+        assert answer.json()["error"] == ("the server's model failed to start (no memory left); whoever runs the "
+                                          "server should read its log")
+        assert "Retry-After" not in answer.headers and client.get("/readyz").status_code == 503
 
 
 def test_sigterm_drains_the_request_in_flight_and_exits_0():
