@@ -204,7 +204,7 @@ class Batcher:
         (compile_in_a_child); while kernels compile, or once the warm-up has failed, requests are refused at once
         (refusal_while_starting)."""
         try:
-            if self.session.device == "cpu" and not cache.kernels_cached(self.session.model):
+            if kernels_to_compile(self.session):
                 self.compiling = True
                 self.compiling = not await compile_in_a_child(self.session)    # failed: compiled here instead
             for size in CHUNK_SIZES if self.session.device == "cpu" else [1]:
@@ -302,18 +302,27 @@ COMPILE_IN_A_CHILD = ("import sys; from lnn.tools.serve_app import warm_up_alone
                       "warm_up_alone(sys.argv[1], int(sys.argv[2]))")
 
 
-async def compile_in_a_child(session) -> bool:
-    """On a first start (this model's kernels are not in Numba's cache yet: a fresh install, an upgrade), compile
-    them in a child process, which fills the cache and exits; the warm-up here then loads them. -> whether the
-    child did. Compiled in the
-    server itself, Numba's compiler kept its memory for the server's whole life (about 170 MiB more for the
-    bundled model: ARCHITECTURE.md, the phone server), a lot on a 1 GB Raspberry Pi. Nothing to do without the
-    JIT's cache (not writable, or the ahead-of-time kernels); a child that fails leaves the compile to this
-    process, as before, after one line saying why. Stopped during it (the warm-up cancelled), the child is
-    killed."""
-    from lnn.runtime.cpu.jit import CACHE_ENABLED
+def kernels_to_compile(session) -> bool:
+    """The session's warm-up will compile kernels: Numba's (not the ahead-of-time module's), and this model's are
+    not in the cache yet (a first start after an install or upgrade, or every start where the cache is not
+    writable)."""
+    if session.device != "cpu":
+        return False
+    from lnn.runtime.cpu import jit
 
-    if not CACHE_ENABLED:
+    return jit.KERNELS == "jit" and not cache.kernels_cached(session.model)
+
+
+async def compile_in_a_child(session) -> bool:
+    """When kernels_to_compile, compile them in a child process, which fills the cache and exits; the warm-up
+    here then loads them. -> whether the child did. Compiled in the server itself, Numba's compiler kept its
+    memory for the server's whole life (about 170 MiB more for the bundled model: ARCHITECTURE.md, the phone
+    server), a lot on a 1 GB Raspberry Pi. Nothing to do where the cache is not writable; a child that fails
+    leaves the compile to this process, as before, after one line saying why. Stopped during it (the warm-up
+    cancelled), the child is killed."""
+    from lnn.runtime.cpu import jit
+
+    if not jit.CACHE_ENABLED:
         return False
     print(f"lnn-serve: a first start with this model: compiling its kernels in a child process (later starts "
           f"load them from {cache.numba_cache_dir()})", file=sys.stderr, flush=True)

@@ -1128,6 +1128,7 @@ def test_requests_while_the_kernels_compile_get_503_at_once_then_answers(monkeyp
     came); once the compile is done the server answers. (A child that sleeps stands in for the compile.)"""
     from lnn.runtime.cpu import cache, jit
 
+    monkeypatch.setattr(jit, "KERNELS", "jit")
     monkeypatch.setattr(jit, "CACHE_ENABLED", True)
     monkeypatch.setattr(cache, "kernels_cached", lambda model: False)
     monkeypatch.setattr(serve_app, "COMPILE_IN_A_CHILD", "import time; time.sleep(2)")
