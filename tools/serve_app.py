@@ -326,19 +326,24 @@ async def compile_in_a_child(session) -> bool:
         return False
     print(f"lnn-serve: a first start with this model: compiling its kernels in a child process (later starts "
           f"load them from {cache.numba_cache_dir()})", file=sys.stderr, flush=True)
-    child = await asyncio.create_subprocess_exec(sys.executable, "-c", COMPILE_IN_A_CHILD, str(session.bin.path),
-                                                 str(session.threads), stdin=subprocess.DEVNULL,
-                                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        _, errors = await child.communicate()
-    except asyncio.CancelledError:
-        child.kill()
-        raise
-    if child.returncode != 0:
-        last = (errors.decode(errors="replace").strip().splitlines() or [f"exit status {child.returncode}"])[-1]
-        print(f"lnn-serve: compiling the kernels in a child process failed ({last}); compiling them in this one",
-              file=sys.stderr, flush=True)
-    return child.returncode == 0
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", COMPILE_IN_A_CHILD, str(session.bin.path),
+                                                     str(session.threads), stdin=subprocess.DEVNULL,
+                                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    except (OSError, NotImplementedError) as err:       # no process may be started here, or not from this loop
+        why = f"{type(err).__name__}: {err}"
+    else:
+        try:
+            _, errors = await child.communicate()
+        except asyncio.CancelledError:
+            child.kill()
+            raise
+        if child.returncode == 0:
+            return True
+        why = (errors.decode(errors="replace").strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+    print(f"lnn-serve: compiling the kernels in a child process failed ({why}); compiling them in this one",
+          file=sys.stderr, flush=True)
+    return False
 
 
 def warm_up_alone(model_path: str, threads: int) -> None:

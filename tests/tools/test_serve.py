@@ -1110,16 +1110,24 @@ def test_a_first_start_compiles_in_a_child_process_and_the_server_only_loads_the
         assert "[cache] data loaded from" in log and "[cache] data saved to" not in log, log
 
 
-def test_a_compile_in_a_child_process_that_fails_is_left_to_the_server(tiny_photo_model, monkeypatch, capfd):
-    """The child's last line says why, and the server goes on to compile in its own process."""
+@pytest.mark.parametrize("failure, why", [
+    ("child", "MemoryError: the child ran out"),
+    ("no child", "FileNotFoundError: [Errno 2] No such file or directory: '/no/such/python'")])
+def test_a_compile_in_a_child_process_that_fails_is_left_to_the_server(tiny_photo_model, monkeypatch, capfd,
+                                                                       failure, why):
+    """The child's last line, or why no child could start, says why; the server goes on to compile in its own
+    process."""
     from lnn.runtime.cpu import jit
 
     monkeypatch.setattr(jit, "CACHE_ENABLED", True)
-    monkeypatch.setattr(serve_app, "COMPILE_IN_A_CHILD", "import sys; sys.exit('MemoryError: the child ran out')")
+    if failure == "child":
+        monkeypatch.setattr(serve_app, "COMPILE_IN_A_CHILD", "import sys; sys.exit('MemoryError: the child ran out')")
+    else:
+        monkeypatch.setattr(sys, "executable", "/no/such/python")
     session = lnn.load(tiny_photo_model, device="cpu", threads=1)
     assert asyncio.run(compile_in_a_child(session)) is False
-    assert capfd.readouterr().err.splitlines()[-1] == ("lnn-serve: compiling the kernels in a child process failed "
-                                                       "(MemoryError: the child ran out); compiling them in this one")
+    assert capfd.readouterr().err.splitlines()[-1] == (f"lnn-serve: compiling the kernels in a child process failed "
+                                                       f"({why}); compiling them in this one")
 
 
 def test_requests_while_the_kernels_compile_get_503_at_once_then_answers(monkeypatch):
