@@ -207,7 +207,7 @@ class Batcher:
             if kernels_to_compile(self.session):
                 self.compiling = True
                 self.compiling = not await compile_in_a_child(self.session)    # failed: compiled here instead
-            for size in CHUNK_SIZES if self.session.device == "cpu" else [1]:
+            for size in warm_up_sizes(self.session):
                 await asyncio.get_running_loop().run_in_executor(self.inference, self.session.warm_up, size)
         except Exception as err:                # noqa: BLE001 - the server stays up to say so to every request
             self.failed = " ".join(str(err).split()) or type(err).__name__
@@ -351,12 +351,18 @@ def warm_up_alone(model_path: str, threads: int) -> None:
     from lnn.tools.infer import load_session
 
     session = load_session(model_path, "cpu", threads)
-    for size in CHUNK_SIZES:
+    for size in warm_up_sizes(session):
         session.warm_up(size)
     session.check_photo(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
 
 
 CHUNK_SIZES = (8, 4, 2, 1)      # the CPU backend keeps buffers for 4 batch sizes (PLANS_KEPT): these four
+
+
+def warm_up_sizes(session) -> tuple:
+    """The batch sizes a server's warm-up readies (Batcher.warm_up, and compile_in_a_child's child): every chunk
+    size on the CPU backend; elsewhere one call does."""
+    return CHUNK_SIZES if session.device == "cpu" else (1,)
 
 
 def chunk_sizes(count: int) -> list:
