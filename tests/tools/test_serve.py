@@ -100,6 +100,18 @@ def running(server, sock):
         thread.join(30)
 
 
+@contextlib.contextmanager
+def ended_at_exit(process):
+    """Around a test's use of a lnn-serve process (launch_process): killed if it still runs at the end (an
+    assertion failed first), so no test leaves a server behind."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def metric_samples(client) -> dict:
     """(name, sorted label items) -> value, from /metrics parsed as Prometheus text."""
     text = client.get("/metrics").text
@@ -971,7 +983,7 @@ def test_a_request_head_half_sent_at_sigterm_gets_503():
     import socket
 
     process, url = launch_process("--port", "0", "--device", "numpy")
-    try:
+    with ended_at_exit(process):
         with httpx.Client(base_url=url) as client:
             wait_ready(client)
         with socket.create_connection((httpx.URL(url).host, httpx.URL(url).port), timeout=10) as sock:
@@ -981,10 +993,6 @@ def test_a_request_head_half_sent_at_sigterm_gets_503():
             answer = sock.recv(200)
         assert answer.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in answer, answer
         assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_sigterm_right_after_the_banner_stops_the_server():
@@ -993,12 +1001,8 @@ def test_sigterm_right_after_the_banner_stops_the_server():
     for _ in range(2):
         process, _ = launch_process("--port", "0", "--device", "numpy")
         process.send_signal(signal.SIGTERM)
-        try:
+        with ended_at_exit(process):
             assert process.wait(timeout=30) == 0, "".join(process.stderr_lines)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
 
 
 @pytest.mark.parametrize("stop, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "Ctrl-C"])
@@ -1011,7 +1015,7 @@ def test_stopping_during_the_warm_up_exits_at_once(stop, exit_code):
                     "runtime.Session.warm_up = lambda self, *a, **k: time.sleep(60); "
                     "from lnn.tools.serve import main; sys.exit(main())")
     process, url = launch_process("--port", "0", "--device", "numpy", program=("-c", slow_warm_up))
-    try:
+    with ended_at_exit(process):
         with httpx.Client(base_url=url) as client:
             assert client.get("/readyz").status_code == 503
         sent = time.monotonic()
@@ -1021,10 +1025,6 @@ def test_stopping_during_the_warm_up_exits_at_once(stop, exit_code):
         time.sleep(0.2)                                 # the reading thread reaches the end of the pipe
         assert "stopped during the model's warm-up" in "".join(process.stderr_lines)
         assert "Traceback" not in "".join(process.stderr_lines)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 TINY_PHOTO_MODEL = {"name": "tiny", "input_shape": [3, 16, 16], "labels": ["one", "two"],
@@ -1038,14 +1038,13 @@ SERVE_WITH_CACHE_LOG = "import sys; sys.stdout = sys.stderr; from lnn.tools.serv
 @pytest.fixture
 def tiny_photo_model(tmp_path):
     """A photo model whose kernels compile in seconds, with random weights, as a .bin."""
+    from fuzz import random_weights
     from lnn.formats.binfile import write_bin
     from lnn.formats.model import parse_model
 
     model = parse_model(TINY_PHOTO_MODEL)
-    rng = np.random.default_rng(0)
     path = tmp_path / "tiny.bin"
-    write_bin(path, model, {key: rng.standard_normal(shape).astype(np.float32)
-                            for key, shape in model.param_shapes().items()})
+    write_bin(path, model, random_weights(model))
     return path
 
 
@@ -1078,7 +1077,7 @@ def test_a_first_start_compiles_in_a_child_process_and_the_server_only_loads_the
     options = ("--model", tiny_photo_model, "--port", "0", "--threads", "1")
 
     process, _ = launch_process(*options, program=("-c", SERVE_WITH_CACHE_LOG), env=env)
-    try:
+    with ended_at_exit(process):
         [compiling] = child_processes(process.pid)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0, "".join(process.stderr_lines)
@@ -1086,14 +1085,10 @@ def test_a_first_start_compiles_in_a_child_process_and_the_server_only_loads_the
         while is_running(compiling):
             assert time.monotonic() < deadline, "the compile's child process outlived the server"
             time.sleep(0.02)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
     for start in ("first", "later"):
         process, url = launch_process(*options, program=("-c", SERVE_WITH_CACHE_LOG), env=env)
-        try:
+        with ended_at_exit(process):
             with httpx.Client(base_url=url, timeout=60) as client:
                 wait_ready(client)
                 answer = client.post("/v1/classify", content=LEAVES[0].read_bytes())
@@ -1101,10 +1096,6 @@ def test_a_first_start_compiles_in_a_child_process_and_the_server_only_loads_the
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=30) == 0
             time.sleep(0.2)                                 # the reading thread reaches the end of the pipe
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
         log = "".join(process.stderr_lines)
         assert ("compiling its kernels in a child process" in log) == (start == "first"), log
         assert "[cache] data loaded from" in log and "[cache] data saved to" not in log, log
@@ -1170,7 +1161,7 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0():
     """A real lnn-serve on a free loopback port: a request still uploading when SIGTERM arrives gets its
     answer, and the process then exits 0."""
     process, url = launch_process("--port", "0", "--device", "numpy")
-    try:
+    with ended_at_exit(process):
         with httpx.Client(base_url=url) as client:
             wait_ready(client)
         result = {}
@@ -1184,9 +1175,6 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0():
         assert result["r"].status_code == 200 and result["r"].json()["label"]
         time.sleep(0.2)                                 # the reading thread reaches the end of the pipe
         assert "Traceback" not in "".join(process.stderr_lines)
-    finally:
-        if process.poll() is None:
-            process.kill()
 
 
 def test_the_systemd_unit_runs_a_valid_command_that_stops_with_its_drain():
