@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import EXAMPLES, REPO
+from fuzz import random_weights
 from lnn.formats import binfile, limits
 from lnn.formats.binfile import (BinModel, build_metadata, encode_bin, fp16_dtypes, graph_of, int8_dtypes,
                                  parse_bin_bytes, read_bin, write_bin)
@@ -136,15 +137,6 @@ TINY = {"name": "tiny", "input_shape": [3, 6, 6], "layers": [
     {"type": "flatten"},
     {"type": "linear", "name": "fc", "out_features": 3}],
     "labels": ["healthy", "early_blight", {"name": "mold", "display": "Leaf mold", "advice": "Ventilate."}]}
-
-
-def random_weights(model, seed=0) -> dict:
-    rng = np.random.default_rng(seed)
-    weights = {key: rng.standard_normal(shape).astype(np.float32) for key, shape in model.param_shapes().items()}
-    for key in weights:
-        if key.endswith("running_var"):
-            weights[key] = np.abs(weights[key]) + 0.5
-    return weights
 
 
 @pytest.fixture(scope="module")
