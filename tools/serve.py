@@ -565,9 +565,10 @@ def print_banner(host: str, sock: socket.socket, runtime: str | None = None) -> 
 def launch_process(*args, program=("-m", "lnn.tools.serve"), timeout_s: float = 120.0, **popen_options) -> tuple:
     """lnn-serve ARGS... as a child process -> (Popen, base URL) once it listens (its banner line on stderr).
     Pass --port 0 for a free port. A thread keeps reading its stderr (so a chatty server never blocks on a
-    full pipe) into the list `process.stderr_lines`. For tests, benchmarks and scripts that need a real
-    server (`program`: another Python program printing the same banner); raises LnnError when it exits or
-    stays silent instead."""
+    full pipe) into the list `process.stderr_lines`; that thread, `process.stderr_reader`, ends once the process
+    has ended and its stderr is all read (join it to read every line). For tests, benchmarks and scripts that
+    need a real server (`program`: another Python program printing the same banner); raises LnnError when it
+    exits or stays silent instead."""
     import select
     import subprocess
 
@@ -580,7 +581,8 @@ def launch_process(*args, program=("-m", "lnn.tools.serve"), timeout_s: float = 
         process.wait()
         raise LnnError(f"lnn-serve did not start: {' '.join((line + process.stderr.read()).split()) or 'no output'}")
     process.stderr_lines = [line]
-    threading.Thread(target=lambda: process.stderr_lines.extend(process.stderr), daemon=True).start()
+    process.stderr_reader = threading.Thread(target=lambda: process.stderr_lines.extend(process.stderr), daemon=True)
+    process.stderr_reader.start()
     return process, line.split(f" {BANNER} ", 1)[1].split()[0]
 
 

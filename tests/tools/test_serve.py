@@ -1022,7 +1022,7 @@ def test_stopping_during_the_warm_up_exits_at_once(stop, exit_code):
         process.send_signal(stop)
         assert process.wait(timeout=30) == exit_code, "".join(process.stderr_lines)
         assert time.monotonic() - sent < 5
-        time.sleep(0.2)                                 # the reading thread reaches the end of the pipe
+        process.stderr_reader.join(10)                 # every line of its stderr read
         assert "stopped during the model's warm-up" in "".join(process.stderr_lines)
         assert "Traceback" not in "".join(process.stderr_lines)
 
@@ -1095,7 +1095,7 @@ def test_a_first_start_compiles_in_a_child_process_and_the_server_only_loads_the
                 assert answer.status_code == 200 and answer.json()["label"] in TINY_PHOTO_MODEL["labels"]
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=30) == 0
-            time.sleep(0.2)                                 # the reading thread reaches the end of the pipe
+            process.stderr_reader.join(10)                 # every line of its stderr read
         log = "".join(process.stderr_lines)
         assert ("compiling its kernels in a child process" in log) == (start == "first"), log
         assert "[cache] data loaded from" in log and "[cache] data saved to" not in log, log
@@ -1173,7 +1173,7 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0():
         sender.join(30)
         assert process.wait(timeout=30) == 0, "".join(process.stderr_lines)
         assert result["r"].status_code == 200 and result["r"].json()["label"]
-        time.sleep(0.2)                                 # the reading thread reaches the end of the pipe
+        process.stderr_reader.join(10)                 # every line of its stderr read
         assert "Traceback" not in "".join(process.stderr_lines)
 
 
