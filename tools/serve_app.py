@@ -50,7 +50,7 @@ from lnn.runtime.cpu import cache
 from lnn.tools.cli import error_line
 from lnn.runtime.preprocess import PixelLimit
 from lnn.tools.infer import answer_for, judge_images
-from lnn.tools.serve import ERROR_TYPE, RETRY_AFTER_S, ServeConfig, error_body, phones_can_open
+from lnn.tools.serve import ERROR_TYPE, PROG, RETRY_AFTER_S, ServeConfig, error_body, phones_can_open
 
 ENDPOINTS = ("POST /v1/classify, GET /v1/model, /healthz, /readyz, /metrics and the phone page at / (its QR code: "
              "/address.png)")
@@ -211,7 +211,7 @@ class Batcher:
                 await asyncio.get_running_loop().run_in_executor(self.inference, self.session.warm_up, size)
         except Exception as err:                # noqa: BLE001 - the server stays up to say so to every request
             self.failed = " ".join(str(err).split()) or type(err).__name__
-            error_line("lnn-serve", f"the model failed its warm-up and answers nothing: {self.failed}")
+            error_line(PROG, f"the model failed its warm-up and answers nothing: {self.failed}")
             return
         self.compiling = False
         self.ready.set()
@@ -324,7 +324,7 @@ async def compile_in_a_child(session) -> bool:
 
     if not jit.CACHE_ENABLED:
         return False
-    print(f"lnn-serve: a first start with this model: compiling its kernels in a child process (later starts "
+    print(f"{PROG}: a first start with this model: compiling its kernels in a child process (later starts "
           f"load them from {cache.numba_cache_dir()})", file=sys.stderr, flush=True)
     try:
         child = await asyncio.create_subprocess_exec(sys.executable, "-c", COMPILE_IN_A_CHILD, str(session.bin.path),
@@ -341,7 +341,7 @@ async def compile_in_a_child(session) -> bool:
         if child.returncode == 0:
             return True
         why = (errors.decode(errors="replace").strip().splitlines() or [f"exit status {child.returncode}"])[-1]
-    print(f"lnn-serve: compiling the kernels in a child process failed ({why}); compiling them in this one",
+    print(f"{PROG}: compiling the kernels in a child process failed ({why}); compiling them in this one",
           file=sys.stderr, flush=True)
     return False
 
