@@ -15,6 +15,7 @@ Importing this module imports neither CuPy, Numba, OpenCV nor the training side.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -145,6 +146,11 @@ class Session:
     @property
     def input_shape(self) -> tuple:
         return self.model.input_shape
+
+    def one_thread(self):
+        """A context in which the calling thread's calls run on that thread alone (the cpu backend's one_thread;
+        another backend has no threads of its own to leave out and runs as ever)."""
+        return getattr(self.backend, "one_thread", contextlib.nullcontext)()
 
     def warm_up(self, size: int = 1) -> None:
         """Ready the calling thread's calls of `size` images (random inputs): the cpu backend compiles or loads its

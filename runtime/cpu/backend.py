@@ -65,6 +65,7 @@ tests/runtime/test_cpu_backend.py fails for an op of the registry without a laye
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import time
@@ -303,6 +304,7 @@ class CpuBackend:
         self._reviews: dict = {}           # batch -> [calls until its choice is timed again, the next interval]
         self._doubted: set = set()         # batch sizes whose last trial alone found the split not faster
         self._nothing_to_split: set = set()   # batch sizes whose plan has no layer worth splitting (one thread runs it)
+        self._alone = threading.local()        # .on: this thread's calls run on it alone (one_thread)
         BLAS_THREADS.find_libraries()
         self.compile_seconds: float | None = None     # set by warmup(): first-call compile or cache load
         self._kernels_marked = False                  # whether a call has ended (cache.mark_cached)
@@ -324,14 +326,26 @@ class CpuBackend:
                 cache.mark_cached(self.model)
         return result
 
+    @contextlib.contextmanager
+    def one_thread(self):
+        """Within it, the calling thread's calls run on that thread alone, on the one-thread plan of their size,
+        whatever _choose or splits_batch decided, and take no turn in a trial: for a caller that times for itself
+        whether the split pays under its own load (lnn-serve's lone photos while others wait)."""
+        self._alone.on = True
+        try:
+            yield
+        finally:
+            self._alone.on = False
+
     def _run_with_features(self, x: np.ndarray) -> tuple:
         batch = x.shape[0]
-        if self.splits_batch(batch):
+        alone = getattr(self._alone, "on", False)
+        if self.splits_batch(batch) and not alone:
             with BLAS_THREADS:
                 return self._run_split(x)
-        parts = self._parts(batch)
+        parts = 1 if alone else self._parts(batch)
         plan = self._plan(batch, parts)
-        trial = self._trials.get(batch)
+        trial = None if alone else self._trials.get(batch)
         start = time.perf_counter() if trial is not None else 0.0
         if plan.uses_blas:                  # holding BLAS at one thread costs ~15 us of CPU a call
             with BLAS_THREADS:
@@ -517,8 +531,8 @@ class CpuBackend:
     def warmup(self, batch: int = 1) -> float:
         """Ready the calling thread's calls of this batch size: compile (or load from the cache) every kernel this
         model uses, plan the buffers, build the split plan's helper program (at its PROGRAM_AT_RUN'th run) and make
-        the split choice (`choosing`), or, for a batch split by images, build every thread's unit plans and their
-        one-thread programs, so that later calls only compute. Without it that work fell on the first
+        the split choice (`choosing`) and ready the one-thread plan (one_thread's), or, for a batch split by images,
+        build every thread's unit plans and their one-thread programs, so that later calls only compute. Without it that work fell on the first
         calls that needed it: inside lnn-serve, whose warm-up ran each chunk size once, a helper program compiled
         (uncached, seconds) in a batch's call during load. Returns and records the compile seconds: the first
         two runs (the second builds the program) minus twice a warm run's."""
@@ -534,6 +548,10 @@ class CpuBackend:
             for (size, _), plan in self._unit_plans(batch).items():
                 for _ in range(PROGRAM_AT_RUN):
                     plan.run(x[:size])
+        elif self._crew is not None:          # the one-thread plan too, which calls within one_thread() run
+            with self.one_thread():
+                for _ in range(PROGRAM_AT_RUN):
+                    self.run(x)
         start = time.perf_counter()
         self.run(x)
         self.compile_seconds = max(0.0, first_two - 2 * (time.perf_counter() - start))

@@ -652,6 +652,52 @@ def test_a_choice_is_timed_again_later(monkeypatch):
                                    cpu_backend.REVIEW_FIRST * cpu_backend.REVIEW_GROWTH ** 2]
 
 
+def test_calls_within_one_thread_run_on_the_calling_thread_alone(monkeypatch):
+    """Within one_thread() (lnn-serve's lone photo while others wait, where the server found it faster), a call runs
+    the one-thread plan of its size on the calling thread: no task reaches the crew, the bytes are a one-thread
+    backend's, the split choice takes no turn from it; another thread's calls meanwhile, and this thread's after
+    it, split again. A batch split by images outside it runs whole on the calling thread inside it."""
+    import threading
+
+    from lnn.runtime.cpu import backend as cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "MIN_SPLIT_FLOPS", 0)             # batches of 2 or more split by images
+    model, weights, x = chain_case()
+    one, split = split_backend(model, weights, 1), split_backend(model, weights, 2)
+    handed = []
+    for name in ("run", "run_steps"):
+        original = getattr(split._crew, name)
+        monkeypatch.setattr(split._crew, name, lambda *args, original=original, **kw: (handed.append(1), original(*args, **kw))[1])
+    batch = np.random.default_rng(3).standard_normal((4, *x.shape[1:])).astype(np.float32)
+    with split.one_thread():
+        np.testing.assert_array_equal(split.run(x), one.run(x))
+        np.testing.assert_array_equal(split.run(batch), one.run(batch))
+        assert handed == [] and split._chosen == {} and not split.choosing(1)
+        elsewhere = threading.Thread(target=split.run, args=(x,))
+        elsewhere.start()
+        elsewhere.join(30)
+        assert handed                                  # the other thread's call split
+    handed.clear()
+    split.run(x)
+    assert handed and split._chosen == {1: 2}
+
+
+def test_a_warm_up_readies_the_one_thread_plan_of_a_split_size(monkeypatch):
+    """After warmup, a call within one_thread() only computes: its plan and its one-thread program were made by the
+    warm-up, even where the split was kept without a trial (here forced) and the one-thread plan never ran."""
+    from lnn.runtime.cpu import programs
+
+    model, weights, x = chain_case()
+    split = split_backend(model, weights, 2)
+    split.warmup(1)
+    built = []
+    monkeypatch.setattr(programs, "build_steps_program", lambda steps: built.append(1))
+    planned = len(split._plans.keys())
+    with split.one_thread():
+        split.run(x)
+    assert built == [] and len(split._plans.keys()) == planned
+
+
 def fake_cpus(root, cores: list, capacities: list | None = None) -> None:
     """A sysfs cpu folder: cores[i] the logical CPUs of physical core i ("0,4"), capacities[i] its cpu_capacity."""
     for core, cpus in enumerate(cores):
