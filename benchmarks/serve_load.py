@@ -272,14 +272,16 @@ def batch_distribution(before: dict | None, after: dict | None) -> str:
 
 def lone_photo_plan(url: str) -> str | None:
     """What the lnn server's lone photos run on now: the "batch 1" clause of its /v1/model threads_choice ("layers
-    split over 2 threads", "one thread (the split was not faster)"); None for a server without it (onnxruntime's)
-    or one whose backend has not decided."""
+    split over 2 threads", "one thread (the split was not faster)"), then, while others wait, its
+    lone_photos_under_load (serve_app.LoneCalls: "one thread (timed under load: ...)"); None for a server without
+    them (onnxruntime's) or one whose backend has not decided."""
     import httpx
 
     response = httpx.get(url + "v1/model")
-    choice = response.json().get("threads_choice", "") if response.status_code == 200 else ""
-    found = re.search(r"batch 1: ([^;]+)", choice)
-    return found.group(1) if found else None
+    info = response.json() if response.status_code == 200 else {}
+    found = re.search(r"batch 1: ([^;]+)", info.get("threads_choice", ""))
+    under_load = info.get("lone_photos_under_load")
+    return f"{found.group(1)}, while others wait {under_load}" if found and under_load else None
 
 
 def rss_mib(pid: int) -> float:
@@ -543,13 +545,15 @@ def run_load(args, photos, labels, onnx_path, heavy: Path | None) -> None:
                    f"(medians), the rounds' ratios {', '.join(f'{b / u:.2f}' for b, u in pairs)}: median "
                    f"**{np.median([b / u for b, u in pairs]):.2f}×**." if pairs else "")
     # what the unbatched server ran its photos on: chosen by timing in its own process (the cpu backend's split of
-    # one photo's layers against one thread), it moves this baseline more than the run-to-run noise does
+    # one photo's layers against one thread, and the server's own timing of the two under load), it moves this
+    # baseline more than the run-to-run noise does
     lone = [row["lone_photos"] for row in [by[(list(servers)[1], 16)], *target_rows[1::2]]]
     lone_line = (f" What the unbatched server had chosen for its photos at the end of each run (/v1/model's "
-                 f"threads_choice): {lone[0]} after the table's row"
-                 + (f", then {', '.join(map(str, lone[1:]))} after the rounds" if len(lone) > 1 else "")
-                 + "; its cpu backend times splitting a photo's layers over the cores against one thread in each "
-                   "process and reviews that choice as calls go on, so a run may have run on both.")
+                 f"threads_choice and lone_photos_under_load): {lone[0]} after the table's row"
+                 + (f"; then {'; '.join(map(str, lone[1:]))} after the rounds" if len(lone) > 1 else "")
+                 + ". Its cpu backend times splitting a photo's layers over the cores against one thread, and the "
+                   "server times the two again under its own load for the photos computed while others wait; both "
+                   "review their choice as calls go on, so a run may have run on both.")
     side = upload_side(lnn.load(MODEL, device="numpy"))
     page_size = (round(side * 4 / 3), side)
     sized = {size: photos_of_size(*size) for size in (page_size, LARGE_UPLOAD)}

@@ -162,6 +162,65 @@ class Metrics:
 
 # --------------------------------------------------------------------------- dynamic batching
 
+# A lone photo computed while other photos wait (LoneCalls): each way takes LONE_TURNS turns of LONE_TURN calls in a
+# row (a turn's first call untimed: it finds the other way's buffers in the caches), then the faster by median is
+# kept for LONE_REVIEW such calls and timed again
+LONE_TURN = 8
+LONE_TURNS = 3
+LONE_REVIEW = 2000
+
+
+class LoneCalls:
+    """How the inference thread computes a lone photo while other photos wait for the model (every photo of an
+    unbatched server under load; a batch of one whose delay ran out): as the session chose (the CPU backend splits
+    its layers over the cores where that timed faster, by the fastest of its first calls) or on one thread
+    (Session.one_thread). Under load the split is fast only while no other thread holds one of its cores: on 4
+    cores of a Xeon the unbatched server answered 199.4 photos/s at --threads auto against 377.9 at --threads 1,
+    while leaf_cnn224's unbatched server on the 2-core VM lost by a fixed rule of one thread (73.6 against 106.0:
+    docs/BENCHMARKS.md). So the two ways are timed here, under the server's own load, by the median time of a
+    call (slow calls are the load's effect, not noise), and timed again every LONE_REVIEW calls."""
+
+    def __init__(self, threads: int | None):
+        self.timing = (threads or 1) > 1            # one thread anyway: nothing to choose
+        self.trial = {False: [], True: []}          # on one thread? -> seconds of the trial's timed calls
+        self.call = 0                               # calls of the trial so far
+        self.one_thread = None                      # the way kept (None: the first trial has not ended)
+        self.medians = None                         # the last trial's (as the session chose, one thread) ms
+        self.until_review = 0
+
+    def next_on_one_thread(self) -> bool:
+        """Whether the next lone photo while others wait runs on one thread."""
+        if not self.timing:
+            return False
+        if self.until_review > 0:
+            return self.one_thread
+        return self.call // LONE_TURN % 2 == 1         # the session's way first, then turns about
+
+    def took(self, one_thread: bool, seconds: float) -> None:
+        """A lone photo's call while others waited took `seconds` of the inference thread, on one thread or not."""
+        if not self.timing:
+            return
+        if self.until_review > 0:
+            self.until_review -= 1
+            return
+        if self.call % LONE_TURN:
+            self.trial[one_thread].append(seconds)
+        self.call += 1
+        if self.call == 2 * LONE_TURN * LONE_TURNS:
+            as_chosen, on_one_thread = (float(np.median(self.trial[way])) for way in (False, True))
+            self.one_thread, self.medians = on_one_thread < as_chosen, (1000 * as_chosen, 1000 * on_one_thread)
+            self.trial, self.call, self.until_review = {False: [], True: []}, 0, LONE_REVIEW
+
+    def describe(self) -> str:
+        if not self.timing:
+            return "not timed: the session has no threads to leave out"
+        if self.medians is None:
+            return "as the session chose, until timed under load against one thread"
+        way = "one thread" if self.one_thread else "as the session chose"
+        return (f"{way} (timed under load: {self.medians[1]:.2f} ms a call on one thread, "
+                f"{self.medians[0]:.2f} as the session chose)")
+
+
 @dataclass
 class Job:
     image: np.ndarray
@@ -188,6 +247,7 @@ class Batcher:
         self.waiting: asyncio.Queue = asyncio.Queue()
         self.being_decoded = 0               # requests whose image is on the decode pool: soon waiting here
         self.inference = ThreadPoolExecutor(1, thread_name_prefix="lnn-serve-inference")
+        self.lone_calls = LoneCalls(session.threads)
         self.ready = asyncio.Event()
         self.compiling = False               # the warm-up compiles the model's kernels (about 40 s here)
         self.failed = None                   # why the warm-up failed, if it did
@@ -274,10 +334,13 @@ class Batcher:
 
     async def _answer(self, jobs: list) -> None:
         """Compute a batch and answer its jobs. A batch that fails is computed again one image at a time, so
-        one image the model fails on gets its 500 and the others in its batch still get their answers."""
+        one image the model fails on gets its 500 and the others in its batch still get their answers. A lone
+        photo while others wait runs as LoneCalls has found faster under this load."""
+        others_wait = len(jobs) == 1 and (self.being_decoded > 0 or not self.waiting.empty())
+        one_thread = others_wait and self.lone_calls.next_on_one_thread()
         try:
-            probabilities, reasons = await asyncio.get_running_loop().run_in_executor(
-                self.inference, judge_in_chunks, self.session, [job.image for job in jobs], [job.check for job in jobs])
+            probabilities, reasons, seconds = await asyncio.get_running_loop().run_in_executor(
+                self.inference, self._judge, [job.image for job in jobs], [job.check for job in jobs], one_thread)
         except Exception as err:                  # noqa: BLE001 - each waiting request answers, none hangs
             if len(jobs) > 1:
                 for job in jobs:
@@ -285,9 +348,18 @@ class Batcher:
             elif not jobs[0].answer.done():
                 jobs[0].answer.set_exception(err)
             return
+        if others_wait:
+            self.lone_calls.took(one_thread, seconds)
         for job, row, reason in zip(jobs, probabilities, reasons):
             if not job.answer.done():
                 job.answer.set_result((row, reason))
+
+    def _judge(self, images: list, checks: list, one_thread: bool) -> tuple:
+        """judge_in_chunks on the inference thread -> (probabilities, reasons, seconds it took)."""
+        started = time.perf_counter()
+        with self.session.one_thread() if one_thread else contextlib.nullcontext():
+            probabilities, reasons = judge_in_chunks(self.session, images, checks)
+        return probabilities, reasons, time.perf_counter() - started
 
     async def close(self) -> None:
         if self._task is not None:
@@ -597,9 +669,11 @@ def create_app(session, config: ServeConfig) -> Starlette:
         return JSONResponse({"ready": ready}, 200 if ready else 503)
 
     async def model(request: Request) -> Response:
-        # the threads choice as it stands: the cpu backend times, per batch size, splitting a lone photo's
-        # layers over its threads against one thread, and reviews that choice as calls go on
-        return JSONResponse({**model_info, "threads_choice": session.describe_threads()})
+        # the threads choices as they stand: the cpu backend times, per batch size, splitting a lone photo's
+        # layers over its threads against one thread, and the batcher times the two again under load (LoneCalls);
+        # both review their choice as calls go on
+        return JSONResponse({**model_info, "threads_choice": session.describe_threads(),
+                             "lone_photos_under_load": request.app.state.batcher.lone_calls.describe()})
 
     async def metrics_page(request: Request) -> Response:
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)

@@ -243,25 +243,36 @@ def test_batches_merge_and_each_request_gets_its_own_answer(session):
     assert metrics[("lnn_serve_requests_total", (("status", "200"),))] == 8
 
 
+def hold_first_batch(monkeypatch, before_each=None) -> tuple:
+    """serve_app.judge_images patched so that its first call, once begun (the Event `computing`), waits for the
+    Event `release`: a batch held on the inference thread while the test sends more. before_each(images): run at
+    the start of every call (it may raise, as a model's fault would). -> (computing, release)"""
+    judge_images = serve_app.judge_images
+    computing, release = threading.Event(), threading.Event()
+
+    def held_at_first(session_, images, checks):
+        if before_each is not None:
+            before_each(images)
+        if not computing.is_set():
+            computing.set()
+            assert release.wait(30)
+        return judge_images(session_, images, checks)
+
+    monkeypatch.setattr(serve_app, "judge_images", held_at_first)
+    return computing, release
+
+
 def test_an_image_the_model_fails_on_costs_only_its_own_answer(session, monkeypatch):
     """One image whose computation fails (a fault, here made on purpose) gets 500; the others merged into its
     batch are computed again without it and get their answers, not the batch's 500. A first photo holds the
     inference thread until the poisoned one and two others wait, so those three make one batch."""
-    from lnn.tools import serve_app
-
     poisoned = session.prepare_image(LEAVES[0])
-    judge_images = serve_app.judge_images
-    computing, release = threading.Event(), threading.Event()
 
-    def failing_on_the_poisoned(session_, images, checks):
-        if not computing.is_set():
-            computing.set()
-            assert release.wait(30)
+    def failing_on_the_poisoned(images):
         if any(np.array_equal(image, poisoned) for image in images):
             raise RuntimeError("the model failed on this image")
-        return judge_images(session_, images, checks)
 
-    monkeypatch.setattr(serve_app, "judge_images", failing_on_the_poisoned)
+    computing, release = hold_first_batch(monkeypatch, failing_on_the_poisoned)
     with client_for(session, max_batch=4) as client:
         answers = {}
 
@@ -300,24 +311,16 @@ def test_max_delay_counts_from_when_a_photo_began_waiting(session, monkeypatch):
     """--max-delay-ms bounds a photo's wait from when it was ready, not from when the batcher took it: a photo
     that already waited longer than that behind a computing batch goes in the next batch at once, though
     another request is still being decoded (before, it waited the whole delay again)."""
-    from lnn.tools import serve_app
-
-    judge_images, prepare_upload = serve_app.judge_images, serve_app.prepare_upload
-    computing, release, slow_decode = threading.Event(), threading.Event(), threading.Event()
+    prepare_upload = serve_app.prepare_upload
+    computing, release = hold_first_batch(monkeypatch)
+    slow_decode = threading.Event()
     slow_photo = LEAVES[2].read_bytes()
-
-    def held_first_batch(session_, images, checks):
-        if not computing.is_set():
-            computing.set()
-            assert release.wait(30)
-        return judge_images(session_, images, checks)
 
     def slow_for_one_photo(session_, data, *args):
         if bytes(data) == slow_photo:
             slow_decode.wait(30)
         return prepare_upload(session_, data, *args)
 
-    monkeypatch.setattr(serve_app, "judge_images", held_first_batch)
     monkeypatch.setattr(serve_app, "prepare_upload", slow_for_one_photo)
     with client_for(session, max_batch=16, max_delay_s=2.0) as client:
         answered = {}
@@ -365,6 +368,83 @@ def test_a_cpu_server_is_ready_only_once_its_calls_only_compute(monkeypatch):
         for path in LEAVES[:4]:                                    # lone photos: batches of one
             assert client.post("/v1/classify", content=path.read_bytes()).status_code == 200
         assert len(built) == ready and not session.backend.choosing(1)
+
+
+def test_lone_photos_under_load_are_timed_both_ways_and_the_faster_kept(monkeypatch):
+    """LoneCalls: the session's own way and one thread take turns of LONE_TURN calls (the session's first), a turn's
+    first call untimed (counted, these would reverse the choice); the lower median is kept for LONE_REVIEW calls,
+    then both are timed again. A session of one thread is never timed."""
+    monkeypatch.setattr(serve_app, "LONE_TURN", 2)
+    monkeypatch.setattr(serve_app, "LONE_TURNS", 2)
+    monkeypatch.setattr(serve_app, "LONE_REVIEW", 5)
+    lone = serve_app.LoneCalls(threads=4)
+    assert lone.describe() == "as the session chose, until timed under load against one thread"
+
+    def trial(seconds_as_chosen: float, seconds_one_thread: float) -> list:
+        ways = []
+        for call in range(8):
+            one_thread = lone.next_on_one_thread()
+            ways.append(one_thread)
+            if call % 2 == 0:                              # a turn's first call
+                lone.took(one_thread, 9.0 if one_thread else 0.0)
+            else:
+                lone.took(one_thread, seconds_one_thread if one_thread else seconds_as_chosen)
+        return ways
+
+    assert trial(0.004, 0.002) == [False, False, True, True] * 2
+    assert lone.describe() == "one thread (timed under load: 2.00 ms a call on one thread, 4.00 as the session chose)"
+    for _ in range(5):                                     # LONE_REVIEW calls of the way kept, then timed again
+        assert lone.next_on_one_thread()
+        lone.took(True, 1.0)
+    assert trial(0.002, 0.003) == [False, False, True, True] * 2
+    assert lone.one_thread is False and lone.describe().startswith(
+        "as the session chose (timed under load: 3.00 ms a call on one thread, 2.00 as the session chose)")
+    alone = serve_app.LoneCalls(threads=1)
+    alone.took(False, 1.0)
+    assert not alone.next_on_one_thread() and alone.describe().startswith("not timed")
+
+
+def test_an_unbatched_server_times_its_lone_photos_while_others_wait(session, monkeypatch):
+    """--max-batch 1 under load: each photo computed while others wait takes its turn in LoneCalls' trial (the
+    session's way, then one thread through Session.one_thread); a photo with none waiting runs the session's way
+    and is not counted. One thread made slower here, the session's way is kept; every answer is lnn-infer's."""
+    monkeypatch.setattr(serve_app, "LONE_TURN", 2)
+    monkeypatch.setattr(serve_app, "LONE_TURNS", 1)
+    monkeypatch.setattr(session, "threads", 2)                 # as a cpu session on 2 cores
+    inside, ways = [False], []
+
+    @contextlib.contextmanager
+    def slow_one_thread():
+        inside[0] = True
+        try:
+            time.sleep(0.05)
+            yield
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(session, "one_thread", slow_one_thread)
+    computing, release = hold_first_batch(monkeypatch, lambda images: ways.append(inside[0]))
+    with client_for(session, max_batch=1) as client:
+        answers = {}
+
+        def send(path):
+            answers[path] = client.post("/v1/classify", content=path.read_bytes())
+
+        threads = [threading.Thread(target=send, args=(path,)) for path in LEAVES[:6]]
+        threads[0].start()
+        assert computing.wait(30)
+        for thread in threads[1:]:
+            thread.start()
+        time.sleep(1.0)                                  # decoded and waiting behind the first
+        release.set()
+        for thread in threads:
+            thread.join(60)
+        described = client.get("/v1/model").json()["lone_photos_under_load"]
+    assert ways == [False, False, False, True, True, False]
+    assert described.startswith("as the session chose (timed under load: "), described
+    for path in LEAVES[:6]:
+        assert answers[path].status_code == 200
+        assert_same_answer(answers[path].json(), reference_answer(session, path, "upload"))
 
 
 def slow_upload(photo: bytes, pause_s: float):
@@ -686,6 +766,7 @@ def test_model_page_and_metrics_endpoints(session, served):
     info = served.get("/v1/model").json()
     assert info["device"] == "numpy" and info["threads"] is None          # the NumPy backend has no count
     assert info["threads_choice"] == session.describe_threads()
+    assert info["lone_photos_under_load"] == "not timed: the session has no threads to leave out"
     page = served.get("/")
     metrics = served.get("/metrics")
     assert info["sha256"] == hashlib.sha256(DEFAULT_MODEL.read_bytes()).hexdigest()
