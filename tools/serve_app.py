@@ -184,9 +184,13 @@ class LoneCalls:
         self.timing = (threads or 1) > 1            # one thread anyway: nothing to choose
         self.trial = {False: [], True: []}          # on one thread? -> seconds of the trial's timed calls
         self.call = 0                               # calls of the trial so far
-        self.one_thread = None                      # the way kept (None: the first trial has not ended)
         self.medians = None                         # the last trial's (as the session chose, one thread) ms
         self.until_review = 0
+
+    @property
+    def one_thread(self) -> bool:
+        """The way kept by the last trial (False until one has ended)."""
+        return self.medians is not None and self.medians[1] < self.medians[0]
 
     def next_on_one_thread(self) -> bool:
         """Whether the next lone photo while others wait runs on one thread."""
@@ -207,8 +211,7 @@ class LoneCalls:
             self.trial[one_thread].append(seconds)
         self.call += 1
         if self.call == 2 * LONE_TURN * LONE_TURNS:
-            as_chosen, on_one_thread = (float(np.median(self.trial[way])) for way in (False, True))
-            self.one_thread, self.medians = on_one_thread < as_chosen, (1000 * as_chosen, 1000 * on_one_thread)
+            self.medians = tuple(1000 * float(np.median(self.trial[way])) for way in (False, True))
             self.trial, self.call, self.until_review = {False: [], True: []}, 0, LONE_REVIEW
 
     def describe(self) -> str:
