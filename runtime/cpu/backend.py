@@ -331,11 +331,12 @@ class CpuBackend:
         """Within it, the calling thread's calls run on that thread alone, on the one-thread plan of their size,
         whatever _choose or splits_batch decided, and take no turn in a trial: for a caller that times for itself
         whether the split pays under its own load (lnn-serve's lone photos while others wait)."""
+        outside = getattr(self._alone, "on", False)        # a warm-up inside one caller's one_thread() keeps it on
         self._alone.on = True
         try:
             yield
         finally:
-            self._alone.on = False
+            self._alone.on = outside
 
     def _run_with_features(self, x: np.ndarray) -> tuple:
         batch = x.shape[0]

@@ -670,6 +670,8 @@ def test_calls_within_one_thread_run_on_the_calling_thread_alone(monkeypatch):
         monkeypatch.setattr(split._crew, name, lambda *args, original=original, **kw: (handed.append(1), original(*args, **kw))[1])
     batch = np.random.default_rng(3).standard_normal((4, *x.shape[1:])).astype(np.float32)
     with split.one_thread():
+        with split.one_thread():
+            pass                                       # nested (a warm-up inside it): still alone after
         np.testing.assert_array_equal(split.run(x), one.run(x))
         np.testing.assert_array_equal(split.run(batch), one.run(batch))
         assert handed == [] and split._chosen == {} and not split.choosing(1)
