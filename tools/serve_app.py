@@ -49,6 +49,7 @@ from lnn.formats.errors import LnnInputError
 from lnn.runtime.cpu import cache
 from lnn.tools.cli import error_line
 from lnn.runtime.preprocess import PixelLimit
+from lnn.runtime.trial import AlternatingTrial
 from lnn.tools.infer import answer_for, judge_images
 from lnn.tools.serve import ERROR_TYPE, PROG, RETRY_AFTER_S, ServeConfig, error_body, phones_can_open
 
@@ -163,8 +164,8 @@ class Metrics:
 # --------------------------------------------------------------------------- dynamic batching
 
 # A lone photo computed while other photos wait (LoneCalls): each way takes LONE_TURNS turns of LONE_TURN calls in a
-# row (a turn's first call untimed: it finds the other way's buffers in the caches), then the faster by median is
-# kept for LONE_REVIEW such calls and timed again
+# row (runtime/trial.py's AlternatingTrial, a turn's first call untimed), then the faster by median is kept for
+# LONE_REVIEW such calls and timed again
 LONE_TURN = 8
 LONE_TURNS = 3
 LONE_REVIEW = 2000
@@ -182,10 +183,13 @@ class LoneCalls:
 
     def __init__(self, threads: int | None):
         self.timing = (threads or 1) > 1            # one thread anyway: nothing to choose
-        self.trial = {False: [], True: []}          # on one thread? -> seconds of the trial's timed calls
-        self.call = 0                               # calls of the trial so far
+        self.trial = self._new_trial()              # ways: on one thread? (the session's way first)
         self.medians = None                         # the last trial's (as the session chose, one thread) ms
         self.until_review = 0
+
+    @staticmethod
+    def _new_trial() -> AlternatingTrial:
+        return AlternatingTrial((False, True), LONE_TURN, LONE_TURNS)
 
     @property
     def one_thread(self) -> bool:
@@ -198,7 +202,7 @@ class LoneCalls:
             return False
         if self.until_review > 0:
             return self.one_thread
-        return self.call // LONE_TURN % 2 == 1         # the session's way first, then turns about
+        return self.trial.next_way()
 
     def took(self, one_thread: bool, seconds: float) -> None:
         """A lone photo's call while others waited took `seconds` of the inference thread, on one thread or not."""
@@ -207,12 +211,10 @@ class LoneCalls:
         if self.until_review > 0:
             self.until_review -= 1
             return
-        if self.call % LONE_TURN:
-            self.trial[one_thread].append(seconds)
-        self.call += 1
-        if self.call == 2 * LONE_TURN * LONE_TURNS:
-            self.medians = tuple(1000 * float(np.median(self.trial[way])) for way in (False, True))
-            self.trial, self.call, self.until_review = {False: [], True: []}, 0, LONE_REVIEW
+        self.trial.took(one_thread, seconds)
+        if self.trial.done:
+            self.medians = tuple(1000 * float(np.median(self.trial.timed[way])) for way in self.trial.ways)
+            self.trial, self.until_review = self._new_trial(), LONE_REVIEW
 
     def describe(self) -> str:
         if not self.timing:

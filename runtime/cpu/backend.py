@@ -88,6 +88,7 @@ from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.parallel import Claimed, Crew, Parallel, all_steps, run_steps
 from lnn.runtime.cpu.winograd import STRIP_POSITIONS, blas_product, blas_products
 from lnn.runtime.plans import PerThreadCache
+from lnn.runtime.trial import AlternatingTrial
 from lnn.runtime.features import LayerOutputs, check_kept
 
 LAYERS = layer_table("CPU", [vars(module) for module in (linear, conv1d, conv2d, pool, flatten, batchnorm, layernorm,
@@ -299,7 +300,7 @@ class CpuBackend:
             PLANS_KEPT)
         self._flops_per_row = sum(node.flops for node in model.nodes)
         self._crew = Crew(self.threads - 1) if self.threads > 1 else None
-        self._trials: dict = {}            # batch -> [(parts, seconds) of each call so far] while unchosen
+        self._trials: dict = {}            # batch -> its AlternatingTrial (split, one thread) while unchosen
         self._chosen: dict = {}            # batch -> parts of its plan (threads, or 1 where splitting lost)
         self._reviews: dict = {}           # batch -> [calls until its choice is timed again, the next interval]
         self._doubted: set = set()         # batch sizes whose last trial alone found the split not faster
@@ -354,7 +355,7 @@ class CpuBackend:
         else:
             self._run_plan(plan, x)
         if trial is not None:
-            trial.append((parts, time.perf_counter() - start))
+            trial.took(parts, time.perf_counter() - start)
         return plan.output, plan.kept
 
     def splits_batch(self, batch: int) -> bool:
@@ -387,19 +388,18 @@ class CpuBackend:
         if review is not None:
             review[0] -= 1
             if review[0] <= 0:
-                self._trials[batch] = []
+                self._trials[batch] = self._new_trial()
                 return self._choose(batch)
         return chosen
 
     def _choose(self, batch: int) -> int:
         """parts of the plan for this call of a one-image (unsplit-batch) size: `threads` when its plan
         splits no layer or the split is forced (task_flops 0); else the split plan and the one-thread plan
-        take turns of TRIAL_BLOCK calls in a row, TRIAL_BLOCKS turns each (the split plan first), and the
-        faster by its fastest call, a turn's first call untimed, is kept (the split one only SPLIT_GAIN
-        faster: its tasks cost more CPU in all). A turn's first call finds the caches holding the other
-        plan's buffers and, after the one-thread plan, the crew's helpers asleep (they linger 0.5 ms), as
-        back-to-back calls of one plan do not. Turns of one call each, as before, judged the split by such
-        calls only: the bundled model on 2 threads, fresh processes on the 2-core VM, alternating call by
+        take turns (an AlternatingTrial: TRIAL_BLOCK calls in a row, TRIAL_BLOCKS turns each, the split plan
+        first, a turn's first call untimed), and the faster by its fastest call is kept (the split one only
+        SPLIT_GAIN faster: its tasks cost more CPU in all). After the one-thread plan a turn's first call
+        finds the crew's helpers asleep (they linger 0.5 ms). Turns of one call each, as before, judged the
+        split by such calls only: the bundled model on 2 threads, fresh processes on the 2-core VM, alternating call by
         call, in 2 of 3 the split's calls ran about as slowly as the one-thread plan's (2.3-2.5 ms) for most
         of the trial, and the earlier trial kept one thread in 1 of 6 (2.0-2.2 ms a call after), while the
         split ran at 1.2-1.5 ms back to back; in turns of 3, a turn's later split calls were faster than
@@ -420,16 +420,15 @@ class CpuBackend:
         if not self.task_flops or batch in self._nothing_to_split:
             self._chosen[batch] = self.threads
             return self.threads
-        trial = self._trials.setdefault(batch, [])
-        if len(trial) >= TRIAL_LENGTH:
-            fastest = {}
-            for call, (parts, seconds) in enumerate(trial):
-                if call % TRIAL_BLOCK:                       # not a turn's first call
-                    fastest[parts] = min(seconds, fastest.get(parts, seconds))
-            chosen = self.threads if fastest[self.threads] < SPLIT_GAIN * fastest[1] else 1
+        trial = self._trials.get(batch)
+        if trial is None:
+            trial = self._trials[batch] = self._new_trial()
+        if trial.done:
+            fastest_split, fastest_one = (min(trial.timed[parts]) for parts in trial.ways)
+            chosen = self.threads if fastest_split < SPLIT_GAIN * fastest_one else 1
             if chosen == 1 and batch not in self._doubted:    # one thread only when a second trial agrees
                 self._doubted.add(batch)
-                self._trials[batch] = []
+                self._trials[batch] = self._new_trial()
                 return self.threads
             self._doubted.discard(batch)
             self._chosen[batch] = chosen
@@ -437,7 +436,10 @@ class CpuBackend:
             interval = self._reviews[batch][1] if batch in self._reviews else REVIEW_FIRST
             self._reviews[batch] = [interval, min(interval * REVIEW_GROWTH, REVIEW_MOST)]
             return chosen
-        return self.threads if len(trial) // TRIAL_BLOCK % 2 == 0 else 1
+        return trial.next_way()
+
+    def _new_trial(self) -> AlternatingTrial:
+        return AlternatingTrial((self.threads, 1), TRIAL_BLOCK, TRIAL_BLOCKS)
 
     def choosing(self, batch: int) -> bool:
         """Whether calls of this batch size are still timing the split plan against the one-thread plan

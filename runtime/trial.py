@@ -1,0 +1,33 @@
+"""Two ways of making the same call, timed against each other as the calls go on.
+
+Used by the CPU backend (a one-image call's layers split over the cores, or on one thread: CpuBackend._choose) and
+by lnn-serve (a lone photo while others wait, as the session chose or on one thread: serve_app.LoneCalls). The two
+ways take turns of `turn` calls in a row, `turns` turns each, the first way first. A turn's first call is not timed:
+it finds the caches holding the other way's buffers and, after one thread, the crew's helpers asleep, as calls of
+one way back to back do not. Once every turn has run (`done`), `timed` holds each way's timed seconds and the
+caller judges them by its own statistic (the backend the fastest call, the server the median under its load)."""
+
+from __future__ import annotations
+
+
+class AlternatingTrial:
+    def __init__(self, ways: tuple, turn: int, turns: int):
+        self.ways = ways                             # (the first way, the second), each a value the caller runs by
+        self.turn = turn
+        self.length = 2 * turn * turns               # calls before the trial is done
+        self.calls = 0
+        self.timed = {way: [] for way in ways}       # way -> seconds of its timed calls
+
+    @property
+    def done(self) -> bool:
+        return self.calls >= self.length
+
+    def next_way(self):
+        """The way the trial's next call takes."""
+        return self.ways[self.calls // self.turn % 2]
+
+    def took(self, way, seconds: float) -> None:
+        """The trial's next call, made `way`, took `seconds` (timed unless it began a turn)."""
+        if self.calls % self.turn:
+            self.timed[way].append(seconds)
+        self.calls += 1
