@@ -2,13 +2,14 @@
 
     python benchmarks/gpu_infer.py [--repeats 50]
 
-For each reference architecture (examples/reference/*.json) with seeded random weights (no ../shared
-needed) and random-normal inputs, at batch 1 and 256: median milliseconds per call, host array in and
-host array out on every side (lnn: Session.run; PyTorch: tensor upload, forward under no_grad with
-cuDNN defaults, .cpu(); onnxruntime: InferenceSession.run with CUDAExecutionProvider), the GPU
-synchronized by each call's device-to-host copy. All sides run in this process (inference only).
-Outputs are checked against each other (max abs difference) before timing. Writes the `gpu_infer`
-section of docs/BENCHMARKS.md. PyTorch and onnxruntime are peers here only; lnn never depends on them.
+For each reference architecture (examples/reference/*.json) with the weights lnn-train starts from (PyTorch's
+default initialization, seed 0; no ../shared needed) and random-normal inputs, at batch 1 and 256: median
+milliseconds per call, host array in and host array out on every side (lnn: Session.run; PyTorch: tensor
+upload, forward under no_grad with cuDNN defaults, .cpu(); onnxruntime: InferenceSession.run with
+CUDAExecutionProvider), the GPU synchronized by each call's device-to-host copy. All sides run in this process
+(inference only). Outputs are checked against each other (max abs difference) before timing. Writes the
+`gpu_infer` section of docs/BENCHMARKS.md. PyTorch and onnxruntime are peers here only; lnn never depends on
+them.
 """
 
 from __future__ import annotations
@@ -30,20 +31,6 @@ from torch_peer import torch_sequential  # noqa: E402
 
 NAMES = ["mnist_mlp", "mnist_cnn", "leaf_cnn", "leaf_cnn224"]
 BATCHES = [1, 256]
-
-
-def random_weights(model, rng) -> dict:
-    """He-scaled normal weights (outputs stay O(1) through the layers), batch-norm statistics near 1."""
-    weights = {}
-    for key, shape in model.param_shapes().items():
-        if key.endswith("running_var"):
-            weights[key] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
-        elif key.endswith("weight") and len(shape) > 1:
-            fan_in = int(np.prod(shape[1:]))
-            weights[key] = (rng.standard_normal(shape) * np.sqrt(2 / fan_in)).astype(np.float32)
-        else:
-            weights[key] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
-    return weights
 
 
 def median_ms(function, x, repeats: int) -> float:
@@ -86,6 +73,7 @@ def main(argv=None) -> int:
     import lnn
     from lnn.formats.binfile import build_metadata, write_bin
     from lnn.formats.model import load_model
+    from lnn.train.trainer import initial_weights
 
     torch.backends.cudnn.benchmark = False          # cuDNN's default algorithm choice
     # True fp32 on both sides: PyTorch would otherwise run convolutions in TF32 (its cuDNN default).
@@ -94,8 +82,8 @@ def main(argv=None) -> int:
     rows, folder = [], Path(tempfile.mkdtemp(prefix="lnn_gpu_infer_"))
     for name in NAMES:
         model = load_model(REPO / "examples" / "reference" / f"{name}.json")
+        weights = {key: value.astype(np.float32) for key, value in initial_weights(model, 0).items()}
         rng = np.random.default_rng(0)
-        weights = random_weights(model, rng)
         write_bin(folder / f"{name}.bin", model, weights, build_metadata(model))
         session = lnn.load(folder / f"{name}.bin", device="cuda")
         net = torch_sequential(model, weights).eval()
@@ -124,7 +112,7 @@ def main(argv=None) -> int:
     body = (f"## GPU inference latency\n\nMachine: {machine_line(('numpy', 'cupy-cuda12x', 'cupy-cuda13x', 'torch', 'onnxruntime-gpu'))}, "
             f"GPU {gpu}. Script: `python3 benchmarks/gpu_infer.py`.\n\n"
             "Median ms per call over "
-            f"{args.repeats} calls, host float32 in and out (upload, forward, download), random weights (seed 0) "
+            f"{args.repeats} calls, host float32 in and out (upload, forward, download), lnn-train's initial weights (seed 0) "
             "and random-normal inputs; fp32 on both sides (PyTorch's TF32 switched off); PyTorch eager under no_grad; onnxruntime from "
             "lnn's ONNX export with the CUDA provider (n/a: not installed there). Lower ratio is better for lnn.\n\n"
             + markdown_table(headers, rows))

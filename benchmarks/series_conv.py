@@ -4,7 +4,7 @@
 
 The model is FCN (Wang et al. 2017, the UCR baseline): conv1d 128 (kernel 8, "same") + batch norm + relu,
 conv1d 256 (5) + bn + relu, conv1d 128 (3) + bn + relu, global average pool over time, linear to 2 classes,
-on a univariate series of 150 steps (GunPoint's length), random weights. lnn folds the batch norms
+on a univariate series of 150 steps (GunPoint's length), the weights lnn-train starts from. lnn folds the batch norms
 into the convs; the ONNX file is lnn-export's (folded the same way). For batch 1 and 32, one thread
 each (lnn threads=1, onnxruntime intra_op_num_threads=1): the median of 5 rounds, each round the
 median latency over ~0.5 s after warm-up, the two engines interleaved round by round, and the ratio
@@ -30,6 +30,7 @@ from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes  # n
 from lnn.formats.model import parse_model  # noqa: E402
 from lnn.formats.onnx_export import export_onnx  # noqa: E402
 from lnn.runtime import Session  # noqa: E402
+from lnn.train.trainer import initial_weights  # noqa: E402
 
 LENGTH, CLASSES = 150, 2
 FCN = {"name": "fcn", "input_shape": [1, LENGTH], "layers": [
@@ -54,18 +55,6 @@ def median_ms(function, x) -> float:
     return 1000 * statistics.median(times)
 
 
-def random_weights(model, rng) -> dict:
-    weights = {}
-    for key, shape in model.param_shapes().items():
-        if key.endswith("running_var"):
-            weights[key] = rng.uniform(0.5, 1.5, shape)
-        elif len(shape) > 1:
-            weights[key] = rng.standard_normal(shape) * np.sqrt(2 / np.prod(shape[1:]))
-        else:
-            weights[key] = 0.1 * rng.standard_normal(shape)
-    return {key: value.astype(np.float32) for key, value in weights.items()}
-
-
 def main() -> None:
     import onnxruntime
 
@@ -73,8 +62,8 @@ def main() -> None:
     parser.add_argument("--note", default="", help="a remark about the machine for the section (e.g. shared)")
     args = parser.parse_args()
     model = parse_model(FCN)
+    weights = {key: value.astype(np.float32) for key, value in initial_weights(model, 0).items()}
     rng = np.random.default_rng(0)
-    weights = random_weights(model, rng)
     lnn_session = Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), device="cpu", threads=1)
     with tempfile.TemporaryDirectory() as folder:
         export_onnx(model, weights, Path(folder) / "fcn.onnx")

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.errors import LnnError
+from lnn.tests.model_weights import random_weights
 
 REPO = Path(__file__).resolve().parents[1]
 FAILURES = Path("fuzz-failures")
@@ -92,14 +93,6 @@ def check_description(data: bytes) -> None:
     finally:
         path.unlink()
     run_if_small(parse_model(description))
-
-
-def random_weights(model, seed: int = 0) -> dict:
-    """Weights for a model's parameters (batch-norm variances positive)."""
-    rng = np.random.default_rng(seed)
-    weights = {key: rng.standard_normal(shape).astype(np.float32) for key, shape in model.param_shapes().items()}
-    weights.update({key: np.abs(value) + 0.5 for key, value in weights.items() if key.endswith("running_var")})
-    return weights
 
 
 def run_if_small(model, weights: dict | None = None) -> None:

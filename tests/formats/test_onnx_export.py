@@ -18,6 +18,7 @@ onnxruntime = pytest.importorskip("onnxruntime")
 
 from lnn.formats.onnx_export import build_onnx, export_bin_to_onnx, export_onnx  # noqa: E402
 from lnn.formats.onnx_import import import_onnx  # noqa: E402
+from lnn.tests.model_weights import random_weights
 
 TOLERANCE = 1e-4
 LEVELS = {"optimizations off": onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -85,22 +86,6 @@ EVERY_SERIES_OP = {
 SERIES_AVERAGE = {"name": "series_average", "input_shape": [3, 17], "layers": [
     {"type": "conv1d", "name": "c", "out_channels": 5, "kernel_size": 3, "activation": "relu"},
     {"type": "global_avg_pool"}]}
-
-
-def random_weights(model, seed=0) -> dict:
-    """Random-normal weights scaled by fan-in (so activations stay near 1), batch norm statistics around 1."""
-    rng = np.random.default_rng(seed)
-    weights = {}
-    for key, shape in model.param_shapes().items():
-        if key.endswith("running_var"):
-            weights[key] = rng.uniform(0.5, 2.0, shape)
-        elif len(shape) == 1 and key.split(".")[0].startswith("bn") and key.endswith("weight"):
-            weights[key] = 1 + 0.2 * rng.standard_normal(shape)
-        elif len(shape) > 1:
-            weights[key] = rng.standard_normal(shape) * np.sqrt(2 / np.prod(shape[1:]))
-        else:
-            weights[key] = 0.3 * rng.standard_normal(shape)
-    return {key: value.astype(np.float32) for key, value in weights.items()}
 
 
 def numpy_session(model, weights) -> Session:

@@ -25,6 +25,7 @@ from lnn.formats.model import load_model, parse_model
 from lnn.formats.ops import OPS
 from lnn.runtime import Session
 from lnn.runtime.reference import NumpyBackend
+from lnn.tests.model_weights import random_weights
 
 TOLERANCE = 1e-4
 
@@ -118,21 +119,6 @@ CASES = {
     "gru_last_then_linear": ([4, 7], [{"type": "gru", "hidden_size": 5, "return": "last"},
                                       {"type": "linear", "out_features": 3}]),
 }
-
-
-def random_weights(model, rng) -> dict:
-    """Normal weights, He-scaled for conv/linear kernels so deep models keep outputs O(1) (an absolute
-    tolerance of 1e-4 is then meaningful for float32), batch-norm variances near 1."""
-    weights = {}
-    for key, shape in model.param_shapes().items():
-        if key.endswith("running_var"):
-            weights[key] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
-        elif key.endswith("weight") and len(shape) > 1:
-            fan_in = int(np.prod(shape[1:]))
-            weights[key] = (rng.standard_normal(shape) * np.sqrt(2 / fan_in)).astype(np.float32)
-        else:
-            weights[key] = (rng.standard_normal(shape) * 0.5).astype(np.float32)
-    return weights
 
 
 def cpu_backend(model, weights, **options):

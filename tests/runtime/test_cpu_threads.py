@@ -24,6 +24,7 @@ from lnn.runtime.reference import NumpyBackend
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from report import busy_seconds, cpu_seconds  # noqa: E402  (benchmarks/report.py: /proc's CPU times)
+from lnn.tests.model_weights import random_weights
 
 pytestmark = pytest.mark.skipif("cpu" not in runtime_devices(), reason="the Numba backend is not available")
 
@@ -89,12 +90,6 @@ def split_layers(layers, plan) -> list:
                 layout = step.run.args[5]
                 found += [chained for chained, blocks in zip(layers[index:], layout[:, 7]) if blocks >= 2]
     return found
-
-
-def random_weights(model, rng):
-    """Scaled by 1/sqrt(fan-in), so that every layer's outputs stay of order 1 (the tolerance is absolute)."""
-    return {key: (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]) if len(shape) > 1 else 1)).astype(np.float32)
-            for key, shape in model.param_shapes().items()}
 
 
 @pytest.mark.parametrize("case", CASES)

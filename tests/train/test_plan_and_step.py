@@ -14,17 +14,9 @@ from lnn.train.trainer import amp_refusal
 
 from conftest import EXAMPLES
 from test_gradients import CASES, random_plan_case
+from lnn.tests.model_weights import random_weights
 
 REFERENCE_NAMES = ["mnist_mlp", "mnist_cnn", "leaf_cnn"]
-
-
-def _random_weights(model, seed=0):
-    rng = np.random.default_rng(seed)
-    weights = {}
-    for key, shape in model.param_shapes().items():
-        low = 0.5 if key.endswith("running_var") else -0.5
-        weights[key] = rng.uniform(low, 1.0, shape).astype(np.float32)
-    return weights
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -32,7 +24,7 @@ def test_eval_forward_equals_reference_forward(case):
     input_shape, layers = CASES[case]
     model = parse_model({"input_shape": list(input_shape), "layers": layers, "loss": "mse"})
     trainer = Trainer(model, device="cpu", batch_size=5, log=lambda *a: None)
-    weights = _random_weights(model)
+    weights = random_weights(model)
     trainer.set_weights(weights)
     x = np.random.default_rng(1).normal(size=(7,) + tuple(input_shape)).astype(np.float32)
     expected = NumpyBackend(model, weights).run(x)
@@ -43,7 +35,7 @@ def test_eval_forward_equals_reference_forward(case):
 def test_reference_models_forward_equals_reference(name):
     model = load_model(EXAMPLES / "reference" / f"{name}.json")
     trainer = Trainer(model, device="cpu", batch_size=4, log=lambda *a: None)
-    weights = _random_weights(model)
+    weights = random_weights(model)
     for key in weights:
         weights[key] *= 0.2
     trainer.set_weights(weights)
