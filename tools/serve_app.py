@@ -178,14 +178,19 @@ class LoneCalls:
     (Session.one_thread). Under load the split is fast only while no other thread holds one of its cores: on 4
     cores of a Xeon the unbatched server answered 199.4 photos/s at --threads auto against 377.9 at --threads 1,
     while leaf_cnn224's unbatched server on the 2-core VM lost by a fixed rule of one thread (73.6 against 106.0:
-    docs/BENCHMARKS.md). So the two ways are timed here, under the server's own load, by the median time of a
-    call (slow calls are the load's effect, not noise), and timed again every LONE_REVIEW calls."""
+    docs/BENCHMARKS.md). So the two ways are timed here, under the server's own load, by the median time from one
+    lone call's end to the next one's (slow calls are the load's effect, not noise), and timed again every
+    LONE_REVIEW calls. From end to end, not the call alone: the split's helpers also take the cores the event loop
+    needs between the calls (on 4 Xeon cores a review that timed the calls alone kept a split 2.76 against 3.08 ms
+    a call, and the server then answered 243.6 photos/s at 10.7 ms of CPU each, against 326.7 at 5.0 on one
+    thread). Only two lone calls in a row give a time: a call whose last one was not lone is run but not counted."""
 
     def __init__(self, threads: int | None):
         self.timing = (threads or 1) > 1            # one thread anyway: nothing to choose
         self.trial = self._new_trial()              # ways: on one thread? (the session's way first)
         self.medians = None                         # the last trial's (as the session chose, one thread) ms
         self.until_review = 0
+        self.last_lone_end = None                   # when the last call ended, if a lone one while others waited
 
     @staticmethod
     def _new_trial() -> AlternatingTrial:
@@ -204,14 +209,16 @@ class LoneCalls:
             return self.one_thread
         return self.trial.next_way()
 
-    def took(self, one_thread: bool, seconds: float) -> None:
-        """A lone photo's call while others waited took `seconds` of the inference thread, on one thread or not."""
-        if not self.timing:
+    def ended(self, lone_way: bool | None, at: float) -> None:
+        """The inference thread's call ended at `at` (perf_counter seconds): a lone photo while others waited,
+        on one thread or not (lone_way), or any other call, failed or not (None)."""
+        since, self.last_lone_end = self.last_lone_end, (None if lone_way is None else at)
+        if not self.timing or lone_way is None or since is None:
             return
         if self.until_review > 0:
             self.until_review -= 1
             return
-        self.trial.took(one_thread, seconds)
+        self.trial.took(lone_way, at - since)
         if self.trial.done:
             self.medians = tuple(1000 * float(np.median(self.trial.timed[way])) for way in self.trial.ways)
             self.trial, self.until_review = self._new_trial(), LONE_REVIEW
@@ -222,7 +229,7 @@ class LoneCalls:
         if self.medians is None:
             return "as the session chose, until timed under load against one thread"
         way = "one thread" if self.one_thread else "as the session chose"
-        return (f"{way} (timed under load: {self.medians[1]:.2f} ms a call on one thread, "
+        return (f"{way} (timed under load: {self.medians[1]:.2f} ms from a call's end to the next on one thread, "
                 f"{self.medians[0]:.2f} as the session chose)")
 
 
@@ -344,27 +351,26 @@ class Batcher:
         others_wait = len(jobs) == 1 and (self.being_decoded > 0 or not self.waiting.empty())
         one_thread = others_wait and self.lone_calls.next_on_one_thread()
         try:
-            probabilities, reasons, seconds = await asyncio.get_running_loop().run_in_executor(
+            probabilities, reasons, ended = await asyncio.get_running_loop().run_in_executor(
                 self.inference, self._judge, [job.image for job in jobs], [job.check for job in jobs], one_thread)
         except Exception as err:                  # noqa: BLE001 - each waiting request answers, none hangs
+            self.lone_calls.ended(None, time.perf_counter())
             if len(jobs) > 1:
                 for job in jobs:
                     await self._answer([job])
             elif not jobs[0].answer.done():
                 jobs[0].answer.set_exception(err)
             return
-        if others_wait:
-            self.lone_calls.took(one_thread, seconds)
+        self.lone_calls.ended(one_thread if others_wait else None, ended)
         for job, row, reason in zip(jobs, probabilities, reasons):
             if not job.answer.done():
                 job.answer.set_result((row, reason))
 
     def _judge(self, images: list, checks: list, one_thread: bool) -> tuple:
-        """judge_in_chunks on the inference thread -> (probabilities, reasons, seconds it took)."""
-        started = time.perf_counter()
+        """judge_in_chunks on the inference thread -> (probabilities, reasons, when it ended: perf_counter)."""
         with self.session.one_thread() if one_thread else contextlib.nullcontext():
             probabilities, reasons = judge_in_chunks(self.session, images, checks)
-        return probabilities, reasons, time.perf_counter() - started
+        return probabilities, reasons, time.perf_counter()
 
     async def close(self) -> None:
         if self._task is not None:

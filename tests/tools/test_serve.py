@@ -371,43 +371,57 @@ def test_a_cpu_server_is_ready_only_once_its_calls_only_compute(monkeypatch):
 
 
 def test_lone_photos_under_load_are_timed_both_ways_and_the_faster_kept(monkeypatch):
-    """LoneCalls: the session's own way and one thread take turns of LONE_TURN calls (the session's first), a turn's
-    first call untimed (counted, these would reverse the choice); the lower median is kept for LONE_REVIEW calls,
-    then both are timed again. A session of one thread is never timed."""
+    """LoneCalls: the session's own way and one thread take turns of LONE_TURN calls (the session's first), each
+    timed from the last lone call's end to its own, a turn's first call untimed (counted, these would reverse the
+    choice); the lower median is kept for LONE_REVIEW calls, then both are timed again. A lone call after any other
+    call (a batch, a photo with none waiting, a failure) runs but is not counted. A session of one thread is never
+    timed."""
     monkeypatch.setattr(serve_app, "LONE_TURN", 2)
     monkeypatch.setattr(serve_app, "LONE_TURNS", 2)
     monkeypatch.setattr(serve_app, "LONE_REVIEW", 5)
     lone = serve_app.LoneCalls(threads=4)
     assert lone.describe() == "as the session chose, until timed under load against one thread"
+    clock = [0.0]
+
+    def call(one_thread, seconds: float) -> None:
+        clock[0] += seconds
+        lone.ended(one_thread, clock[0])
 
     def trial(seconds_as_chosen: float, seconds_one_thread: float) -> list:
         ways = []
-        for call in range(8):
+        for number in range(8):
             one_thread = lone.next_on_one_thread()
             ways.append(one_thread)
-            if call % 2 == 0:                              # a turn's first call
-                lone.took(one_thread, 9.0 if one_thread else 0.0)
+            if number % 2 == 0:                              # a turn's first call
+                call(one_thread, 9.0 if one_thread else 0.0)
             else:
-                lone.took(one_thread, seconds_one_thread if one_thread else seconds_as_chosen)
+                call(one_thread, seconds_one_thread if one_thread else seconds_as_chosen)
         return ways
 
+    call(False, 0.0)                                       # the first lone call: nothing before it to time from
+    call(None, 5.0)                                        # a batch: the lone call after it is not counted either
+    call(False, 5.0)
     assert trial(0.004, 0.002) == [False, False, True, True] * 2
-    assert lone.describe() == "one thread (timed under load: 2.00 ms a call on one thread, 4.00 as the session chose)"
+    assert lone.describe() == ("one thread (timed under load: 2.00 ms from a call's end to the next on one thread, "
+                               "4.00 as the session chose)")
     for _ in range(5):                                     # LONE_REVIEW calls of the way kept, then timed again
         assert lone.next_on_one_thread()
-        lone.took(True, 1.0)
+        call(True, 1.0)
     assert trial(0.002, 0.003) == [False, False, True, True] * 2
     assert lone.one_thread is False and lone.describe().startswith(
-        "as the session chose (timed under load: 3.00 ms a call on one thread, 2.00 as the session chose)")
+        "as the session chose (timed under load: 3.00 ms from a call's end to the next on one thread, 2.00 as the "
+        "session chose)")
     alone = serve_app.LoneCalls(threads=1)
-    alone.took(False, 1.0)
+    alone.ended(False, 1.0)
+    alone.ended(False, 2.0)
     assert not alone.next_on_one_thread() and alone.describe().startswith("not timed")
 
 
 def test_an_unbatched_server_times_its_lone_photos_while_others_wait(session, monkeypatch):
-    """--max-batch 1 under load: each photo computed while others wait takes its turn in LoneCalls' trial (the
-    session's way, then one thread through Session.one_thread); a photo with none waiting runs the session's way
-    and is not counted. One thread made slower here, the session's way is kept; every answer is lnn-infer's."""
+    """--max-batch 1 under load: each photo computed while others wait, after another such photo, takes its turn in
+    LoneCalls' trial (the session's way, then one thread through Session.one_thread); the first photo (none
+    waiting), the one after it (nothing to time from) and the last (none waiting) run the session's way and are not
+    counted. One thread made slower here, the session's way is kept; every answer is lnn-infer's."""
     monkeypatch.setattr(serve_app, "LONE_TURN", 2)
     monkeypatch.setattr(serve_app, "LONE_TURNS", 1)
     monkeypatch.setattr(session, "threads", 2)                 # as a cpu session on 2 cores
@@ -430,7 +444,7 @@ def test_an_unbatched_server_times_its_lone_photos_while_others_wait(session, mo
         def send(path):
             answers[path] = client.post("/v1/classify", content=path.read_bytes())
 
-        threads = [threading.Thread(target=send, args=(path,)) for path in LEAVES[:6]]
+        threads = [threading.Thread(target=send, args=(path,)) for path in LEAVES[:7]]
         threads[0].start()
         assert computing.wait(30)
         for thread in threads[1:]:
@@ -440,9 +454,9 @@ def test_an_unbatched_server_times_its_lone_photos_while_others_wait(session, mo
         for thread in threads:
             thread.join(60)
         described = client.get("/v1/model").json()["lone_photos_under_load"]
-    assert ways == [False, False, False, True, True, False]
+    assert ways == [False, False, False, False, True, True, False]
     assert described.startswith("as the session chose (timed under load: "), described
-    for path in LEAVES[:6]:
+    for path in LEAVES[:7]:
         assert answers[path].status_code == 200
         assert_same_answer(answers[path].json(), reference_answer(session, path, "upload"))
 
