@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from conftest import EXAMPLES, REPO
-from fuzz import random_weights
 from lnn.formats import binfile, limits
 from lnn.formats.binfile import (BinModel, build_metadata, encode_bin, fp16_dtypes, graph_of, int8_dtypes,
                                  parse_bin_bytes, read_bin, write_bin)
 from lnn.formats.errors import LnnFormatError, LnnInputError, ModelSpecError
+from lnn.tests.model_weights import random_weights
 from lnn.formats.model import load_model, parse_model
 
 # --------------------------------------------------------------------------- SPEC.md's byte tables, restated

@@ -115,7 +115,9 @@ def test_each_gate_rule_refuses_its_crafted_file(tiny, rule, changes, tensors, p
 
 def test_gate_scores_that_need_logits_are_refused_for_a_softmax_model(tiny):
     from lnn.formats.model import parse_model
-    from test_binfile import TINY, random_weights
+    from test_binfile import TINY
+
+    from lnn.tests.model_weights import random_weights
 
     description = json.loads(json.dumps(TINY))
     description["layers"][-1]["activation"] = "softmax"

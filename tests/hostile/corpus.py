@@ -182,9 +182,10 @@ def huge_input_bin(path: Path) -> str:
     """A valid .bin of about 1 KB whose input is 3x50000x50000: the network of POOLED_LAYERS (8 parameters,
     whatever the input size) with its normalized graph and metadata made at 16x16 and the size changed,
     written by the SPEC tests' own writer (lnn's refuses a model over its size limits)."""
-    from test_binfile import build, canonical, join, random_weights, tiny_tensors
+    from test_binfile import build, canonical, join, tiny_tensors
 
     from lnn.formats.binfile import build_metadata, graph_of
+    from lnn.tests.model_weights import random_weights
     from lnn.formats.model import parse_model
 
     small = parse_model({**TINY_DESCRIPTION, "layers": POOLED_LAYERS})

@@ -17,7 +17,8 @@ from lnn.formats.binfile import build_metadata, write_bin
 from lnn.formats.model import load_model, parse_model
 from lnn.formats.ops import OPS
 from lnn.runtime.reference import NumpyBackend
-from test_cpu_backend import CASES, TOLERANCE, check_reference_model_through_bin, random_weights
+from lnn.tests.model_weights import random_weights
+from test_cpu_backend import CASES, TOLERANCE, check_reference_model_through_bin
 
 cupy = gpu_cupy()                  # skips the whole module without CuPy and a GPU
 

@@ -19,7 +19,8 @@ from conftest import EXAMPLES, REFERENCE_NAMES
 from lnn.formats.model import load_model, parse_model
 from lnn.runtime.cuda.backend import CudaBackend
 from lnn.runtime.reference import NumpyBackend
-from test_cpu_backend import CASES, TOLERANCE, check_weights_and_input_left_alone, random_weights
+from lnn.tests.model_weights import random_weights
+from test_cpu_backend import CASES, TOLERANCE, check_weights_and_input_left_alone
 
 
 def numpy_plan(model, weights):

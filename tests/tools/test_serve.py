@@ -1133,7 +1133,7 @@ SERVE_WITH_CACHE_LOG = "import sys; sys.stdout = sys.stderr; from lnn.tools.serv
 @pytest.fixture
 def tiny_photo_model(tmp_path):
     """A photo model whose kernels compile in seconds, with random weights, as a .bin."""
-    from fuzz import random_weights
+    from lnn.tests.model_weights import random_weights
     from lnn.formats.binfile import write_bin
     from lnn.formats.model import parse_model
 
