@@ -10,11 +10,16 @@ caller judges them by its own statistic (the backend the fastest call, the serve
 from __future__ import annotations
 
 
+def trial_length(turn: int, turns: int) -> int:
+    """Calls before a trial of two ways, `turns` turns of `turn` calls each, is done."""
+    return 2 * turn * turns
+
+
 class AlternatingTrial:
     def __init__(self, ways: tuple, turn: int, turns: int):
         self.ways = ways                             # (the first way, the second), each a value the caller runs by
         self.turn = turn
-        self.length = 2 * turn * turns               # calls before the trial is done
+        self.length = trial_length(turn, turns)
         self.calls = 0
         self.timed = {way: [] for way in ways}       # way -> seconds of its timed calls
 

@@ -209,16 +209,21 @@ class LoneCalls:
             return self.one_thread
         return self.trial.next_way()
 
-    def ended(self, lone_way: bool | None, at: float) -> None:
-        """The inference thread's call ended at `at` (perf_counter seconds): a lone photo while others waited,
-        on one thread or not (lone_way), or any other call, failed or not (None)."""
-        since, self.last_lone_end = self.last_lone_end, (None if lone_way is None else at)
-        if not self.timing or lone_way is None or since is None:
+    def other_call_ended(self) -> None:
+        """The inference thread's call, not a lone photo while others waited (a batch, a photo with none waiting,
+        a failure), ended: the next lone call's time would hold it, so that one is not counted."""
+        self.last_lone_end = None
+
+    def ended(self, one_thread: bool, at: float) -> None:
+        """The inference thread's call of a lone photo while others waited, on one thread or not, ended at `at`
+        (perf_counter seconds)."""
+        since, self.last_lone_end = self.last_lone_end, at
+        if not self.timing or since is None:
             return
         if self.until_review > 0:
             self.until_review -= 1
             return
-        self.trial.took(lone_way, at - since)
+        self.trial.took(one_thread, at - since)
         if self.trial.done:
             self.medians = tuple(1000 * float(np.median(self.trial.timed[way])) for way in self.trial.ways)
             self.trial, self.until_review = self._new_trial(), LONE_REVIEW
@@ -354,14 +359,17 @@ class Batcher:
             probabilities, reasons, ended = await asyncio.get_running_loop().run_in_executor(
                 self.inference, self._judge, [job.image for job in jobs], [job.check for job in jobs], one_thread)
         except Exception as err:                  # noqa: BLE001 - each waiting request answers, none hangs
-            self.lone_calls.ended(None, time.perf_counter())
+            self.lone_calls.other_call_ended()
             if len(jobs) > 1:
                 for job in jobs:
                     await self._answer([job])
             elif not jobs[0].answer.done():
                 jobs[0].answer.set_exception(err)
             return
-        self.lone_calls.ended(one_thread if others_wait else None, ended)
+        if others_wait:
+            self.lone_calls.ended(one_thread, ended)
+        else:
+            self.lone_calls.other_call_ended()
         for job, row, reason in zip(jobs, probabilities, reasons):
             if not job.answer.done():
                 job.answer.set_result((row, reason))

@@ -17,8 +17,8 @@ input buffer and run the steps: no allocation after the PROGRAM_AT_RUN'th, which
 steps' compiled program (programs.build_steps_program: all the steps in one call, the GIL taken back once for
 them). A layer's scratch (a conv's V, M, acc, columns: written before it is read on each call, read by no
 other layer) is a piece of one block that all the plan's layers reuse, as they run one after another
-(Plan._new_buffer): the bundled model's buffers at batch 1 take 4.3 MB where separate scratch buffers took 8.7, leaf_cnn224's 10.5 where they took 17.3, and the layers find
-their scratch still in cache (whole calls 0.78-0.89x the time of separate buffers, by hand:
+(Plan._new_buffer): the bundled model's buffers at batch 1 take 4.3 MB where separate scratch buffers took 8.7,
+leaf_cnn224's 10.5 where they took 17.3, and the layers find their scratch still in cache (whole calls 0.78-0.89x the time of separate buffers, by hand:
 docs/BENCHMARKS.md). A split plan has one such block per thread (and one for what the tasks of several
 threads share): a thread never writes the other's scratch lines. keep=(node names): fusion stops at those
 nodes and the plan copies their values into buffers of their own, which run_with_features() returns (the
@@ -88,7 +88,7 @@ from lnn.runtime.cpu.padding import padded_buffer
 from lnn.runtime.cpu.parallel import Claimed, Crew, Parallel, all_steps, run_steps
 from lnn.runtime.cpu.winograd import STRIP_POSITIONS, blas_product, blas_products
 from lnn.runtime.plans import PerThreadCache
-from lnn.runtime.trial import AlternatingTrial
+from lnn.runtime.trial import AlternatingTrial, trial_length
 from lnn.runtime.features import LayerOutputs, check_kept
 
 LAYERS = layer_table("CPU", [vars(module) for module in (linear, conv1d, conv2d, pool, flatten, batchnorm, layernorm,
@@ -110,7 +110,7 @@ MIN_TASK_FLOPS = 4e6     # a layer is split into parts of at least this much wor
 # three kept one thread in 3 of 12 fresh processes of the bundled model on 2 threads, three in 0 of 12 (by hand)
 TRIAL_BLOCK = 3
 TRIAL_BLOCKS = 3
-TRIAL_LENGTH = 2 * TRIAL_BLOCK * TRIAL_BLOCKS     # calls before the choice
+TRIAL_LENGTH = trial_length(TRIAL_BLOCK, TRIAL_BLOCKS)     # calls before the choice
 SPLIT_GAIN = 0.95        # ... the split plan is kept when its fastest is below this share of the other's
 # A choice is timed again (the same turns) after this many calls of its batch size, then REVIEW_GROWTH times
 # later each time, up to every REVIEW_MOST calls: decided once on a process's first calls, it flipped between
@@ -277,6 +277,11 @@ def build_layers(model: Model, weights: dict, outputs: LayerOutputs | None = Non
     return layers
 
 
+class ThreadFlag(threading.local):
+    """A flag each thread sets for itself: off in a thread until it sets it."""
+    on = False
+
+
 class CpuBackend:
     name = "cpu"
     photo_statistics = staticmethod(photo_measures.copy_statistics)    # Session.check_photo's measures, compiled
@@ -305,7 +310,7 @@ class CpuBackend:
         self._reviews: dict = {}           # batch -> [calls until its choice is timed again, the next interval]
         self._doubted: set = set()         # batch sizes whose last trial alone found the split not faster
         self._nothing_to_split: set = set()   # batch sizes whose plan has no layer worth splitting (one thread runs it)
-        self._alone = threading.local()        # .on: this thread's calls run on it alone (one_thread)
+        self._alone = ThreadFlag()             # .on: this thread's calls run on it alone (one_thread)
         BLAS_THREADS.find_libraries()
         self.compile_seconds: float | None = None     # set by warmup(): first-call compile or cache load
         self._kernels_marked = False                  # whether a call has ended (cache.mark_cached)
@@ -332,7 +337,7 @@ class CpuBackend:
         """Within it, the calling thread's calls run on that thread alone, on the one-thread plan of their size,
         whatever _choose or splits_batch decided, and take no turn in a trial: for a caller that times for itself
         whether the split pays under its own load (lnn-serve's lone photos while others wait)."""
-        outside = getattr(self._alone, "on", False)        # a warm-up inside one caller's one_thread() keeps it on
+        outside = self._alone.on                # a warm-up inside one caller's one_thread() keeps it on
         self._alone.on = True
         try:
             yield
@@ -341,7 +346,7 @@ class CpuBackend:
 
     def _run_with_features(self, x: np.ndarray) -> tuple:
         batch = x.shape[0]
-        alone = getattr(self._alone, "on", False)
+        alone = self._alone.on
         if self.splits_batch(batch) and not alone:
             with BLAS_THREADS:
                 return self._run_split(x)
@@ -535,9 +540,9 @@ class CpuBackend:
         """Ready the calling thread's calls of this batch size: compile (or load from the cache) every kernel this
         model uses, plan the buffers, build the split plan's helper program (at its PROGRAM_AT_RUN'th run) and make
         the split choice (`choosing`) and ready the one-thread plan (one_thread's), or, for a batch split by images,
-        build every thread's unit plans and their one-thread programs, so that later calls only compute. Without it that work fell on the first
-        calls that needed it: inside lnn-serve, whose warm-up ran each chunk size once, a helper program compiled
-        (uncached, seconds) in a batch's call during load. Returns and records the compile seconds: the first
+        build every thread's unit plans and their one-thread programs, so that later calls only compute. Without
+        it that work fell on the first calls that needed it: inside lnn-serve, whose warm-up ran each chunk size
+        once, a helper program compiled (uncached, seconds) in a batch's call during load. Returns and records the compile seconds: the first
         two runs (the second builds the program) minus twice a warm run's."""
         x = warm_up_batch(self.model.input_shape, batch)
         first_two = 0.0

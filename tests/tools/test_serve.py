@@ -399,7 +399,8 @@ def test_lone_photos_under_load_are_timed_both_ways_and_the_faster_kept(monkeypa
         return ways
 
     call(False, 0.0)                                       # the first lone call: nothing before it to time from
-    call(None, 5.0)                                        # a batch: the lone call after it is not counted either
+    clock[0] += 5.0
+    lone.other_call_ended()                                # a batch: the lone call after it is not counted either
     call(False, 5.0)
     assert trial(0.004, 0.002) == [False, False, True, True] * 2
     assert lone.describe() == ("one thread (timed under load: 2.00 ms from a call's end to the next on one thread, "
