@@ -35,8 +35,9 @@ Each image goes through three steps, chosen per layer at load:
                act(v * scale[o] + shift[o]) (activations.py) and writes y[n], or the interior of the
                next conv's zero-padded input.
                Separate kernels, chosen at plan time: a model compiles only those it uses.
-Steps 1-3 run on bands (CHUNK_BYTES; larger for Winograd) so that cols and acc are still in L2 when
-read: bands of one image's output rows, or several small images at once (one product for all of them).
+Steps 1-3 run on bands (CHUNK_BYTES; larger for Winograd, and at least U's size) so that cols and acc are
+still in L2 when read: bands of one image's output rows, or several small images at once (one product for
+all of them).
 With parts > 1 (backend.py: one image over several threads) the work is first cut into parts, each one
 task with its own cols/acc/M scratch (`_parts`): by blocks of output channels (each task all of the
 bands, the product of its rows of the weight or of U, its channels' output transform, pool and
@@ -96,6 +97,12 @@ CHUNK_BYTES = 1024 * 1024
 # 28^2 4.1-4.4 / 3.5-3.6 / 3.2-3.7 / 3.3-3.5; C=64 O=128 56^2 + 2x2 pool 3.6-3.7 / 3.0 / 2.9-3.0 /
 # 3.0-3.3; C=32 O=64 112^2 + pool 5.8 / 5.2 / 5.2 / 5.8.
 WINOGRAD_CHUNK_SCALE = 4
+# ... and at least this many times U's bytes, where U outweighs that: the bundled model's conv5 (192 -> 384 at 8x8,
+# U 10.6 MB) took bands of 7 images, so a batch of 8 read U twice (and ran its last image as skinny_products). 1
+# thread, the bundled model, ms an image, 6 alternating processes each (2026-12-07, the Zen 3 VM, by hand,
+# medians): batch 16 2.07 against 2.23, batch 8 2.12 against 2.24; leaf_cnn224 at batch 8 (its 128 -> 256 layer's
+# U 4.7 MB) 9.45 against 9.46.
+WINOGRAD_BAND_PER_U = 1.0
 # "auto" picks Winograd for eligible convs with at least this many input channels: with fewer, the 36
 # products [O, C] x [C, tiles] are too thin for BLAS. F(4x4, 3x3), 1 thread, conv + ReLU + 2x2 max-pool,
 # ms, Winograd vs columns + GEMM: C=8 O=16 64^2 0.24 vs 0.20; C=16 O=32 64^2 0.55 vs 0.60, 32^2 0.158 vs
@@ -599,6 +606,8 @@ class Conv2dLayer:
             column_bytes = (self.weight[0].size * self.attrs["groups"] + out_channels) * 4
         image_bytes = column_bytes * padded_w * conv_h
         chunk = CHUNK_BYTES * (WINOGRAD_CHUNK_SCALE if self.winograd else 1)
+        if self.winograd:
+            chunk = max(chunk, int(WINOGRAD_BAND_PER_U * self.winograd_weight.nbytes))
         if 2 * image_bytes <= chunk and not self.pointwise and batch >= parts:
             group = chunk // image_bytes
             return [[(n, min(n + group, stop), 0, out_h, 0, conv_h) for n in range(start, stop, group)]

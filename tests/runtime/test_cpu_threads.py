@@ -142,6 +142,7 @@ def test_winograd_cut_by_channels_band_by_band(monkeypatch):
     from lnn.runtime.cpu.parallel import Parallel
 
     monkeypatch.setattr(conv2d, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(conv2d, "WINOGRAD_BAND_PER_U", 0)
     input_shape, layers = [32, 12, 10], [conv(64, padding=1, algorithm="winograd", activation="relu"),
                                          {"type": "maxpool2d", "kernel_size": 2}]
     model = parse_model({"input_shape": input_shape, "layers": layers})

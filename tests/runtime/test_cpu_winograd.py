@@ -297,12 +297,30 @@ def test_skinny_convs_cut_by_channels_share_one_transposed_v(products, monkeypat
             check_bound(got, x[:images], weight, padding)
 
 
+def test_winograd_bands_hold_at_least_u(monkeypatch):
+    """A Winograd band holds at least U's bytes (each band's products read all of U again): under a tiny
+    CHUNK_BYTES, a conv whose U outweighs two images' V, M and acc computes both in one band; without that
+    floor, in bands of rows."""
+    from lnn.runtime.cpu import conv2d
+
+    monkeypatch.setattr(conv2d, "CHUNK_BYTES", 1024)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 64, 8, 8)).astype(np.float32)
+    weight = rng.standard_normal((128, 64, 3, 3)).astype(np.float32)      # U: 36 x 128 x 64 floats, 1.2 MB
+    backend, got = one_conv(x, weight, 1, "winograd")
+    assert backend.layers[0]._bands(2, 10) == [[(0, 2, 0, 8, 0, 8)]]
+    check_bound(got, x, weight, 1)
+    monkeypatch.setattr(conv2d, "WINOGRAD_BAND_PER_U", 0)
+    assert len(backend.layers[0]._bands(2, 10)[0]) > 2
+
+
 def test_winograd_in_row_bands_matches_float64(monkeypatch):
     """Bands cut between tile rows, and (as after a pool whose window is not its stride) bands whose
     first and last conv rows fall inside a tile (partial tile rows at both ends)."""
     from lnn.runtime.cpu import conv2d
 
     monkeypatch.setattr(conv2d, "CHUNK_BYTES", 1024)       # Winograd bands of 4 KiB
+    monkeypatch.setattr(conv2d, "WINOGRAD_BAND_PER_U", 0)    # (not U's size either)
     rng = np.random.default_rng(2)
     x = rng.standard_normal((2, 8, 23, 10)).astype(np.float32)
     weight = rng.standard_normal((6, 8, 3, 3)).astype(np.float32)
