@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     rows, folder = [], Path(tempfile.mkdtemp(prefix="lnn_gpu_infer_"))
     for name in NAMES:
         model = load_model(REPO / "examples" / "reference" / f"{name}.json")
-        weights = {key: value.astype(np.float32) for key, value in initial_weights(model, 0).items()}
+        weights = initial_weights(model, 0, np.float32)
         rng = np.random.default_rng(0)
         write_bin(folder / f"{name}.bin", model, weights, build_metadata(model))
         session = lnn.load(folder / f"{name}.bin", device="cuda")

@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--note", default="", help="a remark about the machine for the section (e.g. shared)")
     args = parser.parse_args()
     model = parse_model(FCN)
-    weights = {key: value.astype(np.float32) for key, value in initial_weights(model, 0).items()}
+    weights = initial_weights(model, 0, np.float32)
     rng = np.random.default_rng(0)
     lnn_session = Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), device="cpu", threads=1)
     with tempfile.TemporaryDirectory() as folder:

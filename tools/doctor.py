@@ -48,7 +48,7 @@ def _model_and_weights():
     from lnn.train.trainer import initial_weights
 
     model = parse_model(CHECK_MODEL)
-    weights = {k: v.astype(np.float32) for k, v in initial_weights(model, 0).items()}
+    weights = initial_weights(model, 0, np.float32)
     x = np.random.default_rng(0).normal(size=(6, 3, 9, 9)).astype(np.float32)
     return model, weights, x
 

@@ -143,12 +143,13 @@ def hash32(value: int) -> int:
     return value ^ (value >> 16)
 
 
-def initial_weights(model: Model, seed: int) -> dict:
+def initial_weights(model: Model, seed: int, dtype=np.float64) -> dict:
     """PyTorch's default initialization, each op's as formats/ops.py Op.initial_weights draws it (U(-1/sqrt(fan_in),
     1/sqrt(fan_in)) for weights and biases; lstm and gru U(-1/sqrt(hidden_size), ...); batch norm weight 1, bias 0,
-    running mean 0, running var 1), in the order of the layers and their parameters."""
+    running mean 0, running var 1), in the order of the layers and their parameters, drawn in float64 and given
+    as `dtype` (float32: the weights a .bin holds)."""
     rng = np.random.default_rng(seed)
-    return {node.param_key(name): value for node in model.nodes
+    return {node.param_key(name): value.astype(dtype, copy=False) for node in model.nodes
             for name, value in get_op(node.op).initial_weights(node.attrs, node.param_shapes, rng).items()}
 
 
