@@ -18,12 +18,12 @@ steps' compiled program (programs.build_steps_program: all the steps in one call
 them). A layer's scratch (a conv's V, M, acc, columns: written before it is read on each call, read by no
 other layer) is a piece of one block that all the plan's layers reuse, as they run one after another
 (Plan._new_buffer): the bundled model's buffers at batch 1 take 4.3 MB where separate scratch buffers took 8.7,
-leaf_cnn224's 10.5 where they took 17.3, and the layers find their scratch still in cache (whole calls 0.78-0.89x the time of separate buffers, by hand:
-docs/BENCHMARKS.md). A split plan has one such block per thread (and one for what the tasks of several
-threads share): a thread never writes the other's scratch lines. keep=(node names): fusion stops at those
-nodes and the plan copies their values into buffers of their own, which run_with_features() returns (the
-out-of-distribution gate's features; runtime/features.py). run() returns the plan's output buffer itself,
-which the next call of the same thread overwrites (Session.run copies it).
+leaf_cnn224's 10.5 where they took 17.3, and the layers find their scratch still in cache (whole calls 0.78-0.89x
+the time of separate buffers, by hand: docs/BENCHMARKS.md). A split plan has one such block per thread (and one for
+what the tasks of several threads share): a thread never writes the other's scratch lines. keep=(node names):
+fusion stops at those nodes and the plan copies their values into buffers of their own, which
+run_with_features() returns (the out-of-distribution gate's features; runtime/features.py). run() returns the
+plan's output buffer itself, which the next call of the same thread overwrites (Session.run copies it).
 
 Threads: `threads` is a count or "auto" (the default: the cores this process may run on, one per
 physical core, big cores only: runtime/cores.py; lnn.runtime.resolve_threads). With threads = N > 1 the
@@ -404,8 +404,8 @@ class CpuBackend:
         first, a turn's first call untimed), and the faster by its fastest call is kept (the split one only
         SPLIT_GAIN faster: its tasks cost more CPU in all). After the one-thread plan a turn's first call
         finds the crew's helpers asleep (they linger 0.5 ms). Turns of one call each, as before, judged the
-        split by such calls only: the bundled model on 2 threads, fresh processes on the 2-core VM, alternating call by
-        call, in 2 of 3 the split's calls ran about as slowly as the one-thread plan's (2.3-2.5 ms) for most
+        split by such calls only: the bundled model on 2 threads, fresh processes on the 2-core VM, alternating
+        call by call, in 2 of 3 the split's calls ran about as slowly as the one-thread plan's (2.3-2.5 ms) for most
         of the trial, and the earlier trial kept one thread in 1 of 6 (2.0-2.2 ms a call after), while the
         split ran at 1.2-1.5 ms back to back; in turns of 3, a turn's later split calls were faster than
         the one-thread turns' in all 3 processes (1.2-1.9 against 1.9-2.5 ms). The fastest, not the
@@ -542,8 +542,8 @@ class CpuBackend:
         the split choice (`choosing`) and ready the one-thread plan (one_thread's), or, for a batch split by images,
         build every thread's unit plans and their one-thread programs, so that later calls only compute. Without
         it that work fell on the first calls that needed it: inside lnn-serve, whose warm-up ran each chunk size
-        once, a helper program compiled (uncached, seconds) in a batch's call during load. Returns and records the compile seconds: the first
-        two runs (the second builds the program) minus twice a warm run's."""
+        once, a helper program compiled (uncached, seconds) in a batch's call during load. Returns and records
+        the compile seconds: the first two runs (the second builds the program) minus twice a warm run's."""
         x = warm_up_batch(self.model.input_shape, batch)
         first_two = 0.0
         for _ in range(2):
