@@ -166,9 +166,8 @@ class Session:
         for chunk_size in sorted({min(size, chunk), size % chunk} - {0}):
             warmup(chunk_size)
 
-    def _check_batch(self, batch, prepared: bool = False) -> np.ndarray:
-        """The batch as contiguous float32, refused in one line unless it is [N, *input_shape] numbers, all finite;
-        prepared (predict, judge): an image model's inputs must also be ones its preprocessing makes (_check_prepared)."""
+    def _as_batch(self, batch) -> np.ndarray:
+        """The batch as contiguous float32, refused in one line unless it is [N, *input_shape] numbers."""
         try:
             batch = np.asarray(batch)
         except ValueError:                      # nested lists of different lengths
@@ -181,33 +180,50 @@ class Session:
         if batch.dtype.kind not in "iuf":
             raise LnnInputError(f"a batch must hold numbers (float32, already preprocessed), not {batch.dtype}")
         with np.errstate(over="ignore"):
-            batch = np.ascontiguousarray(batch, dtype=np.float32)
-        check_range = prepared and self.prepared_range is not None
-        if check_range:
-            # Each input's lowest and highest value per channel [N, C], which the range check needs: NaN propagates
-            # through min and max, and an infinity is a bound, so they show a non-finite value too (no isfinite pass).
-            lowest, highest = batch.min(axis=(2, 3)), batch.max(axis=(2, 3))
-            finite = np.isfinite(lowest).all(axis=1) & np.isfinite(highest).all(axis=1)
-        else:
-            finite = np.isfinite(batch).reshape(len(batch), -1).all(axis=1)
-        if not finite.all():                    # (the backends differ on NaN: the cpu kernels' ReLU makes it 0)
-            raise LnnInputError(f"input {int(np.flatnonzero(~finite)[0])} of the batch holds NaN or infinity (or a "
-                                f"value beyond float32's range)")
-        if check_range:
-            self._check_prepared(lowest, highest)
-        return batch
+            return np.ascontiguousarray(batch, dtype=np.float32)
 
-    def _run_in_chunks(self, batch, with_features: bool) -> tuple:
-        """(outputs, the gate's features or None) for a checked batch, computed RUN_CHUNK inputs at a time; copies
-        (the backends return their buffers, which the next call overwrites)."""
+    def _extreme_axes(self, batch: np.ndarray, prepared: bool) -> tuple:
+        """The axes over which the checks take each input's lowest and highest value: per channel where an image
+        model's inputs must be ones its preprocessing makes (`prepared`: predict, judge), else the whole input."""
+        return tuple(range(2 if prepared and self.prepared_range is not None else 1, batch.ndim))
+
+    def _check_extremes(self, lowest: np.ndarray, highest: np.ndarray, prepared: bool) -> None:
+        """Refused in one line unless every input is finite and, `prepared`, one the preprocessing could make, from
+        each input's lowest and highest value over _extreme_axes ([N] or [N, C]; NaN propagates through min and
+        max, and an infinity is a bound, so they show a non-finite value too)."""
+        lowest, highest = lowest.reshape(len(lowest), -1), highest.reshape(len(highest), -1)
+        finite = np.isfinite(lowest).all(axis=1) & np.isfinite(highest).all(axis=1)
+        if not finite.all():                    # (the backends differ on NaN: the cpu kernels' ReLU makes it 0)
+            raise LnnInputError(f"input {int(np.flatnonzero(~finite)[0])} of the batch holds NaN or infinity "
+                                f"(or a value beyond float32's range)")
+        if prepared and self.prepared_range is not None:
+            self._check_prepared(lowest, highest)
+
+    def _run_in_chunks(self, batch, with_features: bool, prepared: bool = False) -> tuple:
+        """(outputs, the gate's features or None) for a batch (_as_batch), checked (_check_extremes) and computed
+        RUN_CHUNK inputs at a time; copies (the backends return their buffers, which the next call overwrites).
+        A backend with run_measured (cuda) takes each chunk's extremes where its input is, after the upload, and
+        the batch is checked once all have run (on the host, a pass over 256 leaf_cnn224 inputs, 154 MB, took
+        longer than the GPU's forward); the other backends' are taken here, before anything runs."""
+        axes = self._extreme_axes(batch, prepared)
+        run_measured = getattr(self.backend, "run_measured", None)
+        if run_measured is None:
+            self._check_extremes(batch.min(axis=axes), batch.max(axis=axes), prepared)
         chunk = RUN_CHUNK[self.device]
-        parts = []
+        parts, measured = [], []
         for start in range(0, len(batch), chunk):
-            if with_features:
-                outputs, kept = self.backend.run_with_features(batch[start:start + chunk])
-                parts.append((np.array(outputs, copy=True), np.array(kept[self.feature], copy=True)))
+            part = batch[start:start + chunk]
+            if run_measured is not None:
+                outputs, kept, extremes = run_measured(part, axes)
+                measured.append(extremes)
+            elif with_features:
+                outputs, kept = self.backend.run_with_features(part)
             else:
-                parts.append((np.array(self.backend.run(batch[start:start + chunk]), copy=True), None))
+                outputs = self.backend.run(part)
+            parts.append((np.array(outputs, copy=True),
+                          np.array(kept[self.feature], copy=True) if with_features else None))
+        if measured:
+            self._check_extremes(*(np.concatenate(values) for values in zip(*measured)), prepared)
         if len(parts) == 1:
             return parts[0]
         outputs, features = zip(*parts)
@@ -216,11 +232,11 @@ class Session:
     def run(self, batch) -> np.ndarray:
         """[N, *input_shape] float32 (already preprocessed) -> the last layer's outputs (e.g. logits). NaN or
         infinite inputs are one LnnInputError line."""
-        return self._run_in_chunks(self._check_batch(batch), with_features=False)[0]
+        return self._run_in_chunks(self._as_batch(batch), with_features=False)[0]
 
     def run_with_features(self, batch) -> tuple:
         """(the last layer's outputs, the gate's feature vectors [N, D] or None without a gate), both copies."""
-        return self._run_in_chunks(self._check_batch(batch), with_features=self.feature is not None)
+        return self._run_in_chunks(self._as_batch(batch), with_features=self.feature is not None)
 
     @property
     def outputs_probabilities(self) -> bool:
@@ -228,7 +244,7 @@ class Session:
 
     def _check_prepared(self, lowest: np.ndarray, highest: np.ndarray) -> None:
         """An image model's batch, from its finite lowest and highest value per input and channel ([N, C]: see
-        _check_batch), refused in one line unless every input is one its preprocessing could make
+        _check_extremes), refused in one line unless every input is one its preprocessing could make
         (PREPARED_MARGIN); run() and run_with_features() take any numbers."""
         low, high = self.prepared_range
         margin = PREPARED_MARGIN * (high - low)
@@ -244,8 +260,8 @@ class Session:
         """Class probabilities: a softmax of the outputs (divided by the model's calibration temperature,
         metadata.calibration) unless the model already ends in a softmax. An image model's inputs must be photos
         its preprocessing made (_check_prepared)."""
-        batch = self._check_batch(batch, prepared=True)
-        return self.judge_rules.probabilities(self._run_in_chunks(batch, with_features=False)[0])
+        outputs = self._run_in_chunks(self._as_batch(batch), with_features=False, prepared=True)[0]
+        return self.judge_rules.probabilities(outputs)
 
     def judge(self, batch, photo_reasons=None):
         """Probabilities, gate scores and a reason (None: a diagnosis) per photo: a runtime.gate.Judgement.
@@ -254,8 +270,8 @@ class Session:
         if self.judge_rules.gate is not None and self.feature != self.judge_rules.feature:
             raise LnnError(f"this session keeps node {self.feature!r}, but the model's gate uses "
                            f"{self.judge_rules.feature!r}: load it without features= to judge photos")
-        outputs, features = self._run_in_chunks(self._check_batch(batch, prepared=True),
-                                                with_features=self.feature is not None)
+        outputs, features = self._run_in_chunks(self._as_batch(batch), with_features=self.feature is not None,
+                                                prepared=True)
         return self.judge_rules.judge(outputs, features if self.judge_rules.gate else None, photo_reasons)
 
     def check_photo(self, image, color: str = "bgr"):

@@ -100,3 +100,38 @@ def test_gate_features_and_decision_match_numpy():
     assert judged.reasons == reference.reasons
     for name, values in reference.scores.items():
         np.testing.assert_allclose(judged.scores[name], values, rtol=1e-4, err_msg=name)
+
+
+def test_session_checks_inputs_from_their_extremes_on_the_gpu():
+    """Session's checks on the cuda backend take each input's lowest and highest value from its uploaded copy
+    (run_measured): equal to NumPy's; NaN and infinity named as on the host, before an input out of the prepared
+    range in an earlier chunk, each by its index in the whole batch (over RUN_CHUNK: checked once all chunks ran)."""
+    from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes
+    from lnn.runtime import RUN_CHUNK, Session
+    from conftest import prepared_photos
+
+    model = parse_model({"name": "small", "input_shape": [3, 8, 8], "labels": ["a", "b"],
+                         "preprocess": {"color": "rgb", "scale": 1 / 255, "mean": [0.5] * 3, "std": [0.25] * 3},
+                         "layers": [{"type": "conv2d", "out_channels": 4, "kernel_size": 3, "activation": "relu"},
+                                    {"type": "global_avg_pool"}, {"type": "linear", "out_features": 2}]})
+    weights = random_weights(model, np.random.default_rng(5))
+    bin_model = parse_bin_bytes(encode_bin(model, weights, build_metadata(model)))
+    gpu, host = Session(bin_model, "cuda"), Session(bin_model, "numpy")
+    count = RUN_CHUNK["cuda"] + 4
+    x = prepared_photos(model, count)
+    for axes in ((1, 2, 3), (2, 3)):
+        _, _, (lowest, highest) = gpu.backend.run_measured(x[:5], axes)
+        np.testing.assert_array_equal(lowest, x[:5].min(axis=axes))
+        np.testing.assert_array_equal(highest, x[:5].max(axis=axes))
+    np.testing.assert_allclose(gpu.predict(x), host.predict(x), rtol=1e-4, atol=1e-6)
+    y = x.copy()
+    y[3] = x[3] * 1000                                   # out of range, first chunk
+    for bad, value in ((count - 2, np.nan), (count - 1, np.inf), (RUN_CHUNK["cuda"], -np.inf)):
+        z = y.copy()
+        z[bad, 2, 1, 1] = value
+        for call in (gpu.run, gpu.predict, gpu.judge):
+            with pytest.raises(lnn.LnnInputError, match=f"^input {bad} of the batch holds NaN or infinity"):
+                call(z)
+    with pytest.raises(lnn.LnnInputError, match=r"^input 3 is not a photo prepared for this model"):
+        gpu.judge(y)
+    assert gpu.run(y).shape == (count, 2)                # run takes any finite numbers

@@ -21,6 +21,17 @@ def tiny_session(last_activation=None, device="numpy") -> Session:
     return Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), device)
 
 
+def measured_on_the_backend(session: Session) -> Session:
+    """The session on the cuda backend's plans run by NumPy: its checks take each input's lowest and highest value
+    from the backend's uploaded input (run_measured), as on a GPU, instead of from the batch beforehand."""
+    from lnn.runtime.cuda.backend import CudaBackend
+
+    keep = (session.feature,) if session.feature else ()
+    session.backend = CudaBackend(session.model, session.bin.weights_fp32(), keep=keep, array_module=np)
+    assert hasattr(session.backend, "run_measured")
+    return session
+
+
 def test_run_checks_the_batch_shape():
     session = tiny_session()
     with pytest.raises(lnn.LnnInputError, match=r"expected a batch of shape \[N, 3, 8, 8\], got \[3, 8, 8\]"):
@@ -32,9 +43,11 @@ def test_run_checks_the_batch_shape():
             session.run(odd)
 
 
-def test_run_refuses_nan_infinity_and_ragged_rows_naming_the_input():
+@pytest.mark.parametrize("measured", [False, True])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # NaN through the NumPy plan
+def test_run_refuses_nan_infinity_and_ragged_rows_naming_the_input(measured):
     """The backends differ on NaN (the cpu kernels' ReLU makes it 0), so neither sees one: one line naming it."""
-    session = tiny_session()
+    session = measured_on_the_backend(tiny_session()) if measured else tiny_session()
     x = rng.standard_normal((3, 3, 8, 8)).astype(np.float32)
     for bad, value in ((1, np.nan), (2, np.inf), (0, 1e39)):       # 1e39: beyond float32 once converted
         y = x.astype(np.float64)
@@ -47,12 +60,14 @@ def test_run_refuses_nan_infinity_and_ragged_rows_naming_the_input():
         session.run([[1.0, 2.0], [3.0]])
 
 
-def test_predict_and_judge_refuse_nan_and_infinity_as_run_does_before_the_prepared_range():
+@pytest.mark.parametrize("measured", [False, True])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # NaN through the NumPy plan
+def test_predict_and_judge_refuse_nan_and_infinity_as_run_does_before_the_prepared_range(measured):
     """predict and judge of an image model find NaN and infinity in each input's lowest and highest value per
     channel (what the prepared-range check takes; NaN propagates through min and max, an infinity is a bound):
     each is the line run gives, naming the first such input, even when another input is out of range; a model
     that takes no images checks every value."""
-    session = tiny_session()
+    session = measured_on_the_backend(tiny_session()) if measured else tiny_session()
     assert session.prepared_range is not None
     x = prepared_photos(session.model, 4)
     finite_line = r"^input {} of the batch holds NaN or infinity \(or a value beyond float32's range\)$"
@@ -78,6 +93,7 @@ def test_predict_and_judge_refuse_nan_and_infinity_as_run_does_before_the_prepar
         with pytest.raises(lnn.LnnInputError, match=r"^input 2 is not a photo prepared for this model: its channel "):
             call(y[:3])
     rows = Session(parse_bin_bytes(encode_bin(*table_model(), build_metadata(table_model()[0]))), "numpy")
+    rows = measured_on_the_backend(rows) if measured else rows
     assert rows.prepared_range is None
     z = rng.standard_normal((3, 4)) * 1000
     for value in (np.nan, np.inf, -np.inf):
@@ -110,6 +126,36 @@ def test_a_large_batch_runs_in_chunks_with_the_answers_of_one_call(device):
         assert {key[0] for key in session.backend._plans.keys()} == {1, 5, RUN_CHUNK[device]}
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # NaN through the NumPy plan
+def test_checks_measured_on_the_backend_take_the_whole_batch_over_its_chunks():
+    """On a backend that measures its own input (cuda's run_measured), a batch over RUN_CHUNK is checked whole once
+    every chunk has run: the same outputs and features as the host's checks give, and the same line for the same
+    input, NaN named before an input out of range in an earlier chunk, each by its index in the whole batch."""
+    from lnn.runtime import RUN_CHUNK
+
+    host = tiny_session()
+    measured = measured_on_the_backend(Session(host.bin, "numpy"))          # the same weights
+    count = 2 * RUN_CHUNK["numpy"] + 5
+    x = prepared_photos(host.model, count)
+    for call in ("run", "predict"):
+        np.testing.assert_allclose(getattr(measured, call)(x), getattr(host, call)(x), rtol=1e-5, atol=1e-6)
+    y = x.copy()
+    y[3] = x[3] * 1000                               # out of range, first chunk
+    y[count - 2, 2, 1, 1] = np.nan                   # NaN, last chunk
+    for session in (host, measured):
+        for call in (session.predict, session.judge, session.run):
+            with pytest.raises(lnn.LnnInputError, match=f"^input {count - 2} of the batch holds NaN or infinity"):
+                call(y)
+        y2 = y.copy()
+        y2[count - 2] = x[count - 2]
+        with pytest.raises(lnn.LnnInputError, match=r"^input 3 is not a photo prepared for this model"):
+            session.judge(y2)
+        y2[3] = x[3]
+        y2[RUN_CHUNK["numpy"] + 1] = x[0] * 1000    # out of range, second chunk
+        with pytest.raises(lnn.LnnInputError, match=f"^input {RUN_CHUNK['numpy'] + 1} is not a photo prepared"):
+            session.predict(y2)
+
+
 def test_judge_flags_what_it_cannot_answer_and_checks_its_photo_reasons():
     session = tiny_session()
     logits = np.array([[1.0, 2.0, 3.0], [np.inf, 0.0, 0.0], [np.nan, 1.0, 1.0]])
@@ -132,10 +178,12 @@ def test_predict_is_softmax_of_logits_unless_the_model_ends_in_softmax():
     assert not plain.outputs_probabilities and ending_in_softmax.outputs_probabilities
 
 
-def test_judge_and_predict_of_an_image_model_take_only_inputs_its_preprocessing_makes():
+@pytest.mark.parametrize("measured", [False, True])
+def test_judge_and_predict_of_an_image_model_take_only_inputs_its_preprocessing_makes(measured):
     """Raw pixels, or another normalisation, got a confident answer; run takes any numbers. The bundled model's
     preprocessing (scale 1/255, ImageNet's mean and std) makes -2.118..2.249 of channel 0."""
     session = lnn.load(EXAMPLES.parent / "models" / "tomato_leaf.bin", device="numpy")
+    session = measured_on_the_backend(session) if measured else session
     photo = session.prepare_image(EXAMPLES / "leaves" / "late_blight.jpg")[None]
     assert session.judge(photo).reasons == [None]
     raw = photo * np.float32(0.229 * 255) + np.float32(0.485 * 255)        # 0..255 again, channel 0 at least
