@@ -102,14 +102,19 @@ def test_gate_features_and_decision_match_numpy():
         np.testing.assert_allclose(judged.scores[name], values, rtol=1e-4, err_msg=name)
 
 
-def test_session_checks_inputs_from_their_extremes_on_the_gpu():
+@pytest.mark.parametrize("from_bytes", [0, None])
+def test_session_checks_inputs_from_their_extremes_on_the_gpu(monkeypatch, from_bytes):
     """Session's checks on the cuda backend take each input's lowest and highest value from its uploaded copy
-    (run_measured): equal to NumPy's; NaN and infinity named as on the host, before an input out of the prepared
-    range in an earlier chunk, each by its index in the whole batch (over RUN_CHUNK: checked once all chunks ran)."""
+    (run_measured; from_bytes 0: every batch, None: as shipped, this small one on the host): equal to NumPy's; NaN
+    and infinity named as on the host, before an input out of the prepared range in an earlier chunk, each by its
+    index in the whole batch (over RUN_CHUNK: checked once all chunks ran)."""
+    from lnn.runtime.cuda import backend
     from lnn.formats.binfile import build_metadata, encode_bin, parse_bin_bytes
     from lnn.runtime import RUN_CHUNK, Session
     from conftest import prepared_photos
 
+    if from_bytes is not None:
+        monkeypatch.setattr(backend, "DEVICE_EXTREMES_FROM_BYTES", from_bytes)
     model = parse_model({"name": "small", "input_shape": [3, 8, 8], "labels": ["a", "b"],
                          "preprocess": {"color": "rgb", "scale": 1 / 255, "mean": [0.5] * 3, "std": [0.25] * 3},
                          "layers": [{"type": "conv2d", "out_channels": 4, "kernel_size": 3, "activation": "relu"},

@@ -21,11 +21,15 @@ def tiny_session(last_activation=None, device="numpy") -> Session:
     return Session(parse_bin_bytes(encode_bin(model, weights, build_metadata(model))), device)
 
 
-def measured_on_the_backend(session: Session) -> Session:
+def measured_on_the_backend(session: Session, monkeypatch, on_device: bool = True) -> Session:
     """The session on the cuda backend's plans run by NumPy: its checks take each input's lowest and highest value
-    from the backend's uploaded input (run_measured), as on a GPU, instead of from the batch beforehand."""
+    from the backend (run_measured) once the batch has run; on_device: from the uploaded input, as on a GPU for a
+    large batch (else as the backend chooses: from the host's batch below DEVICE_EXTREMES_FROM_BYTES)."""
+    from lnn.runtime.cuda import backend
     from lnn.runtime.cuda.backend import CudaBackend
 
+    if on_device:
+        monkeypatch.setattr(backend, "DEVICE_EXTREMES_FROM_BYTES", 0)
     keep = (session.feature,) if session.feature else ()
     session.backend = CudaBackend(session.model, session.bin.weights_fp32(), keep=keep, array_module=np)
     assert hasattr(session.backend, "run_measured")
@@ -45,9 +49,9 @@ def test_run_checks_the_batch_shape():
 
 @pytest.mark.parametrize("measured", [False, True])
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # NaN through the NumPy plan
-def test_run_refuses_nan_infinity_and_ragged_rows_naming_the_input(measured):
+def test_run_refuses_nan_infinity_and_ragged_rows_naming_the_input(measured, monkeypatch):
     """The backends differ on NaN (the cpu kernels' ReLU makes it 0), so neither sees one: one line naming it."""
-    session = measured_on_the_backend(tiny_session()) if measured else tiny_session()
+    session = measured_on_the_backend(tiny_session(), monkeypatch) if measured else tiny_session()
     x = rng.standard_normal((3, 3, 8, 8)).astype(np.float32)
     for bad, value in ((1, np.nan), (2, np.inf), (0, 1e39)):       # 1e39: beyond float32 once converted
         y = x.astype(np.float64)
@@ -62,12 +66,12 @@ def test_run_refuses_nan_infinity_and_ragged_rows_naming_the_input(measured):
 
 @pytest.mark.parametrize("measured", [False, True])
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # NaN through the NumPy plan
-def test_predict_and_judge_refuse_nan_and_infinity_as_run_does_before_the_prepared_range(measured):
+def test_predict_and_judge_refuse_nan_and_infinity_as_run_does_before_the_prepared_range(measured, monkeypatch):
     """predict and judge of an image model find NaN and infinity in each input's lowest and highest value per
     channel (what the prepared-range check takes; NaN propagates through min and max, an infinity is a bound):
     each is the line run gives, naming the first such input, even when another input is out of range; a model
     that takes no images checks every value."""
-    session = measured_on_the_backend(tiny_session()) if measured else tiny_session()
+    session = measured_on_the_backend(tiny_session(), monkeypatch) if measured else tiny_session()
     assert session.prepared_range is not None
     x = prepared_photos(session.model, 4)
     finite_line = r"^input {} of the batch holds NaN or infinity \(or a value beyond float32's range\)$"
@@ -93,7 +97,7 @@ def test_predict_and_judge_refuse_nan_and_infinity_as_run_does_before_the_prepar
         with pytest.raises(lnn.LnnInputError, match=r"^input 2 is not a photo prepared for this model: its channel "):
             call(y[:3])
     rows = Session(parse_bin_bytes(encode_bin(*table_model(), build_metadata(table_model()[0]))), "numpy")
-    rows = measured_on_the_backend(rows) if measured else rows
+    rows = measured_on_the_backend(rows, monkeypatch) if measured else rows
     assert rows.prepared_range is None
     z = rng.standard_normal((3, 4)) * 1000
     for value in (np.nan, np.inf, -np.inf):
@@ -127,14 +131,15 @@ def test_a_large_batch_runs_in_chunks_with_the_answers_of_one_call(device):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # NaN through the NumPy plan
-def test_checks_measured_on_the_backend_take_the_whole_batch_over_its_chunks():
+@pytest.mark.parametrize("on_device", [True, False])
+def test_checks_measured_on_the_backend_take_the_whole_batch_over_its_chunks(monkeypatch, on_device):
     """On a backend that measures its own input (cuda's run_measured), a batch over RUN_CHUNK is checked whole once
     every chunk has run: the same outputs and features as the host's checks give, and the same line for the same
     input, NaN named before an input out of range in an earlier chunk, each by its index in the whole batch."""
     from lnn.runtime import RUN_CHUNK
 
     host = tiny_session()
-    measured = measured_on_the_backend(Session(host.bin, "numpy"))          # the same weights
+    measured = measured_on_the_backend(Session(host.bin, "numpy"), monkeypatch, on_device)          # the same weights
     count = 2 * RUN_CHUNK["numpy"] + 5
     x = prepared_photos(host.model, count)
     for call in ("run", "predict"):
@@ -179,11 +184,11 @@ def test_predict_is_softmax_of_logits_unless_the_model_ends_in_softmax():
 
 
 @pytest.mark.parametrize("measured", [False, True])
-def test_judge_and_predict_of_an_image_model_take_only_inputs_its_preprocessing_makes(measured):
+def test_judge_and_predict_of_an_image_model_take_only_inputs_its_preprocessing_makes(measured, monkeypatch):
     """Raw pixels, or another normalisation, got a confident answer; run takes any numbers. The bundled model's
     preprocessing (scale 1/255, ImageNet's mean and std) makes -2.118..2.249 of channel 0."""
     session = lnn.load(EXAMPLES.parent / "models" / "tomato_leaf.bin", device="numpy")
-    session = measured_on_the_backend(session) if measured else session
+    session = measured_on_the_backend(session, monkeypatch) if measured else session
     photo = session.prepare_image(EXAMPLES / "leaves" / "late_blight.jpg")[None]
     assert session.judge(photo).reasons == [None]
     raw = photo * np.float32(0.229 * 255) + np.float32(0.485 * 255)        # 0..255 again, channel 0 at least
