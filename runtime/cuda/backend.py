@@ -45,9 +45,10 @@ from lnn.runtime.features import LayerOutputs, check_kept
 
 IDENTITY_AT_INFERENCE = {"dropout"}
 PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
-# run_measured takes the extremes of a batch of this many bytes or more on the GPU, of a smaller one on the host: two
-# reductions and their copies back cost about 0.1-0.2 ms a call, and a host pass about 0.125 ms a MiB (19 ms for
-# 256 leaf_cnn224 inputs, 154 MB, on the 2-core VM; 18 on the H100 machine's host)
+# run_measured takes the extremes of a batch of this many bytes or more on the GPU, of a smaller one on the host:
+# on the GPU, two reductions and their copies back seemed to add 0.1-0.2 ms to a call at batch 1 (gpu_infer on an
+# H100, in a run slower on both sides), where a host pass costs about 0.125 ms a MiB (NumPy's min and max of 256
+# leaf_cnn224 inputs, 154 MB: 19 ms on the 2-core VM)
 DEVICE_EXTREMES_FROM_BYTES = 1 << 20
 FLOAT = np.float32
 
