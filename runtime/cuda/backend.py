@@ -45,10 +45,11 @@ from lnn.runtime.features import LayerOutputs, check_kept
 
 IDENTITY_AT_INFERENCE = {"dropout"}
 PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
-# run_measured takes the extremes of a batch of this many bytes or more on the GPU, of a smaller one on the host:
-# on the GPU, two reductions and their copies back seemed to add 0.1-0.2 ms to a call at batch 1 (gpu_infer on an
-# H100, in a run slower on both sides), where a host pass costs about 0.125 ms a MiB (NumPy's min and max of 256
-# leaf_cnn224 inputs, 154 MB: 19 ms on the 2-core VM)
+# run_measured takes the extremes of a batch of this many bytes or more on the GPU, of a smaller one on the host,
+# where a pass costs about 0.125 ms a MiB (NumPy's min and max of 256 leaf_cnn224 inputs, 154 MB: 19 ms on the
+# 2-core VM). gpu_infer on an H100, every batch's extremes on the GPU (344bf33): lnn at batch 1 at 1.36-2.31x
+# PyTorch eager's time; with this threshold (bf0829b) at 1.50-1.96x, three of the four models lower, mnist_cnn
+# higher (PyTorch's own times moved 0.02-0.14 ms between the runs)
 DEVICE_EXTREMES_FROM_BYTES = 1 << 20
 FLOAT = np.float32
 
@@ -482,9 +483,8 @@ class CudaBackend:
     def run_measured(self, x: np.ndarray, axes: tuple) -> tuple:
         """(output, {kept node name: value}, (lowest, highest)): run_with_features and each input's lowest and
         highest value over `axes`, for Session's checks (NaN, infinity, inputs no preprocessing makes); from
-        DEVICE_EXTREMES_FROM_BYTES on, taken on the GPU from the uploaded input. On the host they took longer than
-        the forward: 256 leaf_cnn224 inputs (154 MB) went through Session.run in 49.0 ms against 30.4 before the
-        checks, of which the forward 12.3 (an H100)."""
+        DEVICE_EXTREMES_FROM_BYTES on, taken on the GPU from the uploaded input (why: docs/ARCHITECTURE.md,
+        Session's checks)."""
         if x.nbytes < DEVICE_EXTREMES_FROM_BYTES:
             return (*self.run_with_features(x), (x.min(axis=axes), x.max(axis=axes)))
         return self._plan(x.shape[0]).run(x, axes)
