@@ -202,14 +202,16 @@ class Session:
     def _run_in_chunks(self, batch, with_features: bool, prepared: bool = False) -> tuple:
         """(outputs, the gate's features or None) for a batch (_as_batch), checked (_check_extremes) and computed
         RUN_CHUNK inputs at a time; copies (the backends return their buffers, which the next call overwrites).
-        A backend with run_measured (cuda) takes each chunk's extremes where its input is, after the upload, and
+        A backend that measures chunks this large on its device (cuda, from DEVICE_EXTREMES_FROM_BYTES on:
+        measures_on_device) takes each chunk's extremes where its input is, after the upload (run_measured), and
         the batch is checked once all have run (on the host, a pass over 256 leaf_cnn224 inputs, 154 MB, took
-        longer than the GPU's forward); the other backends' are taken here, before anything runs."""
+        longer than the GPU's forward); any other batch's are taken here, before anything runs."""
         axes = self._extreme_axes(batch, prepared)
-        run_measured = getattr(self.backend, "run_measured", None)
+        chunk = RUN_CHUNK[self.device]
+        on_device = getattr(self.backend, "measures_on_device", None)
+        run_measured = self.backend.run_measured if on_device is not None and on_device(batch[:chunk]) else None
         if run_measured is None:
             self._check_extremes(batch.min(axis=axes), batch.max(axis=axes), prepared)
-        chunk = RUN_CHUNK[self.device]
         parts, measured = [], []
         for start in range(0, len(batch), chunk):
             part = batch[start:start + chunk]

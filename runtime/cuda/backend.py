@@ -9,8 +9,8 @@ Load time (once):
 First call per batch size: every device buffer is allocated and every kernel call is bound to its
 buffers (`steps`, argument-free callables). A call copies the input into the plan's input buffer,
 runs the steps and copies the output back to the host (a new NumPy array); run_measured also takes each
-input's lowest and highest value there, for Session's checks. Each calling thread has
-its own plans (runtime/plans.py), so a backend is safe to share between threads. keep=(node names):
+input's lowest and highest value there, for Session's checks of a large batch (measures_on_device). Each
+calling thread has its own plans (runtime/plans.py), so a backend is safe to share between threads. keep=(node names):
 fusion stops at those nodes and their values are copied into buffers of their own, which
 run_with_features() returns too (the out-of-distribution gate's features; runtime/features.py).
 
@@ -45,11 +45,12 @@ from lnn.runtime.features import LayerOutputs, check_kept
 
 IDENTITY_AT_INFERENCE = {"dropout"}
 PLANS_KEPT = 4          # batch sizes whose buffers stay allocated
-# run_measured takes the extremes of a batch of this many bytes or more on the GPU, of a smaller one on the host,
-# where a pass costs about 0.125 ms a MiB (NumPy's min and max of 256 leaf_cnn224 inputs, 154 MB: 19 ms on the
-# 2-core VM). gpu_infer on an H100, every batch's extremes on the GPU (344bf33): lnn at batch 1 at 1.36-2.31x
-# PyTorch eager's time; with this threshold (bf0829b) at 1.50-1.96x, three of the four models lower, mnist_cnn
-# higher (PyTorch's own times moved 0.02-0.14 ms between the runs)
+# Session's checks take the extremes of a batch run in chunks of this many bytes or more on the GPU
+# (measures_on_device, run_measured), of a smaller one on the host, where a pass costs about 0.125 ms a MiB
+# (NumPy's min and max of 256 leaf_cnn224 inputs, 154 MB: 19 ms on the 2-core VM). gpu_infer on an H100, every
+# batch's extremes on the GPU (344bf33): lnn at batch 1 at 1.36-2.31x PyTorch eager's time; with this threshold
+# (bf0829b) at 1.50-1.96x, three of the four models lower, mnist_cnn higher (PyTorch's own times moved 0.02-0.14 ms
+# between the runs)
 DEVICE_EXTREMES_FROM_BYTES = 1 << 20
 FLOAT = np.float32
 
@@ -480,11 +481,13 @@ class CudaBackend:
         """(output, {kept node name: its value [N, ...]}), new host arrays."""
         return self._plan(x.shape[0]).run(x)[:2]
 
+    def measures_on_device(self, chunk: np.ndarray) -> bool:
+        """Whether Session's checks take the extremes of a batch run in chunks like this one here (run_measured):
+        from DEVICE_EXTREMES_FROM_BYTES on; a smaller one's cost less on the host, before it runs."""
+        return chunk.nbytes >= DEVICE_EXTREMES_FROM_BYTES
+
     def run_measured(self, x: np.ndarray, axes: tuple) -> tuple:
         """(output, {kept node name: value}, (lowest, highest)): run_with_features and each input's lowest and
-        highest value over `axes`, for Session's checks (NaN, infinity, inputs no preprocessing makes); from
-        DEVICE_EXTREMES_FROM_BYTES on, taken on the GPU from the uploaded input (why: docs/ARCHITECTURE.md,
-        Session's checks)."""
-        if x.nbytes < DEVICE_EXTREMES_FROM_BYTES:
-            return (*self.run_with_features(x), (x.min(axis=axes), x.max(axis=axes)))
+        highest value over `axes`, taken on the GPU from the uploaded input for Session's checks (NaN, infinity,
+        inputs no preprocessing makes; why: docs/ARCHITECTURE.md, Session's checks)."""
         return self._plan(x.shape[0]).run(x, axes)

@@ -105,7 +105,7 @@ def test_gate_features_and_decision_match_numpy():
 @pytest.mark.parametrize("from_bytes", [0, None])
 def test_session_checks_inputs_from_their_extremes_on_the_gpu(monkeypatch, from_bytes):
     """Session's checks on the cuda backend take each input's lowest and highest value from its uploaded copy
-    (run_measured; from_bytes 0: every batch, None: as shipped, this small one on the host): equal to NumPy's; NaN
+    (run_measured; from_bytes 0: every batch, None: as shipped, this small one's on the host): equal to NumPy's; NaN
     and infinity named as on the host, before an input out of the prepared range in an earlier chunk, each by its
     index in the whole batch (over RUN_CHUNK: checked once all chunks ran)."""
     from lnn.runtime.cuda import backend

@@ -22,9 +22,9 @@ def tiny_session(last_activation=None, device="numpy") -> Session:
 
 
 def measured_on_the_backend(session: Session, monkeypatch, on_device: bool = True) -> Session:
-    """The session on the cuda backend's plans run by NumPy: its checks take each input's lowest and highest value
-    from the backend (run_measured) once the batch has run; on_device: from the uploaded input, as on a GPU for a
-    large batch (else as the backend chooses: from the host's batch below DEVICE_EXTREMES_FROM_BYTES)."""
+    """The session on the cuda backend's plans run by NumPy; on_device: its checks take each input's lowest and
+    highest value from the backend's uploaded input (run_measured) once the batch has run, as on a GPU for a large
+    batch (else as the backend chooses: from the host's batch before it runs, below DEVICE_EXTREMES_FROM_BYTES)."""
     from lnn.runtime.cuda import backend
     from lnn.runtime.cuda.backend import CudaBackend
 
