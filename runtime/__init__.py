@@ -204,19 +204,19 @@ class Session:
         RUN_CHUNK inputs at a time; copies (the backends return their buffers, which the next call overwrites).
         A backend that measures chunks this large on its device (cuda, from DEVICE_EXTREMES_FROM_BYTES on:
         measures_on_device) takes each chunk's extremes where its input is, after the upload (run_measured), and
-        the batch is checked once all have run (on the host, a pass over 256 leaf_cnn224 inputs, 154 MB, took
-        longer than the GPU's forward); any other batch's are taken here, before anything runs."""
+        the batch is checked once all have run (why: docs/ARCHITECTURE.md, Session's checks); any other batch's
+        are taken here, before anything runs."""
         axes = self._extreme_axes(batch, prepared)
         chunk = RUN_CHUNK[self.device]
-        on_device = getattr(self.backend, "measures_on_device", None)
-        run_measured = self.backend.run_measured if on_device is not None and on_device(batch[:chunk]) else None
-        if run_measured is None:
+        measures_on_device = getattr(self.backend, "measures_on_device", None)
+        on_device = measures_on_device is not None and measures_on_device(batch[:chunk])
+        if not on_device:
             self._check_extremes(batch.min(axis=axes), batch.max(axis=axes), prepared)
         parts, measured = [], []
         for start in range(0, len(batch), chunk):
             part = batch[start:start + chunk]
-            if run_measured is not None:
-                outputs, kept, extremes = run_measured(part, axes)
+            if on_device:
+                outputs, kept, extremes = self.backend.run_measured(part, axes)
                 measured.append(extremes)
             elif with_features:
                 outputs, kept = self.backend.run_with_features(part)
@@ -224,7 +224,7 @@ class Session:
                 outputs = self.backend.run(part)
             parts.append((np.array(outputs, copy=True),
                           np.array(kept[self.feature], copy=True) if with_features else None))
-        if measured:
+        if on_device:
             self._check_extremes(*(np.concatenate(values) for values in zip(*measured)), prepared)
         if len(parts) == 1:
             return parts[0]
