@@ -8,7 +8,8 @@ Phones open the page at / (a camera button, the answer in words with its advice,
 QR code of its address for the next phone).
 POST /v1/classify takes a photo (the body, or a multipart `file` field) and returns lnn-infer --json's
 object. Requests that arrive together are merged into one batch of up to --max-batch images, waiting at most
---max-delay-ms after the first was ready for photos still being decoded (none on the way: no wait). Over
+--max-delay-ms for photos still being decoded (none on the way: no wait), counted from when the first was
+ready or the batch before ended, whichever is later. Over
 --queue requests, --max-connections connections or --upload-memory bytes of uploads at once: 503 with
 Retry-After; a body over --max-body: 413; one sent compressed (Content-Encoding): 415; not an image, truncated
 or over --max-pixels: 400 with lnn-infer's reason; no answer within --timeout: 504. GET /v1/model, /healthz,
@@ -323,7 +324,8 @@ def build_parser():
     parser.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch, metavar="N",
                         help=f"most images per batch (default {DEFAULTS.max_batch}; 1 = no batching)")
     parser.add_argument("--max-delay-ms", type=float, default=DEFAULTS.max_delay_s * 1000, metavar="MS",
-                        help=f"longest wait for photos still being decoded after a batch's first was ready "
+                        help=f"longest wait for photos still being decoded, from when a batch's first was "
+                             f"ready or the batch before ended, whichever is later "
                              f"(default {DEFAULTS.max_delay_s * 1000:g})")
     parser.add_argument("--queue", type=int, default=DEFAULTS.queue, metavar="N",
                         help=f"most requests in the server at once; more are refused with 503 (default {DEFAULTS.queue})")

@@ -250,11 +250,14 @@ class Batcher:
     """Merges the images waiting into one Session call on a single inference thread.
 
     A batch takes every image waiting, up to max_batch. While other requests are still being decoded it waits
-    for them until max_delay_s after its first image was ready (not after the batcher took it: a photo that
-    waited behind a computing batch is not held the whole delay again); with none on the way it runs at once
-    (waiting could gain nothing, so a lone phone never pays the delay). Images that arrive while a batch
-    computes are waiting when it ends, so under load batches fill without any wait. A job whose request gave
-    up (timeout) is dropped unrun."""
+    for them until max_delay_s after it began collecting: when its first image was ready, or, for images that
+    waited behind a computing batch, when that batch ended. With none on the way it runs at once (waiting could
+    gain nothing, so a lone phone never pays the delay). Under load the requests that a batch's answers bring
+    back are then merged with the images that waited behind it, and the server stays in step: one batch of
+    nearly every client's photo, decoded before it runs. Counted from the first image's readiness instead, the
+    waiting images ran at once, and a server at 16 clients fell into two halves that alternate, each decoded
+    while the other computes, the decoding slowing the model's threads (docs/BENCHMARKS.md, serve_load, by
+    hand). A job whose request gave up (timeout) is dropped unrun."""
 
     def __init__(self, session, max_batch: int, max_delay_s: float, metrics: Metrics):
         self.session = session
@@ -325,8 +328,9 @@ class Batcher:
 
     async def _next_batch(self) -> list:
         loop = asyncio.get_running_loop()
+        collecting_since = loop.time()                    # the last batch has ended
         batch = [await self.waiting.get()]
-        deadline = batch[0].waiting_since + self.max_delay_s
+        deadline = max(batch[0].waiting_since, collecting_since) + self.max_delay_s
         while len(batch) < self.max_batch:
             if not self.waiting.empty():
                 batch.append(self.waiting.get_nowait())

@@ -307,22 +307,24 @@ def test_a_lone_request_does_not_wait_for_a_batch(session):
         assert time.perf_counter() - started < 2.5
 
 
-def test_max_delay_counts_from_when_a_photo_began_waiting(session, monkeypatch):
-    """--max-delay-ms bounds a photo's wait from when it was ready, not from when the batcher took it: a photo
-    that already waited longer than that behind a computing batch goes in the next batch at once, though
-    another request is still being decoded (before, it waited the whole delay again)."""
+@contextlib.contextmanager
+def photos_behind_a_batch_and_one_decoding(session, monkeypatch, max_delay_s):
+    """A server whose first photo's batch holds the inference thread while a second photo is decoded and waits
+    behind it, longer than max_delay_s, and a third is still being decoded (until the Event `decoded` is set).
+    The batch is then released. -> (client, answered: {path: (response, perf_counter when answered)}, when
+    released, decoded); on leaving, the third photo is decoded and every request has ended."""
     prepare_upload = serve_app.prepare_upload
     computing, release = hold_first_batch(monkeypatch)
-    slow_decode = threading.Event()
+    decoded = threading.Event()
     slow_photo = LEAVES[2].read_bytes()
 
     def slow_for_one_photo(session_, data, *args):
         if bytes(data) == slow_photo:
-            slow_decode.wait(30)
+            decoded.wait(30)
         return prepare_upload(session_, data, *args)
 
     monkeypatch.setattr(serve_app, "prepare_upload", slow_for_one_photo)
-    with client_for(session, max_batch=16, max_delay_s=2.0) as client:
+    with client_for(session, max_batch=16, max_delay_s=max_delay_s) as client:
         answered = {}
 
         def send(path):
@@ -333,16 +335,48 @@ def test_max_delay_counts_from_when_a_photo_began_waiting(session, monkeypatch):
         assert computing.wait(30)                      # the first photo's batch holds the inference thread
         threads[LEAVES[1]].start()                     # decoded, then waiting
         time.sleep(0.3)
-        threads[LEAVES[2]].start()                     # still being decoded until slow_decode
-        time.sleep(2.3)                                # the waiting photo's delay has passed
+        threads[LEAVES[2]].start()                     # still being decoded until `decoded`
+        time.sleep(max_delay_s + 0.3)                  # the waiting photo's delay from its readiness has passed
         released = time.perf_counter()
         release.set()
-        threads[LEAVES[1]].join(30)
-        slow_decode.set()
-        for thread in threads.values():
-            thread.join(30)
+        try:
+            yield client, answered, released, decoded
+        finally:
+            decoded.set()
+            for thread in threads.values():
+                thread.join(30)
+
+
+def test_photos_that_waited_behind_a_batch_wait_for_those_still_decoding(session, monkeypatch):
+    """--max-delay-ms counts from when the batcher began collecting: for a photo that waited behind a computing
+    batch, from that batch's end, not from when the photo was ready. So it is merged with a photo still being
+    decoded then (under load: the requests the batch's answers bring back), which keeps a busy server in step
+    (each batch nearly every client's photo) instead of in two alternating halves (Batcher)."""
+    with photos_behind_a_batch_and_one_decoding(session, monkeypatch, max_delay_s=2.0) as (client, answered,
+                                                                                             released, decoded):
+        time.sleep(0.5)
+        assert LEAVES[1] not in answered               # waiting for the photo being decoded
+        decoded.set()
+        deadline = time.monotonic() + 30
+        while len(answered) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        metrics = metric_samples(client)
+    assert all(answered[path][0].status_code == 200 for path in LEAVES[:3])
+    assert answered[LEAVES[1]][1] - released < 1.9                  # at once when the other was ready
+    assert metrics[("lnn_serve_batch_size_count", ())] == 2 and metrics[("lnn_serve_batch_size_sum", ())] == 3
+
+
+def test_a_photo_that_waited_behind_a_batch_waits_at_most_the_delay_more(session, monkeypatch):
+    """The wait stays bounded: with the other photo's decoding stuck, the one that waited behind a batch runs
+    alone once --max-delay-ms has passed from that batch's end."""
+    with photos_behind_a_batch_and_one_decoding(session, monkeypatch, max_delay_s=1.0) as (_, answered,
+                                                                                             released, _decoded):
+        deadline = time.monotonic() + 30
+        while LEAVES[1] not in answered and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert LEAVES[2] not in answered
     response, at = answered[LEAVES[1]]
-    assert response.status_code == 200 and at - released < 1.2      # not the 2 s delay again
+    assert response.status_code == 200 and 0.9 < at - released < 2.2
     assert all(answered[path][0].status_code == 200 for path in LEAVES[:3])
 
 
