@@ -328,7 +328,7 @@ class Batcher:
 
     async def _next_batch(self) -> list:
         loop = asyncio.get_running_loop()
-        collecting_since = loop.time()                    # the last batch has ended
+        collecting_since = loop.time()                    # free: the batch before, if any, has ended
         batch = [await self.waiting.get()]
         deadline = max(batch[0].waiting_since, collecting_since) + self.max_delay_s
         while len(batch) < self.max_batch:

@@ -311,8 +311,9 @@ def test_a_lone_request_does_not_wait_for_a_batch(session):
 def photos_behind_a_batch_and_one_decoding(session, monkeypatch, max_delay_s):
     """A server whose first photo's batch holds the inference thread while a second photo is decoded and waits
     behind it, longer than max_delay_s, and a third is still being decoded (until the Event `decoded` is set).
-    The batch is then released. -> (client, answered: {path: (response, perf_counter when answered)}, when
-    released, decoded); on leaving, the third photo is decoded and every request has ended."""
+    The batch is then released. -> (client, answered: {path: (response, perf_counter when answered)}, the
+    senders' threads by path, when released, decoded); on leaving, the third photo is decoded and every request
+    has ended."""
     prepare_upload = serve_app.prepare_upload
     computing, release = hold_first_batch(monkeypatch)
     decoded = threading.Event()
@@ -340,7 +341,7 @@ def photos_behind_a_batch_and_one_decoding(session, monkeypatch, max_delay_s):
         released = time.perf_counter()
         release.set()
         try:
-            yield client, answered, released, decoded
+            yield client, answered, threads, released, decoded
         finally:
             decoded.set()
             for thread in threads.values():
@@ -352,14 +353,13 @@ def test_photos_that_waited_behind_a_batch_wait_for_those_still_decoding(session
     batch, from that batch's end, not from when the photo was ready. So it is merged with a photo still being
     decoded then (under load: the requests the batch's answers bring back), which keeps a busy server in step
     (each batch nearly every client's photo) instead of in two alternating halves (Batcher)."""
-    with photos_behind_a_batch_and_one_decoding(session, monkeypatch, max_delay_s=2.0) as (client, answered,
-                                                                                             released, decoded):
+    with photos_behind_a_batch_and_one_decoding(session, monkeypatch, max_delay_s=2.0) as (
+            client, answered, threads, released, decoded):
         time.sleep(0.5)
         assert LEAVES[1] not in answered               # waiting for the photo being decoded
         decoded.set()
-        deadline = time.monotonic() + 30
-        while len(answered) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        for thread in threads.values():
+            thread.join(30)
         metrics = metric_samples(client)
     assert all(answered[path][0].status_code == 200 for path in LEAVES[:3])
     assert answered[LEAVES[1]][1] - released < 1.9                  # at once when the other was ready
@@ -369,11 +369,9 @@ def test_photos_that_waited_behind_a_batch_wait_for_those_still_decoding(session
 def test_a_photo_that_waited_behind_a_batch_waits_at_most_the_delay_more(session, monkeypatch):
     """The wait stays bounded: with the other photo's decoding stuck, the one that waited behind a batch runs
     alone once --max-delay-ms has passed from that batch's end."""
-    with photos_behind_a_batch_and_one_decoding(session, monkeypatch, max_delay_s=1.0) as (_, answered,
-                                                                                             released, _decoded):
-        deadline = time.monotonic() + 30
-        while LEAVES[1] not in answered and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with photos_behind_a_batch_and_one_decoding(session, monkeypatch, max_delay_s=1.0) as (
+            _, answered, threads, released, _decoded):
+        threads[LEAVES[1]].join(30)
         assert LEAVES[2] not in answered
     response, at = answered[LEAVES[1]]
     assert response.status_code == 200 and 0.9 < at - released < 2.2
