@@ -23,6 +23,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -90,7 +91,8 @@ def guarded_protocol(config: "ServeConfig", metrics):
       the connection closed.
     - More than --max-connections open: 503 with Retry-After and closed, before any request is read.
     - Part of a head in when the server stops: 503 with Retry-After, not a connection closed unanswered.
-    - uvicorn's own 400 for malformed HTTP is counted (bad_http), its log line dropped (QuietInvalidRequests);
+    - uvicorn's own 400 for malformed HTTP is counted (bad_http), its log line dropped (QuietInvalidRequests), and
+      written as error_body's JSON (a chunked body broken mid-upload got uvicorn's plain text);
       bytes that cannot begin a head the parser reads (a TLS hello: a phone that tried https://) or a line ended
       by LF alone (which httptools refuses) get it at once, not a 408 after --timeout.
     - An Upgrade header (curl --http2 and Java's HttpClient ask for h2c) is ignored, as RFC 9110 allows: the
@@ -109,6 +111,12 @@ def guarded_protocol(config: "ServeConfig", metrics):
     timeout_s = config.timeout_s
     retry_after = b"retry-after: %d\r\n" % RETRY_AFTER_S
     logging.getLogger("uvicorn.error").addFilter(QUIET_INVALID_REQUESTS)
+
+    def answer_bytes(status: int, message: str, headers: bytes = b"") -> bytes:
+        """A whole answer of error_body, written by the protocol itself, the connection then closed."""
+        body = error_body(status, message)
+        return (STATUS_LINE[status] + headers + b"content-type: %s\r\n" % ERROR_TYPE.encode() +
+                b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:
@@ -274,9 +282,10 @@ def guarded_protocol(config: "ServeConfig", metrics):
             request's answer, counted by the application (incomplete_upload); in the body of one already
             answered: no second answer, the connection closed; else a request of its own, answered in turn."""
             if self.cycle is not None and self.cycle.more_body:
-                if self.cycle.response_complete:
-                    return self.transport.close()
-                return super().send_400_response(msg)
+                if not self.cycle.response_complete:    # the JSON error of every other answer, not uvicorn's text
+                    self.transport.write(answer_bytes(400, "the upload's body cannot be read as HTTP (its chunked "
+                                                           "encoding is broken)"))
+                return self.transport.close()
             self.refuse(400, msg, "bad_http")
 
         def refuse(self, status: int, message: str, reason: str, headers: bytes = b"") -> None:
@@ -285,9 +294,7 @@ def guarded_protocol(config: "ServeConfig", metrics):
             if self.refusal is not None:
                 return
             metrics.unserved.labels(str(status), reason).inc()
-            body = error_body(status, message)
-            self.refusal = (STATUS_LINE[status] + headers + b"content-type: %s\r\n" % ERROR_TYPE.encode() +
-                            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+            self.refusal = answer_bytes(status, message, headers)
             self.stop_timers()
             if self.answers_owed():
                 self.flow.pause_reading()       # written, then the connection closed, once they are out
@@ -404,9 +411,10 @@ def check_options(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise LnnInputError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
-    for name in ("max_delay_ms", "timeout"):
-        if getattr(args, name) < 0 or (name == "timeout" and args.timeout == 0):
-            raise LnnInputError(f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}")
+    if not math.isfinite(args.max_delay_ms) or args.max_delay_ms < 0:
+        raise LnnInputError(f"--max-delay-ms must be a number of at least 0, not {args.max_delay_ms}")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:       # nan: every connection's timer failed
+        raise LnnInputError(f"--timeout must be a number above 0, not {args.timeout}")
     if args.upload_memory < args.max_body:
         raise LnnInputError(f"--upload-memory ({args.upload_memory}) must be at least --max-body ({args.max_body}), "
                             f"or no upload that large could be taken")
