@@ -10,7 +10,7 @@ POST /v1/classify takes a photo (the body, or a multipart `file` field) and retu
 object. Requests that arrive together are merged into one batch of up to --max-batch images, waiting at most
 --max-delay-ms for photos still being decoded (none on the way: no wait), counted from when the first was
 ready or the batch before ended, whichever is later. Over
---queue requests, --max-connections connections or --upload-memory bytes of uploads at once: 503 with
+--queue uploads, --max-connections connections or --upload-memory bytes of uploads at once: 503 with
 Retry-After; a body over --max-body: 413; one sent compressed (Content-Encoding): 415; not an image, truncated
 or over --max-pixels: 400 with lnn-infer's reason; no answer within --timeout: 504. GET /v1/model, /healthz,
 /readyz (warmed up) and /metrics (Prometheus). SIGTERM finishes the requests in flight, then exits 0.
@@ -309,7 +309,7 @@ class ServeConfig:
     """The server's settings; their defaults are the command's."""
     max_batch: int = 16
     max_delay_s: float = 0.010
-    queue: int = 64                     # requests in the server at once (reading, decoding, waiting, computing)
+    queue: int = 64                     # uploads in the server at once (decoding, waiting, computing: QueuePlaces)
     timeout_s: float = 10.0
     max_body: int = 10_000_000          # bytes
     max_pixels: int = 50_000_000        # a 48-megapixel phone photo passes
@@ -335,7 +335,9 @@ def build_parser():
                              f"ready or the batch before ended, whichever is later "
                              f"(default {DEFAULTS.max_delay_s * 1000:g})")
     parser.add_argument("--queue", type=int, default=DEFAULTS.queue, metavar="N",
-                        help=f"most requests in the server at once; more are refused with 503 (default {DEFAULTS.queue})")
+                        help=f"most uploads in the server at once (being decoded, waiting for the model or in "
+                             f"it; uploads still arriving take no place); more are refused with 503 "
+                             f"(default {DEFAULTS.queue})")
     parser.add_argument("--threads", default="auto", metavar="N|auto",
                         help="threads for the Numba backend: a batch split over them by images, a lone photo's "
                              "layers too; default auto, the usable cores, as lnn-infer (1: inference on one core, "

@@ -8,8 +8,8 @@
     GET  /                        the page for phones (serve_page.html, shipped in the package)
     GET  /address.png             the QR code of the page's address, for another phone to open it
 
-A request's path: admission (more than --queue requests in the server -> 503 with Retry-After), the body (one
-sent compressed -> 415) read up to --max-body (413), decode + preprocessing on a thread pool (400 with
+A request's path: the body (one sent compressed -> 415) read up to --max-body (413), admission (more than --queue
+uploads in the server -> 503 with Retry-After), decode + preprocessing on a thread pool (400 with
 lnn-infer's one-line reason), then the Batcher, which merges the images waiting into one batch (up to
 --max-batch images, waiting at most --max-delay-ms after the first while other photos are still being decoded)
 computed on ONE inference thread, so decoding the next requests runs while a batch is computed. No answer
@@ -536,6 +536,37 @@ class UploadMemory:
             self.held -= taken
 
 
+class QueuePlaces:
+    """The --queue: requests whose upload has arrived (being decoded, waiting for a batch or in one), at most
+    `size`. A place is taken only once the upload is in: counted from a request's start, 64 phones uploading
+    slowly over a weak Wi-Fi (or clients trickling their bodies a byte a second) held every place until their
+    --timeout, and every other phone got 503 while the model sat idle (by hand: 40 of 123 photos refused).
+    Uploads still arriving are bounded by --max-connections, --upload-memory and --timeout instead. Used on the
+    event loop only, so no lock."""
+
+    def __init__(self, size: int):
+        self.size, self.taken = size, 0
+
+    @contextlib.contextmanager
+    def place(self):
+        """One request's place: take() once its upload is in (503 with Retry-After when none is free); given back
+        when the request ends."""
+        held = False
+
+        def take() -> None:
+            nonlocal held
+            if self.taken >= self.size:
+                raise Refused(503, f"the server is busy ({self.size} requests waiting); try again in a moment",
+                              "queue_full", RETRY_LATER)
+            self.taken += 1
+            held = True
+
+        try:
+            yield take
+        finally:
+            self.taken -= held
+
+
 async def read_body(request: Request, max_body: int, take) -> bytearray:
     """The request body, refused with 413 as soon as it is known to pass max_body (its Content-Length, or
     the bytes received so far), so an oversized upload is never held whole; take(n) (UploadMemory.share)
@@ -610,7 +641,7 @@ def create_app(session, config: ServeConfig) -> Starlette:
     """The application for one loaded Session; the Batcher lives from startup to shutdown (the lifespan)."""
     metrics = Metrics()
     decoders = ThreadPoolExecutor(config.decode_threads, thread_name_prefix="lnn-serve-decode")
-    state = {"in_flight": 0}
+    queue = QueuePlaces(config.queue)
     uploads = UploadMemory(config.upload_memory)
     page = resources.files("lnn.tools").joinpath("serve_page.html").read_text(encoding="utf-8")
     model_info = model_record(session)
@@ -631,18 +662,20 @@ def create_app(session, config: ServeConfig) -> Starlette:
             decoders.shutdown(wait=False, cancel_futures=True)
 
     async def answer(request: Request) -> dict:
-        with uploads.share() as take:               # the upload's bytes count until decoded
-            data, name = await upload_from(request, config.max_body, take)
-            top_k = requested_top_k(request, config.top_k, len(session.labels))
-            batcher = request.app.state.batcher
-            try:
-                with batcher.decoding():
-                    prepared = await asyncio.get_running_loop().run_in_executor(decoders, prepare_upload, session,
-                                                                                data, config.max_pixels, name)
-            except LnnInputError as err:
-                raise Refused(400, " ".join(str(err).split()), "bad_image") from None
-            del data                                # not held while the batch computes
-        judged = await batcher.classify(prepared[0], prepared[1])
+        with queue.place() as take_place:
+            with uploads.share() as take:               # the upload's bytes count until decoded
+                data, name = await upload_from(request, config.max_body, take)
+                top_k = requested_top_k(request, config.top_k, len(session.labels))
+                take_place()                            # a place in the --queue, once the upload is in
+                batcher = request.app.state.batcher
+                try:
+                    with batcher.decoding():
+                        prepared = await asyncio.get_running_loop().run_in_executor(
+                            decoders, prepare_upload, session, data, config.max_pixels, name)
+                except LnnInputError as err:
+                    raise Refused(400, " ".join(str(err).split()), "bad_image") from None
+                del data                                # not held while the batch computes
+            judged = await batcher.classify(prepared[0], prepared[1])
         return answer_record(session, judged, prepared, name, top_k)
 
     async def respond(request: Request) -> Response:
@@ -663,18 +696,13 @@ def create_app(session, config: ServeConfig) -> Starlette:
         starting = request.app.state.batcher.refusal_while_starting()
         if starting is not None:
             response = refusal(starting)
-        elif state["in_flight"] >= config.queue:
-            response = refusal(Refused(503, f"the server is busy ({config.queue} requests waiting); try again in a "
-                                            f"moment", "queue_full", RETRY_LATER))
         else:
-            state["in_flight"] += 1
             metrics.in_flight.inc()
             try:
                 response = await asyncio.wait_for(respond(request), config.timeout_s)
             except asyncio.TimeoutError:
                 response = refusal(Refused(504, f"no answer within {config.timeout_s:g} s; try again", "timeout"))
             finally:
-                state["in_flight"] -= 1
                 metrics.in_flight.dec()
         metrics.requests.labels(str(response.status_code)).inc()
         metrics.latency.observe(time.perf_counter() - started)

@@ -672,20 +672,29 @@ def test_oversized_body_gets_413_declared_or_streamed(session):
         assert client.post("/v1/classify", content=photo[:-2000]).status_code == 400        # under it: decoded
 
 
-def test_full_queue_gets_503_with_retry_after_and_slow_answers_504(session):
+def test_full_queue_gets_503_with_retry_after_and_slow_answers_504(session, monkeypatch):
+    """--queue counts uploads that have arrived: one held in the model fills a queue of 1 (503 with Retry-After),
+    while an upload still arriving takes no place (slow phones, or clients trickling their bodies, held every place
+    until their --timeout, and the others got 503 with the model idle)."""
     photo = LEAVES[0].read_bytes()
+    computing, release = hold_first_batch(monkeypatch)
     with client_for(session, queue=1, timeout_s=10) as client:
-        first = {}
-        holder = threading.Thread(target=lambda: first.setdefault(
-            "r", client.post("/v1/classify", content=slow_upload(photo, 1.5))))
+        answered = {}
+        uploading = threading.Thread(target=lambda: answered.setdefault(
+            "slow", client.post("/v1/classify", content=slow_upload(photo, 3.0))))
+        uploading.start()
+        time.sleep(0.5)                                 # still uploading: no place taken
+        holder = threading.Thread(target=lambda: answered.setdefault("held", client.post("/v1/classify", content=photo)))
         holder.start()
-        time.sleep(0.5)                                 # the first request is still uploading
+        assert computing.wait(30)                       # the place is taken, by a photo held in the model
         refused = client.post("/v1/classify", content=photo)
+        release.set()
         holder.join(30)
+        uploading.join(30)
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
         assert "busy" in refused.json()["error"]
-        assert first["r"].status_code == 200
-        assert client.post("/v1/classify", content=photo).status_code == 200        # the slot is free again
+        assert answered["held"].status_code == answered["slow"].status_code == 200
+        assert client.post("/v1/classify", content=photo).status_code == 200        # the place is free again
     with client_for(session, timeout_s=2.0) as client:
         late = client.post("/v1/classify", content=slow_upload(photo, 3.0))
         assert late.status_code == 504 and "2 s" in late.json()["error"]
