@@ -365,6 +365,11 @@ JPEG_ADOBE = b"Adobe"          # APP14: its 12th byte the colour transform, whic
 JPEG_ADOBE_KNOWN = {3: (0, 1), 4: (0, 2)}     # 3: RGB, YCbCr; 4: CMYK, YCCK
 JPEG_ADOBE_ASSUMED = {3: 1, 4: 2}             # any other: libjpeg warns, then assumes YCbCr (3) or YCCK (4)
 MAX_EXIF_BLOCKS = 8            # EXIF blocks read for an orientation (each can hold 5,000 entries to walk)
+TIFF_SIZE_TYPES = {1: "B", 6: "B", 3: "H", 8: "H", 4: "I", 9: "I", 13: "I", 16: "Q", 17: "Q", 18: "Q"}
+                               # the entry types libtiff takes a width or height from (BYTE, SHORT, LONG, IFD, LONG8,
+                               # IFD8; the signed ones read unsigned: a negative size is over the limits), as struct
+                               # reads them. An 8-byte value lies at the offset the entry holds: libtiff and Pillow
+                               # read it there in a classic TIFF too (lnn read the offset as the size)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"                  # the last chunk: always these 12 bytes
 PNG_PIXEL_CHUNKS = {b"tRNS", b"eXIf", b"acTL", b"fcTL", b"fdAT"}   # ancillary, used by OpenCV: transparency,
@@ -559,13 +564,20 @@ def _first_ifd_entries(tiff: bytes) -> tuple:
 
 
 def _tiff_header(data: bytes) -> ImageHeader:
-    """The first image's width and height tags (256, 257) from the first IFD."""
+    """The first image's width and height tags (256, 257) from the first IFD, each value read as its entry's type
+    says (TIFF_SIZE_TYPES; a type libtiff refuses, or more than one value, is not read: KeyError or ValueError). A tag
+    given more than once counts at its largest: libtiff (OpenCV) and Pillow take the first, and a 20000x20000 TIFF
+    whose tags were repeated as 10x10 after them passed the pixel limits as 10x10."""
     order, entries = _first_ifd_entries(data)
     sizes = {}
     for entry in entries:
-        tag, kind = struct.unpack(order + "HH", data[entry:entry + 4])
+        tag, kind, count = struct.unpack(order + "HHI", data[entry:entry + 8])
         if tag in (256, 257):
-            sizes[tag] = struct.unpack(order + ("H" if kind == 3 else "I"), data[entry + 8:entry + (10 if kind == 3 else 12)])[0]
+            if count != 1:
+                raise ValueError("a TIFF size tag with more than one value")
+            value_type = order + TIFF_SIZE_TYPES[kind]
+            at = entry + 8 if struct.calcsize(value_type) <= 4 else struct.unpack_from(order + "I", data, entry + 8)[0]
+            sizes[tag] = max(sizes.get(tag, 0), struct.unpack_from(value_type, data, at)[0])
     return ImageHeader("TIFF", sizes[256], sizes[257])
 
 

@@ -48,6 +48,21 @@ def no_decoding(*args):
     raise AssertionError("the decoder was called")
 
 
+def tiff(size_entries: list, rows: bytes = b"", before_ifd: bytes = b"") -> bytes:
+    """A little-endian TIFF of one uncompressed strip of 8-bit grey `rows`, its first IFD holding `size_entries`
+    ((tag, type, count, value): its width and height as the test writes them) and the tags a decoder needs;
+    `before_ifd` lies at offset 8, where an entry's value may point."""
+    strip_tags = [(258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1), (273, 4, 1, None), (277, 3, 1, 1),
+                  (278, 4, 1, 1 << 16), (279, 4, 1, len(rows))]
+    entries = size_entries + strip_tags
+    ifd_at = 8 + len(before_ifd)
+    rows_at = ifd_at + 2 + 12 * len(entries) + 4
+    ifd = b"".join(struct.pack("<HHI", tag, kind, count) + struct.pack("<H2x" if kind == 3 else "<I",
+                                                                       rows_at if value is None else value)
+                   for tag, kind, count, value in entries)
+    return b"II*\x00" + struct.pack("<I", ifd_at) + before_ifd + struct.pack("<H", len(entries)) + ifd + bytes(4) + rows
+
+
 BOMBS = {
     "png_33000": (png_claiming(33000, 33000), "33000x33000 = 1,089,000,000 pixels"),
     "png_30000": (png_claiming(30000, 30000), "30000x30000 = 900,000,000 pixels"),
@@ -58,6 +73,10 @@ BOMBS = {
              "16384x16384 = 268,435,456 pixels"),
     "tiff": (b"II*\x00" + struct.pack("<IH", 8, 2) + struct.pack("<HHII", 256, 4, 1, 100000)
              + struct.pack("<HHII", 257, 4, 1, 100000) + bytes(16), "100000x100000"),
+    "tiff_repeated_size_tags": (tiff([(256, 4, 1, 100000), (256, 4, 1, 10), (257, 4, 1, 100000), (257, 3, 1, 10)]),
+                                "100000x100000"),            # libtiff and Pillow read the first of a repeated tag
+    "tiff_8_byte_width": (tiff([(256, 16, 1, 8), (257, 4, 1, 100000)], before_ifd=struct.pack("<Q", 100000)),
+                          "100000x100000"),                  # a LONG8 value, at the offset its entry holds
     "pnm": (b"P5\n# made here\n40000 40000\n255\n" + bytes(64), "40000x40000"),
 }
 
@@ -71,6 +90,31 @@ def test_a_pixel_bomb_is_refused_from_its_header_before_decoding(library, monkey
     assert str(refused.value) == f"<bytes>: the image is {size.split(' =')[0]} = " \
         f"{int(size.split('x')[0]) * int(size.split('x')[1].split(' ')[0]):,} pixels, " \
         f"over lnn's limit of {limits.MAX_IMAGE_PIXELS:,} pixels"
+
+
+TIFF_SIZE_TAGS = {
+    "repeated, the larger first": [(256, 4, 1, 40), (256, 4, 1, 10), (257, 4, 1, 30), (257, 4, 1, 10)],
+    "repeated, the smaller first": [(256, 3, 1, 10), (256, 3, 1, 40), (257, 3, 1, 10), (257, 3, 1, 30)],
+    "an 8-byte width": [(256, 16, 1, 8), (257, 3, 1, 30)],
+    "signed types": [(256, 9, 1, 40), (257, 8, 1, 30)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(TIFF_SIZE_TAGS))
+def test_a_tiff_header_is_never_read_smaller_than_a_decoder_reads_it(library, case):
+    """Where a TIFF's size tags are odd, lnn's header reading is at least each decoder's: a repeated tag counts at
+    its largest, each value is read as its type says."""
+    data = tiff(TIFF_SIZE_TAGS[case], bytes(range(40)) * 30, before_ifd=struct.pack("<Q", 40))
+    header = preprocess.read_header(data)
+    decoded = preprocess._decode(data, header, [])
+    assert decoded is not None and header.width >= decoded.shape[1] and header.height >= decoded.shape[0]
+    assert (header.width, header.height) == (40, 30)
+
+
+def test_a_tiff_size_tag_with_two_values_is_not_read_as_libtiff_refuses_it():
+    data = tiff([(256, 4, 2, 8), (257, 3, 1, 30)], bytes(1200), before_ifd=struct.pack("<II", 40, 40))
+    assert cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_ANYCOLOR) is None
+    assert preprocess.read_header(data) is None
 
 
 def test_a_big_png_that_cannot_be_decoded_reduced_is_refused_over_the_decoding_limit(library, monkeypatch):
