@@ -370,6 +370,10 @@ TIFF_SIZE_TYPES = {1: "B", 6: "B", 3: "H", 8: "H", 4: "I", 9: "I", 13: "I", 16: 
                                # IFD8; the signed ones read unsigned: a negative size is over the limits), as struct
                                # reads them. An 8-byte value lies at the offset the entry holds: libtiff and Pillow
                                # read it there in a classic TIFF too (lnn read the offset as the size)
+PNM_HEADER_BYTES = 4096        # the start of a PNM read for its size, comments and all
+PNM_GAP = re.compile(rb"(?:\s+|#[^\r\n]*)*")   # whitespace and comments before a PNM header's number (always matches:
+                                               # no backtracking)
+PNM_NUMBER = re.compile(rb"\d+")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"                  # the last chunk: always these 12 bytes
 PNG_PIXEL_CHUNKS = {b"tRNS", b"eXIf", b"acTL", b"fcTL", b"fdAT"}   # ancillary, used by OpenCV: transparency,
@@ -381,7 +385,7 @@ REDUCTIONS = (2, 4, 8)
 def read_header(data: bytes) -> ImageHeader | None:
     """The format and size from an image's header (and, for JPEG and PNG, whether the data is complete);
     None for data that is none of the formats lnn reads. Raises LnnInputError (without a file name) for a
-    JPEG over the scan or segment limits."""
+    JPEG over the scan or segment limits, and a PNM whose size the decoders read differently."""
     try:
         if data[:3] == b"\xff\xd8\xff":
             return _jpeg_header(data)
@@ -401,8 +405,7 @@ def read_header(data: bytes) -> ImageHeader | None:
         if data[:4] in (b"II*\x00", b"MM\x00*"):
             return _tiff_header(data)
         if data[:1] == b"P" and data[1:2] in b"123456" and data[2:3].isspace():
-            width, height = (int(token) for token in re.sub(rb"#[^\n]*", b" ", data[2:4096]).split()[:2])
-            return ImageHeader("PNM", width, height)
+            return _pnm_header(data)
     except (struct.error, ValueError, LookupError):   # a header cut short or garbled: not an image we can read
         return None
     return None
@@ -552,6 +555,27 @@ def _webp_header(data: bytes) -> ImageHeader:
         width, height = struct.unpack("<HH", data[26:30])
         return ImageHeader("WebP", width & 0x3FFF, height & 0x3FFF)
     raise ValueError("unknown WebP chunk")
+
+
+def _pnm_header(data: bytes) -> ImageHeader:
+    """The width and height after a PNM's magic, as OpenCV and Pillow read them: each number follows whitespace and
+    comments, from '#' to the end of its line, which both end at a CR or an LF (lnn ended them at an LF only, and read
+    `P4 #<CR>8900 8900 #x<LF>1 1` as 1x1, which OpenCV decoded as 8900x8900), and ends at whitespace. A '#' right
+    after a number is LnnInputError: OpenCV ends the number there, Pillow reads on after the comment (`89#<LF>00` is
+    8900 to it). A size not ended within the first PNM_HEADER_BYTES is ValueError: cut there it would read short."""
+    header, position, sides = data[:PNM_HEADER_BYTES], 2, []
+    while len(sides) < 2:
+        number = PNM_NUMBER.match(header, PNM_GAP.match(header, position).end())
+        if number is None:
+            raise ValueError("no PNM size")
+        position = number.end()
+        if header[position:position + 1] == b"#":
+            raise LnnInputError("the PNM header's size can be read two ways (a comment right after a number: OpenCV "
+                                "ends the number there, Pillow reads on after the comment); put a space before it")
+        if not header[position:position + 1].isspace():
+            raise ValueError("a PNM size not ended by whitespace within PNM_HEADER_BYTES")
+        sides.append(int(number[0]))
+    return ImageHeader("PNM", *sides)
 
 
 def _first_ifd_entries(tiff: bytes) -> tuple:

@@ -78,6 +78,7 @@ BOMBS = {
     "tiff_8_byte_width": (tiff([(256, 16, 1, 8), (257, 4, 1, 100000)], before_ifd=struct.pack("<Q", 100000)),
                           "100000x100000"),                  # a LONG8 value, at the offset its entry holds
     "pnm": (b"P5\n# made here\n40000 40000\n255\n" + bytes(64), "40000x40000"),
+    "pnm_comment_ended_by_cr": (b"P4\n#\r40000 40000\n#x\n1 1\n" + bytes(64), "40000x40000"),   # as OpenCV ends it
 }
 
 
@@ -115,6 +116,19 @@ def test_a_tiff_size_tag_with_two_values_is_not_read_as_libtiff_refuses_it():
     data = tiff([(256, 4, 2, 8), (257, 3, 1, 30)], bytes(1200), before_ifd=struct.pack("<II", 40, 40))
     assert cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_ANYCOLOR) is None
     assert preprocess.read_header(data) is None
+
+
+def test_a_pnm_header_is_read_as_both_decoders_read_it_or_refused(library, monkeypatch):
+    """A comment ends at a CR as at an LF (both decoders end it so); a comment right after a number, which OpenCV
+    ends there and Pillow reads on after, is refused; a size cut by the end of the bytes read for the header is
+    not read short."""
+    assert preprocess.read_image(b"P5\n#\r30 20\n255\n" + bytes(600)).shape == (20, 30, 3)
+    monkeypatch.setattr(preprocess, "_decode", no_decoding)
+    with pytest.raises(LnnInputError, match="^<bytes>: the PNM header's size can be read two ways"):
+        preprocess.read_image(b"P4\n8#\n900 8#\n900\n" + bytes(64))         # 8x900 to OpenCV, 8900x8900 to Pillow
+    cut = b"P4" + b" " * (preprocess.PNM_HEADER_BYTES - 10) + b"40000 40000\n" + bytes(64)    # 40000 40|000
+    with pytest.raises(LnnInputError, match="^<bytes>: not an image lnn can read"):
+        preprocess.read_image(cut)
 
 
 def test_a_big_png_that_cannot_be_decoded_reduced_is_refused_over_the_decoding_limit(library, monkeypatch):
