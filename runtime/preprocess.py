@@ -332,7 +332,8 @@ class ImageHeader:
     format: str                  # JPEG, PNG, BMP, GIF, WebP, TIFF, PNM
     width: int
     height: int
-    complete: bool = True        # JPEG and PNG: the data reaches the end marker (bytes after it are allowed)
+    complete: bool = True        # JPEG and PNG: the data reaches the end marker (bytes after it are allowed); GIF:
+                                 # its first image's descriptor
     astray: bool = False         # JPEG, not complete: yet an end marker follows its last scan's start (damage: a false
                                  # marker in the data led the walk past it), so not truncated
     reducible: bool = False      # a baseline JPEG: libjpeg can decode it at 1/2, 1/4, 1/8 of its size
@@ -370,6 +371,7 @@ TIFF_SIZE_TYPES = {1: "B", 6: "B", 3: "H", 8: "H", 4: "I", 9: "I", 13: "I", 16: 
                                # IFD8; the signed ones read unsigned: a negative size is over the limits), as struct
                                # reads them. An 8-byte value lies at the offset the entry holds: libtiff and Pillow
                                # read it there in a classic TIFF too (lnn read the offset as the size)
+GIF_IMAGE, GIF_EXTENSION, GIF_TRAILER = 0x2C, 0x21, 0x3B      # what a GIF's blocks start with: ",", "!", ";"
 PNM_HEADER_BYTES = 4096        # the start of a PNM read for its size, comments and all
 PNM_GAP = re.compile(rb"(?:\s+|#[^\r\n]*)*")   # whitespace and comments before a PNM header's number (always matches:
                                                # no backtracking)
@@ -383,9 +385,10 @@ OPENCV_REDUCED = {2: 16, 4: 32, 8: 64}                       # cv2.IMREAD_REDUCE
 REDUCTIONS = (2, 4, 8)
 
 def read_header(data: bytes) -> ImageHeader | None:
-    """The format and size from an image's header (and, for JPEG and PNG, whether the data is complete);
+    """The format and size from an image's header (and, for JPEG, PNG and GIF, whether the data is complete);
     None for data that is none of the formats lnn reads. Raises LnnInputError (without a file name) for a
-    JPEG over the scan or segment limits, and a PNM whose size the decoders read differently."""
+    JPEG over the scan or segment limits, a GIF over its block limit, and a PNM whose size the decoders read
+    differently."""
     try:
         if data[:3] == b"\xff\xd8\xff":
             return _jpeg_header(data)
@@ -399,7 +402,7 @@ def read_header(data: bytes) -> ImageHeader | None:
                 width, height = struct.unpack("<ii", data[18:26])
             return ImageHeader("BMP", abs(width), abs(height))   # negative height: stored top-down
         if data[:6] in (b"GIF87a", b"GIF89a"):
-            return ImageHeader("GIF", *struct.unpack("<HH", data[6:10]))
+            return _gif_header(data)
         if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
             return _webp_header(data)
         if data[:4] in (b"II*\x00", b"MM\x00*"):
@@ -555,6 +558,36 @@ def _webp_header(data: bytes) -> ImageHeader:
         width, height = struct.unpack("<HH", data[26:30])
         return ImageHeader("WebP", width & 0x3FFF, height & 0x3FFF)
     raise ValueError("unknown WebP chunk")
+
+
+def _gif_header(data: bytes) -> ImageHeader:
+    """A GIF's size: its logical screen's, grown to hold its first image (the image descriptor's left + width and
+    top + height), as Pillow grows it before decoding that image (lnn read the screen only, and a 15800x15800 image
+    under a 16x16 screen passed the limits; OpenCV refuses an image that overflows the screen). The blocks before the
+    image are walked as Pillow walks them: the global colour table, extensions (a label, then sub-blocks up to an
+    empty one), any other byte skipped; at most MAX_GIF_BLOCKS (LnnInputError). A GIF that ends before its first
+    image is truncated; one whose trailer comes first keeps the screen's size (no decoder finds an image in it)."""
+    width, height, flags = struct.unpack("<HHB", data[6:11])
+    position = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)     # after the global colour table
+    in_extension = False
+    for _ in range(limits.MAX_GIF_BLOCKS):
+        if position >= len(data):
+            return ImageHeader("GIF", width, height, complete=False)
+        block = data[position]
+        if in_extension:                               # a sub-block: its length, then its bytes; an empty one ends it
+            position += 1 + block
+            in_extension = block != 0
+        elif block == GIF_IMAGE:
+            left, top, image_width, image_height = struct.unpack("<4H", data[position + 1:position + 9])
+            return ImageHeader("GIF", max(width, left + image_width), max(height, top + image_height))
+        elif block == GIF_TRAILER:
+            return ImageHeader("GIF", width, height)
+        elif block == GIF_EXTENSION:                   # the introducer, then the extension's label
+            position += 2
+            in_extension = True
+        else:                                          # a stray byte
+            position += 1
+    raise LnnInputError(f"the GIF has more than {limits.MAX_GIF_BLOCKS:,} blocks before its first image (lnn's limit)")
 
 
 def _pnm_header(data: bytes) -> ImageHeader:

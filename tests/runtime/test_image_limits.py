@@ -5,6 +5,7 @@ here, small (a 33000 x 33000 PNG is a header and a few bytes of data)."""
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import subprocess
@@ -48,6 +49,16 @@ def no_decoding(*args):
     raise AssertionError("the decoder was called")
 
 
+def gif(screen: tuple, image: tuple, before_image: bytes = b"") -> bytes:
+    """A GIF's start: its logical screen (width, height) without a colour table, `before_image` (extensions), then
+    its first image's descriptor (left, top, width, height) and a few bytes of data."""
+    return (b"GIF89a" + struct.pack("<HHBBB", *screen, 0, 0, 0) + before_image + b"," + struct.pack("<4HB", *image, 0)
+            + bytes(64))
+
+
+GIF_EXTENSIONS = b"!\xff\x0bNETSCAPE2.0\x03\x01\x00\x00\x00" + b"!\xfe\x03,,,\x02;;\x00"   # a loop count, a comment
+
+
 def tiff(size_entries: list, rows: bytes = b"", before_ifd: bytes = b"") -> bytes:
     """A little-endian TIFF of one uncompressed strip of 8-bit grey `rows`, its first IFD holding `size_entries`
     ((tag, type, count, value): its width and height as the test writes them) and the tags a decoder needs;
@@ -68,7 +79,8 @@ BOMBS = {
     "png_30000": (png_claiming(30000, 30000), "30000x30000 = 900,000,000 pixels"),
     "jpeg_65000": (with_jpeg_size(jpeg(), 65000, 65000), "65000x65000 = 4,225,000,000 pixels"),
     "bmp": (b"BM" + bytes(12) + struct.pack("<Iii", 40, 40000, -40000) + bytes(64), "40000x40000"),
-    "gif": (b"GIF89a" + struct.pack("<HH", 65535, 65535) + bytes(64), "65535x65535"),
+    "gif": (gif((65535, 65535), (0, 0, 16, 16)), "65535x65535"),
+    "gif_image_over_its_screen": (gif((16, 16), (30000, 30000, 20000, 20000), GIF_EXTENSIONS), "50000x50000"),
     "webp": (b"RIFF" + bytes(4) + b"WEBPVP8X" + bytes(8) + (16383).to_bytes(3, "little") * 2 + bytes(32),
              "16384x16384 = 268,435,456 pixels"),
     "tiff": (b"II*\x00" + struct.pack("<IH", 8, 2) + struct.pack("<HHII", 256, 4, 1, 100000)
@@ -129,6 +141,29 @@ def test_a_pnm_header_is_read_as_both_decoders_read_it_or_refused(library, monke
     cut = b"P4" + b" " * (preprocess.PNM_HEADER_BYTES - 10) + b"40000 40000\n" + bytes(64)    # 40000 40|000
     with pytest.raises(LnnInputError, match="^<bytes>: not an image lnn can read"):
         preprocess.read_image(cut)
+
+
+def test_a_gif_is_as_large_as_its_first_image_where_that_overflows_its_screen(library):
+    """Pillow decodes a GIF at its screen's size grown to hold the first image (OpenCV refuses such a file)."""
+    from PIL import Image
+
+    encoded = io.BytesIO()
+    Image.new("P", (60, 40), 0).save(encoded, "GIF")
+    data = bytearray(encoded.getvalue())
+    data[6:10] = struct.pack("<HH", 16, 16)                          # the screen patched smaller than its image
+    header = preprocess.read_header(bytes(data))
+    assert (header.width, header.height) == (60, 40)
+    decoded = preprocess._decode(bytes(data), header, [])
+    assert decoded is None if library == "opencv" else decoded.shape[:2] == (40, 60)
+
+
+def test_a_gif_without_an_image_is_truncated_and_one_over_the_block_limit_refused(library, monkeypatch):
+    monkeypatch.setattr(preprocess, "_decode", no_decoding)
+    with pytest.raises(LnnInputError, match="^<bytes>: the image is truncated"):
+        preprocess.read_image(gif((16, 16), (0, 0, 16, 16), GIF_EXTENSIONS)[:13 + len(GIF_EXTENSIONS)])
+    many_sub_blocks = b"!\xfe" + b"\x01x" * limits.MAX_GIF_BLOCKS + b"\x00"
+    with pytest.raises(LnnInputError, match=f"^<bytes>: the GIF has more than {limits.MAX_GIF_BLOCKS:,} blocks "):
+        preprocess.read_image(gif((16, 16), (0, 0, 16, 16), many_sub_blocks))
 
 
 def test_a_big_png_that_cannot_be_decoded_reduced_is_refused_over_the_decoding_limit(library, monkeypatch):
