@@ -108,6 +108,11 @@ MAX_JPEG_SEGMENTS = 2000
 # up to 255 bytes); 100,000 take about 10 ms, where a 256 MiB file of 2-byte sub-blocks would take 15 s.
 MAX_GIF_BLOCKS = 100_000
 
+# Chunks walked in one PNG (its pixel chunks checked against their CRCs before decoding): libpng writes its image
+# data in chunks of 8 KB, Pillow in 64 KB ones, so a PNG at MAX_IMAGE_FILE_BYTES has about 33,000; an animated one a
+# few more a frame. 100,000 take about 0.15 s and 20 MB, where 22 M empty chunks in 256 MiB would take 40 s and 6 GB.
+MAX_PNG_CHUNKS = 100_000
+
 
 def refusal(what: str, value: int, limit: int, limit_name: str, unit: str = "") -> str | None:
     """None when `value` is within `limit`; otherwise the one-line reason, e.g.

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from hostile_images import png_claiming, with_jpeg_size
+from hostile_images import png_chunk, png_claiming, with_jpeg_size
 from lnn.formats import limits
 from lnn.formats.errors import LnnInputError
 from lnn.runtime import preprocess
@@ -270,6 +270,17 @@ def test_a_jpeg_over_the_scan_or_segment_limits_is_refused(library):
     many_segments = b"\xff\xd8" + b"\xff\xfe\x00\x02" * (limits.MAX_JPEG_SEGMENTS + 1) + jpeg()[2:]
     with pytest.raises(LnnInputError, match=f"more than {limits.MAX_JPEG_SEGMENTS} segments"):
         preprocess.read_image(many_segments)
+
+
+def test_a_png_over_the_chunk_limit_is_refused(library, monkeypatch):
+    """Each chunk a PNG's pixel chunks keep is held until they are joined: 8 M empty IDAT chunks took 2.5 GB."""
+    monkeypatch.setattr(limits, "MAX_PNG_CHUNKS", 20)
+    encoded = cv2.imencode(".png", photo(16, 16))[1].tobytes()
+    idat_end = encoded.index(b"IEND") - 4
+    with_empty_idats = encoded[:idat_end] + png_chunk(b"IDAT", b"") * (20 - 3) + encoded[idat_end:]   # 20 in all
+    assert preprocess.read_image(with_empty_idats).shape == (16, 16, 3)
+    with pytest.raises(LnnInputError, match="^<bytes>: the PNG has more than 20 chunks \\(lnn's limit\\)$"):
+        preprocess.read_image(with_empty_idats[:idat_end] + png_chunk(b"IDAT", b"") + with_empty_idats[idat_end:])
 
 
 def finishes(function, seconds=10.0):
