@@ -35,8 +35,7 @@ from lnn.formats.errors import LnnFormatError, LnnInputError, ModelSpecError
 from lnn.formats.files import regular_file
 from lnn.formats.gate import TENSOR_PREFIX, check_gate_metadata, check_gate_tensor_shapes, gate_tensor_shapes
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
-from lnn.formats.model import (Model, finite_json_float, json_nesting_depth, parse_model, reject_json_constant,
-                               size_refusals, surrogate_problem)
+from lnn.formats.model import Model, json_nesting_depth, loads_json, parse_model, size_refusals, surrogate_problem
 from lnn.formats.ops import get_op
 from lnn.formats.quantize import QMAX, dequantize, quantize_per_channel, scale_key
 from lnn.formats.vectors import INPUTS, OUTPUTS, TENSOR_PREFIX as VECTOR_PREFIX, check_vectors_metadata, vector_tensor_shapes
@@ -565,7 +564,7 @@ def _read_json(buf, offset: int, size: int, what: str) -> tuple:
         raise LnnFormatError(f"{what} is {size} bytes, over the limit of {MAX_JSON_BYTES}")
     raw = bytes(buf[offset:offset + size])
     try:                                                                             # rule 20
-        value = json.loads(raw.decode("utf-8"), parse_constant=reject_json_constant, parse_float=finite_json_float)
+        value = loads_json(raw.decode("utf-8"))
     except RecursionError:
         raise LnnFormatError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (UnicodeDecodeError, ValueError) as err:

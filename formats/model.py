@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,7 +180,7 @@ def parse_json_text(text: str, what: str):
         raise ModelSpecError(f"{what}: nests deeper than {MAX_JSON_DEPTH} levels "
                              f"(MAX_JSON_DEPTH in lnn/formats/limits.py)")
     try:
-        value = json.loads(text, parse_constant=reject_json_constant, parse_float=finite_json_float)
+        value = loads_json(text)
     except json.JSONDecodeError as err:
         raise ModelSpecError(f"{what}: not valid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
     except ValueError as err:
@@ -200,6 +201,13 @@ def json_nesting_depth(raw: bytes) -> int:
     brackets = np.frombuffer(JSON_STRING.sub(b"", raw).translate(None, NOT_BRACKETS), np.uint8)
     steps = np.where((brackets == ord("[")) | (brackets == ord("{")), np.int8(1), np.int8(-1))
     return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
+
+
+def loads_json(text: str):
+    """json.loads with lnn's rules for numbers: finite, and within a float's range, integers included (lnn computes
+    with every number as a float). A JSONDecodeError or a ValueError naming the number; the caller names the file."""
+    return json.loads(text, parse_constant=reject_json_constant, parse_float=finite_json_float,
+                      parse_int=float_sized_json_int)
 
 
 def reject_json_constant(name: str):
@@ -229,6 +237,18 @@ def finite_json_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"number {text} is out of range; write a finite number")
+    return value
+
+
+def float_sized_json_int(text: str) -> int:
+    """json.loads' parse_int: JSON integers may have any number of digits, but one beyond a float's range
+    (10**400) would fail float() or math.isfinite() with an OverflowError wherever it is checked, so it is
+    refused here as 1e999 is. Text longer than -sys.float_info.max written out (310 characters) is beyond it
+    without being converted."""
+    value = int(text) if len(text) <= 310 else None
+    if value is None or abs(value) > sys.float_info.max:
+        shown = text if len(text) <= 24 else f"{text[:20]}... ({len(text.lstrip('-'))} digits)"
+        raise ValueError(f"integer {shown} is out of range; write a finite number")
     return value
 
 

@@ -413,6 +413,8 @@ RULE_CASES = {
          ("not utf-8", patched(make=with_meta(lambda m: b'{"a":"\xff"}')), r"metadata JSON is not valid UTF-8 JSON"),
          ("NaN", patched(make=with_meta(lambda m: b'{"a":NaN}')), r"metadata JSON is not valid .*NaN is not a JSON number"),
          ("overflow", patched(make=with_meta(lambda m: b'{"a":1e999}')), r"metadata JSON is not valid .*out of range"),
+         ("integer overflow", patched(make=with_meta(lambda m: m["preprocess"].update(scale=10 ** 400) or m)),
+          r"metadata JSON is not valid UTF-8 JSON \(integer 10000000000000000000\.\.\. \(401 digits\) is out of range"),
          ("lone surrogate", patched(make=with_meta(lambda m: canonical(m)[:-1] + b',"zz":"\\ud800"}')),
           r"metadata JSON is not valid UTF-8 JSON \(a lone UTF-16 surrogate \\ud800 in a string\)$")],
     21: [("depth 65", patched(make=with_graph(deep(65))), r"graph JSON nests deeper than 64 levels"),

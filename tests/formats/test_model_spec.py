@@ -5,6 +5,7 @@ and parameter / FLOP / element-wise counts of the reference models checked again
 import copy
 import json
 import random
+import sys
 
 import pytest
 
@@ -236,6 +237,22 @@ def test_nan_in_a_json_file_is_refused(tmp_path):
     path.write_text('{"input_shape": [4], "layers": [{"type": "batchnorm", "eps": NaN}]}')
     with pytest.raises(ModelSpecError, match=r"nan.json: not valid JSON: NaN is not a JSON number"):
         load_description(path)
+
+
+def test_an_integer_beyond_a_float_in_a_json_file_is_refused_like_1e999(tmp_path):
+    """JSON integers may have any number of digits; one a float cannot hold made float() raise OverflowError
+    wherever a number field was checked (lr here; preprocess scale, batchnorm eps and the like alike)."""
+    path = tmp_path / "huge.json"
+    for number, shown in [("1" + "0" * 400, "10000000000000000000... (401 digits)"),
+                          ("-" + "9" * 309, "-9999999999999999999... (309 digits)")]:
+        path.write_text('{"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}], '
+                        f'"optimizer": {{"type": "sgd", "lr": {number}}}}}')
+        with pytest.raises(ModelSpecError) as info:
+            load_description(path)
+        assert str(info.value) == f"{path}: not valid JSON: integer {shown} is out of range; write a finite number"
+    largest = int(sys.float_info.max)                    # the largest float, written out in full: still read
+    path.write_text(f'{{"seed": {largest}}}')
+    assert load_description(path)["seed"] == largest
 
 
 def test_a_lone_surrogate_escape_in_a_json_file_is_refused_as_text(tmp_path):
