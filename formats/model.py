@@ -31,7 +31,7 @@ from lnn.formats import limits
 from lnn.formats.errors import ModelSpecError
 from lnn.formats.files import read_regular_file
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, refusal
-from lnn.formats.ops import REQUIRED, SpecProblem, get_op, normalize_activation
+from lnn.formats.ops import REQUIRED, SpecProblem, float32_number, get_op, normalize_activation
 
 TOP_LEVEL_FIELDS = {"name", "description", "input_shape", "layers", "loss", "optimizer", "preprocess",
                     "labels", "training", "model_card"}
@@ -389,19 +389,23 @@ def _parse_preprocess(value, input_shape: tuple) -> dict | None:
     if resize != [height, width]:
         raise ModelSpecError(f"preprocess: resize must equal the input size [{height}, {width}], got {resize!r}")
     scale = value.get("scale", 1 / 255)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
-        raise ModelSpecError(f"preprocess: scale must be a positive number, not {scale!r}")
+    if not float32_number(scale, positive=True):
+        raise ModelSpecError(f"preprocess: scale must be a positive number that float32 holds, not {scale!r}")
     out = {"color": color, "resize": [height, width], "scale": float(scale), "layout": "NCHW"}
     for key, default in (("mean", 0.0), ("std", 1.0)):
-        numbers = value.get(key, [default] * channels)
-        if not isinstance(numbers, list) or len(numbers) != channels or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
-            raise ModelSpecError(f"preprocess: {key} must be a list of {channels} number{'s' if channels > 1 else ''} "
-                                 f"(one per channel), got {numbers!r}")
-        if key == "std" and min(numbers) <= 0:
-            raise ModelSpecError(f"preprocess: std values must be positive, got {numbers!r}")
-        out[key] = [float(v) for v in numbers]
+        out[key] = _standardization(key, value.get(key, [default] * channels), channels, "one per channel")
     return out
+
+
+def _standardization(key: str, numbers, count: int, each: str) -> list:
+    """A preprocessing's mean or std (images, series and tables alike): `count` numbers that float32, which the
+    model computes in, holds; every std positive in float32 too (1e-320 is 0 there)."""
+    if not isinstance(numbers, list) or len(numbers) != count or not all(float32_number(v) for v in numbers):
+        raise ModelSpecError(f"preprocess: {key} must be a list of {count} number{'s' if count > 1 else ''} that "
+                             f"float32 holds ({each}), got {numbers!r}")
+    if key == "std" and not all(float32_number(v, positive=True) for v in numbers):
+        raise ModelSpecError(f"preprocess: std values must be positive, in float32 too, got {numbers!r}")
+    return [float(v) for v in numbers]
 
 
 SERIES_PREPROCESS = {"kind": "series", "length": "T", "resample": '"linear" | "pad_mean"', "mean": "[C]", "std": "[C]"}
@@ -438,13 +442,7 @@ def _parse_standardize(value, input_shape: tuple) -> dict:
             raise ModelSpecError(f"preprocess: columns must be {count} distinct non-empty names, got {columns!r}")
         out["columns"] = list(columns)
     for key in ("mean", "std"):
-        numbers = value[key]
-        if not isinstance(numbers, list) or len(numbers) != count or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers):
-            raise ModelSpecError(f"preprocess: {key} must be a list of {count} finite numbers, got {numbers!r}")
-        if key == "std" and min(numbers) <= 0:
-            raise ModelSpecError(f"preprocess: std values must be positive, got {numbers!r}")
-        out[key] = [float(v) for v in numbers]
+        out[key] = _standardization(key, value[key], count, "one per channel" if series else "one per column")
     return out
 
 

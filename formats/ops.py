@@ -123,6 +123,18 @@ def activation_ops(activation: dict | None) -> int:
 
 # --------------------------------------------------------------------------- attribute helpers
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)     # models compute in float32
+
+
+def float32_number(value, positive: bool = False) -> bool:
+    """Whether `value` is a number (true and false are not) that float32, which models compute in, holds: not NaN,
+    an infinity or beyond ±FLOAT32_MAX (compared, never converted, so an integer of any length is refused, not an
+    OverflowError). `positive`: above zero in float32 too, where 1e-320 is 0 (a division by zero)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not -FLOAT32_MAX <= value <= FLOAT32_MAX:
+        return False
+    return not positive or np.float32(value) > 0
+
+
 def _pair(field: str, value, minimum: int) -> tuple[int, int]:
     if isinstance(value, bool):
         raise SpecProblem(field, f"{field} must be an integer or a pair of integers, not {value!r}")

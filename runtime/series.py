@@ -35,11 +35,11 @@ import numpy as np
 from lnn.formats.errors import LnnInputError
 from lnn.formats.files import read_regular_file
 from lnn.formats.limits import MAX_DATA_FILE_BYTES, MAX_INPUT_ELEMENTS
+from lnn.formats.ops import FLOAT32_MAX
 
 SERIES_SUFFIXES = (".ts", ".tsv", ".arff")
 TABLE_SUFFIXES = (".csv",)
 MISSING = ("?", "nan", "NaN", "NAN", "")
-FLOAT32_MAX = float(np.finfo(np.float32).max)     # the model computes in float32
 FLOAT32_RANGE = (-FLOAT32_MAX, FLOAT32_MAX)
 
 

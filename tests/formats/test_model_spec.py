@@ -199,8 +199,8 @@ def test_the_issue_example_error_exactly():
     (lambda d: d.update(labels=["a", "b"]), "labels: 2 given, but the last layer outputs 10 values"),
     (lambda d: d.update(labels=["a"] * 10), "labels: names must be unique"),
     (lambda d: d["preprocess"].update(mean=[0.1, 0.2, 0.3]),
-     "preprocess: mean must be a list of 1 number (one per channel), got [0.1, 0.2, 0.3]"),
-    (lambda d: d["preprocess"].update(std=[0.0]), "preprocess: std values must be positive, got [0.0]"),
+     "preprocess: mean must be a list of 1 number that float32 holds (one per channel), got [0.1, 0.2, 0.3]"),
+    (lambda d: d["preprocess"].update(std=[0.0]), "preprocess: std values must be positive, in float32 too, got [0.0]"),
     (lambda d: d["preprocess"].update(color="rgb"), "preprocess: color 'rgb' does not fit 1 input channel(s)"),
     (lambda d: d["layers"][2].update(name="conv1"), "layer 2 (conv2d): name 'conv1' is used by an earlier layer"),
     (lambda d: d["layers"].pop(4), "layer 4 (linear): needs a flat input, got shape [64, 7, 7]; add a flatten layer before it"),
@@ -216,6 +216,28 @@ def test_the_issue_example_error_exactly():
 def test_a_wrong_description_names_layer_field_and_expected_value(change, expected):
     message = mnist_cnn_with(change)
     assert message.startswith(expected), message
+
+
+def image_description(**preprocess) -> dict:
+    return {"input_shape": [3, 4, 4], "layers": [{"type": "flatten"}, {"type": "linear", "out_features": 2}],
+            "preprocess": {"color": "rgb", **preprocess}}
+
+
+@pytest.mark.parametrize("preprocess, expected", [
+    ({"std": [0.25, 1e-320, 0.25]}, "preprocess: std values must be positive, in float32 too, got [0.25, 1e-320, 0.25]"),
+    ({"std": [1e39, 1, 1]}, "preprocess: std must be a list of 3 numbers that float32 holds (one per channel)"),
+    ({"mean": [1e308, -1e308, 1e308]}, "preprocess: mean must be a list of 3 numbers that float32 holds (one per channel)"),
+    ({"mean": [10 ** 300, 0, 0]}, "preprocess: mean must be a list of 3 numbers that float32 holds (one per channel)"),
+    ({"scale": 1e300}, "preprocess: scale must be a positive number that float32 holds, not 1e+300"),
+    ({"scale": 1e-320}, "preprocess: scale must be a positive number that float32 holds, not 1e-320"),
+], ids=["std 0 in float32", "std beyond", "mean beyond", "integer mean beyond", "scale beyond", "scale 0 in float32"])
+def test_image_preprocessing_is_held_to_float32_as_series_and_tables_are(preprocess, expected):
+    """The model computes (pixel * scale - mean) / std in float32: a std of 1e-320 is 0 there (every input became
+    infinite and no photo was answered), a mean of 1e308 infinite."""
+    assert spec_error(image_description(**preprocess)).startswith(expected)
+    table = {"input_shape": [2], "layers": [{"type": "linear", "out_features": 2}],
+             "preprocess": {"kind": "table", "columns": ["a", "b"], "mean": [0.0, 0.0], "std": [1.0, 1e-320]}}
+    assert spec_error(table).startswith("preprocess: std values must be positive, in float32 too")
 
 
 def test_bad_json_file_reports_line_and_column(tmp_path):

@@ -274,7 +274,7 @@ def test_a_series_model_without_preprocessing_stays_valid():
     ({"length": 9}, "length must be the input length 8"),
     ({"resample": "nearest"}, "resample must be"),
     ({"std": [1.0, 0.0]}, "std values must be positive"),
-    ({"mean": [1.0]}, "mean must be a list of 2 finite numbers"),
+    ({"mean": [1.0]}, "mean must be a list of 2 numbers that float32 holds"),
     ({"kind": "table"}, "a series model's preprocessing is"),
     ({"color": "rgb"}, "a series model's preprocessing is"),
 ])
