@@ -105,8 +105,8 @@ def normalize_activation(value) -> dict | None:
     out = {"type": kind}
     for key, default in defaults.items():
         number = value.get(key, default)
-        if isinstance(number, bool) or not isinstance(number, (int, float)):
-            raise SpecProblem("activation", f"activation {kind}: {key} must be a number, not {number!r}")
+        if not float32_number(number):
+            raise SpecProblem("activation", f"activation {kind}: {key} must be a number that float32 holds, not {number!r}")
         out[key] = float(number)
     return out
 
@@ -158,6 +158,12 @@ def _flag(field: str, value) -> bool:
     if not isinstance(value, bool):
         raise SpecProblem(field, f"{field} must be true or false, not {value!r}")
     return value
+
+
+def _positive_float32(field: str, value) -> float:
+    if not float32_number(value, positive=True):
+        raise SpecProblem(field, f"{field} must be a positive number that float32 holds, not {value!r}")
+    return float(value)
 
 
 def _probability(field: str, value) -> float:
@@ -890,9 +896,7 @@ class BatchNorm(Op):
         if attrs["num_features"] is not None and attrs["num_features"] != c:
             raise SpecProblem("num_features", f"num_features is {c} from the previous layer, not {attrs['num_features']}")
         out["num_features"] = c
-        if isinstance(attrs["eps"], bool) or not isinstance(attrs["eps"], (int, float)) or attrs["eps"] <= 0:
-            raise SpecProblem("eps", f"eps must be a positive number, not {attrs['eps']!r}")
-        out["eps"] = float(attrs["eps"])
+        out["eps"] = _positive_float32("eps", attrs["eps"])
         out["momentum"] = _probability("momentum", attrs["momentum"])
         return out
 
@@ -962,9 +966,7 @@ class LayerNorm(Op):
             raise SpecProblem("normalized_shape", f"normalized_shape {list(shape)} must be the last dimensions of "
                                                   f"the input {list(in_shape)}")
         out["normalized_shape"] = tuple(shape)
-        if isinstance(attrs["eps"], bool) or not isinstance(attrs["eps"], (int, float)) or attrs["eps"] <= 0:
-            raise SpecProblem("eps", f"eps must be a positive number, not {attrs['eps']!r}")
-        out["eps"] = float(attrs["eps"])
+        out["eps"] = _positive_float32("eps", attrs["eps"])
         out["elementwise_affine"] = _flag("elementwise_affine", attrs["elementwise_affine"])
         out["bias"] = _flag("bias", attrs["bias"]) and out["elementwise_affine"]
         return out

@@ -128,6 +128,20 @@ def test_batchnorm_dropout_and_activation_layers_keep_the_shape():
     assert model.param_shapes() == {f"bn.{p}": (5,) for p in ("weight", "bias", "running_mean", "running_var")}
 
 
+@pytest.mark.parametrize("layer, expected", [
+    ({"type": "batchnorm", "eps": float("nan")}, "layer 0 (batchnorm): eps must be a positive number that float32 holds, not nan"),
+    ({"type": "batchnorm", "eps": 1e39}, "layer 0 (batchnorm): eps must be a positive number that float32 holds, not 1e+39"),
+    ({"type": "layernorm", "eps": 1e-320}, "layer 0 (layernorm): eps must be a positive number that float32 holds, not 1e-320"),
+    ({"type": "leaky_relu", "negative_slope": float("inf")},
+     "layer 0 (leaky_relu): activation leaky_relu: negative_slope must be a number that float32 holds, not inf"),
+    ({"type": "linear", "out_features": 2, "activation": {"type": "leaky_relu", "negative_slope": -1e39}},
+     "layer 0 (linear): activation leaky_relu: negative_slope must be a number that float32 holds, not -1e+39"),
+], ids=["eps nan", "eps beyond", "eps 0 in float32", "slope inf", "slope beyond"])
+def test_float_attributes_are_numbers_float32_holds(layer, expected):
+    """NaN passed `eps <= 0` and any slope was taken; such a model could not be written (JSON has no NaN) or computed."""
+    assert spec_error({"input_shape": [4], "layers": [layer]}) == expected
+
+
 def test_linear_and_in_features_in_channels_num_features_checked_when_given():
     assert shapes([6], {"type": "dense", "out_features": 3, "in_features": 6}) == [(3,)]
     assert shapes([2, 5, 5], {"type": "conv2d", "in_channels": 2, "out_channels": 3, "kernel_size": 1}) == [(3, 5, 5)]
@@ -194,7 +208,7 @@ def test_the_issue_example_error_exactly():
     (lambda d: d["layers"][0].update(activation="gelu"),
      "layer 0 (conv2d): activation: unknown activation 'gelu'; known: leaky_relu, relu, relu6, sigmoid, softmax, tanh"),
     (lambda d: d["layers"][0].update(activation={"type": "leaky_relu", "negative_slope": "big"}),
-     "layer 0 (conv2d): activation leaky_relu: negative_slope must be a number, not 'big'"),
+     "layer 0 (conv2d): activation leaky_relu: negative_slope must be a number that float32 holds, not 'big'"),
     (lambda d: d["layers"][0].update(bias="false"), "layer 0 (conv2d): bias must be true or false, not 'false'"),
     (lambda d: d.update(labels=["a", "b"]), "labels: 2 given, but the last layer outputs 10 values"),
     (lambda d: d.update(labels=["a"] * 10), "labels: names must be unique"),

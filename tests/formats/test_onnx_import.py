@@ -185,6 +185,28 @@ def test_unsupported_attributes_name_the_node(node, inits, fragment):
     assert fragment in message
 
 
+BN_PARAMS = [tensor(name, np.ones(2)) for name in ("scale", "bias", "mean", "var")]
+
+
+@pytest.mark.parametrize("node, inits, fragment", [
+    (helper.make_node("LeakyRelu", ["x"], ["y"], name="l", alpha=float("inf")), [],
+     "negative_slope must be a number that float32 holds, not inf"),
+    (helper.make_node("LeakyRelu", ["x"], ["y"], name="l", alpha=1e39), [],       # stored as float32: inf
+     "negative_slope must be a number that float32 holds, not inf"),
+    (helper.make_node("LeakyRelu", ["x"], ["y"], name="l", alpha=float("nan")), [],
+     "negative_slope must be a number that float32 holds, not nan"),
+    (helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y"], name="bn",
+                      epsilon=float("nan")), BN_PARAMS, "eps must be a positive number that float32 holds, not nan"),
+    (helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y"], name="bn",
+                      epsilon=float("inf")), BN_PARAMS, "eps must be a positive number that float32 holds, not inf"),
+], ids=["alpha inf", "alpha 1e39", "alpha nan", "epsilon nan", "epsilon inf"])
+def test_float_attributes_float32_cannot_hold_name_the_node(node, inits, fragment):
+    """They were taken as they were and made write_bin's JSON fail with a traceback (NaN slipped past eps <= 0);
+    the description's own check refuses them, named after the node."""
+    message = refusal([node], inits)
+    assert message.startswith(f'node 0 "{node.name}" ({node.op_type}): layer 0 ') and message.endswith(fragment)
+
+
 def test_gemm_transposed_input_and_row_dependent_bias_are_refused():
     w = tensor("w", np.ones((6, 3)))
     assert "transA=1" in refusal([helper.make_node("Gemm", ["x", "w"], ["y"], name="g", transA=1)], [w], (6,))
