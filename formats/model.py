@@ -496,10 +496,25 @@ def _parse_optimizer(value) -> dict:
     out = {"type": value["type"]}
     for key, default in defaults.items():
         given = value.get(key, default)
-        if not isinstance(given, type(default)) and not (isinstance(default, float) and isinstance(given, int)
-                                                          and not isinstance(given, bool)):
-            raise ModelSpecError(f"optimizer ({value['type']}): {key} must be like {default!r}, not {given!r}")
+        rule, holds = OPTIMIZER_RULES[key]
+        if not holds(given):
+            raise ModelSpecError(f"optimizer ({value['type']}): {key} must be {rule}, not {given!r}")
         out[key] = float(given) if isinstance(default, float) else given
-    if out["lr"] <= 0:
-        raise ModelSpecError(f"optimizer ({value['type']}): lr must be positive, not {out['lr']}")
     return out
+
+
+def _decay_rate(value) -> bool:
+    return float32_number(value) and 0 <= value < 1
+
+
+# Each hyper-parameter's rule as (words, test), checked before training starts: the optimizers of lnn/train/optim.py
+# take them as they are (betas [] failed at the first step; momentum -5 or betas [5, 5] were trained with).
+OPTIMIZER_RULES = {
+    "lr": ("a positive number that float32 holds", lambda v: float32_number(v, positive=True)),
+    "momentum": ("a number in [0, 1)", _decay_rate),
+    "nesterov": ("true or false", lambda v: isinstance(v, bool)),
+    "weight_decay": ("a number >= 0 that float32 holds", lambda v: float32_number(v) and v >= 0),
+    "betas": ("two numbers in [0, 1), such as [0.9, 0.999]",
+              lambda v: isinstance(v, list) and len(v) == 2 and all(_decay_rate(beta) for beta in v)),
+    "eps": ("a positive number that float32 holds", lambda v: float32_number(v, positive=True)),
+}

@@ -220,7 +220,8 @@ def test_the_issue_example_error_exactly():
     (lambda d: d["layers"].pop(4), "layer 4 (linear): needs a flat input, got shape [64, 7, 7]; add a flatten layer before it"),
     (lambda d: d.update(input_shape=[1, 28, 28, 1, 1]), "input_shape must be a list of 1 to 4 positive integers"),
     (lambda d: d.update(optimizer={"type": ["sgd"]}), "optimizer must be an object whose type is one of sgd, adam, adamw"),
-    (lambda d: d.update(optimizer={"type": "sgd", "lr": 0}), "optimizer (sgd): lr must be positive, not 0.0"),
+    (lambda d: d.update(optimizer={"type": "sgd", "lr": 0}),
+     "optimizer (sgd): lr must be a positive number that float32 holds, not 0"),
     (lambda d: d.update(loss="hinge"), "loss must be one of cross_entropy, mse, not 'hinge'"),
     (lambda d: d["layers"].insert(4, {"type": "softmax"}), "layer 4 (softmax): softmax needs a flat [K] input, got shape [64, 7, 7]"),
 ], ids=["unknown type", "unknown field", "unknown top-level", "missing field", "kernel does not fit", "groups",
@@ -252,6 +253,26 @@ def test_image_preprocessing_is_held_to_float32_as_series_and_tables_are(preproc
     table = {"input_shape": [2], "layers": [{"type": "linear", "out_features": 2}],
              "preprocess": {"kind": "table", "columns": ["a", "b"], "mean": [0.0, 0.0], "std": [1.0, 1e-320]}}
     assert spec_error(table).startswith("preprocess: std values must be positive, in float32 too")
+
+
+@pytest.mark.parametrize("optimizer, expected", [
+    ({"type": "adam", "betas": []}, "betas must be two numbers in [0, 1), such as [0.9, 0.999], not []"),
+    ({"type": "adam", "betas": ["a", None, 3]}, "betas must be two numbers in [0, 1), such as [0.9, 0.999], not ['a', None, 3]"),
+    ({"type": "adamw", "betas": [5, 5]}, "betas must be two numbers in [0, 1), such as [0.9, 0.999], not [5, 5]"),
+    ({"type": "adam", "betas": [0.9, 1]}, "betas must be two numbers in [0, 1), such as [0.9, 0.999], not [0.9, 1]"),
+    ({"type": "sgd", "momentum": -5}, "momentum must be a number in [0, 1), not -5"),
+    ({"type": "sgd", "nesterov": 1}, "nesterov must be true or false, not 1"),
+    ({"type": "adam", "eps": 0}, "eps must be a positive number that float32 holds, not 0"),
+    ({"type": "adam", "eps": float("nan")}, "eps must be a positive number that float32 holds, not nan"),
+    ({"type": "adamw", "weight_decay": -1e30}, "weight_decay must be a number >= 0 that float32 holds, not -1e+30"),
+    ({"type": "sgd", "lr": 1e300}, "lr must be a positive number that float32 holds, not 1e+300"),
+], ids=["betas empty", "betas not numbers", "betas 5", "beta 1", "momentum negative", "nesterov not bool", "eps 0",
+        "eps nan", "weight decay negative", "lr beyond"])
+def test_optimizer_settings_are_checked_before_training(optimizer, expected):
+    """The optimizers take them as they are: betas [] failed mid-run with a ValueError traceback, momentum -5 and
+    betas [5, 5] trained on without a word."""
+    message = spec_error({"input_shape": [4], "layers": [{"type": "linear", "out_features": 2}], "optimizer": optimizer})
+    assert message == f"optimizer ({optimizer['type']}): {expected}"
 
 
 def test_bad_json_file_reports_line_and_column(tmp_path):

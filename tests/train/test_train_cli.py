@@ -285,6 +285,22 @@ def test_a_batch_larger_than_the_data_is_cut_to_it_and_said_so(tmp_path, monkeyp
     assert "batch 6 x 1 accumulated" in out
 
 
+def test_wrong_optimizer_settings_are_refused_before_training_starts(tmp_path, monkeypatch, capsys):
+    """Adam's betas [] passed the description's check and failed at the first step with a ValueError traceback."""
+    from lnn.tools.train import main
+
+    monkeypatch.setenv("LNN_CACHE_DIR", str(tmp_path / "cache"))
+    folder = colour_photos(tmp_path / "photos")
+    for optimizer in ({"type": "adam", "betas": []}, {"type": "sgd", "momentum": -5}):
+        (tmp_path / "m.json").write_text(json.dumps({**COLOUR_MODEL, "optimizer": optimizer}))
+        code = main([str(tmp_path / "m.json"), "--data", f"folder:{folder}", "--out", str(tmp_path / "run"),
+                     "--epochs", "1", "--device", "numpy", "--quiet", "--no-augment"])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 1 and len(lines) == 1, lines
+        assert lines[0].startswith("lnn-train: error: ") and f"optimizer ({optimizer['type']}): " in lines[0]
+        assert not (tmp_path / "run").exists()
+
+
 def test_a_plan_bigger_than_the_free_memory_is_refused_before_allocating(tmp_path, monkeypatch, capsys):
     from lnn.formats.errors import LnnError
     from lnn.formats.model import parse_model
