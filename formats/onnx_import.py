@@ -24,6 +24,7 @@ import numpy as np
 
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.formats.files import regular_file
+from lnn.formats.limits import MAX_PARAMETERS, refusal
 from lnn.formats.model import Model, parse_json_text, parse_model, size_refusals
 from lnn.formats.onnx_export import METADATA_KEYS, require_onnx
 from lnn.formats.ops import OPS, get_op
@@ -209,12 +210,56 @@ def load_onnx(path):
     if head.startswith(b"\x89LNN"):
         raise LnnInputError(f"{path}: is an lnn .bin model already, not an ONNX file")
     try:
-        proto = onnx.load(str(path))
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as err:   # protobuf DecodeError and the like: a bad file
+        raise _invalid(path, err) from None
+    _check_declared_sizes(proto, path)
+    try:
+        onnx.load_external_data_for_model(proto, str(path.parent))
         onnx.checker.check_model(proto)
-    except Exception as err:   # protobuf DecodeError, onnx ValidationError, missing external data: all "bad file"
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise OnnxImportError(f"{path}: not a valid ONNX model ({first_line})") from None
+    except Exception as err:   # missing or short external data, onnx ValidationError: a bad file
+        raise _invalid(path, err) from None
     return proto
+
+
+def _invalid(path: Path, err: Exception) -> OnnxImportError:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return OnnxImportError(f"{path}: not a valid ONNX model ({first_line})")
+
+
+def _check_declared_sizes(proto, path: Path) -> None:
+    """Before any external data is read (a 186-byte file can point at a 4 GiB one): the values the stored tensors
+    declare by their dims within MAX_PARAMETERS, and each tensor kept in an external file stating the length its
+    dims make (without one, onnx reads the file to its end)."""
+    onnx = require_onnx()
+    tensors = list(_stored_tensors(proto.graph))
+    too_many = refusal("the number of values its tensors declare", sum(math.prod(t.dims) for t in tensors),
+                       MAX_PARAMETERS, "MAX_PARAMETERS")
+    if too_many:
+        raise OnnxImportError(f"{path}: {too_many}")
+    for tensor in tensors:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        stated = {entry.key: entry.value for entry in tensor.external_data}.get("length")
+        try:
+            size = math.prod(tensor.dims) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+        except KeyError:           # an unknown element type: no size to expect
+            size = None
+        if size is None or stated != str(size):
+            raise OnnxImportError(f'{path}: tensor "{tensor.name}" keeps its data in an external file, whose length '
+                                  f"must be stated and be that of its dims {list(tensor.dims)}, not {stated or 'unstated'}")
+
+
+def _stored_tensors(graph):
+    """Every tensor a graph stores: its initializers and its nodes' tensor attributes, in subgraphs too."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _stored_tensors(subgraph)
 
 
 def _graph_input(graph, consts: dict, onnx) -> tuple:

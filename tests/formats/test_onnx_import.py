@@ -242,6 +242,41 @@ def test_sizes_over_the_limits_are_refused_as_the_description_parser_does():
     assert message.startswith('node 0 "c" (Conv): ') and "MAX_ACTIVATION_BYTES" in message
 
 
+def gemm_with_external_weight(folder, dims, length=None):
+    """model.onnx in `folder`: a Gemm whose weight W (`dims`, float32) lies in w.data beside it, its length stated
+    as `length` (None: not stated); w.data holds ones when its size is small."""
+    weight = TensorProto(name="W", data_type=TensorProto.FLOAT, dims=dims, data_location=TensorProto.EXTERNAL)
+    for key, value in [("location", "w.data"), ("offset", "0")] + ([("length", str(length))] if length is not None else []):
+        weight.external_data.add(key=key, value=value)
+    if np.prod(dims) < 1000:
+        (folder / "w.data").write_bytes(np.ones(dims, np.float32).tobytes() + bytes(1 << 20))   # a 1 MiB tail
+    graph = helper.make_graph([helper.make_node("Gemm", ["x", "W", "B"], ["y"], name="g", transB=1)], "ext",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", dims[1]])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", dims[0]])],
+                              [weight, tensor("B", np.zeros(dims[0]))])
+    (folder / "model.onnx").write_bytes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    return folder / "model.onnx"
+
+
+def test_external_data_is_read_only_within_the_sizes_its_tensors_declare(tmp_path):
+    """A 200-byte file whose weight [2, 2^28] lay in a 2 GiB external file was read whole (31 s and 8.4 GB for a
+    4 GiB one) before any limit; the dims are checked first (here w.data is not even there), and a tensor must state
+    the length its dims make, since onnx reads an unstated one to the end of the file."""
+    huge = gemm_with_external_weight(tmp_path, [2, 1 << 28], length=8 << 28)
+    with pytest.raises(OnnxImportError) as info:
+        import_onnx(huge)
+    assert str(info.value) == (f"{huge}: the number of values its tensors declare is 536,870,914, over the limit of "
+                               "268,435,456 (MAX_PARAMETERS in lnn/formats/limits.py)")
+    for length in (None, 33):
+        with pytest.raises(OnnxImportError) as info:
+            import_onnx(gemm_with_external_weight(tmp_path, [2, 4], length))
+        assert str(info.value).endswith(f'tensor "W" keeps its data in an external file, whose length must be stated and '
+                                        f"be that of its dims [2, 4], not {length or 'unstated'}")
+    model, weights = import_onnx(gemm_with_external_weight(tmp_path, [2, 4], length=32))
+    assert np.array_equal(weights["linear_0.weight"], np.ones((2, 4), np.float32))
+
+
 def test_command_errors_are_one_line_with_exit_status(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "lnn.tools.import_onnx", *map(str, args)],
