@@ -409,6 +409,24 @@ def _replaced_file(path: Path) -> Path:
     return target
 
 
+def refuse_writing_over_inputs(outputs, inputs) -> None:
+    """Refuse (one LnnInputError line) an output that is the same file as one of the command's inputs, by
+    name or through a symbolic or hard link: atomic_output would replace the input with the result, and
+    `lnn-export t.bin --onnx t.bin` left an ONNX file where the model (its gate, calibration, thresholds)
+    had been. The commands call this before any work, with the files they write and those they read
+    (None: an option not given; a folder never matches a file). A path that does not exist is not an
+    input's file: the reader of a missing input says so itself."""
+    for output in filter(None, outputs):
+        for source in filter(None, inputs):
+            try:
+                same = os.path.samefile(output, source)
+            except OSError:
+                continue
+            if same:
+                raise LnnInputError(f"{output}: the output is the same file as the input {source}; choose another "
+                                    f"output file (writing it would replace the input)")
+
+
 def write_atomic(path: str | Path, data: bytes) -> None:
     """Write `data` to `path` atomically (see atomic_output)."""
     with atomic_output(path) as f:

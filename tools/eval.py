@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lnn.formats.binfile import atomic_output, write_atomic
+from lnn.formats.binfile import atomic_output, refuse_writing_over_inputs, write_atomic
 from lnn.formats.errors import LnnError, LnnInputError, one_line
 from lnn.tools.cli import command_parser, run_command
 
@@ -271,6 +271,7 @@ def body(args) -> int:
         raise LnnError(f"--batch must be at least 1, not {args.batch}")
     if kind != "csv" and args.target:
         raise LnnError("--target COLUMN goes with --data csv:FILE")
+    refuse_writing_over_inputs([args.write_threshold, args.write_gate], [args.model, folder_path, args.outliers])
     if kind != "folder":
         return evaluate_rows(args, kind, folder_path)
     if args.split in ("test", "train"):

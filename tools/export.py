@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats.binfile import (build_metadata, check_weight_shapes, encode_bin, float32_weights, fp16_dtypes,
-                                 int8_dtypes, parse_bin_bytes, write_atomic)
+                                 int8_dtypes, parse_bin_bytes, refuse_writing_over_inputs, write_atomic)
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.formats.gate import TENSOR_PREFIX as GATE_TENSORS
 from lnn.formats.npz import NPZ_READ_ERRORS, array_headers, open_npz
@@ -127,7 +127,14 @@ def read_source(args) -> tuple:
     return model, load_weights(args.weights, model), build_metadata(model), {}
 
 
+def input_files(args) -> list:
+    """The files (and folders) this export reads: the model, --weights, --calibration's data, --test-photos."""
+    calibration = args.calibration.partition(":")[2] if args.calibration else None
+    return [args.source, args.weights, calibration, *(args.test_photos or ())]
+
+
 def export(args) -> int:
+    refuse_writing_over_inputs([args.output, args.onnx], input_files(args))
     model, weights, metadata, dtypes = read_source(args)
     if args.output:
         write_bin_and_report(args, model, weights, metadata, dtypes)

@@ -64,9 +64,10 @@ def read_preprocess(args) -> dict:
 
 
 def convert(args) -> int:
-    from lnn.formats.binfile import build_metadata, write_bin
+    from lnn.formats.binfile import build_metadata, refuse_writing_over_inputs, write_bin
     from lnn.formats.onnx_import import import_onnx
 
+    refuse_writing_over_inputs([args.output], [args.source, args.labels_file])
     model, weights = import_onnx(args.source, name=args.name, labels=read_labels(args),
                                  preprocess=read_preprocess(args))
     try:

@@ -35,10 +35,12 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+from lnn.formats.binfile import refuse_writing_over_inputs
 from lnn.formats.errors import LnnError, LnnInputError, ModelSpecError
 from lnn.formats.model import load_description, parse_model
 from lnn.runtime.cuda.float16 import AMP_PRECISIONS
 from lnn.train.data import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
+from lnn.train.run import CHECKPOINT, RUN_FILES
 from lnn.tools.cli import command_parser, human_bytes, is_bin_file, is_npz_file, read_checkpoint_source, run_command
 
 PROG = "lnn-train"
@@ -215,6 +217,10 @@ def body(args) -> int:
     if args.seed is not None and args.seed < 0:
         raise LnnError(f"--seed must be non-negative, not {args.seed}")
     options = run_options(args)
+    resumed = args.resume and (Path(args.out) / CHECKPOINT).exists()
+    init = None if resumed else args.init                # a resumed run goes on from its own checkpoint
+    refuse_writing_over_inputs([Path(args.out) / name for name in RUN_FILES],
+                               [args.model, init, args.data.partition(":")[2], args.outliers])
     description = load_description(args.model)
     if args.lr_schedule:
         description = copy.deepcopy(description)
@@ -242,8 +248,8 @@ def body(args) -> int:
     trainer = Trainer(model, device=args.device, seed=args.seed, batch_size=batch, lr=args.lr, amp=args.amp, tf32=args.tf32,
                       cuda_graph="auto" if args.cuda_graph is None else args.cuda_graph,
                       outliers=args.outliers is not None)
-    if args.init and not (args.resume and (Path(args.out) / "checkpoint.npz").exists()):
-        trainer.set_weights(initial_weights_from(args.init))
+    if init:
+        trainer.set_weights(initial_weights_from(init))
     memory = trainer.plan.memory_report()
     print(f"{model.name}: {model.num_params:,} parameters on {trainer.device}"
           f"{f' (amp {trainer.amp})' if trainer.amp else ''}{' (tf32)' if trainer.tf32 else ''}{', cuda graph' if trainer.graph_mode else ''}, batch {trainer.plan.batch_size}"

@@ -31,6 +31,7 @@ from lnn.version import __version__
 
 CHECKPOINT, BEST, METRICS, CURVES, MODEL = "checkpoint.npz", "best.npz", "metrics.jsonl", "curves.png", "model.bin"
 OPTIONS = "run.json"
+RUN_FILES = (CHECKPOINT, BEST, METRICS, OPTIONS, CURVES, MODEL)      # every file a run writes into its folder
 # curves.png is redrawn after an epoch only when this many seconds passed since the last drawing (and at
 # the end): matplotlib takes about 1 s a drawing on a busy 2-core machine, 10x a series dataset's epoch.
 CURVES_EVERY_S = 30.0

@@ -313,6 +313,20 @@ def test_an_output_that_is_a_named_pipe_is_refused_and_left_as_it_is(tmp_path, c
     assert pipe.is_fifo()
 
 
+@pytest.mark.parametrize("output_is", ["the model", "the labels file"])
+def test_an_output_that_is_one_of_its_inputs_is_refused_and_left_as_it_is(tmp_path, capsys, output_is):
+    """`lnn-import g.onnx -o g.onnx` replaced the ONNX model with the .bin made from it."""
+    source, labels = tmp_path / "g.onnx", tmp_path / "labels.txt"
+    onnx.save(make_model([helper.make_node("Relu", ["x"], ["y"], name="r")], [], [2, 4, 4], "y"), source)
+    labels.write_text("a\nb\n")
+    output = source if output_is == "the model" else labels
+    original = output.read_bytes()
+    assert main([str(source), "-o", str(output), "--labels-file", str(labels)]) == 1
+    assert capsys.readouterr().err == (f"lnn-import: error: {output}: the output is the same file as the input "
+                                       f"{output}; choose another output file (writing it would replace the input)\n")
+    assert output.read_bytes() == original
+
+
 def test_command_line_text_that_is_not_utf8_is_one_line(tmp_path, capsys):
     """A label or name typed in another encoding reaches Python as a lone surrogate (argv's surrogateescape), which
     cannot be written into the .bin (encode_bin): one line, and nothing written."""

@@ -254,6 +254,20 @@ def test_the_copy_with_the_threshold_carries_this_evaluation_as_its_card_accurac
                                 f"--data folder:{folder} --split all.")
 
 
+@pytest.mark.parametrize("flag", ["--write-threshold", "--write-gate"])
+def test_a_copy_written_over_the_model_itself_is_refused_before_any_work(tmp_path, capsys, flag):
+    """`--write-threshold m.bin` on m.bin itself replaced the model given with its copy: refused, before a photo
+    is decoded, the model left as it was."""
+    model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
+    original = model.read_bytes()
+    gate = ["--fit-gate", "--outliers", tmp_path / "photos"] if flag == "--write-gate" else []
+    code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}", flag, model, *gate)
+    assert code == 1
+    assert err == (f"lnn-eval: error: {model}: the output is the same file as the input {model}; choose another "
+                   f"output file (writing it would replace the input)\n")
+    assert model.read_bytes() == original and not (tmp_path / "cache").exists()
+
+
 def grey_folder(root, count=30):
     """Outlier photos for the colour model: grey, with a little noise (no dominant colour)."""
     rng = np.random.default_rng(2)

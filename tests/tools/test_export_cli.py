@@ -8,7 +8,7 @@ import pytest
 
 import lnn
 from cli_helpers import assert_one_line_error, reference_bin, run_command  # noqa: F401 (reference_bin: fixture)
-from conftest import EXAMPLES, REFERENCE_MODELS, REFERENCE_NAMES, need
+from conftest import EXAMPLES, REFERENCE_MODELS, REFERENCE_NAMES, REPO, need
 from lnn.formats.binfile import read_bin
 from lnn.tools.export import main
 
@@ -89,7 +89,6 @@ def test_onnx_of_a_bin_with_a_gate_says_the_gate_stays_behind(tmp_path, capsys):
     # thresholds were dropped without a word, and a .bin imported back from the file answered every photo
     # (never "uncertain" / "not a leaf"); now a warning line says so (the file is still written)
     pytest.importorskip("onnx")
-    from conftest import REPO
 
     assert main([str(REPO / "models" / "tomato_leaf.bin"), "--onnx", str(tmp_path / "t.onnx")]) == 0
     captured = capsys.readouterr()
@@ -371,3 +370,34 @@ def test_an_output_that_is_a_named_pipe_is_refused_and_left_as_it_is(tmp_path, c
     assert error_of(capsys, [MNIST_JSON, "--weights", mnist_weights(), flag, pipe]) == (
         f"lnn-export: error: {pipe}: is a named pipe, not a regular output file\n")
     assert pipe.is_fifo()
+
+
+@pytest.mark.parametrize("case", ["-o", "--onnx", "symbolic link", "hard link", "--weights"])
+def test_an_output_that_is_one_of_its_inputs_is_refused_before_any_work(tmp_path, capsys, case):
+    """`lnn-export t.bin --onnx t.bin` replaced the model with an ONNX file (its gate, calibration and thresholds
+    gone): the same file, by name or through a link, is refused and left as it was."""
+    import os
+    import shutil
+
+    model = tmp_path / "t.bin"
+    shutil.copyfile(REPO / "models" / "tomato_leaf.bin", model)
+    original = model.read_bytes()
+    argv, output = [model, "-o", model], model
+    if case == "--onnx":
+        argv = [model, "--onnx", model]
+    elif case == "symbolic link":
+        output = tmp_path / "link.bin"
+        output.symlink_to(model)
+        argv = [model, "-o", output]
+    elif case == "hard link":
+        output = tmp_path / "other_name.bin"
+        os.link(model, output)
+        argv = [model, "-o", output]
+    elif case == "--weights":
+        model = tmp_path / "w.npz"
+        model.write_bytes(b"PK\x03\x04 weights, not read before the refusal")
+        original, output = model.read_bytes(), model
+        argv = [MNIST_JSON, "--weights", model, "-o", model]
+    assert error_of(capsys, argv) == (f"lnn-export: error: {output}: the output is the same file as the input "
+                                      f"{model}; choose another output file (writing it would replace the input)\n")
+    assert model.read_bytes() == original

@@ -139,6 +139,22 @@ def test_command_errors_are_one_line(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("lnn-train: error: ") and fragment in lines[0], done.stderr
 
 
+def test_a_run_folder_holding_the_init_model_is_refused_before_any_work(tmp_path, capsys):
+    """`--init RUN/model.bin --out RUN` would replace the model fine-tuned from with the run's own model.bin at the
+    end: refused before the data is read (this data does not even exist), the model left as it was."""
+    from lnn.tools.train import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "model.bin").write_bytes(b"the model to fine-tune")
+    argv = [MLP, "--data", f"mnist:{tmp_path / 'no_data'}", "--out", run, "--init", run / "model.bin", "--quiet"]
+    assert main([str(arg) for arg in argv]) == 1
+    assert capsys.readouterr().err == (f"lnn-train: error: {run / 'model.bin'}: the output is the same file as the "
+                                       f"input {run / 'model.bin'}; choose another output file (writing it would "
+                                       f"replace the input)\n")
+    assert (run / "model.bin").read_bytes() == b"the model to fine-tune" and sorted(run.iterdir()) == [run / "model.bin"]
+
+
 def test_amp_alone_is_fp16_and_bf16_is_asked_for_by_name():
     from lnn.tools.train import build_parser
 
