@@ -12,6 +12,14 @@ def escaped(text) -> str:
     return str(text).translate(CONTROL_ESCAPES)
 
 
+def control_character(text: str) -> str | None:
+    """The first control character in `text` (CONTROL_ESCAPES) as `escaped` writes it ("\\n", "\\x1b"), or None.
+    Text a model shows people (its labels, advice, the gate's subject) must hold none: it is printed inside
+    the lines of an answer, on a terminal, the field app's screen and the server's page, where a newline
+    forges a line of its own and an escape recolours or rewrites the screen."""
+    return next((CONTROL_ESCAPES[ord(char)] for char in text if ord(char) in CONTROL_ESCAPES), None)
+
+
 def one_line(text) -> str:
     """A message as one line: stripped, its control characters escaped."""
     return escaped(str(text).strip())

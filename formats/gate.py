@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from lnn.formats.errors import LnnFormatError
+from lnn.formats.errors import LnnFormatError, control_character
 
 SCORES = ("msp", "energy", "mahalanobis", "knn")
 SCORE_TENSORS = {"mahalanobis": ("gate.class_means", "gate.precision"), "knn": ("gate.train_features",)}
@@ -104,6 +104,10 @@ def _check_gate(gate, model) -> None:
     if not isinstance(gate["rule"], str) or ("subject" in gate and (not isinstance(gate["subject"], str)
                                                                    or not gate["subject"])):
         raise LnnFormatError("metadata: gate.rule and gate.subject must be strings")
+    character = control_character(gate.get("subject", ""))
+    if character:
+        raise LnnFormatError(f"metadata: gate.subject holds a control character ({character}), which would break or "
+                             f"rewrite the lines an answer is printed in")
     if ("knn" in scores) != ("knn_k" in gate) or ("knn_k" in gate and not (
             isinstance(gate["knn_k"], int) and not isinstance(gate["knn_k"], bool) and gate["knn_k"] >= 1)):
         raise LnnFormatError("metadata: gate.knn_k (a positive integer) goes with the knn score, and only with it")

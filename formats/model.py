@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from lnn.formats import limits
-from lnn.formats.errors import ModelSpecError
+from lnn.formats.errors import ModelSpecError, control_character
 from lnn.formats.files import read_regular_file
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, refusal
 from lnn.formats.ops import REQUIRED, SpecProblem, float32_number, get_op, normalize_activation
@@ -470,6 +470,11 @@ def _parse_labels(value, output_shape: tuple) -> list:
             label["advice"] = item["advice"]
         if not all(isinstance(v, str) for v in label.values()):
             raise ModelSpecError(f"labels[{i}]: display and advice must be strings")
+        for key, text in label.items():
+            character = control_character(text)
+            if character:
+                raise ModelSpecError(f"labels[{i}]: the {key} holds a control character ({character}), which would "
+                                     f"break or rewrite the lines an answer is printed in")
         labels.append(label)
     if classes is not None and len(labels) != classes:
         raise ModelSpecError(f"labels: {len(labels)} given, but the last layer outputs {classes} values")

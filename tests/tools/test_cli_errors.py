@@ -48,3 +48,22 @@ def test_a_photo_named_with_a_newline_keeps_its_answer_on_its_lines(tmp_path):
     first, *rest = result.stdout.splitlines()
     assert first.startswith(f"{tmp_path}/leaf\\nsecond.jpg: Late blight (")
     assert all(line.startswith("  ") for line in rest)
+
+
+def test_a_label_holding_a_newline_is_refused_not_printed_as_a_forged_answer(tmp_path):
+    """A .bin whose display name was "Healthy\\nfake.jpg: Late blight (99.0%)" printed that second line as an answer
+    of its own under lnn-infer: the reader refuses the model in one line, so no screen shows such a label."""
+    from conftest import REPO
+    from lnn.formats.binfile import encode_bin, read_bin
+    from lnn.tests.formats.test_binfile import refresh_crcs
+
+    bundled = read_bin(REPO / "models" / "tomato_leaf.bin")
+    metadata = json.loads(json.dumps(bundled.metadata))
+    metadata["labels"][2]["display"] = "Healthy  fake.jpg: Late blight (99.0%)"     # the writer refuses a newline
+    data = encode_bin(bundled.model, dict(bundled.tensors), metadata, bundled.stored_dtypes)
+    forged = tmp_path / "forged.bin"
+    forged.write_bytes(refresh_crcs(data.replace(b"Healthy  fake", b"Healthy\\nfake")))      # JSON's \n: same length
+    result = run_command_process("infer", "--model", forged, EXAMPLES / "leaves" / "healthy.jpg")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == (f"lnn-infer: error: {forged}: metadata: labels[2]: the display holds a control character "
+                             f"(\\n), which would break or rewrite the lines an answer is printed in\n")
