@@ -354,10 +354,16 @@ def check_weights(expected: dict, weights: dict) -> None:
 
 def check_finite_weights(weights: dict, keys=None) -> None:
     """Raise ModelSpecError naming the first weight (of `keys`, in their order; default all) that holds NaN or
-    infinity."""
+    infinity, or a value beyond float32's range (a float64 1e300), in which the model computes and every
+    stored type is made: it would become infinity there (and NaN in an int8 scale)."""
+    float32_max = np.finfo(np.float32).max
     for key in weights if keys is None else keys:
-        if not np.all(np.isfinite(weights[key])):
+        value = np.asarray(weights[key])
+        if not np.all(np.isfinite(value)):
             raise ModelSpecError(f"weights: {key} contains NaN or infinity")
+        if value.dtype.kind == "f" and value.dtype.itemsize > 4 and np.abs(value).max(initial=0) > float32_max:
+            raise ModelSpecError(f"weights: {key} has values beyond float32's range (±{float32_max:.4g}), in which "
+                                 f"the model computes")
 
 
 @contextlib.contextmanager

@@ -83,7 +83,8 @@ def with_test_vectors(model, weights: dict, metadata: dict, dtypes: dict, inputs
     stored = parse_bin_bytes(encode_bin(model, weights, metadata, dtypes), "the model").weights_fp32()
     backend = NumpyBackend(model, stored)
     inputs = np.ascontiguousarray(inputs, np.float32)
-    outputs = np.concatenate([backend.run(inputs[i:i + 1]) for i in range(len(inputs))])
+    with np.errstate(all="ignore"):              # an output that overflows is refused just below, in one line
+        outputs = np.concatenate([backend.run(inputs[i:i + 1]) for i in range(len(inputs))])
     if not np.isfinite(outputs).all():
         raise LnnError("the model's output for a test input is not finite (NaN or infinity), so it cannot be "
                        "stored as a test vector: check the weights, or export with --test-vectors 0")

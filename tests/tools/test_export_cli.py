@@ -10,6 +10,7 @@ import lnn
 from cli_helpers import assert_one_line_error, reference_bin, run_command  # noqa: F401 (reference_bin: fixture)
 from conftest import EXAMPLES, REFERENCE_MODELS, REFERENCE_NAMES, REPO, need
 from lnn.formats.binfile import read_bin
+from lnn.formats.model import parse_model
 from lnn.tools.export import main
 
 MNIST_JSON = EXAMPLES / "reference" / "mnist_cnn.json"
@@ -401,3 +402,27 @@ def test_an_output_that_is_one_of_its_inputs_is_refused_before_any_work(tmp_path
     assert error_of(capsys, argv) == (f"lnn-export: error: {output}: the output is the same file as the input "
                                       f"{model}; choose another output file (writing it would replace the input)\n")
     assert model.read_bytes() == original
+
+
+TINY_CONV = {"name": "tiny", "input_shape": [3, 8, 8], "labels": ["a", "b"],
+             "layers": [{"type": "conv2d", "name": "conv", "out_channels": 4, "kernel_size": 3, "padding": 1},
+                        {"type": "global_avg_pool"}, {"type": "flatten"},
+                        {"type": "linear", "name": "fc", "out_features": 2}]}
+
+
+@pytest.mark.parametrize("dtype, value, message", [
+    ("uint64", 2 ** 64 - 1, "the model's output for a test input is not finite (NaN or infinity), so it cannot be "
+                            "stored as a test vector: check the weights, or export with --test-vectors 0"),
+    ("float64", 1e300, "weights: conv.weight has values beyond float32's range (±3.403e+38), in which the model "
+                       "computes"),
+])
+def test_weights_too_large_for_float32_are_one_line_naming_float32(tmp_path, dtype, value, message):
+    """uint64 weights of 2^64 - 1 printed two `RuntimeWarning: overflow encountered in matmul` lines before the
+    error; float64 weights of 1e300, exported as float32, were said to be beyond the float16 range."""
+    model = parse_model(TINY_CONV)
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY_CONV))
+    weights = {key: np.full(shape, value, dtype) for key, shape in model.param_shapes().items()}
+    np.savez(tmp_path / "w.npz", **weights)
+    result = run_command("export", tmp_path / "tiny.json", "--weights", tmp_path / "w.npz", "-o", tmp_path / "t.bin")
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == f"lnn-export: error: {message}\n"
