@@ -36,7 +36,7 @@ from lnn.formats.files import regular_file
 from lnn.formats.gate import TENSOR_PREFIX, check_gate_metadata, check_gate_tensor_shapes, gate_tensor_shapes
 from lnn.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
 from lnn.formats.model import Model, json_nesting_depth, loads_json, parse_model, size_refusals, surrogate_problem
-from lnn.formats.ops import get_op
+from lnn.formats.ops import FLOAT32_MAX, get_op
 from lnn.formats.quantize import QMAX, dequantize, quantize_per_channel, scale_key
 from lnn.formats.vectors import INPUTS, OUTPUTS, TENSOR_PREFIX as VECTOR_PREFIX, check_vectors_metadata, vector_tensor_shapes
 from lnn.version import __version__
@@ -356,13 +356,12 @@ def check_finite_weights(weights: dict, keys=None) -> None:
     """Raise ModelSpecError naming the first weight (of `keys`, in their order; default all) that holds NaN or
     infinity, or a value beyond float32's range (a float64 1e300), in which the model computes and every
     stored type is made: it would become infinity there (and NaN in an int8 scale)."""
-    float32_max = np.finfo(np.float32).max
     for key in weights if keys is None else keys:
         value = np.asarray(weights[key])
         if not np.all(np.isfinite(value)):
             raise ModelSpecError(f"weights: {key} contains NaN or infinity")
-        if value.dtype.kind == "f" and value.dtype.itemsize > 4 and np.abs(value).max(initial=0) > float32_max:
-            raise ModelSpecError(f"weights: {key} has values beyond float32's range (±{float32_max:.4g}), in which "
+        if value.dtype.kind == "f" and value.dtype.itemsize > 4 and np.abs(value).max(initial=0) > FLOAT32_MAX:
+            raise ModelSpecError(f"weights: {key} has values beyond float32's range (±{FLOAT32_MAX:.4g}), in which "
                                  f"the model computes")
 
 
