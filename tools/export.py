@@ -329,6 +329,8 @@ def main(argv=None) -> int:
             parser.error("choose one of --test-vectors and --test-photos")
         if (args.test_photos or args.test_vectors is not None) and not args.output:
             parser.error("--test-vectors and --test-photos apply to the .bin: add -o OUT.bin")
+        if args.output and args.onnx and Path(args.output).resolve() == Path(args.onnx).resolve():
+            parser.error(f"-o and --onnx name the same file ({args.onnx}): the ONNX file would replace the .bin")
         return export(args)
 
     return run_command(parser, checked_export, argv)

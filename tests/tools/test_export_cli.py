@@ -195,6 +195,9 @@ def test_errors_from_a_process_are_one_line_with_status_1_and_usage_errors_statu
     result = run_command("export", MNIST_JSON, "--onnx", tmp_path / "o.onnx", "--fp16")
     assert result.returncode == 2
     assert_one_line_error(result.stderr, "lnn-export", "--fp16 applies to the .bin")
+    result = run_command("export", MNIST_JSON, "-o", tmp_path / "same", "--onnx", tmp_path / "." / "same")
+    assert result.returncode == 2 and not (tmp_path / "same").exists()      # the ONNX file had replaced the .bin
+    assert_one_line_error(result.stderr, "lnn-export", "-o and --onnx name the same file")
 
 
 def test_help_and_version():
