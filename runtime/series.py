@@ -288,6 +288,17 @@ def _csv_rows(path: Path, text: str):
                             f"{csv.field_size_limit():,} characters") from None
 
 
+COLUMNS_LISTED = 12             # column names an error line lists before saying how many more
+NAME_SHOWN = 40                 # characters of each
+
+
+def listed(names: list) -> str:
+    """Column names for an error line: the first COLUMNS_LISTED (each cut at NAME_SHOWN characters), then how many
+    more (a header of 2,000,000 columns made a line of 20 MB)."""
+    shown = ", ".join(name if len(name) <= NAME_SHOWN else name[:NAME_SHOWN] + "..." for name in names[:COLUMNS_LISTED])
+    return shown + (f", ... and {len(names) - COLUMNS_LISTED:,} more" if len(names) > COLUMNS_LISTED else "")
+
+
 def read_table(path, target: str | None = None, columns: list | None = None, preprocess: dict | None = None) -> Table:
     """A CSV table with a header row (see the module doc). `target`: the class column, kept as text;
     `columns`: read only these feature columns, in this order (lnn-infer: a model's columns; any other column,
@@ -308,13 +319,13 @@ def read_table(path, target: str | None = None, columns: list | None = None, pre
         if column_at.setdefault(name, i) != i:
             raise LnnInputError(f"{path}: line 1: column {name!r} appears twice")
     if target is not None and target not in column_at:
-        raise LnnInputError(f"{path}: no column {target!r} (columns: {', '.join(names)})")
+        raise LnnInputError(f"{path}: no column {target!r} (columns: {listed(names)})")
     target_at = column_at[target] if target is not None else None
     if columns is not None:
         missing = [name for name in columns if name not in column_at]
         if missing:
             raise LnnInputError(f"{path}: no column {missing[0]!r}, which the model takes (its columns: "
-                                f"{', '.join(columns)})")
+                                f"{listed(columns)})")
         features = [column_at[name] for name in columns]
     else:
         features = [i for i in range(len(names)) if i != target_at]

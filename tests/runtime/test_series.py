@@ -144,6 +144,9 @@ def test_a_table_of_many_columns_is_read_in_time_linear_in_its_columns(tmp_path)
         read_table(repeated)
     assert time.perf_counter() - start < 2
     np.testing.assert_array_equal(table.values, [np.arange(len(names))[::-1]])
+    with pytest.raises(LnnInputError) as err:                        # the columns listed: a few, not 50,000
+        read_table(wide, target="class")
+    assert str(err.value).endswith("(columns: c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, ... and 49,988 more)")
 
 
 def test_values_beyond_float32_after_the_models_standardisation_are_one_line_without_warnings(tmp_path):
