@@ -312,14 +312,14 @@ class Session:
         return max(sides)
 
     def decode_photo(self, source, name: str | None = None, notes: list | None = None,
-                     pixel_limit=None) -> np.ndarray:
+                     pixel_limit=None, before_decoding=None) -> np.ndarray:
         """A path or encoded bytes -> the decoded photo (preprocess.decode_image), a big baseline JPEG reduced to
         no less than decode_side(); name: what its error lines call it (default: the path, or "<bytes>");
         notes: a list that receives one-line remarks on the decoding; pixel_limit: the caller's own limit
-        (preprocess.PixelLimit), checked as the header is read."""
+        (preprocess.PixelLimit), checked as the header is read; before_decoding: decode_image's."""
         from lnn.runtime.preprocess import decode_image
 
-        return decode_image(source, name, self.decode_side(), notes, pixel_limit)
+        return decode_image(source, name, self.decode_side(), notes, pixel_limit, before_decoding)
 
     def prepare_and_check(self, image, color: str = "bgr", notes: list | None = None, check: bool = True) -> tuple:
         """(the model's input [C, H, W], the photo check or None): the photo is decoded once for both;

@@ -353,6 +353,11 @@ class ImageHeader:
     def pixels(self) -> int:
         return self.width * self.height
 
+    @property
+    def decoded_pixels(self) -> int:
+        """The pixels the decoder makes: a reduced JPEG's (its sides rounded up, as libjpeg rounds them)."""
+        return -(-self.width // self.reduction) * -(-self.height // self.reduction)
+
 
 JPEG_SOF = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}        # start-of-frame markers (C4 DHT, C8 JPG, CC DAC)
 JPEG_BASELINE_SOF = {0xC0, 0xC1}                              # sequential Huffman: decoded in a few rows at a time
@@ -710,7 +715,7 @@ def encoded_source(source, name: str | None) -> tuple:
 
 
 def decode_image(source, name: str | None = None, keep_side: int = 0, notes: list | None = None,
-                 pixel_limit: PixelLimit | None = None) -> np.ndarray:
+                 pixel_limit: PixelLimit | None = None, before_decoding=None) -> np.ndarray:
     """Decode a path or encoded bytes (see encoded_source) into an HxWx3 uint8 BGR image, or HxW uint8 for a grey one; bad
     input raises LnnInputError: missing, not a regular file, too large, not an image, truncated, over
     the pixel limits. A baseline JPEG over MAX_DECODED_PIXELS comes back reduced (1/2, 1/4 or 1/8 of its
@@ -719,7 +724,8 @@ def decode_image(source, name: str | None = None, keep_side: int = 0, notes: lis
     bundled model: 1/4, 400x300). name: what the error lines call the image (default: the path, or "<bytes>").
     notes: a list that receives one-line remarks on the decoding (a JPEG whose data ran on past its image); without
     one they are issued as LnnWarning, the image named. pixel_limit: the caller's own limit (check_header),
-    checked from the same reading of the header."""
+    checked from the same reading of the header. before_decoding(header): called once the header has passed its
+    checks, before the decoder runs (it may raise: lnn-serve sends a photo that decodes large to a lane of its own)."""
     image_library()      # before reading: a missing image library is one clear error
     data, name = encoded_source(source, name)
     if not data:
@@ -732,6 +738,8 @@ def decode_image(source, name: str | None = None, keep_side: int = 0, notes: lis
     if header is None:
         raise LnnInputError(f"{name}: {unreadable_kind(data) or f'not an image lnn can read ({READABLE})'}")
     header = check_header(header, name, keep_side, pixel_limit)
+    if before_decoding is not None:
+        before_decoding(header)
     remarks = [] if notes is None else notes
     try:
         image = _decode(data, header, remarks)

@@ -9,8 +9,8 @@
     GET  /address.png             the QR code of the page's address, for another phone to open it
 
 A request's path: the body (one sent compressed -> 415) read up to --max-body (413), admission (more than --queue
-uploads in the server -> 503 with Retry-After), decode + preprocessing on a thread pool (400 with
-lnn-infer's one-line reason), then the Batcher, which merges the images waiting into one batch (up to
+uploads in the server -> 503 with Retry-After), decode + preprocessing on a thread pool, or for a photo that decodes
+large on a heavy lane of one thread (400 with lnn-infer's one-line reason), then the Batcher, which merges the images waiting into one batch (up to
 --max-batch images, waiting at most --max-delay-ms after the first while other photos are still being decoded)
 computed on ONE inference thread, so decoding the next requests runs while a batch is computed. No answer
 within --timeout -> 504. Every request gets exactly one of 200 / 4xx / 503 / 504 (500 only for a fault of the
@@ -57,6 +57,8 @@ ENDPOINTS = ("POST /v1/classify, GET /v1/model, /healthz, /readyz, /metrics and 
              "/address.png)")
 RETRY_LATER = {"Retry-After": str(RETRY_AFTER_S)}       # a 503's header: when the phone should try again
 STARTING_RETRY_AFTER_S = 30             # ... while the model's kernels compile (Batcher.refusal_while_starting)
+HEAVY_DECODE_PIXELS = 4_000_000         # a photo decoded to more pixels (a progressive 12 MP photo, a big PNG or TIFF:
+                                        # 0.1-2 s each) is decoded on the heavy lane, one at a time (create_app)
 UPLOAD_NAME = "upload"                  # the answer's "file" for a raw-body upload (multipart gives its filename)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 HOST_HEADER = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253})(:[0-9]{1,5})?")   # a name or address, a port
@@ -81,16 +83,29 @@ def address_qr(url: str, kind: str) -> bytes:
 
 # --------------------------------------------------------------------------- one image: decode, answer
 
-def prepare_upload(session, data: bytes, max_pixels: int, name: str = UPLOAD_NAME) -> tuple:
+class HeavyPhoto(Exception):
+    """Raised on the decode pool before decoding a photo over HEAVY_DECODE_PIXELS: it goes to the heavy lane."""
+
+
+def not_heavy(header) -> None:
+    """prepare_upload's check on the decode pool: a photo that decodes to more than HEAVY_DECODE_PIXELS is
+    HeavyPhoto."""
+    if header.decoded_pixels > HEAVY_DECODE_PIXELS:
+        raise HeavyPhoto
+
+
+def prepare_upload(session, data: bytes, max_pixels: int, name: str = UPLOAD_NAME,
+                   on_decode_pool: bool = False) -> tuple:
     """Encoded image bytes -> (the model's input [C, H, W], its photo check, notes): lnn-infer's decoding,
     photo checks and preprocessing; bad bytes raise LnnInputError with lnn-infer's one-line reason, the
     upload's name (its multipart filename, or UPLOAD_NAME) where lnn-infer names the file. An image whose
     header declares more than max_pixels (--max-pixels: a decompression bomb, a small file that would expand
     into gigabytes) is refused before anything decodes it, from the same reading of the header as lnn's own
-    limits. Runs on the decode pool."""
+    limits. Runs on the decode pool (on_decode_pool: a photo that decodes large is HeavyPhoto there, once its header
+    is read), or on the heavy lane."""
     notes: list = []
     limit = PixelLimit(max_pixels, "the server's limit", "send a smaller photo")
-    image = session.decode_photo(data, name, notes, limit)
+    image = session.decode_photo(data, name, notes, limit, not_heavy if on_decode_pool else None)
     return (*session.prepare_and_check(image, notes=notes), notes)
 
 
@@ -641,6 +656,9 @@ def create_app(session, config: ServeConfig) -> Starlette:
     """The application for one loaded Session; the Batcher lives from startup to shutdown (the lifespan)."""
     metrics = Metrics()
     decoders = ThreadPoolExecutor(config.decode_threads, thread_name_prefix="lnn-serve-decode")
+    # The heavy lane: photos that decode large, one at a time, so that they cannot hold every decoding thread (ten
+    # 7000x7000 progressive JPEGs, 2 s of decoding each, left the ordinary photos sent with them to time out)
+    heavy_decoder = ThreadPoolExecutor(1, thread_name_prefix="lnn-serve-decode-heavy")
     queue = QueuePlaces(config.queue)
     uploads = UploadMemory(config.upload_memory)
     page = resources.files("lnn.tools").joinpath("serve_page.html").read_text(encoding="utf-8")
@@ -659,7 +677,16 @@ def create_app(session, config: ServeConfig) -> Starlette:
         finally:
             warming.cancel()
             await batcher.close()
-            decoders.shutdown(wait=False, cancel_futures=True)
+            for pool in (decoders, heavy_decoder):
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    async def decoded(data, name: str) -> tuple:
+        """prepare_upload on the decode pool, or, for a photo that decodes large, on the heavy lane."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(decoders, prepare_upload, session, data, config.max_pixels, name, True)
+        except HeavyPhoto:
+            return await loop.run_in_executor(heavy_decoder, prepare_upload, session, data, config.max_pixels, name)
 
     async def answer(request: Request) -> dict:
         with queue.place() as take_place:
@@ -670,8 +697,7 @@ def create_app(session, config: ServeConfig) -> Starlette:
                 batcher = request.app.state.batcher
                 try:
                     with batcher.decoding():
-                        prepared = await asyncio.get_running_loop().run_in_executor(
-                            decoders, prepare_upload, session, data, config.max_pixels, name)
+                        prepared = await decoded(data, name)
                 except LnnInputError as err:
                     raise Refused(400, " ".join(str(err).split()), "bad_image") from None
                 del data                                # not held while the batch computes

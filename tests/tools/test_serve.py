@@ -672,6 +672,36 @@ def test_oversized_body_gets_413_declared_or_streamed(session):
         assert client.post("/v1/classify", content=photo[:-2000]).status_code == 400        # under it: decoded
 
 
+def test_photos_that_decode_large_cannot_hold_up_the_ordinary_ones(session, monkeypatch):
+    """A photo that decodes to more than HEAVY_DECODE_PIXELS is decoded on a lane of its own, one at a time: ten
+    7000x7000 progressive JPEGs (2 s of decoding each) held every decoding thread, and ordinary photos sent with them
+    got 504. Here three large photos' decoding is held until the ordinary ones sent after them are answered."""
+    from lnn.runtime import preprocess
+
+    large = cv2.imencode(".png", np.full((2048, 2048, 3), 90, np.uint8))[1].tobytes()     # 4.2 M pixels
+    decode, release = preprocess._decode, threading.Event()
+
+    def held_when_large(data, header, remarks):
+        if header.decoded_pixels > serve_app.HEAVY_DECODE_PIXELS:
+            release.wait(30)
+        return decode(data, header, remarks)
+
+    monkeypatch.setattr(preprocess, "_decode", held_when_large)
+    with client_for(session, timeout_s=5.0) as client:
+        answered = {}
+        senders = [threading.Thread(target=lambda i=i: answered.setdefault(i, client.post("/v1/classify", content=large)))
+                   for i in range(3)]
+        for sender in senders:
+            sender.start()
+        time.sleep(0.5)                                 # the large photos are in, their decoding held
+        ordinary = [client.post("/v1/classify", content=path.read_bytes()).status_code for path in LEAVES]
+        release.set()
+        for sender in senders:
+            sender.join(30)
+    assert ordinary == [200] * len(LEAVES)
+    assert [answered[i].status_code for i in range(3)] == [200] * 3
+
+
 def test_full_queue_gets_503_with_retry_after_and_slow_answers_504(session, monkeypatch):
     """--queue counts uploads that have arrived: one held in the model fills a queue of 1 (503 with Retry-After),
     while an upload still arriving takes no place (slow phones, or clients trickling their bodies, held every place
