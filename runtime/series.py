@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,14 +85,22 @@ def value_range(preprocess: dict | None, index: int) -> tuple:
     return max(-FLOAT32_MAX, mean - FLOAT32_MAX * std), min(FLOAT32_MAX, mean + FLOAT32_MAX * std)
 
 
+PLAIN_NUMBER = re.compile(r"\s*[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?\s*", re.ASCII)   # 5, -0.5, .5, 1e3
+
+
 def _finite_number(cell: str, where: str, bounds: tuple = FLOAT32_RANGE) -> float:
-    """One cell as a finite float within `bounds` (value_range), or an LnnInputError naming `where` and the cell."""
+    """One cell as a finite float within `bounds` (value_range), or an LnnInputError naming `where` and the cell.
+    Written as a table writes a number (PLAIN_NUMBER): Python's float() also reads '5_5' and Arabic-Indic or
+    full-width digits as 55, a typo or a foreign format taken silently as another value."""
     try:
         value = float(cell)
     except ValueError:
         raise LnnInputError(f"{where}: {cell[:40]!r} is not a number") from None
     if not math.isfinite(value):
         raise LnnInputError(f"{where}: {cell[:40]!r} is not a finite number")
+    if not PLAIN_NUMBER.fullmatch(cell):
+        raise LnnInputError(f"{where}: {cell[:40]!r} is not a number written with the digits 0-9 (such as 5.5 or "
+                            f"-1e3)")
     if abs(value) > FLOAT32_MAX:
         raise LnnInputError(f"{where}: {cell[:40]!r} is beyond float32's range (±{FLOAT32_MAX:.4g}), in which "
                             f"the model computes")

@@ -111,6 +111,8 @@ def test_table_reads_numbers_and_keeps_the_target_as_text(tmp_path):
     ("a,b,y\n1,nan,x\n", ["line 2", "column 'b'", "not a finite number"]),
     ("a,b,y\ninf,1,x\n", ["line 2", "column 'a'", "not a finite number"]),
     ("a,b,y\n1,-1e300,x\n", ["line 2, column 'b': '-1e300' is beyond float32's range"]),
+    ("a,b,y\n1,5_5,x\n", ["line 2, column 'b': '5_5' is not a number written with the digits 0-9"]),
+    ("a,b,y\n\u0665\u0665,1,x\n", ["line 2, column 'a'", "not a number written with the digits 0-9"]),
     ("a,b,y\n1,2,\n", ["line 2", "column 'y'", "missing class label"]),
     ("a,a,y\n1,2,x\n", ["column 'a' appears twice"]),
     ("a,b,z\n1,2,x\n", ["no column 'y'"]),
