@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import warnings
+import zlib
 
 import numpy as np
 import pytest
@@ -281,6 +282,26 @@ def test_a_png_over_the_chunk_limit_is_refused(library, monkeypatch):
     assert preprocess.read_image(with_empty_idats).shape == (16, 16, 3)
     with pytest.raises(LnnInputError, match="^<bytes>: the PNG has more than 20 chunks \\(lnn's limit\\)$"):
         preprocess.read_image(with_empty_idats[:idat_end] + png_chunk(b"IDAT", b"") + with_empty_idats[idat_end:])
+
+
+def test_a_png_whose_image_data_inflates_far_beyond_its_image_is_refused_before_opencv(library):
+    """libpng inflated a PNG's image data whole, past the rows its image needs: a 100x100 PNG carrying 500 MB of
+    zeros (486 KB) took OpenCV 1 s, and one at the upload limit would take minutes. Refused before OpenCV decodes it;
+    Pillow stops where the image is whole. An interlaced PNG's data, whose rows are counted pass by pass, decodes."""
+    def grey_png(width, height, interlaced, image_data):
+        header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, interlaced)
+        return (preprocess.PNG_SIGNATURE + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", zlib.compress(image_data))
+                + png_chunk(b"IEND", b""))
+
+    interlaced = grey_png(37, 29, 1, bytes(preprocess.png_image_bytes(grey_png(37, 29, 1, b""))))
+    assert preprocess.read_image(interlaced).shape == (29, 37, 3)
+    bomb = grey_png(100, 100, 0, bytes(100 * 101 + 50_000_000))
+    if library == "opencv":
+        with pytest.raises(LnnInputError, match="inflates to more than 85,736 bytes, where its image needs 10,100 "
+                                                "\\(a decompression bomb\\)$"):
+            preprocess.read_image(bomb)
+    else:
+        assert preprocess.read_image(bomb).shape == (100, 100, 3)
 
 
 def finishes(function, seconds=10.0):
