@@ -475,6 +475,10 @@ def _parse_labels(value, output_shape: tuple) -> list:
             if character:
                 raise ModelSpecError(f"labels[{i}]: the {key} holds a control character ({character}), which would "
                                      f"break or rewrite the lines an answer is printed in")
+            problem = lone_surrogate(text)
+            if problem:         # a name in another encoding (lnn-train's class folders): no .bin could hold it
+                raise ModelSpecError(f"labels[{i}]: the {key} is not UTF-8 text ({problem}: a name written in "
+                                     f"another encoding)")
         labels.append(label)
     if classes is not None and len(labels) != classes:
         raise ModelSpecError(f"labels: {len(labels)} given, but the last layer outputs {classes} values")

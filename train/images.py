@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from lnn.formats.errors import LnnInputError, one_line
+from lnn.formats.errors import LnnInputError, ModelSpecError, one_line
 from lnn.runtime import preprocess as image_io
 from lnn.runtime.cpu.cache import default_cache_root as lnn_cache_root, ensure_writable   # no Numba import
 from lnn.train.data import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, ArrayDataset, MemmapDataset, reserved_memmap
@@ -452,20 +452,21 @@ class ImageFolder:
         return AugmentedDataset(self.data, train_rows, augmenter, augment_seed, f"{self.folder.name} training",
                                 masks=self.masks), val
 
-    def model_labels(self, described=None) -> list:
-        """The label list for a model of these classes: the description's (checked against the folder),
-        else the folder names (display names are then made from them by the model description)."""
-        if not described:
-            return list(self.classes)
-        names = [item if isinstance(item, str) else item.get("name") for item in described]
-        if names != self.classes:
-            missing = [c for c in self.classes if c not in names]
-            extra = [n for n in names if n not in self.classes]
-            detail = (f"folder classes missing from the labels: {', '.join(missing)}" if missing else
-                      f"labels without a folder: {', '.join(map(str, extra))}" if extra else
-                      "the labels must list the classes in sorted folder order: " + ", ".join(self.classes))
-            raise LnnInputError(f"{self.folder}: the description's labels do not match the class folders ({detail})")
-        return described
+
+def class_labels(folder, classes: list, described=None) -> list:
+    """The label list for a model of the folder's classes: the description's (checked against the class folders),
+    else the folder names (display names are then made from them by the model description)."""
+    if not described:
+        return list(classes)
+    names = [item if isinstance(item, str) else item.get("name") for item in described]
+    if names != classes:
+        missing = [c for c in classes if c not in names]
+        extra = [n for n in names if n not in classes]
+        detail = (f"folder classes missing from the labels: {', '.join(missing)}" if missing else
+                  f"labels without a folder: {', '.join(map(str, extra))}" if extra else
+                  "the labels must list the classes in sorted folder order: " + ", ".join(classes))
+        raise LnnInputError(f"{folder}: the description's labels do not match the class folders ({detail})")
+    return described
 
 
 def folder_datasets(folder, description: dict, augment: bool = True, val_fraction: float = DEFAULT_VAL_FRACTION,
@@ -493,11 +494,15 @@ def folder_datasets(folder, description: dict, augment: bool = True, val_fractio
     if len(scan.classes) < 2:
         raise LnnInputError(f"{folder}: holds photos of one class only ({one_line(scan.classes[0])}): a classifier "
                             f"learns from two or more class sub-folders (DIR/<class>/<photo>.jpg)")
+    described = dict(description, labels=class_labels(folder, scan.classes, description.get("labels")))
+    try:                # before decoding: a run must not decode every photo, or train, to be refused at its end
+        parse_model(described)
+    except ModelSpecError as err:
+        raise LnnInputError(f"{folder}: the model's labels for its class sub-folders: {err}") from None
     wanted = os.environ.get("LNN_AUGMENT_PROCESSES", "").strip()       # "1"/"0" forces processes/threads
     processes = wanted == "1" if wanted in ("0", "1") else (os.cpu_count() or 1) > PROCESSES_ABOVE
     augmenter = augmenter_from_block(config.augment, color, processes=processes) if augment else None
     images = ImageFolder.load(folder, model.input_shape, color, log=log, progress=progress, scan=scan)
-    described = dict(description, labels=images.model_labels(description.get("labels")))
     train, val = images.datasets(val_fraction, seed, augmenter)
     log(f"{images.folder}: {len(images.classes)} classes, {len(train)} training rows (classes balanced), "
         f"{len(val)} validation images (split seed {seed}, leaves kept on one side)"

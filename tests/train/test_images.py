@@ -16,7 +16,7 @@ from lnn.formats.errors import LnnInputError
 from lnn.train import images as images_module
 from lnn.train.augment import AugmentedDataset, Augmenter
 from lnn.train.data import ArrayDataset, Prefetcher
-from lnn.train.images import ImageFolder, balanced_rows, leaf_group, scan_folder, split_by_leaf
+from lnn.train.images import ImageFolder, balanced_rows, class_labels, leaf_group, scan_folder, split_by_leaf
 
 TOMATO = DATA / "tomato"
 UUID = "0a1b2c3d-0000-4000-8000-000000000000___"
@@ -251,15 +251,33 @@ def test_bad_folders_are_one_clear_error(tmp_path):
 
 
 def test_labels_must_match_the_class_folders(tmp_path):
-    data = ImageFolder.load(make_folder(tmp_path / "p"), (3, 8, 8), "rgb", cache_root=tmp_path / "c",
-                            log=lambda m: None, progress=False)
-    assert data.model_labels(None) == ["class_a", "class_b"]
+    folder, classes = tmp_path / "p", ["class_a", "class_b"]
+    assert class_labels(folder, classes) == ["class_a", "class_b"]
     given = [{"name": "class_a", "display": "A"}, "class_b"]
-    assert data.model_labels(given) == given
+    assert class_labels(folder, classes, given) == given
     with pytest.raises(LnnInputError, match="missing from the labels: class_b"):
-        data.model_labels(["class_a", "class_c"])
+        class_labels(folder, classes, ["class_a", "class_c"])
     with pytest.raises(LnnInputError, match="sorted folder order"):
-        data.model_labels(["class_b", "class_a"])
+        class_labels(folder, classes, ["class_b", "class_a"])
+
+
+@pytest.mark.parametrize("names, problem", [
+    (["class_a", "class_b", "class_c"], r"labels: 3 given, but the last layer outputs 2 values"),
+    (["class_a", "class\nb"], r"labels\[0\]: the name holds a control character \(\\n\)"),
+    ([os.fsdecode(b"class_\xe4"), "class_b"], r"labels\[1\]: the name is not UTF-8 text \(a lone UTF-16 surrogate "
+                                              r"\\udce4 in a string: a name written in another encoding\)"),
+])
+def test_class_folders_that_cannot_be_labels_are_refused_before_any_photo_is_decoded(tmp_path, monkeypatch, names,
+                                                                                      problem):
+    for name in names:          # a class folder named in Latin-1 trained a whole run, then could not be written
+        (tmp_path / "photos" / name).mkdir(parents=True)
+        (tmp_path / "photos" / name / "a.png").write_bytes(cv2.imencode(".png", np.zeros((4, 4, 3), np.uint8))[1])
+    monkeypatch.setattr(ImageFolder, "load", lambda *args, **kwargs: pytest.fail("decoded the photos first"))
+    description = {"name": "m", "input_shape": [3, 8, 8],
+                   "preprocess": {"color": "rgb", "scale": 1 / 255, "mean": [0] * 3, "std": [1] * 3},
+                   "layers": [{"type": "global_avg_pool"}, {"type": "linear", "out_features": 2}]}
+    with pytest.raises(LnnInputError, match=f"photos: the model's labels for its class sub-folders: {problem}"):
+        images_module.folder_datasets(tmp_path / "photos", description, log=lambda m: None, progress=False)
 
 
 # --------------------------------------------------------------------------- augmentation
