@@ -8,6 +8,8 @@
 --outliers, --amp, --tf32); one left out is taken from there, one given again must say the same. --device,
 --threads, --cuda-graph and --quiet may change.
 
+Ctrl-C or SIGTERM stops a run with one line naming the epoch its checkpoint keeps (exit 130).
+
 Writes into the --out folder: checkpoint.npz (every epoch, atomically), best.npz, metrics.jsonl,
 curves.png and, at the end, model.bin (the best epoch, with preprocessing and labels). Settings
 come from the description's "training" block (see lnn.train.config); options given here win.
@@ -33,6 +35,7 @@ line with the planned figure: choose a smaller --batch then.
 from __future__ import annotations
 
 import copy
+import signal
 from pathlib import Path
 
 from lnn.formats.binfile import refuse_writing_over_inputs
@@ -206,6 +209,12 @@ def run_options(args) -> dict:
     return given
 
 
+def stop_as_interrupted(signum, frame):
+    """SIGTERM (`kill`, a job scheduler's time limit, a shutdown) stops training as Ctrl-C does: the run says what
+    its folder keeps and how to continue it, and exits with 130, where it ended without a word."""
+    raise KeyboardInterrupt
+
+
 def _positive(name, value):
     if value is not None and value < 1:
         raise LnnError(f"{name} must be at least 1, not {value}")
@@ -256,6 +265,7 @@ def body(args) -> int:
           f" x {trainer.config.accumulate} accumulated; plan memory {human_bytes(memory['peak'])} "
           f"(activations pooled {human_bytes(memory['activations_pooled'])}, naive "
           f"{human_bytes(memory['activations_naive'])})", flush=True)
+    signal.signal(signal.SIGTERM, stop_as_interrupted)
     with cpu_blas_threads(trainer.device, args.threads):
         trainer.fit(train, test, epochs=args.epochs, out_dir=args.out, resume=args.resume,
                     patience=args.patience, progress=not args.quiet, options=options)

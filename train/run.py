@@ -75,6 +75,7 @@ class RunDirectory:
         self.folder = Path(folder)
         self.trainer = trainer
         self.history, self.best = [], None
+        self.checkpointed = 0           # the epochs CHECKPOINT holds
         self._plotted_at, self._plotted_epochs = None, 0
         checkpoint = self.folder / CHECKPOINT
         if self.folder.exists() and not self.folder.is_dir():
@@ -103,6 +104,7 @@ class RunDirectory:
             self.trainer.load_state(meta, weights, optimizer_state)
             self.history = list(meta["history"])
             self.best = meta.get("best")
+            self.checkpointed = len(self.history)
         except (KeyError, TypeError, ValueError) as err:       # a field missing or of the wrong kind
             what = f"no {err}" if isinstance(err, KeyError) else str(err)
             raise LnnFormatError(f"{checkpoint}: the checkpoint is damaged ({what}); start a new run in "
@@ -125,10 +127,18 @@ class RunDirectory:
             self.best = {"epoch": entry["epoch"], "score": score if math.isfinite(score) else None}  # JSON has no -inf
             self._save(BEST)
         self._save(CHECKPOINT)
+        self.checkpointed = len(self.history)
         with open(self.folder / METRICS, "a", encoding="utf-8") as f:
             f.write(json.dumps(entry) + "\n")
         if self._plotted_at is None or time.monotonic() - self._plotted_at >= CURVES_EVERY_S:
             self._plot()
+
+    def interrupted_line(self) -> str:
+        """What an interrupted run keeps and how to go on: one line for the person who stopped it."""
+        if not self.checkpointed:
+            return f"interrupted before an epoch ended: {self.folder} holds no checkpoint yet"
+        return (f"interrupted: {self.folder / CHECKPOINT} keeps the run as it was after epoch {self.checkpointed}; "
+                f"continue it with --resume (the same --out folder)")
 
     def _save(self, name: str):
         save_checkpoint(self.folder / name, self._meta(), self.trainer.weights(), self.trainer.optimizer_arrays())

@@ -605,21 +605,26 @@ class Trainer:
         if run and run.stopped_early(patience):
             self.log(f"the run in {out_dir} already stopped early (patience {patience})")
             first_epoch = epochs + 1
-        for epoch in range(first_epoch, epochs + 1):
-            try:
-                entry = self._train_epoch(train, epoch, epochs, steps_per_epoch, rows_per_step, progress)
-            except TrainingDiverged as err:                 # nothing of this epoch is recorded
-                kept = f"; {out_dir} keeps the run as it was after epoch {len(history)}" if run and history else ""
-                raise TrainingDiverged(f"epoch {epoch}: {err}{kept}") from None
-            if val is not None:
-                entry.update({f"val_{k}": v for k, v in self.evaluate(val).items()})
-            history.append(entry)
-            self.log(_epoch_line(entry, epochs))
+        try:
+            for epoch in range(first_epoch, epochs + 1):
+                try:
+                    entry = self._train_epoch(train, epoch, epochs, steps_per_epoch, rows_per_step, progress)
+                except TrainingDiverged as err:                 # nothing of this epoch is recorded
+                    kept = f"; {out_dir} keeps the run as it was after epoch {len(history)}" if run and history else ""
+                    raise TrainingDiverged(f"epoch {epoch}: {err}{kept}") from None
+                if val is not None:
+                    entry.update({f"val_{k}": v for k, v in self.evaluate(val).items()})
+                history.append(entry)
+                self.log(_epoch_line(entry, epochs))
+                if run:
+                    run.end_epoch(entry)
+                    if run.stopped_early(patience):
+                        self.log(f"early stop: no better validation result for {patience} epochs")
+                        break
+        except KeyboardInterrupt:               # Ctrl-C, or lnn-train's SIGTERM: say what the run folder keeps
             if run:
-                run.end_epoch(entry)
-                if run.stopped_early(patience):
-                    self.log(f"early stop: no better validation result for {patience} epochs")
-                    break
+                self.log(run.interrupted_line())
+            raise
         if run:
             run.finish(export)
         return history

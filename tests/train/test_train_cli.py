@@ -122,6 +122,26 @@ def test_resume_alone_continues_the_run_with_the_options_it_was_started_with(tmp
     assert [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_run_says_which_epoch_its_checkpoint_keeps_and_how_to_resume(tmp_path, stop):
+    """Ctrl-C ended a run with an empty line, and SIGTERM (a scheduler's time limit) without a word."""
+    table, run = EXAMPLES / "tabular", tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "lnn.tools.train", str(table / "mlp.json"), "--data",
+                                f"csv:{table / 'machines.csv'}", "--target", "state", "--device", "cpu", "--quiet",
+                                "--epochs", "5000", "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.time() + 60
+    while not (run / "checkpoint.npz").exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.01)
+    process.send_signal(stop)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and "Traceback" not in err, err
+    epoch = read_checkpoint(run / "checkpoint.npz")[0]["epoch"]
+    assert epoch >= 1 and out.splitlines()[-1] == (f"interrupted: {run / 'checkpoint.npz'} keeps the run as it was "
+                                                   f"after epoch {epoch}; continue it with --resume (the same --out "
+                                                   f"folder)")
+
+
 def test_command_errors_are_one_line(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "lnn.tools.train", *map(str, args)], capture_output=True,
