@@ -161,6 +161,8 @@ def label_indices(description: dict, labels: list) -> np.ndarray:
 def complete_description(description: dict, input_shape: list, classes: list, preprocess: dict, source) -> dict:
     """The description with what the data decides: input_shape and out_features "from_data" filled in, the
     labels (the data's classes, unless named), the fitted preprocessing."""
+    if len(classes) < 2:        # a one-output "classifier" trains to a loss of 0 and answers that class for anything
+        raise LnnInputError(f"{source}: holds one class only ({classes[0]!r}): a classifier learns from two or more")
     description = copy.deepcopy(description)
     if "preprocess" in description:
         raise ModelSpecError(f"preprocess: the preprocessing of a series or table model is fitted on the training "

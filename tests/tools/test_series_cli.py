@@ -226,6 +226,20 @@ def test_table_errors_name_row_and_column(tmp_path):
     assert_one_line_error(result.stderr, "lnn-train", "needs --target COLUMN")
 
 
+def test_a_table_or_series_of_one_class_is_refused_before_training(tmp_path):
+    """Both trained a one-output model to a loss of 0 and exported it, exit 0."""
+    table = tmp_path / "t.csv"
+    table.write_text("a,b,kind\n1,2,ok\n3,4,ok\n5,6,ok\n")
+    write_ts(tmp_path / "One_TRAIN.ts", [row for row in toy_series(6, 0) if row[0] == "rise"])
+    write_ts(tmp_path / "One_TEST.ts", toy_series(4, 1))
+    (tmp_path / "mlp.json").write_text(json.dumps(MLP))
+    for data, source in [(["--data", f"csv:{table}", "--target", "kind"], table),
+                         (["--data", f"ucr:{tmp_path}"], tmp_path / "One_TRAIN.ts")]:
+        result = run_command("train", tmp_path / "mlp.json", *data, "--out", tmp_path / "run")
+        assert_one_line_error(result.stderr, "lnn-train", f"{source}: holds one class only (", "two or more")
+        assert not (tmp_path / "run").exists()
+
+
 # --------------------------------------------------------------------------- lnn-summary memory
 
 CONV = {"name": "conv_series", "input_shape": [3, 64],                # a series in, a series out (any length)
