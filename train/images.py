@@ -8,7 +8,8 @@ Classes are the sorted names of the sub-folders holding images; files other than
 (by extension) and hidden files are ignored. Every image is decoded with
 lnn.runtime.preprocess.read_image and brought to the model's colour order and size with
 preprocess_image (so training sees exactly the pixels `lnn-infer` would), kept as uint8
-[N, C, H, W] in a MemmapDataset. A file that cannot be decoded is reported, counted and skipped.
+[N, C, H, W] in a MemmapDataset. A file that cannot be decoded is reported, counted and skipped; lnn-train
+refuses a class none of whose files could be (folder_datasets).
 Colour images also get their leaf mask (lnn.train.segment.leaf_mask, uint8 [N, H, W], 255 = leaf) in
 `masks.npy` beside them, computed once here for the augmentation's background replacement.
 
@@ -503,6 +504,11 @@ def folder_datasets(folder, description: dict, augment: bool = True, val_fractio
     processes = wanted == "1" if wanted in ("0", "1") else (os.cpu_count() or 1) > PROCESSES_ABOVE
     augmenter = augmenter_from_block(config.augment, color, processes=processes) if augment else None
     images = ImageFolder.load(folder, model.input_shape, color, log=log, progress=progress, scan=scan)
+    unseen = [name for label, name in enumerate(images.classes) if not np.any(images.labels == label)]
+    if unseen:          # the model would have an output for it that no photo ever trained
+        raise LnnInputError(f"{folder}: no photo of class {one_line(unseen[0])} could be decoded"
+                            f"{f' (nor of {len(unseen) - 1} other classes)' if len(unseen) > 1 else ''}: replace "
+                            f"its photos, or move the class folder out")
     train, val = images.datasets(val_fraction, seed, augmenter)
     log(f"{images.folder}: {len(images.classes)} classes, {len(train)} training rows (classes balanced), "
         f"{len(val)} validation images (split seed {seed}, leaves kept on one side)"

@@ -622,6 +622,19 @@ def test_a_file_for_dir_an_empty_class_folder_and_a_single_class_are_named(tmp_p
         folder_datasets(tmp_path / "one", description, log=lambda m: None, progress=False)
 
 
+def test_a_class_whose_every_photo_is_bad_is_refused_before_training(tmp_path, monkeypatch):
+    """It trained a model with an output no photo had taught (its accuracy counted the other classes only)."""
+    folder = make_folder(tmp_path / "photos")
+    (folder / "unreadable").mkdir()
+    (folder / "unreadable" / "a.jpg").write_text("not a photo")
+    monkeypatch.setenv("LNN_CACHE_DIR", str(tmp_path / "cache"))
+    description = {"name": "m", "input_shape": [3, 8, 8],
+                   "preprocess": {"color": "rgb", "scale": 1 / 255, "mean": [0] * 3, "std": [1] * 3},
+                   "layers": [{"type": "global_avg_pool"}, {"type": "linear", "out_features": 3}]}
+    with pytest.raises(LnnInputError, match="photos: no photo of class unreadable could be decoded: replace its"):
+        images_module.folder_datasets(folder, description, augment=False, log=lambda m: None, progress=False)
+
+
 def test_one_walk_of_the_folder_serves_the_classes_the_empty_sub_folders_and_the_load(tmp_path, monkeypatch):
     folder = make_folder(tmp_path / "photos")
     scan = scan_folder(folder)
