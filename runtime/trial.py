@@ -4,8 +4,15 @@ Used by the CPU backend (a one-image call's layers split over the cores, or on o
 by lnn-serve (a lone photo while others wait, as the session chose or on one thread: serve_app.LoneCalls). The two
 ways take turns of `turn` calls in a row, `turns` turns each, the first way first. A turn's first call is not timed:
 it finds the caches holding the other way's buffers and, after one thread, the crew's helpers asleep, as calls of
-one way back to back do not. Once every turn has run (`done`), `timed` holds each way's timed seconds and the
-caller judges them by its own statistic (the backend the fastest call, the server the median under its load)."""
+one way back to back do not. Once every turn has run and each way has a timed call (`done`), `timed` holds each way's
+timed seconds and the caller judges them by its own statistic (the backend the fastest call, the server the median
+under its load).
+
+Calls of several threads at once (a Session shared by threads) each take the way of the count when they start and are
+counted when they end, so a turn may get more calls than `turn` and the other way none: a fresh Session hit by
+TRIAL_LENGTH threads at once ran every call the first way, and the backend's choice, taking the fastest of an empty
+list, raised ValueError on every later call of that batch size. The trial then goes on, turn by turn, until each
+way has been timed."""
 
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ class AlternatingTrial:
 
     @property
     def done(self) -> bool:
-        return self.calls >= self.length
+        return self.calls >= self.length and all(self.timed.values())
 
     def next_way(self):
         """The way the trial's next call takes."""

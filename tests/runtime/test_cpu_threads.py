@@ -648,6 +648,44 @@ def test_a_choice_is_timed_again_later(monkeypatch):
                                    cpu_backend.REVIEW_FIRST * cpu_backend.REVIEW_GROWTH ** 2]
 
 
+def test_a_fresh_backend_whose_first_calls_all_start_at_once_still_chooses(monkeypatch):
+    """TRIAL_LENGTH threads' first calls on one fresh backend (a shared Session), each started before any ended
+    (forced: each waits for all the others before it runs its plan), all take the trial's first way, the split
+    plan. The next call of that batch size, and every one after it, raised ValueError (the fastest of the
+    one-thread plan's timings, of which there were none); now the trial goes on until both plans are timed, then
+    chooses, and every answer is the one-thread backend's."""
+    import threading
+
+    from lnn.runtime.cpu import backend as cpu_backend
+
+    backend, x, _, _ = choice_case()
+    expected = cpu_backend.CpuBackend(*chain_case()[:2], threads=1).run(x).copy()
+    callers = cpu_backend.TRIAL_LENGTH
+    all_started = threading.Barrier(callers, timeout=60)
+    run_plan = backend._run_plan
+    monkeypatch.setattr(backend, "_run_plan", lambda plan, x: (all_started.wait(), run_plan(plan, x)))
+    answers, errors = [], []
+
+    def first_call():
+        try:
+            answers.append(backend.run(x).copy())
+        except Exception as error:          # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=first_call) for _ in range(callers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and len(answers) == callers
+    monkeypatch.setattr(backend, "_run_plan", run_plan)
+    for _ in range(2 * cpu_backend.TRIAL_LENGTH + 1):
+        answers.append(backend.run(x).copy())
+    assert not backend.choosing(1) and backend._chosen[1] in (1, 2)
+    for answer in answers:
+        np.testing.assert_allclose(answer, expected, rtol=0, atol=SPLIT_TOLERANCE)
+
+
 def test_calls_within_one_thread_run_on_the_calling_thread_alone(monkeypatch):
     """Within one_thread() (lnn-serve's lone photo while others wait, where the server found it faster), a call runs
     the one-thread plan of its size on the calling thread: no task reaches the crew, the bytes are a one-thread
