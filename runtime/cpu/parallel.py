@@ -328,9 +328,10 @@ CURRENT_CPU = _current_cpu_function()
 
 class _Slot:
     """One helper's hand-off. The state is in counters: flags[3i] counts the tasks given, flags[3i + 1]
-    those done, flags[3i + 2] those started (read by the spinning waits and jit.hand_off); `go` is only a
-    wake-up call for a blocked helper (released for a task, a wake-up or the stop, at most once pending),
-    `done` is released after each task."""
+    those done, flags[3i + 2] those started (read by the spinning waits and jit.hand_off), `finished` the
+    tasks over (set before `done` is released); `go` is only a wake-up call for a blocked helper (released
+    for a task, a wake-up or the stop, at most once pending), and so is `done` for a caller waiting for its
+    task (released after each task, at most once pending: a wait reads `finished`)."""
 
     def __init__(self, flags: np.ndarray, index: int):
         self.go = threading.Lock()
@@ -341,6 +342,7 @@ class _Slot:
         self.giving = threading.Lock()      # a lent task may be given while a crew call gives one
         self.lent = False                   # a lent task (Crew.lend) is given and not over: nobody waits for it
         self.error = None
+        self.finished = 0                   # tasks over, lent ones included (wait)
         self.stopped = False
         self.flags = flags
         self.given, self.done_at, self.started_at = (FLAGS_PER_HELPER * index + offset for offset in (GIVEN, DONE, STARTED))
@@ -357,21 +359,37 @@ class _Slot:
         return number
 
     def wake(self) -> None:
-        try:
-            self.go.release()
-        except RuntimeError:        # a wake-up call already pending
-            pass
+        release_once(self.go)
 
     def wait(self, number: int):
         """Waits until the helper has done task `number` (not a lent one: those release no `done`); what it raised.
         The spin ends when the helper's count of tasks done leaves number - 1 (it counts every task in order), then
-        the lock, released after each task, says it is over; `number` is the caller's own, not the count of tasks
-        given now: another thread may have lent the helper a task since (Crew.lend)."""
-        if spin_while_equal is not None:
-            spin_while_equal(self.flags, self.done_at, number - 1, -1, -1, 0, 0)
-        self.done.acquire()
+        `finished` says it is over (`done` wakes the wait); `number` is the caller's own, not the count of tasks
+        given now: another thread may have lent the helper a task since (Crew.lend).
+
+        A KeyboardInterrupt meanwhile (Ctrl-C in the main thread) waits for the task too, and is then returned as
+        its error, for Crew.run to raise once every helper is done: raised at once, it left the helper writing into
+        the buffers of a call that had ended, and `done` released with nobody to take it, so the helper's next
+        release raised RuntimeError, its thread ended, and every later call on the crew waited for it for ever."""
+        interrupted = None
+        while self.finished < number:
+            try:
+                while self.finished < number:         # (in the try: an interrupt may be raised at a loop's turn)
+                    if spin_while_equal is not None:
+                        spin_while_equal(self.flags, self.done_at, number - 1, -1, -1, 0, 0)
+                    self.done.acquire()
+            except KeyboardInterrupt as interrupt:
+                interrupted = interrupt
         error, self.error = self.error, None
-        return error
+        return interrupted or error
+
+
+def release_once(lock: threading.Lock) -> None:
+    """A wake-up call on `lock` (a _Slot's `go` or `done`): released, or left so when one is already pending."""
+    try:
+        lock.release()
+    except RuntimeError:        # a wake-up call already pending
+        pass
 
 
 def _serve(slot: _Slot) -> None:
@@ -401,8 +419,9 @@ def _serve(slot: _Slot) -> None:
             slot.error = error                # (a lent task's: to the next call that waits for this helper)
         if lent:
             slot.lent = False
-        else:
-            slot.done.release()
+        slot.finished = seen
+        if not lent:
+            release_once(slot.done)
         if spin_while_equal is None:
             flags[slot.done_at] = seen
         else:

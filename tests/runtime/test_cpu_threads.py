@@ -220,6 +220,42 @@ def test_an_error_in_a_helper_reaches_the_caller_and_the_crew_still_works():
     crew.close()
 
 
+def test_an_interrupt_while_a_call_waits_for_its_helper_waits_for_it_and_the_crew_still_works():
+    """Ctrl-C in the main thread while its call waits for a helper's task (here raised by the helper as that call
+    waits): the KeyboardInterrupt reaches the caller once the task is over, and the crew's next calls run. Before,
+    it was raised as the wait ended, before its lock was taken: the helper's next task released that lock again,
+    RuntimeError ended the helper's thread, and the next call waited for it for ever (a Session on 2 threads,
+    interrupted during a batch's call and called again: hung)."""
+    import _thread
+    import threading
+    import time
+
+    from lnn.runtime.cpu.parallel import Crew
+
+    crew = Crew(1)
+    caller_waits, done = threading.Event(), []
+
+    def helper_task():
+        assert caller_waits.wait(10)
+        time.sleep(0.02)                                 # the caller is in its wait for this task
+        _thread.interrupt_main()
+        time.sleep(0.02)
+        done.append("helper")
+
+    with pytest.raises(KeyboardInterrupt):
+        crew.try_run(lambda c: c.run([[caller_waits.set], [helper_task]]))
+    assert done == ["helper"]                            # raised once the helper's task was over
+    next_calls = threading.Thread(target=lambda: [crew.try_run(lambda c: c.run([[], [lambda: done.append(call)]]))
+                                                  for call in range(3)], daemon=True)
+    next_calls.start()
+    next_calls.join(10)
+    try:
+        assert not next_calls.is_alive(), "the crew's next call waited for a helper that had ended"
+        assert done == ["helper", 0, 1, 2] and crew.threads[0].is_alive()
+    finally:
+        crew.close()
+
+
 def test_a_task_is_handed_off_without_the_gil_and_counted_as_started():
     """jit.hand_off gives each helper its next task (its count of tasks given + 1) and waits, without the GIL, until
     each has started it, a bounded time at most (a helper that never starts costs the caller a
