@@ -242,7 +242,10 @@ class LinearLayer:
 # that each core keeps reading its own half of the weights), by a compare-and-swap on the layer's claims
 # word; the layer's last block done lets both go on to the next. The words are tagged with the call's number
 # (call * TAG + a bit per block claimed, or + the blocks done), so a helper that comes late to a call finds
-# nothing to claim and waits for the next. A block computes its outputs exactly as one thread does: the same
+# nothing to claim and waits for the next. Calls count from 1: a fresh chain's words (0) are no call to join (a
+# helper lent before the first call joined "call 0", claimed a block and computed it as that call began, its count
+# of blocks done landing on the first call's: the call went on before the helper's block was computed, and the
+# helper waited for a count it had passed, for ever, holding up every crew call after it). A block computes its outputs exactly as one thread does: the same
 # bytes on any number of threads.
 CHAINS = spin_while_equal is not None      # the JIT with sched_yield (not the compiled app; not Windows)
 CHAIN_TASK_FLOPS = 5e4     # a layer of the chain is cut into blocks from this much work per row on
@@ -323,7 +326,7 @@ def serve_chain(x, weights, scales, shifts, slopes, layout, bounds, acts, flags,
     """A helper's side (parallel.Claimed.serve): joins each new call until `linger_ns` nanoseconds pass without one
     or crew_flags[given] is no longer `taken` (the crew has other work for it)."""
     store_release(flags, SERVED, 1)
-    seen = load_acquire(flags, GO) - 1           # the call going on now, if any, is joined
+    seen = max(load_acquire(flags, GO) - 1, 0)   # the call going on now, if any, is joined (calls count from 1)
     idle_since = monotonic_ns()
     while monotonic_ns() - idle_since < linger_ns and load_acquire(crew_flags, given) == taken:
         call = load_acquire(flags, GO)

@@ -175,6 +175,33 @@ def test_a_backend_shared_by_threads_gives_each_its_own_answers(spec):
     assert not errors and not wrong, (errors, wrong[:5])
 
 
+def test_a_helper_lent_to_a_chain_before_its_first_call_claims_nothing():
+    """A helper lent to a fresh chain (another thread's Claimed step, or this one's lent as its first call begins)
+    finds no call going on. It joined "call 0" (the fresh words), claimed a block and computed it while the first
+    call reset the words, and its count of blocks done landed on that call's: a shared backend hit by 24 threads at
+    once (mnist_cnn's spec) then had the call go on without the helper's block, and the helper waited in the chain
+    for a count it had passed, for ever, every later crew call waiting for it (4 of 35 such runs hung)."""
+    import threading
+
+    from lnn.runtime.cpu.parallel import SERVED, Claimed
+
+    model, weights = built(MLP, 4)
+    split = backend(model, weights, 2)
+    step = next(step for step in split._plan(1, 2).steps if type(step) is Claimed)
+    split._crew.lend(step)
+    deadline = time.monotonic() + 10
+    while not step.flags[SERVED] and split._crew._jobs[0].lent and time.monotonic() < deadline:
+        time.sleep(0.001)                                # the helper is in the chain's loop (or already gone)
+    time.sleep(0.05)
+    assert not step.flags[2:].any(), "the helper claimed blocks of a call that never began"
+    x = inputs(model, 1, 5)
+    np.testing.assert_array_equal(split.run(x), layer_by_layer(split, x))
+    crew_call = threading.Thread(target=split._crew.try_run, args=(lambda crew: crew.run([[], []]),), daemon=True)
+    crew_call.start()
+    crew_call.join(10)
+    assert not crew_call.is_alive(), "the crew's helper is still in the chain"
+
+
 def test_claims_give_each_block_once_and_nothing_after_the_call():
     from lnn.runtime.cpu.linear import TAG, chain_part, claim_block
 
