@@ -329,13 +329,16 @@ def test_an_output_that_is_one_of_its_inputs_is_refused_and_left_as_it_is(tmp_pa
 
 def test_command_line_text_that_is_not_utf8_is_one_line(tmp_path, capsys):
     """A label or name typed in another encoding reaches Python as a lone surrogate (argv's surrogateescape), which
-    cannot be written into the .bin (encode_bin): one line, and nothing written."""
+    cannot be written into the .bin: one line, and nothing written. A label is refused as the model's labels are
+    checked (formats/model.py), a name where the description is encoded (encode_bin)."""
     source = str(need(REFERENCE_MODELS / "mnist_mlp.onnx"))
     labels = ",".join(["caf\udce9"] + [str(i) for i in range(9)])                 # "café" typed in Latin-1
-    for option, value, section in (("--labels", labels, "metadata"), ("--name", "n\udcff", "model description")):
+    for option, value, expected in (
+            ("--labels", labels, f"{source}: labels[0]: the name is not UTF-8 text (a lone UTF-16 surrogate \\udce9"),
+            ("--name", "n\udcff", "the model description cannot be written: a lone UTF-16 surrogate \\udcff")):
         assert main([source, "-o", str(tmp_path / "x.bin"), option, value]) == 1
         error = capsys.readouterr().err
-        assert error.startswith(f"lnn-import: error: the {section} cannot be written: a lone UTF-16 surrogate \\udc")
+        assert error.startswith(f"lnn-import: error: {expected}"), error
         assert error.count("\n") == 1 and not (tmp_path / "x.bin").exists()
 
 
