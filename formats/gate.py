@@ -61,6 +61,14 @@ def feature_node(model, name):
     return next((node for node in model.nodes if node.name == name), None)
 
 
+def subject_problem(subject: str) -> str | None:
+    """What is wrong with a gate's subject (the answer's words: "take a photo of a tomato leaf"), or None: it may
+    hold no control character. The reader's rule, and lnn-eval's for --subject before it fits a gate."""
+    character = control_character(subject)
+    return (f"holds a control character ({character}), which would break or rewrite the lines an answer is "
+            f"printed in") if character else None
+
+
 def check_gate_metadata(metadata: dict, model) -> None:
     """Rules G1-G5, G7, G8: the gate's and calibration's metadata are well formed for this model."""
     gate = metadata.get("gate")
@@ -104,10 +112,9 @@ def _check_gate(gate, model) -> None:
     if not isinstance(gate["rule"], str) or ("subject" in gate and (not isinstance(gate["subject"], str)
                                                                    or not gate["subject"])):
         raise LnnFormatError("metadata: gate.rule and gate.subject must be strings")
-    character = control_character(gate.get("subject", ""))
-    if character:
-        raise LnnFormatError(f"metadata: gate.subject holds a control character ({character}), which would break or "
-                             f"rewrite the lines an answer is printed in")
+    problem = subject_problem(gate.get("subject", ""))
+    if problem:
+        raise LnnFormatError(f"metadata: gate.subject {problem}")
     if ("knn" in scores) != ("knn_k" in gate) or ("knn_k" in gate and not (
             isinstance(gate["knn_k"], int) and not isinstance(gate["knn_k"], bool) and gate["knn_k"] >= 1)):
         raise LnnFormatError("metadata: gate.knn_k (a positive integer) goes with the knn score, and only with it")

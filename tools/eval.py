@@ -56,6 +56,7 @@ import numpy as np
 
 from lnn.formats.binfile import atomic_output, refuse_writing_over_inputs, write_atomic
 from lnn.formats.errors import LnnError, LnnInputError, one_line
+from lnn.formats.gate import subject_problem
 from lnn.tools.cli import command_parser, run_command
 
 PROG = "lnn-eval"
@@ -271,6 +272,9 @@ def body(args) -> int:
         raise LnnError(f"--batch must be at least 1, not {args.batch}")
     if kind != "csv" and args.target:
         raise LnnError("--target COLUMN goes with --data csv:FILE")
+    problem = subject_problem(args.subject or "")
+    if problem:                                     # refused now, not when the .bin is written after fitting the gate
+        raise LnnInputError(f"--subject {problem}")
     refuse_writing_over_inputs([args.write_threshold, args.write_gate], [args.model, folder_path, args.outliers])
     if kind != "folder":
         return evaluate_rows(args, kind, folder_path)

@@ -227,7 +227,8 @@ def test_an_unwritable_cache_is_one_warning_not_a_failure(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("option, fragment", [(["--seed", "-1"], "the split seed must be a non-negative integer, not -1"),
-                                              (["--val-fraction", "1.5"], "between 0 and 1, not 1.5")])
+                                              (["--val-fraction", "1.5"], "between 0 and 1, not 1.5"),
+                                              (["--subject", "tomato\nleaf"], "--subject holds a control character")])
 def test_a_bad_split_is_one_line_before_decoding(tmp_path, capsys, option, fragment):
     model, folder = colour_model(tmp_path / "m.bin"), colour_folder(tmp_path / "photos", per_class=2)
     code, _, err = run_eval(capsys, model, "--data", f"folder:{folder}", *option)
